@@ -1,0 +1,29 @@
+# make demo: environment + install + the main demo (all GPUs if present, else 4 cpu ranks)
+# make test: environment + install + the cpu test suite (interpreter ranks + sm_90 compile checks)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test env gpu clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0" "triton==3.6.0" "numpy<2.4"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+env: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/weft demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+# On the GPU machine (torch and triton preinstalled): PYTHONPATH=. bash scripts/gpu_suite.sh
+gpu:
+	bash scripts/gpu_suite.sh
+
+clean:
+	rm -rf $(VENV) bench_results

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The one GPU script: correctness on 2 and 8 GPUs, then the benchmark suites on 8, results under $OUT.
+#   usage (device machine, repo root): bash scripts/gpu_suite.sh [quick]
+# Logs: $OUT/*.log; bench JSON/markdown/PNG: $OUT/bench/.
+set -uo pipefail
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/weft_out}
+mkdir -p "$OUT/bench"
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+echo "== $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo none) gpus=$NGPU" | tee "$OUT/suite.log"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$OUT/suite.log"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/suite.log"
+status=0
+step() {  # step NAME CMD...: run, log, remember failure
+  local name=$1; shift
+  echo "== $name: $*" | tee -a "$OUT/suite.log"
+  local t0=$SECONDS
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  echo "== $name rc=$rc ($((SECONDS - t0)) s)" | tee -a "$OUT/suite.log"
+  [ $rc -eq 0 ] || status=1
+}
+for n in 2 $NGPU; do
+  [ "$n" -le "$NGPU" ] || continue
+  step "gpu_tests_$n" timeout 300 python3 -m weft run -n "$n" -m pytest tests/test_gpu.py -m gpu -q -x -p no:cacheprovider
+  step "tutorials_$n" timeout 120 bash -c "python3 -m weft run -n $n tutorials/01_notify_wait.py && python3 -m weft run -n $n tutorials/02_all_gather.py"
+done
+if [ "${1:-}" != "quick" ]; then
+  step bench_allgather timeout 400 python3 -m weft bench -n "$NGPU" allgather --out "$OUT/bench"
+fi
+cat "$OUT"/bench/*.md 2>/dev/null
+exit $status

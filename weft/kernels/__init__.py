@@ -1,0 +1,1 @@
+"""@triton.jit kernels, one module per family, each with its host op."""

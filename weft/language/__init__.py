@@ -1,0 +1,16 @@
+"""Device-side primitives: `import weft.language as wl` inside `@triton.jit` kernels."""
+from .core import (CMP_EQ, CMP_GE, CMP_GT, CMP_LE, CMP_LT, CMP_NE, INTERPRET, SCOPE_GPU, SCOPE_SYS, SIGNAL_ADD,
+                   SIGNAL_SET, num_ranks,
+                   rank, remote_ptr, symm_at)
+from .hardware import global_timer, lane_id, sm_id, tid
+from .interpreter import WaitTimeout
+from .shmem import getmem_block, putmem_block, putmem_nbi_block, putmem_signal_block, putmem_signal_nbi_block
+from .signals import barrier_all, consume_token, fence, notify, quiet, signal_op, signal_wait_until, wait
+
+__all__ = [
+    "rank", "num_ranks", "symm_at", "remote_ptr", "notify", "wait", "consume_token", "fence", "quiet",
+    "barrier_all", "putmem_block", "putmem_nbi_block", "getmem_block", "putmem_signal_block",
+    "putmem_signal_nbi_block", "signal_op", "signal_wait_until", "tid", "lane_id", "sm_id", "global_timer",
+    "CMP_EQ", "CMP_NE", "CMP_GT", "CMP_LE", "CMP_LT", "CMP_GE", "SIGNAL_SET", "SIGNAL_ADD", "SCOPE_SYS", "SCOPE_GPU", "INTERPRET",
+    "WaitTimeout",
+]

@@ -1,0 +1,57 @@
+"""Context and memory: who am I, and where is this object on another rank.
+
+Every weft kernel receives the heap descriptor `heap` (an int64 pointer):
+    heap[0] = my rank, heap[1] = world size, heap[2 + r] = base of rank r's heap
+"""
+import os
+
+import triton
+import triton.language as tl
+
+from ..runtime.backend import INTERPRET as _INTERPRET
+
+# Trace-time switch between a primitive's interpreter form and its PTX form.
+INTERPRET = tl.constexpr(_INTERPRET)
+# WEFT_WAIT_TIMEOUT_S > 0 makes every spin give up after that long (read at import).
+WAIT_TIMEOUT_NS = tl.constexpr(int(float(os.environ.get("WEFT_WAIT_TIMEOUT_S", "0") or 0) * 1e9))
+
+# Comparison and signal-op codes, numbered as in NVSHMEM.
+CMP_EQ = tl.constexpr(0)
+CMP_NE = tl.constexpr(1)
+CMP_GT = tl.constexpr(2)
+CMP_LE = tl.constexpr(3)
+CMP_LT = tl.constexpr(4)
+CMP_GE = tl.constexpr(5)
+SIGNAL_SET = tl.constexpr(0)
+SIGNAL_ADD = tl.constexpr(5)
+# Memory-model scopes of signals: the whole system (peers over NVLink) or this GPU.
+SCOPE_SYS = tl.constexpr("sys")
+SCOPE_GPU = tl.constexpr("gpu")
+
+
+@triton.jit
+def rank(heap):
+    return tl.load(heap).to(tl.int32)
+
+
+@triton.jit
+def num_ranks(heap):
+    return tl.load(heap + 1).to(tl.int32)
+
+
+@triton.jit
+def symm_at(ptr, peer, heap):
+    """`ptr` (into my heap) translated to the same object on rank `peer`.
+
+    The arithmetic is done in bytes: Triton scales pointer offsets by the
+    element size, so go through an int8 pointer.
+    """
+    me = tl.load(heap)
+    my_base = tl.load(heap + 2 + me)
+    peer_base = tl.load(heap + 2 + peer)
+    offset = ptr.to(tl.int64, bitcast=True) - my_base
+    peer_bytes = peer_base.to(tl.pointer_type(tl.int8), bitcast=True) + offset
+    return peer_bytes.to(ptr.dtype, bitcast=True)
+
+
+remote_ptr = symm_at

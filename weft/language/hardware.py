@@ -1,0 +1,40 @@
+"""Hardware registers. Under the interpreter a program is one vectorised
+thread, so tid/lane/sm are 0 and the timer is the host's monotonic clock."""
+import triton
+import triton.language as tl
+
+from . import interpreter, ptx
+from .core import INTERPRET
+
+
+@triton.jit
+def tid():
+    if INTERPRET:
+        return tl.full([], 0, tl.int32)
+    else:
+        return ptx.special_reg("tid.x")
+
+
+@triton.jit
+def lane_id():
+    if INTERPRET:
+        return tl.full([], 0, tl.int32)
+    else:
+        return ptx.special_reg("laneid")
+
+
+@triton.jit
+def sm_id():
+    if INTERPRET:
+        return tl.full([], 0, tl.int32)
+    else:
+        return ptx.special_reg("smid")
+
+
+@triton.jit
+def global_timer():
+    """Nanoseconds (GPU: %globaltimer)."""
+    if INTERPRET:
+        return interpreter.monotonic_ns()
+    else:
+        return ptx.global_timer()

@@ -1,0 +1,64 @@
+"""Interpreter forms of the primitives that cannot be plain `tl` code.
+
+Under TRITON_INTERPRET a kernel is ordinary Python, so a spin can sleep,
+check a deadline and raise an error that names the rank and the flag. These
+functions are called only inside `if INTERPRET:` branches, which the GPU
+compiler never visits; the marker below keeps Triton's dependency scan (run
+when a kernel is compiled) from rejecting them as unknown Python functions.
+"""
+import os
+import time
+
+import numpy as np
+import triton.language as tl
+
+
+class WaitTimeout(RuntimeError):
+    """A wait on a flag did not complete within WEFT_WAIT_TIMEOUT_S."""
+
+
+def interpreter_only(fn):
+    fn.__triton_builtin__ = True
+    return fn
+
+
+def _scalar(x):
+    if isinstance(x, tl.constexpr):
+        x = x.value
+    if isinstance(x, tl.tensor):
+        return np.asarray(x.handle.data).reshape(-1)[0].item()
+    return x
+
+
+_CMP = {0: ("==", lambda a, b: a == b), 1: ("!=", lambda a, b: a != b), 2: (">", lambda a, b: a > b),
+        3: ("<=", lambda a, b: a <= b), 4: ("<", lambda a, b: a < b), 5: (">=", lambda a, b: a >= b)}
+
+
+@interpreter_only
+def spin_wait(flag_ptr, count, value, cmp):
+    """Acquire-poll `count` consecutive flags until each satisfies `flag <cmp> value`."""
+    count, value, cmp = int(_scalar(count)), _scalar(value), int(_scalar(cmp))
+    symbol, ok = _CMP[cmp]
+    timeout = float(os.environ.get("WEFT_WAIT_TIMEOUT_S", "0") or 0)
+    start = time.monotonic()
+    seen = None
+    for i in range(count):
+        ptr = flag_ptr + i
+        nap = 0.0
+        while True:
+            seen = _scalar(tl.atomic_add(ptr, 0, sem="acquire", scope="sys"))
+            if ok(seen, value):
+                break
+            if timeout > 0 and time.monotonic() - start > timeout:
+                raise WaitTimeout(
+                    f"weft: rank {os.environ.get('RANK', '0')} timed out after {timeout:g} s waiting on flag "
+                    f"{i} of {count} at address 0x{_scalar(ptr):x}: expected flag {symbol} {value}, seen {seen}")
+            # Ranks share few cores: back off so the rank we wait for can run.
+            time.sleep(nap)
+            nap = min(1e-3, nap * 2 + 2e-5)
+    return tl.full([], seen, tl.int64) if seen is not None else tl.full([], 0, tl.int64)
+
+
+@interpreter_only
+def monotonic_ns():
+    return tl.full([], time.monotonic_ns(), tl.int64)

@@ -1,0 +1,51 @@
+"""OpenSHMEM-style data movement, named as in NVSHMEM's `libshmem_device`.
+
+On the cpu and cuda backends the heaps of all ranks are mapped into every
+process, so a put is a vectorised copy through `symm_at`, and the
+non-blocking forms are the blocking ones (stores complete at `quiet`).
+Sizes are in bytes, as in SHMEM.
+"""
+import triton
+import triton.language as tl
+
+from .core import symm_at
+from .signals import notify, quiet
+
+
+@triton.jit
+def _copy_bytes(dst, src, nbytes, BLOCK: tl.constexpr):
+    d = dst.to(tl.pointer_type(tl.int8), bitcast=True)
+    s = src.to(tl.pointer_type(tl.int8), bitcast=True)
+    for start in range(0, nbytes, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < nbytes
+        tl.store(d + offs, tl.load(s + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def putmem_block(dst, src, nbytes, peer, heap, BLOCK: tl.constexpr = 1024):
+    """Copy `nbytes` from local `src` to `dst` (symmetric) on rank `peer`."""
+    _copy_bytes(symm_at(dst, peer, heap), src, nbytes, BLOCK)
+    quiet()
+
+
+@triton.jit
+def putmem_nbi_block(dst, src, nbytes, peer, heap, BLOCK: tl.constexpr = 1024):
+    _copy_bytes(symm_at(dst, peer, heap), src, nbytes, BLOCK)
+
+
+@triton.jit
+def getmem_block(dst, src, nbytes, peer, heap, BLOCK: tl.constexpr = 1024):
+    """Copy `nbytes` from `src` (symmetric) on rank `peer` to local `dst`."""
+    _copy_bytes(dst, symm_at(src, peer, heap), nbytes, BLOCK)
+
+
+@triton.jit
+def putmem_signal_block(dst, src, nbytes, sig_addr, signal, sig_op: tl.constexpr, peer, heap,
+                        BLOCK: tl.constexpr = 1024):
+    """Put, then signal `peer` (release): the signal is seen only after the data."""
+    _copy_bytes(symm_at(dst, peer, heap), src, nbytes, BLOCK)
+    notify(sig_addr, peer, heap, signal, sig_op)
+
+
+putmem_signal_nbi_block = putmem_signal_block

@@ -1,0 +1,146 @@
+"""The symmetric heap: one block of memory per rank, the same layout on all.
+
+Every rank allocates the same sequence of sizes, so an allocation sits at one
+byte offset in every rank's block. `descriptor` is what kernels receive as
+their `heap` argument, an int64 tensor on the device:
+
+    [my_rank, world_size, base_0, base_1, ..., base_{W-1}]
+
+where base_r is where rank r's block starts *in this process's address
+space*. `weft.language.symm_at` translates a pointer with it.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+ALIGN = 256  # bytes; TMA and 16-byte vector accesses need far less, peers agree on it
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+class SymmetricHeap:
+    """Bump allocator over this rank's block; `peer_block(r)` views rank r's."""
+
+    def __init__(self, rank: int, world_size: int, size: int, device: torch.device,
+                 local: torch.Tensor, bases: list[int], peer_block):
+        self.rank, self.world_size, self.size, self.device = rank, world_size, size, device
+        self.local = local  # uint8 tensor over this rank's block
+        self.bases = bases
+        self._peer_block = peer_block
+        self.used = 0
+        self.descriptor = torch.tensor([rank, world_size, *bases], dtype=torch.int64, device=device)
+
+    # -- allocation ---------------------------------------------------------
+    def alloc(self, nbytes: int) -> int:
+        """Reserve `nbytes`; returns the byte offset (the same on every rank)."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        need = _round_up(max(nbytes, 1), ALIGN)
+        if self.used + need > self.size:
+            raise MemoryError(
+                f"weft symmetric heap is full: asked for {nbytes} bytes, {self.size - self.used} of "
+                f"{self.size} left on rank {self.rank} (raise WEFT_HEAP_SIZE or weft.init(heap_size=...))")
+        off = self.used
+        self.used += need
+        return off
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,)))
+        if any(s < 0 for s in shape):
+            raise ValueError(f"shape must be non-negative, got {shape}")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * dtype.itemsize
+        off = self.alloc(nbytes)
+        return self.local[off:off + nbytes].view(dtype).view(shape)
+
+    # -- lookup -------------------------------------------------------------
+    def offset_of(self, t: torch.Tensor) -> int | None:
+        """Byte offset of `t` in this rank's block, or None if it lives elsewhere."""
+        if t.device != self.device:
+            return None
+        p = t.data_ptr()
+        base = self.bases[self.rank]
+        if base <= p and p + t.numel() * t.element_size() <= base + self.size:
+            return p - base
+        return None
+
+    def contains(self, t: torch.Tensor) -> bool:
+        return self.offset_of(t) is not None
+
+    def peer(self, t: torch.Tensor, rank: int) -> torch.Tensor:
+        """Host-side view of rank `rank`'s copy of the symmetric tensor `t`."""
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(t).__name__}")
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        off = self.offset_of(t)
+        if off is None:
+            raise ValueError("tensor is not allocated from the weft symmetric heap (use weft.empty/zeros)")
+        if not t.is_contiguous():
+            raise ValueError("tensor must be contiguous to view it on a peer")
+        nbytes = t.numel() * t.element_size()
+        return self._peer_block(rank)[off:off + nbytes].view(t.dtype).view(t.shape)
+
+
+# -- cpu: one shared-memory file holding every rank's block -------------------
+
+def _shm_dir(total: int) -> str:
+    try:
+        st = os.statvfs("/dev/shm")
+        if st.f_bavail * st.f_frsize > 2 * total:
+            return "/dev/shm"
+    except OSError:
+        pass
+    return tempfile.gettempdir()
+
+
+def cpu_heap(rank: int, world_size: int, size: int, group) -> SymmetricHeap:
+    """Rank 0 creates the file, all map it whole (MAP_SHARED), then it is unlinked."""
+    total = size * world_size
+    name = [None]
+    if rank == 0:
+        fd, path = tempfile.mkstemp(prefix="weft-heap-", dir=_shm_dir(total))
+        os.ftruncate(fd, total)
+        os.close(fd)
+        name[0] = path
+    dist.broadcast_object_list(name, src=0, group=group)
+    path = name[0]
+    whole = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+    dist.barrier(group=group)
+    if rank == 0:
+        os.unlink(path)  # the mappings keep the memory alive
+    base = whole.data_ptr()
+    bases = [base + r * size for r in range(world_size)]
+    local = whole[rank * size:(rank + 1) * size]
+    local.zero_()
+    return SymmetricHeap(rank, world_size, size, torch.device("cpu"), local, bases,
+                         lambda r: whole[r * size:(r + 1) * size])
+
+
+# -- cuda: one torch symmetric-memory block per rank -------------------------
+
+def cuda_heap(rank: int, world_size: int, size: int, group, device: torch.device) -> SymmetricHeap:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    block = symm_mem.empty(size, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(block, group.group_name)
+    block.zero_()
+    bases = [int(p) for p in handle.buffer_ptrs]
+
+    def peer_block(r):
+        return block if r == rank else handle.get_buffer(r, (size,), torch.uint8, 0)
+
+    heap = SymmetricHeap(rank, world_size, size, device, block, bases, peer_block)
+    heap.handle = handle  # keeps the rendezvous (and the peer mappings) alive
+    torch.cuda.synchronize(device)
+    return heap

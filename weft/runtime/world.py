@@ -1,0 +1,128 @@
+"""The initialised world: process group, rank, device, symmetric heap, op contexts.
+
+This is weft's only process-wide state. `init()` creates it, `finalize()`
+drops it. Ops keep their workspaces in `world.contexts` so that they live as
+long as the heap they were carved from.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from . import backend
+from .heap import SymmetricHeap, cpu_heap, cuda_heap
+
+DEFAULT_HEAP_SIZE = {"cpu": 64 << 20, "cuda": 2 << 30}
+
+
+class World:
+    def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device, group,
+                 heap: SymmetricHeap, owns_group: bool):
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.device, self.group, self.heap = device, group, heap
+        self.backend = backend.BACKEND
+        self.contexts: dict = {}
+        self._owns_group = owns_group
+
+    def context(self, key, make):
+        """The op context cached under `key`, created (collectively) on first use."""
+        ctx = self.contexts.get(key)
+        if ctx is None:
+            ctx = self.contexts[key] = make()
+        return ctx
+
+    def barrier(self):
+        """Host barrier: every rank has reached it and its queued device work is done."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            dist.barrier(group=self.group, device_ids=[self.device.index])
+            torch.cuda.synchronize(self.device)
+        else:
+            dist.barrier(group=self.group)
+
+
+_world: World | None = None
+
+
+def _env_int(name: str, default: int | None = None) -> int | None:
+    v = os.environ.get(name)
+    return int(v) if v not in (None, "") else default
+
+
+def _parse_size(text: str) -> int:
+    text = text.strip().upper()
+    for suffix, mult in (("GIB", 1 << 30), ("MIB", 1 << 20), ("KIB", 1 << 10), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * mult)
+    return int(text)
+
+
+def init(heap_size: int | None = None) -> World:
+    """Join the world: from torchrun's (or `weft run`'s) environment, else a world of one."""
+    global _world
+    if _world is not None:
+        return _world
+    if heap_size is None:
+        env = os.environ.get("WEFT_HEAP_SIZE")
+        heap_size = _parse_size(env) if env else DEFAULT_HEAP_SIZE[backend.BACKEND]
+    if heap_size <= 0:
+        raise ValueError(f"heap_size must be positive, got {heap_size}")
+    rank = _env_int("RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", rank)
+    timeout = datetime.timedelta(seconds=float(os.environ.get("WEFT_INIT_TIMEOUT_S", "300")))
+
+    if backend.BACKEND == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("WEFT_BACKEND=cuda but no GPU is visible")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)  # ranks share the cores
+
+    owns = not dist.is_initialized()
+    if owns:
+        pg_backend = "nccl" if device.type == "cuda" else "gloo"
+        if "MASTER_ADDR" in os.environ:
+            kwargs = dict(device_id=device) if device.type == "cuda" else {}
+            dist.init_process_group(pg_backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+        else:
+            if world_size != 1:
+                raise RuntimeError("WORLD_SIZE > 1 but no MASTER_ADDR: start ranks with `weft run -n N` or torchrun")
+            dist.init_process_group(pg_backend, store=dist.HashStore(), rank=0, world_size=1)
+    group = dist.group.WORLD
+    if dist.get_world_size(group) != world_size:
+        raise RuntimeError(f"process group has {dist.get_world_size(group)} ranks, WORLD_SIZE says {world_size}")
+
+    if device.type == "cuda":
+        heap = cuda_heap(rank, world_size, heap_size, group, device)
+    else:
+        heap = cpu_heap(rank, world_size, heap_size, group)
+    _world = World(rank, world_size, local_rank, device, group, heap, owns)
+    _world.barrier()
+    return _world
+
+
+def get() -> World:
+    if _world is None:
+        raise RuntimeError("weft is not initialised: call weft.init() first")
+    return _world
+
+
+def is_initialized() -> bool:
+    return _world is not None
+
+
+def finalize() -> None:
+    global _world
+    if _world is None:
+        return
+    w, _world = _world, None
+    w.barrier()
+    w.contexts.clear()
+    if w._owns_group and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,81 @@
+"""Run one function on N forked cpu ranks, each with weft initialised.
+
+A rank that raises makes the call raise `RankFailure` with that rank's
+traceback; the other ranks are killed, not left waiting. A run that outlasts
+`timeout` is killed too, and the error says which ranks were still running.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world_size, port, args, kwargs, results, env):
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        import weft
+
+        weft.init()
+        value = fn(*args, **kwargs)
+        weft.finalize()
+        results.put((rank, "ok", value))
+    except BaseException:  # noqa: BLE001 - report everything, with the rank
+        results.put((rank, "error", traceback.format_exc()))
+        results.close()
+        results.join_thread()  # the traceback is in the pipe before this rank exits
+        os._exit(1)
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, env: dict | None = None, **kwargs) -> list:
+    """Run `fn(*args, **kwargs)` on `world_size` cpu ranks; returns each rank's return value."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, kwargs, results, env or {}),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    values, done = [None] * world_size, set()
+    deadline = time.monotonic() + timeout
+    try:
+        while len(done) < world_size:
+            try:
+                rank, status, value = results.get(timeout=0.2)
+            except Exception:  # queue.Empty
+                for r, p in enumerate(procs):
+                    if r not in done and p.exitcode not in (None, 0) and results.empty():
+                        time.sleep(0.5)  # a traceback may still be in flight
+                        if results.empty():
+                            raise RankFailure(f"rank {r} died with exit code {p.exitcode}")
+                if time.monotonic() > deadline:
+                    waiting = sorted(set(range(world_size)) - done)
+                    raise RankFailure(f"timed out after {timeout:g} s; ranks still running: {waiting}")
+                continue
+            if status == "error":
+                raise RankFailure(f"rank {rank} of {world_size} failed:\n{value}")
+            values[rank] = value
+            done.add(rank)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+    return values
