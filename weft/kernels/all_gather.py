@@ -46,31 +46,37 @@ def _copy(dst, src, lo, hi, BLOCK: tl.constexpr, VEC: tl.constexpr):
 @triton.jit(do_not_specialize=["n", "chunk"])
 def all_gather_push_kernel(x, gathered, out, flags, heap, n, chunk, COPY_OUT: tl.constexpr, BLOCK: tl.constexpr,
                            VEC: tl.constexpr):
-    """Write my slice into every rank's `gathered` (symmetric), then wait for all slices to arrive."""
+    """Program (p, i) pairs me with rank q = (i - me) mod W, and q's program (p, i) pairs back
+    with me: it pushes my slice p into q's buffer and waits for q's slice p to arrive in mine.
+    All peers are served in parallel, one program each, so a small gather costs one round trip.
+
+    COPY_OUT: `gathered` is the context's double buffer (by epoch parity) and the slice is
+    copied to `out` afterwards. q last read the buffer half we write two epochs ago, and its
+    arrival in the previous epoch proves it finished that read, so no handshake is needed.
+    Otherwise `gathered` is the caller's symmetric output, which q may still be reading:
+    wait until q says it is free ("ready") before writing.
+    """
     p = tl.program_id(0)
+    i = tl.program_id(1)
     me = wl.rank(heap)
     world = wl.num_ranks(heap)
-    f = flags + p * (1 + 2 * world)
-    ready = f + 1
-    arrived = f + 1 + world
+    q = (i - me + world) % world
+    f = flags + (p * world + i) * 3  # [epoch, ready from q, arrived from q]
     epoch = tl.load(f) + 1
     lo = p * chunk
     hi = tl.minimum(lo + chunk, n)
-    # My slice p of `gathered` is free for this epoch (my stream finished its readers).
-    for q in range(world):
-        wl.notify(ready + me, q, heap, epoch)
-    # Push to every rank; programs start at different peers to spread the links.
-    for i in range(world):
-        q = (me + 1 + p + i) % world
-        token = wl.wait(ready + q, 1, epoch, wl.CMP_GE)
-        dst = wl.consume_token(wl.symm_at(gathered, q, heap), token) + me * n
-        _copy(dst, x, lo, hi, BLOCK, VEC)
-        wl.notify(arrived + me, q, heap, epoch)
-    token = wl.wait(arrived, world, epoch, wl.CMP_GE)
+    buf = gathered
     if COPY_OUT:
-        src = wl.consume_token(gathered, token)
-        for q in range(world):
-            _copy(out + q * n, src + q * n, lo, hi, BLOCK, VEC)
+        buf = gathered + (epoch % 2) * world * n
+    else:
+        wl.notify(f + 1, q, heap, epoch)
+        token = wl.wait(f + 1, 1, epoch, wl.CMP_GE)
+        buf = wl.consume_token(buf, token)
+    _copy(wl.symm_at(buf, q, heap) + me * n, x, lo, hi, BLOCK, VEC)
+    wl.notify(f + 2, q, heap, epoch)
+    token = wl.wait(f + 2, 1, epoch, wl.CMP_GE)
+    if COPY_OUT:
+        _copy(out + q * n, wl.consume_token(buf, token) + q * n, lo, hi, BLOCK, VEC)
     tl.store(f, epoch)
 
 
@@ -100,12 +106,14 @@ def all_gather_pull_kernel(x, stage, out, flags, heap, n, chunk, BLOCK: tl.const
     tl.store(f, epoch)
 
 
-def _launch_shape(nbytes: int, device: torch.device) -> tuple[int, int, int]:
-    """(programs, BLOCK words, num_warps) for a shard of `nbytes`."""
+def _launch_shape(method: str, nbytes: int, device: torch.device) -> tuple[int, int, int]:
+    """(programs, BLOCK words, num_warps) for a shard of `nbytes`: grid rows of pull, or of push
+    (which has one column per peer)."""
     if device.type != "cuda":
         return min(4, max(1, nbytes // 4096)), 1024, 4
-    programs = max(1, min(64, nbytes // (64 << 10)))
-    return programs, 2048, 8
+    if method == "push":
+        return max(1, min(16, nbytes // (256 << 10))), 2048, 8
+    return max(1, min(64, nbytes // (64 << 10))), 2048, 8
 
 
 def _vector_width(n: int, *tensors: torch.Tensor) -> int:
@@ -121,11 +129,12 @@ class AllGatherContext:
     def __init__(self, world, method: str, shard_words: int, word_dtype: torch.dtype, programs: int):
         heap, w = world.heap, world.world_size
         self.method, self.programs = method, programs
-        if method == "push":
-            self.buffer = heap.empty((w * shard_words,), word_dtype)
+        if method == "push":  # two halves, by epoch parity
+            self.buffer = heap.empty((2 * w * shard_words,), word_dtype)
+            self.flags = heap.empty((programs * w * 3,), torch.int32)
         else:
             self.buffer = heap.empty((shard_words,), word_dtype)
-        self.flags = heap.empty((programs * (1 + 2 * w),), torch.int32)
+            self.flags = heap.empty((programs * (1 + 2 * w),), torch.int32)
         self.flags.zero_()
         world.barrier()  # flags are zero everywhere before anyone signals
 
@@ -159,7 +168,7 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "
     if xw.dtype != ow.dtype:  # alignment differs: move bytes
         xw, ow = x.reshape(-1).view(torch.uint8), out.reshape(-1).view(torch.uint8)
     n = xw.numel()
-    programs, block, warps = _launch_shape(n * xw.element_size(), x.device)
+    programs, block, warps = _launch_shape(method, n * xw.element_size(), x.device)
     key = ("all_gather", method, n, xw.dtype, programs)
     if key not in world.contexts:
         no_capture_for_setup("weft.ops.all_gather")
@@ -170,10 +179,10 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "
     if method == "push":
         if symmetric_out:
             # Every rank's `out` sits at the same offset: push straight into it.
-            all_gather_push_kernel[(programs,)](xw, ow, ow, ctx.flags, heap, n, chunk, COPY_OUT=False,
+            all_gather_push_kernel[(programs, w)](xw, ow, ow, ctx.flags, heap, n, chunk, COPY_OUT=False,
                                                 BLOCK=block, VEC=vec, num_warps=warps)
         else:
-            all_gather_push_kernel[(programs,)](xw, ctx.buffer, ow, ctx.flags, heap, n, chunk, COPY_OUT=True,
+            all_gather_push_kernel[(programs, w)](xw, ctx.buffer, ow, ctx.flags, heap, n, chunk, COPY_OUT=True,
                                                 BLOCK=block, VEC=vec, num_warps=warps)
     else:
         all_gather_pull_kernel[(programs,)](xw, ctx.buffer, ow, ctx.flags, heap, n, chunk, BLOCK=block, VEC=vec,

@@ -1,0 +1,54 @@
+"""The `weft` command: launcher failure handling, info, tutorials, the bench harness (on cpu ranks)."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def weft_cmd(*args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "weft", *args], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=timeout)
+
+
+def test_run_stops_all_ranks_when_one_fails(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import weft, time\nweft.init()\n"
+                      "if weft.rank() == 2:\n    raise RuntimeError('rank two gives up')\n"
+                      "weft.barrier()\n")
+    t0 = time.monotonic()
+    res = weft_cmd("run", "-n", "4", str(script), timeout=120)
+    assert res.returncode != 0
+    assert "[rank 2]" in res.stderr and "rank two gives up" in res.stderr
+    assert "rank 2 exited with code 1; the other ranks were stopped" in res.stderr
+    assert time.monotonic() - t0 < 100
+
+
+def test_info():
+    res = weft_cmd("info", timeout=120)
+    assert res.returncode == 0, res.stderr
+    for key in ("backend     cpu", "world size  1", "torch", "triton      3.6.0", "heap"):
+        assert key in res.stdout
+
+
+@pytest.mark.parametrize("tutorial", sorted(f for f in os.listdir(os.path.join(ROOT, "tutorials")) if f.endswith(".py")))
+def test_tutorial_runs_on_four_cpu_ranks(tutorial):
+    res = weft_cmd("run", "-n", "4", os.path.join("tutorials", tutorial), timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def test_bench_harness_writes_json_table_and_plot(tmp_path):
+    res = weft_cmd("bench", "-n", "2", "allgather", "--out", str(tmp_path), "--min-bytes", "4096",
+                   "--max-bytes", "8192", "--samples", "3", timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads((tmp_path / "allgather_2.json").read_text())
+    assert {r["impl"] for r in rows} == {"gloo", "weft push, symmetric out", "weft push, plain out",
+                                         "weft pull, plain out"}
+    assert all(r["ms"] > 0 for r in rows)
+    assert "| 4 KiB |" in (tmp_path / "allgather_2.md").read_text()
+    assert (tmp_path / "allgather_2.png").stat().st_size > 1000
