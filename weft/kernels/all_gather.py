@@ -143,9 +143,9 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "
     """Gather `x` from every rank along dim 0: returns (world_size * x.shape[0], *x.shape[1:]).
 
     method: "push" writes into peers' symmetric buffers (zero-copy when `out`
-    is itself symmetric, from `weft.empty`); "pull" reads peers' slices
-    straight into `out`, which may be any tensor; "auto" picks by placement
-    and size.
+    is itself symmetric, from `weft.empty`; otherwise through a double buffer
+    and a local copy); "pull" reads peers' slices straight into `out`, which
+    may be any tensor; "auto" is push, the faster at every measured size.
     """
     world = world_or_raise()
     check_tensor("x", x, world, contiguous=False)
@@ -163,7 +163,9 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "
         return out
     symmetric_out = world.heap.contains(out)
     if method == "auto":
-        method = "push" if symmetric_out else "pull"
+        # Measured on 8x H200 (docs/perf.md, 2026-11-21): push is ahead of pull at every size,
+        # with or without a symmetric output.
+        method = "push"
     xw, ow = as_words(x), as_words(out)
     if xw.dtype != ow.dtype:  # alignment differs: move bytes
         xw, ow = x.reshape(-1).view(torch.uint8), out.reshape(-1).view(torch.uint8)

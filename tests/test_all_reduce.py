@@ -1,0 +1,327 @@
+"""all_reduce (one_shot, two_shot, auto), reduce_scatter and broadcast on cpu ranks.
+
+Every rank builds every rank's input from a seed, so each rank checks its
+result against a torch reference on its own. Outputs are poisoned with NaN
+before each call; calls follow each other with fresh data and no host
+barrier (ranks skewed on purpose), so the epoch flags and the staging
+buffer protection are exercised. Results must also be bit-identical across
+ranks (and between one_shot and two_shot, which sum in the same order).
+"""
+import pytest
+
+from weft.testing import run_ranks
+
+DTYPES = ("float32", "bfloat16", "float16")
+TOL = {"float32": dict(rtol=1e-6, atol=1e-6), "bfloat16": dict(rtol=1e-2, atol=1e-2),
+       "float16": dict(rtol=2e-3, atol=2e-3)}
+ENV = {"WEFT_WAIT_TIMEOUT_S": "60"}  # a lost signal fails with a message instead of hanging
+TIMEOUT = 150
+
+
+# -- helpers run on the ranks ----------------------------------------------------
+
+def _inputs(seed, shape, dtype_name, w):
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    return [torch.randn(shape, generator=torch.Generator().manual_seed(seed * 64 + r)).to(dtype) for r in range(w)]
+
+
+def _bits(t):
+    import torch
+
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _digest(t):
+    import hashlib
+
+    return hashlib.sha1(_bits(t).numpy().tobytes()).hexdigest()
+
+
+def _skew(me, call, w):
+    """A different rank arrives late at each call."""
+    import time
+
+    if w > 1 and me == call % w:
+        time.sleep(0.02)
+
+
+def _all_reduce_cases(cases, calls):
+    """cases: (method, dtype name, shape, mode), mode "out" | "inplace" | "none"."""
+    import zlib
+
+    import torch
+
+    import weft
+    from weft.kernels.all_reduce import all_reduce
+
+    me, w = weft.rank(), weft.world_size()
+    digests = {}
+    for method, dtype_name, shape, mode in cases:
+        for call in range(calls):
+            seed = zlib.crc32(repr((dtype_name, tuple(shape), mode, call)).encode()) % 100_000  # same for every method
+            xs = _inputs(seed, shape, dtype_name, w)
+            acc = torch.zeros(shape, dtype=torch.float32)
+            for t in xs:
+                acc += t.float()
+            ref = acc.to(xs[0].dtype)
+            x = xs[me].clone()
+            _skew(me, call, w)
+            if mode == "inplace":
+                got = all_reduce(x, method=method, out=x)
+                assert got is x
+            elif mode == "out":
+                out = torch.full(shape, float("nan"), dtype=x.dtype)
+                got = all_reduce(x, method=method, out=out)
+                assert got is out
+            else:
+                got = all_reduce(x, op="sum", method=method)
+            if mode != "inplace":
+                assert torch.equal(x, xs[me]), "input was modified"
+            assert got.shape == ref.shape and got.dtype == ref.dtype
+            torch.testing.assert_close(got, ref, **TOL[dtype_name],
+                                       msg=lambda m: f"{method} {dtype_name} {shape} {mode} call {call}: {m}")
+            digests[(method, dtype_name, tuple(shape), mode, call)] = _digest(got)
+    return digests
+
+
+def _check_same_everywhere(results):
+    """Every rank got the same bits; one_shot and two_shot agree bit for bit."""
+    first = results[0]
+    for r, d in enumerate(results[1:], 1):
+        assert d == first, f"rank {r} differs from rank 0"
+    by_key = {}
+    for (method, *rest), digest in first.items():
+        if method in ("one_shot", "two_shot"):
+            by_key.setdefault(tuple(rest), set()).add(digest)
+    for key, ds in by_key.items():
+        assert len(ds) == 1, f"one_shot and two_shot differ for {key}"
+
+
+# -- all_reduce ---------------------------------------------------------------------
+
+def _cases(methods, dtypes, shapes, modes):
+    """Every (method, dtype, mode); shapes cycle, the same for every method (so methods can be compared)."""
+    out = []
+    for m in methods:
+        i = 0
+        for d in dtypes:
+            for mode in modes:
+                out.append((m, d, shapes[i % len(shapes)], mode))
+                i += 1
+    return out
+
+
+def test_all_reduce_2_ranks_every_method_dtype_mode():
+    cases = _cases(("one_shot", "two_shot", "auto"), DTYPES, [(1,), (7, 3), (1001,), (33, 5)],
+                   ("out", "inplace", "none"))
+    cases += [(m, "float32", (9001,), "out") for m in ("one_shot", "two_shot")]  # several programs and blocks
+    _check_same_everywhere(run_ranks(_all_reduce_cases, 2, cases, 2, timeout=TIMEOUT, env=ENV))
+
+
+@pytest.mark.parametrize("w", [3, 4])
+def test_all_reduce_3_4_ranks(w):
+    cases = _cases(("one_shot", "two_shot"), DTYPES, [(1001,), (5, 7), (2,)], ("out", "inplace"))
+    cases += [("auto", "bfloat16", (4097,), "none"), ("two_shot", "float32", (9001,), "out")]
+    _check_same_everywhere(run_ranks(_all_reduce_cases, w, cases, 2, timeout=TIMEOUT, env=ENV))
+
+
+def test_all_reduce_8_ranks_small():
+    cases = [("one_shot", "float32", (37,), "out"), ("two_shot", "float32", (37,), "inplace"),
+             ("two_shot", "bfloat16", (259,), "out")]
+    _check_same_everywhere(run_ranks(_all_reduce_cases, 8, cases, 2, timeout=TIMEOUT, env=ENV))
+
+
+def test_all_reduce_1_rank():
+    cases = [(m, "float32", (5,), "out") for m in ("one_shot", "two_shot", "auto")]
+    run_ranks(_all_reduce_cases, 1, cases, 2, timeout=TIMEOUT, env=ENV)
+
+
+def _auto_choice():
+    from weft.kernels import all_reduce as ar
+
+    return [(nbytes, w, ar._auto_method(nbytes, w)) for nbytes in (8 << 10, 128 << 10, 256 << 10, 4 << 20)
+            for w in (2, 8)]
+
+
+def test_auto_crossover():
+    choice = {(b, w): m for b, w, m in _auto_choice()}
+    assert choice[(8 << 10, 8)] == "one_shot" and choice[(128 << 10, 8)] == "one_shot"
+    assert choice[(256 << 10, 8)] == "two_shot" and choice[(4 << 20, 8)] == "two_shot"
+    assert choice[(256 << 10, 2)] == "one_shot"  # fewer ranks: one-shot reads less, keeps it longer
+
+
+# -- reduce_scatter -------------------------------------------------------------------
+
+def _reduce_scatter_cases(cases, calls):
+    """cases: (dtype name, rows per rank m, trailing shape, mode): mode "out", "none", or "inplace"
+    (out = my own row block of x, as NCCL's in-place reduce_scatter)."""
+    import torch
+
+    import weft
+    from weft.kernels.all_reduce import reduce_scatter
+
+    me, w = weft.rank(), weft.world_size()
+    digests = {}
+    for ci, (dtype_name, m, tail, mode) in enumerate(cases):
+        shape = (w * m, *tail)
+        for call in range(calls):
+            xs = _inputs(1000 + ci * 10 + call, shape, dtype_name, w)
+            acc = torch.zeros((m, *tail), dtype=torch.float32)
+            for t in xs:
+                acc += t[me * m:(me + 1) * m].float()
+            ref = acc.to(xs[0].dtype)
+            x = xs[me].clone()
+            _skew(me, call, w)
+            if mode == "out":
+                out = torch.full((m, *tail), float("nan"), dtype=x.dtype)
+                got = reduce_scatter(x, out=out)
+                assert got is out
+            elif mode == "inplace":
+                got = reduce_scatter(x, out=x[me * m:(me + 1) * m])
+                assert got.data_ptr() == x[me * m].data_ptr()
+            else:
+                got = reduce_scatter(x, op="sum")
+            if mode != "inplace":
+                assert torch.equal(x, xs[me]), "input was modified"
+            torch.testing.assert_close(got, ref, **TOL[dtype_name],
+                                       msg=lambda s: f"{dtype_name} m={m} {tail} {mode} call {call}: {s}")
+            digests[(dtype_name, m, tail, mode, call)] = _digest(got)
+    return digests
+
+
+@pytest.mark.parametrize("w", [2, 3, 4])
+def test_reduce_scatter(w):
+    cases = [(d, m, tail, mode) for d in DTYPES for (m, tail) in [(1, ()), (3, (7,)), (257, ())]
+             for mode in ("out", "none", "inplace")][::(1 if w == 2 else 2)]
+    cases.append(("float32", 2049, (), "out"))  # several blocks per program, 16-byte vector path off (odd)
+    cases.append(("bfloat16", 1024, (4,), "out"))  # vector path on
+    run_ranks(_reduce_scatter_cases, w, cases, 2, timeout=TIMEOUT, env=ENV)
+
+
+def test_reduce_scatter_1_and_8_ranks():
+    run_ranks(_reduce_scatter_cases, 1, [("float32", 5, (3,), "out")], 2, timeout=TIMEOUT, env=ENV)
+    run_ranks(_reduce_scatter_cases, 8, [("bfloat16", 3, (5,), "out")], 2, timeout=TIMEOUT, env=ENV)
+
+
+# -- broadcast -------------------------------------------------------------------------
+
+def _broadcast_cases(cases, roots):
+    """cases: (dtype name, shape); each is broadcast once from every root in `roots`, back to back."""
+    import torch
+
+    import weft
+    from weft.kernels.all_reduce import broadcast
+
+    me, w = weft.rank(), weft.world_size()
+    digests = {}
+    for ci, (dtype_name, shape) in enumerate(cases):
+        for call, root in enumerate(roots):
+            root = root % w
+            dtype = getattr(torch, dtype_name)
+            want = (torch.randn(shape, generator=torch.Generator().manual_seed(ci * 100 + call)) * 100).to(dtype)
+            if me == root:
+                x = want.clone()
+            elif dtype.is_floating_point:
+                x = torch.full(shape, float("nan"), dtype=dtype)
+            else:
+                x = torch.full(shape, -1, dtype=dtype)
+            _skew(me, call, w)
+            got = broadcast(x, root=root)
+            assert got is x
+            assert torch.equal(x, want), f"{dtype_name} {shape} root {root} call {call}"
+            digests[(dtype_name, shape, call)] = _digest(x)
+    return digests
+
+
+@pytest.mark.parametrize("w", [2, 3, 4])
+def test_broadcast(w):
+    cases = [("float32", (1001,)), ("bfloat16", (7, 3)), ("float16", (4099,)), ("int64", (5,)), ("int8", (1001,)),
+             ("float32", (3000,))]
+    roots = [0, w - 1, 1, 1, 0]  # the root changes between calls
+    results = run_ranks(_broadcast_cases, w, cases, roots, timeout=TIMEOUT, env=ENV)
+    assert all(r == results[0] for r in results)
+
+
+def test_broadcast_1_and_8_ranks():
+    run_ranks(_broadcast_cases, 1, [("float32", (5,))], [0, 0], timeout=TIMEOUT, env=ENV)
+    run_ranks(_broadcast_cases, 8, [("float16", (37,))], [0, 7, 3], timeout=TIMEOUT, env=ENV)
+
+
+# -- bad inputs: rejected before anything is written --------------------------------------
+
+def _rejects(fn, exc, word, guarded):
+    """fn() raises `exc` naming `word`, and the tensors in `guarded` keep their bits."""
+    before = [t.clone() for t in guarded]
+    try:
+        fn()
+    except exc as e:
+        assert word in str(e), f"{exc.__name__} does not name {word!r}: {e}"
+    else:
+        raise AssertionError(f"expected {exc.__name__} naming {word!r}")
+    for b, t in zip(before, guarded):
+        assert _bits(b).equal(_bits(t)), f"a rejected call ({word}) wrote into a tensor"
+
+
+def _bad_inputs():
+    import torch
+
+    import weft
+    from weft.kernels.all_reduce import all_reduce, broadcast, reduce_scatter
+
+    world = weft.world()
+    me, w = weft.rank(), weft.world_size()
+    x = torch.randn(10)
+    out = torch.full((10,), float("nan"))
+    used, contexts = world.heap.used, len(world.contexts)
+    g = [x, out]
+    # all_reduce
+    _rejects(lambda: all_reduce(x.to(torch.int32), out=out), TypeError, "x", g)
+    _rejects(lambda: all_reduce([1.0, 2.0], out=out), TypeError, "x", g)
+    _rejects(lambda: all_reduce(x, op="max", out=out), ValueError, "op", g)
+    _rejects(lambda: all_reduce(x, op="avg", out=out), ValueError, "op", g)
+    _rejects(lambda: all_reduce(x, method="three_shot", out=out), ValueError, "method", g)
+    _rejects(lambda: all_reduce(x, out=torch.full((11,), float("nan"))), ValueError, "out", g)
+    _rejects(lambda: all_reduce(x, out=out.to(torch.float16)), TypeError, "out", g)
+    big = torch.full((20,), float("nan"))
+    _rejects(lambda: all_reduce(x, out=big[::2]), ValueError, "out", g + [big])  # not contiguous
+    shared = torch.randn(12)
+    _rejects(lambda: all_reduce(shared[:10], out=shared[2:]), ValueError, "out", g + [shared])  # overlaps x
+    # reduce_scatter
+    xr = torch.randn(w * 3 + 1, 2)
+    outr = torch.full((3, 2), float("nan"))
+    gr = [xr, outr]
+    if w > 1:
+        _rejects(lambda: reduce_scatter(xr, out=outr), ValueError, "x", gr)  # rows not divisible by w
+    _rejects(lambda: reduce_scatter(torch.randn(()), out=outr), ValueError, "x", gr)
+    xr = torch.randn(w * 3, 2)
+    gr = [xr, outr]
+    _rejects(lambda: reduce_scatter(xr.to(torch.int64), out=outr), TypeError, "x", gr)
+    _rejects(lambda: reduce_scatter(xr, op="prod", out=outr), ValueError, "op", gr)
+    _rejects(lambda: reduce_scatter(xr, out=torch.full((3, 3), float("nan"))), ValueError, "out", gr)
+    _rejects(lambda: reduce_scatter(xr, out=outr.to(torch.bfloat16)), TypeError, "out", gr)
+    if w > 1:  # out inside x but not at a row block boundary
+        _rejects(lambda: reduce_scatter(xr, out=xr.view(-1)[1:7].view(3, 2)), ValueError, "out", gr)
+    # broadcast
+    xb = torch.full((6,), float("nan")) if me else torch.randn(6)
+    for root in (-1, w, "0", True, 0.0, None):
+        _rejects(lambda: broadcast(xb, root=root), ValueError, "root", [xb])
+    _rejects(lambda: broadcast("x", root=0), TypeError, "x", [xb])
+    nc = torch.full((6, 2), 7.0)
+    _rejects(lambda: broadcast(nc[:, 0], root=0), ValueError, "x", [xb, nc])
+    # Nothing was allocated by the rejected calls, and the ops still work afterwards.
+    assert world.heap.used == used and len(world.contexts) == contexts
+    xs = _inputs(7, (10,), "float32", w)
+    got = all_reduce(xs[me].clone(), out=out)
+    torch.testing.assert_close(got, sum(t for t in xs), rtol=1e-6, atol=1e-6)
+    got = reduce_scatter(torch.ones(w * 3, 2), out=outr)
+    assert torch.equal(got, torch.full((3, 2), float(w)))
+    want = torch.arange(6.0)
+    xb = want.clone() if me == w - 1 else torch.zeros(6)
+    assert torch.equal(broadcast(xb, root=w - 1), want)
+
+
+@pytest.mark.parametrize("w", [1, 2])
+def test_bad_inputs_rejected_before_writing(w):
+    run_ranks(_bad_inputs, w, timeout=TIMEOUT, env=ENV)
