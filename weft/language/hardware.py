@@ -8,27 +8,26 @@ from .core import INTERPRET
 
 
 @triton.jit
-def tid():
+def _special_register(name: tl.constexpr):
     if INTERPRET:
         return tl.full([], 0, tl.int32)
     else:
-        return ptx.special_reg("tid.x")
+        return ptx.special_reg(name)
+
+
+@triton.jit
+def tid():
+    return _special_register("tid.x")
 
 
 @triton.jit
 def lane_id():
-    if INTERPRET:
-        return tl.full([], 0, tl.int32)
-    else:
-        return ptx.special_reg("laneid")
+    return _special_register("laneid")
 
 
 @triton.jit
 def sm_id():
-    if INTERPRET:
-        return tl.full([], 0, tl.int32)
-    else:
-        return ptx.special_reg("smid")
+    return _special_register("smid")
 
 
 @triton.jit

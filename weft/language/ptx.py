@@ -25,21 +25,21 @@ def ld_acquire(ptr, scope: tl.constexpr = SCOPE_SYS):
 def signal_thread0(ptr, value, add: tl.constexpr, scope: tl.constexpr = SCOPE_SYS):
     """Thread 0 publishes `value` at `ptr`: release store, or release add if `add`."""
     if ptr.dtype.element_ty.primitive_bitwidth == 64:
-        if add:
-            op: tl.constexpr = f"red.release.{scope}.global.add.u64 [$1], $2;"
-        else:
-            op: tl.constexpr = f"st.release.{scope}.global.b64 [$1], $2;"
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; @p " + op + " mov.u32 $0, 0; }",
-            "=r,l,l", [ptr, value.to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
+        _publish_thread0(ptr, value.to(tl.int64), add, scope, "u64", "b64", "l")
     else:
-        if add:
-            op: tl.constexpr = f"red.release.{scope}.global.add.s32 [$1], $2;"
-        else:
-            op: tl.constexpr = f"st.release.{scope}.global.b32 [$1], $2;"
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; @p " + op + " mov.u32 $0, 0; }",
-            "=r,l,r", [ptr, value.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        _publish_thread0(ptr, value.to(tl.int32), add, scope, "s32", "b32", "r")
+
+
+@triton.jit
+def _publish_thread0(ptr, value, add: tl.constexpr, scope: tl.constexpr, ADD_TYPE: tl.constexpr,
+                     STORE_TYPE: tl.constexpr, REG: tl.constexpr):
+    if add:
+        op: tl.constexpr = f"red.release.{scope}.global.add.{ADD_TYPE} [$1], $2;"
+    else:
+        op: tl.constexpr = f"st.release.{scope}.global.{STORE_TYPE} [$1], $2;"
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; @p " + op + " mov.u32 $0, 0; }",
+        "=r,l," + REG, [ptr, value], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
