@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The one GPU script: correctness on 2 and 8 GPUs, then the benchmark suites on 8, results under $OUT.
+# The one GPU script: correctness on 2 and 8 GPUs, then the benchmark suites (on 8; reductions on 2, 4, 8),
+# results under $OUT.
 #   usage (device machine, repo root): bash scripts/gpu_suite.sh [quick]
 # Logs: $OUT/*.log; bench JSON/markdown/PNG: $OUT/bench/.
 set -uo pipefail
@@ -24,11 +25,19 @@ step() {  # step NAME CMD...: run, log, remember failure
 }
 for n in 2 $NGPU; do
   [ "$n" -le "$NGPU" ] || continue
-  step "gpu_tests_$n" timeout 200 python3 -m weft run -n "$n" -m pytest tests/test_gpu.py -m gpu -q -x -p no:cacheprovider
+  step "gpu_tests_$n" timeout 200 python3 -m weft run -n "$n" -m pytest tests/test_gpu.py tests/test_gpu_gemm.py -m gpu -q -x -p no:cacheprovider
 done
 step tutorials timeout 100 bash -c "for t in tutorials/0*.py; do python3 -m weft run -n $NGPU \$t || exit 1; done"
 if [ "${1:-}" != "quick" ]; then
   step bench_allgather timeout 250 python3 -m weft bench -n "$NGPU" allgather --out "$OUT/bench"
+  # 4 KiB..512 MiB bf16; the largest sizes take ~3 ms per call, so 30 samples keep each run near a minute.
+  for n in 2 4 8; do
+    [ "$n" -le "$NGPU" ] || continue
+    for suite in allreduce reducescatter; do
+      step "bench_${suite}_$n" timeout 150 python3 -m weft bench -n "$n" "$suite" --samples 30 --out "$OUT/bench"
+    done
+  done
+  step bench_gemm timeout 300 python3 -m weft bench -n "$NGPU" gemm --samples 20 --out "$OUT/bench"
 fi
 cat "$OUT"/bench/*.md 2>/dev/null
 exit $status

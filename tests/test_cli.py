@@ -52,3 +52,21 @@ def test_bench_harness_writes_json_table_and_plot(tmp_path):
     assert all(r["ms"] > 0 for r in rows)
     assert "| 4 KiB |" in (tmp_path / "allgather_2.md").read_text()
     assert (tmp_path / "allgather_2.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("suite, impls", [
+    ("allreduce", {"gloo", "weft one_shot", "weft two_shot", "weft auto"}),
+    ("reducescatter", {"gloo", "weft"}),
+])
+def test_bench_reduction_suites(tmp_path, suite, impls):
+    res = weft_cmd("bench", "-n", "2", suite, "--out", str(tmp_path), "--max-bytes", "16384", "--samples", "2",
+                   timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "runs on cuda only: skipped" in res.stdout  # torch's symm_mem baselines, noted
+    rows = json.loads((tmp_path / f"{suite}_2.json").read_text())
+    assert {r["impl"] for r in rows} == impls
+    assert {r["case"] for r in rows} == {"4 KiB", "8 KiB", "16 KiB"}
+    assert all(r["ms"] > 0 and r["gbps"] > 0 and r["world_size"] == 2 for r in rows)
+    table = (tmp_path / f"{suite}_2.md").read_text()
+    assert "bus bandwidth (GB/s)" in table and "best weft vs gloo" in table and "| 16 KiB |" in table
+    assert (tmp_path / f"{suite}_2.png").stat().st_size > 1000

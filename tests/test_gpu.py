@@ -1,9 +1,10 @@
 """GPU checks, run on every rank: `weft run -n N -m pytest tests/test_gpu.py -m gpu` (scripts/gpu_suite.sh)."""
 import pytest
 import torch
+import torch.distributed as dist
 
 import weft
-from weft.testing.reference import all_gather_ref
+from weft.testing.reference import all_gather_ref, reduce_scatter_ref
 
 pytestmark = pytest.mark.gpu
 
@@ -11,6 +12,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module", autouse=True)
 def world():
     weft.init()
+    torch.manual_seed(1 + weft.rank())  # torch's default seed is the same in every process: inputs must differ
     yield weft.world()
 
 
@@ -116,3 +118,158 @@ def test_device_barrier_back_to_back():
     for _ in range(100):
         weft.ops.device_barrier()
     torch.cuda.synchronize()
+
+
+# -- all_reduce, reduce_scatter, broadcast ---------------------------------------------------
+
+# Against NCCL summing in fp32: weft sums in fp32 too and rounds once, so results differ by at most the
+# last bit of the dtype (fp32: in the order of summation only).
+REDUCE_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-3),
+              torch.float16: dict(rtol=2e-3, atol=1e-3)}
+
+
+def _nccl_sum(x):
+    ref = x.to(torch.float32, copy=True)  # all_reduce is in place
+    dist.all_reduce(ref, group=weft.world().group)
+    return ref.to(x.dtype)
+
+
+def _nccl_reduce_scatter(x):
+    w = weft.world()
+    ref = torch.empty((x.shape[0] // w.world_size, *x.shape[1:]), device=x.device)
+    reduce_scatter_ref(ref, x.float(), w.group)
+    return ref.to(x.dtype)
+
+
+def _poisoned(n, dtype, offset=0):
+    """n elements of NaN, starting `offset` elements into their allocation (offset 1: not 16-byte aligned)."""
+    return torch.full((n + offset,), float("nan"), dtype=dtype, device=weft.device())[offset:]
+
+
+@pytest.mark.parametrize("method", ["one_shot", "two_shot", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("numel", [1, 1001, 65537, (1 << 20) + 3])
+def test_all_reduce_matches_nccl(method, dtype, numel):
+    for call in range(3):
+        offset = call % 2  # every other call unaligned: the unvectorised path
+        x = torch.randn(numel + offset, device=weft.device()).to(dtype)[offset:]
+        x_before = x.clone()
+        ref = _nccl_sum(x)
+        out = _poisoned(numel, dtype, offset)
+        assert weft.ops.all_reduce(x, method=method, out=out) is out
+        torch.testing.assert_close(out, ref, **REDUCE_TOL[dtype], msg=lambda m: f"{method} call {call}: {m}")
+        assert torch.equal(x, x_before), "input was modified"
+        y = x.clone()
+        assert weft.ops.all_reduce(y, method=method, out=y) is y
+        assert torch.equal(y, out), "in place differs from out of place"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, tail", [(1, ()), (37, (3,)), (4096, (65,)), ((1 << 18) + 1, ())])
+def test_reduce_scatter_matches_nccl(dtype, rows, tail):
+    w = weft.world()
+    for call in range(3):
+        x = torch.randn(w.world_size * rows, *tail, device=w.device).to(dtype)
+        x_before = x.clone()
+        ref = _nccl_reduce_scatter(x)
+        out = _poisoned(ref.numel(), dtype).view(ref.shape)
+        assert weft.ops.reduce_scatter(x, out=out) is out
+        torch.testing.assert_close(out, ref, **REDUCE_TOL[dtype], msg=lambda m: f"call {call}: {m}")
+        assert torch.equal(x, x_before), "input was modified"
+        y = x.clone()
+        block = y[w.rank * rows:(w.rank + 1) * rows]  # NCCL-style in place: my own row block of x
+        weft.ops.reduce_scatter(y, out=block)
+        assert torch.equal(block, out), "in place differs from out of place"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.int64])
+@pytest.mark.parametrize("numel", [1, 4099, (1 << 20) + 5])
+def test_broadcast_from_every_root(dtype, numel):
+    w = weft.world()
+    for root in range(w.world_size):
+        if dtype.is_floating_point:
+            x = torch.randn(numel, device=w.device).to(dtype)
+        else:
+            x = torch.randint(-100, 100, (numel,), dtype=dtype, device=w.device)
+        ref = x.clone()
+        dist.broadcast(ref, src=root, group=w.group)
+        if w.rank != root:
+            x.view(torch.uint8).fill_(0xFF)  # poison
+        assert weft.ops.broadcast(x, root=root) is x
+        assert torch.equal(x, ref), (root, w.rank)
+
+
+def test_all_reduce_and_reduce_scatter_cuda_graph_replay():
+    w = weft.world()
+    x = torch.randn(100_003, device=w.device)
+    xr = torch.randn(w.world_size * 5003, 3, device=w.device)
+    outs = {m: torch.empty_like(x) for m in ("one_shot", "two_shot")}
+    out_rs = torch.empty(5003, 3, device=w.device)
+
+    def calls():
+        for m, out in outs.items():
+            weft.ops.all_reduce(x, method=m, out=out)
+        weft.ops.reduce_scatter(xr, out=out_rs)
+
+    calls()  # creates the workspaces outside capture
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            calls()
+    torch.cuda.current_stream().wait_stream(s)
+    for replay in range(5):
+        x.copy_(torch.randn_like(x))
+        xr.copy_(torch.randn_like(xr))
+        for out in (*outs.values(), out_rs):
+            out.fill_(float("nan"))
+        g.replay()
+        ref = _nccl_sum(x)
+        for m, out in outs.items():
+            torch.testing.assert_close(out, ref, **REDUCE_TOL[torch.float32], msg=lambda e: f"{m} {replay}: {e}")
+        torch.testing.assert_close(out_rs, _nccl_reduce_scatter(xr), **REDUCE_TOL[torch.float32])
+
+
+def test_all_reduce_from_side_stream():
+    s = torch.cuda.Stream()
+    for method in ("one_shot", "two_shot"):
+        for _ in range(3):
+            x = torch.randn(4097, device=weft.device())
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                out = weft.ops.all_reduce(x, method=method)
+            torch.cuda.current_stream().wait_stream(s)
+            torch.testing.assert_close(out, _nccl_sum(x), **REDUCE_TOL[torch.float32])
+
+
+def test_reductions_back_to_back_no_host_sync():
+    """50 calls cycling one_shot, two_shot, reduce_scatter and broadcast (a different rank late each time),
+    with no host synchronisation until the end. Rank r holds (r + 1) * base, base the same everywhere,
+    so every result is known on every rank without another collective."""
+    w = weft.world()
+    n = 40_320  # divisible by every world size up to 8
+    m = n // w.world_size
+    total = w.world_size * (w.world_size + 1) / 2
+    results = []
+    weft.barrier()
+    for call in range(50):
+        base = torch.randn(n, device=w.device, generator=torch.Generator(w.device).manual_seed(call))
+        x = base * (w.rank + 1)
+        if call % w.world_size == w.rank:
+            torch.cuda._sleep(100_000)  # this rank arrives late
+        kind = call % 4
+        if kind < 2:
+            got = weft.ops.all_reduce(x, method=("one_shot", "two_shot")[kind])
+            want = base * total
+        elif kind == 2:
+            got = weft.ops.reduce_scatter(x)
+            want = base[w.rank * m:(w.rank + 1) * m] * total
+        else:
+            root = call % w.world_size
+            got = weft.ops.broadcast(x, root=root)
+            want = base * (root + 1)
+        results.append((call, got, want))
+    torch.cuda.synchronize()
+    for call, got, want in results:
+        torch.testing.assert_close(got, want, msg=lambda e: f"call {call}: {e}")

@@ -1,6 +1,9 @@
 """Host ops: argument checks, cached workspaces, kernel launches."""
+from .kernels.ag_gemm import ag_gemm
 from .kernels.all_gather import all_gather
 from .kernels.all_reduce import all_reduce, broadcast, reduce_scatter
 from .kernels.barrier import device_barrier
+from .kernels.gemm_ar import gemm_ar
+from .kernels.gemm_rs import gemm_rs
 
-__all__ = ["all_gather", "all_reduce", "reduce_scatter", "broadcast", "device_barrier"]
+__all__ = ["ag_gemm", "all_gather", "all_reduce", "reduce_scatter", "broadcast", "device_barrier", "gemm_rs", "gemm_ar"]

@@ -12,7 +12,7 @@ class Row:
     case: str        # e.g. "64 MiB"
     impl: str        # e.g. "weft push", "nccl"
     ms: float        # median per call, slowest rank
-    gbps: float      # algorithmic bandwidth (bytes of the result / time), 0 where meaningless
+    gbps: float      # the suite's bandwidth (default: algorithmic, result bytes / time), 0 where meaningless
     nbytes: int = 0
     world_size: int = 1
 
@@ -24,31 +24,44 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def markdown(rows: list[Row], baseline: str | None = None) -> str:
+ALGBW = "algorithmic bandwidth (GB/s)"
+
+
+def _best(by, case, impls, prefix):
+    times = [by[(case, i)].ms for i in impls if i.startswith(prefix) and (case, i) in by]
+    return min(times) if times else None
+
+
+def markdown(rows: list[Row], baseline: str | None = None, rival: str | None = None) -> str:
+    """`baseline`: an impl the best weft row is compared with; `rival`: a prefix of impls (e.g. "torch")
+    whose best is compared with the best weft row too."""
     cases = list(dict.fromkeys(r.case for r in rows))
     impls = list(dict.fromkeys(r.impl for r in rows))
     by = {(r.case, r.impl): r for r in rows}
+    rival = rival if rival and any(i.startswith(rival) for i in impls) else None
     head = ["size"] + [f"{i} µs (GB/s)" for i in impls]
     if baseline:
         head += [f"best weft vs {baseline}"]
+    if rival:
+        head += [f"best weft vs best {rival}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cases:
         cells = [c]
         for i in impls:
             r = by.get((c, i))
             cells.append("—" if r is None else f"{r.ms * 1e3:.1f} ({r.gbps:.0f})")
-        if baseline and (c, baseline) in by:
-            weft_rows = [by[(c, i)] for i in impls if i.startswith("weft") and (c, i) in by]
-            if weft_rows:
-                best = min(r.ms for r in weft_rows)
-                cells.append(f"{by[(c, baseline)].ms / best:.2f}×")
-            else:
-                cells.append("—")
+        best = _best(by, c, impls, "weft")
+        if baseline:
+            ok = best is not None and (c, baseline) in by
+            cells.append(f"{by[(c, baseline)].ms / best:.2f}×" if ok else "—")
+        if rival:
+            other = _best(by, c, impls, rival)
+            cells.append(f"{other / best:.2f}×" if best is not None and other is not None else "—")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def plot(rows: list[Row], path: str, title: str) -> None:
+def plot(rows: list[Row], path: str, title: str, bandwidth: str = ALGBW) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -60,9 +73,9 @@ def plot(rows: list[Row], path: str, title: str) -> None:
         x = [r.nbytes for r in rs]
         ax1.plot(x, [r.ms * 1e3 for r in rs], marker="o", label=impl)
         ax2.plot(x, [r.gbps for r in rs], marker="o", label=impl)
-    for ax, label in ((ax1, "latency (µs, slowest rank)"), (ax2, "algorithmic bandwidth (GB/s)")):
+    for ax, label in ((ax1, "latency (µs, slowest rank)"), (ax2, bandwidth)):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("total bytes")
+        ax.set_xlabel("size (bytes)")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
@@ -73,12 +86,13 @@ def plot(rows: list[Row], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def write(rows: list[Row], out_dir: str, name: str, title: str, baseline: str | None = None) -> str:
+def write(rows: list[Row], out_dir: str, name: str, title: str, baseline: str | None = None,
+          rival: str | None = None, bandwidth: str = ALGBW) -> str:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump([asdict(r) for r in rows], f, indent=1)
-    table = markdown(rows, baseline)
+    table = markdown(rows, baseline, rival)
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
-        f.write(f"## {title}\n\n{table}\n")
-    plot(rows, os.path.join(out_dir, f"{name}.png"), title)
+        f.write(f"## {title}\n\ncells: µs per call (median, slowest rank), in brackets {bandwidth}\n\n{table}\n")
+    plot(rows, os.path.join(out_dir, f"{name}.png"), title, bandwidth)
     return table

@@ -61,12 +61,11 @@ OPS = ("sum",)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # "auto" picks one_shot up to this many bytes at 8 ranks, two_shot above; with
-# fewer ranks one-shot reads less, so the limit scales as 8 / W. PROVISIONAL
-# until weft's own kernels are measured on H200: taken from torch's kernels in
-# DESIGN §6 (8 ranks: one_shot 12.3 / 15.5 / 19.6 us and two_shot 12.5 / 15.3 /
-# 16.4 us at 8 / 64 / 256 KiB, i.e. even up to ~64 KiB and two-shot ahead from
-# 256 KiB), so the switch sits between 128 KiB and 256 KiB.
-ONE_SHOT_MAX_BYTES_AT_8 = 128 << 10
+# fewer ranks one-shot reads less, so the limit scales as 8 / W. Measured on
+# 4 H200s (docs/perf.md, 2026-11-21): one_shot 15.5 / 21.7 / 31.9 us and
+# two_shot 18.6 / 23.8 / 30.3 us at 512 KiB / 1 MiB / 2 MiB, so the switch sits
+# at 1 MiB there, i.e. 512 KiB at 8 ranks (not yet measured on 8).
+ONE_SHOT_MAX_BYTES_AT_8 = 512 << 10
 
 
 # -- device helpers -------------------------------------------------------------
@@ -269,8 +268,13 @@ def _launch_shape(n: int, element_size: int, device: torch.device) -> tuple[int,
     """(programs, BLOCK elements, num_warps) for `n` elements handled per rank and step."""
     if device.type != "cuda":
         return min(4, max(1, n * element_size // 4096)), 1024, 4
-    # One 2048-element block per program (latency-bound sizes), up to 64 programs.
-    return max(1, min(64, triton.cdiv(n, 2048))), 2048, 8
+    # One 2048-element block per program, up to 64 programs; 256 from 4M elements per rank and step.
+    # Measured on 4 H200s (docs/perf.md): with 64, two-shot reached only ~177 GB/s of bus bandwidth at
+    # >= 16 MiB (NCCL ~340), too few loads in flight; 256 gave ~249 GB/s there but cost 10-50 % at 1-8 MiB,
+    # where each extra program adds W signals. All 256 programs (8 warps each) fit on the GPU at once,
+    # which the per-slot waits rely on.
+    cap = 256 if n >= (1 << 22) else 64
+    return max(1, min(cap, triton.cdiv(n, 2048))), 2048, 8
 
 
 def _vector_width(element_size: int, *tensors: torch.Tensor) -> int:

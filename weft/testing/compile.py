@@ -4,7 +4,8 @@ Must run in a process where the interpreter is off (WEFT_BACKEND=cuda,
 TRITON_INTERPRET unset): under the interpreter `@triton.jit` makes objects
 that `triton.compile` cannot take. CI runs `python -m weft.testing.compile`
 in a subprocess; it compiles every `*_kernel` in `weft.kernels` with the
-cases each module lists in `COMPILE_CASES` (a kernel with no case fails).
+cases each module lists in `COMPILE_CASES`: (kernel, signature, constexprs[, options]); a kernel
+with no case fails.
 """
 from __future__ import annotations
 
@@ -44,10 +45,13 @@ def main(arch: int = 90) -> int:
         covered = {c[0].__name__ for c in cases}
         for name in sorted(kernels - covered):
             failures.append(f"{mod.__name__}.{name}: no entry in COMPILE_CASES")
-        for fn, signature, constexprs in cases:
+        for fn, signature, constexprs, *options in cases:  # options: e.g. {"num_warps": 8, "min_arch": 90}
+            options = dict(options[0]) if options else {}
+            if arch < options.pop("min_arch", 0):
+                continue  # e.g. TMA descriptors need sm_90
             count += 1
             try:
-                compile_kernel(fn, signature, constexprs, arch)
+                compile_kernel(fn, signature, constexprs, arch, **options)
             except Exception as e:  # noqa: BLE001
                 failures.append(f"{mod.__name__}.{fn.__name__} {constexprs}: {type(e).__name__}: {e}")
     for f in failures:

@@ -1,0 +1,198 @@
+"""gemm: the overlapped GEMMs against NCCL + cuBLAS, each part alone, and torch's fused ops, in one run.
+
+For every shape of weft/bench/shapes.py (bf16, cut for the run's world size):
+- ag: weft ag_gemm | NCCL all_gather + cuBLAS | cuBLAS alone | NCCL all_gather alone | torch
+  fused_all_gather_matmul | GEMM alone (weft kernel) (the persistent kernel on the gathered A)
+- rs: weft gemm_rs | cuBLAS + NCCL reduce_scatter | cuBLAS alone | NCCL reduce_scatter alone | torch
+  fused_matmul_reduce_scatter
+- ar: weft gemm_ar | cuBLAS + NCCL all_reduce | cuBLAS alone | NCCL all_reduce alone | torch
+  one_shot_all_reduce + cuBLAS
+Every result is checked against NCCL + cuBLAS before timing. Timed in CUDA graphs (an impl that cannot be
+captured is timed eagerly and marked so). The bandwidth column holds TFLOP/s of the GEMM.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import weft
+from weft.kernels import gemm
+
+from . import shapes
+from .report import Row
+from .timing import time_call
+
+SUITE = "gemm"
+BASELINE = "NCCL+cuBLAS"
+RIVAL = "torch"
+BANDWIDTH = "TFLOP/s of the GEMM"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--ops", default="ag,rs,ar", help="comma-separated subset of ag, rs, ar")
+    p.add_argument("--samples", type=int, default=20)
+    p.add_argument("--scale", type=int, default=1, help="divide M, N, K by this (cpu smoke runs)")
+    p.add_argument("--only", default="", help="run only shapes whose label contains this")
+
+
+def _scaled(x: int, scale: int, w: int) -> int:
+    return max(16 * w, x // scale // (16 * w) * (16 * w)) if scale > 1 else x
+
+
+def _gather(out, x, group):
+    if hasattr(dist, "all_gather_single"):
+        dist.all_gather_single(out, x, group=group)
+    else:
+        dist.all_gather_into_tensor(out, x, group=group)
+
+
+def _reduce_scatter(out, x, group):
+    if dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter_tensor
+        full = x.clone()
+        dist.all_reduce(full, group=group)
+        out.copy_(full.chunk(dist.get_world_size(group))[dist.get_rank(group)])
+    else:
+        dist.reduce_scatter_tensor(out, x, group=group)
+
+
+def _torch_symm():
+    """torch.ops.symm_mem, when this torch build has it and we are on GPUs."""
+    if not torch.cuda.is_available():
+        return None
+    return getattr(torch.ops, "symm_mem", None)
+
+
+def _ag_impls(w, m, n, k, dev):
+    a = torch.randn(m, k, device=dev).to(torch.bfloat16)
+    b = (torch.randn(k, n, device=dev) / k ** 0.5).to(torch.bfloat16)
+    g = torch.empty(w.world_size * m, k, dtype=a.dtype, device=dev)
+    c = torch.empty(w.world_size * m, n, dtype=a.dtype, device=dev)
+    c2 = torch.empty_like(c)
+
+    def nccl_cublas():
+        _gather(g, a, w.group)
+        return torch.matmul(g, b, out=c2)
+
+    impls = {
+        "weft ag_gemm": lambda: weft.ops.ag_gemm(a, b, out=c),
+        BASELINE: nccl_cublas,
+        "cuBLAS alone": lambda: torch.matmul(g, b, out=c2),
+        "NCCL all_gather alone": lambda: _gather(g, a, w.group),
+        "GEMM alone (weft kernel)": lambda: gemm.matmul(g, b, out=c2),
+    }
+    symm = _torch_symm()
+    if symm is not None and hasattr(symm, "fused_all_gather_matmul"):
+        impls["torch fused"] = lambda: symm.fused_all_gather_matmul(a, [b], 0, w.group.group_name, return_A=False)[1][0]
+    return impls, {"weft ag_gemm", BASELINE, "torch fused"}, 2 * w.world_size * m * n * k
+
+
+def _rs_impls(w, m, n, k, dev):
+    a = torch.randn(m, k, device=dev).to(torch.bfloat16)
+    b = (torch.randn(k, n, device=dev) / (k * w.world_size) ** 0.5).to(torch.bfloat16)
+    p = torch.empty(m, n, dtype=a.dtype, device=dev)
+    out = torch.empty(m // w.world_size, n, dtype=a.dtype, device=dev)
+
+    def cublas_nccl():
+        torch.matmul(a, b, out=p)
+        _reduce_scatter(out, p, w.group)
+        return out
+
+    impls = {
+        "weft gemm_rs": lambda: weft.ops.gemm_rs(a, b),
+        BASELINE: cublas_nccl,
+        "cuBLAS alone": lambda: torch.matmul(a, b, out=p),
+        "NCCL reduce_scatter alone": lambda: _reduce_scatter(out, p, w.group),
+    }
+    symm = _torch_symm()
+    if symm is not None and hasattr(symm, "fused_matmul_reduce_scatter"):
+        impls["torch fused"] = lambda: symm.fused_matmul_reduce_scatter(a, b, "sum", 0, w.group.group_name)
+    return impls, {"weft gemm_rs", BASELINE, "torch fused"}, 2 * m * n * k
+
+
+def _ar_impls(w, m, n, k, dev):
+    a = torch.randn(m, k, device=dev).to(torch.bfloat16)
+    b = (torch.randn(k, n, device=dev) / (k * w.world_size) ** 0.5).to(torch.bfloat16)
+    p = torch.empty(m, n, dtype=a.dtype, device=dev)
+
+    def cublas_nccl():
+        torch.matmul(a, b, out=p)
+        dist.all_reduce(p, group=w.group)
+        return p
+
+    impls = {
+        "weft gemm_ar": lambda: weft.ops.gemm_ar(a, b),
+        BASELINE: cublas_nccl,
+        "cuBLAS alone": lambda: torch.matmul(a, b, out=p),
+        "NCCL all_reduce alone": lambda: dist.all_reduce(p, group=w.group),
+    }
+    symm = _torch_symm()
+    if symm is not None and hasattr(symm, "one_shot_all_reduce"):
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        ps = symm_mem.empty((m, n), dtype=a.dtype, device=dev)
+        symm_mem.rendezvous(ps, w.group.group_name)
+
+        def cublas_one_shot():
+            torch.matmul(a, b, out=ps)
+            return symm.one_shot_all_reduce(ps, "sum", w.group.group_name)
+
+        impls["torch one_shot + cuBLAS"] = cublas_one_shot
+    return impls, {"weft gemm_ar", BASELINE, "torch one_shot + cuBLAS"}, 2 * m * n * k
+
+
+def cases(ops: list[str], world_size: int, scale: int):
+    w = world_size
+    for op in ops:
+        table = {"ag": shapes.AG_GEMM, "rs": shapes.GEMM_RS, "ar": shapes.GEMM_AR}[op]
+        for M, N, K in table:
+            if op == "ag":
+                m, n, k = shapes.ag_local(M, N, K, w)
+                m, n, k = _scaled(m, scale, w) // w, _scaled(n, scale, 1), _scaled(k, scale, 1)
+            else:
+                m, n, k = shapes.rs_local(M, N, K, w)
+                m = m if op == "ar" else _scaled(m, scale, w)
+                n, k = _scaled(n, scale, 1), _scaled(k, scale, 1)
+            yield op, f"{op.upper()} {M}x{N}x{K}", (m, n, k)
+
+
+def _time(name, f, samples, graph):
+    try:
+        return time_call(f, calls=3, samples=samples, graph=graph), name
+    except Exception as e:  # noqa: BLE001 - e.g. an op that cannot be captured: time it eagerly instead
+        if not graph:
+            raise
+        print(f"  {name}: CUDA-graph capture failed ({type(e).__name__}: {str(e).splitlines()[0][:100]}); eager",
+              flush=True)
+        torch.cuda.synchronize()
+        weft.barrier()
+        return time_call(f, calls=3, samples=samples, graph=False), f"{name} (eager)"
+
+
+def run(args) -> list[Row]:
+    w = weft.world()
+    dev = w.device
+    rows = []
+    make = {"ag": _ag_impls, "rs": _rs_impls, "ar": _ar_impls}
+    for op, label, (m, n, k) in cases(args.ops.split(","), w.world_size, args.scale):
+        if args.only and args.only not in label:
+            continue
+        impls, checked, flops = make[op](w, m, n, k, dev)
+        ref = impls[BASELINE]().clone()
+        for name in [i for i in impls if i in checked]:  # impls' order: the same on every rank (a set's is not)
+            if name == BASELINE:
+                continue
+            if w.rank == 0:
+                print(f"{label}: checking {name}", flush=True)
+            got = impls[name]()
+            err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+            if not err < 2e-2:
+                raise RuntimeError(f"{label} {name}: relative error {err:.2e} against {BASELINE}")
+        weft.barrier()
+        case = f"{label} (per rank {m}x{n}x{k})"
+        for name, f in impls.items():
+            ms, shown = _time(name, f, args.samples, graph=dev.type == "cuda")
+            rows.append(Row(SUITE, case, shown, ms, flops / ms / 1e9, flops, w.world_size))
+            if w.rank == 0:
+                print(f"{case} {shown}: {ms * 1e3:.1f} us", flush=True)
+        weft.barrier()
+    return rows

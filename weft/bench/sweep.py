@@ -1,0 +1,106 @@
+"""What the reduction suites share: options and size sweep, inputs, the check against the process
+group's collective, torch's symmetric-memory baselines, and the timing of every implementation."""
+from __future__ import annotations
+
+import torch
+
+import weft
+
+from .report import Row, human_bytes
+from .timing import time_call
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Against NCCL, which may round to the dtype after every partial sum where weft rounds once.
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}
+ROTATE = 4  # input sets cycled through, so repeated calls don't all hit in L2
+ONE_SHOT_MAX_BYTES = 8 << 20  # one-shot reads W x the data: not timed above this
+TORCH_SYMM_DTYPES = (torch.bfloat16, torch.float32)  # what torch's symm_mem kernels dispatch on
+
+
+def add_arguments(p, what: str) -> None:
+    p.add_argument("--min-bytes", type=int, default=4 << 10, help=f"smallest {what}")
+    p.add_argument("--max-bytes", type=int, default=512 << 20, help=f"largest {what} (powers of 2 from the smallest)")
+    p.add_argument("--samples", type=int, default=50, help="timed samples per implementation and size")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+
+
+def sizes(args) -> list[int]:
+    if args.min_bytes < 1 or args.max_bytes < args.min_bytes:
+        raise ValueError(f"need 1 <= --min-bytes <= --max-bytes, got {args.min_bytes} and {args.max_bytes}")
+    out, size = [], args.min_bytes
+    while size <= args.max_bytes:
+        out.append(size)
+        size *= 2
+    return out
+
+
+def note(text: str) -> None:
+    if weft.rank() == 0:
+        print(f"note: {text}", flush=True)
+
+
+def inputs(n: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """ROTATE inputs of n elements, different on every rank (seeded by rank: torch's default seed is the same
+    in every process). randn / W keeps sums near unit scale, so rounding differences stay inside TOLERANCE."""
+    w = weft.world()
+    gen = torch.Generator(device=w.device).manual_seed(1 + w.rank)
+    return [(torch.randn(n, device=w.device, generator=gen) / w.world_size).to(dtype) for _ in range(ROTATE)]
+
+
+def check(name: str, got: torch.Tensor, ref: torch.Tensor, baseline: str, size: int) -> None:
+    tol = TOLERANCE[ref.dtype]
+    try:
+        torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    except AssertionError as e:
+        raise RuntimeError(f"{name}: mismatch against {baseline} at {human_bytes(size)}: {e}") from None
+
+
+def torch_symm_op(name: str, dtype: torch.dtype):
+    """torch.ops.symm_mem.<name>, or None (with a note) where it cannot run here."""
+    if weft.device().type != "cuda":
+        note(f"torch.ops.symm_mem.{name} runs on cuda only: skipped")
+        return None
+    op = getattr(torch.ops.symm_mem, name, None)
+    if op is None:
+        note(f"torch {torch.__version__} has no torch.ops.symm_mem.{name}: skipped")
+        return None
+    if dtype not in TORCH_SYMM_DTYPES:
+        note(f"torch.ops.symm_mem.{name} has no {dtype} kernel: skipped")
+        return None
+    return op
+
+
+def symm_copies(xs: list[torch.Tensor]) -> torch.Tensor:
+    """The inputs copied, one per row, into one allocation of torch's symmetric memory (torch's allocator,
+    not weft's heap), rendezvoused: what torch's symm_mem ops read their peers' data from. Row i is a
+    1-D view at a 16-byte-aligned offset, which the ops accept."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    w = weft.world()
+    buf = symm_mem.empty(len(xs), xs[0].numel(), dtype=xs[0].dtype, device=w.device)
+    symm_mem.rendezvous(buf, w.group.group_name)
+    for row, x in zip(buf, xs):
+        row.copy_(x)
+    return buf
+
+
+def time_impls(suite: str, impls: dict, size: int, nbytes: int, bus_factor: float, samples: int) -> list[Row]:
+    """One row per implementation: `impls[name](i)` runs it on input set i. On GPUs every call is replayed
+    from a CUDA graph (NCCL, weft and torch's symm_mem ops all capture); GB/s = bus_factor * nbytes / time."""
+    w = weft.world()
+    gpu = w.device.type == "cuda"
+    calls = 20 if nbytes < (1 << 20) else 5  # >= ROTATE: a replay cycles through every input set
+    if not gpu:
+        calls = 1  # the interpreter is slow; the cpu backend checks the harness, not speed
+    rows = []
+    for name, f in impls.items():
+        state = {"i": 0}
+
+        def call(f=f, state=state):
+            f(state["i"] % ROTATE)
+            state["i"] += 1
+
+        ms = time_call(call, calls=calls, samples=samples, warmup=5 if gpu else 1, graph=gpu)
+        rows.append(Row(suite, human_bytes(size), name, ms, bus_factor * nbytes / ms / 1e6, nbytes, w.world_size))
+    weft.barrier()
+    return rows

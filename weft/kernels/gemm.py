@@ -1,0 +1,209 @@
+"""The GEMM under the overlapped ops: persistent, TMA-fed, grouped tile order (Hopper).
+
+c = a @ b with a (M, K) and b (K, N) row-major; bf16, fp16 or fp32 inputs
+(fp32 uses tf32 on the GPU), fp32 accumulation, output in the input dtype.
+
+Shape of the kernel (after Triton's tutorial 09-persistent-matmul):
+- a persistent grid of one program per SM walks the output tiles with a stride
+  of the grid size, so there is one launch and no tail of half-empty waves;
+- tiles are visited in groups of GROUP_M row-blocks, so the B columns a group
+  needs stay in L2 while its A rows stream through;
+- A and B tiles arrive by TMA (tensor descriptors made on the host), and the
+  K loop is software-pipelined NUM_STAGES deep.
+
+The building blocks (`tile_of`, `mma`, `dot`) are shared with the overlapped
+kernels (ag_gemm, gemm_rs, gemm_ar), which add flag waits before the K loop
+or signals after the epilogue.
+
+TMA needs 16-byte aligned row strides: K and N must be multiples of 16 bytes
+(8 bf16/fp16 elements, 4 fp32). Any M, N, K otherwise; ragged edges are
+zero-filled by the descriptor on load and clipped on store.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+import weft.language as wl
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# -- device building blocks -----------------------------------------------------
+
+@triton.jit
+def dot(a, b, acc):
+    """acc + a @ b. (Triton 3.6's interpreter gets bf16 dots wrong: on the cpu backend, multiply in fp32.)"""
+    if wl.INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def tile_of(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """(row block, column block) of the tile-th output tile in grouped order:
+    GROUP_M row blocks are walked column by column, so a group reuses B from L2."""
+    per_group = GROUP_M * num_n
+    first_m = (tile // per_group) * GROUP_M
+    rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % rows
+    pid_n = (tile % per_group) // rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def mma(a_desc, b_desc, off_m, off_n, k_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """fp32 a[off_m:+BLOCK_M, :] @ b[:, off_n:+BLOCK_N] over k_tiles K blocks, TMA loads NUM_STAGES deep."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in tl.range(k_tiles, num_stages=NUM_STAGES):
+        a = a_desc.load([off_m, k * BLOCK_K])
+        b = b_desc.load([k * BLOCK_K, off_n])
+        acc = dot(a, b, acc)
+    return acc
+
+
+# -- kernel ---------------------------------------------------------------------
+
+@triton.jit
+def matmul_kernel(a_desc, b_desc, c_desc, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr,
+                  NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """c = a @ b. Program p computes tiles p, p + NUM_PROGRAMS, ... in grouped order.
+
+    FLATTEN fuses the tile and K loops into one pipelined loop, so the next
+    tile's first loads overlap this tile's epilogue; WARP_SPECIALIZE lets the
+    compiler split loads and MMAs over warp groups. Which pays is measured
+    per shape class (GPU_CONFIGS).
+    """
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = tile_of(tile, num_m, num_n, GROUP_M)
+        acc = mma(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
+        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
+
+
+# -- configs --------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    num_stages: int = 3
+    num_warps: int = 8
+    flatten: bool = True
+    warp_specialize: bool = False
+
+    def constexprs(self) -> dict:
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=self.group_m,
+                    NUM_STAGES=self.num_stages)
+
+
+# Small blocks for the Triton interpreter (cost grows with the number of tl ops, not their size).
+CPU_CONFIG = GemmConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_stages=1, num_warps=4, flatten=False)
+
+# H200 configs, from `weft bench -n 1 matmul --sweep` (docs/perf.md, 2026-11-21): 128x256x64 tiles, 3
+# stages, 8 warps, fused tile/K loops win on most per-rank TP shapes; small outputs (M * N <= 2^24) prefer
+# GROUP_M = 16; three shapes measured 3-6 % faster with 128x128 tiles. M <= 256 is left to smaller tiles.
+GPU_CONFIGS = {
+    "large": GemmConfig(128, 256, 64, 8, 3, 8, True),
+    "small": GemmConfig(128, 256, 64, 16, 3, 8, True),
+    "medium": GemmConfig(128, 128, 64, 8, 4, 4, True),
+    "skinny": GemmConfig(64, 128, 64, 8, 4, 4, False),
+}
+TUNED = {(8192, 1792, 4096): "medium", (8192, 4096, 1792): "medium", (8192, 3696, 8192): "medium"}
+
+
+def shape_class(m: int, n: int, k: int) -> str:
+    if m <= 256:
+        return "skinny"
+    if (m, n, k) in TUNED:
+        return TUNED[(m, n, k)]
+    return "small" if m * n <= (1 << 24) else "large"
+
+
+def config_for(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
+    if device.type != "cuda":
+        return CPU_CONFIG
+    return GPU_CONFIGS[shape_class(m, n, k)]
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# -- host side ------------------------------------------------------------------
+
+def check_operands(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor, device: torch.device) -> None:
+    """TypeError/ValueError naming the argument unless a (·, K) @ b (K, N) can run on the TMA path."""
+    for name, t in ((a_name, a), (b_name, b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, but this rank's device is {device}")
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: {', '.join(str(d) for d in DTYPES)}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if (t.shape[1] * t.element_size()) % 16:
+            raise ValueError(f"{name} has {t.shape[1]} columns: rows must be a multiple of 16 bytes "
+                             f"({16 // t.element_size()} elements of {t.dtype}) for TMA")
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} must start 16-byte aligned")
+    if a.dtype != b.dtype:
+        raise TypeError(f"{a_name} and {b_name} must have the same dtype, got {a.dtype} and {b.dtype}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"{a_name} has {a.shape[1]} columns but {b_name} has {b.shape[0]} rows")
+
+
+def descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
+    return TensorDescriptor.from_tensor(t, list(block))
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
+           config: GemmConfig | None = None) -> torch.Tensor:
+    """a @ b on this rank with the persistent TMA kernel (not collective)."""
+    device = a.device if isinstance(a, torch.Tensor) else torch.device("cpu")
+    check_operands("a", a, "b", b, device)
+    m, k = a.shape
+    n = b.shape[1]
+    if out is None:
+        out = torch.empty((m, n), dtype=a.dtype, device=device)
+    elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != (m, n) or out.dtype != a.dtype
+          or not out.is_contiguous() or out.device != device):
+        raise ValueError(f"out must be a contiguous {a.dtype} tensor of shape {(m, n)} on {device}")
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    cfg = config or config_for(m, n, k, device)
+    programs = min(num_sms(device), triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n))
+    matmul_kernel[(programs,)](
+        descriptor(a, (cfg.block_m, cfg.block_k)), descriptor(b, (cfg.block_k, cfg.block_n)),
+        descriptor(out, (cfg.block_m, cfg.block_n)), m, n, k, NUM_PROGRAMS=programs, FLATTEN=cfg.flatten,
+        WARP_SPECIALIZE=cfg.warp_specialize,
+        num_warps=cfg.num_warps, **cfg.constexprs())
+    return out
+
+
+
+COMPILE_CASES = [
+    (matmul_kernel,
+     dict(a_desc=f"tensordesc<{t}[{c.block_m}, {c.block_k}]>", b_desc=f"tensordesc<{t}[{c.block_k}, {c.block_n}]>",
+          c_desc=f"tensordesc<{t}[{c.block_m}, {c.block_n}]>", M="i32", N="i32", K="i32"),
+     dict(NUM_PROGRAMS=132, FLATTEN=c.flatten, WARP_SPECIALIZE=c.warp_specialize, **c.constexprs()), dict(num_warps=c.num_warps, min_arch=90))
+    for t in ("bf16", "fp16") for c in GPU_CONFIGS.values()
+]

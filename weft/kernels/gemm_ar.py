@@ -1,0 +1,279 @@
+"""GEMM-AllReduce: out = sum over ranks r of a_r @ b_r, on every rank, in one kernel.
+
+The row-parallel linear layer of tensor parallelism at decode time: every rank
+holds a (M, K_local) slice of the activations and the matching (K_local, N)
+rows of the weight, and every rank needs the summed (M, N). M is small (1 to
+~128 tokens), so the GEMM is bound by reading b from HBM and the all-reduce by
+latency; fusing them saves a launch, a synchronisation and the round trip of
+the partial product through HBM that cuBLAS + a separate all-reduce pay.
+
+One program per output tile (row block x column block). Program t of every
+rank:
+1. computes its fp32 partial tile of a_me @ b_me (K loop pipelined);
+2. pushes it into slot [me] of tile t of every rank's symmetric `stage`
+   (remote stores), then sets flag arrived[me] of tile t on every rank to
+   the epoch;
+3. waits until its own W arrived flags of tile t reach the epoch, and sums
+   the W slots of tile t in rank order 0, 1, ..., W - 1 in fp32 into `out`.
+Every rank sums the same staged values in the same order, so every rank gets
+the same bits. Program t only ever waits on program t of its peers, never on
+another program of its own grid (the interpreter runs them one after another).
+
+Staged partials are fp32 while the push is small (M <= STAGE_FP32_MAX_M):
+one rounding, at the end, as in an fp32 GEMM. Above that they are rounded to
+the input dtype, halving the bytes that cross NVLink; that is the rounding the
+baseline (matmul in the input dtype, then all_reduce) makes anyway, and the sum
+still runs in fp32. fp32 inputs use tf32 products on the GPU (as
+weft.kernels.gemm does).
+
+The stage is double-buffered by epoch parity: epoch e writes half e % 2, so
+calls run back to back without a handshake. Why rank r may write half e % 2 of
+tile t on rank q at epoch e: the only reader of that region is q's program t,
+at epochs of e's parity. r's program t reached epoch e only after it waited,
+at epoch e - 1, for q's arrived flag of epoch e - 1 of tile t; q set that flag
+in its epoch e - 1 launch, which on q's stream starts after its epoch e - 2
+launch, the last reader of the region, has finished. Conversely, flags are
+compared with >=: a peer can be at most one epoch ahead (to reach e + 2 it
+would need my arrival of e + 1, sent after my reads of e), and an arrival of
+e + 1 implies that the peer's push of e (same half as my reads) came before
+it, while its push of e + 1 lands in the other half.
+
+Per tile the context keeps int32 flags [epoch, arrived[W]]; the epoch lives on
+the device (never reset), so the op replays inside CUDA graphs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+import weft.language as wl
+
+from .all_reduce import _cast, all_reduce
+from .common import check_method, check_out, check_tensor, no_capture_for_setup, world_or_raise
+from .gemm import dot
+
+METHODS = ("auto", "fused", "baseline")
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Stage fp32 partials up to this many rows (at N = 5120 and 8 ranks: 160 KiB to each peer), else the input dtype.
+STAGE_FP32_MAX_M = 8
+# "auto" uses the fused kernel up to this many rows, else cuBLAS + all_reduce. Measured on 4 H200s at
+# N = 5120, K = 25600 (docs/perf.md, 2026-11-21), fused vs cuBLAS + NCCL: 29.8 vs 35.4 us at M = 1, 31.0 vs
+# 35.8 at M = 8, but 35.9 vs 34.2 at M = 32 and 67.0 vs 47.5 at M = 128: the fused kernel pushes every
+# partial to every peer, so its traffic grows as (W - 1) * M * N, and its GEMM is the untuned one.
+FUSED_MAX_M = 16
+
+
+# -- device helpers -------------------------------------------------------------
+
+@triton.jit
+def _partial_tile(a, b, offs_m, offs_n, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """fp32 a[offs_m, :] @ b[:, offs_n] (rows >= M and columns >= N read as zero).
+
+    b is the big operand: whole K blocks stream through a NUM_STAGES-deep
+    pipeline, with no mask on b when N is a multiple of BLOCK_N (EVEN_N) so its
+    loads stay 16-byte vectors; a ragged last K block (not EVEN_K) is masked.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    row_ok = offs_m[:, None] < M
+    col_ok = offs_n[None, :] < N
+    a_ptrs = a + offs_m[:, None] * K + offs_k[None, :]
+    b_ptrs = b + offs_k[:, None] * N + offs_n[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for _ in tl.range(K // BLOCK_K, num_stages=NUM_STAGES):
+        a_blk = tl.load(a_ptrs, mask=row_ok, other=0.0)
+        if EVEN_N:
+            b_blk = tl.load(b_ptrs)
+        else:
+            b_blk = tl.load(b_ptrs, mask=col_ok, other=0.0)
+        acc = dot(a_blk, b_blk, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * N
+    if not EVEN_K:
+        k_ok = offs_k < K % BLOCK_K
+        a_blk = tl.load(a_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
+        b_blk = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
+        acc = dot(a_blk, b_blk, acc)
+    return acc
+
+
+@triton.jit
+def _tile_at(base, in_tile, ALIGNED: tl.constexpr):
+    """`base + in_tile`, with the host's promise (ALIGNED) that rows of the tile start 16-byte aligned, so
+    accesses become 16-byte vectors. Pointers computed by symm_at or consume_token carry no alignment, and
+    a hint on a pointer received as an argument is lost: apply it here, where the tile's pointers are made."""
+    ptrs = base + in_tile
+    if ALIGNED:
+        ptrs = tl.multiple_of(ptrs, [16, 16])
+    return ptrs
+
+
+# -- kernel ---------------------------------------------------------------------
+
+@triton.jit
+def gemm_ar_kernel(a, b, stage, out, flags, heap, M, N, K, WORLD: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_N: tl.constexpr,
+                   EVEN_K: tl.constexpr, ALIGNED: tl.constexpr):
+    """out tile t = sum over ranks of (a @ b) tile t: compute, push to every rank, wait, sum.
+
+    `stage` holds 2 halves (epoch parity) of WORLD slots of M x N, one slot
+    per source rank, in the stage dtype; `flags` holds [epoch, arrived[WORLD]]
+    per tile.
+    """
+    t = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    offs_m = (t // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (t % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    me = wl.rank(heap)
+    f = flags + t * (1 + WORLD)
+    arrived = f + 1
+    epoch = tl.load(f) + 1
+
+    acc = _partial_tile(a, b, offs_m, offs_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_N, EVEN_K)
+
+    # Push my partial into slot [me] of this epoch's half on every rank (myself included: my own share is read
+    # back rounded like the others'). Each rank starts with itself and goes round, so all do not hit rank 0 first.
+    in_tile = offs_m[:, None] * N + offs_n[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    slots = stage + (epoch % 2) * (WORLD * M * N)
+    mine = _cast(acc, stage.dtype.element_ty)
+    for i in tl.static_range(WORLD):
+        peer = (me + i) % WORLD
+        tl.store(_tile_at(wl.symm_at(slots + me * (M * N), peer, heap), in_tile, ALIGNED), mine, mask=mask)
+    for q in range(WORLD):
+        wl.notify(arrived + me, q, heap, epoch)
+
+    # Sum the WORLD partials of this tile in rank order (the same bits on every rank). The loop is unrolled,
+    # so all WORLD loads are in flight before the adds need them.
+    token = wl.wait(arrived, WORLD, epoch, wl.CMP_GE)
+    slots = wl.consume_token(slots, token)
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for q in tl.static_range(WORLD):
+        total += tl.load(_tile_at(slots + q * (M * N), in_tile, ALIGNED), mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + in_tile, _cast(total, out.dtype.element_ty), mask=mask)
+    tl.store(f, epoch)
+
+
+# -- configs --------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class GemmArConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_stages: int
+    num_warps: int
+
+
+# H200, by the largest M a row serves (M <= 256; beyond, the last row with more row blocks). PROVISIONAL
+# (not yet tuned): at N = 5120 a 64-column block gives 80 programs, all resident on the 132 SMs, each
+# streaming a 64-column strip of b; BLOCK_M = 16 is tl.dot's minimum.
+GPU_CONFIGS = (
+    (16, GemmArConfig(block_m=16, block_n=64, block_k=128, num_stages=4, num_warps=4)),
+    (32, GemmArConfig(block_m=32, block_n=64, block_k=128, num_stages=4, num_warps=4)),
+    (64, GemmArConfig(block_m=64, block_n=64, block_k=64, num_stages=4, num_warps=4)),
+    (None, GemmArConfig(block_m=128, block_n=64, block_k=64, num_stages=3, num_warps=8)),
+)
+# The interpreter's cost grows with the number of tl ops, not their size; small tiles keep tests' shapes small.
+CPU_CONFIG = GemmArConfig(block_m=16, block_n=32, block_k=32, num_stages=1, num_warps=4)
+
+
+def config_for(m: int, device: torch.device) -> GemmArConfig:
+    if device.type != "cuda":
+        return CPU_CONFIG
+    return next(cfg for max_m, cfg in GPU_CONFIGS if max_m is None or m <= max_m)
+
+
+def stage_dtype(m: int, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if m <= STAGE_FP32_MAX_M else dtype
+
+
+# -- host side ------------------------------------------------------------------
+
+class GemmArContext:
+    """Symmetric stage (2 halves x W slots x M x N) and per-tile flags [epoch, arrived[W]]."""
+
+    def __init__(self, world, m: int, n: int, dtype: torch.dtype, tiles: int):
+        heap = world.heap
+        w = world.world_size
+        self.stage = heap.empty((2 * w * m * n,), dtype)
+        self.flags = heap.empty((tiles * (1 + w),), torch.int32)
+        self.flags.zero_()
+        world.barrier()  # flags are zero everywhere before anyone signals
+
+
+def _shares_memory(x: torch.Tensor, y: torch.Tensor) -> bool:
+    x0, y0 = x.data_ptr(), y.data_ptr()
+    return x0 < y0 + y.numel() * y.element_size() and y0 < x0 + x.numel() * x.element_size()
+
+
+def _check_operands(a, b_shard, out, world) -> None:
+    for name, t in (("a", a), ("b_shard", b_shard)):
+        check_tensor(name, t, world, dtypes=DTYPES)
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if a.dtype != b_shard.dtype:
+        raise TypeError(f"a and b_shard must have the same dtype, got {a.dtype} and {b_shard.dtype}")
+    if a.shape[1] != b_shard.shape[0]:
+        raise ValueError(f"a has {a.shape[1]} columns but b_shard has {b_shard.shape[0]} rows")
+    if out is not None:
+        check_out(out, (a.shape[0], b_shard.shape[1]), a.dtype, world)
+        if any(_shares_memory(out, t) for t in (a, b_shard) if t.numel()):
+            raise ValueError("out overlaps a or b_shard: pass a separate tensor")
+
+
+def gemm_ar(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """all_reduce over ranks of a @ b_shard: the row-parallel linear layer of tensor parallelism.
+
+    a: (M, K_local), b_shard: (K_local, N), contiguous, same dtype (bf16, fp16,
+    fp32); returns (M, N) in that dtype, the same bits on every rank (fp32
+    accumulation). method: "fused" (one kernel: GEMM, push, sum), "baseline"
+    (torch.matmul, then weft's all_reduce), "auto" (fused up to FUSED_MAX_M
+    rows). `out`: any contiguous (M, N) tensor of the dtype not overlapping the
+    operands. Collective: every rank calls it with the same shapes, dtype and
+    method.
+    """
+    world = world_or_raise()
+    _check_operands(a, b_shard, out, world)
+    check_method(method, METHODS)
+    (m, k), n = a.shape, b_shard.shape[1]
+    if out is None:
+        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    if method == "auto":
+        method = "fused" if m <= FUSED_MAX_M else "baseline"
+    if method == "baseline":
+        return all_reduce(torch.matmul(a, b_shard), out=out)
+    cfg = config_for(m, a.device)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    sdtype = stage_dtype(m, a.dtype)
+    key = ("gemm_ar", m, n, sdtype, tiles)
+    if key not in world.contexts:
+        no_capture_for_setup("weft.ops.gemm_ar")
+    ctx = world.context(key, lambda: GemmArContext(world, m, n, sdtype, tiles))
+    gemm_ar_kernel[(tiles,)](a, b_shard, ctx.stage, out, ctx.flags, world.heap.descriptor, m, n, k,
+                             WORLD=world.world_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                             BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, EVEN_N=n % cfg.block_n == 0,
+                             EVEN_K=k % cfg.block_k == 0, ALIGNED=n * sdtype.itemsize % 16 == 0,
+                             num_warps=cfg.num_warps)
+    return out
+
+
+# Signatures for the compile check (weft.testing.compile): every GPU config, bf16/fp16, stage in fp32 (small M)
+# or the input dtype, even and ragged edges at 8 ranks, and 2 ranks.
+_PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+COMPILE_CASES = [
+    (gemm_ar_kernel,
+     dict(a=t, b=t, stage="*fp32" if max_m == 16 else t, out=t, flags="*i32", heap="*i64", M="i32", N="i32",
+          K="i32"),
+     dict(WORLD=wd, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, NUM_STAGES=c.num_stages,
+          EVEN_N=even, EVEN_K=even, ALIGNED=even),
+     dict(num_warps=c.num_warps))
+    for t in _PTR.values() for max_m, c in GPU_CONFIGS for wd, even in ((8, True), (8, False), (2, True))
+]
