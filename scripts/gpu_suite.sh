@@ -27,7 +27,7 @@ for n in 2 $NGPU; do
   [ "$n" -le "$NGPU" ] || continue
   step "gpu_tests_$n" timeout 200 python3 -m weft run -n "$n" -m pytest tests/test_gpu.py tests/test_gpu_gemm.py -m gpu -q -x -p no:cacheprovider
 done
-step tutorials timeout 100 bash -c "for t in tutorials/0*.py; do python3 -m weft run -n $NGPU \$t || exit 1; done"
+step tutorials timeout 240 bash -c "for t in tutorials/0*.py; do python3 -m weft run -n $NGPU \$t || exit 1; done"
 if [ "${1:-}" != "quick" ]; then
   step bench_allgather timeout 250 python3 -m weft bench -n "$NGPU" allgather --out "$OUT/bench"
   # 4 KiB..512 MiB bf16; the largest sizes take ~3 ms per call, so 30 samples keep each run near a minute.
