@@ -72,7 +72,7 @@ def _bad_inputs():
         (dict(a_shard=a, b=b.half()), TypeError, "same dtype"),
         (dict(a_shard=a, b=torch.randn(4, 16)), ValueError, "columns but b has 4 rows"),
         (dict(a_shard=torch.randn(4, 6), b=torch.randn(6, 16)), ValueError, "multiple of 16 bytes"),
-        (dict(a_shard=a, b=b, out=torch.empty(w * 4, 8)), ValueError, "out must be"),
+        (dict(a_shard=a, b=b, out=torch.empty(w * 4, 8)), ValueError, "out has shape"),
         (dict(a_shard=a, b=b, method="ring"), ValueError, "method must be one of"),
     ]
     for kwargs, exc, words in bad:

@@ -17,8 +17,9 @@ import torch.distributed as dist
 
 import weft
 from weft.kernels import gemm
+from weft.testing.reference import all_gather_ref, reduce_scatter_ref
 
-from . import shapes
+from . import shapes, sweep
 from .report import Row
 from .timing import time_call
 
@@ -39,29 +40,6 @@ def _scaled(x: int, scale: int, w: int) -> int:
     return max(16 * w, x // scale // (16 * w) * (16 * w)) if scale > 1 else x
 
 
-def _gather(out, x, group):
-    if hasattr(dist, "all_gather_single"):
-        dist.all_gather_single(out, x, group=group)
-    else:
-        dist.all_gather_into_tensor(out, x, group=group)
-
-
-def _reduce_scatter(out, x, group):
-    if dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter_tensor
-        full = x.clone()
-        dist.all_reduce(full, group=group)
-        out.copy_(full.chunk(dist.get_world_size(group))[dist.get_rank(group)])
-    else:
-        dist.reduce_scatter_tensor(out, x, group=group)
-
-
-def _torch_symm():
-    """torch.ops.symm_mem, when this torch build has it and we are on GPUs."""
-    if not torch.cuda.is_available():
-        return None
-    return getattr(torch.ops, "symm_mem", None)
-
-
 def _ag_impls(w, m, n, k, dev):
     a = torch.randn(m, k, device=dev).to(torch.bfloat16)
     b = (torch.randn(k, n, device=dev) / k ** 0.5).to(torch.bfloat16)
@@ -70,19 +48,19 @@ def _ag_impls(w, m, n, k, dev):
     c2 = torch.empty_like(c)
 
     def nccl_cublas():
-        _gather(g, a, w.group)
+        all_gather_ref(g, a, w.group)
         return torch.matmul(g, b, out=c2)
 
     impls = {
         "weft ag_gemm": lambda: weft.ops.ag_gemm(a, b, out=c),
         BASELINE: nccl_cublas,
         "cuBLAS alone": lambda: torch.matmul(g, b, out=c2),
-        "NCCL all_gather alone": lambda: _gather(g, a, w.group),
+        "NCCL all_gather alone": lambda: all_gather_ref(g, a, w.group),
         "GEMM alone (weft kernel)": lambda: gemm.matmul(g, b, out=c2),
     }
-    symm = _torch_symm()
-    if symm is not None and hasattr(symm, "fused_all_gather_matmul"):
-        impls["torch fused"] = lambda: symm.fused_all_gather_matmul(a, [b], 0, w.group.group_name, return_A=False)[1][0]
+    fused = sweep.torch_symm_op("fused_all_gather_matmul", a.dtype)
+    if fused is not None:
+        impls["torch fused"] = lambda: fused(a, [b], 0, w.group.group_name, return_A=False)[1][0]
     return impls, {"weft ag_gemm", BASELINE, "torch fused"}, 2 * w.world_size * m * n * k
 
 
@@ -94,18 +72,18 @@ def _rs_impls(w, m, n, k, dev):
 
     def cublas_nccl():
         torch.matmul(a, b, out=p)
-        _reduce_scatter(out, p, w.group)
+        reduce_scatter_ref(out, p, w.group)
         return out
 
     impls = {
         "weft gemm_rs": lambda: weft.ops.gemm_rs(a, b),
         BASELINE: cublas_nccl,
         "cuBLAS alone": lambda: torch.matmul(a, b, out=p),
-        "NCCL reduce_scatter alone": lambda: _reduce_scatter(out, p, w.group),
+        "NCCL reduce_scatter alone": lambda: reduce_scatter_ref(out, p, w.group),
     }
-    symm = _torch_symm()
-    if symm is not None and hasattr(symm, "fused_matmul_reduce_scatter"):
-        impls["torch fused"] = lambda: symm.fused_matmul_reduce_scatter(a, b, "sum", 0, w.group.group_name)
+    fused = sweep.torch_symm_op("fused_matmul_reduce_scatter", a.dtype)
+    if fused is not None:
+        impls["torch fused"] = lambda: fused(a, b, "sum", 0, w.group.group_name)
     return impls, {"weft gemm_rs", BASELINE, "torch fused"}, 2 * m * n * k
 
 
@@ -125,8 +103,8 @@ def _ar_impls(w, m, n, k, dev):
         "cuBLAS alone": lambda: torch.matmul(a, b, out=p),
         "NCCL all_reduce alone": lambda: dist.all_reduce(p, group=w.group),
     }
-    symm = _torch_symm()
-    if symm is not None and hasattr(symm, "one_shot_all_reduce"):
+    one_shot = sweep.torch_symm_op("one_shot_all_reduce", a.dtype)
+    if one_shot is not None:
         from torch.distributed import _symmetric_memory as symm_mem
 
         ps = symm_mem.empty((m, n), dtype=a.dtype, device=dev)
@@ -134,7 +112,7 @@ def _ar_impls(w, m, n, k, dev):
 
         def cublas_one_shot():
             torch.matmul(a, b, out=ps)
-            return symm.one_shot_all_reduce(ps, "sum", w.group.group_name)
+            return one_shot(ps, "sum", w.group.group_name)
 
         impls["torch one_shot + cuBLAS"] = cublas_one_shot
     return impls, {"weft gemm_ar", BASELINE, "torch one_shot + cuBLAS"}, 2 * m * n * k
