@@ -96,3 +96,20 @@ def never_signalled_kernel(flag, heap):
     """Rank 1 waits for a flag nobody sets (rank 0 returns at once)."""
     if wl.rank(heap) == 1:
         wl.wait(flag, 1, 1, wl.CMP_EQ)
+
+
+@triton.jit(do_not_specialize=["epoch"])
+def fan_in_kernel(flags, table, out, heap, per_rank, epoch):
+    """Every rank writes `per_rank` values into its row of every rank's table, announces each with
+    notify_all (flag [me * per_rank + j] on every rank), then one wait covers all W * per_rank flags
+    (more than one group of 32 lanes from 9 flags per rank at 4 ranks) and the table is read."""
+    me = wl.rank(heap)
+    world = wl.num_ranks(heap)
+    for j in range(per_rank):
+        for q in range(world):
+            tl.store(wl.symm_at(table, q, heap) + me * per_rank + j, epoch * 1000 + me * per_rank + j)
+        wl.notify_all(flags + me * per_rank + j, heap, epoch)
+    token = wl.wait(flags, world * per_rank, epoch, wl.CMP_GE)
+    src = wl.consume_token(table, token)
+    for i in range(world * per_rank):
+        tl.store(out + i, tl.load(src + i))

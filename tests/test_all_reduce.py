@@ -49,7 +49,8 @@ def _skew(me, call, w):
 
 
 def _all_reduce_cases(cases, calls):
-    """cases: (method, dtype name, shape, mode), mode "out" | "inplace" | "none"."""
+    """cases: (method, dtype name, shape, mode), mode "out" | "inplace" | "none" | "symm_out" (out from
+    weft.empty: two-shot pushes straight into it) | "symm_inplace" (x from weft.empty, reduced in place)."""
     import zlib
 
     import torch
@@ -69,16 +70,20 @@ def _all_reduce_cases(cases, calls):
             ref = acc.to(xs[0].dtype)
             x = xs[me].clone()
             _skew(me, call, w)
-            if mode == "inplace":
+            if mode in ("inplace", "symm_inplace"):
+                if mode == "symm_inplace":
+                    x = weft.empty(shape, x.dtype).copy_(x)
                 got = all_reduce(x, method=method, out=x)
                 assert got is x
-            elif mode == "out":
+            elif mode in ("out", "symm_out"):
                 out = torch.full(shape, float("nan"), dtype=x.dtype)
+                if mode == "symm_out":
+                    out = weft.empty(shape, x.dtype).fill_(float("nan"))
                 got = all_reduce(x, method=method, out=out)
                 assert got is out
             else:
                 got = all_reduce(x, op="sum", method=method)
-            if mode != "inplace":
+            if mode not in ("inplace", "symm_inplace"):
                 assert torch.equal(x, xs[me]), "input was modified"
             assert got.shape == ref.shape and got.dtype == ref.dtype
             torch.testing.assert_close(got, ref, **TOL[dtype_name],
@@ -116,21 +121,22 @@ def _cases(methods, dtypes, shapes, modes):
 
 def test_all_reduce_2_ranks_every_method_dtype_mode():
     cases = _cases(("one_shot", "two_shot", "auto"), DTYPES, [(1,), (7, 3), (1001,), (33, 5)],
-                   ("out", "inplace", "none"))
+                   ("out", "inplace", "none", "symm_out", "symm_inplace"))
     cases += [(m, "float32", (9001,), "out") for m in ("one_shot", "two_shot")]  # several programs and blocks
     _check_same_everywhere(run_ranks(_all_reduce_cases, 2, cases, 2, timeout=TIMEOUT, env=ENV))
 
 
 @pytest.mark.parametrize("w", [3, 4])
 def test_all_reduce_3_4_ranks(w):
-    cases = _cases(("one_shot", "two_shot"), DTYPES, [(1001,), (5, 7), (2,)], ("out", "inplace"))
+    cases = _cases(("one_shot", "two_shot"), DTYPES, [(1001,), (5, 7), (2,)], ("out", "inplace", "symm_out"))
+    cases += [("two_shot", "bfloat16", (3, 1001), "symm_inplace"), ("two_shot", "float32", (9001,), "symm_out")]
     cases += [("auto", "bfloat16", (4097,), "none"), ("two_shot", "float32", (9001,), "out")]
     _check_same_everywhere(run_ranks(_all_reduce_cases, w, cases, 2, timeout=TIMEOUT, env=ENV))
 
 
 def test_all_reduce_8_ranks_small():
     cases = [("one_shot", "float32", (37,), "out"), ("two_shot", "float32", (37,), "inplace"),
-             ("two_shot", "bfloat16", (259,), "out")]
+             ("two_shot", "bfloat16", (259,), "out"), ("two_shot", "float16", (259,), "symm_inplace")]
     _check_same_everywhere(run_ranks(_all_reduce_cases, 8, cases, 2, timeout=TIMEOUT, env=ENV))
 
 
@@ -148,10 +154,10 @@ def _auto_choice():
 
 def test_auto_crossover():
     choice = {(b, w): m for b, w, m in _auto_choice()}
-    assert choice[(8 << 10, 8)] == "one_shot" and choice[(512 << 10, 8)] == "one_shot"
+    assert choice[(8 << 10, 8)] == "one_shot" and choice[(512 << 10, 8)] == "two_shot"
     assert choice[(1 << 20, 8)] == "two_shot" and choice[(4 << 20, 8)] == "two_shot"
-    assert choice[(1 << 20, 4)] == "one_shot" and choice[(2 << 20, 4)] == "two_shot"  # measured on 4 H200s
-    assert choice[(2 << 20, 2)] == "one_shot"  # fewer ranks: one-shot reads less, keeps it longer
+    assert choice[(512 << 10, 4)] == "one_shot" and choice[(1 << 20, 4)] == "two_shot"  # measured on 4 H200s
+    assert choice[(1 << 20, 2)] == "one_shot"  # fewer ranks: one-shot sends less, keeps it longer
 
 
 # -- reduce_scatter -------------------------------------------------------------------

@@ -2,9 +2,10 @@
 
 Every rank builds every rank's a_r and b_r from seeds, so each checks its row chunk of
 sum_r a_r @ b_r on its own. Shapes are not multiples of CPU_CONFIG's 32-blocks (ragged row,
-column and K edges; chunks shorter than a block), outputs are poisoned with NaN, and calls
-follow each other with fresh data, cases interleaved and a different rank late each time, so
-the epoch flags and the parity double buffer are exercised.
+column and K edges; chunks shorter than a block; programs with several tiles), outputs are
+poisoned with NaN, and calls follow each other with fresh data, cases interleaved and a different
+rank late each time, so the epoch flags and the reuse of the receive buffer (guarded by the start
+barrier: without it the 4-rank case reads a peer's next partial) are exercised.
 """
 import pytest
 
@@ -36,13 +37,17 @@ def _skew(me, call, w):
         time.sleep(0.02)
 
 
-def _gemm_rs_cases(cases, calls):
+def _gemm_rs_cases(cases, calls, config=None):
     """cases: (method, dtype name, rows per rank m, N, K_local, out mode "nan" | "none" | "unaligned").
-    Run call by call, every case in each call, so contexts and methods interleave."""
+    Run call by call, every case in each call, so contexts and methods interleave. config: GemmConfig
+    fields for every call (default: the op's choice)."""
     import torch
 
     import weft
+    from weft.kernels.gemm import GemmConfig
     from weft.kernels.gemm_rs import gemm_rs
+
+    config = GemmConfig(**config) if config else None
 
     me, w = weft.rank(), weft.world_size()
     for call in range(calls):
@@ -53,14 +58,14 @@ def _gemm_rs_cases(cases, calls):
             a, b = (t.clone() for t in ops[me])
             _skew(me, call, w)
             if mode == "none":
-                got = gemm_rs(a, b, method=method)
+                got = gemm_rs(a, b, method=method, config=config)
             else:
                 if mode == "nan":
                     out = torch.full((m, n), float("nan"), dtype=dtype)
-                else:  # one element past a 16-byte boundary: the reduce's unhinted store path
+                else:  # one element past a 16-byte boundary: no TMA store, the final GEMM's pointer stores
                     out = torch.full((m * n + 1,), float("nan"), dtype=dtype)[1:].view(m, n)
                     assert out.data_ptr() % 16
-                got = gemm_rs(a, b, method=method, out=out)
+                got = gemm_rs(a, b, method=method, out=out, config=config)
                 assert got is out
             assert torch.equal(a, ops[me][0]) and torch.equal(b, ops[me][1]), "inputs were modified"
             assert got.shape == (m, n) and got.dtype == dtype
@@ -92,10 +97,23 @@ def test_gemm_rs_2_ranks():
     run_ranks(_gemm_rs_cases, 2, cases, 3, timeout=TIMEOUT, env=ENV)
 
 
+def test_gemm_rs_3_ranks():
+    cases = _cases(("overlap",), ("float16", "float32", "bfloat16"), SHAPES, ("nan", "unaligned", "none"))
+    cases.append(("baseline", "float16", 5, 40, 24, "unaligned"))
+    run_ranks(_gemm_rs_cases, 3, cases, 3, timeout=TIMEOUT, env=ENV)
+
+
 def test_gemm_rs_4_ranks():
-    cases = _cases(("overlap",), ("float32", "bfloat16"), SHAPES[:2], ("nan",))
+    cases = _cases(("overlap",), ("float32", "bfloat16"), SHAPES[:2], ("nan", "unaligned"))
     cases += [("baseline", "bfloat16", 5, 40, 24, "nan"), ("auto", "float32", 37, 40, 24, "none")]
     run_ranks(_gemm_rs_cases, 4, cases, 3, timeout=TIMEOUT, env=ENV)
+
+
+def test_gemm_rs_other_tiling_2_ranks():
+    """A config other than CPU_CONFIG: 16-row, 64-column tiles (16-column epilogue quarters), 2-block K loop."""
+    config = dict(block_m=16, block_n=64, block_k=16, group_m=1, num_stages=1, num_warps=4, flatten=False)
+    cases = [("overlap", "bfloat16", 37, 136, 24, "nan"), ("overlap", "float32", 5, 64, 32, "unaligned")]
+    run_ranks(_gemm_rs_cases, 2, cases, 2, config, timeout=TIMEOUT, env=ENV)
 
 
 def test_gemm_rs_1_rank():

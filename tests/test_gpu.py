@@ -114,6 +114,28 @@ def test_primitives_ring_exchange_and_put_signal():
             assert torch.equal(out.cpu(), expect), (mode, epoch)
 
 
+def test_notify_all_and_wait_on_many_flags():
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from primitive_kernels import fan_in_kernel
+
+    w = weft.world()
+    per_rank = 9  # W * 9 flags: more than one group of 32 lanes from 4 ranks on
+    total = w.world_size * per_rank
+    flags = weft.zeros((total,), torch.int32)
+    table = weft.zeros((total,), torch.int32)
+    weft.barrier()
+    outs = []
+    for epoch in range(1, 101):
+        out = torch.empty(total, dtype=torch.int32, device=w.device)
+        fan_in_kernel[(1,)](flags, table, out, w.heap.descriptor, per_rank, epoch, num_warps=4)
+        weft.ops.device_barrier()
+        outs.append(out)
+    for epoch, out in enumerate(outs, 1):
+        assert torch.equal(out.cpu(), epoch * 1000 + torch.arange(total, dtype=torch.int32)), epoch
+
+
 def test_device_barrier_back_to_back():
     for _ in range(100):
         weft.ops.device_barrier()

@@ -56,6 +56,31 @@ def test_barrier_all_many_epochs_without_reset(world):
     assert all(run_ranks(_exchange, world, 8, timeout=240))
 
 
+def _fan_in(per_rank, epochs):
+    import torch
+
+    import weft
+    from primitive_kernels import fan_in_kernel
+
+    w = weft.world_size()
+    total = w * per_rank
+    flags = weft.zeros((total,), torch.int32)
+    table = weft.zeros((total,), torch.int32)
+    bar = weft.zeros((1 + w,), torch.int32)
+    weft.barrier()
+    for epoch in range(1, epochs + 1):
+        out = torch.full((total,), -1, dtype=torch.int32)
+        fan_in_kernel[(1,)](flags, table, out, weft.world().heap.descriptor, per_rank, epoch)
+        assert torch.equal(out, epoch * 1000 + torch.arange(total, dtype=torch.int32)), (epoch, out)
+        weft.ops.device_barrier()  # nobody writes parity e % 2 again before everyone read it
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_notify_all_and_wait_on_many_flags(world):
+    assert all(run_ranks(_fan_in, world, 9, 3, timeout=240))
+
+
 def _put_signal(mode, nbytes, epochs):
     import torch
 

@@ -19,10 +19,16 @@ two-shot  A reduce-scatter, then an all-gather. Rank r sums only slice r
           faster one once the message is large (bandwidth-bound).
 
 `weft.ops.all_reduce(x, method="auto")` picks by size and world size. The
-hand-written kernel below is the one-shot idea in its bare form; the library
-op adds many programs, 16-byte vector accesses, all W loads in flight before
-the adds, double buffering so back-to-back calls need no host barrier, and
-argument checks.
+hand-written kernel below is the one-shot idea in its bare form, reading
+peers' buffers. The library op turns every transfer into a *push* (stores
+into the peer's receive slot: NVLink writes are posted, reads cost a round
+trip), staggers the destinations so no rank's links take all senders at once,
+signals all ranks at once (`wl.notify_all`) and polls all flags at once, and
+adds many programs, 16-byte vector accesses, double buffering so
+back-to-back calls need no host barrier, and argument checks. Measured on
+4 x H200 (bf16, docs/perf.md): 4.7 us at 4 KiB (NCCL 14.6, torch 6.6), and
+at 512 MiB two-shot in place in symmetric memory at NCCL's bus bandwidth
+(346 vs 347 GB/s).
 """
 import torch
 import torch.distributed as dist

@@ -1,4 +1,4 @@
-"""Tutorial 05 — GEMM-ReduceScatter and GEMM-AllReduce: send each tile as soon as it is done.
+"""Tutorial 05 — GEMM-ReduceScatter and GEMM-AllReduce: send partial products as soon as they are done.
 
     weft run -n 4 tutorials/05_gemm_rs.py
 
@@ -10,38 +10,38 @@ a_r @ b_r; with a reduce-scatter, rank r keeps row chunk r of it:
     out on rank r = rows [r * m, (r + 1) * m) of  sum_q a_q @ b_q,     m = M / W.
 
 Done naively (GEMM, then reduce_scatter) the links idle during the GEMM and
-the SMs during the reduce-scatter. `weft.ops.gemm_rs` runs two kernels, one
-after the other on one stream:
+the SMs during the reduce-scatter. `weft.ops.gemm_rs` cuts the GEMM by
+destination instead: one GEMM per row chunk, the peers' chunks first, and
+while the SMs compute the next chunk the copy engines push the finished one
+to its owner:
 
-    GEMM (persistent, every SM):  tiles of chunk me+1 │ chunk me+2 │ ... │ chunk me (mine, last)
-                                  each finished tile: store into slot [me] of its owner's receive
-                                  buffer over NVLink, then set its flag there
-    reduce:                       for each tile of my chunk: wait for its W flags, sum the W slots
-                                  in fp32 → out
+    main stream:  start ─ GEMM chunk me+1 ─ GEMM chunk me+2 ─ ... ─ final GEMM: chunk me + what arrived
+    copy stream:                     └ push to me+1 ─┘  └ push to me+2 ─┘ ...
 
-- The epilogue is the communication. A finished tile is not written to local
-  memory first: the GEMM stores it straight into the destination rank's
-  symmetric receive buffer and signals it (release), and the SMs move on to
-  their next tile while the stores drain. The transfer of one tile overlaps
-  the computation of the following ones.
-- Chunk order me + 1, me + 2, ..., me: at any moment the W ranks are sending
-  to W different ranks, so no rank's links are the hot spot. Each rank's own
-  chunk comes last; its "send" is a local store.
-- The reduce is a separate kernel because a GEMM program must not wait on
-  another program: a persistent grid that fills every SM cannot rely on
-  others being scheduled (and the cpu backend runs programs one after
-  another). Nothing in the GEMM waits, so every wait in the reduce ends.
-  The reduce starts on a tile as soon as its W flags are set, in the order
-  the peers send them.
-- The receive buffer is double-buffered by epoch parity (call e writes half
-  e % 2), and flags count epochs instead of being reset: calls follow each
-  other with no host barrier, and replay inside CUDA graphs.
+- The pushes are copy-engine transfers (`copy_` into the peer's symmetric
+  receive buffer through NVLink), each followed on the same stream by a
+  4-byte copy of the call's epoch into the peer's ready flag: the flag lands
+  after the data. They take no SM from the GEMMs.
+- Chunk order me + 1, me + 2, ...: at each step the W ranks send to W
+  different ranks, so no rank's links are the hot spot.
+- The last GEMM computes my own chunk. After its first tile's K loop each
+  program waits (once) for the W ready flags, then every epilogue adds, in
+  rank order and in fp32, its own tile and the peers' tiles from the receive
+  buffer, and writes `out`: the reduction costs no pass of its own. Waiting
+  inside a GEMM that fills every SM is safe here because every flag it waits
+  for is set by a push that depends only on the peers' earlier GEMMs.
+- A device barrier starts each call: a peer pushes into my receive buffer
+  only after my previous final GEMM has read it. (The copy engine's
+  destinations are fixed when the call is issued, or captured in a CUDA
+  graph, so the buffer cannot alternate by a device-side epoch parity.)
+  Flags count epochs instead of being reset, so calls run back to back and
+  replay inside CUDA graphs.
 
-Measured on 4 x H200, bf16, 2026-11-21 (`weft bench -n 4 gemm`), GEMM-RS 8192 x
-8192 x 29568 (per rank 8192 x 8192 x 7392): weft 1582 us vs cuBLAS + NCCL
-reduce_scatter 1784 us (1.13x); torch's fused op, 1412 us, is faster: weft
-pays for the separate reduce pass (the W slots read back after the GEMM) and
-an epilogue not yet tuned.
+Measured on 4 x H200, bf16, 2026-11-21 (`weft bench -n 4 gemm --ops rs`), GEMM-RS
+8192 x 4096 x 11008 (per rank 8192 x 4096 x 2752): weft 299 us vs cuBLAS + NCCL
+reduce_scatter 433 us and torch's fused op 334 us (cuBLAS alone: 241 us). What
+is left above the GEMM: the last push, which the final GEMM waits for, and the
+chunk GEMMs' last waves, emptier than one big GEMM's.
 
 The last section: `weft.ops.gemm_ar`, the same layer at decode time (M of a
 few tokens) with an all-reduce, fused into one kernel: each program computes
@@ -91,7 +91,7 @@ def main():
 
     # -- GEMM-ReduceScatter: a (W * m, K_local) @ b_shard (K_local, N), rank r keeps rows of chunk r.
     worst = 0.0
-    for call in range(3):  # back to back with fresh data, no host barrier: both halves of the buffer, one reused
+    for call in range(3):  # back to back with fresh data, no host barrier: the receive buffer is reused
         a, b_shard = make_operands(me, call, world * m, k, n, dtype, device)
         out = torch.full((m, n), float("nan"), dtype=dtype, device=device)  # poisoned
         got = weft.ops.gemm_rs(a, b_shard, out=out)

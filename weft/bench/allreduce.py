@@ -1,9 +1,9 @@
 """all_reduce (sum): NCCL, weft one_shot / two_shot / auto, torch's symm_mem one_shot and two_shot.
 
-Size = the message (bytes per rank, the same on every rank). weft reduces x into a separate output;
-NCCL and torch's two_shot_all_reduce_ reduce in place (each on its own copies of the inputs); torch's
-one_shot_all_reduce reads its input straight from torch symmetric memory, where weft copies x into
-its staging buffer first.
+Size = the message (bytes per rank, the same on every rank). weft reduces x (a plain tensor) into a
+separate output, and, as torch's two_shot_all_reduce_ does, in place in symmetric memory (weft.empty:
+the reduced slices are pushed straight into every rank's x). NCCL reduces in place on its own copies
+of the inputs; torch's one_shot_all_reduce reads its input straight from torch symmetric memory.
 """
 from __future__ import annotations
 
@@ -47,6 +47,9 @@ def run(args) -> list:
         one_shot = size <= sweep.ONE_SHOT_MAX_BYTES
         for method in ("one_shot", "two_shot", "auto") if one_shot else ("two_shot", "auto"):
             impls[f"weft {method}"] = lambda i, method=method: weft.ops.all_reduce(xs[i], method=method, out=out)
+        weft_symm = [weft.empty((n,), dtype).copy_(x) for x in xs]
+        impls["weft two_shot (symmetric, in place)"] = lambda i: weft.ops.all_reduce(
+            weft_symm[i], method="two_shot", out=weft_symm[i])
         if torch_one_shot is not None and one_shot:
             symm_in = sweep.symm_copies(xs)
             impls["torch one_shot"] = lambda i: torch_one_shot(symm_in[i], "sum", group_name)

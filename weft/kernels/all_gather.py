@@ -95,8 +95,7 @@ def all_gather_pull_kernel(x, stage, out, flags, heap, n, chunk, BLOCK: tl.const
     # Peers finished reading the previous epoch's slice before I overwrite it.
     wl.wait(done, world, epoch - 1, wl.CMP_GE)
     _copy(stage, x, lo, hi, BLOCK, VEC)
-    for q in range(world):
-        wl.notify(ready + me, q, heap, epoch)
+    wl.notify_all(ready + me, heap, epoch)
     for i in range(world):
         q = (me + 1 + p + i) % world
         token = wl.wait(ready + q, 1, epoch, wl.CMP_GE)

@@ -4,45 +4,46 @@ all_reduce:     out = sum over ranks r of x on rank r, on every rank.
 reduce_scatter: out on rank r = sum over ranks of x[r * m : (r + 1) * m], x of (W * m, ...) rows.
 broadcast:      x on every rank = x on rank `root` (in place).
 
-Every op first copies its input into a symmetric staging buffer (`stage`; broadcast: the root only),
-signals that it is there, and then reads peers' staging buffers directly
-(NVLink loads on the GPU):
+all_reduce and reduce_scatter move data only with stores into peers' memory
+(NVLink writes on the GPU: posted, no round trip, unlike remote loads) and
+read only their own memory:
 
-- one-shot all-reduce: every rank reads all W staging buffers whole and sums
-  them. One synchronisation step, (W - 1) * n elements read per rank: the
-  fastest for small messages, where latency dominates.
-- two-shot all-reduce: a reduce-scatter (rank r sums slice r of every
-  rank's staging buffer) followed by an all-gather (rank r writes its summed
-  slice into slice r of every rank's staging buffer, which only rank r
-  reads, so the buffer is reused; then each rank copies it out). Two steps,
-  but only ~2 (W - 1) / W * n elements cross the links per rank: the faster
-  one once bandwidth dominates.
+- one-shot all-reduce: every rank pushes its whole x into slot [me] of every
+  rank's receive buffer, signals, and sums the W slots it received. One
+  synchronisation step, (W - 1) * n elements sent per rank: the fastest for
+  small messages, where latency dominates.
+- two-shot all-reduce: a reduce-scatter (rank r receives slice r of every
+  rank's x in W slots and sums them) followed by an all-gather (rank r pushes
+  its summed slice into slice r of every rank's gather buffer, or straight
+  into every rank's `out` when `out` is symmetric; then each rank copies the
+  gather buffer to `out`). Two steps, but only ~2 (W - 1) / W * n elements
+  cross the links per rank: the faster one once bandwidth dominates.
+- reduce_scatter: the first half of two-shot, the sum written to `out`.
 
 Sums accumulate in fp32 in rank order 0, 1, ..., W - 1 on every rank, so
 every rank gets the same bits and one-shot and two-shot agree bit for bit.
 
 The elements are split into one part per program. Program p of every rank
-handles part p only and waits only on program p of its peers, so programs
-never wait on a later program of their own grid (the interpreter runs them
-one after another). For two-shot and reduce_scatter, part p is sub-chunk p of
-every rank's slice. Flags count epochs, kept on the device, so calls run back
-to back and replay in CUDA graphs with no reset.
+handles part p only (for two-shot and reduce_scatter: sub-chunk p of every
+rank's slice) and waits only on program p of its peers, so programs never
+wait on a later program of their own grid (the interpreter runs them one
+after another). Signals go to all ranks at once (`notify_all`) and a wait
+polls all W flags at once. Flags count epochs, kept on the device, so calls
+run back to back and replay in CUDA graphs with no reset.
 
-A staging buffer is never overwritten while a slow peer may still read the
-previous call's data from it:
-- one-shot double-buffers by epoch parity: a peer's `ready` for epoch e - 1
-  (awaited during e - 1) says it finished epoch e - 2, the last reader of the
-  half that epoch e overwrites. One synchronisation step per call, no more.
-- two-shot needs nothing more: a rank leaves epoch e only after every peer's
-  `arrived`, which each peer sends after its reads of epoch e.
-- reduce_scatter and broadcast wait, before staging, for every peer's `done`
-  of the previous epoch (broadcast: sent to every rank, as the root may change).
+Receive and gather buffers are double-buffered by epoch parity, and need no
+extra handshake: rank s writes half e % 2 of rank q's buffers in epoch e
+only after it saw q's first signal of epoch e - 1 (program p waited for it),
+which q sent from its kernel of epoch e - 1, launched after its kernel of
+epoch e - 2, the last reader of that half, had completed. The same argument
+lets two-shot push straight into a symmetric `out`: a peer writes my `out`
+only after my kernel of this call has started (it waited for my phase-1
+data), so all my earlier work on `out` is done.
 
 Per program slot the contexts keep int32 flags:
-    one-shot:       [epoch, ready[W]]
-    two-shot:       [epoch, ready[W], arrived[W]]
-    reduce_scatter: [epoch, ready[W], done[W]]
-    broadcast:      [epoch, ready, done[W]]
+    one-shot, reduce_scatter: [epoch, arrived[W]]
+    two-shot:                 [epoch, arrived[W], reduced[W]]
+    broadcast:                [epoch, ready, done[W]]
 """
 from __future__ import annotations
 
@@ -61,11 +62,11 @@ OPS = ("sum",)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # "auto" picks one_shot up to this many bytes at 8 ranks, two_shot above; with
-# fewer ranks one-shot reads less, so the limit scales as 8 / W. Measured on
-# 4 H200s (docs/perf.md, 2026-11-21): one_shot 15.5 / 21.7 / 31.9 us and
-# two_shot 18.6 / 23.8 / 30.3 us at 512 KiB / 1 MiB / 2 MiB, so the switch sits
-# at 1 MiB there, i.e. 512 KiB at 8 ranks (not yet measured on 8).
-ONE_SHOT_MAX_BYTES_AT_8 = 512 << 10
+# fewer ranks one-shot sends less, so the limit scales as 8 / W. Measured on
+# 4 H200s (docs/perf.md, 2026-11-21, bf16, plain output): one_shot 10.8 / 16.5 us
+# and two_shot 11.9 / 15.0 us at 512 KiB / 1 MiB, so the switch sits between
+# them there, i.e. at 256 KiB at 8 ranks (not yet measured on 8).
+ONE_SHOT_MAX_BYTES_AT_8 = 256 << 10
 
 
 # -- device helpers -------------------------------------------------------------
@@ -96,8 +97,8 @@ def _cast(acc, dtype: tl.constexpr):
 
 @triton.jit
 def _copy(dst, src, lo, hi, BLOCK: tl.constexpr, VEC: tl.constexpr):
-    """dst[lo:hi] = src[lo:hi]. Whole blocks go unmasked (16-byte vectors when
-    VEC > 1); the ragged tail is masked."""
+    """dst[i] = src[i] for i in [lo, hi). Whole blocks go unmasked (16-byte vectors when
+    VEC > 1); the ragged tail is masked. `dst` may be a peer's memory (a push)."""
     full = lo + (hi - lo) // BLOCK * BLOCK
     for start in range(lo, full, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -108,43 +109,59 @@ def _copy(dst, src, lo, hi, BLOCK: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def _sum_peers(stage, offs, heap, mask, MASKED: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+def _push_all(dst, src, lo, hi, heap, WORLD: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """dst[i] = src[i] for i in [lo, hi) on every rank (`dst` symmetric): one load, W stores."""
+    full = lo + (hi - lo) // BLOCK * BLOCK
+    for start in range(lo, full, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        v = tl.load(_at(src, offs, VEC))
+        for q in tl.static_range(WORLD):
+            tl.store(_at(wl.symm_at(dst, q, heap), offs, VEC), v)
+    offs = full + tl.arange(0, BLOCK)
+    mask = offs < hi
+    v = tl.load(src + offs, mask=mask)
+    for q in tl.static_range(WORLD):
+        tl.store(wl.symm_at(dst, q, heap) + offs, v, mask=mask)
+
+
+@triton.jit
+def _sum_slots(slots, slot_len, offs, mask, MASKED: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
                VEC: tl.constexpr):
-    """fp32 sum over ranks 0..WORLD-1 of stage[offs] on that rank. The peer loop
-    is unrolled, so all WORLD loads are in flight before the adds need them."""
+    """fp32 sum over q = 0..WORLD-1 of slots[q * slot_len + offs] (local memory). The loop is
+    unrolled, so all WORLD loads are in flight before the adds need them."""
     acc = tl.zeros([BLOCK], tl.float32)
     for q in tl.static_range(WORLD):
         if MASKED:
-            v = tl.load(wl.symm_at(stage, q, heap) + offs, mask=mask, other=0.0)
+            v = tl.load(slots + q * slot_len + offs, mask=mask, other=0.0)
         else:
-            v = tl.load(_at(wl.symm_at(stage, q, heap), offs, VEC))
+            v = tl.load(_at(slots + q * slot_len, offs, VEC))
         acc += v.to(tl.float32)
     return acc
 
 
 @triton.jit
-def _reduce(dst, shift, stage, heap, lo, hi, PUSH: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+def _reduce(dst, slots, slot_len, lo, hi, heap, PUSH: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
             VEC: tl.constexpr):
-    """dst[i - shift] = sum over ranks of stage[i] for i in [lo, hi).
+    """dst[i] = sum over q of slots[q * slot_len + i] for i in [lo, hi).
 
     With PUSH, `dst` is symmetric and the result goes to every rank's `dst`."""
     full = lo + (hi - lo) // BLOCK * BLOCK
     for start in range(lo, full, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        val = _cast(_sum_peers(stage, offs, heap, None, False, WORLD, BLOCK, VEC), dst.dtype.element_ty)
+        val = _cast(_sum_slots(slots, slot_len, offs, None, False, WORLD, BLOCK, VEC), dst.dtype.element_ty)
         if PUSH:
             for q in tl.static_range(WORLD):
-                tl.store(_at(wl.symm_at(dst, q, heap), offs - shift, VEC), val)
+                tl.store(_at(wl.symm_at(dst, q, heap), offs, VEC), val)
         else:
-            tl.store(_at(dst, offs - shift, VEC), val)
+            tl.store(_at(dst, offs, VEC), val)
     offs = full + tl.arange(0, BLOCK)
     mask = offs < hi
-    val = _cast(_sum_peers(stage, offs, heap, mask, True, WORLD, BLOCK, VEC), dst.dtype.element_ty)
+    val = _cast(_sum_slots(slots, slot_len, offs, mask, True, WORLD, BLOCK, VEC), dst.dtype.element_ty)
     if PUSH:
         for q in tl.static_range(WORLD):
-            tl.store(wl.symm_at(dst, q, heap) + (offs - shift), val, mask=mask)
+            tl.store(wl.symm_at(dst, q, heap) + offs, val, mask=mask)
     else:
-        tl.store(dst + (offs - shift), val, mask=mask)
+        tl.store(dst + offs, val, mask=mask)
 
 
 @triton.jit
@@ -157,78 +174,77 @@ def _span(s, p, n, slice_len, chunk):
 
 # -- kernels --------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["n", "chunk", "half"])
-def all_reduce_one_shot_kernel(x, stage, out, flags, heap, n, chunk, half, WORLD: tl.constexpr,
+@triton.jit(do_not_specialize=["n", "chunk", "slot_len"])
+def all_reduce_one_shot_kernel(x, recv, out, flags, heap, n, chunk, slot_len, WORLD: tl.constexpr,
                                BLOCK: tl.constexpr, VEC: tl.constexpr):
-    """Stage my part p in half (epoch % 2) of `stage`, then sum part p of every rank's into `out`.
+    """Push part p of x into slot [me] of every rank's `recv` (half epoch % 2), then sum my W slots.
 
-    `stage` holds two halves of `half` elements: epoch e writes the half that
-    epoch e - 2 used, whose readers all sent their `ready` of epoch e - 1 after
-    reading it; that `ready` was awaited here during epoch e - 1.
+    `recv` holds two halves of W slots of `slot_len` elements.
     """
     p = tl.program_id(0)
     me = wl.rank(heap)
     f = flags + p * (1 + WORLD)
-    ready = f + 1
+    arrived = f + 1
     epoch = tl.load(f) + 1
-    buf = stage + (epoch % 2) * half
+    half = recv + (epoch % 2) * WORLD * slot_len
     lo = p * chunk
     hi = tl.maximum(tl.minimum(lo + chunk, n), lo)
-    _copy(buf, x, lo, hi, BLOCK, VEC)
-    for q in range(WORLD):
-        wl.notify(ready + me, q, heap, epoch)
-    token = wl.wait(ready, WORLD, epoch, wl.CMP_GE)
-    _reduce(out, 0, wl.consume_token(buf, token), heap, lo, hi, False, WORLD, BLOCK, VEC)
+    _push_all(half + me * slot_len, x, lo, hi, heap, WORLD, BLOCK, VEC)
+    wl.notify_all(arrived + me, heap, epoch)
+    token = wl.wait(arrived, WORLD, epoch, wl.CMP_GE)
+    _reduce(out, wl.consume_token(half, token), slot_len, lo, hi, heap, False, WORLD, BLOCK, VEC)
     tl.store(f, epoch)
 
 
 @triton.jit(do_not_specialize=["n", "slice_len", "chunk"])
-def all_reduce_two_shot_kernel(x, stage, out, flags, heap, n, slice_len, chunk, GATHER: tl.constexpr,
-                               WORLD: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+def all_reduce_two_shot_kernel(x, recv, gathered, out, flags, heap, n, slice_len, chunk, GATHER: tl.constexpr,
+                               COPY_OUT: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                               VEC: tl.constexpr):
     """Reduce-scatter, then (GATHER) all-gather, of sub-chunk p of every slice.
 
     Rank r owns slice r = [r * slice_len, (r + 1) * slice_len) of the n
-    elements. Without GATHER (reduce_scatter) the sum of slice r goes to
-    out[0:slice_len]; with GATHER (two-shot all-reduce) it is pushed into
-    slice r of every rank's `stage` (read by nobody else but rank r), and
-    every rank then copies its whole `stage` to `out`.
+    elements. Phase 1: push sub-chunk p of slice q of x into slot [me] of
+    rank q's `recv` (half epoch % 2, W slots of slice_len). Phase 2: sum my
+    W slots; without GATHER (reduce_scatter) into out[0:slice_len]; with
+    GATHER into slice me of every rank's `gathered` (a symmetric buffer:
+    the context's, half epoch % 2 of 2 x W * slice_len, then COPY_OUT copies
+    it to `out`; or the caller's symmetric `out` itself).
 
-    Flags [epoch, ready[W], then arrived[W] (GATHER) or done[W]]. With
-    GATHER, a peer's `arrived` comes after all its reads of the epoch, so
-    `stage` is free when this program leaves it; without, peers report
-    `done` and the next epoch waits for it before staging.
+    Flags [epoch, arrived[W], reduced[W]].
     """
     p = tl.program_id(0)
     me = wl.rank(heap)
     f = flags + p * (1 + 2 * WORLD)
-    ready = f + 1
-    arrived = f + 1 + WORLD
-    done = f + 1 + WORLD
+    arrived = f + 1
+    reduced = f + 1 + WORLD
     epoch = tl.load(f) + 1
-    if not GATHER:
-        # Peers finished reading my stage in the previous epoch before I overwrite it.
-        wl.wait(done, WORLD, epoch - 1, wl.CMP_GE)
-    for s in range(WORLD):
+    slots = recv + (epoch % 2) * WORLD * slice_len
+    for k in range(WORLD):
+        # Destinations staggered by rank and program: were every program of every rank to push to
+        # rank 0 first, then rank 1, ..., each rank's incoming links would carry W - 1 senders in turn.
+        s = (me + p + k) % WORLD
         lo, hi = _span(s, p, n, slice_len, chunk)
-        _copy(stage, x, lo, hi, BLOCK, VEC)
-    for q in range(WORLD):
-        wl.notify(ready + me, q, heap, epoch)
-    token = wl.wait(ready, WORLD, epoch, wl.CMP_GE)
-    src = wl.consume_token(stage, token)
+        # Element i of slice s lands at slots[me * slice_len + i - s * slice_len] on rank s.
+        _copy(wl.symm_at(slots, s, heap) + (me - s) * slice_len, x, lo, hi, BLOCK, VEC)
+    wl.notify_all(arrived + me, heap, epoch)
+    token = wl.wait(arrived, WORLD, epoch, wl.CMP_GE)
+    mine = wl.consume_token(slots, token)
     lo, hi = _span(me, p, n, slice_len, chunk)
+    base = me * slice_len
     if GATHER:
-        _reduce(src, 0, src, heap, lo, hi, True, WORLD, BLOCK, VEC)
-        for q in range(WORLD):
-            wl.notify(arrived + me, q, heap, epoch)
-        token = wl.wait(arrived, WORLD, epoch, wl.CMP_GE)
-        res = wl.consume_token(stage, token)
-        for s in range(WORLD):
-            lo, hi = _span(s, p, n, slice_len, chunk)
-            _copy(out, res, lo, hi, BLOCK, VEC)
+        dst = gathered
+        if COPY_OUT:
+            dst = gathered + (epoch % 2) * WORLD * slice_len
+        _reduce(dst, mine - base, slice_len, lo, hi, heap, True, WORLD, BLOCK, VEC)
+        wl.notify_all(reduced + me, heap, epoch)
+        token = wl.wait(reduced, WORLD, epoch, wl.CMP_GE)
+        if COPY_OUT:
+            res = wl.consume_token(dst, token)
+            for s in range(WORLD):
+                lo, hi = _span(s, p, n, slice_len, chunk)
+                _copy(out, res, lo, hi, BLOCK, VEC)
     else:
-        _reduce(out, me * slice_len, src, heap, lo, hi, False, WORLD, BLOCK, VEC)
-        for q in range(WORLD):
-            wl.notify(done + me, q, heap, epoch)
+        _reduce(out - base, mine - base, slice_len, lo, hi, heap, False, WORLD, BLOCK, VEC)
     tl.store(f, epoch)
 
 
@@ -251,14 +267,12 @@ def broadcast_kernel(x, stage, flags, heap, n, chunk, root, BLOCK: tl.constexpr,
     if me == root:
         wl.wait(done, world, epoch - 1, wl.CMP_GE)
         _copy(stage, x, lo, hi, BLOCK, VEC)
-        for q in range(world):
-            wl.notify(ready, q, heap, epoch)
+        wl.notify_all(ready, heap, epoch)
     else:
         token = wl.wait(ready, 1, epoch, wl.CMP_GE)
         src = wl.consume_token(wl.symm_at(stage, root, heap), token)
         _copy(x, src, lo, hi, BLOCK, VEC)
-    for q in range(world):
-        wl.notify(done + me, q, heap, epoch)
+    wl.notify_all(done + me, heap, epoch)
     tl.store(f, epoch)
 
 
@@ -268,13 +282,16 @@ def _launch_shape(n: int, element_size: int, device: torch.device) -> tuple[int,
     """(programs, BLOCK elements, num_warps) for `n` elements handled per rank and step."""
     if device.type != "cuda":
         return min(4, max(1, n * element_size // 4096)), 1024, 4
-    # One 2048-element block per program, up to 64 programs; 256 from 4M elements per rank and step.
-    # Measured on 4 H200s (docs/perf.md): with 64, two-shot reached only ~177 GB/s of bus bandwidth at
-    # >= 16 MiB (NCCL ~340), too few loads in flight; 256 gave ~249 GB/s there but cost 10-50 % at 1-8 MiB,
-    # where each extra program adds W signals. All 256 programs (8 warps each) fit on the GPU at once,
-    # which the per-slot waits rely on.
-    cap = 256 if n >= (1 << 22) else 64
-    return max(1, min(cap, triton.cdiv(n, 2048))), 2048, 8
+    # Up to 4M elements per rank and step: one 1024-element block per program (4 warps), up to 128
+    # programs. Measured on 4 H200s (bf16, 2026-11-21, 8 KiB / 256 KiB / 1 MiB): one-shot 4.8 / 8.0 /
+    # 15.9 us, against 5.1 / 8.1 / 16.5 with 2048-element blocks of 8 warps and up to 64 programs, and
+    # 5.1 / 8.1 / 21.5 with up to 256 (each program adds W signals). Every program fits on the GPU at
+    # once, which the per-slot waits rely on.
+    if n >= (1 << 22):
+        # From 4M elements, up to 512 programs of 2048 (8 warps): more bytes in flight. Same run, 256 MiB:
+        # reduce_scatter 656 us and two-shot 1272 us, against 678 / 1325 us with up to 256 programs.
+        return min(512, triton.cdiv(n, 2048)), 2048, 8
+    return max(1, min(128, triton.cdiv(n, 1024))), 1024, 4
 
 
 def _vector_width(element_size: int, *tensors: torch.Tensor) -> int:
@@ -299,25 +316,28 @@ def _check_op(op) -> None:
 
 
 class ReduceContext:
-    """Symmetric staging buffer and epoch-counted flags for one (op, method, size, dtype, programs)."""
+    """Symmetric buffers and epoch-counted flags for one (op, method, size, dtype, programs): `buffer`
+    (receive slots; broadcast: the root's staging), and `gathered` (two-shot into a plain `out` only)."""
 
-    def __init__(self, world, words: int, dtype: torch.dtype, programs: int, flags_per_program: int):
+    def __init__(self, world, words: int, dtype: torch.dtype, programs: int, flags_per_program: int,
+                 gather_words: int = 0):
         heap = world.heap
         self.programs = programs
-        self.stage = heap.empty((words,), dtype)
+        self.buffer = heap.empty((words,), dtype)
+        self.gathered = heap.empty((gather_words,), dtype) if gather_words else None
         self.flags = heap.empty((programs * flags_per_program,), torch.int32)
         self.flags.zero_()
         world.barrier()  # flags are zero everywhere before anyone signals
 
 
-def _context(world, name: str, method: str, n: int, dtype: torch.dtype, programs: int, flags_per_program: int,
-             words: int | None = None):
-    """The context for `n` elements (staging buffer of `words`, default n), created on first use."""
-    key = (name, method, n, dtype, programs)
+def _context(world, key: tuple, words: int, dtype: torch.dtype, programs: int, flags_per_program: int,
+             gather_words: int = 0):
+    """The context for `key`, created on first use (collectively: every rank makes the same calls)."""
+    key = (*key, dtype, programs)
     if key not in world.contexts:
-        no_capture_for_setup(f"weft.ops.{name}")
-    return world.context(key, lambda: ReduceContext(world, n if words is None else words, dtype, programs,
-                                                    flags_per_program))
+        no_capture_for_setup(f"weft.ops.{key[0]}")
+    return world.context(key, lambda: ReduceContext(world, words, dtype, programs, flags_per_program,
+                                                    gather_words))
 
 
 def _auto_method(nbytes: int, world_size: int) -> str:
@@ -363,32 +383,38 @@ def all_reduce(x: torch.Tensor, op: str = "sum", method: str = "auto", out: torc
     if method == "auto":
         method = _auto_method(nbytes, w)
     xf, of = x.reshape(-1), out.view(-1)
-    heap = world.heap.descriptor
     if method == "one_shot":
         programs, block, warps = _launch_shape(n, x.element_size(), x.device)
-        half = triton.cdiv(n, 16) * 16  # each half of the double buffer starts 16-byte aligned
-        ctx = _context(world, "all_reduce", method, n, x.dtype, programs, 1 + w, words=2 * half)
+        slot_len = triton.cdiv(n, 16) * 16  # every slot starts 16-byte aligned
+        ctx = _context(world, ("all_reduce", method, n), 2 * w * slot_len, x.dtype, programs, 1 + w)
         chunk = triton.cdiv(triton.cdiv(n, programs), block) * block  # whole blocks but the last
-        vec = _vector_width(x.element_size(), xf, of, ctx.stage)
-        all_reduce_one_shot_kernel[(programs,)](xf, ctx.stage, of, ctx.flags, heap, n, chunk, half, WORLD=w,
-                                                BLOCK=block, VEC=vec, num_warps=warps)
+        vec = _vector_width(x.element_size(), xf, of, ctx.buffer)
+        all_reduce_one_shot_kernel[(programs,)](xf, ctx.buffer, of, ctx.flags, world.heap.descriptor, n, chunk,
+                                                slot_len, WORLD=w, BLOCK=block, VEC=vec, num_warps=warps)
     else:
         align = 16 // x.element_size()  # slices start 16-byte aligned; the last one is ragged (or empty)
         slice_len = triton.cdiv(triton.cdiv(n, w), align) * align
-        _two_shot(world, "all_reduce", method, xf, of, n, slice_len, True)
+        _two_shot(world, xf, of, n, slice_len, gather=True)
     return out
 
 
-def _two_shot(world, name, method, xf, of, n, slice_len, gather):
+def _two_shot(world, xf, of, n, slice_len, gather):
+    """Launch the two-shot kernel: all_reduce (gather) or reduce_scatter (not)."""
     w = world.world_size
     programs, block, warps = _launch_shape(slice_len, xf.element_size(), xf.device)
-    ctx = _context(world, name, method, n, xf.dtype, programs, 1 + 2 * w)
+    # Into a symmetric `out` the reduced slices are pushed straight to every rank; else through `gathered`.
+    copy_out = gather and not world.heap.contains(of)
+    name = "all_reduce" if gather else "reduce_scatter"
+    ctx = _context(world, (name, "two_shot", n, copy_out), 2 * w * slice_len, xf.dtype, programs, 1 + 2 * w,
+                   gather_words=2 * w * slice_len if copy_out else 0)
     chunk = triton.cdiv(triton.cdiv(slice_len, programs), block) * block
-    vec = _vector_width(xf.element_size(), xf, of, ctx.stage)
+    gathered = ctx.gathered if copy_out else of
+    vec = _vector_width(xf.element_size(), xf, of, ctx.buffer, gathered)
     if slice_len % vec:
         vec = 1
-    all_reduce_two_shot_kernel[(programs,)](xf, ctx.stage, of, ctx.flags, world.heap.descriptor, n, slice_len, chunk,
-                                            GATHER=gather, WORLD=w, BLOCK=block, VEC=vec, num_warps=warps)
+    all_reduce_two_shot_kernel[(programs,)](xf, ctx.buffer, gathered, of, ctx.flags, world.heap.descriptor, n,
+                                            slice_len, chunk, GATHER=gather, COPY_OUT=copy_out, WORLD=w,
+                                            BLOCK=block, VEC=vec, num_warps=warps)
 
 
 def reduce_scatter(x: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None) -> torch.Tensor:
@@ -412,7 +438,7 @@ def reduce_scatter(x: torch.Tensor, op: str = "sum", out: torch.Tensor | None = 
     n = x.numel()
     if n == 0:
         return out
-    _two_shot(world, "reduce_scatter", "pull", x.reshape(-1), out.view(-1), n, n // w, False)
+    _two_shot(world, x.reshape(-1), out.view(-1), n, n // w, gather=False)
     return out
 
 
@@ -432,10 +458,10 @@ def broadcast(x: torch.Tensor, root: int = 0) -> torch.Tensor:
     xw = as_words(x)
     n = xw.numel()
     programs, block, warps = _launch_shape(n, xw.element_size(), x.device)
-    ctx = _context(world, "broadcast", "pull", n, xw.dtype, programs, 2 + world.world_size)
+    ctx = _context(world, ("broadcast", n), n, xw.dtype, programs, 2 + world.world_size)
     chunk = triton.cdiv(triton.cdiv(n, programs), block) * block
-    vec = _vector_width(xw.element_size(), xw, ctx.stage)
-    broadcast_kernel[(programs,)](xw, ctx.stage, ctx.flags, world.heap.descriptor, n, chunk, root, BLOCK=block,
+    vec = _vector_width(xw.element_size(), xw, ctx.buffer)
+    broadcast_kernel[(programs,)](xw, ctx.buffer, ctx.flags, world.heap.descriptor, n, chunk, root, BLOCK=block,
                                   VEC=vec, num_warps=warps)
     return x
 
@@ -443,16 +469,17 @@ def broadcast(x: torch.Tensor, root: int = 0) -> torch.Tensor:
 # Signatures for the sm_90 compile check (weft.testing.compile).
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 COMPILE_CASES = [
-    (all_reduce_one_shot_kernel, dict(x=t, stage=t, out=t, flags="*i32", heap="*i64", n="i32", chunk="i32",
-                                      half="i32"),
-     dict(WORLD=wd, BLOCK=2048, VEC=v))
+    (all_reduce_one_shot_kernel, dict(x=t, recv=t, out=t, flags="*i32", heap="*i64", n="i32", chunk="i32",
+                                      slot_len="i32"),
+     dict(WORLD=wd, BLOCK=2048, VEC=v), dict(num_warps=8))
     for dt, t in _PTR.items() for wd in (2, 8) for v in (1, 16 // dt.itemsize)
 ] + [
-    (all_reduce_two_shot_kernel, dict(x=t, stage=t, out=t, flags="*i32", heap="*i64", n="i32", slice_len="i32",
-                                      chunk="i32"), dict(GATHER=g, WORLD=8, BLOCK=2048, VEC=v))
-    for dt, t in _PTR.items() for g in (True, False) for v in (1, 16 // dt.itemsize)
+    (all_reduce_two_shot_kernel, dict(x=t, recv=t, gathered=t, out=t, flags="*i32", heap="*i64", n="i32",
+                                      slice_len="i32", chunk="i32"),
+     dict(GATHER=g, COPY_OUT=c, WORLD=8, BLOCK=2048, VEC=v), dict(num_warps=8))
+    for dt, t in _PTR.items() for g, c in ((True, True), (True, False), (False, False)) for v in (1, 16 // dt.itemsize)
 ] + [
     (broadcast_kernel, dict(x=t, stage=t, flags="*i32", heap="*i64", n="i32", chunk="i32", root="i32"),
-     dict(BLOCK=2048, VEC=v))
+     dict(BLOCK=2048, VEC=v), dict(num_warps=8))
     for t in ("*i32", "*i16", "*i8") for v in (1, 16 // {"*i32": 4, "*i16": 2, "*i8": 1}[t])
 ]

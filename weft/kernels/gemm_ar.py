@@ -144,8 +144,7 @@ def gemm_ar_kernel(a, b, stage, out, flags, heap, M, N, K, WORLD: tl.constexpr, 
     for i in tl.static_range(WORLD):
         peer = (me + i) % WORLD
         tl.store(_tile_at(wl.symm_at(slots + me * (M * N), peer, heap), in_tile, ALIGNED), mine, mask=mask)
-    for q in range(WORLD):
-        wl.notify(arrived + me, q, heap, epoch)
+    wl.notify_all(arrived + me, heap, epoch)
 
     # Sum the WORLD partials of this tile in rank order (the same bits on every rank). The loop is unrolled,
     # so all WORLD loads are in flight before the adds need them.

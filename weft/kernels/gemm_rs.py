@@ -3,57 +3,68 @@
     out on rank r = rows [r * m, (r + 1) * m) of  sum over ranks q of a_q @ b_q,   m = M / W,
 
 where every rank holds a (M, K_local) (A sharded on K) and b_shard (K_local, N).
+Row chunk c (rows [c * m, (c + 1) * m)) of every rank's partial product
+belongs to rank c.
 
-"overlap" runs two kernels, one after the other on the same stream:
+How the overlap works (one call on rank `me`, W ranks):
 
-1. `gemm_rs_kernel`, a persistent GEMM (grid = min(#SMs, #tiles)) over this
-   rank's a @ b_shard. The output rows are split into W chunks of m rows;
-   chunk c belongs to rank c. Tiles never straddle chunks: they are numbered
-   (chunk, then row block and column block inside it, in gemm.tile_of's
-   grouped order). Rank `me` visits chunks in the order me + 1, me + 2, ...,
-   me (its own last), so at any moment the ranks write to different
-   destinations. A finished tile leaves at once: the epilogue stores it
-   (in the output dtype) straight into slot [me] of the destination rank's
-   symmetric receive buffer (NVLink stores on the GPU), then signals it.
-   Communication thus overlaps the GEMM of the following tiles.
-2. `gemm_rs_reduce_kernel`: for each tile of my chunk, wait for its W
-   flags, sum the W slots in rank order 0..W-1 in fp32, write `out`. It is a
-   separate launch because a GEMM program must not wait on other programs:
-   under the interpreter they run one after another, and on the GPU a
-   persistent grid filling every SM cannot rely on others being scheduled.
-   Nothing in the GEMM waits, so every GEMM completes and every wait ends.
+    main stream:  start ─ P_me+1 ─ P_me+2 ─ ... ─ P_me-1 ─ final GEMM (chunk me + received) ─ join
+    copy stream:                 └ push ─┐ └ push ─┐      └ push ─┐                           ─┘
+                                 (to me+1)         (to me+2)      (to me-1)
 
-Flags: one int32 per (tile of the destination's chunk, source rank), laid out
-flags[tile * W + source], so one `wait` covers a tile's W contributions. A
-source SETs its flag to the epoch (release, after its stores of the tile);
-the reduce waits for flag >= epoch. Flags are never reset.
+- `gemm_rs_start_kernel` (1 program) is a device barrier across the ranks:
+  it ends only when every rank's previous call has finished its final GEMM,
+  the last reader of its receive buffer. It leaves the call's epoch e in
+  bar[0] and sets my own ready[me] = e.
+- Steps s = 1 .. W - 1, chunk c = me + s (mod W): the partial P_c =
+  a[c * m:(c + 1) * m] @ b_shard goes into a local send slot (gemm.matmul,
+  the persistent TMA GEMM), and the copy stream, after waiting for it, pushes
+  it into slot (me - c - 1) mod W of rank c's symmetric `recv` (a copy-engine
+  transfer through NVLink: no SM is taken from the GEMMs), then copies the
+  4-byte epoch bar[0] into rank c's ready[me]: stream order puts the flag
+  after the data. At every step the W ranks send to W different ranks.
+- `gemm_rs_kernel`, the final GEMM, computes my own chunk with gemm.matmul's
+  tile loop. After the K loop of its first tile, a program waits once for
+  all W ready flags to reach e (own flag included); every epilogue then sums,
+  in rank order q = 0 .. W - 1 in fp32, its own tile rounded to the dtype
+  (q = me: each rank's partial is rounded once, as with matmul +
+  reduce_scatter) and the received tiles of the other ranks, and stores the
+  sum into `out`.
+- The main stream waits for the copy stream at the end of the call (join).
 
-The epoch lives on the device (so CUDA-graph replays count it): two int32
-words, [done, current]. Every GEMM program reads epoch = done + 1 and its
-program 0 stores current = epoch; every reduce program reads current and its
-program 0 stores done = epoch. Each word is written only by a kernel that
-does not read it, and read by the kernel after, in stream order.
+Why waiting inside the final GEMM cannot deadlock, although the GEMM fills
+every SM: every flag it waits for is set by a peer's push, and a push depends
+only on the peer's start kernel and chunk GEMMs, kernels launched before the
+peer's own final GEMM, which wait for nothing but the start barrier (itself
+waiting only for every rank's previous call). Nothing a push depends on waits
+for any final GEMM of this call, so there is no cycle; the pushes are
+copy-engine transfers and need no SM. On the cpu backend there are no
+streams: the chunk GEMMs and pushes run on the host, before the final kernel.
 
-Workspace per (M, N, dtype, tiling), from the symmetric heap once: the receive
-buffer of 2 x W x (m, N) elements (epoch e uses half e % 2; slot q of a half is
-what rank q sent), the flags, the epoch words.
+Buffer reuse. `recv` is written by the copy engines, whose destinations are
+fixed by the host: a CUDA-graph replay reuses them exactly, so the half of a
+double buffer cannot follow a device-side epoch parity. Hence one buffer and
+the start barrier: a peer writes my `recv` in epoch e only after its start
+kernel of epoch e, which waited for my start kernel of epoch e, which comes
+after (stream order) my final GEMM of epoch e - 1, the buffer's last reader.
+The flags count epochs, never reset, and ready[q] cannot move past e while my
+final GEMM of epoch e runs (q's pushes of epoch e + 1 come after the barrier
+that waits for this GEMM), so "ready >= e" means exactly "epoch e's data is
+here". The send slots are plain local memory: a call's chunk GEMMs rewrite
+them only after the previous call's main stream joined the copy stream, that
+is after the previous pushes read them.
 
-Why parity double buffering needs no extra handshake. Rank q's GEMM of epoch
-e + 1 writes into half (e + 1) % 2 = (e - 1) % 2 of peer p's buffer, whose
-last reader is p's reduce of epoch e - 1. That read is finished in time:
-  p's reduce(e - 1) completes  ->  (stream order on p) p's GEMM(e) starts,
-  and sends its tiles of chunk q to q, each flagged e after its data
-  ->  q's reduce(e) waits for all of them (every rank sends every rank at
-  least one tile per epoch)  ->  (stream order on q) q's GEMM(e + 1) starts
-  and only then writes into p's half (e + 1) % 2.
-So the writer of a half is always two epochs ahead of the half's previous
-reader, and the chain runs through the very pair (p, q) involved. The same
-chain shows that a flag can run ahead by at most one epoch while its tile is
-still awaited: p's GEMM(e + 1) may flag e + 1 before q's reduce(e) has seen
-e (it writes the other half, so the epoch-e data is untouched; and the
-release of e + 1 comes after p's epoch-e stores, so acquiring e + 1 also
-makes them visible); p's GEMM(e + 2) needs q's epoch-(e + 1) tiles, which
-q sends only after its reduce(e). Hence "flag >= e" is exact enough.
+Memory ordering. A flag is written by the copy engine after the data copy
+has completed (stream order). The final GEMM acquires the flags (ld.acquire.sys
+in wl.wait) and reads the received tiles with ordinary loads carrying a data
+dependency on the wait's token (wl.consume_token), so they cannot be issued
+before the acquire.
+
+Workspace per (M, N, dtype), from the symmetric heap once: recv (W - 1,
+m, N) (slot i holds rank me + 1 + i's partial of my chunk), ready (W int32),
+bar (1 + W int32, the start barrier's words); in local memory the W - 1 send
+slots (m, N). The epochs live on the device, so whole calls can be captured
+in a CUDA graph and replayed.
 
 "baseline" is torch.matmul then weft.ops.reduce_scatter: the fallback where
 measurement shows the overlap loses.
@@ -72,148 +83,168 @@ from .common import check_method, check_out, no_capture_for_setup, world_or_rais
 
 METHODS = ("auto", "overlap", "baseline")
 
-# Elements a reduce program handles per tile part on the GPU (rows = this / BLOCK_N): enough work per
-# program for a memory-bound sum, few enough registers for W loads in flight.
-REDUCE_PART_ELEMENTS = 8192
+# Speed of gemm.GPU_CONFIGS["medium"] (128x128 tiles) relative to the 128x256 configs when both fill the
+# SMs equally: 0.88-0.95 on the chunk GEMMs of the RS shapes on H200 (bf16, 4 ranks, 2026-11-21).
+MEDIUM_SPEED = 0.91
 
 
 # -- device helpers -------------------------------------------------------------
 
 @triton.jit
-def _tile_ptrs(base, row0, col0, N, ROWS: tl.constexpr, COLS: tl.constexpr, ALIGNED: tl.constexpr):
-    """Pointers to base[row0:+ROWS, col0:+COLS] of a row-major (., N) matrix. ALIGNED is the host's
-    promise that every row segment starts 16-byte aligned (base aligned, N and col0 a multiple of 16
-    bytes), so that whole tiles move as 16-byte vectors; the hints go where the pointers are made."""
-    rows = row0 + tl.arange(0, ROWS)
-    cols = col0 + tl.arange(0, COLS)
-    ptrs = base + (rows[:, None].to(tl.int64) * N + cols[None, :])
-    if ALIGNED:
-        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [16, 16]), [1, COLS])
-    return ptrs
+def _halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """x[:, :COLS // 2], x[:, COLS // 2:] (as tutorial 09's epilogue sub-tiling does it)."""
+    return x.reshape(ROWS, 2, COLS // 2).permute(0, 2, 1).split()
 
 
 @triton.jit
-def _edge_mask(row0, col0, rows_end, N, ROWS: tl.constexpr, COLS: tl.constexpr):
+def _reduce_part(own, recv, out, me, row0, col, m, N, FULL: tl.constexpr, OUT_TMA: tl.constexpr,
+                 WORLD: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """out[row0:+ROWS, col:+COLS] = sum over ranks q in rank order, in fp32: `own` (my partial, already
+    rounded to the dtype) for q == me, else q's partial from slot (q - me - 1) mod WORLD of recv.
+
+    The loads are unrolled and unconditional (q == me is masked off, the same for the whole tile), so all
+    WORLD - 1 are in flight before the adds need them. FULL: the part lies inside the chunk, so the rows
+    are 16-byte vectors; else rows past m and columns past N are masked. `out` is a TMA descriptor
+    (OUT_TMA, clips at the edges) or, for an out not 16-byte aligned, a pointer (masked stores).
+    """
     rows = row0 + tl.arange(0, ROWS)
-    cols = col0 + tl.arange(0, COLS)
-    return (rows < rows_end)[:, None] & (cols < N)[None, :]
+    cols = col + tl.arange(0, COLS)
+    in_part = rows[:, None].to(tl.int64) * N + cols[None, :]
+    edge = (rows < m)[:, None] & (cols < N)[None, :]
+    slot_elems = tl.cast(m, tl.int64) * N
+    total = tl.zeros([ROWS, COLS], tl.float32)
+    for q in tl.static_range(WORLD):
+        ptrs = recv + ((q - me - 1 + WORLD) % WORLD) * slot_elems + in_part  # q == me: never read
+        if FULL:
+            ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [16, 16]), [1, COLS])
+            part = tl.load(ptrs, mask=q != me, other=0.0)
+        else:
+            part = tl.load(ptrs, mask=edge & (q != me), other=0.0)
+        total += tl.where(q == me, own.to(tl.float32), part.to(tl.float32))
+    if OUT_TMA:
+        out.store([row0, col], _cast(total, out.dtype))
+    else:
+        tl.store(out + in_part, _cast(total, out.dtype.element_ty), mask=edge)
+
+
+@triton.jit
+def _reduce_tile(acc, recv, out, me, row0, col0, m, N, FULL: tl.constexpr, OUT_TMA: tl.constexpr,
+                 WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The epilogue of a tile: my fp32 `acc` rounded to the dtype, plus the received partials, into out.
+    Column quarter by quarter, so that the rounded tile, a quarter's fp32 sum and the received quarters
+    fit in registers together."""
+    QUARTER: tl.constexpr = BLOCK_N // 4
+    own = _cast(acc, recv.dtype.element_ty)
+    left, right = _halves(own, BLOCK_M, BLOCK_N)
+    q0, q1 = _halves(left, BLOCK_M, BLOCK_N // 2)
+    q2, q3 = _halves(right, BLOCK_M, BLOCK_N // 2)
+    _reduce_part(q0, recv, out, me, row0, col0, m, N, FULL, OUT_TMA, WORLD, BLOCK_M, QUARTER)
+    _reduce_part(q1, recv, out, me, row0, col0 + QUARTER, m, N, FULL, OUT_TMA, WORLD, BLOCK_M, QUARTER)
+    _reduce_part(q2, recv, out, me, row0, col0 + 2 * QUARTER, m, N, FULL, OUT_TMA, WORLD, BLOCK_M, QUARTER)
+    _reduce_part(q3, recv, out, me, row0, col0 + 3 * QUARTER, m, N, FULL, OUT_TMA, WORLD, BLOCK_M, QUARTER)
 
 
 # -- kernels --------------------------------------------------------------------
 
 @triton.jit
-def gemm_rs_kernel(a_desc, b_desc, recv, flags, epochs, heap, M, N, K, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr,
-                   NUM_PROGRAMS: tl.constexpr):
-    """a @ b_shard, each tile pushed into slot [me] of its destination's `recv` and flagged there.
-
-    Program p computes tiles p, p + NUM_PROGRAMS, ... of the sequence: chunk me + 1, ..., chunk me
-    (mine last); inside a chunk, gemm.tile_of's grouped order.
-    """
-    me = wl.rank(heap)
-    world = wl.num_ranks(heap)
-    epoch = tl.load(epochs) + 1
-    m = M // world
-    num_m = tl.cdiv(m, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_chunk = num_m * num_n
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    # Slot [me] of the half this epoch writes, as an offset valid on every rank.
-    slot = ((epoch % 2) * world + me).to(tl.int64) * m * N
-    for tile in range(tl.program_id(0), world * per_chunk, NUM_PROGRAMS):
-        chunk = (me + 1 + tile // per_chunk) % world
-        t = tile % per_chunk
-        pid_m, pid_n = gemm.tile_of(t, num_m, num_n, GROUP_M)
-        row0 = pid_m * BLOCK_M
-        col0 = pid_n * BLOCK_N
-        acc = gemm.mma(a_desc, b_desc, chunk * m + row0, col0, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
-        val = _cast(acc, recv.dtype.element_ty)
-        dst = wl.symm_at(recv, chunk, heap) + slot
-        if (row0 + BLOCK_M <= m) & (col0 + BLOCK_N <= N):
-            tl.store(_tile_ptrs(dst, row0, col0, N, BLOCK_M, BLOCK_N, True), val)
-        else:
-            # Rows past the chunk would land in the next slot: mask them (and columns past N).
-            tl.store(_tile_ptrs(dst, row0, col0, N, BLOCK_M, BLOCK_N, False), val,
-                     mask=_edge_mask(row0, col0, m, N, BLOCK_M, BLOCK_N))
-        wl.notify(flags + t * world + me, chunk, heap, epoch)
-    if tl.program_id(0) == 0:
-        tl.store(epochs + 1, epoch)  # read by the reduce launched next
+def gemm_rs_start_kernel(bar, ready, heap):
+    """Start of a call: a barrier (every rank's previous final GEMM is done reading its `recv`), which
+    leaves the epoch in bar[0]; my own partial needs no transfer, so ready[me] = the epoch."""
+    wl.barrier_all(bar, heap)
+    tl.store(ready + wl.rank(heap), tl.load(bar))
 
 
 @triton.jit
-def gemm_rs_reduce_kernel(recv, out, flags, epochs, heap, m, N, WORLD: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, SUB_M: tl.constexpr,
-                          OUT_ALIGNED: tl.constexpr):
-    """out = sum over ranks q of slot q of this epoch's half of `recv`, tile by tile as flags arrive.
+def gemm_rs_kernel(a_desc, b_desc, recv, out, bar, ready, heap, m, N, K, OUT_TMA: tl.constexpr,
+                   WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+    """out = my chunk of a (a_desc, m rows) @ b_shard + the partials of my chunk that the peers pushed.
 
-    Program p handles rows [s * SUB_M, (s + 1) * SUB_M) of tile t, for t = p // (BLOCK_M // SUB_M),
-    s = p % (BLOCK_M // SUB_M): tiles in the order the GEMMs send them.
+    Program p computes tiles p, p + NUM_PROGRAMS, ... in grouped order, as gemm.matmul_kernel does.
+    Before its first epilogue it waits, once, for the W ready flags: its first K loop runs while the
+    last pushes land.
     """
-    p = tl.program_id(0)
-    split: tl.constexpr = BLOCK_M // SUB_M
-    t = p // split
-    epoch = tl.load(epochs + 1)
+    pid = tl.program_id(0)
+    me = wl.rank(heap)
+    epoch = tl.load(bar)
     num_m = tl.cdiv(m, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = gemm.tile_of(t, num_m, num_n, GROUP_M)
-    row0 = pid_m * BLOCK_M + (p % split) * SUB_M
-    col0 = pid_n * BLOCK_N
-    token = wl.wait(flags + t * WORLD, WORLD, epoch, wl.CMP_GE)
-    slot_elems = tl.cast(m, tl.int64) * N
-    half = wl.consume_token(recv, token) + (epoch % 2) * WORLD * slot_elems
-    acc = tl.zeros([SUB_M, BLOCK_N], tl.float32)
-    if (row0 + SUB_M <= m) & (col0 + BLOCK_N <= N):
-        for q in tl.static_range(WORLD):  # unrolled: all W loads in flight before the adds need them
-            acc += tl.load(_tile_ptrs(half + q * slot_elems, row0, col0, N, SUB_M, BLOCK_N, True)).to(tl.float32)
-        tl.store(_tile_ptrs(out, row0, col0, N, SUB_M, BLOCK_N, OUT_ALIGNED), _cast(acc, out.dtype.element_ty))
-    else:
-        mask = _edge_mask(row0, col0, m, N, SUB_M, BLOCK_N)
-        for q in tl.static_range(WORLD):
-            v = tl.load(_tile_ptrs(half + q * slot_elems, row0, col0, N, SUB_M, BLOCK_N, False), mask=mask, other=0.0)
-            acc += v.to(tl.float32)
-        tl.store(_tile_ptrs(out, row0, col0, N, SUB_M, BLOCK_N, False), _cast(acc, out.dtype.element_ty), mask=mask)
-    if p == 0:
-        tl.store(epochs, epoch)  # read by the next call's GEMM
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    arrived = 0  # becomes 0 with a data dependency on the wait: the received tiles' loads come after it
+    for tile in range(pid, num_m * num_n, NUM_PROGRAMS):
+        pid_m, pid_n = gemm.tile_of(tile, num_m, num_n, GROUP_M)
+        row0 = pid_m * BLOCK_M
+        col0 = pid_n * BLOCK_N
+        acc = gemm.mma(a_desc, b_desc, row0, col0, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
+        if tile == pid:
+            arrived = wl.consume_token(0, wl.wait(ready, WORLD, epoch, wl.CMP_GE))
+        row0 += arrived
+        if (row0 + BLOCK_M <= m) & (col0 + BLOCK_N <= N):
+            _reduce_tile(acc, recv, out, me, row0, col0, m, N, True, OUT_TMA, WORLD, BLOCK_M, BLOCK_N)
+        else:
+            _reduce_tile(acc, recv, out, me, row0, col0, m, N, False, OUT_TMA, WORLD, BLOCK_M, BLOCK_N)
 
 
 # -- host side ------------------------------------------------------------------
 
 class GemmRSContext:
-    """Receive buffer (2 x W x (m, N), by epoch parity), per-(tile, source) flags and the epoch words."""
+    """For one (M, N, dtype): the symmetric receive buffer, ready flags and start-barrier words; the local
+    send slots; the peer views the copy engine pushes into and the copy stream it uses."""
 
-    def __init__(self, world, m: int, n: int, dtype: torch.dtype, tiles_per_chunk: int):
-        heap, w = world.heap, world.world_size
-        self.recv = heap.empty((2, w, m, n), dtype)
-        self.flags = heap.empty((tiles_per_chunk * w,), torch.int32)
-        self.epochs = heap.empty((2,), torch.int32)  # [done, current]
-        self.flags.zero_()
-        self.epochs.zero_()
+    def __init__(self, world, m: int, n: int, dtype: torch.dtype):
+        heap, w, me = world.heap, world.world_size, world.rank
+        self.recv = heap.empty((w - 1, m, n), dtype)  # slot i: the partial of rank me + 1 + i
+        self.ready = heap.empty((w,), torch.int32)
+        self.bar = heap.empty((1 + w,), torch.int32)
+        self.ready.zero_()
+        self.bar.zero_()
+        self.send = torch.empty((w - 1, m, n), dtype=dtype, device=world.device)
+        # Step s: chunk c = me + s goes into slot (me - c - 1) mod W = W - 1 - s of rank c's recv, then the
+        # epoch into its ready[me].
+        self.steps = []
+        for s in range(1, w):
+            c = (me + s) % w
+            self.steps.append((c, self.send[s - 1], heap.peer(self.recv, c)[w - 1 - s],
+                               heap.peer(self.ready, c)[me:me + 1]))
+        self.stream = torch.cuda.Stream(world.device) if world.device.type == "cuda" else None
         world.barrier()  # flags are zero everywhere before anyone signals
 
 
-def _config(m_total: int, m: int, n: int, k: int, device: torch.device) -> gemm.GemmConfig:
-    cfg = gemm.config_for(m_total, n, k, device)
-    if m < cfg.block_m:
-        # Tiles never straddle chunks: a chunk shorter than the block wastes rows; size for the chunk.
-        cfg = gemm.config_for(m, n, k, device)
-    return cfg
+def _config(m: int, n: int, k: int, device: torch.device) -> gemm.GemmConfig:
+    """The tiling of a chunk GEMM (m, n, k): gemm.config_for's, unless 128x128 tiles fill the last wave
+    enough better to make up for their lower speed. A chunk has a quarter (or less) of the full GEMM's
+    tiles, so a half-empty last wave costs more: at 2048x4608 (8192x4608x36864 on 4 ranks) 128x256 tiles
+    fill 73 % of 3 waves, 128x128 tiles 87 % of 5; measured 1129 against 1188 us per call."""
+    cfg = gemm.config_for(m, n, k, device)
+    medium = gemm.GPU_CONFIGS["medium"]
+    if device.type != "cuda" or cfg.block_m != medium.block_m or cfg == medium:
+        return cfg
+    sms = gemm.num_sms(device)
+
+    def fill(c: gemm.GemmConfig) -> float:  # busy fraction of the programs' tile slots
+        tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
+        return tiles / (triton.cdiv(tiles, sms) * sms)
+
+    return medium if fill(medium) * MEDIUM_SPEED > fill(cfg) else cfg
 
 
 def gemm_rs(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, config: gemm.GemmConfig | None = None) -> torch.Tensor:
     """Rank r gets rows [r * M / W, (r + 1) * M / W) of the sum over ranks of a @ b_shard.
 
     a: (M, K_local), b_shard: (K_local, N), same dtype (bf16, fp16, fp32), contiguous, rows a multiple
     of 16 bytes (TMA); M divisible by the world size. Returns (M / W, N) in that dtype, accumulated in
     fp32 (each rank's partial product is rounded to the dtype once, as with matmul + reduce_scatter).
-    method: "overlap" (GEMM tiles pushed to their owners as they finish, then a reduce), "baseline"
-    (torch.matmul + weft.ops.reduce_scatter), "auto". `out`: any contiguous (M / W, N) tensor of
-    the dtype on this device. Collective: every rank calls it with the same shapes and method.
+    method: "overlap" (chunk GEMMs whose results the copy engines push to their owners while the next
+    chunk computes; a final GEMM of the own chunk sums what arrived), "baseline" (torch.matmul +
+    weft.ops.reduce_scatter), "auto". `out`: any contiguous (M / W, N) tensor of the dtype on this
+    device. `config`: the tiling of every GEMM of the call (default: chosen for the chunk shape).
+    Collective: every rank calls it with the same shapes, method and config.
     """
     world = world_or_raise()
     check_method(method, METHODS)
     gemm.check_operands("a", a, "b_shard", b_shard, world.device)
-    w = world.world_size
+    w, me = world.world_size, world.rank
     m_total, k = a.shape
     n = b_shard.shape[1]
     if m_total % w:
@@ -228,44 +259,63 @@ def gemm_rs(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
     if m == 0 or n == 0:
         return out
     if method == "auto":
-        # Measured on 4 H200s (docs/perf.md, 2026-11-21): overlap 1.01-1.13x faster than cuBLAS + NCCL
-        # on every TP shape, so it is the default everywhere measured.
+        # Measured on 4 H200s (bf16, 2026-11-21, `weft bench -n 4 gemm --ops rs`): overlap 1.02-1.46x faster
+        # than cuBLAS + NCCL on every RS shape, so it is the default everywhere measured.
         method = "overlap"
     if method == "baseline":
         return reduce_scatter(torch.matmul(a, b_shard), out=out)
 
-    cfg = _config(m_total, m, n, k, a.device)
-    num_n = triton.cdiv(n, cfg.block_n)
-    tiles_per_chunk = triton.cdiv(m, cfg.block_m) * num_n
-    key = ("gemm_rs", m_total, n, a.dtype, cfg)
+    cfg = config or _config(m, n, k, a.device)  # every GEMM of the call is one chunk of m rows
+    key = ("gemm_rs", m_total, n, a.dtype)
     if key not in world.contexts:
         no_capture_for_setup("weft.ops.gemm_rs")
-    ctx = world.context(key, lambda: GemmRSContext(world, m, n, a.dtype, tiles_per_chunk))
+    ctx = world.context(key, lambda: GemmRSContext(world, m, n, a.dtype))
     heap = world.heap.descriptor
-    programs = min(gemm.num_sms(a.device), w * tiles_per_chunk)
+    main = torch.cuda.current_stream() if ctx.stream is not None else None
+
+    gemm_rs_start_kernel[(1,)](ctx.bar, ctx.ready, heap, num_warps=1)
+    for c, send, dst, flag in ctx.steps:
+        gemm.matmul(a[c * m:(c + 1) * m], b_shard, out=send, config=cfg)
+        if main is not None:
+            ctx.stream.wait_stream(main)
+            with torch.cuda.stream(ctx.stream):
+                _push(ctx, send, dst, flag)
+        else:
+            _push(ctx, send, dst, flag)
+
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    programs = min(gemm.num_sms(a.device), tiles)
+    quarter = cfg.block_n // 4  # the epilogue's column sub-tiles
+    out_tma = out.data_ptr() % 16 == 0  # else (an odd view) masked pointer stores
     gemm_rs_kernel[(programs,)](
-        gemm.descriptor(a, (cfg.block_m, cfg.block_k)), gemm.descriptor(b_shard, (cfg.block_k, cfg.block_n)),
-        ctx.recv, ctx.flags, ctx.epochs, heap, m_total, n, k, NUM_PROGRAMS=programs, num_warps=cfg.num_warps,
-        **cfg.constexprs())
-    sub_m = cfg.block_m if a.device.type != "cuda" else max(1, min(cfg.block_m, REDUCE_PART_ELEMENTS // cfg.block_n))
-    gemm_rs_reduce_kernel[(tiles_per_chunk * (cfg.block_m // sub_m),)](
-        ctx.recv, out, ctx.flags, ctx.epochs, heap, m, n, WORLD=w, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        GROUP_M=cfg.group_m, SUB_M=sub_m, OUT_ALIGNED=out.data_ptr() % 16 == 0, num_warps=8 if a.is_cuda else 4)
+        gemm.descriptor(a[me * m:(me + 1) * m], (cfg.block_m, cfg.block_k)),
+        gemm.descriptor(b_shard, (cfg.block_k, cfg.block_n)), ctx.recv,
+        gemm.descriptor(out, (cfg.block_m, quarter)) if out_tma else out, ctx.bar, ctx.ready, heap, m, n, k,
+        OUT_TMA=out_tma, WORLD=w, NUM_PROGRAMS=programs, num_warps=cfg.num_warps, **cfg.constexprs())
+    if main is not None:
+        main.wait_stream(ctx.stream)
     return out
 
 
-# Signatures for the sm_90 compile check (weft.testing.compile).
-COMPILE_CASES = [
-    (gemm_rs_kernel,
-     dict(a_desc=f"tensordesc<{t}[{c.block_m}, {c.block_k}]>", b_desc=f"tensordesc<{t}[{c.block_k}, {c.block_n}]>",
-          recv=f"*{t}", flags="*i32", epochs="*i32", heap="*i64", M="i32", N="i32", K="i32"),
-     dict(NUM_PROGRAMS=132, **c.constexprs()), dict(num_warps=c.num_warps, min_arch=90))
-    for t in ("bf16", "fp16") for c in gemm.GPU_CONFIGS.values()
-] + [
-    (gemm_rs_reduce_kernel,
-     dict(recv=f"*{t}", out=f"*{t}", flags="*i32", epochs="*i32", heap="*i64", m="i32", N="i32"),
-     dict(WORLD=wd, BLOCK_M=c.block_m, BLOCK_N=c.block_n, GROUP_M=c.group_m,
-          SUB_M=min(c.block_m, REDUCE_PART_ELEMENTS // c.block_n), OUT_ALIGNED=al),
-     dict(num_warps=8, min_arch=90))
-    for t in ("bf16", "fp16") for c in gemm.GPU_CONFIGS.values() for wd, al in ((8, True), (2, False))
+def _push(ctx, send, dst, flag):
+    """A partial into its owner's recv slot, then the epoch into its ready flag: data first (stream order)."""
+    dst.copy_(send)
+    flag.copy_(ctx.bar[0:1])
+
+
+def _case(t: str, c: gemm.GemmConfig, world: int, out_tma: bool):
+    quarter = c.block_n // 4
+    sig = dict(a_desc=f"tensordesc<{t}[{c.block_m}, {c.block_k}]>", b_desc=f"tensordesc<{t}[{c.block_k}, {c.block_n}]>",
+               recv=f"*{t}",
+               out=f"tensordesc<{t}[{c.block_m}, {quarter}]>" if out_tma else f"*{t}",
+               bar="*i32", ready="*i32", heap="*i64", m="i32", N="i32", K="i32")
+    return (gemm_rs_kernel, sig, dict(OUT_TMA=out_tma, WORLD=world, NUM_PROGRAMS=132, **c.constexprs()),
+            dict(num_warps=c.num_warps, min_arch=90))
+
+
+# Signatures for the sm_90 compile check (weft.testing.compile): every GPU config, bf16/fp16, 8 ranks with a
+# TMA-stored out, 2 ranks with an unaligned one.
+COMPILE_CASES = [(gemm_rs_start_kernel, dict(bar="*i32", ready="*i32", heap="*i64"), {}, dict(num_warps=1))] + [
+    _case(t, c, world, out_tma) for t in ("bf16", "fp16") for c in gemm.GPU_CONFIGS.values()
+    for world, out_tma in ((8, True), (2, False))
 ]

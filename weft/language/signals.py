@@ -31,6 +31,32 @@ def notify(flag_ptr, peer, heap, value=1, op: tl.constexpr = SIGNAL_SET, scope: 
         ptx.signal_thread0(remote, v, op == SIGNAL_ADD, scope)
 
 
+# Flags a program polls, or ranks it signals, at once: one per lane of a warp.
+LANES = tl.constexpr(32)
+
+
+@triton.jit
+def notify_all(flag_ptr, heap, value=1, op: tl.constexpr = SIGNAL_SET, scope: tl.constexpr = SCOPE_SYS):
+    """`notify` to every rank (myself included), all at once: lane r publishes to rank r.
+
+    One release per lane instead of one release after another: each release
+    must wait for the program's earlier stores to complete, so W serial
+    notifies cost W times that wait.
+    """
+    world = num_ranks(heap)
+    for base in range(0, world, LANES):
+        peers = base + tl.arange(0, LANES)
+        live = peers < world
+        remote = symm_at(flag_ptr, tl.where(live, peers, 0), heap)
+        v = tl.full([LANES], value, flag_ptr.dtype.element_ty)
+        if not INTERPRET:
+            tl.debug_barrier()  # the program's stores happen before any lane's release
+        if op == SIGNAL_ADD:
+            tl.atomic_add(remote, v, mask=live, sem="release", scope=scope)
+        else:
+            tl.atomic_xchg(remote, v, mask=live, sem="release", scope=scope)
+
+
 @triton.jit
 def _holds(seen, value, cmp: tl.constexpr):
     if cmp == CMP_EQ:
@@ -60,19 +86,28 @@ def wait(flag_ptr, count, value, cmp: tl.constexpr = CMP_EQ, scope: tl.constexpr
     if INTERPRET:
         return interpreter.spin_wait(flag_ptr, count, value, cmp)
     else:
-        seen = ptx.ld_acquire(flag_ptr, scope)
+        # Lane i of every warp polls flag base + i: up to 32 flags in one round trip. A CTA barrier
+        # after the loop orders every thread's later loads after the acquires (barrier + acquire).
+        lanes = tl.arange(0, LANES)
+        seen = tl.zeros([LANES], flag_ptr.dtype.element_ty)
         if WAIT_TIMEOUT_NS > 0:
             start = ptx.global_timer()
-        for i in range(count):
-            seen = ptx.ld_acquire(flag_ptr + i, scope)
-            while not _holds(seen, value, cmp):
+        for base in range(0, count, LANES):
+            ptrs = flag_ptr + tl.minimum(base + lanes, count - 1)
+            seen = ptx.ld_acquire(ptrs, scope)
+            ok = _holds(seen, value, cmp).to(tl.int32)
+            while tl.min(ok, axis=0) == 0:
                 if WAIT_TIMEOUT_NS > 0:
                     if ptx.global_timer() - start > WAIT_TIMEOUT_NS:
+                        i = tl.min(tl.where(ok == 0, base + lanes, count), axis=0)
                         tl.device_print("weft wait timed out: flag index, address, expected, seen ", i,
-                                        (flag_ptr + i).to(tl.int64, bitcast=True), value, seen)
+                                        (flag_ptr + i).to(tl.int64, bitcast=True), value,
+                                        tl.min(tl.where(base + lanes == i, seen, value), axis=0))
                         ptx.trap()
-                seen = ptx.ld_acquire(flag_ptr + i, scope)
-        return seen
+                seen = ptx.ld_acquire(ptrs, scope)
+                ok = _holds(seen, value, cmp).to(tl.int32)
+        tl.debug_barrier()
+        return tl.max(seen, axis=0)
 
 
 @triton.jit
@@ -113,8 +148,7 @@ def barrier_all(bar, heap):
     epoch = tl.load(bar) + 1
     tl.debug_barrier()
     tl.store(bar, epoch)
-    for peer in range(n):
-        notify(bar + 1 + me, peer, heap, 1, SIGNAL_ADD)
+    notify_all(bar + 1 + me, heap, 1, SIGNAL_ADD)
     wait(bar + 1, n, epoch, CMP_GE)
 
 
