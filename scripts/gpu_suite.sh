@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The one GPU script: correctness on 2 and 8 GPUs, then the benchmark suites (on 8; reductions on 2, 4, 8),
-# results under $OUT.
-#   usage (device machine, repo root): bash scripts/gpu_suite.sh [quick]
-# Logs: $OUT/*.log; bench JSON/markdown/PNG: $OUT/bench/.
+# The one GPU script: correctness on 2 and all GPUs, then the benchmark suites (on all GPUs; reductions on
+# 2, 4, 8), results under $OUT.
+#   usage (device machine, repo root): bash scripts/gpu_suite.sh [all|quick|reductions|gemm]
+#     all (default): everything (on 8 GPUs more than one device call allows: run the parts in turn)
+#     quick: GPU tests on 2 and all GPUs, tutorials;  reductions: allgather, allreduce, reducescatter;
+#     gemm: the overlapped-GEMM suite
+# Logs and bench JSON/markdown/PNG end up packed in $OUT/weft_results.tar.gz (*.log, bench/).
 set -uo pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -23,21 +26,30 @@ step() {  # step NAME CMD...: run, log, remember failure
   echo "== $name rc=$rc ($((SECONDS - t0)) s)" | tee -a "$OUT/suite.log"
   [ $rc -eq 0 ] || status=1
 }
-for n in 2 $NGPU; do
-  [ "$n" -le "$NGPU" ] || continue
-  step "gpu_tests_$n" timeout 200 python3 -m weft run -n "$n" -m pytest tests/test_gpu.py tests/test_gpu_gemm.py -m gpu -q -x -p no:cacheprovider
-done
-step tutorials timeout 240 bash -c "for t in tutorials/0*.py; do python3 -m weft run -n $NGPU \$t || exit 1; done"
-if [ "${1:-}" != "quick" ]; then
+PART=${1:-all}
+case "$PART" in all|quick|reductions|gemm) ;; *) echo "usage: $0 [all|quick|reductions|gemm]" >&2; exit 2 ;; esac
+if [ "$PART" = all ] || [ "$PART" = quick ]; then
+  for n in 2 $NGPU; do
+    [ "$n" -le "$NGPU" ] || continue
+    step "gpu_tests_$n" timeout 200 python3 -m weft run -n "$n" -m pytest tests/test_gpu.py tests/test_gpu_gemm.py -m gpu -q -x -p no:cacheprovider
+  done
+  step tutorials timeout 240 bash -c "for t in tutorials/0*.py; do python3 -m weft run -n $NGPU \$t || exit 1; done"
+fi
+if [ "$PART" = all ] || [ "$PART" = reductions ]; then
   step bench_allgather timeout 250 python3 -m weft bench -n "$NGPU" allgather --out "$OUT/bench"
-  # 4 KiB..512 MiB bf16; the largest sizes take ~3 ms per call, so 30 samples keep each run near a minute.
+  # 4 KiB..512 MiB bf16; the largest sizes take ~3 ms per call, so 20 samples keep each run near a minute.
   for n in 2 4 8; do
     [ "$n" -le "$NGPU" ] || continue
     for suite in allreduce reducescatter; do
-      step "bench_${suite}_$n" timeout 150 python3 -m weft bench -n "$n" "$suite" --samples 30 --out "$OUT/bench"
+      step "bench_${suite}_$n" timeout 150 python3 -m weft bench -n "$n" "$suite" --samples 20 --out "$OUT/bench"
     done
   done
-  step bench_gemm timeout 300 python3 -m weft bench -n "$NGPU" gemm --samples 20 --out "$OUT/bench"
+fi
+if [ "$PART" = all ] || [ "$PART" = gemm ]; then
+  step bench_gemm timeout 400 python3 -m weft bench -n "$NGPU" gemm --samples 20 --out "$OUT/bench"
 fi
 cat "$OUT"/bench/*.md 2>/dev/null
+# One archive instead of many files: the device tool brings back only a few files per call.
+pack=$(mktemp -d)
+tar czf "$pack/weft_results.tar.gz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "$pack/weft_results.tar.gz" "$OUT/"
 exit $status

@@ -32,14 +32,21 @@ def _best(by, case, impls, prefix):
     return min(times) if times else None
 
 
-def markdown(rows: list[Row], baseline: str | None = None, rival: str | None = None) -> str:
+def _unit(bandwidth: str) -> str:
+    """"GB/s" of "bus bandwidth (GB/s)", "TFLOP/s" of "TFLOP/s of the GEMM"."""
+    inner = bandwidth[bandwidth.find("(") + 1:bandwidth.find(")")] if "(" in bandwidth else ""
+    return inner or bandwidth.split()[0]
+
+
+def markdown(rows: list[Row], baseline: str | None = None, rival: str | None = None,
+             bandwidth: str = ALGBW) -> str:
     """`baseline`: an impl the best weft row is compared with; `rival`: a prefix of impls (e.g. "torch")
-    whose best is compared with the best weft row too."""
+    whose best is compared with the best weft row too; `bandwidth`: what the bracketed figure is."""
     cases = list(dict.fromkeys(r.case for r in rows))
     impls = list(dict.fromkeys(r.impl for r in rows))
     by = {(r.case, r.impl): r for r in rows}
     rival = rival if rival and any(i.startswith(rival) for i in impls) else None
-    head = ["size"] + [f"{i} µs (GB/s)" for i in impls]
+    head = ["size"] + [f"{i} µs ({_unit(bandwidth)})" for i in impls]
     if baseline:
         head += [f"best weft vs {baseline}"]
     if rival:
@@ -91,7 +98,7 @@ def write(rows: list[Row], out_dir: str, name: str, title: str, baseline: str | 
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump([asdict(r) for r in rows], f, indent=1)
-    table = markdown(rows, baseline, rival)
+    table = markdown(rows, baseline, rival, bandwidth)
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(f"## {title}\n\ncells: µs per call (median, slowest rank), in brackets {bandwidth}\n\n{table}\n")
     plot(rows, os.path.join(out_dir, f"{name}.png"), title, bandwidth)

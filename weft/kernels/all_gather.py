@@ -123,13 +123,15 @@ def _vector_width(n: int, *tensors: torch.Tensor) -> int:
 
 
 class AllGatherContext:
-    """Symmetric workspace and flags for one (method, shard size, dtype)."""
+    """Symmetric workspace and flags for one (method, shard size, dtype, output kind)."""
 
-    def __init__(self, world, method: str, shard_words: int, word_dtype: torch.dtype, programs: int):
+    def __init__(self, world, method: str, shard_words: int, word_dtype: torch.dtype, programs: int,
+                 symmetric_out: bool):
         heap, w = world.heap, world.world_size
         self.method, self.programs = method, programs
-        if method == "push":  # two halves, by epoch parity
-            self.buffer = heap.empty((2 * w * shard_words,), word_dtype)
+        if method == "push":
+            # Into a symmetric out the peers push straight into it; else into two halves, by epoch parity.
+            self.buffer = None if symmetric_out else heap.empty((2 * w * shard_words,), word_dtype)
             self.flags = heap.empty((programs * w * 3,), torch.int32)
         else:
             self.buffer = heap.empty((shard_words,), word_dtype)
@@ -170,15 +172,16 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "
         xw, ow = x.reshape(-1).view(torch.uint8), out.reshape(-1).view(torch.uint8)
     n = xw.numel()
     programs, block, warps = _launch_shape(method, n * xw.element_size(), x.device)
-    key = ("all_gather", method, n, xw.dtype, programs)
+    zero_copy = method == "push" and symmetric_out
+    key = ("all_gather", method, n, xw.dtype, programs, zero_copy)
     if key not in world.contexts:
         no_capture_for_setup("weft.ops.all_gather")
-    ctx = world.context(key, lambda: AllGatherContext(world, method, n, xw.dtype, programs))
+    ctx = world.context(key, lambda: AllGatherContext(world, method, n, xw.dtype, programs, zero_copy))
     chunk = triton.cdiv(triton.cdiv(n, programs), block) * block  # whole blocks but the last
-    vec = _vector_width(n, xw, ow, ctx.buffer)
+    vec = _vector_width(n, xw, ow, *([] if zero_copy else [ctx.buffer]))
     heap = world.heap.descriptor
     if method == "push":
-        if symmetric_out:
+        if zero_copy:
             # Every rank's `out` sits at the same offset: push straight into it.
             all_gather_push_kernel[(programs, w)](xw, ow, ow, ctx.flags, heap, n, chunk, COPY_OUT=False,
                                                 BLOCK=block, VEC=vec, num_warps=warps)
