@@ -135,8 +135,8 @@ def test_all_reduce_3_4_ranks(w):
 
 
 def test_all_reduce_8_ranks_small():
-    cases = [("one_shot", "float32", (37,), "out"), ("two_shot", "float32", (37,), "inplace"),
-             ("two_shot", "bfloat16", (259,), "out"), ("two_shot", "float16", (259,), "symm_inplace")]
+    cases = _cases(("one_shot", "two_shot", "auto"), DTYPES, [(37,), (259,), (3, 5)], ("out",))
+    cases += [("two_shot", "float32", (37,), "inplace"), ("two_shot", "float16", (259,), "symm_inplace")]
     _check_same_everywhere(run_ranks(_all_reduce_cases, 8, cases, 2, timeout=TIMEOUT, env=ENV))
 
 
