@@ -98,6 +98,14 @@ def never_signalled_kernel(flag, heap):
         wl.wait(flag, 1, 1, wl.CMP_EQ)
 
 
+@triton.jit
+def never_arriving_ll_kernel(words, heap):
+    """Rank 1 waits for 8 LL words of epoch 1 that nobody writes."""
+    if wl.rank(heap) == 1:
+        offs = tl.arange(0, 8)
+        wl.wait_ll(words + offs, offs < 8, 1)
+
+
 @triton.jit(do_not_specialize=["epoch"])
 def fan_in_kernel(flags, table, out, heap, per_rank, epoch):
     """Every rank writes `per_rank` values into its row of every rank's table, announces each with

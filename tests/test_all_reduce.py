@@ -120,9 +120,12 @@ def _cases(methods, dtypes, shapes, modes):
 
 
 def test_all_reduce_2_ranks_every_method_dtype_mode():
-    cases = _cases(("one_shot", "two_shot", "auto"), DTYPES, [(1,), (7, 3), (1001,), (33, 5)],
+    # Odd and even element counts: one-shot sends whole 4-byte words as LL words (16-bit dtypes need an
+    # even count), anything else by the push path; (20000,) fp32 is above LL_MAX_BYTES.
+    cases = _cases(("one_shot", "two_shot", "auto"), DTYPES, [(1,), (7, 3), (1000,), (33, 5), (2, 7), (1001,)],
                    ("out", "inplace", "none", "symm_out", "symm_inplace"))
     cases += [(m, "float32", (9001,), "out") for m in ("one_shot", "two_shot")]  # several programs and blocks
+    cases += [(m, "float32", (20000,), "out") for m in ("one_shot", "two_shot")]
     _check_same_everywhere(run_ranks(_all_reduce_cases, 2, cases, 2, timeout=TIMEOUT, env=ENV))
 
 
@@ -138,6 +141,23 @@ def test_all_reduce_8_ranks_small():
     cases = _cases(("one_shot", "two_shot", "auto"), DTYPES, [(37,), (259,), (3, 5)], ("out",))
     cases += [("two_shot", "float32", (37,), "inplace"), ("two_shot", "float16", (259,), "symm_inplace")]
     _check_same_everywhere(run_ranks(_all_reduce_cases, 8, cases, 2, timeout=TIMEOUT, env=ENV))
+
+
+def _one_shot_paths():
+    import torch
+
+    import weft
+    from weft.kernels.all_reduce import LL_MAX_BYTES, all_reduce
+
+    small = torch.ones(LL_MAX_BYTES // 4)
+    large = torch.ones(LL_MAX_BYTES // 4 + 4)
+    for x in (small, large):
+        assert torch.equal(all_reduce(x, method="one_shot"), x * weft.world_size())
+    return sorted(k[1] for k in weft.world().contexts if k[0] == "all_reduce")
+
+
+def test_one_shot_takes_ll_path_up_to_its_limit():
+    assert run_ranks(_one_shot_paths, 2, timeout=TIMEOUT, env=ENV) == [["ll", "one_shot"]] * 2
 
 
 def test_all_reduce_1_rank():

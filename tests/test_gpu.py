@@ -170,7 +170,7 @@ def _poisoned(n, dtype, offset=0):
 
 @pytest.mark.parametrize("method", ["one_shot", "two_shot", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("numel", [1, 1001, 65537, (1 << 20) + 3])
+@pytest.mark.parametrize("numel", [1, 1000, 1001, 16384, 65537, (1 << 20) + 3])
 def test_all_reduce_matches_nccl(method, dtype, numel):
     for call in range(3):
         offset = call % 2  # every other call unaligned: the unvectorised path

@@ -133,26 +133,31 @@ def test_wait_comparisons_and_hardware(world):
     assert all(run_ranks(_cmp_and_hardware, world, timeout=120))
 
 
-def _timeout():
+def _timeout(kernel_name, numel, dtype_name):
+    """Rank 1 runs a kernel that waits for what nobody sends; returns the error it raised."""
     import torch
 
+    import primitive_kernels
     import weft
-    from primitive_kernels import never_signalled_kernel
 
-    flag = weft.zeros((1,), torch.int32)
+    flags = weft.zeros((numel,), getattr(torch, dtype_name))
     weft.barrier()
     try:
-        never_signalled_kernel[(1,)](flag, weft.world().heap.descriptor)
+        getattr(primitive_kernels, kernel_name)[(1,)](flags, weft.world().heap.descriptor)
     except Exception as e:  # InterpreterError wrapping WaitTimeout
         return str(e)
     return None
 
 
-def test_wait_timeout_names_rank_and_flag():
-    msgs = run_ranks(_timeout, 2, timeout=60, env={"WEFT_WAIT_TIMEOUT_S": "1"})
+@pytest.mark.parametrize("kernel, numel, dtype, parts", [
+    ("never_signalled_kernel", 1, "int32", ("flag 0 of 1", "expected flag == 1", "seen 0")),
+    ("never_arriving_ll_kernel", 8, "int64", ("LL word 0", "expected epoch 1", "seen 0")),
+])
+def test_wait_timeout_names_rank_and_flag(kernel, numel, dtype, parts):
+    msgs = run_ranks(_timeout, 2, kernel, numel, dtype, timeout=60, env={"WEFT_WAIT_TIMEOUT_S": "1"})
     assert msgs[0] is None
     assert msgs[1] is not None and "WaitTimeout" in msgs[1]
-    for part in ("rank 1", "flag 0 of 1", "expected flag == 1", "seen 0"):
+    for part in ("rank 1",) + parts:
         assert part in msgs[1], msgs[1]
 
 

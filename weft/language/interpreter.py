@@ -60,5 +60,29 @@ def spin_wait(flag_ptr, count, value, cmp):
 
 
 @interpreter_only
+def spin_wait_ll(ptrs, mask, epoch):
+    """Poll the 64-bit LL words at `ptrs` (where `mask`) until every high half equals `epoch`."""
+    epoch = int(_scalar(epoch))
+    timeout = float(os.environ.get("WEFT_WAIT_TIMEOUT_S", "0") or 0)
+    start = time.monotonic()
+    nap = 0.0
+    while True:
+        words = tl.load(ptrs, mask=mask, other=0, volatile=True)
+        tags = np.asarray(words.handle.data).astype(np.int64) >> 32
+        live = np.asarray(mask.handle.data).astype(bool) if isinstance(mask, tl.tensor) else True
+        missing = np.flatnonzero((tags != epoch) & live)
+        if missing.size == 0:
+            return words
+        if timeout > 0 and time.monotonic() - start > timeout:
+            i = int(missing[0])
+            addr = int(np.asarray(ptrs.handle.data).reshape(-1)[i])
+            raise WaitTimeout(
+                f"weft: rank {os.environ.get('RANK', '0')} timed out after {timeout:g} s waiting on LL word {i} "
+                f"of a block at address 0x{addr:x}: expected epoch {epoch}, seen {int(tags.reshape(-1)[i])}")
+        time.sleep(nap)
+        nap = min(1e-3, nap * 2 + 2e-5)
+
+
+@interpreter_only
 def monotonic_ns():
     return tl.full([], time.monotonic_ns(), tl.int64)

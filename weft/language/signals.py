@@ -111,6 +111,44 @@ def wait(flag_ptr, count, value, cmp: tl.constexpr = CMP_EQ, scope: tl.constexpr
 
 
 @triton.jit
+def pack_ll(payload, epoch):
+    """Low-latency (LL) words: int32 `payload` in the low half of an int64, `epoch` in the high half.
+
+    A peer stores a word in one 8-byte store, which is single-copy atomic: whoever sees the epoch in
+    a word sees its payload, so data needs no separate flag, fence or release (one one-way trip
+    instead of data, fence and flag). Costs twice the bytes: for small messages.
+    """
+    return (epoch.to(tl.int64) << 32) | (payload.to(tl.int64) & 0xFFFFFFFF)
+
+
+@triton.jit
+def wait_ll(ptrs, mask, epoch):
+    """Spin until every LL word at `ptrs` (where `mask`) carries `epoch`; returns their int32 payloads.
+
+    The words are polled with volatile loads (straight from L2, where peers' NVLink stores land).
+    WEFT_WAIT_TIMEOUT_S applies as in `wait`.
+    """
+    if INTERPRET:
+        words = interpreter.spin_wait_ll(ptrs, mask, epoch)
+    else:
+        # Spin on a scalar (a tensor carried through the loop trips Triton 3.6's layout passes),
+        # then load the words that have all arrived.
+        arrived = 0
+        if WAIT_TIMEOUT_NS > 0:
+            start = ptx.global_timer()
+        while arrived == 0:
+            tags = (tl.load(ptrs, mask=mask, other=0, volatile=True) >> 32).to(tl.int32)
+            arrived = tl.min(((tags == epoch) | (mask == 0)).to(tl.int32), axis=0)
+            if WAIT_TIMEOUT_NS > 0:
+                if (arrived == 0) & (ptx.global_timer() - start > WAIT_TIMEOUT_NS):
+                    tl.device_print("weft LL wait timed out: expected epoch, seen (min over the block) ", epoch,
+                                    tl.min(tl.where(mask, tags, epoch), axis=0))
+                    ptx.trap()
+        words = tl.load(ptrs, mask=mask, other=0, volatile=True)
+    return words.to(tl.int32)
+
+
+@triton.jit
 def consume_token(x, token):
     """`x` carrying a data dependency on `token`, so loads through it come after the wait."""
     if INTERPRET:
