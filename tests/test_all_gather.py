@@ -77,7 +77,7 @@ def _device_barrier(calls):
 
     for _ in range(calls):
         weft.ops.device_barrier()
-    return int(weft.world().contexts["barrier"].bar[0])
+    return int(weft.world().contexts["device_barrier"].bar[0])
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])

@@ -45,7 +45,7 @@ from weft.language import ptx
 
 from . import gemm
 from .all_gather import all_gather
-from .common import check_method, check_out, no_capture_for_setup, world_or_raise
+from .common import check_method, check_out, world_or_raise
 
 METHODS = ("auto", "overlap", "baseline")
 
@@ -183,8 +183,6 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, method: str = "auto", out: t
         return (out, gathered) if return_gathered else out
 
     key = ("ag_gemm", m, k, a_shard.dtype)
-    if key not in world.contexts:
-        no_capture_for_setup("weft.ops.ag_gemm")
     ctx = world.context(key, lambda: AgGemmContext(world, m, k, a_shard.dtype))
     heap = world.heap.descriptor
     main = torch.cuda.current_stream() if ctx.stream is not None else None

@@ -19,7 +19,7 @@ import triton.language as tl
 
 import weft.language as wl
 
-from .common import as_words, check_method, check_out, check_tensor, no_capture_for_setup, world_or_raise
+from .common import as_words, check_method, check_out, check_tensor, world_or_raise
 
 METHODS = ("auto", "push", "pull")
 
@@ -174,8 +174,6 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "
     programs, block, warps = _launch_shape(method, n * xw.element_size(), x.device)
     zero_copy = method == "push" and symmetric_out
     key = ("all_gather", method, n, xw.dtype, programs, zero_copy)
-    if key not in world.contexts:
-        no_capture_for_setup("weft.ops.all_gather")
     ctx = world.context(key, lambda: AllGatherContext(world, method, n, xw.dtype, programs, zero_copy))
     chunk = triton.cdiv(triton.cdiv(n, programs), block) * block  # whole blocks but the last
     vec = _vector_width(n, xw, ow, *([] if zero_copy else [ctx.buffer]))

@@ -60,7 +60,7 @@ import triton.language as tl
 
 import weft.language as wl
 
-from .common import as_words, check_method, check_out, check_tensor, no_capture_for_setup, world_or_raise
+from .common import as_words, check_method, check_out, check_tensor, world_or_raise
 
 METHODS = ("auto", "one_shot", "two_shot")
 OPS = ("sum",)
@@ -404,8 +404,6 @@ def _context(world, key: tuple, words: int, dtype: torch.dtype, programs: int, f
              gather_words: int = 0):
     """The context for `key`, created on first use (collectively: every rank makes the same calls)."""
     key = (*key, dtype, programs)
-    if key not in world.contexts:
-        no_capture_for_setup(f"weft.ops.{key[0]}")
     return world.context(key, lambda: ReduceContext(world, words, dtype, programs, flags_per_program,
                                                     gather_words))
 

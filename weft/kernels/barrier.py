@@ -4,7 +4,7 @@ import triton
 
 import weft.language as wl
 
-from .common import no_capture_for_setup, world_or_raise
+from .common import world_or_raise
 
 
 @triton.jit
@@ -24,9 +24,7 @@ class BarrierContext:
 def device_barrier() -> None:
     """Every rank's stream waits here until all ranks' streams have arrived."""
     world = world_or_raise()
-    if "barrier" not in world.contexts:
-        no_capture_for_setup("weft.ops.device_barrier")
-    ctx = world.context("barrier", lambda: BarrierContext(world))
+    ctx = world.context("device_barrier", lambda: BarrierContext(world))
     barrier_all_kernel[(1,)](ctx.bar, world.heap.descriptor, num_warps=1)
 
 

@@ -43,9 +43,3 @@ def as_words(t: torch.Tensor) -> torch.Tensor:
 
 def world_or_raise():
     return _world.get()
-
-
-def no_capture_for_setup(what: str) -> None:
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"{what}: its workspace is created collectively on first use; call it once outside "
-                           "CUDA-graph capture (same shapes) before capturing")

@@ -52,7 +52,7 @@ import triton.language as tl
 import weft.language as wl
 
 from .all_reduce import _cast, all_reduce
-from .common import check_method, check_out, check_tensor, no_capture_for_setup, world_or_raise
+from .common import check_method, check_out, check_tensor, world_or_raise
 from .gemm import dot
 
 METHODS = ("auto", "fused", "baseline")
@@ -253,8 +253,6 @@ def gemm_ar(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     sdtype = stage_dtype(m, a.dtype)
     key = ("gemm_ar", m, n, sdtype, tiles)
-    if key not in world.contexts:
-        no_capture_for_setup("weft.ops.gemm_ar")
     ctx = world.context(key, lambda: GemmArContext(world, m, n, sdtype, tiles))
     gemm_ar_kernel[(tiles,)](a, b_shard, ctx.stage, out, ctx.flags, world.heap.descriptor, m, n, k,
                              WORLD=world.world_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

@@ -79,7 +79,7 @@ import weft.language as wl
 
 from . import gemm
 from .all_reduce import _cast, reduce_scatter
-from .common import check_method, check_out, no_capture_for_setup, world_or_raise
+from .common import check_method, check_out, world_or_raise
 
 METHODS = ("auto", "overlap", "baseline")
 
@@ -267,8 +267,6 @@ def gemm_rs(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
 
     cfg = config or _config(m, n, k, a.device)  # every GEMM of the call is one chunk of m rows
     key = ("gemm_rs", m_total, n, a.dtype)
-    if key not in world.contexts:
-        no_capture_for_setup("weft.ops.gemm_rs")
     ctx = world.context(key, lambda: GemmRSContext(world, m, n, a.dtype))
     heap = world.heap.descriptor
     main = torch.cuda.current_stream() if ctx.stream is not None else None

@@ -28,9 +28,14 @@ class World:
         self._owns_group = owns_group
 
     def context(self, key, make):
-        """The op context cached under `key`, created (collectively) on first use."""
+        """The op context cached under `key` (the op's name, or a tuple led by it), created (collectively)
+        on first use. Creation allocates and synchronises, so it cannot happen inside CUDA-graph capture."""
         ctx = self.contexts.get(key)
         if ctx is None:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                op = key[0] if isinstance(key, tuple) else key
+                raise RuntimeError(f"weft.ops.{op}: its workspace is created collectively on first use; call it "
+                                   "once outside CUDA-graph capture (same shapes) before capturing")
             ctx = self.contexts[key] = make()
         return ctx
 
