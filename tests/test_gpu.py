@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 
 import weft
+from weft.testing.graphs import capture
 from weft.testing.reference import all_gather_ref, reduce_scatter_ref
 
 pytestmark = pytest.mark.gpu
@@ -44,14 +45,12 @@ def test_all_gather_cuda_graph_replay():
     out = torch.empty(w.world_size * 1000, device=w.device)
     weft.ops.all_gather(x, out=out, method="pull")  # creates the context outside capture
     weft.ops.all_gather(x, out=out, method="push")
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(g, stream=s):
-            weft.ops.all_gather(x, out=out, method="pull")
-            weft.ops.all_gather(x * 1, out=out, method="push")
-    torch.cuda.current_stream().wait_stream(s)
+
+    def calls():
+        weft.ops.all_gather(x, out=out, method="pull")
+        weft.ops.all_gather(x * 1, out=out, method="push")
+
+    g = capture(calls)
     for _ in range(5):
         x.copy_(torch.randn(1000, device=w.device))
         out.fill_(float("nan"))
@@ -234,13 +233,7 @@ def test_all_reduce_and_reduce_scatter_cuda_graph_replay():
         weft.ops.reduce_scatter(xr, out=out_rs)
 
     calls()  # creates the workspaces outside capture
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(g, stream=s):
-            calls()
-    torch.cuda.current_stream().wait_stream(s)
+    g = capture(calls)
     for replay in range(5):
         x.copy_(torch.randn_like(x))
         xr.copy_(torch.randn_like(xr))

@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 import weft
 from weft.kernels.gemm import matmul
+from weft.testing.graphs import capture
 from weft.testing.reference import all_gather_ref
 
 pytestmark = pytest.mark.gpu
@@ -107,13 +108,7 @@ def test_overlapped_gemms_cuda_graph_replay_back_to_back():
         weft.ops.gemm_ar(a3, b3, method="fused", out=o3)
 
     step()  # contexts are created outside capture
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(g, stream=s):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
+    g = capture(step)
     for it in range(4):
         for t in (a1, a2, a3):
             t.copy_(torch.randn(t.shape, device=w.device))

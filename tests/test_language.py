@@ -39,7 +39,7 @@ def _exchange(epochs):
     import weft
     from primitive_kernels import exchange_kernel
 
-    r, w = weft.rank(), weft.world_size()
+    w = weft.world_size()
     table = weft.zeros((w,), torch.int32)
     bar = weft.zeros((1 + w,), torch.int32)
     weft.barrier()
@@ -66,7 +66,6 @@ def _fan_in(per_rank, epochs):
     total = w * per_rank
     flags = weft.zeros((total,), torch.int32)
     table = weft.zeros((total,), torch.int32)
-    bar = weft.zeros((1 + w,), torch.int32)
     weft.barrier()
     for epoch in range(1, epochs + 1):
         out = torch.full((total,), -1, dtype=torch.int32)

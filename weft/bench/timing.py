@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import weft
+from weft.testing.graphs import capture
 
 
 def _slowest(value: float) -> float:
@@ -39,24 +40,11 @@ def time_call(fn, *, calls: int = 10, samples: int = 50, warmup: int = 5, graph:
             times.append((time.perf_counter() - t0) * 1e3 / calls)
         return _slowest(statistics.median(times))
 
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()  # warm on the capture stream too
-            torch.cuda.synchronize()
-            with torch.cuda.graph(g, stream=side):
-                for _ in range(calls):
-                    fn()
-        torch.cuda.current_stream().wait_stream(side)
-        step = g.replay
-        per_sample = calls
-    else:
-        def step():
-            for _ in range(calls):
-                fn()
-        per_sample = calls
+    def batch():
+        for _ in range(calls):
+            fn()
+
+    step = capture(batch, warm=True).replay if graph else batch
     step()
     weft.barrier()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(samples)]
@@ -66,5 +54,5 @@ def time_call(fn, *, calls: int = 10, samples: int = 50, warmup: int = 5, graph:
         step()
         e.record()
     torch.cuda.synchronize()
-    times = [s.elapsed_time(e) / per_sample for s, e in zip(starts, ends)]
+    times = [s.elapsed_time(e) / calls for s, e in zip(starts, ends)]
     return _slowest(statistics.median(times))

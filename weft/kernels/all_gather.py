@@ -25,19 +25,25 @@ METHODS = ("auto", "push", "pull")
 
 
 @triton.jit
+def _at(base, offs, VEC: tl.constexpr):
+    """`base + offs`, with the host's promise (VEC > 1) that groups of VEC
+    elements start 16-byte aligned, so accesses become 16-byte vectors. The
+    hints attach to the op that computes the pointers: apply them here, not
+    to a pointer received as an argument (there they are lost)."""
+    ptrs = base + offs
+    if VEC > 1:
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, 16), VEC)
+    return ptrs
+
+
+@triton.jit
 def _copy(dst, src, lo, hi, BLOCK: tl.constexpr, VEC: tl.constexpr):
-    """dst[lo:hi] = src[lo:hi]. Whole blocks go unmasked so that, when the host
-    promises 16-byte alignment (VEC words per 16 bytes), they become 16-byte
-    vector accesses; the ragged tail is masked."""
+    """dst[i] = src[i] for i in [lo, hi). Whole blocks go unmasked (16-byte vectors when
+    VEC > 1); the ragged tail is masked. `dst` may be a peer's memory (a push)."""
     full = lo + (hi - lo) // BLOCK * BLOCK
     for start in range(lo, full, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        d = dst + offs
-        s = src + offs
-        if VEC > 1:
-            d = tl.max_contiguous(tl.multiple_of(d, 16), VEC)
-            s = tl.max_contiguous(tl.multiple_of(s, 16), VEC)
-        tl.store(d, tl.load(s))
+        tl.store(_at(dst, offs, VEC), tl.load(_at(src, offs, VEC)))
     offs = full + tl.arange(0, BLOCK)
     mask = offs < hi
     tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
