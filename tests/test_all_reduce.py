@@ -120,8 +120,8 @@ def _cases(methods, dtypes, shapes, modes):
 
 
 def test_all_reduce_2_ranks_every_method_dtype_mode():
-    # Odd and even element counts: one-shot sends whole 4-byte words as LL words (16-bit dtypes need an
-    # even count), anything else by the push path; (20000,) fp32 is above LL_MAX_BYTES.
+    # Odd and even element counts: one-shot and two-shot send whole 4-byte words as LL words (16-bit dtypes
+    # need an even count), anything else by the push path; (20000,) fp32 is above LL_MAX_BYTES.
     cases = _cases(("one_shot", "two_shot", "auto"), DTYPES, [(1,), (7, 3), (1000,), (33, 5), (2, 7), (1001,)],
                    ("out", "inplace", "none", "symm_out", "symm_inplace"))
     cases += [(m, "float32", (9001,), "out") for m in ("one_shot", "two_shot")]  # several programs and blocks
@@ -158,6 +158,33 @@ def _one_shot_paths():
 
 def test_one_shot_takes_ll_path_up_to_its_limit():
     assert run_ranks(_one_shot_paths, 2, timeout=TIMEOUT, env=ENV) == [["ll", "one_shot"]] * 2
+
+
+def _two_shot_paths():
+    """Two-shot on random data at both sides of its LL limits (lowered, so the interpreter stays quick),
+    into a plain and into a symmetric out; returns the context kinds that served each call."""
+    import torch
+
+    import weft
+    from weft.kernels import all_reduce as ar
+
+    ar.LL_TWO_SHOT_MAX_BYTES, ar.LL_TWO_SHOT_SYMMETRIC_MAX_BYTES = 4096, 2048
+    me, w = weft.rank(), weft.world_size()
+    kinds = []
+    for seed, (numel, symmetric) in enumerate([(1024, False), (1028, False), (512, True), (516, True)]):
+        xs = _inputs(300 + seed, (numel,), "float32", w)
+        ref = torch.stack(xs).sum(0)
+        out = weft.empty((numel,), torch.float32) if symmetric else torch.empty(numel)
+        out.fill_(float("nan"))
+        before = set(weft.world().contexts)
+        torch.testing.assert_close(ar.all_reduce(xs[me], method="two_shot", out=out), ref, rtol=1e-6, atol=1e-6)
+        kinds += [k[1] for k in set(weft.world().contexts) - before if k[0] == "all_reduce"]
+    return kinds
+
+
+def test_two_shot_takes_ll_path_up_to_its_limits():
+    expected = ["ll_two_shot", "two_shot", "ll_two_shot", "two_shot"]
+    assert run_ranks(_two_shot_paths, 3, timeout=TIMEOUT, env=ENV) == [expected] * 3
 
 
 def test_all_reduce_1_rank():

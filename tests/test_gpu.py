@@ -169,8 +169,9 @@ def _poisoned(n, dtype, offset=0):
 
 @pytest.mark.parametrize("method", ["one_shot", "two_shot", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("numel", [1, 1000, 1001, 16384, 65537, (1 << 20) + 3])
+@pytest.mark.parametrize("numel", [1, 1000, 1001, 16384, 65537, 98304, (1 << 20) + 3])
 def test_all_reduce_matches_nccl(method, dtype, numel):
+    z = weft.empty((numel,), dtype)  # for in place in symmetric memory: two-shot's zero-copy path
     for call in range(3):
         offset = call % 2  # every other call unaligned: the unvectorised path
         x = torch.randn(numel + offset, device=weft.device()).to(dtype)[offset:]
@@ -183,6 +184,9 @@ def test_all_reduce_matches_nccl(method, dtype, numel):
         y = x.clone()
         assert weft.ops.all_reduce(y, method=method, out=y) is y
         assert torch.equal(y, out), "in place differs from out of place"
+        z.copy_(x)
+        assert weft.ops.all_reduce(z, method=method, out=z) is z
+        assert torch.equal(z, out), "in place in symmetric memory differs from out of place"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

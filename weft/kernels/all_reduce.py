@@ -22,6 +22,8 @@ read only their own memory:
   into every rank's `out` when `out` is symmetric; then each rank copies the
   gather buffer to `out`). Two steps, but only ~2 (W - 1) / W * n elements
   cross the links per rank: the faster one once bandwidth dominates.
+  Up to LL_TWO_SHOT_MAX_BYTES both steps send LL words, and the receivers
+  unpack the gathered words straight into `out`.
 - reduce_scatter: the first half of two-shot, the sum written to `out`.
 
 Sums accumulate in fp32 in rank order 0, 1, ..., W - 1 on every rank, so
@@ -45,7 +47,7 @@ only after my kernel of this call has started (it waited for my phase-1
 data), so all my earlier work on `out` is done.
 
 Per program slot the contexts keep int32 flags:
-    one-shot LL:              [epoch]
+    one-shot and two-shot LL: [epoch]
     one-shot, reduce_scatter: [epoch, arrived[W]]
     two-shot:                 [epoch, arrived[W], reduced[W]]
     broadcast:                [epoch, ready, done[W]]
@@ -77,6 +79,14 @@ ONE_SHOT_MAX_BYTES_AT_8 = 256 << 10
 # One-shot sends messages up to this many bytes as LL words (data and epoch in one 8-byte store):
 # no fence and no separate flag, at twice the bytes.
 LL_MAX_BYTES = 64 << 10
+
+# Two-shot sends messages up to this many bytes as LL words (all_reduce_ll_two_shot_kernel), or up to
+# LL_TWO_SHOT_SYMMETRIC_MAX_BYTES into a symmetric `out` (where the push path needs no copy-out).
+# Measured on 4 H200s (bf16, CUDA graphs, 2026-11-21): LL 7.3 / 8.0 / 8.7 / 10.5 / 16.1 us at
+# 4 KiB / 64 KiB / 256 KiB / 512 KiB / 1 MiB; the push path 9.6 / 10.8 / 11.0 / 11.9 / 14.5 into a plain
+# out, 8.1 / 8.8 / 9.1 / 10.1 / 12.3 into a symmetric one.
+LL_TWO_SHOT_MAX_BYTES = 512 << 10
+LL_TWO_SHOT_SYMMETRIC_MAX_BYTES = 256 << 10
 
 
 # -- device helpers -------------------------------------------------------------
@@ -197,6 +207,28 @@ def _word_of(lo, hi, ELEM: tl.constexpr):
     return lo_bits | (hi_bits << 16)
 
 
+@triton.jit
+def _ll_sum(slots, slot_len, offs, mask, epoch, ELEM: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    """The int32 words of the sum over q = 0..WORLD-1 (rank order, fp32) of the LL words at
+    slots[q * slot_len + offs], each awaited until it carries `epoch`. A 16-bit ELEM packs two elements
+    per word, summed separately."""
+    acc_lo = tl.zeros([BLOCK], tl.float32)
+    acc_hi = tl.zeros([BLOCK], tl.float32)
+    for q in tl.static_range(WORLD):
+        got = wl.wait_ll(slots + q * slot_len + offs, mask, epoch)
+        if ELEM == tl.float32:
+            acc_lo += got.to(tl.float32, bitcast=True)
+        else:
+            a, b = _halves_of(got, ELEM)
+            acc_lo += a
+            acc_hi += b
+    if ELEM == tl.float32:
+        word = _cast(acc_lo, tl.float32).to(tl.int32, bitcast=True)
+    else:
+        word = _word_of(acc_lo, acc_hi, ELEM)
+    return word
+
+
 @triton.jit(do_not_specialize=["words", "chunk", "slot_len"])
 def all_reduce_ll_kernel(x, ll, out, flags, heap, words, chunk, slot_len, ELEM: tl.constexpr, WORLD: tl.constexpr,
                          BLOCK: tl.constexpr):
@@ -204,8 +236,7 @@ def all_reduce_ll_kernel(x, ll, out, flags, heap, words, chunk, slot_len, ELEM: 
     slot [me] of every rank's `ll` (half epoch % 2), then sum my W slots as their words arrive.
 
     No fence, no separate flag: each 8-byte LL word carries 4 bytes of x and the epoch. `ll` holds two
-    halves of W slots of `slot_len` int64 words; flags hold [epoch] per program. A 16-bit ELEM packs
-    two elements per word, summed separately.
+    halves of W slots of `slot_len` int64 words; flags hold [epoch] per program.
     """
     p = tl.program_id(0)
     me = wl.rank(heap)
@@ -223,20 +254,54 @@ def all_reduce_ll_kernel(x, ll, out, flags, heap, words, chunk, slot_len, ELEM: 
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < hi
-        acc_lo = tl.zeros([BLOCK], tl.float32)
-        acc_hi = tl.zeros([BLOCK], tl.float32)
-        for q in tl.static_range(WORLD):  # rank order: the same bits as the other methods
-            got = wl.wait_ll(half + q * slot_len + offs, mask, epoch)
-            if ELEM == tl.float32:
-                acc_lo += got.to(tl.float32, bitcast=True)
-            else:
-                a, b = _halves_of(got, ELEM)
-                acc_lo += a
-                acc_hi += b
-        if ELEM == tl.float32:
-            tl.store(out + offs, _cast(acc_lo, tl.float32).to(tl.int32, bitcast=True), mask=mask)
-        else:
-            tl.store(out + offs, _word_of(acc_lo, acc_hi, ELEM), mask=mask)
+        tl.store(out + offs, _ll_sum(half, slot_len, offs, mask, epoch, ELEM, WORLD, BLOCK), mask=mask)
+    tl.store(f, epoch)
+
+
+@triton.jit(do_not_specialize=["words", "slice_len", "chunk"])
+def all_reduce_ll_two_shot_kernel(x, ll, out, flags, heap, words, slice_len, chunk, ELEM: tl.constexpr,
+                                  WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    """Two-shot in LL words: three one-way trips and no fence, for mid-size messages.
+
+    Rank r owns slice r (words [r * slice_len, (r + 1) * slice_len) of x); program p handles sub-chunk p
+    of every slice. `ll` holds two halves (epoch parity) of [recv: W slots of slice_len | gathered:
+    W * slice_len] int64 words.
+      1. push sub-chunk p of slice s of x, as LL words, into slot [me] of rank s's recv;
+      2. sum my W slots as their words arrive, push the sum as LL words into slice me of every rank's
+         gathered;
+      3. unpack the W slices of my gathered into out as their words arrive.
+    A half is rewritten two epochs after it was read: rank s writes my half in epoch e only after it
+    received my data of epoch e - 1 (phase 1 of s's slice, and phase 2 of mine), which I sent from my
+    kernel of epoch e - 1, launched after my kernel of epoch e - 2 completed. Flags hold [epoch].
+    """
+    p = tl.program_id(0)
+    me = wl.rank(heap)
+    f = flags + p
+    epoch = tl.load(f) + 1
+    recv = ll + (epoch % 2) * 2 * WORLD * slice_len
+    gathered = recv + WORLD * slice_len
+    for k in range(WORLD):
+        s = (me + p + k) % WORLD  # staggered destinations, as in the two-shot kernel
+        lo, hi = _span(s, p, words, slice_len, chunk)
+        dst = wl.symm_at(recv, s, heap) + (me - s) * slice_len  # word i of slice s -> slot me, i - s * slice_len
+        for start in range(lo, hi, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < hi
+            tl.store(dst + offs, wl.pack_ll(tl.load(x + offs, mask=mask, other=0), epoch), mask=mask)
+    lo, hi = _span(me, p, words, slice_len, chunk)
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < hi
+        packed = wl.pack_ll(_ll_sum(recv - me * slice_len, slice_len, offs, mask, epoch, ELEM, WORLD, BLOCK), epoch)
+        for j in tl.static_range(WORLD):
+            tl.store(wl.symm_at(gathered, (me + j) % WORLD, heap) + offs, packed, mask=mask)
+    for k in range(WORLD):
+        s = (me + p + k) % WORLD
+        lo, hi = _span(s, p, words, slice_len, chunk)
+        for start in range(lo, hi, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < hi
+            tl.store(out + offs, wl.wait_ll(gathered + offs, mask, epoch), mask=mask)
     tl.store(f, epoch)
 
 
@@ -427,7 +492,7 @@ def all_reduce(x: torch.Tensor, op: str = "sum", method: str = "auto", out: torc
     if method == "auto":
         method = _auto_method(nbytes, w)
     xf, of = x.reshape(-1), out.view(-1)
-    if method == "one_shot" and _ll_fits(nbytes, xf, of):
+    if method == "one_shot" and _ll_fits(nbytes, LL_MAX_BYTES, xf, of):
         _one_shot_ll(world, xf, of, nbytes // 4)
     elif method == "one_shot":
         programs, block, warps = _launch_shape(n, x.element_size(), x.device)
@@ -437,6 +502,9 @@ def all_reduce(x: torch.Tensor, op: str = "sum", method: str = "auto", out: torc
         vec = _vector_width(x.element_size(), xf, of, ctx.buffer)
         all_reduce_one_shot_kernel[(programs,)](xf, ctx.buffer, of, ctx.flags, world.heap.descriptor, n, chunk,
                                                 slot_len, WORLD=w, BLOCK=block, VEC=vec, num_warps=warps)
+    elif _ll_fits(nbytes, LL_TWO_SHOT_SYMMETRIC_MAX_BYTES if world.heap.contains(of) else LL_TWO_SHOT_MAX_BYTES,
+                  xf, of):
+        _two_shot_ll(world, xf, of, nbytes // 4)
     else:
         align = 16 // x.element_size()  # slices start 16-byte aligned; the last one is ragged (or empty)
         slice_len = triton.cdiv(triton.cdiv(n, w), align) * align
@@ -444,28 +512,43 @@ def all_reduce(x: torch.Tensor, op: str = "sum", method: str = "auto", out: torc
     return out
 
 
-def _ll_fits(nbytes: int, xf: torch.Tensor, of: torch.Tensor) -> bool:
-    """Whether one-shot takes the LL path: small, and whole 4-byte words in and out."""
-    return nbytes <= LL_MAX_BYTES and nbytes % 4 == 0 and xf.data_ptr() % 4 == 0 and of.data_ptr() % 4 == 0
+def _ll_fits(nbytes: int, limit: int, xf: torch.Tensor, of: torch.Tensor) -> bool:
+    """Whether the LL path may take it: at most `limit` bytes, and whole 4-byte words in and out."""
+    return nbytes <= limit and nbytes % 4 == 0 and xf.data_ptr() % 4 == 0 and of.data_ptr() % 4 == 0
+
+
+_ELEM = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _ll_launch(words: int, device: torch.device) -> tuple[int, int, int]:
+    """(programs, BLOCK words, num_warps) for an LL kernel whose programs share `words` words."""
+    if device.type != "cuda":
+        return min(4, triton.cdiv(words, 256)), 256, 4
+    # Measured on 4 H200s (bf16, 2026-11-21): blocks of 256 words (4 warps), up to 128 programs:
+    # 4.1 / 4.3 / 5.0 us at 4 / 16 / 64 KiB against 6.5 / 6.6 / 7.4 with 512-word blocks and
+    # 4.6 / 4.9 / 5.4 for the push path; at 128 KiB both paths take 6.3 us, at 256 KiB LL loses.
+    return min(128, triton.cdiv(words, 256)), 256, 4
 
 
 def _one_shot_ll(world, xf, of, words):
     w = world.world_size
-    if xf.device.type == "cuda":
-        # Measured on 4 H200s (bf16, 2026-11-21): blocks of 256 words (4 warps), up to 128 programs:
-        # 4.1 / 4.3 / 5.0 us at 4 / 16 / 64 KiB against 6.5 / 6.6 / 7.4 with 512-word blocks and
-        # 4.6 / 4.9 / 5.4 for the push path; at 128 KiB both paths take 6.3 us, at 256 KiB LL loses.
-        block, warps = 256, 4
-        programs = min(128, triton.cdiv(words, block))
-    else:
-        block, warps = 256, 4
-        programs = min(4, triton.cdiv(words, block))
+    programs, block, warps = _ll_launch(words, xf.device)
     chunk = triton.cdiv(triton.cdiv(words, programs), block) * block
     ctx = _context(world, ("all_reduce", "ll", words), 2 * w * words, torch.int64, programs, 1)
-    elem = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[xf.dtype]
     all_reduce_ll_kernel[(programs,)](xf.view(torch.int32), ctx.buffer, of.view(torch.int32), ctx.flags,
-                                      world.heap.descriptor, words, chunk, words, ELEM=elem, WORLD=w, BLOCK=block,
-                                      num_warps=warps)
+                                      world.heap.descriptor, words, chunk, words, ELEM=_ELEM[xf.dtype], WORLD=w,
+                                      BLOCK=block, num_warps=warps)
+
+
+def _two_shot_ll(world, xf, of, words):
+    w = world.world_size
+    slice_len = triton.cdiv(words, w)
+    programs, block, warps = _ll_launch(slice_len, xf.device)
+    chunk = triton.cdiv(triton.cdiv(slice_len, programs), block) * block
+    ctx = _context(world, ("all_reduce", "ll_two_shot", words), 4 * w * slice_len, torch.int64, programs, 1)
+    all_reduce_ll_two_shot_kernel[(programs,)](xf.view(torch.int32), ctx.buffer, of.view(torch.int32), ctx.flags,
+                                               world.heap.descriptor, words, slice_len, chunk, ELEM=_ELEM[xf.dtype],
+                                               WORLD=w, BLOCK=block, num_warps=warps)
 
 
 def _two_shot(world, xf, of, n, slice_len, gather):
@@ -551,7 +634,12 @@ COMPILE_CASES = [
 ] + [
     (all_reduce_ll_kernel, dict(x="*i32", ll="*i64", out="*i32", flags="*i32", heap="*i64", words="i32",
                                 chunk="i32", slot_len="i32"),
-     dict(ELEM=e, WORLD=wd, BLOCK=512), dict(num_warps=4))
+     dict(ELEM=e, WORLD=wd, BLOCK=256), dict(num_warps=4))
+    for e in (tl.float32, tl.bfloat16, tl.float16) for wd in (2, 8)
+] + [
+    (all_reduce_ll_two_shot_kernel, dict(x="*i32", ll="*i64", out="*i32", flags="*i32", heap="*i64", words="i32",
+                                         slice_len="i32", chunk="i32"),
+     dict(ELEM=e, WORLD=wd, BLOCK=256), dict(num_warps=4))
     for e in (tl.float32, tl.bfloat16, tl.float16) for wd in (2, 8)
 ] + [
     (broadcast_kernel, dict(x=t, stage=t, flags="*i32", heap="*i64", n="i32", chunk="i32", root="i32"),

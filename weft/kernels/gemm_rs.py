@@ -8,9 +8,10 @@ belongs to rank c.
 
 How the overlap works (one call on rank `me`, W ranks):
 
-    main stream:  start ─ P_me+1 ─ P_me+2 ─ ... ─ P_me-1 ─ final GEMM (chunk me + received) ─ join
-    copy stream:                 └ push ─┐ └ push ─┐      └ push ─┐                           ─┘
-                                 (to me+1)         (to me+2)      (to me-1)
+    main stream:  start ─ P_me+1 ──────── P_me+3 ─ ... ─┬─ final GEMM (chunk me + received) ─ join
+    side stream:       └───────── P_me+2 ──────── ... ─────┘                                      │
+    copy stream:              └ push ┘  └ push ┘  └ push ...                                   ───┘
+                              (to me+1) (to me+2) (to me+3)
 
 - `gemm_rs_start_kernel` (1 program) is a device barrier across the ranks:
   it ends only when every rank's previous call has finished its final GEMM,
@@ -23,6 +24,10 @@ How the overlap works (one call on rank `me`, W ranks):
   transfer through NVLink: no SM is taken from the GEMMs), then copies the
   4-byte epoch bar[0] into rank c's ready[me]: stream order puts the flag
   after the data. At every step the W ranks send to W different ranks.
+  The chunk GEMMs alternate between the main and a side stream, so the
+  programs of the next one start on the SMs that this one's last, partial
+  wave leaves idle (a chunk has 1/W of the tiles: its last wave is often
+  far from full). The final GEMM waits for both.
 - `gemm_rs_kernel`, the final GEMM, computes my own chunk with gemm.matmul's
   tile loop. After the K loop of its first tile, a program waits once for
   all W ready flags to reach e (own flag included); every epilogue then sums,
@@ -31,11 +36,15 @@ How the overlap works (one call on rank `me`, W ranks):
   reduce_scatter) and the received tiles of the other ranks, and stores the
   sum into `out`.
 - The main stream waits for the copy stream at the end of the call (join).
+  Measured on 4 H200s (bf16, 2026-11-21, CUDA graphs): alternating streams
+  took 8192x4608x36864 from 1234 to 1144 us per call (torch's fused op 1135);
+  the other RS shapes moved by less than the run-to-run noise (2 %).
 
 Why waiting inside the final GEMM cannot deadlock, although the GEMM fills
 every SM: every flag it waits for is set by a peer's push, and a push depends
-only on the peer's start kernel and chunk GEMMs, kernels launched before the
-peer's own final GEMM, which wait for nothing but the start barrier (itself
+only on the peer's start kernel and chunk GEMMs, kernels that finish before the
+peer's own final GEMM starts (it waits for both streams), and they wait for
+nothing but the start barrier (itself
 waiting only for every rank's previous call). Nothing a push depends on waits
 for any final GEMM of this call, so there is no cycle; the pushes are
 copy-engine transfers and need no SM. On the cpu backend there are no
@@ -206,7 +215,9 @@ class GemmRSContext:
             c = (me + s) % w
             self.steps.append((c, self.send[s - 1], heap.peer(self.recv, c)[w - 1 - s],
                                heap.peer(self.ready, c)[me:me + 1]))
-        self.stream = torch.cuda.Stream(world.device) if world.device.type == "cuda" else None
+        cuda = world.device.type == "cuda"
+        self.stream = torch.cuda.Stream(world.device) if cuda else None  # the copy engine's pushes
+        self.side = torch.cuda.Stream(world.device) if cuda else None  # every other chunk GEMM
         world.barrier()  # flags are zero everywhere before anyone signals
 
 
@@ -272,14 +283,22 @@ def gemm_rs(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
     main = torch.cuda.current_stream() if ctx.stream is not None else None
 
     gemm_rs_start_kernel[(1,)](ctx.bar, ctx.ready, heap, num_warps=1)
-    for c, send, dst, flag in ctx.steps:
-        gemm.matmul(a[c * m:(c + 1) * m], b_shard, out=send, config=cfg)
-        if main is not None:
-            ctx.stream.wait_stream(main)
+    if main is None:
+        for c, send, dst, flag in ctx.steps:
+            gemm.matmul(a[c * m:(c + 1) * m], b_shard, out=send, config=cfg)
+            _push(ctx, send, dst, flag)
+    else:
+        # Chunk GEMMs alternate between two streams, so the next one's programs take the SMs that this
+        # one's last, partial wave leaves idle.
+        ctx.side.wait_stream(main)
+        for i, (c, send, dst, flag) in enumerate(ctx.steps):
+            compute = (main, ctx.side)[i % 2]
+            with torch.cuda.stream(compute):
+                gemm.matmul(a[c * m:(c + 1) * m], b_shard, out=send, config=cfg)
+            ctx.stream.wait_stream(compute)
             with torch.cuda.stream(ctx.stream):
                 _push(ctx, send, dst, flag)
-        else:
-            _push(ctx, send, dst, flag)
+        main.wait_stream(ctx.side)  # the final GEMM starts after every chunk GEMM (no deadlock: see above)
 
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     programs = min(gemm.num_sms(a.device), tiles)
