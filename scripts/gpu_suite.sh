@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The one GPU script: correctness on 2 and all GPUs, then the benchmark suites (on all GPUs; reductions on
 # 2, 4, 8), results under $OUT.
-#   usage (device machine, repo root): bash scripts/gpu_suite.sh [all|quick|reductions|gemm]
+#   usage (device machine, repo root): bash scripts/gpu_suite.sh [all|quick|reductions|gemm ...]
 #     all (default): everything (on 8 GPUs more than one device call allows: run the parts in turn)
 #     quick: GPU tests on 2 and all GPUs, tutorials;  reductions: allgather, allreduce, reducescatter;
 #     gemm: the overlapped-GEMM suite
+# WEFT_COMMIT names the commit in the log where the tree was copied without its git history.
 # Logs and bench JSON/markdown/PNG end up packed in $OUT/weft_results.tar.gz (*.log, bench/).
 set -uo pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -12,7 +13,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-/tmp/weft_out}
 mkdir -p "$OUT/bench"
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-echo "== $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo none) gpus=$NGPU" | tee "$OUT/suite.log"
+echo "== $(date -u +%FT%TZ) commit ${WEFT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo none)} gpus=$NGPU" | tee "$OUT/suite.log"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$OUT/suite.log"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/suite.log"
 status=0
@@ -26,16 +27,19 @@ step() {  # step NAME CMD...: run, log, remember failure
   echo "== $name rc=$rc ($((SECONDS - t0)) s)" | tee -a "$OUT/suite.log"
   [ $rc -eq 0 ] || status=1
 }
-PART=${1:-all}
-case "$PART" in all|quick|reductions|gemm) ;; *) echo "usage: $0 [all|quick|reductions|gemm]" >&2; exit 2 ;; esac
-if [ "$PART" = all ] || [ "$PART" = quick ]; then
+PARTS=" ${*:-all} "
+for part in $PARTS; do
+  case "$part" in all|quick|reductions|gemm) ;; *) echo "usage: $0 [all|quick|reductions|gemm ...]" >&2; exit 2 ;; esac
+done
+has() { [[ "$PARTS" == *" $1 "* || "$PARTS" == *" all "* ]]; }
+if has quick; then
   for n in 2 $NGPU; do
     [ "$n" -le "$NGPU" ] || continue
     step "gpu_tests_$n" timeout 200 python3 -m weft run -n "$n" -m pytest tests/test_gpu.py tests/test_gpu_gemm.py -m gpu -q -x -p no:cacheprovider
   done
   step tutorials timeout 240 bash -c "for t in tutorials/0*.py; do python3 -m weft run -n $NGPU \$t || exit 1; done"
 fi
-if [ "$PART" = all ] || [ "$PART" = reductions ]; then
+if has reductions; then
   step bench_allgather timeout 250 python3 -m weft bench -n "$NGPU" allgather --out "$OUT/bench"
   # 4 KiB..512 MiB bf16; the largest sizes take ~3 ms per call, so 20 samples keep each run near a minute.
   for n in 2 4 8; do
@@ -45,7 +49,7 @@ if [ "$PART" = all ] || [ "$PART" = reductions ]; then
     done
   done
 fi
-if [ "$PART" = all ] || [ "$PART" = gemm ]; then
+if has gemm; then
   step bench_gemm timeout 400 python3 -m weft bench -n "$NGPU" gemm --samples 20 --out "$OUT/bench"
 fi
 cat "$OUT"/bench/*.md 2>/dev/null

@@ -21,7 +21,7 @@ from weft.testing.reference import all_gather_ref, reduce_scatter_ref
 
 from . import shapes, sweep
 from .report import Row
-from .timing import time_call
+from .timing import time_calls
 
 SUITE = "gemm"
 BASELINE = "NCCL+cuBLAS"
@@ -133,19 +133,6 @@ def cases(ops: list[str], world_size: int, scale: int):
             yield op, f"{op.upper()} {M}x{N}x{K}", (m, n, k)
 
 
-def _time(name, f, samples, graph):
-    try:
-        return time_call(f, calls=3, samples=samples, graph=graph), name
-    except Exception as e:  # noqa: BLE001 - e.g. an op that cannot be captured: time it eagerly instead
-        if not graph:
-            raise
-        print(f"  {name}: CUDA-graph capture failed ({type(e).__name__}: {str(e).splitlines()[0][:100]}); eager",
-              flush=True)
-        torch.cuda.synchronize()
-        weft.barrier()
-        return time_call(f, calls=3, samples=samples, graph=False), f"{name} (eager)"
-
-
 def run(args) -> list[Row]:
     w = weft.world()
     dev = w.device
@@ -167,10 +154,9 @@ def run(args) -> list[Row]:
                 raise RuntimeError(f"{label} {name}: relative error {err:.2e} against {BASELINE}")
         weft.barrier()
         case = f"{label} (per rank {m}x{n}x{k})"
-        for name, f in impls.items():
-            ms, shown = _time(name, f, args.samples, graph=dev.type == "cuda")
-            rows.append(Row(SUITE, case, shown, ms, flops / ms / 1e9, flops, w.world_size))
+        for name, ms in time_calls(impls, calls=3, samples=args.samples, graph=dev.type == "cuda").items():
+            rows.append(Row(SUITE, case, name, ms, flops / ms / 1e9, flops, w.world_size))
             if w.rank == 0:
-                print(f"{case} {shown}: {ms * 1e3:.1f} us", flush=True)
+                print(f"{case} {name}: {ms * 1e3:.1f} us", flush=True)
         weft.barrier()
     return rows

@@ -12,7 +12,7 @@ from weft.kernels import gemm
 
 from . import shapes
 from .report import Row
-from .timing import time_call
+from .timing import time_calls
 
 SUITE = "matmul"
 
@@ -61,18 +61,18 @@ def run(args) -> list[Row]:
         if args.sweep and dev.type == "cuda":
             impls.update({_label(c): (lambda c=c: gemm.matmul(a, b, config=c)) for c in CANDIDATES})
         flops = 2 * m * n * k
-        for name, f in impls.items():
+        for name, f in list(impls.items()):
             try:
                 out = f()
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                 if err > 1e-2:
                     raise RuntimeError(f"relative error {err:.2e}")
-                ms = time_call(f, calls=5 if dev.type == "cuda" else 1, samples=args.samples)
             except Exception as e:  # a candidate that does not compile or fit is reported, not fatal
                 if name in ("cuBLAS", "weft"):
                     raise
                 print(f"{case} {name}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:120]})", flush=True)
-                continue
+                del impls[name]
+        for name, ms in time_calls(impls, calls=5 if dev.type == "cuda" else 1, samples=args.samples).items():
             rows.append(Row(SUITE, f"{case} ({m}x{n}x{k})", name, ms, flops / ms / 1e9, flops, w.world_size))
             print(f"{case} {name}: {ms * 1e3:.1f} us {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
     return rows

@@ -7,7 +7,7 @@ import torch
 import weft
 
 from .report import Row, human_bytes
-from .timing import time_call
+from .timing import time_calls
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Against NCCL, which may round to the dtype after every partial sum where weft rounds once.
@@ -92,7 +92,7 @@ def time_impls(suite: str, impls: dict, size: int, nbytes: int, bus_factor: floa
     calls = 20 if nbytes < (1 << 20) else 5  # >= ROTATE: a replay cycles through every input set
     if not gpu:
         calls = 1  # the interpreter is slow; the cpu backend checks the harness, not speed
-    rows = []
+    steps = {}
     for name, f in impls.items():
         state = {"i": 0}
 
@@ -100,7 +100,8 @@ def time_impls(suite: str, impls: dict, size: int, nbytes: int, bus_factor: floa
             f(state["i"] % ROTATE)
             state["i"] += 1
 
-        ms = time_call(call, calls=calls, samples=samples, warmup=5 if gpu else 1, graph=gpu)
-        rows.append(Row(suite, human_bytes(size), name, ms, bus_factor * nbytes / ms / 1e6, nbytes, w.world_size))
+        steps[name] = call
+    times = time_calls(steps, calls=calls, samples=samples, warmup=5 if gpu else 1, graph=gpu)
     weft.barrier()
-    return rows
+    return [Row(suite, human_bytes(size), name, ms, bus_factor * nbytes / ms / 1e6, nbytes, w.world_size)
+            for name, ms in times.items()]

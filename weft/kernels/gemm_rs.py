@@ -19,7 +19,8 @@ How the overlap works (one call on rank `me`, W ranks):
   bar[0] and sets my own ready[me] = e.
 - Steps s = 1 .. W - 1, chunk c = me + s (mod W): the partial P_c =
   a[c * m:(c + 1) * m] @ b_shard goes into a local send slot (gemm.matmul,
-  the persistent TMA GEMM), and the copy stream, after waiting for it, pushes
+  the persistent TMA GEMM, or cuBLAS where no tiling of the chunk fills the
+  GPU well: CUBLAS_CHUNKS_BELOW_FILL), and the copy stream, after waiting for it, pushes
   it into slot (me - c - 1) mod W of rank c's symmetric `recv` (a copy-engine
   transfer through NVLink: no SM is taken from the GEMMs), then copies the
   4-byte epoch bar[0] into rank c's ready[me]: stream order puts the flag
@@ -95,6 +96,14 @@ METHODS = ("auto", "overlap", "baseline")
 # Speed of gemm.GPU_CONFIGS["medium"] (128x128 tiles) relative to the 128x256 configs when both fill the
 # SMs equally: 0.88-0.95 on the chunk GEMMs of the RS shapes on H200 (bf16, 4 ranks, 2026-11-21).
 MEDIUM_SPEED = 0.91
+
+# Chunk GEMMs whose best tiling fills the GPU less than this (see _tiling) go to cuBLAS (torch.matmul), whose
+# kernels for such tile-starved shapes split the work differently; the final GEMM, with the reduction in
+# its epilogue, is always weft's. Measured on 4 H200s (bf16, 2026-11-21, round-robin timing): the
+# 2048x4608x9216 chunks of 8192x4608x36864 (fill 0.79) took 235 us with cuBLAS against 271 us with
+# 128x128 tiles, and the whole gemm_rs 1136 against 1180 us (torch's fused op: 1137); the chunks of the
+# other RS shapes (fill 0.85-0.97) were within 1 % of cuBLAS.
+CUBLAS_CHUNKS_BELOW_FILL = 0.8
 
 
 # -- device helpers -------------------------------------------------------------
@@ -221,22 +230,27 @@ class GemmRSContext:
         world.barrier()  # flags are zero everywhere before anyone signals
 
 
-def _config(m: int, n: int, k: int, device: torch.device) -> gemm.GemmConfig:
-    """The tiling of a chunk GEMM (m, n, k): gemm.config_for's, unless 128x128 tiles fill the last wave
-    enough better to make up for their lower speed. A chunk has a quarter (or less) of the full GEMM's
-    tiles, so a half-empty last wave costs more: at 2048x4608 (8192x4608x36864 on 4 ranks) 128x256 tiles
-    fill 73 % of 3 waves, 128x128 tiles 87 % of 5; measured 1129 against 1188 us per call."""
+def _tiling(m: int, n: int, k: int, device: torch.device) -> tuple[gemm.GemmConfig, float]:
+    """The tiling of a chunk GEMM (m, n, k), and how well it fills the GPU (the busy fraction of the
+    programs' tile slots, scaled by MEDIUM_SPEED for 128x128 tiles).
+
+    gemm.config_for's tiling, unless 128x128 tiles fill the last wave enough better to make up for their
+    lower speed. A chunk has a quarter (or less) of the full GEMM's tiles, so a half-empty last wave costs
+    more: at 2048x4608 (8192x4608x36864 on 4 ranks) 128x256 tiles fill 73 % of 3 waves, 128x128 tiles
+    87 % of 5; measured 1129 against 1188 us per call."""
     cfg = gemm.config_for(m, n, k, device)
-    medium = gemm.GPU_CONFIGS["medium"]
-    if device.type != "cuda" or cfg.block_m != medium.block_m or cfg == medium:
-        return cfg
+    if device.type != "cuda":
+        return cfg, 1.0
     sms = gemm.num_sms(device)
 
-    def fill(c: gemm.GemmConfig) -> float:  # busy fraction of the programs' tile slots
+    def fill(c: gemm.GemmConfig) -> float:
         tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
-        return tiles / (triton.cdiv(tiles, sms) * sms)
+        return tiles / (triton.cdiv(tiles, sms) * sms) * (MEDIUM_SPEED if c == medium else 1.0)
 
-    return medium if fill(medium) * MEDIUM_SPEED > fill(cfg) else cfg
+    medium = gemm.GPU_CONFIGS["medium"]
+    if cfg.block_m == medium.block_m and fill(medium) > fill(cfg):
+        cfg = medium
+    return cfg, fill(cfg)
 
 
 def gemm_rs(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
@@ -249,7 +263,8 @@ def gemm_rs(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
     method: "overlap" (chunk GEMMs whose results the copy engines push to their owners while the next
     chunk computes; a final GEMM of the own chunk sums what arrived), "baseline" (torch.matmul +
     weft.ops.reduce_scatter), "auto". `out`: any contiguous (M / W, N) tensor of the dtype on this
-    device. `config`: the tiling of every GEMM of the call (default: chosen for the chunk shape).
+    device. `config`: the tiling of every GEMM of the call (default: chosen for the chunk shape, and
+    cuBLAS for the chunk GEMMs where no tiling fills the GPU well: CUBLAS_CHUNKS_BELOW_FILL).
     Collective: every rank calls it with the same shapes, method and config.
     """
     world = world_or_raise()
@@ -276,16 +291,26 @@ def gemm_rs(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
     if method == "baseline":
         return reduce_scatter(torch.matmul(a, b_shard), out=out)
 
-    cfg = config or _config(m, n, k, a.device)  # every GEMM of the call is one chunk of m rows
+    if config is None:  # every GEMM of the call is one chunk of m rows
+        cfg, fill = _tiling(m, n, k, a.device)
+        cublas_chunks = fill < CUBLAS_CHUNKS_BELOW_FILL
+    else:
+        cfg, cublas_chunks = config, False
     key = ("gemm_rs", m_total, n, a.dtype)
     ctx = world.context(key, lambda: GemmRSContext(world, m, n, a.dtype))
     heap = world.heap.descriptor
     main = torch.cuda.current_stream() if ctx.stream is not None else None
 
     gemm_rs_start_kernel[(1,)](ctx.bar, ctx.ready, heap, num_warps=1)
+    def chunk_gemm(c, send):
+        if cublas_chunks:
+            torch.matmul(a[c * m:(c + 1) * m], b_shard, out=send)
+        else:
+            gemm.matmul(a[c * m:(c + 1) * m], b_shard, out=send, config=cfg)
+
     if main is None:
         for c, send, dst, flag in ctx.steps:
-            gemm.matmul(a[c * m:(c + 1) * m], b_shard, out=send, config=cfg)
+            chunk_gemm(c, send)
             _push(ctx, send, dst, flag)
     else:
         # Chunk GEMMs alternate between two streams, so the next one's programs take the SMs that this
@@ -294,7 +319,7 @@ def gemm_rs(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
         for i, (c, send, dst, flag) in enumerate(ctx.steps):
             compute = (main, ctx.side)[i % 2]
             with torch.cuda.stream(compute):
-                gemm.matmul(a[c * m:(c + 1) * m], b_shard, out=send, config=cfg)
+                chunk_gemm(c, send)
             ctx.stream.wait_stream(compute)
             with torch.cuda.stream(ctx.stream):
                 _push(ctx, send, dst, flag)
