@@ -8,7 +8,7 @@ import weft
 from weft.testing.reference import all_gather_ref
 
 from .report import Row, human_bytes
-from .timing import time_calls
+from .timing import cycling, time_calls
 
 SUITE = "allgather"
 GRAPH_BELOW = 1 << 30  # total bytes: CUDA-graph timing under this (every op here runs well under 1 ms)
@@ -55,15 +55,7 @@ def run(args) -> list[Row]:
                     raise RuntimeError(f"{name}: all_gather mismatch against {baseline} at {human_bytes(total)}")
         graph = w.device.type == "cuda" and total < GRAPH_BELOW
         calls = 20 if total < (1 << 20) else 5
-        steps = {}
-        for name, f in impls.items():
-            state = {"i": 0}
-
-            def call(f=f, state=state):
-                f(state["i"] % rotate)
-                state["i"] += 1
-
-            steps[name] = call
+        steps = {name: cycling(f, rotate) for name, f in impls.items()}
         for name, ms in time_calls(steps, calls=calls, samples=args.samples, graph=graph).items():
             rows.append(Row(SUITE, human_bytes(total), name, ms, total / ms / 1e6, total, w.world_size))
         weft.barrier()

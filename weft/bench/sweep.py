@@ -7,7 +7,7 @@ import torch
 import weft
 
 from .report import Row, human_bytes
-from .timing import time_calls
+from .timing import cycling, time_calls
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Against NCCL, which may round to the dtype after every partial sum where weft rounds once.
@@ -92,15 +92,7 @@ def time_impls(suite: str, impls: dict, size: int, nbytes: int, bus_factor: floa
     calls = 20 if nbytes < (1 << 20) else 5  # >= ROTATE: a replay cycles through every input set
     if not gpu:
         calls = 1  # the interpreter is slow; the cpu backend checks the harness, not speed
-    steps = {}
-    for name, f in impls.items():
-        state = {"i": 0}
-
-        def call(f=f, state=state):
-            f(state["i"] % ROTATE)
-            state["i"] += 1
-
-        steps[name] = call
+    steps = {name: cycling(f, ROTATE) for name, f in impls.items()}
     times = time_calls(steps, calls=calls, samples=samples, warmup=5 if gpu else 1, graph=gpu)
     weft.barrier()
     return [Row(suite, human_bytes(size), name, ms, bus_factor * nbytes / ms / 1e6, nbytes, w.world_size)

@@ -84,3 +84,14 @@ def time_calls(fns: dict, *, calls: int = 10, samples: int = 50, warmup: int = 5
     medians = [statistics.median(s.elapsed_time(e) / calls for s, e in pairs) for pairs in events.values()]
     return dict(zip(steps, _slowest(medians)))
 
+
+def cycling(f, sets: int):
+    """A no-argument call of `f(i)` whose input set i cycles through 0 .. sets - 1, call after call (so
+    repeated calls don't all hit the same data in L2)."""
+    state = {"i": 0}
+
+    def call():
+        f(state["i"] % sets)
+        state["i"] += 1
+
+    return call

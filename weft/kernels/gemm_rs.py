@@ -242,12 +242,12 @@ def _tiling(m: int, n: int, k: int, device: torch.device) -> tuple[gemm.GemmConf
     if device.type != "cuda":
         return cfg, 1.0
     sms = gemm.num_sms(device)
+    medium = gemm.GPU_CONFIGS["medium"]
 
     def fill(c: gemm.GemmConfig) -> float:
         tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
         return tiles / (triton.cdiv(tiles, sms) * sms) * (MEDIUM_SPEED if c == medium else 1.0)
 
-    medium = gemm.GPU_CONFIGS["medium"]
     if cfg.block_m == medium.block_m and fill(medium) > fill(cfg):
         cfg = medium
     return cfg, fill(cfg)
