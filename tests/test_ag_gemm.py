@@ -71,7 +71,8 @@ def _bad_inputs():
         (dict(a_shard=a.numpy(), b=b), TypeError, "a_shard must be a torch.Tensor"),
         (dict(a_shard=a, b=b.half()), TypeError, "same dtype"),
         (dict(a_shard=a, b=torch.randn(4, 16)), ValueError, "columns but b has 4 rows"),
-        (dict(a_shard=torch.randn(4, 6), b=torch.randn(6, 16)), ValueError, "multiple of 16 bytes"),
+        (dict(a_shard=torch.randn(4, 6), b=torch.randn(6, 16), method="overlap"), ValueError, "K = 6 is not a multiple"),
+        (dict(a_shard=a.t().contiguous().t(), b=b, method="overlap"), ValueError, "a_shard must be contiguous"),
         (dict(a_shard=a, b=b, out=torch.empty(w * 4, 8)), ValueError, "out has shape"),
         (dict(a_shard=a, b=b, method="ring"), ValueError, "method must be one of"),
     ]

@@ -57,7 +57,6 @@ def _bad_inputs():
         (ValueError, "method must be one of", lambda: weft.ops.all_gather(x, out=out, method="ring")),
         (ValueError, "out has shape", lambda: weft.ops.all_gather(x, out=torch.empty(4, 3))),
         (TypeError, "out has dtype", lambda: weft.ops.all_gather(x, out=out.to(torch.float64))),
-        (ValueError, "out must be contiguous", lambda: weft.ops.all_gather(x, out=out.t().contiguous().t())),
         (ValueError, "x is on meta", lambda: weft.ops.all_gather(x.to("meta"), out=out)),
         (ValueError, "x must have at least one dimension", lambda: weft.ops.all_gather(torch.tensor(1.0))),
     ]

@@ -32,7 +32,11 @@ through the shared heap.
 
 `method="baseline"` is all_gather (weft) then torch.matmul, the non-overlapped
 path the op falls back to where measurement shows the overlap loses (see
-`auto_method`).
+`auto_method`) and where the overlap cannot take the call (`overlap_refusal`:
+TMA's layout and alignment rules, a gathered A larger than the workspace).
+
+The workspace is one per world (`AgGemmWorkspace`), viewed as (W * m, K) by
+each call: the start barrier makes any change of shape between calls safe.
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ from weft.language import ptx
 
 from . import gemm
 from .all_gather import all_gather
-from .common import check_method, check_out, world_or_raise
+from .common import Launch, check_method, check_out, out_kind, plan, signature, workspace, world_or_raise
 
 METHODS = ("auto", "overlap", "baseline")
 
@@ -118,40 +122,47 @@ def ag_gemm_kernel(a_desc, b_desc, c_desc, bar, ready, heap, m, N, K, RAGGED: tl
 
 # -- host side ------------------------------------------------------------------
 
-class AgGemmContext:
-    """The gathered buffer G (W * m, K), barrier words and ready flags for one (m, K, dtype), plus the
-    peer views the copy engine pushes into and the copy stream it uses."""
+class AgGemmWorkspace:
+    """The gathered buffer (workspace_bytes, viewed as (W * m, K) per call shape), barrier words and ready
+    flags, and the copy stream the pushes use; one for every shape."""
 
-    def __init__(self, world, m: int, k: int, dtype: torch.dtype):
-        heap, w, me = world.heap, world.world_size, world.rank
-        self.m = m
-        self.gathered = heap.empty((w * m, k), dtype)
+    def __init__(self, world):
+        heap, w = world.heap, world.world_size
+        self.bytes = world.workspace_bytes // 256 * 256
+        self.gathered = heap.empty((self.bytes,), torch.uint8)
         self.bar = heap.empty((1 + w,), torch.int32)
         self.ready = heap.empty((w,), torch.int32)
         self.bar.zero_()
         self.ready.zero_()
-        # Step s pushes my chunk into rank me - s: its G rows [me * m, (me + 1) * m) and its ready[me].
-        self.pushes = []
-        for s in range(1, w):
-            d = (me - s) % w
-            self.pushes.append((heap.peer(self.gathered, d)[me * m:(me + 1) * m], heap.peer(self.ready, d)[me:me + 1]))
-        self.local = self.gathered[me * m:(me + 1) * m]
         self.stream = torch.cuda.Stream(world.device) if world.device.type == "cuda" else None
         world.barrier()  # flags are zero everywhere before anyone signals
 
 
-def check_inputs(a_shard, b, world, out=None):
-    gemm.check_operands("a_shard", a_shard, "b", b, world.device)
-    shape = (world.world_size * a_shard.shape[0], b.shape[1])
-    if out is not None:
-        check_out(out, shape, a_shard.dtype, world)
-        if out.data_ptr() % 16:
-            raise ValueError("out must start 16-byte aligned (TMA)")
-    return shape
+def overlap_refusal(world, a_shard, b, out) -> str | None:
+    """Why the overlapped kernel cannot take this call (TMA and workspace constraints), or None."""
+    m, k = a_shard.shape
+    n = b.shape[1]
+    for name, t in (("a_shard", a_shard), ("b", b), ("out", out)):
+        if t is None:
+            continue
+        if not t.is_contiguous():
+            return f"{name} must be contiguous"
+        if t.data_ptr() % 16:
+            return f"{name} must start 16-byte aligned (TMA)"
+    for name, cols in (("K", k), ("N", n)):
+        if cols * a_shard.element_size() % 16:
+            return f"{name} = {cols} is not a multiple of 16 bytes ({16 // a_shard.element_size()} elements; TMA)"
+    if min(m, n, k) == 0:
+        return "an empty dimension"
+    need = world.world_size * m * k * a_shard.element_size()
+    if need > world.workspace_bytes // 256 * 256:
+        return (f"the gathered A takes {need} bytes, more than the workspace ({world.workspace_bytes} bytes: "
+                "raise WEFT_WORKSPACE_BYTES)")
+    return None
 
 
 def auto_method(m: int, n: int, k: int, world_size: int) -> str:
-    """Which path `method="auto"` takes for a_shard (m, k) and b (k, n).
+    """Which path `method="auto"` takes for a_shard (m, k) and b (k, n) where the overlap can take it.
 
     Overlap everywhere measured: on 4 H200s (docs/perf.md, 2026-11-21) it was 1.10-1.52x faster than
     NCCL + cuBLAS on every TP shape, and faster than cuBLAS alone on three of them.
@@ -164,63 +175,98 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, method: str = "auto", out: t
     """all_gather(a_shard, dim 0) @ b, overlapped. Collective: every rank calls it with the same shapes.
 
     a_shard: (m, K) on every rank; b: (K, N) (this rank's column shard of the weight); bf16, fp16 or fp32;
-    K and N multiples of 16 bytes (TMA). Returns c (W * m, N), or (c, gathered A) with return_gathered.
-    method: "overlap" (copy-engine gather under a persistent GEMM), "baseline" (weft all_gather, then
-    torch.matmul), "auto".
+    any layout and size. Returns c (W * m, N), or (c, gathered A) with return_gathered.
+    method: "overlap" (copy-engine gather under a persistent GEMM; needs contiguous, 16-byte aligned
+    operands with K and N multiples of 16 bytes, and a gathered A that fits the workspace), "baseline"
+    (weft all_gather, then torch.matmul), "auto" (overlap where it can take the call, else baseline).
     """
     world = world_or_raise()
+    try:
+        key = ("ag_gemm", signature(a_shard), signature(b), method, out_kind(world, out),
+               None if out is None else signature(out), bool(return_gathered), config)
+        found = world.plans.get(key)
+    except (AttributeError, TypeError):
+        key, found = None, None
+    if found is None:
+        found = plan(world, key, lambda: _ag_gemm_plan(world, a_shard, b, method, out, return_gathered, config))
+    return found(a_shard, b, out)
+
+
+def _ag_gemm_plan(world, a_shard, b, method, out, return_gathered, config):
     check_method(method, METHODS)
-    shape = check_inputs(a_shard, b, world, out)
+    gemm.check_operands("a_shard", a_shard, "b", b, world.device, layout=False)
+    w = world.world_size
     m, k = a_shard.shape
     n = b.shape[1]
+    shape = (w * m, n)
+    if out is not None:
+        check_out(out, shape, a_shard.dtype, world)
+    refusal = overlap_refusal(world, a_shard, b, out)
+    if method == "overlap" and refusal:
+        raise ValueError(f"method='overlap' cannot take this call: {refusal}")
     if method == "auto":
-        method = auto_method(m, n, k, world.world_size)
-    if out is None:
-        out = torch.empty(shape, dtype=a_shard.dtype, device=world.device)
-    if method == "baseline" or shape[0] == 0 or n == 0 or k == 0:
-        gathered = all_gather(a_shard)
-        torch.matmul(gathered, b, out=out)
-        return (out, gathered) if return_gathered else out
+        method = "baseline" if refusal else auto_method(m, n, k, w)
 
-    key = ("ag_gemm", m, k, a_shard.dtype)
-    ctx = world.context(key, lambda: AgGemmContext(world, m, k, a_shard.dtype))
+    def result(out):
+        return torch.empty(shape, dtype=a_shard.dtype, device=a_shard.device) if out is None else out
+
+    if method == "baseline":
+        def run(a_shard, b, out):
+            gathered = all_gather(a_shard)
+            c = torch.matmul(gathered, b, out=result(out)) if out is None or out.is_contiguous() else \
+                out.copy_(torch.matmul(gathered, b))
+            return (c, gathered) if return_gathered else c
+        return run
+
+    ws = workspace(world, "ag_gemm", AgGemmWorkspace)
+    me = world.rank
+    gathered = ws.gathered[:w * m * k * a_shard.element_size()].view(a_shard.dtype).view(w * m, k)
+    # Step s pushes my chunk into rank me - s: its G rows [me * m, (me + 1) * m) and its ready[me].
+    pushes = [(world.heap.peer(gathered, (me - s) % w)[me * m:(me + 1) * m],
+               world.heap.peer(ws.ready, (me - s) % w)[me:me + 1]) for s in range(1, w)]
+    local = gathered[me * m:(me + 1) * m]
+    epoch = ws.bar[0:1]
     heap = world.heap.descriptor
-    main = torch.cuda.current_stream() if ctx.stream is not None else None
-
-    ag_gemm_barrier_kernel[(1,)](ctx.bar, heap, num_warps=1)
-    ctx.local.copy_(a_shard)
-    if main is not None:
-        ctx.stream.wait_stream(main)
-        with torch.cuda.stream(ctx.stream):
-            _push(ctx, a_shard)
-    else:
-        _push(ctx, a_shard)
-
     cfg = config or gemm.config_for(shape[0], n, k, world.device)
     ragged = m % cfg.block_m != 0
-    if ragged:
-        a_desc = gemm.descriptor(ctx.gathered.view(world.world_size, m, k), (1, cfg.block_m, cfg.block_k))
-        c_desc = gemm.descriptor(out.view(world.world_size, m, n), (1, cfg.block_m, cfg.block_n))
+    sample = result(out)
+    if ragged:  # 3-D descriptors (W, m, .): loads zero-filled and stores clipped at each chunk's edge
+        a_desc = gemm.descriptor(gathered.view(w, m, k), (1, cfg.block_m, cfg.block_k))
+        c_desc = gemm.descriptor(sample.view(w, m, n), (1, cfg.block_m, cfg.block_n))
     else:
-        a_desc = gemm.descriptor(ctx.gathered, (cfg.block_m, cfg.block_k))
-        c_desc = gemm.descriptor(out, (cfg.block_m, cfg.block_n))
+        a_desc = gemm.descriptor(gathered, (cfg.block_m, cfg.block_k))
+        c_desc = gemm.descriptor(sample, (cfg.block_m, cfg.block_n))
     b_desc = gemm.descriptor(b, (cfg.block_k, cfg.block_n))
-    tiles = world.world_size * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    tiles = w * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     programs = min(gemm.num_sms(world.device), tiles)
-    ag_gemm_kernel[(programs,)](a_desc, b_desc, c_desc, ctx.bar, ctx.ready, heap, m, n, k, RAGGED=ragged,
-                                NUM_PROGRAMS=programs, num_warps=cfg.num_warps, **cfg.constexprs())
-    if main is not None:
-        main.wait_stream(ctx.stream)
-    if return_gathered:
-        return out, ctx.gathered.clone()
-    return out
+    barrier = Launch(ag_gemm_barrier_kernel, (1,), (ws.bar, heap), {}, num_warps=1)
+    launch = Launch(ag_gemm_kernel, (programs,), (a_desc, b_desc, c_desc, ws.bar, ws.ready, heap, m, n, k),
+                    dict(RAGGED=ragged, **cfg.constexprs(), NUM_PROGRAMS=programs), cfg.num_warps)
+    stream = ws.stream
 
+    def push(a_shard):
+        """My chunk into each peer's G, then the epoch into its ready[me]: data first, flag after (stream order)."""
+        for rows, flag in pushes:
+            rows.copy_(a_shard)
+            flag.copy_(epoch)
 
-def _push(ctx, a_shard):
-    """My chunk into each peer's G, then the epoch into its ready[me]: data first, flag after (stream order)."""
-    for rows, flag in ctx.pushes:
-        rows.copy_(a_shard)
-        flag.copy_(ctx.bar[0:1])
+    def run(a_shard, b, out):
+        res = result(out)
+        barrier(ws.bar, heap)
+        local.copy_(a_shard)
+        if stream is None:
+            push(a_shard)
+        else:
+            main = torch.cuda.current_stream()
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                push(a_shard)
+        launch(a_desc, b_desc.on(b), c_desc.on(res.view(w, m, n) if ragged else res), ws.bar, ws.ready, heap,
+               m, n, k)
+        if stream is not None:
+            main.wait_stream(stream)
+        return (res, gathered.clone()) if return_gathered else res
+    return run
 
 
 def _case(t: str, c: gemm.GemmConfig, ragged: bool):

@@ -5,11 +5,20 @@ out[r * n : (r + 1) * n] = x on rank r, for every rank r.
 The shard is split into one slice per program. Program p of every rank
 handles slice p only and waits only on program p of its peers, so programs
 never wait on a later program of their own grid (the interpreter runs them
-one after another). Flags count epochs, kept on the device, so calls run
-back to back and replay in CUDA graphs with no reset.
+one after another).
 
-Per program slot the context keeps 1 + 2W int32 flags:
-    [epoch, ready[W], arrived/done[W]]
+One workspace serves every call whatever its size (`AllGatherWorkspace`): a
+data region in two halves used by call parity (push: W slots of the shard;
+pull: my staged shard), flags per program slot, and one epoch counter
+(`wl.next_epoch`: every call takes the next epoch, the same in all its
+programs; flags are compared with >=, never reset). Rank s writes half
+e % 2 on rank q in call e only after its call e - 1 ended, in which its
+programs (0, i) waited for a signal of every rank's call e - 1, sent after
+that rank's call e - 2, the last reader of the half, had completed. Shards
+larger than a half go through in passes. Into a symmetric output the push
+writes straight into the peers' `out`, after a handshake per call.
+
+Flags per program slot: push [ready, arrived] per peer pair; pull ready[W].
 """
 from __future__ import annotations
 
@@ -19,96 +28,70 @@ import triton.language as tl
 
 import weft.language as wl
 
-from .common import as_words, check_method, check_out, check_tensor, world_or_raise
+from ..runtime.backend import INTERPRET
+from .blocks import copy
+from .common import (Launch, as_words, check_method, check_out, check_tensor, nccl_all_gather, nccl_from, out_kind,
+                     overlaps, plan, signature, workspace, world_or_raise)
 
-METHODS = ("auto", "push", "pull")
-
-
-@triton.jit
-def _at(base, offs, VEC: tl.constexpr):
-    """`base + offs`, with the host's promise (VEC > 1) that groups of VEC
-    elements start 16-byte aligned, so accesses become 16-byte vectors. The
-    hints attach to the op that computes the pointers: apply them here, not
-    to a pointer received as an argument (there they are lost)."""
-    ptrs = base + offs
-    if VEC > 1:
-        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, 16), VEC)
-    return ptrs
+METHODS = ("auto", "push", "pull", "nccl")
 
 
-@triton.jit
-def _copy(dst, src, lo, hi, BLOCK: tl.constexpr, VEC: tl.constexpr):
-    """dst[i] = src[i] for i in [lo, hi). Whole blocks go unmasked (16-byte vectors when
-    VEC > 1); the ragged tail is masked. `dst` may be a peer's memory (a push)."""
-    full = lo + (hi - lo) // BLOCK * BLOCK
-    for start in range(lo, full, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        tl.store(_at(dst, offs, VEC), tl.load(_at(src, offs, VEC)))
-    offs = full + tl.arange(0, BLOCK)
-    mask = offs < hi
-    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
-
-
-@triton.jit(do_not_specialize=["n", "chunk"])
-def all_gather_push_kernel(x, gathered, out, flags, heap, n, chunk, COPY_OUT: tl.constexpr, BLOCK: tl.constexpr,
-                           VEC: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "chunk", "out_stride", "half_len"])
+def all_gather_push_kernel(x, gathered, out, flags, counter, heap, n, chunk, out_stride, half_len,
+                           COPY_OUT: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
     """Program (p, i) pairs me with rank q = (i - me) mod W, and q's program (p, i) pairs back
     with me: it pushes my slice p into q's buffer and waits for q's slice p to arrive in mine.
     All peers are served in parallel, one program each, so a small gather costs one round trip.
+    Rank r's shard lands at out + r * out_stride.
 
-    COPY_OUT: `gathered` is the context's double buffer (by epoch parity) and the slice is
-    copied to `out` afterwards. q last read the buffer half we write two epochs ago, and its
-    arrival in the previous epoch proves it finished that read, so no handshake is needed.
-    Otherwise `gathered` is the caller's symmetric output, which q may still be reading:
-    wait until q says it is free ("ready") before writing.
+    COPY_OUT: `gathered` is the workspace's data region (W slots of n in half epoch % 2) and
+    the slice is copied to `out` afterwards (no handshake: see the module doc). Otherwise
+    `gathered` is the caller's symmetric output, which q may still be reading: wait until q
+    says it is free ("ready") before writing.
     """
     p = tl.program_id(0)
     i = tl.program_id(1)
     me = wl.rank(heap)
     world = wl.num_ranks(heap)
+    epoch = wl.next_epoch(counter)
     q = (i - me + world) % world
-    f = flags + (p * world + i) * 3  # [epoch, ready from q, arrived from q]
-    epoch = tl.load(f) + 1
+    f = flags + (p * world + i) * 2  # [ready from q, arrived from q]
     lo = p * chunk
     hi = tl.minimum(lo + chunk, n)
-    buf = gathered
     if COPY_OUT:
-        buf = gathered + (epoch % 2) * world * n
+        buf = gathered + (epoch % 2) * half_len
+        stride = n
     else:
-        wl.notify(f + 1, q, heap, epoch)
-        token = wl.wait(f + 1, 1, epoch, wl.CMP_GE)
-        buf = wl.consume_token(buf, token)
-    _copy(wl.symm_at(buf, q, heap) + me * n, x, lo, hi, BLOCK, VEC)
-    wl.notify(f + 2, q, heap, epoch)
-    token = wl.wait(f + 2, 1, epoch, wl.CMP_GE)
+        wl.notify(f, q, heap, epoch)
+        token = wl.wait(f, 1, epoch, wl.CMP_GE, heap=heap, peer=q, op="all_gather push (ready)")
+        buf = wl.consume_token(gathered, token)
+        stride = out_stride
+    copy(wl.symm_at(buf, q, heap) + me * stride, x, lo, hi, BLOCK, VEC)
+    wl.notify(f + 1, q, heap, epoch)
+    token = wl.wait(f + 1, 1, epoch, wl.CMP_GE, heap=heap, peer=q, op="all_gather push")
     if COPY_OUT:
-        _copy(out + q * n, wl.consume_token(buf, token) + q * n, lo, hi, BLOCK, VEC)
-    tl.store(f, epoch)
+        copy(out + q * out_stride, wl.consume_token(buf, token) + q * n, lo, hi, BLOCK, VEC)
 
 
-@triton.jit(do_not_specialize=["n", "chunk"])
-def all_gather_pull_kernel(x, stage, out, flags, heap, n, chunk, BLOCK: tl.constexpr, VEC: tl.constexpr):
-    """Publish my slice in `stage` (symmetric), then read every rank's slice into `out`."""
+@triton.jit(do_not_specialize=["n", "chunk", "out_stride", "half_len"])
+def all_gather_pull_kernel(x, stage, out, flags, counter, heap, n, chunk, out_stride, half_len, BLOCK: tl.constexpr,
+                           VEC: tl.constexpr):
+    """Publish my slice in my `stage` (half epoch % 2), then read every rank's slice into `out`."""
     p = tl.program_id(0)
     me = wl.rank(heap)
     world = wl.num_ranks(heap)
-    f = flags + p * (1 + 2 * world)
-    ready = f + 1
-    done = f + 1 + world
-    epoch = tl.load(f) + 1
+    epoch = wl.next_epoch(counter)
+    ready = flags + p * world
+    half = stage + (epoch % 2) * half_len
     lo = p * chunk
     hi = tl.minimum(lo + chunk, n)
-    # Peers finished reading the previous epoch's slice before I overwrite it.
-    wl.wait(done, world, epoch - 1, wl.CMP_GE)
-    _copy(stage, x, lo, hi, BLOCK, VEC)
+    copy(half, x, lo, hi, BLOCK, VEC)
     wl.notify_all(ready + me, heap, epoch)
     for i in range(world):
         q = (me + 1 + p + i) % world
-        token = wl.wait(ready + q, 1, epoch, wl.CMP_GE)
-        src = wl.consume_token(wl.symm_at(stage, q, heap), token)
-        _copy(out + q * n, src, lo, hi, BLOCK, VEC)
-        wl.notify(done + me, q, heap, epoch)
-    tl.store(f, epoch)
+        token = wl.wait(ready + q, 1, epoch, wl.CMP_GE, heap=heap, peer=q, op="all_gather pull")
+        src = wl.consume_token(wl.symm_at(half, q, heap), token)
+        copy(out + q * out_stride, src, lo, hi, BLOCK, VEC)
 
 
 def _launch_shape(method: str, nbytes: int, device: torch.device) -> tuple[int, int, int]:
@@ -121,89 +104,179 @@ def _launch_shape(method: str, nbytes: int, device: torch.device) -> tuple[int, 
     return max(1, min(64, nbytes // (64 << 10))), 2048, 8
 
 
-def _vector_width(n: int, *tensors: torch.Tensor) -> int:
+def _vector_width(n: int, stride: int, *tensors: torch.Tensor) -> int:
     """Words per 16-byte access if every slice boundary and base is 16-byte aligned, else 1."""
     words = 16 // tensors[0].element_size()
-    aligned = n % words == 0 and all(t.data_ptr() % 16 == 0 for t in tensors)
+    aligned = n % words == 0 and stride % words == 0 and all(t.data_ptr() % 16 == 0 for t in tensors)
     return words if aligned else 1
 
 
-class AllGatherContext:
-    """Symmetric workspace and flags for one (method, shard size, dtype, output kind)."""
+# Program slots of the workspace's flags: the most programs (per peer, for push) the launch rule uses.
+MAX_PROGRAMS = 64
 
-    def __init__(self, world, method: str, shard_words: int, word_dtype: torch.dtype, programs: int,
-                 symmetric_out: bool):
+
+class AllGatherWorkspace:
+    """The all_gather workspace: a data region in two halves (by call parity), flags per program slot
+    (push: [ready, arrived] per peer pair; pull: ready[W]), the epoch counter."""
+
+    def __init__(self, world):
         heap, w = world.heap, world.world_size
-        self.method, self.programs = method, programs
-        if method == "push":
-            # Into a symmetric out the peers push straight into it; else into two halves, by epoch parity.
-            self.buffer = None if symmetric_out else heap.empty((2 * w * shard_words,), word_dtype)
-            self.flags = heap.empty((programs * w * 3,), torch.int32)
-        else:
-            self.buffer = heap.empty((shard_words,), word_dtype)
-            self.flags = heap.empty((programs * (1 + 2 * w),), torch.int32)
-        self.flags.zero_()
-        world.barrier()  # flags are zero everywhere before anyone signals
+        self.half_bytes = world.workspace_bytes // 2 // 256 * 256
+        self.data = heap.empty((2 * self.half_bytes,), torch.uint8)
+        self.push_flags = heap.empty((MAX_PROGRAMS * w * 2,), torch.int32)
+        self.pull_flags = heap.empty((MAX_PROGRAMS * w,), torch.int32)
+        self.counter = heap.empty((1,), torch.int64)
+        for t in (self.push_flags, self.pull_flags, self.counter):
+            t.zero_()
+        world.barrier()  # zero everywhere before anyone signals
+
+    def data_as(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        return self.data.view(dtype), self.half_bytes // dtype.itemsize
+
+
+# "auto" hands shards of at least this many bytes to the process group's all_gather (NCCL), by symmetric
+# output and world size (the nearest measured one): where NCCL measured faster. 2 H200s, eager, commit
+# 846eba3: 64 MiB gathered into a plain output 284 us against NCCL's 156.
+NCCL_ABOVE = {False: {2: 4 << 20}, True: {2: float("inf")}}
 
 
 def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
     """Gather `x` from every rank along dim 0: returns (world_size * x.shape[0], *x.shape[1:]).
 
-    method: "push" writes into peers' symmetric buffers (zero-copy when `out`
-    is itself symmetric, from `weft.empty`; otherwise through a double buffer
-    and a local copy); "pull" reads peers' slices straight into `out`, which
-    may be any tensor; "auto" is push, the faster at every measured size.
+    Any dtype, shape and layout. method: "push" writes into peers' symmetric
+    buffers (zero-copy when `out` is itself symmetric, from `weft.empty`;
+    otherwise through the workspace and a local copy); "pull" reads peers'
+    staged slices straight into `out`; "nccl" is the process group's own
+    all_gather; "auto" is push, or NCCL for large shards into a plain output
+    (where it is measured faster). Shards larger than the workspace go through
+    in passes. Collective.
     """
     world = world_or_raise()
+    try:
+        key = ("all_gather", signature(x), method, out_kind(world, out), None if out is None else signature(out))
+        found = world.plans.get(key)
+    except (AttributeError, TypeError):
+        key, found = None, None
+    if found is None:
+        found = plan(world, key, lambda: _all_gather_plan(world, x, out, method))
+    return found(x, out)
+
+
+def _all_gather_plan(world, x, out, method):
     check_tensor("x", x, world, contiguous=False)
     check_method(method, METHODS)
-    x = x.contiguous()
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension")
     w = world.world_size
     shape = (w * x.shape[0], *x.shape[1:])
-    if out is None:
-        out = torch.empty(shape, dtype=x.dtype, device=x.device)
-    else:
+    if out is not None:
         check_out(out, shape, x.dtype, world)
-    if x.numel() == 0:
-        return out
-    symmetric_out = world.heap.contains(out)
+    x_contig = x.is_contiguous()
+    out_contig = out is None or out.is_contiguous()
+    symmetric = out is not None and out_contig and world.heap.contains(out)
+    check = None
+    if out is not None:
+        def check(x, out):
+            if overlaps(x, out):
+                raise ValueError("out overlaps x: pass a separate tensor")
+        check(x, out)  # before the workspace is made
+    nbytes = x.numel() * x.element_size()
     if method == "auto":
-        # Measured on 8x H200 (docs/perf.md, 2026-11-21): push is ahead of pull at every size,
-        # with or without a symmetric output.
-        method = "push"
-    xw, ow = as_words(x), as_words(out)
+        method = "nccl" if nbytes >= nccl_from(NCCL_ABOVE[symmetric], world) else "push"
+
+    def result(out):
+        return torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
+
+    if nbytes == 0:
+        def run(x, out):
+            if check:
+                check(x, out)
+            return result(out)
+        return run
+    if method == "nccl":
+        group = world.group
+
+        def run(x, out):
+            if check:
+                check(x, out)
+            res = result(out)
+            dst = res if out_contig else torch.empty(shape, dtype=x.dtype, device=x.device)
+            nccl_all_gather(dst, x if x_contig else x.contiguous(), group)
+            if dst is not res:
+                res.copy_(dst)
+            return res
+        return run
+
+    ws = _workspace(world)
+    xw = as_words(x if x_contig else torch.empty(x.shape, dtype=x.dtype, device=x.device))
+    sample_out = out if out_contig and out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
+    ow = as_words(sample_out)
     if xw.dtype != ow.dtype:  # alignment differs: move bytes
-        xw, ow = x.reshape(-1).view(torch.uint8), out.reshape(-1).view(torch.uint8)
+        xw, ow = xw.view(torch.uint8), ow.view(torch.uint8)
+    word = xw.dtype
     n = xw.numel()
-    programs, block, warps = _launch_shape(method, n * xw.element_size(), x.device)
-    zero_copy = method == "push" and symmetric_out
-    key = ("all_gather", method, n, xw.dtype, programs, zero_copy)
-    ctx = world.context(key, lambda: AllGatherContext(world, method, n, xw.dtype, programs, zero_copy))
-    chunk = triton.cdiv(triton.cdiv(n, programs), block) * block  # whole blocks but the last
-    vec = _vector_width(n, xw, ow, *([] if zero_copy else [ctx.buffer]))
+    zero_copy = method == "push" and symmetric
+    buf, half_len = ws.data_as(word)
+    most = half_len if method == "pull" else half_len // w
+    most = max(16, most // 16 * 16)
     heap = world.heap.descriptor
-    if method == "push":
-        if zero_copy:
-            # Every rank's `out` sits at the same offset: push straight into it.
-            all_gather_push_kernel[(programs, w)](xw, ow, ow, ctx.flags, heap, n, chunk, COPY_OUT=False,
-                                                BLOCK=block, VEC=vec, num_warps=warps)
+    passes = []
+    for lo in range(0, n, most):
+        hi = min(lo + most, n)
+        k = hi - lo
+        programs, block, warps = _launch_shape(method, k * xw.element_size(), x.device)
+        chunk = triton.cdiv(triton.cdiv(k, programs), block) * block  # whole blocks but the last
+        vec = _vector_width(k, n, xw[lo:hi], ow[lo:], *([] if zero_copy else [buf]))
+        if method == "push":
+            grid = (programs, w)
+            kernel, flags, consts = all_gather_push_kernel, ws.push_flags, dict(COPY_OUT=not zero_copy)
         else:
-            all_gather_push_kernel[(programs, w)](xw, ctx.buffer, ow, ctx.flags, heap, n, chunk, COPY_OUT=True,
-                                                BLOCK=block, VEC=vec, num_warps=warps)
-    else:
-        all_gather_pull_kernel[(programs,)](xw, ctx.buffer, ow, ctx.flags, heap, n, chunk, BLOCK=block, VEC=vec,
-                                            num_warps=warps)
-    return out
+            grid = (programs,)
+            kernel, flags, consts = all_gather_pull_kernel, ws.pull_flags, {}
+
+        def args(xs, os, k=k, chunk=chunk, flags=flags):
+            return (xs, os if zero_copy else buf, os, flags, ws.counter, heap, k, chunk, n, half_len)
+        launch = Launch(kernel, grid, args(xw[lo:hi], ow[lo:]), dict(**consts, BLOCK=block, VEC=vec), warps)
+        passes.append((lo, hi, launch, args))
+
+    if len(passes) == 1 and x_contig and out_contig and not INTERPRET:
+        _, _, launch, args = passes[0]
+
+        def run(x, out):
+            if check:
+                check(x, out)
+            res = result(out)
+            launch(*args(x, res))
+            return res
+        return run
+
+    def run(x, out):
+        if check:
+            check(x, out)
+        res = result(out)
+        dst = res if out_contig else torch.empty(shape, dtype=x.dtype, device=x.device)
+        xs = as_words(x if x_contig else x.contiguous()).view(word)
+        os = as_words(dst).view(word)
+        for lo, hi, launch, args in passes:
+            launch(*args(xs[lo:hi], os[lo:]))
+        if dst is not res:
+            res.copy_(dst)
+        return res
+    return run
+
+
+def _workspace(world) -> AllGatherWorkspace:
+    return workspace(world, "all_gather", AllGatherWorkspace)
 
 
 # Signatures for the sm_90 compile check (weft.testing.compile).
 COMPILE_CASES = [
-    (all_gather_push_kernel, dict(x="*i32", gathered="*i32", out="*i32", flags="*i32", heap="*i64", n="i32",
-                                  chunk="i32"), dict(COPY_OUT=c, BLOCK=2048, VEC=v))
+    (all_gather_push_kernel, dict(x="*i32", gathered="*i32", out="*i32", flags="*i32", counter="*i64", heap="*i64",
+                                  n="i32", chunk="i32", out_stride="i32", half_len="i32"),
+     dict(COPY_OUT=c, BLOCK=2048, VEC=v))
     for c in (False, True) for v in (1, 4)
 ] + [
-    (all_gather_pull_kernel, dict(x="*i32", stage="*i32", out="*i32", flags="*i32", heap="*i64", n="i32",
-                                  chunk="i32"), dict(BLOCK=2048, VEC=v)) for v in (1, 4)
+    (all_gather_pull_kernel, dict(x="*i32", stage="*i32", out="*i32", flags="*i32", counter="*i64", heap="*i64",
+                                  n="i32", chunk="i32", out_stride="i32", half_len="i32"), dict(BLOCK=2048, VEC=v))
+    for v in (1, 4)
 ]

@@ -29,43 +29,52 @@ read only their own memory:
 Sums accumulate in fp32 in rank order 0, 1, ..., W - 1 on every rank, so
 every rank gets the same bits and one-shot and two-shot agree bit for bit.
 
+broadcast:      the root pushes part p of x into every rank's receive buffer, every rank
+                signals every rank, and the others copy the part into x.
+
 The elements are split into one part per program. Program p of every rank
 handles part p only (for two-shot and reduce_scatter: sub-chunk p of every
 rank's slice) and waits only on program p of its peers, so programs never
 wait on a later program of their own grid (the interpreter runs them one
 after another). Signals go to all ranks at once (`notify_all`) and a wait
-polls all W flags at once. Flags count epochs, kept on the device, so calls
-run back to back and replay in CUDA graphs with no reset.
+polls all W flags at once.
 
-Receive and gather buffers are double-buffered by epoch parity, and need no
-extra handshake: rank s writes half e % 2 of rank q's buffers in epoch e
-only after it saw q's first signal of epoch e - 1 (program p waited for it),
-which q sent from its kernel of epoch e - 1, launched after its kernel of
-epoch e - 2, the last reader of that half, had completed. The same argument
-lets two-shot push straight into a symmetric `out`: a peer writes my `out`
-only after my kernel of this call has started (it waited for my phase-1
-data), so all my earlier work on `out` is done.
+One workspace serves the whole family, whatever the message size
+(`ReduceWorkspace`): an LL region and a data region, each in two halves, per
+program slot int32 flags [arrived[W], reduced[W]], and one epoch counter
+(`wl.next_epoch`): every call of every op of the family takes the next epoch,
+the same in all its programs, and its signals carry it (flags are compared
+with >=, never reset). Messages larger than a half go through in passes.
 
-Per program slot the contexts keep int32 flags:
-    one-shot and two-shot LL: [epoch]
-    one-shot, reduce_scatter: [epoch, arrived[W]]
-    two-shot:                 [epoch, arrived[W], reduced[W]]
-    broadcast:                [epoch, ready, done[W]]
+The halves are used by call parity and need no extra handshake: rank s writes
+half e % 2 of rank q's regions in call e only after its call e - 1 ended,
+and in that call s's program 0 waited for a signal of q's call e - 1 (every
+method's program 0 waits on every rank), which q sent after its call e - 2,
+the last reader of half e % 2 in any layout, had completed. The same
+argument lets two-shot push straight into a symmetric `out`: a peer writes
+my `out` only after my kernel of this call has started (it waited for my
+phase-1 data), so all my earlier work on `out` is done. LL words only ever
+go to the LL region, so a stale word there carries an older epoch, never
+data that could pass for the current one.
 """
 from __future__ import annotations
 
 import operator
 
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
 import weft.language as wl
 
-from .all_gather import _at, _copy
-from .common import as_words, check_method, check_out, check_tensor, world_or_raise
+from ..runtime import backend
+from .blocks import at, cast, copy
+from .common import (Launch, as_words, check_method, check_out, check_tensor, nccl_from, nccl_reduce_scatter, out_kind,
+                     overlaps, plan, signature, workspace, world_or_raise)
 
-METHODS = ("auto", "one_shot", "two_shot")
+METHODS = ("auto", "one_shot", "two_shot", "nccl")
+RS_METHODS = ("auto", "two_shot", "nccl")
 OPS = ("sum",)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -88,20 +97,20 @@ LL_MAX_BYTES = 64 << 10
 LL_TWO_SHOT_MAX_BYTES = 512 << 10
 LL_TWO_SHOT_SYMMETRIC_MAX_BYTES = 256 << 10
 
+# "auto" hands messages of at least this many bytes per rank to the process group's collective (NCCL), by
+# (op, symmetric output) and world size (the nearest measured one is used): where NCCL measured faster
+# than weft's best method. Measured on H200s (docs/perf.md): 4 GPUs, 2026-11-21: all_reduce into a plain
+# output 0.92-0.98x NCCL from 64 MiB, in place in symmetric memory 1.01-1.08x; reduce_scatter 1.01-1.18x
+# NCCL from 16 MiB.
+NCCL_ABOVE = {
+    ("all_reduce", False): {4: 32 << 20},
+    ("all_reduce", True): {4: float("inf")},
+    ("reduce_scatter", False): {4: float("inf")},
+    ("reduce_scatter", True): {4: float("inf")},
+}
+
 
 # -- device helpers -------------------------------------------------------------
-
-@triton.jit
-def _cast(acc, dtype: tl.constexpr):
-    """fp32 `acc` rounded to `dtype`, to nearest even. (Triton 3.6's interpreter
-    truncates fp32 -> bf16; do the rounding by hand there, as the GPU does it.)"""
-    if wl.INTERPRET:
-        if dtype == tl.bfloat16:
-            bits = acc.to(tl.int32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return acc.to(dtype)
-
 
 @triton.jit
 def _push_all(dst, src, lo, hi, heap, WORLD: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
@@ -109,9 +118,9 @@ def _push_all(dst, src, lo, hi, heap, WORLD: tl.constexpr, BLOCK: tl.constexpr, 
     full = lo + (hi - lo) // BLOCK * BLOCK
     for start in range(lo, full, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        v = tl.load(_at(src, offs, VEC))
+        v = tl.load(at(src, offs, VEC))
         for q in tl.static_range(WORLD):
-            tl.store(_at(wl.symm_at(dst, q, heap), offs, VEC), v)
+            tl.store(at(wl.symm_at(dst, q, heap), offs, VEC), v)
     offs = full + tl.arange(0, BLOCK)
     mask = offs < hi
     v = tl.load(src + offs, mask=mask)
@@ -129,7 +138,7 @@ def _sum_slots(slots, slot_len, offs, mask, MASKED: tl.constexpr, WORLD: tl.cons
         if MASKED:
             v = tl.load(slots + q * slot_len + offs, mask=mask, other=0.0)
         else:
-            v = tl.load(_at(slots + q * slot_len, offs, VEC))
+            v = tl.load(at(slots + q * slot_len, offs, VEC))
         acc += v.to(tl.float32)
     return acc
 
@@ -143,15 +152,15 @@ def _reduce(dst, slots, slot_len, lo, hi, heap, PUSH: tl.constexpr, WORLD: tl.co
     full = lo + (hi - lo) // BLOCK * BLOCK
     for start in range(lo, full, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        val = _cast(_sum_slots(slots, slot_len, offs, None, False, WORLD, BLOCK, VEC), dst.dtype.element_ty)
+        val = cast(_sum_slots(slots, slot_len, offs, None, False, WORLD, BLOCK, VEC), dst.dtype.element_ty)
         if PUSH:
             for q in tl.static_range(WORLD):
-                tl.store(_at(wl.symm_at(dst, q, heap), offs, VEC), val)
+                tl.store(at(wl.symm_at(dst, q, heap), offs, VEC), val)
         else:
-            tl.store(_at(dst, offs, VEC), val)
+            tl.store(at(dst, offs, VEC), val)
     offs = full + tl.arange(0, BLOCK)
     mask = offs < hi
-    val = _cast(_sum_slots(slots, slot_len, offs, mask, True, WORLD, BLOCK, VEC), dst.dtype.element_ty)
+    val = cast(_sum_slots(slots, slot_len, offs, mask, True, WORLD, BLOCK, VEC), dst.dtype.element_ty)
     if PUSH:
         for q in tl.static_range(WORLD):
             tl.store(wl.symm_at(dst, q, heap) + offs, val, mask=mask)
@@ -169,26 +178,24 @@ def _span(s, p, n, slice_len, chunk):
 
 # -- kernels --------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["n", "chunk", "slot_len"])
-def all_reduce_one_shot_kernel(x, recv, out, flags, heap, n, chunk, slot_len, WORLD: tl.constexpr,
+@triton.jit(do_not_specialize=["n", "chunk", "slot_len", "half_len"])
+def all_reduce_one_shot_kernel(x, recv, out, flags, counter, heap, n, chunk, slot_len, half_len, WORLD: tl.constexpr,
                                BLOCK: tl.constexpr, VEC: tl.constexpr):
     """Push part p of x into slot [me] of every rank's `recv` (half epoch % 2), then sum my W slots.
 
-    `recv` holds two halves of W slots of `slot_len` elements.
+    A half of `recv` holds W slots of `slot_len` elements (from `half_len` on for the second half).
     """
     p = tl.program_id(0)
     me = wl.rank(heap)
-    f = flags + p * (1 + WORLD)
-    arrived = f + 1
-    epoch = tl.load(f) + 1
-    half = recv + (epoch % 2) * WORLD * slot_len
+    epoch = wl.next_epoch(counter)
+    arrived = flags + p * 2 * WORLD
+    half = recv + (epoch % 2) * half_len
     lo = p * chunk
     hi = tl.maximum(tl.minimum(lo + chunk, n), lo)
     _push_all(half + me * slot_len, x, lo, hi, heap, WORLD, BLOCK, VEC)
     wl.notify_all(arrived + me, heap, epoch)
-    token = wl.wait(arrived, WORLD, epoch, wl.CMP_GE)
+    token = wl.wait(arrived, WORLD, epoch, wl.CMP_GE, heap=heap, op="all_reduce one-shot")
     _reduce(out, wl.consume_token(half, token), slot_len, lo, hi, heap, False, WORLD, BLOCK, VEC)
-    tl.store(f, epoch)
 
 
 @triton.jit
@@ -202,20 +209,20 @@ def _halves_of(words, ELEM: tl.constexpr):
 @triton.jit
 def _word_of(lo, hi, ELEM: tl.constexpr):
     """fp32 `lo`, `hi` rounded to ELEM and packed back into one int32 word."""
-    lo_bits = _cast(lo, ELEM).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    hi_bits = _cast(hi, ELEM).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    lo_bits = cast(lo, ELEM).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi_bits = cast(hi, ELEM).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     return lo_bits | (hi_bits << 16)
 
 
 @triton.jit
-def _ll_sum(slots, slot_len, offs, mask, epoch, ELEM: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+def _ll_sum(slots, slot_len, offs, mask, epoch, heap, ELEM: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
     """The int32 words of the sum over q = 0..WORLD-1 (rank order, fp32) of the LL words at
     slots[q * slot_len + offs], each awaited until it carries `epoch`. A 16-bit ELEM packs two elements
     per word, summed separately."""
     acc_lo = tl.zeros([BLOCK], tl.float32)
     acc_hi = tl.zeros([BLOCK], tl.float32)
     for q in tl.static_range(WORLD):
-        got = wl.wait_ll(slots + q * slot_len + offs, mask, epoch)
+        got = wl.wait_ll(slots + q * slot_len + offs, mask, epoch, heap=heap, peer=q, op="all_reduce LL")
         if ELEM == tl.float32:
             acc_lo += got.to(tl.float32, bitcast=True)
         else:
@@ -223,26 +230,25 @@ def _ll_sum(slots, slot_len, offs, mask, epoch, ELEM: tl.constexpr, WORLD: tl.co
             acc_lo += a
             acc_hi += b
     if ELEM == tl.float32:
-        word = _cast(acc_lo, tl.float32).to(tl.int32, bitcast=True)
+        word = cast(acc_lo, tl.float32).to(tl.int32, bitcast=True)
     else:
         word = _word_of(acc_lo, acc_hi, ELEM)
     return word
 
 
-@triton.jit(do_not_specialize=["words", "chunk", "slot_len"])
-def all_reduce_ll_kernel(x, ll, out, flags, heap, words, chunk, slot_len, ELEM: tl.constexpr, WORLD: tl.constexpr,
+@triton.jit(do_not_specialize=["words", "chunk", "half_words"])
+def all_reduce_ll_kernel(x, ll, out, counter, heap, words, chunk, half_words, ELEM: tl.constexpr, WORLD: tl.constexpr,
                          BLOCK: tl.constexpr):
     """One-shot with the data's own words as flags: push part p of x (int32 words) as LL words into
     slot [me] of every rank's `ll` (half epoch % 2), then sum my W slots as their words arrive.
 
-    No fence, no separate flag: each 8-byte LL word carries 4 bytes of x and the epoch. `ll` holds two
-    halves of W slots of `slot_len` int64 words; flags hold [epoch] per program.
+    No fence, no separate flag: each 8-byte LL word carries 4 bytes of x and the epoch. A half of `ll`
+    holds W slots of `words` int64 words.
     """
     p = tl.program_id(0)
     me = wl.rank(heap)
-    f = flags + p
-    epoch = tl.load(f) + 1
-    half = ll + (epoch % 2) * WORLD * slot_len
+    epoch = wl.next_epoch(counter)
+    half = ll + (epoch % 2) * half_words
     lo = p * chunk
     hi = tl.minimum(lo + chunk, words)
     for start in range(lo, hi, BLOCK):
@@ -250,35 +256,30 @@ def all_reduce_ll_kernel(x, ll, out, flags, heap, words, chunk, slot_len, ELEM: 
         mask = offs < hi
         packed = wl.pack_ll(tl.load(x + offs, mask=mask, other=0), epoch)
         for q in tl.static_range(WORLD):
-            tl.store(wl.symm_at(half + me * slot_len, q, heap) + offs, packed, mask=mask)
+            tl.store(wl.symm_at(half + me * words, q, heap) + offs, packed, mask=mask)
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < hi
-        tl.store(out + offs, _ll_sum(half, slot_len, offs, mask, epoch, ELEM, WORLD, BLOCK), mask=mask)
-    tl.store(f, epoch)
+        tl.store(out + offs, _ll_sum(half, words, offs, mask, epoch, heap, ELEM, WORLD, BLOCK), mask=mask)
 
 
-@triton.jit(do_not_specialize=["words", "slice_len", "chunk"])
-def all_reduce_ll_two_shot_kernel(x, ll, out, flags, heap, words, slice_len, chunk, ELEM: tl.constexpr,
+@triton.jit(do_not_specialize=["words", "slice_len", "chunk", "half_words"])
+def all_reduce_ll_two_shot_kernel(x, ll, out, counter, heap, words, slice_len, chunk, half_words, ELEM: tl.constexpr,
                                   WORLD: tl.constexpr, BLOCK: tl.constexpr):
     """Two-shot in LL words: three one-way trips and no fence, for mid-size messages.
 
     Rank r owns slice r (words [r * slice_len, (r + 1) * slice_len) of x); program p handles sub-chunk p
-    of every slice. `ll` holds two halves (epoch parity) of [recv: W slots of slice_len | gathered:
+    of every slice. A half of `ll` (epoch parity) holds [recv: W slots of slice_len | gathered:
     W * slice_len] int64 words.
       1. push sub-chunk p of slice s of x, as LL words, into slot [me] of rank s's recv;
       2. sum my W slots as their words arrive, push the sum as LL words into slice me of every rank's
          gathered;
       3. unpack the W slices of my gathered into out as their words arrive.
-    A half is rewritten two epochs after it was read: rank s writes my half in epoch e only after it
-    received my data of epoch e - 1 (phase 1 of s's slice, and phase 2 of mine), which I sent from my
-    kernel of epoch e - 1, launched after my kernel of epoch e - 2 completed. Flags hold [epoch].
     """
     p = tl.program_id(0)
     me = wl.rank(heap)
-    f = flags + p
-    epoch = tl.load(f) + 1
-    recv = ll + (epoch % 2) * 2 * WORLD * slice_len
+    epoch = wl.next_epoch(counter)
+    recv = ll + (epoch % 2) * half_words
     gathered = recv + WORLD * slice_len
     for k in range(WORLD):
         s = (me + p + k) % WORLD  # staggered destinations, as in the two-shot kernel
@@ -292,7 +293,8 @@ def all_reduce_ll_two_shot_kernel(x, ll, out, flags, heap, words, slice_len, chu
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < hi
-        packed = wl.pack_ll(_ll_sum(recv - me * slice_len, slice_len, offs, mask, epoch, ELEM, WORLD, BLOCK), epoch)
+        word = _ll_sum(recv - me * slice_len, slice_len, offs, mask, epoch, heap, ELEM, WORLD, BLOCK)
+        packed = wl.pack_ll(word, epoch)
         for j in tl.static_range(WORLD):
             tl.store(wl.symm_at(gathered, (me + j) % WORLD, heap) + offs, packed, mask=mask)
     for k in range(WORLD):
@@ -301,91 +303,114 @@ def all_reduce_ll_two_shot_kernel(x, ll, out, flags, heap, words, slice_len, chu
         for start in range(lo, hi, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < hi
-            tl.store(out + offs, wl.wait_ll(gathered + offs, mask, epoch), mask=mask)
-    tl.store(f, epoch)
+            got = wl.wait_ll(gathered + offs, mask, epoch, heap=heap, peer=s, op="all_reduce LL two-shot gather")
+            tl.store(out + offs, got, mask=mask)
 
 
-@triton.jit(do_not_specialize=["n", "slice_len", "chunk"])
-def all_reduce_two_shot_kernel(x, recv, gathered, out, flags, heap, n, slice_len, chunk, GATHER: tl.constexpr,
-                               COPY_OUT: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+@triton.jit(do_not_specialize=["n", "slice_len", "chunk", "half_len"])
+def all_reduce_two_shot_kernel(x, recv, gathered, out, flags, counter, heap, n, slice_len, chunk, half_len,
+                               GATHER: tl.constexpr, COPY_OUT: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
                                VEC: tl.constexpr):
     """Reduce-scatter, then (GATHER) all-gather, of sub-chunk p of every slice.
 
     Rank r owns slice r = [r * slice_len, (r + 1) * slice_len) of the n
     elements. Phase 1: push sub-chunk p of slice q of x into slot [me] of
-    rank q's `recv` (half epoch % 2, W slots of slice_len). Phase 2: sum my
+    rank q's `recv` (half epoch % 2: W slots of slice_len). Phase 2: sum my
     W slots; without GATHER (reduce_scatter) into out[0:slice_len]; with
-    GATHER into slice me of every rank's `gathered` (a symmetric buffer:
-    the context's, half epoch % 2 of 2 x W * slice_len, then COPY_OUT copies
-    it to `out`; or the caller's symmetric `out` itself).
+    GATHER into slice me of every rank's gathered buffer (COPY_OUT: the
+    W * slice_len elements after the slots in the same half, copied to `out`
+    afterwards; else the caller's symmetric `out` itself, passed as `gathered`).
 
-    Flags [epoch, arrived[W], reduced[W]].
+    Flags per program [arrived[W], reduced[W]].
     """
     p = tl.program_id(0)
     me = wl.rank(heap)
-    f = flags + p * (1 + 2 * WORLD)
-    arrived = f + 1
-    reduced = f + 1 + WORLD
-    epoch = tl.load(f) + 1
-    slots = recv + (epoch % 2) * WORLD * slice_len
+    epoch = wl.next_epoch(counter)
+    arrived = flags + p * 2 * WORLD
+    reduced = arrived + WORLD
+    slots = recv + (epoch % 2) * half_len
     for k in range(WORLD):
         # Destinations staggered by rank and program: were every program of every rank to push to
         # rank 0 first, then rank 1, ..., each rank's incoming links would carry W - 1 senders in turn.
         s = (me + p + k) % WORLD
         lo, hi = _span(s, p, n, slice_len, chunk)
         # Element i of slice s lands at slots[me * slice_len + i - s * slice_len] on rank s.
-        _copy(wl.symm_at(slots, s, heap) + (me - s) * slice_len, x, lo, hi, BLOCK, VEC)
+        copy(wl.symm_at(slots, s, heap) + (me - s) * slice_len, x, lo, hi, BLOCK, VEC)
     wl.notify_all(arrived + me, heap, epoch)
-    token = wl.wait(arrived, WORLD, epoch, wl.CMP_GE)
+    token = wl.wait(arrived, WORLD, epoch, wl.CMP_GE, heap=heap, op="all_reduce/reduce_scatter two-shot")
     mine = wl.consume_token(slots, token)
     lo, hi = _span(me, p, n, slice_len, chunk)
     base = me * slice_len
     if GATHER:
         dst = gathered
         if COPY_OUT:
-            dst = gathered + (epoch % 2) * WORLD * slice_len
+            dst = slots + WORLD * slice_len
         _reduce(dst, mine - base, slice_len, lo, hi, heap, True, WORLD, BLOCK, VEC)
         wl.notify_all(reduced + me, heap, epoch)
-        token = wl.wait(reduced, WORLD, epoch, wl.CMP_GE)
+        token = wl.wait(reduced, WORLD, epoch, wl.CMP_GE, heap=heap, op="all_reduce two-shot gather")
         if COPY_OUT:
             res = wl.consume_token(dst, token)
             for s in range(WORLD):
                 lo, hi = _span(s, p, n, slice_len, chunk)
-                _copy(out, res, lo, hi, BLOCK, VEC)
+                copy(out, res, lo, hi, BLOCK, VEC)
     else:
         _reduce(out - base, mine - base, slice_len, lo, hi, heap, False, WORLD, BLOCK, VEC)
-    tl.store(f, epoch)
 
 
-@triton.jit(do_not_specialize=["n", "chunk", "root"])
-def broadcast_kernel(x, stage, flags, heap, n, chunk, root, BLOCK: tl.constexpr, VEC: tl.constexpr):
-    """The root stages part p of x; the others copy it from the root's `stage` into x.
-
-    Everybody reports `done` to every rank (not only this call's root), so a
-    later call with another root still knows its stage is free.
-    """
+@triton.jit(do_not_specialize=["n", "chunk", "half_len", "root"])
+def broadcast_kernel(x, recv, flags, counter, heap, n, chunk, half_len, root, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """The root pushes part p of x into every rank's `recv` (half epoch % 2); every rank signals every
+    rank, so that program 0 waits on everybody (what the halves' reuse relies on); the others copy the
+    part into x."""
     p = tl.program_id(0)
     me = wl.rank(heap)
     world = wl.num_ranks(heap)
-    f = flags + p * (2 + world)
-    ready = f + 1
-    done = f + 2
-    epoch = tl.load(f) + 1
+    epoch = wl.next_epoch(counter)
+    arrived = flags + p * 2 * world
+    half = recv + (epoch % 2) * half_len
     lo = p * chunk
     hi = tl.maximum(tl.minimum(lo + chunk, n), lo)
     if me == root:
-        wl.wait(done, world, epoch - 1, wl.CMP_GE)
-        _copy(stage, x, lo, hi, BLOCK, VEC)
-        wl.notify_all(ready, heap, epoch)
-    else:
-        token = wl.wait(ready, 1, epoch, wl.CMP_GE)
-        src = wl.consume_token(wl.symm_at(stage, root, heap), token)
-        _copy(x, src, lo, hi, BLOCK, VEC)
-    wl.notify_all(done + me, heap, epoch)
-    tl.store(f, epoch)
+        for i in range(1, world):
+            copy(wl.symm_at(half, (me + i) % world, heap), x, lo, hi, BLOCK, VEC)
+    wl.notify_all(arrived + me, heap, epoch)
+    token = wl.wait(arrived, world, epoch, wl.CMP_GE, heap=heap, op="broadcast")
+    if me != root:
+        copy(x, wl.consume_token(half, token), lo, hi, BLOCK, VEC)
 
 
 # -- host side ------------------------------------------------------------------
+
+# Program slots of the workspace's flags: the most programs any launch rule below uses.
+MAX_PROGRAMS = 512
+
+
+class ReduceWorkspace:
+    """The family's symmetric workspace, the same for every call whatever its size: an LL region (int64
+    words, zeroed: epoch 0 is never awaited) and a data region, each in two halves used by call parity;
+    flags [arrived[W], reduced[W]] per program slot; the epoch counter (`wl.next_epoch`)."""
+
+    def __init__(self, world):
+        heap, w = world.heap, world.world_size
+        total = world.workspace_bytes // 4096 * 4096
+        self.ll_half_words = total // 16 // 8  # an eighth of the workspace for LL words
+        self.ll = heap.empty((2 * self.ll_half_words,), torch.int64)
+        self.data_half_bytes = (total - total // 8) // 2 // 256 * 256
+        self.data = heap.empty((2 * self.data_half_bytes,), torch.uint8)
+        self.flags = heap.empty((MAX_PROGRAMS * 2 * w,), torch.int32)
+        self.counter = heap.empty((1,), torch.int64)
+        for t in (self.ll, self.flags, self.counter):
+            t.zero_()
+        world.barrier()  # zero everywhere before anyone signals
+
+    def data_as(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        """The data region as `dtype` elements, and the elements in one half."""
+        return self.data.view(dtype), self.data_half_bytes // dtype.itemsize
+
+
+def _workspace(world) -> ReduceWorkspace:
+    return workspace(world, "reduce", ReduceWorkspace)
+
 
 def _launch_shape(n: int, element_size: int, device: torch.device) -> tuple[int, int, int]:
     """(programs, BLOCK elements, num_warps) for `n` elements handled per rank and step."""
@@ -399,125 +424,8 @@ def _launch_shape(n: int, element_size: int, device: torch.device) -> tuple[int,
     if n >= (1 << 22):
         # From 4M elements, up to 512 programs of 2048 (8 warps): more bytes in flight. Same run, 256 MiB:
         # reduce_scatter 656 us and two-shot 1272 us, against 678 / 1325 us with up to 256 programs.
-        return min(512, triton.cdiv(n, 2048)), 2048, 8
+        return min(MAX_PROGRAMS, triton.cdiv(n, 2048)), 2048, 8
     return max(1, min(128, triton.cdiv(n, 1024))), 1024, 4
-
-
-def _vector_width(element_size: int, *tensors: torch.Tensor) -> int:
-    """Elements per 16-byte access if every base is 16-byte aligned, else 1 (the
-    caller makes every part boundary a multiple of it)."""
-    if all(t.data_ptr() % 16 == 0 for t in tensors):
-        return 16 // element_size
-    return 1
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `a` and `b` share memory without being the same contiguous tensor."""
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
-    same = a0 == b0 and a1 == b1 and a.is_contiguous() and b.is_contiguous()
-    return a0 < b1 and b0 < a1 and not same
-
-
-def _check_op(op) -> None:
-    if op not in OPS:
-        raise ValueError(f"op must be one of {', '.join(repr(o) for o in OPS)}, got {op!r}")
-
-
-class ReduceContext:
-    """Symmetric buffers and epoch-counted flags for one (op, method, size, dtype, programs): `buffer`
-    (receive slots; broadcast: the root's staging), and `gathered` (two-shot into a plain `out` only)."""
-
-    def __init__(self, world, words: int, dtype: torch.dtype, programs: int, flags_per_program: int,
-                 gather_words: int = 0):
-        heap = world.heap
-        self.programs = programs
-        self.buffer = heap.empty((words,), dtype)
-        if dtype == torch.int64:
-            self.buffer.zero_()  # LL words: epoch 0 in every tag, never awaited
-        self.gathered = heap.empty((gather_words,), dtype) if gather_words else None
-        self.flags = heap.empty((programs * flags_per_program,), torch.int32)
-        self.flags.zero_()
-        world.barrier()  # flags are zero everywhere before anyone signals
-
-
-def _context(world, key: tuple, words: int, dtype: torch.dtype, programs: int, flags_per_program: int,
-             gather_words: int = 0):
-    """The context for `key`, created on first use (collectively: every rank makes the same calls)."""
-    key = (*key, dtype, programs)
-    return world.context(key, lambda: ReduceContext(world, words, dtype, programs, flags_per_program,
-                                                    gather_words))
-
-
-def _auto_method(nbytes: int, world_size: int) -> str:
-    return "one_shot" if nbytes * world_size <= ONE_SHOT_MAX_BYTES_AT_8 * 8 else "two_shot"
-
-
-def _prepare_out(x: torch.Tensor, out, shape, world, slice_bytes: int | None = None) -> torch.Tensor:
-    """`out`, checked (or made). A part of a contiguous x may be overwritten only by the program that
-    staged it: out = x, or (slice_bytes) out at a slice boundary of x, as NCCL's in-place reduce_scatter."""
-    if out is None:
-        return torch.empty(shape, dtype=x.dtype, device=x.device)
-    check_out(out, shape, x.dtype, world)
-    if x.is_contiguous() and _overlaps(out, x):
-        inside = x.data_ptr() <= out.data_ptr() and (out.data_ptr() + out.numel() * out.element_size()
-                                                      <= x.data_ptr() + x.numel() * x.element_size())
-        if not (slice_bytes and inside and (out.data_ptr() - x.data_ptr()) % slice_bytes == 0):
-            what = "x's row block r * m : (r + 1) * m" if slice_bytes else "x"
-            raise ValueError(f"out overlaps x without being {what}: pass a separate tensor")
-    return out
-
-
-def all_reduce(x: torch.Tensor, op: str = "sum", method: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
-    """Sum `x` over all ranks; every rank gets the result (same shape and dtype as x).
-
-    op: "sum" (fp32 accumulation). method: "one_shot" (each rank reads every
-    rank's whole input: lowest latency), "two_shot" (reduce-scatter then
-    all-gather: least traffic, for large inputs), "auto" (by size and world
-    size). `out=x` reduces in place; `out` may be any tensor of x's shape and
-    dtype. Collective: every rank calls it with the same shape, dtype and
-    method.
-    """
-    world = world_or_raise()
-    check_tensor("x", x, world, dtypes=DTYPES, contiguous=False)
-    _check_op(op)
-    check_method(method, METHODS)
-    out = _prepare_out(x, out, x.shape, world)
-    x = x.contiguous()
-    n = x.numel()
-    if n == 0:
-        return out
-    w = world.world_size
-    nbytes = n * x.element_size()
-    if method == "auto":
-        method = _auto_method(nbytes, w)
-    xf, of = x.reshape(-1), out.view(-1)
-    if method == "one_shot" and _ll_fits(nbytes, LL_MAX_BYTES, xf, of):
-        _one_shot_ll(world, xf, of, nbytes // 4)
-    elif method == "one_shot":
-        programs, block, warps = _launch_shape(n, x.element_size(), x.device)
-        slot_len = triton.cdiv(n, 16) * 16  # every slot starts 16-byte aligned
-        ctx = _context(world, ("all_reduce", method, n), 2 * w * slot_len, x.dtype, programs, 1 + w)
-        chunk = triton.cdiv(triton.cdiv(n, programs), block) * block  # whole blocks but the last
-        vec = _vector_width(x.element_size(), xf, of, ctx.buffer)
-        all_reduce_one_shot_kernel[(programs,)](xf, ctx.buffer, of, ctx.flags, world.heap.descriptor, n, chunk,
-                                                slot_len, WORLD=w, BLOCK=block, VEC=vec, num_warps=warps)
-    elif _ll_fits(nbytes, LL_TWO_SHOT_SYMMETRIC_MAX_BYTES if world.heap.contains(of) else LL_TWO_SHOT_MAX_BYTES,
-                  xf, of):
-        _two_shot_ll(world, xf, of, nbytes // 4)
-    else:
-        align = 16 // x.element_size()  # slices start 16-byte aligned; the last one is ragged (or empty)
-        slice_len = triton.cdiv(triton.cdiv(n, w), align) * align
-        _two_shot(world, xf, of, n, slice_len, gather=True)
-    return out
-
-
-def _ll_fits(nbytes: int, limit: int, xf: torch.Tensor, of: torch.Tensor) -> bool:
-    """Whether the LL path may take it: at most `limit` bytes, and whole 4-byte words in and out."""
-    return nbytes <= limit and nbytes % 4 == 0 and xf.data_ptr() % 4 == 0 and of.data_ptr() % 4 == 0
-
-
-_ELEM = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def _ll_launch(words: int, device: torch.device) -> tuple[int, int, int]:
@@ -530,75 +438,373 @@ def _ll_launch(words: int, device: torch.device) -> tuple[int, int, int]:
     return min(128, triton.cdiv(words, 256)), 256, 4
 
 
-def _one_shot_ll(world, xf, of, words):
-    w = world.world_size
+def _vector_width(element_size: int, *tensors: torch.Tensor) -> int:
+    """Elements per 16-byte access if every base is 16-byte aligned, else 1 (the
+    caller makes every part boundary a multiple of it)."""
+    if all(t.data_ptr() % 16 == 0 for t in tensors):
+        return 16 // element_size
+    return 1
+
+
+def _check_op(op) -> None:
+    if not isinstance(op, str) or op not in OPS:
+        raise ValueError(f"op must be one of {', '.join(repr(o) for o in OPS)}, got {op!r}")
+
+
+_ELEM = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _ll_fits(nbytes: int, limit: int, *tensors: torch.Tensor) -> bool:
+    """Whether the LL path may take it: at most `limit` bytes, and whole 4-byte words in and out."""
+    return nbytes <= limit and nbytes % 4 == 0 and all(t.data_ptr() % 4 == 0 for t in tensors)
+
+
+class _Pass:
+    """One launch of a reduction kernel over elements [lo, hi) of the flat input and output. `args(xs, os)`
+    gives the kernel's runtime arguments for the pass's input and output; `typed` views them as the
+    kernel's pointer types (the LL kernels move int32 words), which the interpreter and the compilation
+    need, while a compiled kernel takes any tensor's address."""
+
+    def __init__(self, kernel, grid, args, constexprs: dict, warps: int, xf, of, lo: int, hi: int, typed=None):
+        self.lo, self.hi, self.args = lo, hi, args
+        self.typed = typed or (lambda t: t)
+        self.launch = Launch(kernel, grid, args(self.typed(xf[lo:hi]), self.typed(of[lo:hi])), constexprs, warps)
+
+    def __call__(self, xf: torch.Tensor, of: torch.Tensor) -> None:
+        t = self.typed
+        self.launch(*self.args(t(xf[self.lo:self.hi]), t(of[self.lo:self.hi])))
+
+    def direct(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """The whole message in this one pass, on GPUs: addresses are all the kernel takes, no views needed."""
+        self.launch(*self.args(x, out))
+
+
+def _words32(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+def _one_shot_ll_pass(world, ws, xf, of, lo, hi):
+    words = (hi - lo) * xf.element_size() // 4
     programs, block, warps = _ll_launch(words, xf.device)
     chunk = triton.cdiv(triton.cdiv(words, programs), block) * block
-    ctx = _context(world, ("all_reduce", "ll", words), 2 * w * words, torch.int64, programs, 1)
-    all_reduce_ll_kernel[(programs,)](xf.view(torch.int32), ctx.buffer, of.view(torch.int32), ctx.flags,
-                                      world.heap.descriptor, words, chunk, words, ELEM=_ELEM[xf.dtype], WORLD=w,
-                                      BLOCK=block, num_warps=warps)
+    heap = world.heap.descriptor
+    args = lambda xs, os: (xs, ws.ll, os, ws.counter, heap, words, chunk, ws.ll_half_words)
+    return _Pass(all_reduce_ll_kernel, (programs,), args, dict(ELEM=_ELEM[xf.dtype], WORLD=world.world_size,
+                                                               BLOCK=block), warps, xf, of, lo, hi, _words32)
 
 
-def _two_shot_ll(world, xf, of, words):
-    w = world.world_size
-    slice_len = triton.cdiv(words, w)
+def _two_shot_ll_pass(world, ws, xf, of, lo, hi):
+    words = (hi - lo) * xf.element_size() // 4
+    slice_len = triton.cdiv(words, world.world_size)
     programs, block, warps = _ll_launch(slice_len, xf.device)
     chunk = triton.cdiv(triton.cdiv(slice_len, programs), block) * block
-    ctx = _context(world, ("all_reduce", "ll_two_shot", words), 4 * w * slice_len, torch.int64, programs, 1)
-    all_reduce_ll_two_shot_kernel[(programs,)](xf.view(torch.int32), ctx.buffer, of.view(torch.int32), ctx.flags,
-                                               world.heap.descriptor, words, slice_len, chunk, ELEM=_ELEM[xf.dtype],
-                                               WORLD=w, BLOCK=block, num_warps=warps)
+    heap = world.heap.descriptor
+    args = lambda xs, os: (xs, ws.ll, os, ws.counter, heap, words, slice_len, chunk, ws.ll_half_words)
+    return _Pass(all_reduce_ll_two_shot_kernel, (programs,), args,
+                 dict(ELEM=_ELEM[xf.dtype], WORLD=world.world_size, BLOCK=block), warps, xf, of, lo, hi, _words32)
 
 
-def _two_shot(world, xf, of, n, slice_len, gather):
-    """Launch the two-shot kernel: all_reduce (gather) or reduce_scatter (not)."""
+def _one_shot_pass(world, ws, xf, of, lo, hi):
+    n = hi - lo
+    recv, half_len = ws.data_as(xf.dtype)
+    programs, block, warps = _launch_shape(n, xf.element_size(), xf.device)
+    slot_len = triton.cdiv(n, 16) * 16  # every slot starts 16-byte aligned
+    chunk = triton.cdiv(triton.cdiv(n, programs), block) * block  # whole blocks but the last
+    vec = _vector_width(xf.element_size(), xf[lo:hi], of[lo:hi])
+    heap = world.heap.descriptor
+    args = lambda xs, os: (xs, recv, os, ws.flags, ws.counter, heap, n, chunk, slot_len, half_len)
+    return _Pass(all_reduce_one_shot_kernel, (programs,), args, dict(WORLD=world.world_size, BLOCK=block, VEC=vec),
+                 warps, xf, of, lo, hi)
+
+
+def _two_shot_pass(world, ws, xf, of, lo, hi, gather: bool, copy_out: bool):
+    """all_reduce (gather) or reduce_scatter (not) of [lo, hi): two-shot through the data region. Into a
+    symmetric `out` the reduced slices go straight to every rank's out (passed as `gathered`); else into
+    the half's gathered part (COPY_OUT); reduce_scatter writes my own out only."""
+    n = hi - lo
     w = world.world_size
+    recv, half_len = ws.data_as(xf.dtype)
+    align = 16 // xf.element_size()  # slices start 16-byte aligned; the last one is ragged (or empty)
+    slice_len = triton.cdiv(triton.cdiv(n, w), align) * align if gather else n // w
     programs, block, warps = _launch_shape(slice_len, xf.element_size(), xf.device)
-    # Into a symmetric `out` the reduced slices are pushed straight to every rank; else through `gathered`.
-    copy_out = gather and not world.heap.contains(of)
-    name = "all_reduce" if gather else "reduce_scatter"
-    ctx = _context(world, (name, "two_shot", n, copy_out), 2 * w * slice_len, xf.dtype, programs, 1 + 2 * w,
-                   gather_words=2 * w * slice_len if copy_out else 0)
     chunk = triton.cdiv(triton.cdiv(slice_len, programs), block) * block
-    gathered = ctx.gathered if copy_out else of
-    vec = _vector_width(xf.element_size(), xf, of, ctx.buffer, gathered)
+    vec = _vector_width(xf.element_size(), xf[lo:hi], of[lo:hi])
     if slice_len % vec:
         vec = 1
-    all_reduce_two_shot_kernel[(programs,)](xf, ctx.buffer, gathered, of, ctx.flags, world.heap.descriptor, n,
-                                            slice_len, chunk, GATHER=gather, COPY_OUT=copy_out, WORLD=w,
-                                            BLOCK=block, VEC=vec, num_warps=warps)
+    heap = world.heap.descriptor
+    args = lambda xs, os: (xs, recv, os, os, ws.flags, ws.counter, heap, n, slice_len, chunk, half_len)
+    return _Pass(all_reduce_two_shot_kernel, (programs,), args,
+                 dict(GATHER=gather, COPY_OUT=copy_out, WORLD=w, BLOCK=block, VEC=vec), warps, xf, of, lo, hi)
 
 
-def reduce_scatter(x: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None) -> torch.Tensor:
+def _pieces(n: int, most: int, align: int) -> list[tuple[int, int]]:
+    """[lo, hi) pieces of at most `most` elements (a multiple of `align`, at least `align`) covering n."""
+    most = max(align, most // align * align)
+    return [(lo, min(lo + most, n)) for lo in range(0, n, most)]
+
+
+def _run_passes(passes, x, out, shape, x_contig: bool, out_contig: bool):
+    """Run `passes` over x's and out's flat elements; a non-contiguous x is copied first, a non-contiguous
+    out is written through a contiguous temporary."""
+    res = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
+    src = x if x_contig else x.contiguous()
+    dst = res if out_contig else torch.empty(shape, dtype=x.dtype, device=x.device)
+    xf, of = src.view(-1), dst.view(-1)
+    for p in passes:
+        p(xf, of)
+    if dst is not res:
+        res.copy_(dst)
+    return res
+
+
+def _check_outside(x: torch.Tensor, out: torch.Tensor) -> None:
+    """out may be x itself (in place), or a tensor that shares no memory with x."""
+    if overlaps(x, out) and not (out.data_ptr() == x.data_ptr() and out.numel() == x.numel()
+                                 and out.is_contiguous() and x.is_contiguous()):
+        raise ValueError("out overlaps x without being x: pass a separate tensor")
+
+
+def all_reduce(x: torch.Tensor, op: str = "sum", method: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum `x` over all ranks; every rank gets the result (same shape and dtype as x).
+
+    op: "sum" (fp32 accumulation). method: "one_shot" (each rank reads every
+    rank's whole input: lowest latency), "two_shot" (reduce-scatter then
+    all-gather: least traffic, for large inputs), "nccl" (the process group's
+    own all_reduce: NCCL on GPUs, gloo on the cpu backend), "auto" (by size,
+    world size and output kind, NCCL where it is measured faster). `out=x`
+    reduces in place; `out` may be any tensor of x's shape and dtype, of any
+    layout. Any x: non-contiguous, any size (messages beyond the workspace go
+    through in passes). Collective: every rank calls it with the same shape,
+    dtype and method.
+    """
+    world = world_or_raise()
+    try:
+        key = ("all_reduce", signature(x), op, method, out_kind(world, out, x),
+               None if out is None or out is x else signature(out))
+        found = world.plans.get(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable arguments: checked in full below
+        key, found = None, None
+    if found is None:
+        found = plan(world, key, lambda: _all_reduce_plan(world, x, op, method, out))
+    return found(x, out)
+
+
+def _all_reduce_plan(world, x, op, method, out):
+    check_tensor("x", x, world, dtypes=DTYPES, contiguous=False)
+    _check_op(op)
+    check_method(method, METHODS)
+    if out is not None:
+        check_out(out, x.shape, x.dtype, world)
+    kind = out_kind(world, out, x)
+    shape, n, w = x.shape, x.numel(), world.world_size
+    nbytes = n * x.element_size()
+    x_contig = x.is_contiguous()
+    out_contig = out is None or out.is_contiguous()
+    target = out if out is not None else x  # what the output's alignment follows
+    symmetric = out is not None and out_contig and world.heap.contains(out)
+    if method == "auto":
+        method = "nccl" if nbytes >= nccl_from(NCCL_ABOVE[("all_reduce", symmetric)], world) else _auto_method(nbytes, w)
+    check = (lambda x, out: _check_outside(x, out)) if kind in ("plain", "symmetric") else None
+    if check:
+        check(x, out)  # before the workspace is made
+
+    if n == 0:
+        def run(x, out):
+            if check:
+                check(x, out)
+            return torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
+        return run
+    if method == "nccl":
+        group = world.group
+
+        def run(x, out):
+            if check:
+                check(x, out)
+            if out is None:
+                res = x.clone(memory_format=torch.contiguous_format)
+            elif out is x and x_contig:
+                res = out
+            else:
+                res = (out if out_contig else torch.empty(shape, dtype=x.dtype, device=x.device)).copy_(x)
+            dist.all_reduce(res, group=group)
+            if out is not None and res is not out:
+                out.copy_(res)
+            return res if out is None else out
+        return run
+
+    ws = _workspace(world)
+    xf = (x if x_contig else torch.empty(shape, dtype=x.dtype, device=x.device)).view(-1)
+    of = (target if target.is_contiguous() else torch.empty(shape, dtype=x.dtype, device=x.device)).view(-1)
+    if out is None:
+        of = torch.empty(n, dtype=x.dtype, device=x.device)
+    recv, half_len = ws.data_as(x.dtype)
+    ll_words = ws.ll_half_words
+    if method == "one_shot" and _ll_fits(nbytes, min(LL_MAX_BYTES, ll_words // w * 4), xf, of):
+        passes = [_one_shot_ll_pass(world, ws, xf, of, 0, n)]
+    elif method == "one_shot":
+        passes = [_one_shot_pass(world, ws, xf, of, lo, hi) for lo, hi in _pieces(n, half_len // w - 16, 16)]
+    elif _ll_fits(nbytes, min(LL_TWO_SHOT_SYMMETRIC_MAX_BYTES if symmetric else LL_TWO_SHOT_MAX_BYTES,
+                              (ll_words // (2 * w) - 1) * w * 4), xf, of):
+        passes = [_two_shot_ll_pass(world, ws, xf, of, 0, n)]
+    else:
+        # Into a plain out a half holds W slots and the gathered slices; into a symmetric one just the slots.
+        copy_out = not symmetric
+        align = 16 // x.element_size()
+        most = (half_len // (2 * w if copy_out else w) - align) // align * align * w
+        passes = [_two_shot_pass(world, ws, xf, of, lo, hi, True, copy_out) for lo, hi in _pieces(n, most, align * w)]
+    single = len(passes) == 1 and x_contig and out_contig and not backend.INTERPRET
+    if single:  # the common case, in as few Python steps as it takes
+        direct = passes[0].direct
+
+        def run(x, out):
+            if check:
+                check(x, out)
+            res = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
+            direct(x, res)
+            return res
+        return run
+
+    def run(x, out):
+        if check:
+            check(x, out)
+        return _run_passes(passes, x, out, shape, x_contig, out_contig)
+    return run
+
+
+def _auto_method(nbytes: int, world_size: int) -> str:
+    return "one_shot" if nbytes * world_size <= ONE_SHOT_MAX_BYTES_AT_8 * 8 else "two_shot"
+
+
+def reduce_scatter(x: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None,
+                   method: str = "auto") -> torch.Tensor:
     """Rank r gets the sum over ranks of rows [r * m, (r + 1) * m) of x, where x has W * m rows.
 
     Returns (m, *x.shape[1:]) with x's dtype (fp32 accumulation). `out` may be
     any tensor of that shape, including a row block of x itself (NCCL-style in
-    place: out = x[r * m:(r + 1) * m]). Collective.
+    place: out = x[r * m:(r + 1) * m]). method: "two_shot" (weft's push
+    kernel), "nccl" (the process group's reduce_scatter), "auto". Collective.
     """
     world = world_or_raise()
+    try:
+        key = ("reduce_scatter", signature(x), op, method, out_kind(world, out), None if out is None else signature(out))
+        found = world.plans.get(key)
+    except (AttributeError, TypeError):
+        key, found = None, None
+    if found is None:
+        found = plan(world, key, lambda: _reduce_scatter_plan(world, x, op, out, method))
+    return found(x, out)
+
+
+def _reduce_scatter_plan(world, x, op, out, method):
     check_tensor("x", x, world, dtypes=DTYPES, contiguous=False)
     _check_op(op)
+    check_method(method, RS_METHODS)
     w = world.world_size
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension")
     if x.shape[0] % w:
         raise ValueError(f"x has {x.shape[0]} rows, not divisible by the world size {w}")
     shape = (x.shape[0] // w, *x.shape[1:])
-    out = _prepare_out(x, out, shape, world, slice_bytes=max(1, x.numel() // w * x.element_size()))
-    x = x.contiguous()
+    if out is not None:
+        check_out(out, shape, x.dtype, world)
     n = x.numel()
+    m = n // w  # elements per rank's block
+    x_contig = x.is_contiguous()
+    out_contig = out is None or out.is_contiguous()
+    block_bytes = max(1, m * x.element_size())
+
+    def check(x, out):
+        """out may be a row block of x at a block boundary (NCCL's in place), or outside x."""
+        if out is not None and x_contig and overlaps(out, x):
+            offset = out.data_ptr() - x.data_ptr()
+            if not (out_contig and 0 <= offset and offset % block_bytes == 0):
+                raise ValueError("out overlaps x without being x's row block r * m : (r + 1) * m: pass a separate "
+                                 "tensor")
+
+    check(x, out)  # before the workspace is made
+
     if n == 0:
-        return out
-    _two_shot(world, x.reshape(-1), out.view(-1), n, n // w, gather=False)
-    return out
+        def run(x, out):
+            check(x, out)
+            return torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
+        return run
+    if method == "auto":
+        symmetric = out is not None and world.heap.contains(out)
+        method = "nccl" if n * x.element_size() >= nccl_from(NCCL_ABOVE[("reduce_scatter", symmetric)], world) \
+            else "two_shot"
+    if method == "nccl":
+        group = world.group
+
+        def run(x, out):
+            check(x, out)
+            res = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None or not out_contig else out
+            src = x if x_contig else x.contiguous()
+            if out is not None and overlaps(res, src):  # in place: the block to a separate buffer first
+                src = src.clone()
+            nccl_reduce_scatter(res, src, group)
+            if out is not None and res is not out:
+                out.copy_(res)
+            return res if out is None else out
+        return run
+
+    ws = _workspace(world)
+    recv, half_len = ws.data_as(x.dtype)
+    most = half_len // w  # elements of each rank's block per pass
+    xf = (x if x_contig else torch.empty(x.shape, dtype=x.dtype, device=x.device)).reshape(-1)
+    of = torch.empty(m, dtype=x.dtype, device=x.device)
+    if m <= most:
+        passes = [_two_shot_pass(world, ws, xf, of, 0, n, False, False)]
+
+        def run(x, out):
+            check(x, out)
+            res = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
+            dst = res if out_contig else torch.empty(shape, dtype=x.dtype, device=x.device)
+            src = x if x_contig else x.contiguous()
+            if backend.INTERPRET:
+                passes[0](src.view(-1), dst.view(-1))
+            else:
+                passes[0].direct(src, dst)
+            if dst is not res:
+                res.copy_(dst)
+            return res
+        return run
+
+    # Larger than the workspace: pass by pass over a column range [lo, hi) of every rank's block, gathered
+    # into a contiguous (W, hi - lo) temporary first (a local copy: the price of a bounded workspace).
+    pieces = _pieces(m, most, 16)
+    stage = torch.empty(w * pieces[0][1], dtype=x.dtype, device=x.device)
+    passes = [_two_shot_pass(world, ws, stage[:w * (hi - lo)], of[:hi - lo], 0, w * (hi - lo), False, False)
+              for lo, hi in pieces]
+
+    def run(x, out):
+        check(x, out)
+        res = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
+        blocks = x.reshape(w, m)
+        dst = torch.empty(m, dtype=x.dtype, device=x.device)
+        for (lo, hi), p in zip(pieces, passes):
+            part = stage[:w * (hi - lo)].view(w, hi - lo)
+            part.copy_(blocks[:, lo:hi])
+            p.direct(part.view(-1), dst[lo:hi])
+        res.copy_(dst.view(shape))
+        return res
+    return run
 
 
 def broadcast(x: torch.Tensor, root: int = 0) -> torch.Tensor:
-    """Copy rank `root`'s x into x on every rank, in place; returns x. Any dtype. Collective."""
+    """Copy rank `root`'s x into x on every rank, in place; returns x. Any dtype and layout. Collective."""
     world = world_or_raise()
-    check_tensor("x", x, world)
+    try:
+        key = ("broadcast", signature(x), root if type(root) is int else None)
+        found = world.plans.get(key) if key[2] is not None else None
+    except (AttributeError, TypeError):
+        key, found = None, None
+    if found is None:
+        found = plan(world, key, lambda: _broadcast_plan(world, x, root))
+    return found(x)
+
+
+def _broadcast_plan(world, x, root):
+    check_tensor("x", x, world, contiguous=False)
     try:
         index = operator.index(root) if not isinstance(root, bool) else None
     except TypeError:
@@ -607,42 +813,65 @@ def broadcast(x: torch.Tensor, root: int = 0) -> torch.Tensor:
         raise ValueError(f"root must be an int in [0, {world.world_size}), got {root!r}")
     root = int(index)
     if x.numel() == 0:
-        return x
-    xw = as_words(x)
+        return lambda x: x
+    contig = x.is_contiguous()
+    ws = _workspace(world)
+    xw = as_words(x if contig else torch.empty(x.shape, dtype=x.dtype, device=x.device))
+    word_dtype = xw.dtype
     n = xw.numel()
-    programs, block, warps = _launch_shape(n, xw.element_size(), x.device)
-    ctx = _context(world, ("broadcast", n), n, xw.dtype, programs, 2 + world.world_size)
-    chunk = triton.cdiv(triton.cdiv(n, programs), block) * block
-    vec = _vector_width(xw.element_size(), xw, ctx.buffer)
-    broadcast_kernel[(programs,)](xw, ctx.buffer, ctx.flags, world.heap.descriptor, n, chunk, root, BLOCK=block,
-                                  VEC=vec, num_warps=warps)
-    return x
+    data, half_len = ws.data_as(word_dtype)
+    heap = world.heap.descriptor
+    passes = []
+    for lo, hi in _pieces(n, half_len, 16):
+        programs, block, warps = _launch_shape(hi - lo, xw.element_size(), x.device)
+        chunk = triton.cdiv(triton.cdiv(hi - lo, programs), block) * block
+        vec = _vector_width(xw.element_size(), xw[lo:hi])
+        args = lambda xs, os, k=hi - lo, chunk=chunk: (xs, data, ws.flags, ws.counter, heap, k, chunk, half_len, root)
+        passes.append(_Pass(broadcast_kernel, (programs,), args, dict(BLOCK=block, VEC=vec), warps, xw, xw, lo, hi))
+    if len(passes) == 1 and contig and not backend.INTERPRET:
+        direct = passes[0].direct
+
+        def run(x):
+            direct(x, x)
+            return x
+        return run
+
+    def run(x):
+        buf = x if contig else x.contiguous()
+        words = as_words(buf)
+        for p in passes:
+            p(words, words)
+        if buf is not x:
+            x.copy_(buf)
+        return x
+    return run
 
 
 # Signatures for the sm_90 compile check (weft.testing.compile).
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 COMPILE_CASES = [
-    (all_reduce_one_shot_kernel, dict(x=t, recv=t, out=t, flags="*i32", heap="*i64", n="i32", chunk="i32",
-                                      slot_len="i32"),
+    (all_reduce_one_shot_kernel, dict(x=t, recv=t, out=t, flags="*i32", counter="*i64", heap="*i64", n="i32",
+                                      chunk="i32", slot_len="i32", half_len="i32"),
      dict(WORLD=wd, BLOCK=2048, VEC=v), dict(num_warps=8))
     for dt, t in _PTR.items() for wd in (2, 8) for v in (1, 16 // dt.itemsize)
 ] + [
-    (all_reduce_two_shot_kernel, dict(x=t, recv=t, gathered=t, out=t, flags="*i32", heap="*i64", n="i32",
-                                      slice_len="i32", chunk="i32"),
+    (all_reduce_two_shot_kernel, dict(x=t, recv=t, gathered=t, out=t, flags="*i32", counter="*i64", heap="*i64",
+                                      n="i32", slice_len="i32", chunk="i32", half_len="i32"),
      dict(GATHER=g, COPY_OUT=c, WORLD=8, BLOCK=2048, VEC=v), dict(num_warps=8))
     for dt, t in _PTR.items() for g, c in ((True, True), (True, False), (False, False)) for v in (1, 16 // dt.itemsize)
 ] + [
-    (all_reduce_ll_kernel, dict(x="*i32", ll="*i64", out="*i32", flags="*i32", heap="*i64", words="i32",
-                                chunk="i32", slot_len="i32"),
+    (all_reduce_ll_kernel, dict(x="*i32", ll="*i64", out="*i32", counter="*i64", heap="*i64", words="i32",
+                                chunk="i32", half_words="i32"),
      dict(ELEM=e, WORLD=wd, BLOCK=256), dict(num_warps=4))
     for e in (tl.float32, tl.bfloat16, tl.float16) for wd in (2, 8)
 ] + [
-    (all_reduce_ll_two_shot_kernel, dict(x="*i32", ll="*i64", out="*i32", flags="*i32", heap="*i64", words="i32",
-                                         slice_len="i32", chunk="i32"),
+    (all_reduce_ll_two_shot_kernel, dict(x="*i32", ll="*i64", out="*i32", counter="*i64", heap="*i64", words="i32",
+                                         slice_len="i32", chunk="i32", half_words="i32"),
      dict(ELEM=e, WORLD=wd, BLOCK=256), dict(num_warps=4))
     for e in (tl.float32, tl.bfloat16, tl.float16) for wd in (2, 8)
 ] + [
-    (broadcast_kernel, dict(x=t, stage=t, flags="*i32", heap="*i64", n="i32", chunk="i32", root="i32"),
+    (broadcast_kernel, dict(x=t, recv=t, flags="*i32", counter="*i64", heap="*i64", n="i32", chunk="i32",
+                            half_len="i32", root="i32"),
      dict(BLOCK=2048, VEC=v), dict(num_warps=8))
     for t in ("*i32", "*i16", "*i8") for v in (1, 16 // {"*i32": 4, "*i16": 2, "*i8": 1}[t])
 ]

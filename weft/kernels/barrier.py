@@ -4,7 +4,7 @@ import triton
 
 import weft.language as wl
 
-from .common import world_or_raise
+from .common import Launch, workspace, world_or_raise
 
 
 @triton.jit
@@ -12,20 +12,21 @@ def barrier_all_kernel(bar, heap):
     wl.barrier_all(bar, heap)
 
 
-class BarrierContext:
-    """One program slot of barrier words: [epoch, arrivals from each rank]."""
+class BarrierWorkspace:
+    """One program slot of barrier words: [epoch, arrivals from each rank], and the launch."""
 
     def __init__(self, world):
         self.bar = world.heap.empty((1 + world.world_size,), torch.int32)
         self.bar.zero_()
         world.barrier()  # nobody signals into words a peer has not zeroed yet
+        self.launch = Launch(barrier_all_kernel, (1,), (self.bar, world.heap.descriptor), {}, num_warps=1)
+        self.args = (self.bar, world.heap.descriptor)
 
 
 def device_barrier() -> None:
     """Every rank's stream waits here until all ranks' streams have arrived."""
-    world = world_or_raise()
-    ctx = world.context("device_barrier", lambda: BarrierContext(world))
-    barrier_all_kernel[(1,)](ctx.bar, world.heap.descriptor, num_warps=1)
+    ws = workspace(world_or_raise(), "device_barrier", BarrierWorkspace)
+    ws.launch(*ws.args)
 
 
 COMPILE_CASES = [(barrier_all_kernel, dict(bar="*i32", heap="*i64"), {})]

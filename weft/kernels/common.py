@@ -1,10 +1,37 @@
-"""Host-side helpers shared by the ops: argument checks and launch sizing."""
+"""The op infrastructure every host op uses: argument checks, plans cached per call signature, direct
+kernel launches, and one bounded workspace per op family.
+
+An op call is split in two:
+- the **plan**: everything that depends only on the call's signature (shapes, dtypes, layouts,
+  alignment, output kind, method): argument checks, the method choice, workspace views, launch
+  parameters, compiled kernels. Made once per signature, on the first call, and kept in
+  `world.plans` (bounded: the oldest plans are dropped past MAX_PLANS);
+- the **call**: a dictionary lookup of the plan by the signature, the few checks the signature does
+  not cover, and the launches.
+A call whose signature differs in anything the checks look at (dtype, device, shape, contiguity)
+misses the cache and is checked in full before anything is written.
+
+Workspaces: each op family owns one symmetric workspace of `world.workspace_bytes`, created
+collectively on its first call (the only time an op allocates or makes a host barrier) and reused by
+every later call whatever its size; messages that do not fit go through in passes.
+"""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from ..runtime import backend
 from ..runtime import world as _world
 
+# Plans kept per world; a program calling with ever new shapes evicts the oldest.
+MAX_PLANS = 4096
+
+
+def world_or_raise():
+    return _world.get()
+
+
+# -- checks ---------------------------------------------------------------------
 
 def check_tensor(name: str, t, world, dtypes=None, contiguous=True) -> None:
     """Raise TypeError/ValueError naming `name` unless `t` is usable on this rank."""
@@ -19,7 +46,7 @@ def check_tensor(name: str, t, world, dtypes=None, contiguous=True) -> None:
 
 
 def check_out(out, shape, dtype, world) -> None:
-    check_tensor("out", out, world)
+    check_tensor("out", out, world, contiguous=False)
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(shape)}")
     if out.dtype != dtype:
@@ -29,6 +56,12 @@ def check_out(out, shape, dtype, world) -> None:
 def check_method(method: str, methods) -> None:
     if method not in methods:
         raise ValueError(f"method must be one of {', '.join(repr(m) for m in methods)}, got {method!r}")
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of `a` and `b` intersect (contiguous tensors)."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor:
@@ -41,5 +74,100 @@ def as_words(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.int8)
 
 
-def world_or_raise():
-    return _world.get()
+def signature(t: torch.Tensor) -> tuple:
+    """What a plan depends on in a tensor argument: shape, dtype, device, contiguity, 16-byte alignment."""
+    return t.shape, t.dtype, t.get_device(), t.is_contiguous(), t.data_ptr() & 15
+
+
+def out_kind(world, out, x=None) -> str:
+    """"none", "x" (in place), "symmetric" (from weft.empty) or "plain": what a plan does with `out`."""
+    if out is None:
+        return "none"
+    if x is not None and out is x:
+        return "x"
+    return "symmetric" if world.heap.contains(out) else "plain"
+
+
+# -- plans ------------------------------------------------------------------------
+
+def plan(world, key, make):
+    """The plan cached under `key`, made by `make()` (which checks the arguments in full) on a miss."""
+    found = world.plans.get(key)
+    if found is None:
+        found = make()
+        if len(world.plans) >= MAX_PLANS:
+            del world.plans[next(iter(world.plans))]
+        world.plans[key] = found
+    return found
+
+
+def workspace(world, family: str, make):
+    """The op family's workspace, made by `make(world)` on first use (collectively: every rank calls ops in
+    the same order). Making it allocates and synchronises, so it cannot happen inside CUDA-graph capture."""
+    return world.context(family, lambda: make(world))
+
+
+# -- launches ---------------------------------------------------------------------
+
+class Launch:
+    """A kernel launch with its grid, constexprs and options fixed, for the plans.
+
+    On GPUs the kernel is compiled once, for the specialisation of the first call's arguments
+    (`JITFunction.warmup`), and then called straight through its launcher: no argument binding and no
+    cache-key hashing per call (a plain `kernel[grid](...)` costs ~20 us of host time, this ~3). The
+    plan's key must therefore cover what Triton specialises on: integer arguments not listed in
+    `do_not_specialize` (their value is fixed per plan) and pointer alignment (`signature`).
+    Under the interpreter (cpu backend) it is the plain JIT call.
+    """
+
+    def __init__(self, fn, grid, args, constexprs: dict, num_warps: int = 4):
+        self.fn, self.grid = fn, tuple(grid) + (1,) * (3 - len(grid))
+        self.constexprs, self.num_warps = constexprs, num_warps
+        names = fn.arg_names[len(args):]
+        if list(names) != list(constexprs):
+            raise TypeError(f"{fn.__name__}: constexprs must follow the runtime arguments in order: {names}")
+        self.tail = tuple(constexprs.values())
+        self.kernel = None
+        if not backend.INTERPRET:
+            import triton
+
+            if triton.knobs.runtime.launch_enter_hook is None:  # else (a profiler): through the JIT
+                kernel = fn.warmup(*args, grid=self.grid, num_warps=num_warps, **constexprs)
+                kernel = kernel.result() if hasattr(kernel, "result") else kernel
+                self.run, self.function, self.meta = kernel.run, kernel.function, kernel.packed_metadata
+                self.kernel = kernel
+                self.device = torch.cuda.current_device()
+
+    def __call__(self, *args) -> None:
+        if self.kernel is None:
+            self.fn[self.grid](*args, num_warps=self.num_warps, **self.constexprs)
+        else:
+            g = self.grid
+            self.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(self.device), self.function, self.meta,
+                     None, None, None, *args, *self.tail)
+
+
+# -- the process group's own collectives (what `auto` falls back to) ----------------------
+
+# torch >= 2.13 renames all_gather_into_tensor and reduce_scatter_tensor; the GPU machines run 2.11.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def nccl_from(table: dict, world) -> float:
+    """The message size (bytes per rank) from which `auto` takes the process group's collective, from a
+    {world size: bytes} table of measured crossovers: the entry of the nearest world size measured. Never
+    on the cpu backend, whose kernels are what the tests check, nor on a world of one."""
+    if world.device.type != "cuda" or world.world_size == 1:
+        return float("inf")
+    return table[min(sorted(table), key=lambda s: (abs(s - world.world_size), -s))]
+
+
+def nccl_all_gather(out: torch.Tensor, x: torch.Tensor, group=None):
+    """out = concat over ranks of x (dim 0), by the process group's collective (NCCL on GPUs)."""
+    return _all_gather_single(out, x, group=group)
+
+
+def nccl_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group=None):
+    """out on rank r = rows [r * m, (r + 1) * m) of the sum over ranks of x, by the process group's collective."""
+    return _reduce_scatter_single(out, x, group=group)

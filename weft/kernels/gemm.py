@@ -145,8 +145,10 @@ def num_sms(device: torch.device) -> int:
 
 # -- host side ------------------------------------------------------------------
 
-def check_operands(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor, device: torch.device) -> None:
-    """TypeError/ValueError naming the argument unless a (·, K) @ b (K, N) can run on the TMA path."""
+def check_operands(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor, device: torch.device,
+                   layout: bool = True) -> None:
+    """TypeError/ValueError naming the argument unless a (·, K) @ b (K, N) can run on the TMA path (with
+    `layout=False`: unless torch.matmul can take them)."""
     for name, t in ((a_name, a), (b_name, b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -156,6 +158,8 @@ def check_operands(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor, d
             raise TypeError(f"{name} has dtype {t.dtype}; supported: {', '.join(str(d) for d in DTYPES)}")
         if t.dim() != 2:
             raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+        if not layout:
+            continue
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
         if (t.shape[1] * t.element_size()) % 16:
@@ -169,8 +173,18 @@ def check_operands(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor, d
         raise ValueError(f"{a_name} has {a.shape[1]} columns but {b_name} has {b.shape[0]} rows")
 
 
-def descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
-    return TensorDescriptor.from_tensor(t, list(block))
+class Descriptor(TensorDescriptor):
+    """A TMA descriptor argument whose tensor can change call by call: an op's plan keeps one and swaps its
+    `base` (same shape, strides and alignment: the plan's key guarantees it), which costs less host time
+    than building a descriptor per call."""
+
+    def on(self, t: torch.Tensor) -> "Descriptor":
+        self.base = t
+        return self
+
+
+def descriptor(t: torch.Tensor, block) -> Descriptor:
+    return Descriptor(t, t.shape, t.stride(), list(block))
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,

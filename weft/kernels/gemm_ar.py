@@ -26,20 +26,18 @@ baseline (matmul in the input dtype, then all_reduce) makes anyway, and the sum
 still runs in fp32. fp32 inputs use tf32 products on the GPU (as
 weft.kernels.gemm does).
 
-The stage is double-buffered by epoch parity: epoch e writes half e % 2, so
-calls run back to back without a handshake. Why rank r may write half e % 2 of
-tile t on rank q at epoch e: the only reader of that region is q's program t,
-at epochs of e's parity. r's program t reached epoch e only after it waited,
-at epoch e - 1, for q's arrived flag of epoch e - 1 of tile t; q set that flag
-in its epoch e - 1 launch, which on q's stream starts after its epoch e - 2
-launch, the last reader of the region, has finished. Conversely, flags are
-compared with >=: a peer can be at most one epoch ahead (to reach e + 2 it
-would need my arrival of e + 1, sent after my reads of e), and an arrival of
-e + 1 implies that the peer's push of e (same half as my reads) came before
-it, while its push of e + 1 lands in the other half.
-
-Per tile the context keeps int32 flags [epoch, arrived[W]]; the epoch lives on
-the device (never reset), so the op replays inside CUDA graphs.
+One workspace serves every shape (`GemmArWorkspace`): the stage in two halves
+used by call parity, per tile slot int32 flags arrived[W], and the epoch
+counter (`wl.next_epoch`: every call takes the next epoch, the same in all its
+programs; never reset, so the op replays inside CUDA graphs). Why rank r may
+write half e % 2 on rank q in call e, whatever the shapes of the calls before:
+r's call e - 1 ended before its call e started, and in it r's program 0 waited
+for q's arrival of call e - 1, which q sent after its call e - 2, the last
+reader of half e % 2, had finished. Conversely, flags are compared with >=: a
+peer can be at most one call ahead (to reach e + 2 it would need my arrival of
+e + 1, sent after my reads of e), and an arrival of e + 1 implies that the
+peer's push of e (same half as my reads) came before it, while its push of
+e + 1 lands in the other half.
 """
 from __future__ import annotations
 
@@ -51,8 +49,10 @@ import triton.language as tl
 
 import weft.language as wl
 
-from .all_reduce import _cast, all_reduce
-from .common import check_method, check_out, check_tensor, world_or_raise
+from .all_reduce import all_reduce
+from .blocks import cast
+from .common import (Launch, check_method, check_out, check_tensor, out_kind, overlaps, plan, signature, workspace,
+                     world_or_raise)
 from .gemm import dot
 
 METHODS = ("auto", "fused", "baseline")
@@ -114,24 +114,22 @@ def _tile_at(base, in_tile, ALIGNED: tl.constexpr):
 
 # -- kernel ---------------------------------------------------------------------
 
-@triton.jit
-def gemm_ar_kernel(a, b, stage, out, flags, heap, M, N, K, WORLD: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_N: tl.constexpr,
-                   EVEN_K: tl.constexpr, ALIGNED: tl.constexpr):
+@triton.jit(do_not_specialize=["half_len"])
+def gemm_ar_kernel(a, b, stage, out, flags, counter, heap, M, N, K, half_len, WORLD: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                   EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr):
     """out tile t = sum over ranks of (a @ b) tile t: compute, push to every rank, wait, sum.
 
-    `stage` holds 2 halves (epoch parity) of WORLD slots of M x N, one slot
-    per source rank, in the stage dtype; `flags` holds [epoch, arrived[WORLD]]
-    per tile.
+    `stage` holds 2 halves (call parity, `half_len` elements apart) of WORLD slots of M x N, one slot
+    per source rank, in the stage dtype; `flags` holds arrived[WORLD] per tile.
     """
     t = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     offs_m = (t // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = (t % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     me = wl.rank(heap)
-    f = flags + t * (1 + WORLD)
-    arrived = f + 1
-    epoch = tl.load(f) + 1
+    epoch = wl.next_epoch(counter)
+    arrived = flags + t * WORLD
 
     acc = _partial_tile(a, b, offs_m, offs_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_N, EVEN_K)
 
@@ -139,8 +137,8 @@ def gemm_ar_kernel(a, b, stage, out, flags, heap, M, N, K, WORLD: tl.constexpr, 
     # back rounded like the others'). Each rank starts with itself and goes round, so all do not hit rank 0 first.
     in_tile = offs_m[:, None] * N + offs_n[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    slots = stage + (epoch % 2) * (WORLD * M * N)
-    mine = _cast(acc, stage.dtype.element_ty)
+    slots = stage + (epoch % 2) * half_len
+    mine = cast(acc, stage.dtype.element_ty)
     for i in tl.static_range(WORLD):
         peer = (me + i) % WORLD
         tl.store(_tile_at(wl.symm_at(slots + me * (M * N), peer, heap), in_tile, ALIGNED), mine, mask=mask)
@@ -148,13 +146,12 @@ def gemm_ar_kernel(a, b, stage, out, flags, heap, M, N, K, WORLD: tl.constexpr, 
 
     # Sum the WORLD partials of this tile in rank order (the same bits on every rank). The loop is unrolled,
     # so all WORLD loads are in flight before the adds need them.
-    token = wl.wait(arrived, WORLD, epoch, wl.CMP_GE)
+    token = wl.wait(arrived, WORLD, epoch, wl.CMP_GE, heap=heap, op="gemm_ar")
     slots = wl.consume_token(slots, token)
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for q in tl.static_range(WORLD):
         total += tl.load(_tile_at(slots + q * (M * N), in_tile, ALIGNED), mask=mask, other=0.0).to(tl.float32)
-    tl.store(out + in_tile, _cast(total, out.dtype.element_ty), mask=mask)
-    tl.store(f, epoch)
+    tl.store(out + in_tile, cast(total, out.dtype.element_ty), mask=mask)
 
 
 # -- configs --------------------------------------------------------------------
@@ -193,26 +190,28 @@ def stage_dtype(m: int, dtype: torch.dtype) -> torch.dtype:
 
 # -- host side ------------------------------------------------------------------
 
-class GemmArContext:
-    """Symmetric stage (2 halves x W slots x M x N) and per-tile flags [epoch, arrived[W]]."""
+# Tile slots of the workspace's flags: the most output tiles a fused call may have.
+MAX_TILES = 4096
 
-    def __init__(self, world, m: int, n: int, dtype: torch.dtype, tiles: int):
+
+class GemmArWorkspace:
+    """The stage (two halves by call parity, as bytes: viewed in each call's stage dtype), flags arrived[W]
+    per tile slot, and the epoch counter; one for every shape."""
+
+    def __init__(self, world):
         heap = world.heap
-        w = world.world_size
-        self.stage = heap.empty((2 * w * m * n,), dtype)
-        self.flags = heap.empty((tiles * (1 + w),), torch.int32)
+        self.half_bytes = world.workspace_bytes // 2 // 256 * 256
+        self.stage = heap.empty((2 * self.half_bytes,), torch.uint8)
+        self.flags = heap.empty((MAX_TILES * world.world_size,), torch.int32)
+        self.counter = heap.empty((1,), torch.int64)
         self.flags.zero_()
-        world.barrier()  # flags are zero everywhere before anyone signals
-
-
-def _shares_memory(x: torch.Tensor, y: torch.Tensor) -> bool:
-    x0, y0 = x.data_ptr(), y.data_ptr()
-    return x0 < y0 + y.numel() * y.element_size() and y0 < x0 + x.numel() * x.element_size()
+        self.counter.zero_()
+        world.barrier()  # zero everywhere before anyone signals
 
 
 def _check_operands(a, b_shard, out, world) -> None:
     for name, t in (("a", a), ("b_shard", b_shard)):
-        check_tensor(name, t, world, dtypes=DTYPES)
+        check_tensor(name, t, world, dtypes=DTYPES, contiguous=False)
         if t.dim() != 2:
             raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
     if a.dtype != b_shard.dtype:
@@ -221,45 +220,96 @@ def _check_operands(a, b_shard, out, world) -> None:
         raise ValueError(f"a has {a.shape[1]} columns but b_shard has {b_shard.shape[0]} rows")
     if out is not None:
         check_out(out, (a.shape[0], b_shard.shape[1]), a.dtype, world)
-        if any(_shares_memory(out, t) for t in (a, b_shard) if t.numel()):
-            raise ValueError("out overlaps a or b_shard: pass a separate tensor")
+
+
+def fused_refusal(world, a, b_shard, out) -> str | None:
+    """Why the fused kernel cannot take this call, or None."""
+    (m, _), n = a.shape, b_shard.shape[1]
+    cfg = config_for(m, world.device)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    stage_bytes = world.world_size * m * n * stage_dtype(m, a.dtype).itemsize
+    if not (a.is_contiguous() and b_shard.is_contiguous() and (out is None or out.is_contiguous())):
+        return "a, b_shard and out must be contiguous"
+    if tiles > MAX_TILES:
+        return f"the output has {tiles} tiles, more than MAX_TILES = {MAX_TILES}"
+    if stage_bytes > world.workspace_bytes // 2 // 256 * 256:
+        return (f"the staged partials take {stage_bytes} bytes, more than half the workspace "
+                f"({world.workspace_bytes} bytes: raise WEFT_WORKSPACE_BYTES)")
+    return None
 
 
 def gemm_ar(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
             out: torch.Tensor | None = None) -> torch.Tensor:
     """all_reduce over ranks of a @ b_shard: the row-parallel linear layer of tensor parallelism.
 
-    a: (M, K_local), b_shard: (K_local, N), contiguous, same dtype (bf16, fp16,
-    fp32); returns (M, N) in that dtype, the same bits on every rank (fp32
-    accumulation). method: "fused" (one kernel: GEMM, push, sum), "baseline"
-    (torch.matmul, then weft's all_reduce), "auto" (fused up to FUSED_MAX_M
-    rows). `out`: any contiguous (M, N) tensor of the dtype not overlapping the
-    operands. Collective: every rank calls it with the same shapes, dtype and
-    method.
+    a: (M, K_local), b_shard: (K_local, N), same dtype (bf16, fp16, fp32), any layout; returns (M, N) in
+    that dtype, the same bits on every rank (fp32 accumulation). method: "fused" (one kernel: GEMM, push,
+    sum; contiguous operands whose partials fit the workspace), "baseline" (torch.matmul, then weft's
+    all_reduce), "auto" (fused up to FUSED_MAX_M rows where it can take the call). `out`: any (M, N)
+    tensor of the dtype not overlapping the operands. Collective: every rank calls it with the same
+    shapes, dtype and method.
     """
     world = world_or_raise()
+    try:
+        key = ("gemm_ar", signature(a), signature(b_shard), method, out_kind(world, out),
+               None if out is None else signature(out))
+        found = world.plans.get(key)
+    except (AttributeError, TypeError):
+        key, found = None, None
+    if found is None:
+        found = plan(world, key, lambda: _gemm_ar_plan(world, a, b_shard, method, out))
+    return found(a, b_shard, out)
+
+
+def _gemm_ar_plan(world, a, b_shard, method, out):
     _check_operands(a, b_shard, out, world)
     check_method(method, METHODS)
     (m, k), n = a.shape, b_shard.shape[1]
-    if out is None:
-        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    if m == 0 or n == 0:
-        return out
+    shape = (m, n)
+
+    def check(a, b_shard, out):
+        if out is not None and any(overlaps(out, t) for t in (a, b_shard) if t.numel()):
+            raise ValueError("out overlaps a or b_shard: pass a separate tensor")
+
+    def result(out):
+        return torch.empty(shape, dtype=a.dtype, device=a.device) if out is None else out
+
+    check(a, b_shard, out)  # before the workspace is made
+    refusal = fused_refusal(world, a, b_shard, out)
+    if method == "fused" and refusal:
+        raise ValueError(f"method='fused' cannot take this call: {refusal}")
     if method == "auto":
-        method = "fused" if m <= FUSED_MAX_M else "baseline"
+        method = "fused" if m <= FUSED_MAX_M and refusal is None else "baseline"
+    if m == 0 or n == 0:
+        def run(a, b_shard, out):
+            check(a, b_shard, out)
+            return result(out)
+        return run
     if method == "baseline":
-        return all_reduce(torch.matmul(a, b_shard), out=out)
+        def run(a, b_shard, out):
+            check(a, b_shard, out)
+            return all_reduce(torch.matmul(a, b_shard), out=result(out))
+        return run
+
+    ws = workspace(world, "gemm_ar", GemmArWorkspace)
     cfg = config_for(m, a.device)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     sdtype = stage_dtype(m, a.dtype)
-    key = ("gemm_ar", m, n, sdtype, tiles)
-    ctx = world.context(key, lambda: GemmArContext(world, m, n, sdtype, tiles))
-    gemm_ar_kernel[(tiles,)](a, b_shard, ctx.stage, out, ctx.flags, world.heap.descriptor, m, n, k,
-                             WORLD=world.world_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                             BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, EVEN_N=n % cfg.block_n == 0,
-                             EVEN_K=k % cfg.block_k == 0, ALIGNED=n * sdtype.itemsize % 16 == 0,
-                             num_warps=cfg.num_warps)
-    return out
+    stage = ws.stage.view(sdtype)
+    half_len = ws.half_bytes // sdtype.itemsize
+    heap = world.heap.descriptor
+    sample = result(out)
+    launch = Launch(gemm_ar_kernel, (tiles,), (a, b_shard, stage, sample, ws.flags, ws.counter, heap, m, n, k, half_len),
+                    dict(WORLD=world.world_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                         NUM_STAGES=cfg.num_stages, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
+                         ALIGNED=n * sdtype.itemsize % 16 == 0), cfg.num_warps)
+
+    def run(a, b_shard, out):
+        check(a, b_shard, out)
+        res = result(out)
+        launch(a, b_shard, stage, res, ws.flags, ws.counter, heap, m, n, k, half_len)
+        return res
+    return run
 
 
 # Signatures for the compile check (weft.testing.compile): every GPU config, bf16/fp16, stage in fp32 (small M)
@@ -267,8 +317,8 @@ def gemm_ar(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
 _PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 COMPILE_CASES = [
     (gemm_ar_kernel,
-     dict(a=t, b=t, stage="*fp32" if max_m == 16 else t, out=t, flags="*i32", heap="*i64", M="i32", N="i32",
-          K="i32"),
+     dict(a=t, b=t, stage="*fp32" if max_m == 16 else t, out=t, flags="*i32", counter="*i64", heap="*i64", M="i32",
+          N="i32", K="i32", half_len="i32"),
      dict(WORLD=wd, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, NUM_STAGES=c.num_stages,
           EVEN_N=even, EVEN_K=even, ALIGNED=even),
      dict(num_warps=c.num_warps))

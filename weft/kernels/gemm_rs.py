@@ -70,11 +70,11 @@ in wl.wait) and reads the received tiles with ordinary loads carrying a data
 dependency on the wait's token (wl.consume_token), so they cannot be issued
 before the acquire.
 
-Workspace per (M, N, dtype), from the symmetric heap once: recv (W - 1,
-m, N) (slot i holds rank me + 1 + i's partial of my chunk), ready (W int32),
-bar (1 + W int32, the start barrier's words); in local memory the W - 1 send
-slots (m, N). The epochs live on the device, so whole calls can be captured
-in a CUDA graph and replayed.
+One workspace for every shape, from the symmetric heap once: recv (viewed as
+(W - 1, m, N): slot i holds rank me + 1 + i's partial of my chunk), ready (W
+int32), bar (1 + W int32, the start barrier's words); in local memory the
+W - 1 send slots (m, N). The epochs live on the device, so whole calls can be
+captured in a CUDA graph and replayed.
 
 "baseline" is torch.matmul then weft.ops.reduce_scatter: the fallback where
 measurement shows the overlap loses.
@@ -88,8 +88,9 @@ import triton.language as tl
 import weft.language as wl
 
 from . import gemm
-from .all_reduce import _cast, reduce_scatter
-from .common import check_method, check_out, world_or_raise
+from .all_reduce import reduce_scatter
+from .blocks import cast
+from .common import Launch, check_method, check_out, out_kind, plan, signature, workspace, world_or_raise
 
 METHODS = ("auto", "overlap", "baseline")
 
@@ -140,9 +141,9 @@ def _reduce_part(own, recv, out, me, row0, col, m, N, FULL: tl.constexpr, OUT_TM
             part = tl.load(ptrs, mask=edge & (q != me), other=0.0)
         total += tl.where(q == me, own.to(tl.float32), part.to(tl.float32))
     if OUT_TMA:
-        out.store([row0, col], _cast(total, out.dtype))
+        out.store([row0, col], cast(total, out.dtype))
     else:
-        tl.store(out + in_part, _cast(total, out.dtype.element_ty), mask=edge)
+        tl.store(out + in_part, cast(total, out.dtype.element_ty), mask=edge)
 
 
 @triton.jit
@@ -152,7 +153,7 @@ def _reduce_tile(acc, recv, out, me, row0, col0, m, N, FULL: tl.constexpr, OUT_T
     Column quarter by quarter, so that the rounded tile, a quarter's fp32 sum and the received quarters
     fit in registers together."""
     QUARTER: tl.constexpr = BLOCK_N // 4
-    own = _cast(acc, recv.dtype.element_ty)
+    own = cast(acc, recv.dtype.element_ty)
     left, right = _halves(own, BLOCK_M, BLOCK_N)
     q0, q1 = _halves(left, BLOCK_M, BLOCK_N // 2)
     q2, q3 = _halves(right, BLOCK_M, BLOCK_N // 2)
@@ -205,29 +206,47 @@ def gemm_rs_kernel(a_desc, b_desc, recv, out, bar, ready, heap, m, N, K, OUT_TMA
 
 # -- host side ------------------------------------------------------------------
 
-class GemmRSContext:
-    """For one (M, N, dtype): the symmetric receive buffer, ready flags and start-barrier words; the local
-    send slots; the peer views the copy engine pushes into and the copy stream it uses."""
+class GemmRSWorkspace:
+    """The symmetric receive buffer (workspace_bytes, viewed as (W - 1, m, N) per call shape), ready flags
+    and start-barrier words; the local send slots (as many bytes, on the device); the copy stream and the
+    side stream. One for every shape: the start barrier makes a change of shape between calls safe."""
 
-    def __init__(self, world, m: int, n: int, dtype: torch.dtype):
-        heap, w, me = world.heap, world.world_size, world.rank
-        self.recv = heap.empty((w - 1, m, n), dtype)  # slot i: the partial of rank me + 1 + i
+    def __init__(self, world):
+        heap, w = world.heap, world.world_size
+        self.bytes = world.workspace_bytes // 256 * 256
+        self.recv = heap.empty((self.bytes,), torch.uint8)
         self.ready = heap.empty((w,), torch.int32)
         self.bar = heap.empty((1 + w,), torch.int32)
         self.ready.zero_()
         self.bar.zero_()
-        self.send = torch.empty((w - 1, m, n), dtype=dtype, device=world.device)
-        # Step s: chunk c = me + s goes into slot (me - c - 1) mod W = W - 1 - s of rank c's recv, then the
-        # epoch into its ready[me].
-        self.steps = []
-        for s in range(1, w):
-            c = (me + s) % w
-            self.steps.append((c, self.send[s - 1], heap.peer(self.recv, c)[w - 1 - s],
-                               heap.peer(self.ready, c)[me:me + 1]))
+        self.send = torch.empty((self.bytes,), dtype=torch.uint8, device=world.device)
         cuda = world.device.type == "cuda"
         self.stream = torch.cuda.Stream(world.device) if cuda else None  # the copy engine's pushes
         self.side = torch.cuda.Stream(world.device) if cuda else None  # every other chunk GEMM
         world.barrier()  # flags are zero everywhere before anyone signals
+
+
+def overlap_refusal(world, a, b_shard, out) -> str | None:
+    """Why the overlapped kernels cannot take this call (TMA and workspace constraints), or None."""
+    m_total, k = a.shape
+    n = b_shard.shape[1]
+    for name, t in (("a", a), ("b_shard", b_shard)):
+        if not t.is_contiguous():
+            return f"{name} must be contiguous"
+        if t.data_ptr() % 16:
+            return f"{name} must start 16-byte aligned (TMA)"
+    if out is not None and not out.is_contiguous():
+        return "out must be contiguous"
+    for name, cols in (("K_local", k), ("N", n)):
+        if cols * a.element_size() % 16:
+            return f"{name} = {cols} is not a multiple of 16 bytes ({16 // a.element_size()} elements; TMA)"
+    if min(m_total, n, k) == 0:
+        return "an empty dimension"
+    need = (world.world_size - 1) * (m_total // world.world_size) * n * a.element_size()
+    if need > world.workspace_bytes // 256 * 256:
+        return (f"the received partials take {need} bytes, more than the workspace ({world.workspace_bytes} "
+                "bytes: raise WEFT_WORKSPACE_BYTES)")
+    return None
 
 
 def _tiling(m: int, n: int, k: int, device: torch.device) -> tuple[gemm.GemmConfig, float]:
@@ -257,92 +276,121 @@ def gemm_rs(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
             out: torch.Tensor | None = None, config: gemm.GemmConfig | None = None) -> torch.Tensor:
     """Rank r gets rows [r * M / W, (r + 1) * M / W) of the sum over ranks of a @ b_shard.
 
-    a: (M, K_local), b_shard: (K_local, N), same dtype (bf16, fp16, fp32), contiguous, rows a multiple
-    of 16 bytes (TMA); M divisible by the world size. Returns (M / W, N) in that dtype, accumulated in
-    fp32 (each rank's partial product is rounded to the dtype once, as with matmul + reduce_scatter).
+    a: (M, K_local), b_shard: (K_local, N), same dtype (bf16, fp16, fp32), any layout; M divisible by the
+    world size. Returns (M / W, N) in that dtype, accumulated in fp32 (each rank's partial product is
+    rounded to the dtype once, as with matmul + reduce_scatter).
     method: "overlap" (chunk GEMMs whose results the copy engines push to their owners while the next
-    chunk computes; a final GEMM of the own chunk sums what arrived), "baseline" (torch.matmul +
-    weft.ops.reduce_scatter), "auto". `out`: any contiguous (M / W, N) tensor of the dtype on this
-    device. `config`: the tiling of every GEMM of the call (default: chosen for the chunk shape, and
-    cuBLAS for the chunk GEMMs where no tiling fills the GPU well: CUBLAS_CHUNKS_BELOW_FILL).
-    Collective: every rank calls it with the same shapes, method and config.
+    chunk computes; a final GEMM of the own chunk sums what arrived; needs contiguous, 16-byte aligned
+    operands with K_local and N multiples of 16 bytes, and partials that fit the workspace), "baseline"
+    (torch.matmul + weft.ops.reduce_scatter), "auto" (overlap where it can take the call). `out`: any
+    (M / W, N) tensor of the dtype on this device. `config`: the tiling of every GEMM of the call
+    (default: chosen for the chunk shape, and cuBLAS for the chunk GEMMs where no tiling fills the GPU
+    well: CUBLAS_CHUNKS_BELOW_FILL). Collective: every rank calls it with the same shapes, method and config.
     """
     world = world_or_raise()
+    try:
+        key = ("gemm_rs", signature(a), signature(b_shard), method, out_kind(world, out),
+               None if out is None else signature(out), config)
+        found = world.plans.get(key)
+    except (AttributeError, TypeError):
+        key, found = None, None
+    if found is None:
+        found = plan(world, key, lambda: _gemm_rs_plan(world, a, b_shard, method, out, config))
+    return found(a, b_shard, out)
+
+
+def _gemm_rs_plan(world, a, b_shard, method, out, config):
     check_method(method, METHODS)
-    gemm.check_operands("a", a, "b_shard", b_shard, world.device)
+    gemm.check_operands("a", a, "b_shard", b_shard, world.device, layout=False)
     w, me = world.world_size, world.rank
     m_total, k = a.shape
     n = b_shard.shape[1]
     if m_total % w:
         raise ValueError(f"a has {m_total} rows, not divisible by the world size {w}")
-    if k == 0:
-        raise ValueError("a has 0 columns: K_local must be positive")
     m = m_total // w
-    if out is None:
-        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    else:
-        check_out(out, (m, n), a.dtype, world)
-    if m == 0 or n == 0:
-        return out
+    shape = (m, n)
+    if out is not None:
+        check_out(out, shape, a.dtype, world)
+    refusal = overlap_refusal(world, a, b_shard, out)
+    if method == "overlap" and refusal:
+        raise ValueError(f"method='overlap' cannot take this call: {refusal}")
     if method == "auto":
         # Measured on 4 H200s (bf16, 2026-11-21, `weft bench -n 4 gemm --ops rs`): overlap 1.02-1.46x faster
-        # than cuBLAS + NCCL on every RS shape, so it is the default everywhere measured.
-        method = "overlap"
+        # than cuBLAS + NCCL on every RS shape, so it is the default wherever it can take the call.
+        method = "baseline" if refusal else "overlap"
+
+    def result(out):
+        return torch.empty(shape, dtype=a.dtype, device=a.device) if out is None else out
+
     if method == "baseline":
-        return reduce_scatter(torch.matmul(a, b_shard), out=out)
+        return lambda a, b_shard, out: reduce_scatter(torch.matmul(a, b_shard), out=result(out))
 
     if config is None:  # every GEMM of the call is one chunk of m rows
         cfg, fill = _tiling(m, n, k, a.device)
         cublas_chunks = fill < CUBLAS_CHUNKS_BELOW_FILL
     else:
         cfg, cublas_chunks = config, False
-    key = ("gemm_rs", m_total, n, a.dtype)
-    ctx = world.context(key, lambda: GemmRSContext(world, m, n, a.dtype))
+    ws = workspace(world, "gemm_rs", GemmRSWorkspace)
+    recv = ws.recv[:(w - 1) * m * n * a.element_size()].view(a.dtype).view(w - 1, m, n)  # slot i: rank me + 1 + i
+    send = ws.send[:(w - 1) * m * n * a.element_size()].view(a.dtype).view(w - 1, m, n)
+    # Step s: chunk c = me + s goes into slot (me - c - 1) mod W = W - 1 - s of rank c's recv, then the
+    # epoch into its ready[me].
+    steps = []
+    for s in range(1, w):
+        c = (me + s) % w
+        steps.append((c, send[s - 1], world.heap.peer(recv, c)[w - 1 - s], world.heap.peer(ws.ready, c)[me:me + 1]))
+    epoch = ws.bar[0:1]
     heap = world.heap.descriptor
-    main = torch.cuda.current_stream() if ctx.stream is not None else None
-
-    gemm_rs_start_kernel[(1,)](ctx.bar, ctx.ready, heap, num_warps=1)
-    def chunk_gemm(c, send):
-        if cublas_chunks:
-            torch.matmul(a[c * m:(c + 1) * m], b_shard, out=send)
-        else:
-            gemm.matmul(a[c * m:(c + 1) * m], b_shard, out=send, config=cfg)
-
-    if main is None:
-        for c, send, dst, flag in ctx.steps:
-            chunk_gemm(c, send)
-            _push(ctx, send, dst, flag)
-    else:
-        # Chunk GEMMs alternate between two streams, so the next one's programs take the SMs that this
-        # one's last, partial wave leaves idle.
-        ctx.side.wait_stream(main)
-        for i, (c, send, dst, flag) in enumerate(ctx.steps):
-            compute = (main, ctx.side)[i % 2]
-            with torch.cuda.stream(compute):
-                chunk_gemm(c, send)
-            ctx.stream.wait_stream(compute)
-            with torch.cuda.stream(ctx.stream):
-                _push(ctx, send, dst, flag)
-        main.wait_stream(ctx.side)  # the final GEMM starts after every chunk GEMM (no deadlock: see above)
-
+    start = Launch(gemm_rs_start_kernel, (1,), (ws.bar, ws.ready, heap), {}, num_warps=1)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     programs = min(gemm.num_sms(a.device), tiles)
     quarter = cfg.block_n // 4  # the epilogue's column sub-tiles
-    out_tma = out.data_ptr() % 16 == 0  # else (an odd view) masked pointer stores
-    gemm_rs_kernel[(programs,)](
-        gemm.descriptor(a[me * m:(me + 1) * m], (cfg.block_m, cfg.block_k)),
-        gemm.descriptor(b_shard, (cfg.block_k, cfg.block_n)), ctx.recv,
-        gemm.descriptor(out, (cfg.block_m, quarter)) if out_tma else out, ctx.bar, ctx.ready, heap, m, n, k,
-        OUT_TMA=out_tma, WORLD=w, NUM_PROGRAMS=programs, num_warps=cfg.num_warps, **cfg.constexprs())
-    if main is not None:
-        main.wait_stream(ctx.stream)
-    return out
+    sample = result(out)
+    out_tma = sample.data_ptr() % 16 == 0  # else (an odd view) masked pointer stores
+    a_desc = gemm.descriptor(a[me * m:(me + 1) * m], (cfg.block_m, cfg.block_k))
+    b_desc = gemm.descriptor(b_shard, (cfg.block_k, cfg.block_n))
+    out_desc = gemm.descriptor(sample, (cfg.block_m, quarter)) if out_tma else None
+    final = Launch(gemm_rs_kernel, (programs,),
+                   (a_desc, b_desc, recv, out_desc if out_tma else sample, ws.bar, ws.ready, heap, m, n, k),
+                   dict(OUT_TMA=out_tma, WORLD=w, **cfg.constexprs(), NUM_PROGRAMS=programs), cfg.num_warps)
 
+    def chunk_gemm(a, b_shard, c, dst):
+        if cublas_chunks:
+            torch.matmul(a[c * m:(c + 1) * m], b_shard, out=dst)
+        else:
+            gemm.matmul(a[c * m:(c + 1) * m], b_shard, out=dst, config=cfg)
 
-def _push(ctx, send, dst, flag):
-    """A partial into its owner's recv slot, then the epoch into its ready flag: data first (stream order)."""
-    dst.copy_(send)
-    flag.copy_(ctx.bar[0:1])
+    def push(dst, src, flag):
+        """A partial into its owner's recv slot, then the epoch into its ready flag: data first (stream order)."""
+        dst.copy_(src)
+        flag.copy_(epoch)
+
+    def run(a, b_shard, out):
+        res = result(out)
+        main = torch.cuda.current_stream() if ws.stream is not None else None
+        start(ws.bar, ws.ready, heap)
+        if main is None:
+            for c, src, dst, flag in steps:
+                chunk_gemm(a, b_shard, c, src)
+                push(dst, src, flag)
+        else:
+            # Chunk GEMMs alternate between two streams, so the next one's programs take the SMs that this
+            # one's last, partial wave leaves idle.
+            ws.side.wait_stream(main)
+            for i, (c, src, dst, flag) in enumerate(steps):
+                compute = (main, ws.side)[i % 2]
+                with torch.cuda.stream(compute):
+                    chunk_gemm(a, b_shard, c, src)
+                ws.stream.wait_stream(compute)
+                with torch.cuda.stream(ws.stream):
+                    push(dst, src, flag)
+            main.wait_stream(ws.side)  # the final GEMM starts after every chunk GEMM (no deadlock: see above)
+        final(a_desc.on(a[me * m:(me + 1) * m]), b_desc.on(b_shard), recv, out_desc.on(res) if out_tma else res,
+              ws.bar, ws.ready, heap, m, n, k)
+        if main is not None:
+            main.wait_stream(ws.stream)
+        return res
+    return run
 
 
 def _case(t: str, c: gemm.GemmConfig, world: int, out_tma: bool):

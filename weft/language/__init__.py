@@ -5,11 +5,11 @@ from .core import (CMP_EQ, CMP_GE, CMP_GT, CMP_LE, CMP_LT, CMP_NE, INTERPRET, SC
 from .hardware import global_timer, lane_id, sm_id, tid
 from .interpreter import WaitTimeout
 from .shmem import getmem_block, putmem_block, putmem_nbi_block, putmem_signal_block, putmem_signal_nbi_block
-from .signals import (barrier_all, consume_token, fence, notify, notify_all, pack_ll, quiet, signal_op,
+from .signals import (barrier_all, consume_token, fence, next_epoch, notify, notify_all, pack_ll, quiet, signal_op,
                       signal_wait_until, wait, wait_ll)
 
 __all__ = [
-    "rank", "num_ranks", "symm_at", "remote_ptr", "notify", "notify_all", "wait", "pack_ll", "wait_ll", "consume_token", "fence", "quiet",
+    "rank", "num_ranks", "symm_at", "remote_ptr", "notify", "notify_all", "wait", "next_epoch", "pack_ll", "wait_ll", "consume_token", "fence", "quiet",
     "barrier_all", "putmem_block", "putmem_nbi_block", "getmem_block", "putmem_signal_block",
     "putmem_signal_nbi_block", "signal_op", "signal_wait_until", "tid", "lane_id", "sm_id", "global_timer",
     "CMP_EQ", "CMP_NE", "CMP_GT", "CMP_LE", "CMP_LT", "CMP_GE", "SIGNAL_SET", "SIGNAL_ADD", "SCOPE_SYS", "SCOPE_GPU", "INTERPRET",

@@ -34,9 +34,17 @@ _CMP = {0: ("==", lambda a, b: a == b), 1: ("!=", lambda a, b: a != b), 2: (">",
         3: ("<=", lambda a, b: a <= b), 4: ("<", lambda a, b: a < b), 5: (">=", lambda a, b: a >= b)}
 
 
+def _who(me, peer, op) -> str:
+    me = int(_scalar(me))
+    me = os.environ.get("RANK", "0") if me < 0 else me
+    peer = int(_scalar(peer))
+    return f"weft {_scalar(op)}: rank {me}", (f"rank {peer}" if peer >= 0 else "a peer")
+
+
 @interpreter_only
-def spin_wait(flag_ptr, count, value, cmp):
-    """Acquire-poll `count` consecutive flags until each satisfies `flag <cmp> value`."""
+def spin_wait(flag_ptr, count, value, cmp, me=-1, peer=0, op="wait"):
+    """Acquire-poll `count` consecutive flags until each satisfies `flag <cmp> value` (flag i is raised by
+    rank `peer + i`)."""
     count, value, cmp = int(_scalar(count)), _scalar(value), int(_scalar(cmp))
     symbol, ok = _CMP[cmp]
     timeout = float(os.environ.get("WEFT_WAIT_TIMEOUT_S", "0") or 0)
@@ -50,9 +58,11 @@ def spin_wait(flag_ptr, count, value, cmp):
             if ok(seen, value):
                 break
             if timeout > 0 and time.monotonic() - start > timeout:
+                who, _ = _who(me, peer, op)
                 raise WaitTimeout(
-                    f"weft: rank {os.environ.get('RANK', '0')} timed out after {timeout:g} s waiting on flag "
-                    f"{i} of {count} at address 0x{_scalar(ptr):x}: expected flag {symbol} {value}, seen {seen}")
+                    f"{who} timed out after {timeout:g} s waiting for the signal of rank {int(_scalar(peer)) + i} "
+                    f"(flag {i} of {count} at address 0x{_scalar(ptr):x}): expected flag {symbol} {value}, "
+                    f"seen {seen}")
             # Ranks share few cores: back off so the rank we wait for can run.
             time.sleep(nap)
             nap = min(1e-3, nap * 2 + 2e-5)
@@ -60,7 +70,7 @@ def spin_wait(flag_ptr, count, value, cmp):
 
 
 @interpreter_only
-def spin_wait_ll(ptrs, mask, epoch):
+def spin_wait_ll(ptrs, mask, epoch, me=-1, peer=-1, op="LL wait"):
     """Poll the 64-bit LL words at `ptrs` (where `mask`) until every high half equals `epoch`."""
     epoch = int(_scalar(epoch))
     timeout = float(os.environ.get("WEFT_WAIT_TIMEOUT_S", "0") or 0)
@@ -76,9 +86,11 @@ def spin_wait_ll(ptrs, mask, epoch):
         if timeout > 0 and time.monotonic() - start > timeout:
             i = int(missing[0])
             addr = int(np.asarray(ptrs.handle.data).reshape(-1)[i])
+            who, whom = _who(me, peer, op)
             raise WaitTimeout(
-                f"weft: rank {os.environ.get('RANK', '0')} timed out after {timeout:g} s waiting on LL word {i} "
-                f"of a block at address 0x{addr:x}: expected epoch {epoch}, seen {int(tags.reshape(-1)[i])}")
+                f"{who} timed out after {timeout:g} s waiting for the LL words of {whom} ({missing.size} missing; "
+                f"first: word {i} of a block at address 0x{addr:x}): expected epoch {epoch}, "
+                f"seen {int(tags.reshape(-1)[i])}")
         time.sleep(nap)
         nap = min(1e-3, nap * 2 + 2e-5)
 

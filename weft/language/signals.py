@@ -74,17 +74,23 @@ def _holds(seen, value, cmp: tl.constexpr):
 
 
 @triton.jit
-def wait(flag_ptr, count, value, cmp: tl.constexpr = CMP_EQ, scope: tl.constexpr = SCOPE_SYS):
+def wait(flag_ptr, count, value, cmp: tl.constexpr = CMP_EQ, scope: tl.constexpr = SCOPE_SYS, heap=None, peer=0,
+         op: tl.constexpr = "wait"):
     """Spin (acquire) until the `count` flags from `flag_ptr` on satisfy `flag <cmp> value`.
 
     Every thread of the program polls for itself, so each thread's later loads
     are ordered after its own acquire. Returns a token for `consume_token`.
-    With WEFT_WAIT_TIMEOUT_S set, gives up after that long: an error naming the
-    rank, the flag and the values on the cpu backend; a printed report and a
-    trap on the GPU.
+    With WEFT_WAIT_TIMEOUT_S set, gives up after that long with a report naming
+    the waiting rank (from `heap`, when given), the op (`op`), the rank whose
+    signal is missing (flag i is raised by rank `peer + i`), the expected and
+    the seen value: an error on the cpu backend; a printed report and a trap on
+    the GPU.
     """
     if INTERPRET:
-        return interpreter.spin_wait(flag_ptr, count, value, cmp)
+        me = -1
+        if heap is not None:
+            me = rank(heap)
+        return interpreter.spin_wait(flag_ptr, count, value, cmp, me, peer, op)
     else:
         # Lane i of every warp polls flag base + i: up to 32 flags in one round trip. A CTA barrier
         # after the loop orders every thread's later loads after the acquires (barrier + acquire).
@@ -100,7 +106,11 @@ def wait(flag_ptr, count, value, cmp: tl.constexpr = CMP_EQ, scope: tl.constexpr
                 if WAIT_TIMEOUT_NS > 0:
                     if ptx.global_timer() - start > WAIT_TIMEOUT_NS:
                         i = tl.min(tl.where(ok == 0, base + lanes, count), axis=0)
-                        tl.device_print("weft wait timed out: flag index, address, expected, seen ", i,
+                        me = -1
+                        if heap is not None:
+                            me = rank(heap)
+                        tl.device_print("weft " + op + " wait timed out: rank, waits for rank, flag index, "
+                                        "address, expected, seen ", me, peer + i, i,
                                         (flag_ptr + i).to(tl.int64, bitcast=True), value,
                                         tl.min(tl.where(base + lanes == i, seen, value), axis=0))
                         ptx.trap()
@@ -108,6 +118,26 @@ def wait(flag_ptr, count, value, cmp: tl.constexpr = CMP_EQ, scope: tl.constexpr
                 ok = _holds(seen, value, cmp).to(tl.int32)
         tl.debug_barrier()
         return tl.max(seen, axis=0)
+
+
+@triton.jit
+def next_epoch(counter):
+    """The epoch of this launch: one more than the previous launch's, the same in every program of the grid.
+
+    `counter` is one int64 word (zeroed once, never reset), local to this rank: [epoch | programs that
+    have taken it]. Each program takes a ticket with one atomic, whose result carries the epoch, so no
+    program can see another launch's value; the last program to take one publishes the epoch for the
+    next launch (every program of this grid has read it by then). Kernels count their signals in these
+    epochs, so buffers can be double-buffered by the parity of the *call*, whatever the grid size of
+    each call. One atomic per program, issued at its start, instead of a plain load.
+    """
+    word = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    epoch = (word >> 32) + 1
+    ticket = word & 0xFFFFFFFF
+    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    if ticket == programs - 1:
+        tl.atomic_xchg(counter, epoch << 32, sem="relaxed", scope="gpu")
+    return epoch.to(tl.int32)
 
 
 @triton.jit
@@ -122,14 +152,18 @@ def pack_ll(payload, epoch):
 
 
 @triton.jit
-def wait_ll(ptrs, mask, epoch):
+def wait_ll(ptrs, mask, epoch, heap=None, peer=-1, op: tl.constexpr = "LL wait"):
     """Spin until every LL word at `ptrs` (where `mask`) carries `epoch`; returns their int32 payloads.
 
     The words are polled with volatile loads (straight from L2, where peers' NVLink stores land).
-    WEFT_WAIT_TIMEOUT_S applies as in `wait`.
+    WEFT_WAIT_TIMEOUT_S applies as in `wait`; the report names the waiting rank (from `heap`), the op,
+    `peer` (the rank that writes these words), the expected epoch and the one seen.
     """
     if INTERPRET:
-        words = interpreter.spin_wait_ll(ptrs, mask, epoch)
+        me = -1
+        if heap is not None:
+            me = rank(heap)
+        words = interpreter.spin_wait_ll(ptrs, mask, epoch, me, peer, op)
     else:
         # Spin on a scalar (a tensor carried through the loop trips Triton 3.6's layout passes),
         # then load the words that have all arrived.
@@ -141,8 +175,11 @@ def wait_ll(ptrs, mask, epoch):
             arrived = tl.min(((tags == epoch) | (mask == 0)).to(tl.int32), axis=0)
             if WAIT_TIMEOUT_NS > 0:
                 if (arrived == 0) & (ptx.global_timer() - start > WAIT_TIMEOUT_NS):
-                    tl.device_print("weft LL wait timed out: expected epoch, seen (min over the block) ", epoch,
-                                    tl.min(tl.where(mask, tags, epoch), axis=0))
+                    me = -1
+                    if heap is not None:
+                        me = rank(heap)
+                    tl.device_print("weft " + op + " timed out: rank, waits for rank, expected epoch, seen ", me,
+                                    peer, epoch, tl.min(tl.where(mask & (tags != epoch), tags, 0x7FFFFFFF), axis=0))
                     ptx.trap()
         words = tl.load(ptrs, mask=mask, other=0, volatile=True)
     return words.to(tl.int32)
@@ -187,7 +224,7 @@ def barrier_all(bar, heap):
     tl.debug_barrier()
     tl.store(bar, epoch)
     notify_all(bar + 1 + me, heap, 1, SIGNAL_ADD)
-    wait(bar + 1, n, epoch, CMP_GE)
+    wait(bar + 1, n, epoch, CMP_GE, heap=heap, op="barrier_all")
 
 
 @triton.jit

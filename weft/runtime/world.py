@@ -1,8 +1,9 @@
-"""The initialised world: process group, rank, device, symmetric heap, op contexts.
+"""The initialised world: process group, rank, device, symmetric heap, op workspaces and plans.
 
 This is weft's only process-wide state. `init()` creates it, `finalize()`
-drops it. Ops keep their workspaces in `world.contexts` so that they live as
-long as the heap they were carved from.
+drops it. Ops keep their workspaces in `world.contexts` (one per op family,
+created collectively on first use, never grown) and their per-call-signature
+launch plans in `world.plans`, so both live as long as the heap they use.
 """
 from __future__ import annotations
 
@@ -16,15 +17,22 @@ from . import backend
 from .heap import SymmetricHeap, cpu_heap, cuda_heap
 
 DEFAULT_HEAP_SIZE = {"cpu": 64 << 20, "cuda": 2 << 30}
+# Bytes of symmetric workspace each op family owns (all_gather, the reductions, ag_gemm, gemm_rs, gemm_ar, ...):
+# a message that does not fit goes through in several passes, or by the op's documented fallback. Seven
+# families fit the default heap with room for the caller's own symmetric tensors.
+DEFAULT_WORKSPACE_BYTES = {"cpu": 2 << 20, "cuda": 128 << 20}
 
 
 class World:
     def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device, group,
-                 heap: SymmetricHeap, owns_group: bool):
+                 heap: SymmetricHeap, owns_group: bool, workspace_bytes: int):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.device, self.group, self.heap = device, group, heap
         self.backend = backend.BACKEND
-        self.contexts: dict = {}
+        self.workspace_bytes = workspace_bytes
+        self.contexts: dict = {}  # op family -> its workspace
+        self.plans: dict = {}  # call signature -> what the call does (weft.kernels.common.Plan)
+        self.barriers = 0  # host barriers made so far: ops make none once their workspaces exist
         self._owns_group = owns_group
 
     def context(self, key, make):
@@ -41,6 +49,7 @@ class World:
 
     def barrier(self):
         """Host barrier: every rank has reached it and its queued device work is done."""
+        self.barriers += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             dist.barrier(group=self.group, device_ids=[self.device.index])
@@ -65,16 +74,28 @@ def _parse_size(text: str) -> int:
     return int(text)
 
 
-def init(heap_size: int | None = None) -> World:
-    """Join the world: from torchrun's (or `weft run`'s) environment, else a world of one."""
+def _size_setting(value, env: str, default: dict, name: str) -> int:
+    if value is None:
+        text = os.environ.get(env)
+        value = _parse_size(text) if text else default[backend.BACKEND]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
+    return value
+
+
+def init(heap_size: int | None = None, workspace_bytes: int | None = None) -> World:
+    """Join the world: from torchrun's (or `weft run`'s) environment, else a world of one.
+
+    heap_size: bytes of symmetric heap per rank (default WEFT_HEAP_SIZE, else 2 GiB on GPUs, 64 MiB on cpu).
+    workspace_bytes: bytes of symmetric workspace each op family takes from it on first use (default
+    WEFT_WORKSPACE_BYTES, else 128 MiB on GPUs, 2 MiB on cpu); larger messages go through in passes.
+    """
     global _world
     if _world is not None:
         return _world
-    if heap_size is None:
-        env = os.environ.get("WEFT_HEAP_SIZE")
-        heap_size = _parse_size(env) if env else DEFAULT_HEAP_SIZE[backend.BACKEND]
-    if heap_size <= 0:
-        raise ValueError(f"heap_size must be positive, got {heap_size}")
+    heap_size = _size_setting(heap_size, "WEFT_HEAP_SIZE", DEFAULT_HEAP_SIZE, "heap_size")
+    workspace_bytes = _size_setting(workspace_bytes, "WEFT_WORKSPACE_BYTES", DEFAULT_WORKSPACE_BYTES,
+                                    "workspace_bytes")
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", rank)
@@ -107,7 +128,7 @@ def init(heap_size: int | None = None) -> World:
         heap = cuda_heap(rank, world_size, heap_size, group, device)
     else:
         heap = cpu_heap(rank, world_size, heap_size, group)
-    _world = World(rank, world_size, local_rank, device, group, heap, owns)
+    _world = World(rank, world_size, local_rank, device, group, heap, owns, workspace_bytes)
     _world.barrier()
     return _world
 
@@ -129,5 +150,6 @@ def finalize() -> None:
     w, _world = _world, None
     w.barrier()
     w.contexts.clear()
+    w.plans.clear()
     if w._owns_group and dist.is_initialized():
         dist.destroy_process_group()
