@@ -78,3 +78,23 @@ def test_bench_reduction_suites(tmp_path, suite, impls):
     assert "bus bandwidth (GB/s)" in table and "best weft vs gloo" in table and "| 8 KiB |" in table
     assert (tmp_path / f"{suite}_2.png").stat().st_size > 1000
 
+
+def test_bench_overhead(tmp_path):
+    res = weft_cmd("bench", "-n", "2", "overhead", "--quick", "--samples", "1", "--out", str(tmp_path), timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads((tmp_path / "overhead_2.json").read_text())["rows"]
+    by = {(r["case"], r["impl"], r["view"]): r["ms"] for r in rows}
+    collectives = [f"{op} {size}" for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+                   for size in ("256 B", "1 KiB")]
+    gemms = {r["case"] for r in rows if r["case"].split()[0] in ("ag_gemm", "gemm_rs", "gemm_ar")}
+    assert len(gemms) == 6
+    for case in collectives + ["device_barrier"] + sorted(gemms):
+        for impl in ("weft", "gloo"):
+            assert by[(case, impl, "host")] > 0 and by[(case, impl, "eager")] > 0
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):  # the large message: eager only
+        assert by[(f"{op} 4 KiB", "weft", "eager")] > 0 and (f"{op} 4 KiB", "weft", "host") not in by
+    assert by[("bare @triton.jit launch, 10 args", "anchor", "host")] > 0
+    assert {r["impl"] for r in rows} == {"weft", "gloo", "anchor"}  # torch's ops and the graph anchor: cuda only
+    table = (tmp_path / "overhead_2.md").read_text()
+    assert "### host (CPU) time to issue one call" in table and "| all_reduce 256 B |" in table
+    assert (tmp_path / "overhead_2.png").stat().st_size > 1000

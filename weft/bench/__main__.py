@@ -7,7 +7,8 @@ import os
 import sys
 
 SUITES = {"allgather": "weft.bench.allgather", "matmul": "weft.bench.matmul", "gemm": "weft.bench.gemm",
-          "allreduce": "weft.bench.allreduce", "reducescatter": "weft.bench.reducescatter"}
+          "allreduce": "weft.bench.allreduce", "reducescatter": "weft.bench.reducescatter",
+          "overhead": "weft.bench.overhead"}
 # The symmetric heap per rank on GPUs unless WEFT_HEAP_SIZE is set: op workspaces are cached per size and
 # never freed, so a sweep to 512 MiB needs ~1 GiB of them per op (weft's default heap is 2 GiB).
 BENCH_HEAP_SIZE = "24GiB"
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
                       rival=getattr(suite, "RIVAL", None), bandwidth=getattr(suite, "BANDWIDTH", ALGBW),
                       focus=getattr(suite, "FOCUS", None), meta=meta)
         print(f"\n## {title}\n\n{table}\n\nweft heap used per rank: "
-              f"{', '.join(f'{b / (1 << 20):.1f} MiB' for b in heap_used)} (of {w.heap.size / (1 << 20):.0f} MiB)"
+              f"{', '.join(f'{b / (1 << 20):.2f} MiB' for b in heap_used)} (of {w.heap.size / (1 << 20):.0f} MiB)"
               f"\nwritten to {known.out}/", flush=True)
     weft.finalize()
     return 0
