@@ -101,12 +101,13 @@ def _sleep_cycles_per_ms() -> float:
 
 
 _CYCLES_PER_MS = None
-SLEEP_TRIES = 4  # a sample whose sleep ran out is taken again with twice the sleep, this often at most
+SLEEP_TRIES = 4  # tries of a sample at most: one whose sleep ran out is taken again with a longer one
 
 
 def _issue_ms(fn, calls: int, sleep_ms: float) -> tuple[float, float, bool]:
-    """(host ms per call over `calls` calls, loop ms, whether the device was asleep all along)."""
-    gpu = weft.world().device.type == "cuda"
+    """(host ms per call over `calls` calls, loop ms, whether every rank's device slept through its loop)."""
+    w = weft.world()
+    gpu = w.device.type == "cuda"
     weft.barrier()
     if gpu:
         torch.cuda._sleep(int(sleep_ms * _sleep_cycles_per_ms()))
@@ -116,21 +117,25 @@ def _issue_ms(fn, calls: int, sleep_ms: float) -> tuple[float, float, bool]:
     for _ in range(calls):
         fn()
     loop = (time.perf_counter() - t0) * 1e3
+    if not gpu:
+        return loop / calls, loop, True
     # Still asleep: nothing the loop queued has run, so no launch waited for the device (a full launch
-    # queue, a synchronising call): the loop's time is the host's alone. The wait for the queue to drain
-    # comes after, untimed (the next weft.barrier()).
-    return loop / calls, loop, not gpu or not slept.query()
+    # queue, a synchronising call): the loop's time is the host's alone. Agreed by all ranks, which must
+    # retry together (the calls are collectives); the all_reduce waits for the queue to drain, untimed.
+    asleep = torch.tensor([0 if slept.query() else 1], device=w.device)
+    dist.all_reduce(asleep, op=dist.ReduceOp.MIN, group=w.group)
+    return loop / calls, loop, bool(asleep.item())
 
 
 def issue_times(fns: dict, *, calls: int = 300, samples: int = 50, warmup: int = 5) -> dict:
     """Median milliseconds of host time to issue one call of each `fns[name]()`, on the slowest rank, as
     {name: ms}: time.perf_counter around `calls` back-to-back calls, divided by `calls`.
 
-    On GPUs each sample's calls queue behind a torch.cuda._sleep kernel that outlasts the loop (twice the
-    previous loop; a sample during which the sleep ran out is taken again with a longer one), so neither a
-    device slower than the host nor a full launch queue can hold the loop up: the figure is what issuing
-    costs the CPU. Where the sleep still runs out (a call that waits for the device), the figure is
-    reported with a note: it includes device time. Samples round-robin, as in time_calls.
+    On GPUs each sample's calls queue behind a torch.cuda._sleep kernel that outlasts the loop (1 ms at
+    first; a sample during which it ran out on any rank is taken again with twice the sleep, or twice the
+    loop), so neither a device slower than the host nor a full launch queue can hold the loop up: the
+    figure is what issuing costs the CPU. Where the sleep still runs out (a call that waits for the
+    device), the figure includes device time and a note says so. Samples round-robin, as in time_calls.
     """
     w = weft.world()
     for fn in fns.values():
@@ -138,15 +143,16 @@ def issue_times(fns: dict, *, calls: int = 300, samples: int = 50, warmup: int =
             fn()
     times = {name: [] for name in fns}
     sleep_ms = dict.fromkeys(fns, 1.0)
-    bound = set()
+    bound = set()  # the same on every rank: _issue_ms's verdict is agreed
     for _ in range(samples):
         for name, fn in fns.items():
+            # Once bound, one try a sample at an unchanged sleep: the loop of a device-bound call lasts as
+            # long as any sleep, so doubling it would only make every sample longer.
             for _ in range(1 if name in bound else SLEEP_TRIES):
                 per_call, loop, asleep = _issue_ms(fn, calls, sleep_ms[name])
-                if asleep:
+                if asleep or name in bound:
                     break
-                if name not in bound:  # a call bound by the device makes the loop as long as any sleep
-                    sleep_ms[name] = 2 * max(sleep_ms[name], loop)
+                sleep_ms[name] = 2 * max(sleep_ms[name], loop)
             else:
                 bound.add(name)
             times[name].append(per_call)
