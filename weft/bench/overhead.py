@@ -78,6 +78,8 @@ class Case:
 
 
 def _collective(op: str, size: int, w, baseline: str, views) -> Case:
+    """op on a message of `size` bytes per rank. Each impl returns its result (torch.distributed's calls
+    return None: `or out`)."""
     dtype = torch.bfloat16
     n = size // dtype.itemsize // w.world_size * w.world_size  # reduce_scatter: rows divisible by W
     x = sweep.inputs(n, dtype, sets=1)[0]
@@ -89,8 +91,10 @@ def _collective(op: str, size: int, w, baseline: str, views) -> Case:
         one_shot = sweep.torch_symm_op("one_shot_all_reduce", dtype)
         two_shot = sweep.torch_symm_op("two_shot_all_reduce_", dtype)
         if one_shot is not None:
-            symm_in, symm_inout = sweep.symm_copies([x])[0], sweep.symm_copies([x])[0]
+            symm_in = sweep.symm_copies([x])[0]
             impls["torch one_shot"] = lambda: one_shot(symm_in, "sum", name)
+        if two_shot is not None:
+            symm_inout = sweep.symm_copies([x])[0]
             impls["torch two_shot"] = lambda: two_shot(symm_inout, "sum", name)
     elif op == "all_gather":
         out = torch.empty(w.world_size * n, dtype=dtype, device=w.device)
