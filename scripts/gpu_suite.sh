@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The one GPU script: correctness on 2 and all GPUs, then the benchmark suites (on all GPUs; reductions on
-# 2, 4, 8), results under $OUT.
-#   usage (device machine, repo root): bash scripts/gpu_suite.sh [all|quick|reductions|gemm ...]
+# 2, 4, 8; overhead on 2 and all), results under $OUT.
+#   usage (device machine, repo root): bash scripts/gpu_suite.sh [all|quick|reductions|gemm|overhead ...]
 #     all (default): everything (on 8 GPUs more than one device call allows: run the parts in turn)
-#     quick: GPU tests on 2 and all GPUs, tutorials;  reductions: allgather, allreduce, reducescatter;
-#     gemm: the overlapped-GEMM suite
+#     quick: GPU tests on 2 and all GPUs, tutorials;  reductions: allgather, allreduce, reducescatter to
+#     256 MiB, CUDA-graph and eager views;  gemm: the overlapped-GEMM suite;  overhead: host and eager µs
+#     per call of every op against NCCL and torch's symm_mem ops
 # WEFT_COMMIT names the commit in the log where the tree was copied without its git history.
 # Logs and bench JSON/markdown/PNG end up packed in $OUT/weft_results.tar.gz (*.log, bench/).
 set -uo pipefail
@@ -29,7 +30,8 @@ step() {  # step NAME CMD...: run, log, remember failure
 }
 PARTS=" ${*:-all} "
 for part in $PARTS; do
-  case "$part" in all|quick|reductions|gemm) ;; *) echo "usage: $0 [all|quick|reductions|gemm ...]" >&2; exit 2 ;; esac
+  case "$part" in all|quick|reductions|gemm|overhead) ;;
+    *) echo "usage: $0 [all|quick|reductions|gemm|overhead ...]" >&2; exit 2 ;; esac
 done
 has() { [[ "$PARTS" == *" $1 "* || "$PARTS" == *" all "* ]]; }
 if has quick; then
@@ -40,17 +42,24 @@ if has quick; then
   step tutorials timeout 240 bash -c "for t in tutorials/0*.py; do python3 -m weft run -n $NGPU \$t || exit 1; done"
 fi
 if has reductions; then
-  step bench_allgather timeout 250 python3 -m weft bench -n "$NGPU" allgather --out "$OUT/bench"
-  # 4 KiB..512 MiB bf16; the largest sizes take ~3 ms per call, so 20 samples keep each run near a minute.
+  # 4 KiB..256 MiB bf16, CUDA-graph replay and eager calls: 20 samples keep each run under 2 minutes.
+  red=(--max-bytes $((256 << 20)) --view both --samples 20 --out "$OUT/bench")
+  step bench_allgather timeout 150 python3 -m weft bench -n "$NGPU" allgather "${red[@]}"
   for n in 2 4 8; do
     [ "$n" -le "$NGPU" ] || continue
     for suite in allreduce reducescatter; do
-      step "bench_${suite}_$n" timeout 150 python3 -m weft bench -n "$n" "$suite" --samples 20 --out "$OUT/bench"
+      step "bench_${suite}_$n" timeout 150 python3 -m weft bench -n "$n" "$suite" "${red[@]}"
     done
   done
 fi
 if has gemm; then
   step bench_gemm timeout 400 python3 -m weft bench -n "$NGPU" gemm --samples 20 --out "$OUT/bench"
+fi
+if has overhead; then
+  for n in $(printf '%s\n' 2 "$NGPU" | sort -nu); do
+    [ "$n" -le "$NGPU" ] || continue
+    step "bench_overhead_$n" timeout 150 python3 -m weft bench -n "$n" overhead --samples 20 --out "$OUT/bench"
+  done
 fi
 cat "$OUT"/bench/*.md 2>/dev/null
 # One archive instead of many files: the device tool brings back only a few files per call.

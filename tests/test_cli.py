@@ -44,14 +44,21 @@ def test_tutorial_runs_on_four_cpu_ranks(tutorial):
 
 def test_bench_harness_writes_json_table_and_plot(tmp_path):
     res = weft_cmd("bench", "-n", "2", "allgather", "--out", str(tmp_path), "--min-bytes", "4096",
-                   "--max-bytes", "8192", "--samples", "3", timeout=300)
+                   "--max-bytes", "8192", "--samples", "2", timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rows = json.loads((tmp_path / "allgather_2.json").read_text())
-    assert {r["impl"] for r in rows} == {"gloo", "weft push, symmetric out", "weft push, plain out",
-                                         "weft pull, plain out"}
+    out = json.loads((tmp_path / "allgather_2.json").read_text())
+    assert out["meta"]["command"].startswith("weft bench -n 2 allgather")
+    assert len(out["meta"]["heap_used_bytes"]) == 2 and all(b > 0 for b in out["meta"]["heap_used_bytes"])
+    rows = out["rows"]
+    plain = {"gloo", "weft push", "weft pull", "weft auto"}
+    assert {r["impl"] for r in rows if r["view"] == "graph"} == plain | {"weft push (symmetric out)"}
+    assert {r["impl"] for r in rows if r["view"] == "eager"} == plain
     assert all(r["ms"] > 0 for r in rows)
-    assert "| 4 KiB |" in (tmp_path / "allgather_2.md").read_text()
+    table = (tmp_path / "allgather_2.md").read_text()
+    assert "### CUDA-graph replay" in table and "### eager back-to-back calls" in table
+    assert "| 4 KiB |" in table and "weft auto vs gloo" in table
     assert (tmp_path / "allgather_2.png").stat().st_size > 1000
+    assert "weft heap used per rank:" in res.stdout
 
 
 @pytest.mark.parametrize("suite, impls", [
@@ -59,14 +66,35 @@ def test_bench_harness_writes_json_table_and_plot(tmp_path):
     ("reducescatter", {"gloo", "weft"}),
 ])
 def test_bench_reduction_suites(tmp_path, suite, impls):
-    res = weft_cmd("bench", "-n", "2", suite, "--out", str(tmp_path), "--max-bytes", "16384", "--samples", "2",
-                   timeout=300)
+    res = weft_cmd("bench", "-n", "2", suite, "--out", str(tmp_path), "--max-bytes", "8192", "--samples", "2",
+                   "--view", "eager", timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "runs on cuda only: skipped" in res.stdout  # torch's symm_mem baselines, noted
-    rows = json.loads((tmp_path / f"{suite}_2.json").read_text())
-    assert {r["impl"] for r in rows} == impls
-    assert {r["case"] for r in rows} == {"4 KiB", "8 KiB", "16 KiB"}
+    rows = json.loads((tmp_path / f"{suite}_2.json").read_text())["rows"]
+    assert {r["impl"] for r in rows} == {i for i in impls if "symmetric" not in i}  # eager: plain tensors only
+    assert {r["case"] for r in rows} == {"4 KiB", "8 KiB"} and {r["view"] for r in rows} == {"eager"}
     assert all(r["ms"] > 0 and r["gbps"] > 0 and r["world_size"] == 2 for r in rows)
     table = (tmp_path / f"{suite}_2.md").read_text()
-    assert "bus bandwidth (GB/s)" in table and "best weft vs gloo" in table and "| 16 KiB |" in table
+    assert "bus bandwidth (GB/s)" in table and "best weft vs gloo" in table and "| 8 KiB |" in table
     assert (tmp_path / f"{suite}_2.png").stat().st_size > 1000
+
+
+def test_bench_overhead(tmp_path):
+    res = weft_cmd("bench", "-n", "2", "overhead", "--quick", "--samples", "1", "--out", str(tmp_path), timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads((tmp_path / "overhead_2.json").read_text())["rows"]
+    by = {(r["case"], r["impl"], r["view"]): r["ms"] for r in rows}
+    collectives = [f"{op} {size}" for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+                   for size in ("256 B", "1 KiB")]
+    gemms = {r["case"] for r in rows if r["case"].split()[0] in ("ag_gemm", "gemm_rs", "gemm_ar")}
+    assert len(gemms) == 6
+    for case in collectives + ["device_barrier"] + sorted(gemms):
+        for impl in ("weft", "gloo"):
+            assert by[(case, impl, "host")] > 0 and by[(case, impl, "eager")] > 0
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):  # the large message: eager only
+        assert by[(f"{op} 4 KiB", "weft", "eager")] > 0 and (f"{op} 4 KiB", "weft", "host") not in by
+    assert by[("bare @triton.jit launch, 10 args", "anchor", "host")] > 0
+    assert {r["impl"] for r in rows} == {"weft", "gloo", "anchor"}  # torch's ops and the graph anchor: cuda only
+    table = (tmp_path / "overhead_2.md").read_text()
+    assert "### host (CPU) time to issue one call" in table and "| all_reduce 256 B |" in table
+    assert (tmp_path / "overhead_2.png").stat().st_size > 1000

@@ -7,7 +7,8 @@ import os
 import sys
 
 SUITES = {"allgather": "weft.bench.allgather", "matmul": "weft.bench.matmul", "gemm": "weft.bench.gemm",
-          "allreduce": "weft.bench.allreduce", "reducescatter": "weft.bench.reducescatter"}
+          "allreduce": "weft.bench.allreduce", "reducescatter": "weft.bench.reducescatter",
+          "overhead": "weft.bench.overhead"}
 # The symmetric heap per rank on GPUs unless WEFT_HEAP_SIZE is set: op workspaces are cached per size and
 # never freed, so a sweep to 512 MiB needs ~1 GiB of them per op (weft's default heap is 2 GiB).
 BENCH_HEAP_SIZE = "24GiB"
@@ -34,13 +35,22 @@ def main(argv=None) -> int:
     weft.init()
     w = weft.world()
     rows = suite.run(args)
+    # What the whole run needed of the symmetric heap (op workspaces and the suite's weft.empty tensors).
+    heap_used = [None] * w.world_size
+    torch.distributed.all_gather_object(heap_used, w.heap.used, group=w.group)
     if w.rank == 0:
         dev = torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else "cpu (interpreter)"
         title = f"{known.suite}: {w.world_size} × {dev}"
         baseline = getattr(suite, "BASELINE", None) or torch.distributed.get_backend(w.group)
+        meta = {"command": " ".join(["weft bench -n", str(w.world_size), known.suite, *rest]),
+                "torch": torch.__version__,
+                "heap_used_bytes": heap_used, "heap_bytes": w.heap.size}  # per rank
         table = write(rows, known.out, f"{known.suite}_{w.world_size}", title, baseline,
-                      rival=getattr(suite, "RIVAL", None), bandwidth=getattr(suite, "BANDWIDTH", ALGBW))
-        print(f"\n## {title}\n\n{table}\n\nwritten to {known.out}/", flush=True)
+                      rival=getattr(suite, "RIVAL", None), bandwidth=getattr(suite, "BANDWIDTH", ALGBW),
+                      focus=getattr(suite, "FOCUS", None), meta=meta)
+        print(f"\n## {title}\n\n{table}\n\nweft heap used per rank: "
+              f"{', '.join(f'{b / (1 << 20):.2f} MiB' for b in heap_used)} (of {w.heap.size / (1 << 20):.0f} MiB)"
+              f"\nwritten to {known.out}/", flush=True)
     weft.finalize()
     return 0
 

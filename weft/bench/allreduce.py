@@ -4,6 +4,8 @@ Size = the message (bytes per rank, the same on every rank). weft reduces x (a p
 separate output, and, as torch's two_shot_all_reduce_ does, in place in symmetric memory (weft.empty:
 the reduced slices are pushed straight into every rank's x). NCCL reduces in place on its own copies
 of the inputs; torch's one_shot_all_reduce reads its input straight from torch symmetric memory.
+Two views (--view): CUDA-graph replay of all of them, eager back-to-back calls of those on plain tensors
+(NCCL and weft into a plain output).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from . import sweep
 SUITE = "allreduce"
 BANDWIDTH = "bus bandwidth (GB/s)"  # 2 (W - 1) / W * bytes / time, as nccl-tests
 RIVAL = "torch"  # the markdown also compares the best weft row with the best of these
+FOCUS = sweep.FOCUS
 
 
 def add_arguments(p) -> None:
@@ -47,6 +50,7 @@ def run(args) -> list:
         one_shot = size <= sweep.ONE_SHOT_MAX_BYTES
         for method in ("one_shot", "two_shot", "auto") if one_shot else ("two_shot", "auto"):
             impls[f"weft {method}"] = lambda i, method=method: weft.ops.all_reduce(xs[i], method=method, out=out)
+        plain = set(impls)
         weft_symm = [weft.empty((n,), dtype).copy_(x) for x in xs]
         impls["weft two_shot (symmetric, in place)"] = lambda i: weft.ops.all_reduce(
             weft_symm[i], method="two_shot", out=weft_symm[i])
@@ -61,5 +65,5 @@ def run(args) -> list:
             if name != baseline:
                 out.fill_(float("nan"))
                 sweep.check(name, f(0), ref, baseline, size)
-        rows += sweep.time_impls(SUITE, impls, size, n * dtype.itemsize, bus_factor, args.samples)
+        rows += sweep.time_impls(SUITE, impls, plain, size, n * dtype.itemsize, bus_factor, args)
     return rows

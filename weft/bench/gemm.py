@@ -36,10 +36,6 @@ def add_arguments(p) -> None:
     p.add_argument("--only", default="", help="run only shapes whose label contains this")
 
 
-def _scaled(x: int, scale: int, w: int) -> int:
-    return max(16 * w, x // scale // (16 * w) * (16 * w)) if scale > 1 else x
-
-
 def _ag_impls(w, m, n, k, dev):
     a = torch.randn(m, k, device=dev).to(torch.bfloat16)
     b = (torch.randn(k, n, device=dev) / k ** 0.5).to(torch.bfloat16)
@@ -118,19 +114,21 @@ def _ar_impls(w, m, n, k, dev):
     return impls, {"weft gemm_ar", BASELINE, "torch one_shot + cuBLAS"}, 2 * m * n * k
 
 
+def local_shape(op: str, M: int, N: int, K: int, w: int, scale: int = 1) -> tuple[int, int, int]:
+    """The per-rank (m, n, k) of op ("ag", "rs", "ar") on the TP shape (M, N, K) at w ranks, cut `scale`-fold:
+    ag: a_shard (m, k) @ b (k, n); rs, ar: a (m, k) @ b_shard (k, n)."""
+    if op == "ag":
+        m, n, k = shapes.ag_local(M, N, K, w)
+        return shapes.scaled(m, scale, w) // w, shapes.scaled(n, scale, 1), shapes.scaled(k, scale, 1)
+    m, n, k = shapes.rs_local(M, N, K, w)
+    m = m if op == "ar" else shapes.scaled(m, scale, w)
+    return m, shapes.scaled(n, scale, 1), shapes.scaled(k, scale, 1)
+
+
 def cases(ops: list[str], world_size: int, scale: int):
-    w = world_size
     for op in ops:
-        table = {"ag": shapes.AG_GEMM, "rs": shapes.GEMM_RS, "ar": shapes.GEMM_AR}[op]
-        for M, N, K in table:
-            if op == "ag":
-                m, n, k = shapes.ag_local(M, N, K, w)
-                m, n, k = _scaled(m, scale, w) // w, _scaled(n, scale, 1), _scaled(k, scale, 1)
-            else:
-                m, n, k = shapes.rs_local(M, N, K, w)
-                m = m if op == "ar" else _scaled(m, scale, w)
-                n, k = _scaled(n, scale, 1), _scaled(k, scale, 1)
-            yield op, f"{op.upper()} {M}x{N}x{K}", (m, n, k)
+        for M, N, K in {"ag": shapes.AG_GEMM, "rs": shapes.GEMM_RS, "ar": shapes.GEMM_AR}[op]:
+            yield op, f"{op.upper()} {M}x{N}x{K}", local_shape(op, M, N, K, world_size, scale)
 
 
 def run(args) -> list[Row]:

@@ -2,6 +2,8 @@
 
 Size = the input (bytes per rank: W shards; rank r gets the sum of shard r). torch's op reads its
 input straight from torch symmetric memory, where weft copies x into its staging buffer first.
+Two views (--view): CUDA-graph replay of all of them, eager back-to-back calls of NCCL and weft (plain
+tensors).
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ def run(args) -> list:
         nccl_out, out, torch_out = (torch.empty_like(ref) for _ in range(3))
         impls = {baseline: lambda i: reduce_scatter_ref(nccl_out, xs[i], w.group),
                  "weft": lambda i: weft.ops.reduce_scatter(xs[i], out=out)}
+        plain = set(impls)
         if torch_rs is not None and n % torch_align == 0:
             symm_in = sweep.symm_copies(xs)
             impls["torch reduce_scatter_out"] = lambda i: torch_rs(symm_in[i], group_name, False, torch_out)
@@ -55,5 +58,5 @@ def run(args) -> list:
                 out.fill_(float("nan"))
                 torch_out.fill_(float("nan"))
                 sweep.check(name, f(0), ref, baseline, size)
-        rows += sweep.time_impls(SUITE, impls, size, n * dtype.itemsize, bus_factor, args.samples)
+        rows += sweep.time_impls(SUITE, impls, plain, size, n * dtype.itemsize, bus_factor, args)
     return rows

@@ -23,3 +23,8 @@ def ag_local(m, n, k, w):
 def rs_local(m, n, k, w):
     """Per-rank GEMM of a GEMM-RS / GEMM-AR: the full M and N, a K / W shard."""
     return m, n, k // w
+
+
+def scaled(x: int, scale: int, w: int) -> int:
+    """x divided by `scale` (cpu runs), kept a positive multiple of 16 * w; x itself where scale is 1."""
+    return max(16 * w, x // scale // (16 * w) * (16 * w)) if scale > 1 else x

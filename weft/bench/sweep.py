@@ -1,5 +1,6 @@
 """What the reduction suites share: options and size sweep, inputs, the check against the process
-group's collective, torch's symmetric-memory baselines, and the timing of every implementation."""
+group's collective, torch's symmetric-memory baselines, and the timing of every implementation in two
+views: CUDA-graph replay (every implementation) and eager back-to-back calls (those on plain tensors)."""
 from __future__ import annotations
 
 import torch
@@ -15,13 +16,17 @@ TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 ROTATE = 4  # input sets cycled through, so repeated calls don't all hit in L2
 ONE_SHOT_MAX_BYTES = 8 << 20  # one-shot reads W x the data: not timed above this
 TORCH_SYMM_DTYPES = (torch.bfloat16, torch.float32)  # what torch's symm_mem kernels dispatch on
+FOCUS = "weft auto"  # the row the markdown compares with the baseline in every view (plain output)
 
 
 def add_arguments(p, what: str) -> None:
     p.add_argument("--min-bytes", type=int, default=4 << 10, help=f"smallest {what}")
-    p.add_argument("--max-bytes", type=int, default=512 << 20, help=f"largest {what} (powers of 2 from the smallest)")
-    p.add_argument("--samples", type=int, default=50, help="timed samples per implementation and size")
+    p.add_argument("--max-bytes", type=int, default=256 << 20, help=f"largest {what} (powers of 2 from the smallest)")
+    p.add_argument("--samples", type=int, default=50, help="timed samples per implementation, size and view")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--view", choices=("graph", "eager", "both"), default="both",
+                   help="CUDA-graph replay of every implementation, eager back-to-back calls of those on plain "
+                        "tensors, or both")
 
 
 def sizes(args) -> list[int]:
@@ -39,12 +44,12 @@ def note(text: str) -> None:
         print(f"note: {text}", flush=True)
 
 
-def inputs(n: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    """ROTATE inputs of n elements, different on every rank (seeded by rank: torch's default seed is the same
+def inputs(n: int, dtype: torch.dtype, sets: int = ROTATE) -> list[torch.Tensor]:
+    """`sets` inputs of n elements, different on every rank (seeded by rank: torch's default seed is the same
     in every process). randn / W keeps sums near unit scale, so rounding differences stay inside TOLERANCE."""
     w = weft.world()
     gen = torch.Generator(device=w.device).manual_seed(1 + w.rank)
-    return [(torch.randn(n, device=w.device, generator=gen) / w.world_size).to(dtype) for _ in range(ROTATE)]
+    return [(torch.randn(n, device=w.device, generator=gen) / w.world_size).to(dtype) for _ in range(sets)]
 
 
 def check(name: str, got: torch.Tensor, ref: torch.Tensor, baseline: str, size: int) -> None:
@@ -84,16 +89,24 @@ def symm_copies(xs: list[torch.Tensor]) -> torch.Tensor:
     return buf
 
 
-def time_impls(suite: str, impls: dict, size: int, nbytes: int, bus_factor: float, samples: int) -> list[Row]:
-    """One row per implementation: `impls[name](i)` runs it on input set i. On GPUs every call is replayed
-    from a CUDA graph (NCCL, weft and torch's symm_mem ops all capture); GB/s = bus_factor * nbytes / time."""
+def time_impls(suite: str, impls: dict, plain: set, size: int, nbytes: int, bus_factor: float, args) -> list[Row]:
+    """One row per implementation and view of args.view: `impls[name](i)` runs it on input set i; `plain`
+    names those on plain tensors. View "graph": every impl, its calls replayed from a CUDA graph (NCCL,
+    weft and torch's symm_mem ops all capture). View "eager": the plain ones, called back to back (what a
+    program that does not capture sees, host cost included). GB/s = bus_factor * nbytes / time."""
     w = weft.world()
     gpu = w.device.type == "cuda"
-    calls = 20 if nbytes < (1 << 20) else 5  # >= ROTATE: a replay cycles through every input set
+    # >= ROTATE: a replay cycles through every input set. Few calls at large sizes keep a run of the suite
+    # to 256 MiB at 20 samples under 2 minutes.
+    calls = 20 if nbytes < (1 << 20) else ROTATE
     if not gpu:
         calls = 1  # the interpreter is slow; the cpu backend checks the harness, not speed
-    steps = {name: cycling(f, ROTATE) for name, f in impls.items()}
-    times = time_calls(steps, calls=calls, samples=samples, warmup=5 if gpu else 1, graph=gpu)
-    weft.barrier()
-    return [Row(suite, human_bytes(size), name, ms, bus_factor * nbytes / ms / 1e6, nbytes, w.world_size)
-            for name, ms in times.items()]
+    rows = []
+    for view in ("graph", "eager") if args.view == "both" else (args.view,):
+        steps = {name: cycling(f, ROTATE) for name, f in impls.items() if view == "graph" or name in plain}
+        times = time_calls(steps, calls=calls, samples=args.samples, warmup=5 if gpu else 1,
+                           graph=gpu and view == "graph")
+        rows += [Row(suite, human_bytes(size), name, ms, bus_factor * nbytes / ms / 1e6, nbytes, w.world_size, view)
+                 for name, ms in times.items()]
+        weft.barrier()
+    return rows

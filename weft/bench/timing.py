@@ -5,7 +5,8 @@ replayed from a CUDA graph when `graph=True` so launch gaps don't dominate
 small ops. The implementations compared in one table are sampled
 round-robin. Each rank takes the median of its samples; the figure reported
 is the slowest rank's. cpu: the same protocol with a host clock (for checking
-the harness, not for speed).
+the harness, not for speed). `issue_times` measures the other side of a call:
+the host's time to issue it.
 """
 from __future__ import annotations
 
@@ -83,6 +84,83 @@ def time_calls(fns: dict, *, calls: int = 10, samples: int = 50, warmup: int = 5
     torch.cuda.synchronize()
     medians = [statistics.median(s.elapsed_time(e) / calls for s, e in pairs) for pairs in events.values()]
     return dict(zip(steps, _slowest(medians)))
+
+
+def _sleep_cycles_per_ms() -> float:
+    """What torch.cuda._sleep(cycles) spins per millisecond on this GPU (its clock, measured once)."""
+    global _CYCLES_PER_MS
+    if _CYCLES_PER_MS is None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1 << 20)  # first use loads the kernel
+        start.record()
+        torch.cuda._sleep(1 << 24)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_MS = (1 << 24) / start.elapsed_time(end)
+    return _CYCLES_PER_MS
+
+
+_CYCLES_PER_MS = None
+SLEEP_TRIES = 4  # tries of a sample at most: one whose sleep ran out is taken again with a longer one
+
+
+def _issue_ms(fn, calls: int, sleep_ms: float) -> tuple[float, float, bool]:
+    """(host ms per call over `calls` calls, loop ms, whether every rank's device slept through its loop)."""
+    w = weft.world()
+    gpu = w.device.type == "cuda"
+    weft.barrier()
+    if gpu:
+        torch.cuda._sleep(int(sleep_ms * _sleep_cycles_per_ms()))
+        slept = torch.cuda.Event()
+        slept.record()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    loop = (time.perf_counter() - t0) * 1e3
+    if not gpu:
+        return loop / calls, loop, True
+    # Still asleep: nothing the loop queued has run, so no launch waited for the device (a full launch
+    # queue, a synchronising call): the loop's time is the host's alone. Agreed by all ranks, which must
+    # retry together (the calls are collectives); the all_reduce waits for the queue to drain, untimed.
+    asleep = torch.tensor([0 if slept.query() else 1], device=w.device)
+    dist.all_reduce(asleep, op=dist.ReduceOp.MIN, group=w.group)
+    return loop / calls, loop, bool(asleep.item())
+
+
+def issue_times(fns: dict, *, calls: int = 300, samples: int = 50, warmup: int = 5) -> dict:
+    """Median milliseconds of host time to issue one call of each `fns[name]()`, on the slowest rank, as
+    {name: ms}: time.perf_counter around `calls` back-to-back calls, divided by `calls`.
+
+    On GPUs each sample's calls queue behind a torch.cuda._sleep kernel that outlasts the loop (1 ms at
+    first; a sample during which it ran out on any rank is taken again with twice the sleep, or twice the
+    loop), so neither a device slower than the host nor a full launch queue can hold the loop up: the
+    figure is what issuing costs the CPU. Where the sleep still runs out (a call that waits for the
+    device), the figure includes device time and a note says so. Samples round-robin, as in time_calls.
+    """
+    w = weft.world()
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    sleep_ms = dict.fromkeys(fns, 1.0)
+    bound = set()  # the same on every rank: _issue_ms's verdict is agreed
+    for _ in range(samples):
+        for name, fn in fns.items():
+            # Once bound, one try a sample at an unchanged sleep: the loop of a device-bound call lasts as
+            # long as any sleep, so doubling it would only make every sample longer.
+            for _ in range(1 if name in bound else SLEEP_TRIES):
+                per_call, loop, asleep = _issue_ms(fn, calls, sleep_ms[name])
+                if asleep or name in bound:
+                    break
+                sleep_ms[name] = 2 * max(sleep_ms[name], loop)
+            else:
+                bound.add(name)
+            times[name].append(per_call)
+    weft.barrier()
+    if bound and w.rank == 0:
+        print(f"note: host times of {', '.join(sorted(bound))} include device time (the call waits for the "
+              "device, or queues more launches than the stream holds: try fewer calls)", flush=True)
+    return dict(zip(times, _slowest([statistics.median(t) for t in times.values()])))
 
 
 def cycling(f, sets: int):
