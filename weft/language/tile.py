@@ -5,8 +5,9 @@ dimension, cut into the producer's tiles. It is built on the host
 (`TileMap`) and handed to kernels as one argument (`TileMap.arg`, a
 `TileMapping`). Kernels then speak in tiles, not in flag arithmetic:
 
-    producer:  compute tile t into `buf`           consumer:  token = tile_wait(mapping, flags, row0, col0, BM, BN, epoch)
-               tile_notify(mapping, t, flags, ...)            x = tl.load(wl.consume_token(buf, token) + ...)
+    producer:  tile_push(mapping, t, src, buf, flags, heap, epoch, peer)  # or: store it, then tile_notify
+    consumer:  token = tile_wait(mapping, flags, row0, col0, BM, BN, epoch)  # any block shape
+               x = tl.load(consume_token(buf, token) + offsets, mask)
 
 Layout. Along the sharded dimension the tensor is a sequence of *segments*,
 rank after rank: rank r owns segments [r * S, (r + 1) * S) and its shard is
@@ -26,7 +27,10 @@ symmetric int32 array of `num_tiles` words, zeroed once; they count epochs
 and are never reset. A tile's flag is raised on every rank that needs the
 tile: by the producer (`tile_notify`, `tile_push`) or by the rank that pulls
 it (`tile_pull`); consumers then `tile_wait` on their own flags, with any
-block shape.
+block shape. The primitives order one epoch's data before its flags, not
+epochs against each other: a producer may overwrite a buffer for the next
+epoch only once its consumers are done with it (a barrier, or acknowledgement
+flags as in tutorial 01).
 
 Every primitive is built from `notify` / `notify_all` / `wait` /
 `consume_token` and plain loads and stores, so each has its interpreter form
