@@ -19,11 +19,14 @@ def compile_kernel(fn, signature: dict, constexprs: dict | None = None, arch: in
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    constexprs = dict(constexprs or {})
-    sig = dict(signature)
-    for name in constexprs:
-        sig[name] = "constexpr"
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    sig, paths = dict(signature), {}
+    for key, value in (constexprs or {}).items():
+        if isinstance(key, str):  # a constexpr argument
+            sig[key] = "constexpr"
+            paths[(fn.arg_names.index(key),)] = value
+        else:  # (argument, index, ...): a constexpr inside a tuple argument (its signature says "constexpr" there)
+            paths[(fn.arg_names.index(key[0]),) + tuple(key[1:])] = value
+    src = ASTSource(fn=fn, signature=sig, constexprs=paths)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
 
 
