@@ -75,7 +75,7 @@ def _holds(seen, value, cmp: tl.constexpr):
 
 @triton.jit
 def wait(flag_ptr, count, value, cmp: tl.constexpr = CMP_EQ, scope: tl.constexpr = SCOPE_SYS, heap=None, peer=0,
-         op: tl.constexpr = "wait"):
+         op: tl.constexpr = tl.constexpr("wait")):
     """Spin (acquire) until the `count` flags from `flag_ptr` on satisfy `flag <cmp> value`.
 
     Every thread of the program polls for itself, so each thread's later loads
@@ -152,7 +152,7 @@ def pack_ll(payload, epoch):
 
 
 @triton.jit
-def wait_ll(ptrs, mask, epoch, heap=None, peer=-1, op: tl.constexpr = "LL wait"):
+def wait_ll(ptrs, mask, epoch, heap=None, peer=-1, op: tl.constexpr = tl.constexpr("LL wait")):
     """Spin until every LL word at `ptrs` (where `mask`) carries `epoch`; returns their int32 payloads.
 
     The words are polled with volatile loads (straight from L2, where peers' NVLink stores land).
