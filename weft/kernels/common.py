@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import triton
 
 from ..runtime import backend
 from ..runtime import world as _world
@@ -114,10 +115,12 @@ class Launch:
 
     On GPUs the kernel is compiled once, for the specialisation of the first call's arguments
     (`JITFunction.warmup`), and then called straight through its launcher: no argument binding and no
-    cache-key hashing per call (a plain `kernel[grid](...)` costs ~20 us of host time, this ~3). The
-    plan's key must therefore cover what Triton specialises on: integer arguments not listed in
-    `do_not_specialize` (their value is fixed per plan) and pointer alignment (`signature`).
-    Under the interpreter (cpu backend) it is the plain JIT call.
+    cache-key hashing per call (a plain `kernel[grid](...)` costs ~20 us of host time). The plan's key
+    must therefore cover what Triton specialises on: integer arguments not listed in `do_not_specialize`
+    (their value is fixed per plan) and pointer alignment (`signature`). A compiled kernel takes any
+    tensor's address for a pointer argument, whatever its dtype, so a plan may pass the caller's tensors
+    as they are. Under the interpreter (cpu backend) it is the plain JIT call, which needs tensors of the
+    kernel's pointer types.
     """
 
     def __init__(self, fn, grid, args, constexprs: dict, num_warps: int = 4):
@@ -129,22 +132,24 @@ class Launch:
         self.tail = tuple(constexprs.values())
         self.kernel = None
         if not backend.INTERPRET:
-            import triton
-
-            if triton.knobs.runtime.launch_enter_hook is None:  # else (a profiler): through the JIT
-                kernel = fn.warmup(*args, grid=self.grid, num_warps=num_warps, **constexprs)
-                kernel = kernel.result() if hasattr(kernel, "result") else kernel
-                self.run, self.function, self.meta = kernel.run, kernel.function, kernel.packed_metadata
-                self.kernel = kernel
-                self.device = torch.cuda.current_device()
+            kernel = fn.warmup(*args, grid=self.grid, num_warps=num_warps, **constexprs)
+            self.kernel = kernel.result() if hasattr(kernel, "result") else kernel
+            self.run, self.function, self.meta = self.kernel.run, self.kernel.function, self.kernel.packed_metadata
+            self.device = torch.cuda.current_device()
 
     def __call__(self, *args) -> None:
         if self.kernel is None:
             self.fn[self.grid](*args, num_warps=self.num_warps, **self.constexprs)
-        else:
-            g = self.grid
-            self.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(self.device), self.function, self.meta,
-                     None, None, None, *args, *self.tail)
+            return
+        g = self.grid
+        stream = torch._C._cuda_getCurrentRawStream(self.device)
+        enter = triton.knobs.runtime.launch_enter_hook
+        if enter is None:
+            self.run(g[0], g[1], g[2], stream, self.function, self.meta, None, None, None, *args, *self.tail)
+        else:  # a profiler is listening: give it what the JIT would
+            meta = self.kernel.launch_metadata(g, stream, *args, *self.tail)
+            self.run(g[0], g[1], g[2], stream, self.function, self.meta, meta, enter,
+                     triton.knobs.runtime.launch_exit_hook, *args, *self.tail)
 
 
 # -- the process group's own collectives (what `auto` falls back to) ----------------------
