@@ -52,6 +52,9 @@ from .all_gather import all_gather
 from .common import Launch, check_method, check_out, out_kind, plan, signature, workspace, world_or_raise
 
 METHODS = ("auto", "overlap", "baseline")
+# "auto" overlaps from this many gathered rows (see auto_method); provisional between the 128 and 4096
+# measured.
+OVERLAP_MIN_ROWS = 1024
 
 
 # -- kernels --------------------------------------------------------------------
@@ -164,10 +167,12 @@ def overlap_refusal(world, a_shard, b, out) -> str | None:
 def auto_method(m: int, n: int, k: int, world_size: int) -> str:
     """Which path `method="auto"` takes for a_shard (m, k) and b (k, n) where the overlap can take it.
 
-    Overlap everywhere measured: on 4 H200s (docs/perf.md, 2026-11-21) it was 1.10-1.52x faster than
-    NCCL + cuBLAS on every TP shape, and faster than cuBLAS alone on three of them.
+    Overlap from OVERLAP_MIN_ROWS gathered rows: on 4 H200s (docs/perf.md, 2026-11-21) it was 1.10-1.52x
+    faster than NCCL + cuBLAS on every TP shape (4096 rows and more), and on 2 H200s eager (2026-11-22)
+    1.21x at 4096 rows; at 128 rows the GEMM is too short to hide the overlap's host and launch cost (88 us
+    against 48 us for all_gather + cuBLAS), so small calls take the baseline.
     """
-    return "overlap"
+    return "overlap" if m * world_size >= OVERLAP_MIN_ROWS else "baseline"
 
 
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, method: str = "auto", out: torch.Tensor | None = None,

@@ -90,6 +90,7 @@ import weft.language as wl
 from . import gemm
 from .all_reduce import reduce_scatter
 from .blocks import cast
+from .ag_gemm import OVERLAP_MIN_ROWS
 from .common import Launch, check_method, check_out, out_kind, plan, signature, workspace, world_or_raise
 
 METHODS = ("auto", "overlap", "baseline")
@@ -317,7 +318,10 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
     if method == "auto":
         # Measured on 4 H200s (bf16, 2026-11-21, `weft bench -n 4 gemm --ops rs`): overlap 1.02-1.46x faster
         # than cuBLAS + NCCL on every RS shape, so it is the default wherever it can take the call.
-        method = "baseline" if refusal else "overlap"
+        # On 2 H200s eager (2026-11-22) 1.24x at 4096 rows but 0.37x at 128 (139 against 52 us: the chunk
+        # launches and copies cost more host time than the GEMM takes): small calls take the baseline,
+        # from the same row count as ag_gemm's.
+        method = "baseline" if refusal or m_total < OVERLAP_MIN_ROWS else "overlap"
 
     def result(out):
         return torch.empty(shape, dtype=a.dtype, device=a.device) if out is None else out
