@@ -135,9 +135,10 @@ class AllGatherWorkspace:
 
 
 # "auto" hands shards of at least this many bytes to the process group's all_gather (NCCL), by symmetric
-# output and world size (the nearest measured one): where NCCL measured faster. 2 H200s, eager, commit
-# 846eba3: 64 MiB gathered into a plain output 284 us against NCCL's 156.
-NCCL_ABOVE = {False: {2: 4 << 20}, True: {2: float("inf")}}
+# output and world size (the nearest measured one): where NCCL measured faster. 2 H200s, 2026-11-22, bf16,
+# plain output (`weft bench -n 2 allgather`, eager): push 11.1 us against NCCL's 18.6 at 128 KiB gathered,
+# 14.1 against 9.5 at 256 KiB and behind up to 2 MiB; into a symmetric output push is ahead at every size.
+NCCL_ABOVE = {False: {2: 128 << 10}, True: {2: float("inf")}}
 
 
 def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
