@@ -20,7 +20,7 @@ DEFAULT_HEAP_SIZE = {"cpu": 64 << 20, "cuda": 2 << 30}
 # Bytes of symmetric workspace each op family owns (all_gather, the reductions, ag_gemm, gemm_rs, gemm_ar, ...):
 # a message that does not fit goes through in several passes, or by the op's documented fallback. Seven
 # families fit the default heap with room for the caller's own symmetric tensors.
-DEFAULT_WORKSPACE_BYTES = {"cpu": 2 << 20, "cuda": 128 << 20}
+DEFAULT_WORKSPACE_BYTES = {"cpu": 4 << 20, "cuda": 128 << 20}
 
 
 class World:
@@ -88,7 +88,7 @@ def init(heap_size: int | None = None, workspace_bytes: int | None = None) -> Wo
 
     heap_size: bytes of symmetric heap per rank (default WEFT_HEAP_SIZE, else 2 GiB on GPUs, 64 MiB on cpu).
     workspace_bytes: bytes of symmetric workspace each op family takes from it on first use (default
-    WEFT_WORKSPACE_BYTES, else 128 MiB on GPUs, 2 MiB on cpu); larger messages go through in passes.
+    WEFT_WORKSPACE_BYTES, else 128 MiB on GPUs, 4 MiB on cpu); larger messages go through in passes.
     """
     global _world
     if _world is not None:
