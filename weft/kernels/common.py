@@ -130,12 +130,18 @@ class Launch:
         if list(names) != list(constexprs):
             raise TypeError(f"{fn.__name__}: constexprs must follow the runtime arguments in order: {names}")
         self.tail = tuple(constexprs.values())
-        self.kernel = None
+        self.kernel = self.c_launch = None
         if not backend.INTERPRET:
             kernel = fn.warmup(*args, grid=self.grid, num_warps=num_warps, **constexprs)
             self.kernel = kernel.result() if hasattr(kernel, "result") else kernel
             self.run, self.function, self.meta = self.kernel.run, self.kernel.function, self.kernel.packed_metadata
             self.device = torch.cuda.current_device()
+            # The launch function under Triton's Python launcher (C, or its tensor-descriptor unpacking), where
+            # that launcher adds nothing else: no scratch memory to allocate for the kernel.
+            launcher = self.run
+            if not getattr(launcher, "global_scratch_size", 1) and not getattr(launcher, "profile_scratch_size", 1):
+                self.c_launch = launcher.launch
+                self.c_head = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None)
 
     def __call__(self, *args) -> None:
         if self.kernel is None:
@@ -145,7 +151,11 @@ class Launch:
         stream = torch._C._cuda_getCurrentRawStream(self.device)
         enter = triton.knobs.runtime.launch_enter_hook
         if enter is None or not getattr(enter, "calls", True):  # torch installs an empty HookChain
-            self.run(g[0], g[1], g[2], stream, self.function, self.meta, None, None, None, *args, *self.tail)
+            if self.c_launch is not None:
+                self.c_launch(g[0], g[1], g[2], stream, self.function, *self.c_head, self.meta, None, None, None,
+                              *args, *self.tail)
+            else:
+                self.run(g[0], g[1], g[2], stream, self.function, self.meta, None, None, None, *args, *self.tail)
         else:  # a profiler is listening: give it what the JIT would
             meta = self.kernel.launch_metadata(g, stream, *args, *self.tail)
             self.run(g[0], g[1], g[2], stream, self.function, self.meta, meta, enter,
