@@ -127,7 +127,8 @@ def _seqlen(seqlens, b, max_len):
 @triton.jit
 def _merge_step(acc, m, l, out_s, lse_s):
     """Fold partials (out_s, lse_s) into the running (acc, m, l): acc / l is the merged output and m +
-    log2(l) its lse (base 2). m = -inf and l = 0 is the empty merge; -inf partials weigh nothing."""
+    log2(l) its lse (base 2). m = -inf and l = 0 is the empty merge; -inf partials (empty slices) weigh
+    nothing."""
     m_new = tl.maximum(m, lse_s)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf)
     alpha = tl.exp2(m - m_safe)
@@ -149,18 +150,18 @@ def _merge_splits(part_out, part_lse, row, splits, live, D: tl.constexpr, SPLIT_
         idx = row.to(tl.int64) * splits + s
         lse_s = tl.load(part_lse + idx, mask=mask, other=float("-inf"))
         out_s = tl.load(part_out + idx[:, None] * D + offs_d[None, :], mask=mask[:, None], other=0.0)
-        # The block's own merge, then one step into the running one.
-        m_blk = tl.max(lse_s, axis=0)
-        weight = tl.exp2(lse_s - m_blk)
-        l_blk = tl.sum(weight, axis=0)
-        acc_blk = tl.sum(weight[:, None] * out_s, axis=0)
-        acc, m, l = _merge_step(acc, m, l, acc_blk / l_blk, m_blk + tl.log2(l_blk))
+        m_new = tl.maximum(m, tl.max(lse_s, axis=0))  # finite: partial s0 is live
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse_s - m_new)
+        acc = acc * alpha + tl.sum(weight[:, None] * out_s, axis=0)
+        l = l * alpha + tl.sum(weight, axis=0)
+        m = m_new
     return acc / tl.where(l > 0, l, 1.0), m + tl.log2(l)
 
 
 # -- kernels --------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["max_len", "split_len"])
+@triton.jit(do_not_specialize=["max_len", "split_len", "splits"])
 def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse, scale_log2, max_len, split_len,
                               splits, kv_heads, q_heads, q_sb, q_sh, k_s0, k_s1, k_sh, v_s0, v_s1, v_sh, bt_sb,
                               bt_sp, GROUP: tl.constexpr, HEADS: tl.constexpr, CHUNKS: tl.constexpr,
@@ -222,7 +223,7 @@ def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse,
     tl.store(part_lse + idx, m + tl.log2(l), mask=live)
 
 
-@triton.jit(do_not_specialize=["max_len", "split_len"])
+@triton.jit(do_not_specialize=["max_len", "split_len", "splits"])
 def flash_decode_merge_kernel(part_out, part_lse, seqlens, out, lse, max_len, split_len, splits, q_heads,
                               D: tl.constexpr, SPLIT_BLOCK: tl.constexpr, RETURN_LSE: tl.constexpr):
     """out[row] (q's dtype) and, with RETURN_LSE, lse[row] (natural log) from the live partials of row =
@@ -236,7 +237,7 @@ def flash_decode_merge_kernel(part_out, part_lse, seqlens, out, lse, max_len, sp
         tl.store(lse + row, lse2 * LN2)  # log(x) = log2(x) * ln(2)
 
 
-@triton.jit(do_not_specialize=["max_len", "split_len", "rows", "slot_len"])
+@triton.jit(do_not_specialize=["max_len", "split_len", "splits", "rows", "slot_len"])
 def sp_flash_decode_push_kernel(part_out, part_lse, seqlens, ll, flags, heap, max_len, split_len, splits, q_heads,
                                 rows, slot_len, D: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
                                 WORLD: tl.constexpr):
@@ -396,7 +397,8 @@ def _partials(q, k_cache, v_cache, seqlens, block_table, scale, max_len, page_si
         q, k_cache, v_cache, seqlens, table, part_out, part_lse, scale * LOG2E, max_len, split_len, splits,
         kv_heads, q_heads, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         table.stride(0), table.stride(-1), GROUP=group, HEADS=heads, CHUNKS=chunks, D=head_dim, BLOCK_N=block_n,
-        PAGE_SIZE=page_size, PAGED=paged, num_warps=4 if heads <= 32 else 8, num_stages=3)
+        PAGE_SIZE=page_size, PAGED=paged, num_warps=4 if heads <= 32 else 8,
+        num_stages=3 if q.element_size() <= 2 else 2)  # fp32 tiles: 3 stages would not fit an A100's shared memory
     return part_out, part_lse, splits, split_len
 
 
