@@ -98,3 +98,17 @@ def test_bench_overhead(tmp_path):
     table = (tmp_path / "overhead_2.md").read_text()
     assert "### host (CPU) time to issue one call" in table and "| all_reduce 256 B |" in table
     assert (tmp_path / "overhead_2.png").stat().st_size > 1000
+
+
+def test_bench_attention_suite(tmp_path):
+    res = weft_cmd("bench", "-n", "2", "attention", "--out", str(tmp_path), "--models", "llama3-8b", "--batches", "1",
+                   "--kv", "32", "--sp-kv", "64", "--samples", "1", timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads((tmp_path / "attention_2.json").read_text())["rows"]
+    assert {(r["case"], r["impl"]) for r in rows} == {
+        *(("llama3-8b b1 kv32", i) for i in ("weft flash_decode", "weft flash_decode (paged 16)", "torch sdpa",
+                                            "copy (same bytes)")),
+        *(("sp b1 kv64 (2 x 32)", i) for i in ("weft sp_flash_decode", "weft flash_decode of the local shard",
+                                               "weft flash_decode + gloo all_gather + torch merge"))}
+    assert all(r["ms"] > 0 and r["gbps"] > 0 for r in rows)
+    assert "best weft vs copy (same bytes)" in (tmp_path / "attention_2.md").read_text()

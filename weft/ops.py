@@ -3,7 +3,9 @@ from .kernels.ag_gemm import ag_gemm
 from .kernels.all_gather import all_gather
 from .kernels.all_reduce import all_reduce, broadcast, reduce_scatter
 from .kernels.barrier import device_barrier
+from .kernels.flash_decode import flash_decode, sp_flash_decode
 from .kernels.gemm_ar import gemm_ar
 from .kernels.gemm_rs import gemm_rs
 
-__all__ = ["ag_gemm", "all_gather", "all_reduce", "reduce_scatter", "broadcast", "device_barrier", "gemm_rs", "gemm_ar"]
+__all__ = ["ag_gemm", "all_gather", "all_reduce", "reduce_scatter", "broadcast", "device_barrier", "gemm_rs", "gemm_ar",
+           "flash_decode", "sp_flash_decode"]

@@ -1,0 +1,268 @@
+"""flash_decode and sp_flash_decode on the cpu backend (interpreter), against a float64 softmax reference.
+
+Caches hold NaN wherever a kernel must not read (positions past a sequence's length, pages no sequence
+uses), block tables hold out-of-range page numbers past a sequence's pages, and every torch.empty of
+the op (its outputs and its partials' workspace) is filled with NaN: a result that is right was computed
+from what it should be, and every element was written.
+"""
+import contextlib
+import hashlib
+import math
+
+import pytest
+import torch
+
+from weft.kernels import flash_decode as fd
+from weft.testing import run_ranks
+from weft.testing.checks import rejects
+
+ENV = {"WEFT_WAIT_TIMEOUT_S": "60"}  # a lost LL word fails with a message instead of hanging
+TIMEOUT = 150
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+       torch.float16: dict(rtol=2e-3, atol=2e-3)}
+HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}  # (q_heads, kv_heads)
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+def reference(q, k, v, lens, scale=None):
+    """float64 (out, lse) of softmax attention: q (B, H, D), contiguous k, v (B, L, KVH, D)."""
+    batch, q_heads, head_dim = q.shape
+    group = q_heads // k.shape[2]
+    scale = head_dim ** -0.5 if scale is None else scale
+    out = torch.zeros(batch, q_heads, head_dim, dtype=torch.float64)
+    lse = torch.full((batch, q_heads), float("-inf"), dtype=torch.float64)
+    for b, n in enumerate(lens.tolist()):
+        if n:
+            kk = k[b, :n].double().repeat_interleave(group, dim=1)
+            vv = v[b, :n].double().repeat_interleave(group, dim=1)
+            s = torch.einsum("hd,nhd->hn", q[b].double(), kk) * scale
+            lse[b] = torch.logsumexp(s, -1)
+            out[b] = torch.einsum("hn,nhd->hd", torch.softmax(s, -1), vv)
+    return out, lse
+
+
+def make_inputs(seed, lens, max_len, q_heads, kv_heads, head_dim=64, dtype=torch.float32):
+    """q and a contiguous cache whose positions past each length hold NaN."""
+    g = torch.Generator().manual_seed(seed)
+    batch = len(lens)
+    q = torch.randn(batch, q_heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(batch, max_len, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(batch, max_len, kv_heads, head_dim, generator=g).to(dtype)
+    for b, n in enumerate(lens):
+        k[b, n:] = float("nan")
+        v[b, n:] = float("nan")
+    return q, k, v, torch.tensor(lens, dtype=torch.int32)
+
+
+def paged(k, v, page_size, seed):
+    """(k_pages, v_pages, block_table) holding the contiguous cache k, v in shuffled pages, with one spare
+    NaN page; table entries past a sequence's last position name a page that does not exist."""
+    batch, max_len, kv_heads, head_dim = k.shape
+    per_seq = math.ceil(max_len / page_size)
+    num_pages = batch * per_seq + 1
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))
+    table = order[:batch * per_seq].view(batch, per_seq).to(torch.int32).contiguous()
+    shape = (num_pages, page_size, kv_heads, head_dim)
+    k_pages = torch.full(shape, float("nan"), dtype=k.dtype)
+    v_pages = torch.full(shape, float("nan"), dtype=v.dtype)
+    for b in range(batch):
+        for j in range(per_seq):
+            rows = slice(j * page_size, min((j + 1) * page_size, max_len))
+            n = rows.stop - rows.start
+            k_pages[table[b, j], :n] = k[b, rows]
+            v_pages[table[b, j], :n] = v[b, rows]
+            if k[b, rows.start:rows.stop, 0, 0].isnan().all():
+                table[b, j] = 1 << 30  # past the sequence: never looked up
+    return k_pages, v_pages, table
+
+
+@contextlib.contextmanager
+def nan_allocations():
+    """Every torch.empty / empty_like in the block returns floating tensors full of NaN."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = lambda *a, **kw: poison(empty(*a, **kw))
+    torch.empty_like = lambda *a, **kw: poison(empty_like(*a, **kw))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = empty, empty_like
+
+
+def check(q, k, v, lens, got_out, got_lse=None, scale=None):
+    ref_out, ref_lse = reference(q, k, v, lens, scale)
+    assert got_out.shape == q.shape and got_out.dtype == q.dtype
+    torch.testing.assert_close(got_out.double(), ref_out, **TOL[q.dtype])
+    if got_lse is not None:
+        assert got_lse.shape == q.shape[:2] and got_lse.dtype == torch.float32
+        torch.testing.assert_close(got_lse.double(), ref_lse, **TOL[torch.float32])
+
+
+# -- flash_decode -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged 1", "paged 16"])
+@pytest.mark.parametrize("heads", sorted(HEADS))
+def test_flash_decode_matches_reference(heads, layout):
+    q_heads, kv_heads = HEADS[heads]
+    lens = [37, 1, 0, 5]  # ragged, none a multiple of the split length or the page size
+    q, k, v, seqlens = make_inputs(len(layout) + kv_heads, lens, 40, q_heads, kv_heads)
+    with nan_allocations():
+        if layout == "contiguous":
+            out, lse = fd.flash_decode(q, k, v, seqlens, return_lse=True)
+        else:
+            k_pages, v_pages, table = paged(k, v, int(layout.split()[1]), seed=kv_heads)
+            out, lse = fd.flash_decode(q, k_pages, v_pages, seqlens, block_table=table, return_lse=True)
+    check(q, k, v, seqlens, out, lse)
+    assert torch.equal(out[2], torch.zeros_like(out[2])) and torch.isneginf(lse[2]).all()  # length 0
+
+
+def test_flash_decode_several_blocks_per_split_and_scale():
+    lens = [130, 129, 64, 2]  # 3 splits of 3 blocks of 16 positions: full, partial and empty splits
+    q, k, v, seqlens = make_inputs(3, lens, 130, 8, 2)
+    with nan_allocations():
+        out, lse = fd.flash_decode(q, k, v, seqlens, scale=0.3, return_lse=True)
+        k_pages, v_pages, table = paged(k, v, 16, seed=4)
+        out_paged = fd.flash_decode(q, k_pages, v_pages, seqlens, block_table=table, scale=0.3)
+    check(q, k, v, seqlens, out, lse, scale=0.3)
+    assert torch.equal(out_paged, out)  # the same blocks in the same order: the same bits
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flash_decode_16_bit(dtype):
+    q, k, v, seqlens = make_inputs(5, [20, 3], 24, 8, 2, dtype=dtype)
+    k_pages, v_pages, table = paged(k, v, 16, seed=5)
+    with nan_allocations():
+        out, lse = fd.flash_decode(q, k_pages, v_pages, seqlens, block_table=table, return_lse=True)
+    check(q, k, v, seqlens, out, lse)
+
+
+def test_flash_decode_head_dim_128_and_strided_q():
+    q, k, v, seqlens = make_inputs(6, [17, 33], 33, 4, 2, head_dim=128)
+    q_wide = torch.full((2, 8, 128), float("nan"))
+    q_wide[:, ::2] = q  # q with a head stride of 2 * head_dim
+    out = fd.flash_decode(q_wide[:, ::2], k, v, seqlens)
+    check(q, k, v, seqlens, out)
+
+
+def test_flash_decode_bad_inputs_rejected():
+    q, k, v, seqlens = make_inputs(7, [3, 4], 8, 4, 2)
+    k_pages, v_pages, table = paged(k, v, 4, seed=7)
+    g = [q, k, v, seqlens, k_pages, v_pages, table]
+    f = fd.flash_decode
+    rejects(lambda: f(q.numpy(), k, v, seqlens), TypeError, "q", g)
+    rejects(lambda: f(q.to(torch.int32), k, v, seqlens), TypeError, "q", g)
+    rejects(lambda: f(q[0], k, v, seqlens), ValueError, "q", g)
+    rejects(lambda: f(q[..., :48], k[..., :48], v[..., :48], seqlens), ValueError, "q", g)  # head_dim 48
+    rejects(lambda: f(q[:, :3], k, v, seqlens), ValueError, "q", g)  # 3 heads over 2 KV heads
+    rejects(lambda: f(q, k.to(torch.float16), v, seqlens), TypeError, "k_cache", g)
+    rejects(lambda: f(q, k[0], v, seqlens), ValueError, "k_cache", g)
+    rejects(lambda: f(q, k[:1], v[:1], seqlens), ValueError, "k_cache", g)  # 1 sequence, batch 2
+    rejects(lambda: f(q, k.transpose(1, 3).contiguous().transpose(1, 3), v, seqlens), ValueError, "k_cache", g)
+    rejects(lambda: f(q, k, v[:, :4], seqlens), ValueError, "v_cache", g)
+    rejects(lambda: f(q, k, v.double(), seqlens), TypeError, "v_cache", g)
+    rejects(lambda: f(q, k, v, seqlens.long()), TypeError, "seqlens", g)
+    rejects(lambda: f(q, k, v, seqlens[:1]), ValueError, "seqlens", g)
+    rejects(lambda: f(q, k, v, [3, 4]), TypeError, "seqlens", g)
+    rejects(lambda: f(q, k_pages, v_pages, seqlens, block_table=table.long()), TypeError, "block_table", g)
+    rejects(lambda: f(q, k_pages, v_pages, seqlens, block_table=table[:1]), ValueError, "block_table", g)
+    big = torch.zeros(1, 257, 2, 64)
+    rejects(lambda: f(q, big, big, seqlens, block_table=table), ValueError, "k_cache", g)  # page size 257
+    rejects(lambda: f(q, k, v, seqlens, scale="0.1"), TypeError, "scale", g)
+    rejects(lambda: f(q, k, v, seqlens, scale=True), TypeError, "scale", g)
+    rejects(lambda: f(q, k, v, seqlens, scale=float("nan")), ValueError, "scale", g)
+
+
+def test_flash_decode_empty_batch():
+    q, k, v, seqlens = make_inputs(8, [], 8, 4, 2)
+    out, lse = fd.flash_decode(q, k, v, seqlens, return_lse=True)
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+
+
+# -- sp_flash_decode ---------------------------------------------------------------------
+
+def _sp_calls(cases):
+    """cases: (seed, per-rank lengths [rank][batch], q_heads, kv_heads, head_dim, dtype name, page size or
+    0). Each rank makes its shard and checks sp_flash_decode against the reference over the concatenated
+    KV; calls follow each other with no host barrier, a different rank late each time. Returns digests."""
+    import time
+
+    import weft
+
+    me, w = weft.rank(), weft.world_size()
+    digests = []
+    for call, (seed, lens, q_heads, kv_heads, head_dim, dtype_name, page_size) in enumerate(cases):
+        dtype = getattr(torch, dtype_name)
+        shard_len = max(1, max(max(r) for r in lens))
+        shards = [make_inputs(seed * 10 + r, lens[r], shard_len, q_heads, kv_heads, head_dim, dtype)
+                  for r in range(w)]
+        q = shards[0][0]  # the same query everywhere
+        batch = len(lens[0])
+        total = [sum(lens[r][b] for r in range(w)) for b in range(batch)]
+        full_k = torch.zeros(batch, max(1, max(total)), kv_heads, head_dim, dtype=dtype)
+        full_v = torch.zeros_like(full_k)
+        for b in range(batch):
+            pos = 0
+            for r in range(w):
+                n = lens[r][b]
+                full_k[b, pos:pos + n] = shards[r][1][b, :n]
+                full_v[b, pos:pos + n] = shards[r][2][b, :n]
+                pos += n
+        _, k, v, seqlens = shards[me]
+        if w > 1 and call % w == me:
+            time.sleep(0.05)
+        with nan_allocations():
+            if page_size:
+                k_pages, v_pages, table = paged(k, v, page_size, seed)
+                out = fd.sp_flash_decode(q, k_pages, v_pages, seqlens, block_table=table)
+            else:
+                out = fd.sp_flash_decode(q, k, v, seqlens)
+        check(q, full_k, full_v, torch.tensor(total, dtype=torch.int32), out)
+        digests.append(hashlib.sha1(out.view(torch.uint8).numpy().tobytes()).hexdigest())
+    return digests
+
+
+def _lens(w, batch, seed, empty_rank=None, hi=40):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, hi, (w, batch), generator=g)
+    if empty_rank is not None:
+        lens[empty_rank] = 0
+    return lens.tolist()
+
+
+@pytest.mark.parametrize("w", [1, 2, 3, 4])
+def test_sp_flash_decode_matches_reference(w):
+    """Changing lengths call after call, a rank with an empty slice, a sequence empty everywhere."""
+    cases = [
+        (1, _lens(w, 3, 1), 8, 2, 64, "float32", 0),
+        (2, _lens(w, 3, 2, empty_rank=w - 1), 4, 1, 64, "float32", 16),
+        (3, [[0] + row[1:] for row in _lens(w, 2, 3)], 4, 4, 64, "float32", 0),
+    ]
+    if w == 2:
+        cases += [(4, _lens(w, 2, 4, hi=20), 4, 2, 128, "bfloat16", 1), (5, _lens(w, 1, 5), 8, 2, 64, "float32", 0)]
+    results = run_ranks(_sp_calls, w, cases, timeout=TIMEOUT, env=ENV)
+    assert all(r == results[0] for r in results), "ranks got different bits"
+
+
+def _sp_bad_inputs():
+    import weft
+
+    world = weft.world()
+    q, k, v, seqlens = make_inputs(9, [3, 4], 8, 4, 2)
+    used = world.heap.used
+    g = [q, k, v, seqlens]
+    big_q = torch.zeros(fd.SP_MAX_ENTRIES // 65 // 2 + 1, 2, 64)
+    big_k = torch.zeros(big_q.shape[0], 1, 2, 64)
+    rejects(lambda: fd.sp_flash_decode(big_q, big_k, big_k, torch.zeros(big_q.shape[0], dtype=torch.int32)),
+            ValueError, "q", g)
+    rejects(lambda: fd.sp_flash_decode(q, k, v, seqlens.long()), TypeError, "seqlens", g)
+    rejects(lambda: fd.sp_flash_decode("q", k, v, seqlens), TypeError, "q", g)
+    assert world.heap.used == used and "sp_flash_decode" not in world.contexts
+    check(q, k, v, seqlens, fd.sp_flash_decode(q, k, v, seqlens))
+
+
+def test_sp_flash_decode_bad_inputs_rejected():
+    run_ranks(_sp_bad_inputs, 1, timeout=TIMEOUT, env=ENV)

@@ -1,0 +1,510 @@
+"""Decode-time attention: flash_decode on one GPU, sp_flash_decode with the KV cache sharded over ranks.
+
+flash_decode(q, k_cache, v_cache, seqlens): one query token per sequence against its cached keys and
+values, out[b, h] = softmax(scale * q[b, h] . K[b, :seqlens[b], h // G]) @ V[...], with G = q_heads /
+kv_heads query heads per KV head (grouped-query attention; G = 1 is multi-head, kv_heads = 1
+multi-query). Layouts as FlashAttention's flash_attn_with_kvcache: q (batch, q_heads, head_dim); KV
+contiguous (batch, max_len, kv_heads, head_dim), or paged (num_pages, page_size, kv_heads, head_dim) with
+block_table (batch, pages_per_seq) naming the page that holds each sequence's positions
+[j * page_size, (j + 1) * page_size).
+
+Split-KV. One query token is too little work for a GPU: batch x kv_heads programs would leave most SMs
+idle while each walks a long sequence. So every sequence is cut into `splits` ranges of `split_len`
+positions, and one program handles one (sequence, KV head, range):
+
+1. flash_decode_split_kernel loads BLOCK_N keys x head_dim per step and scores all G query heads of its
+   KV head in one tl.dot (every KV byte is read once), keeping an online softmax in fp32 (running max
+   m, running sum l, rescaled accumulator; exp2 with log2(e) folded into the scale). It writes its
+   partial result: out_s = acc / l and lse_s = m + log2(l) (base 2), fp32.
+2. flash_decode_merge_kernel combines the partials of a (sequence, query head) by log-sum-exp:
+   lse = log2(sum_s 2^lse_s), out = sum_s 2^(lse_s - lse) out_s. That is exact: softmax over a union of
+   key sets is the weighted mean of the softmaxes over the parts, weighted by their share of the
+   normaliser. Ranges past a sequence's length are skipped; a sequence of length 0 gives out 0 and
+   lse -inf.
+
+sp_flash_decode: sequence parallelism. Rank r holds the r-th contiguous slice of every sequence's KV.
+Each rank computes the partial (out, lse) of its slice with the split kernel and merges its splits;
+since the merge is the same log-sum-exp whether the parts are splits or ranks, the ranks then only
+exchange their per-rank partials (head_dim + 1 fp32 words per (sequence, head)) and merge them:
+
+3. sp_flash_decode_push_kernel merges the local splits as in 2 and pushes the result, as LL words
+   (wl.pack_ll: 4 data bytes and the epoch in one 8-byte store), into slot [me] of every rank's
+   exchange buffer.
+4. sp_flash_decode_exchange_kernel waits for the W slots' words (wl.wait_ll) and merges them in rank
+   order 0, 1, ..., W - 1, so every rank computes the same bits.
+
+Memory ordering of the exchange. An LL word is written with one 8-byte store, single-copy atomic: a
+reader that sees the current epoch in a word's high half sees the payload stored with it, so there is
+no separate flag, no fence and no release/acquire pair; the reader polls the words themselves with
+volatile loads. The epoch is counted on the device: the exchange kernel's programs each keep a counter
+(all equal: the grid is fixed, SP_PROGRAMS), the push kernel of the next call reads counter 0. The
+buffer has two halves, used by epoch parity. Rank s writes half e % 2 of rank q in call e only after
+its exchange kernel of call e - 1 completed, which had received q's words of call e - 1, pushed by q's
+push kernel of call e - 1, which q launched after its exchange kernel of call e - 2 (the last reader of
+half e % 2) had completed. Old words in a half carry epoch e - 2, never e. So calls follow each other,
+and replay in CUDA graphs, with no reset and no host synchronisation. All kernels of one call run in
+order on the caller's stream.
+
+The partials' workspace of the split kernel is a plain per-call torch.empty (the caching allocator makes
+it cheap, and its size follows the call). sp_flash_decode's exchange buffer is symmetric and bounded:
+one per world (`world.context("sp_flash_decode")`), sized for SP_MAX_ENTRIES = batch * q_heads *
+(head_dim + 1) words per rank whatever the call's shape.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import torch
+import triton
+import triton.language as tl
+
+import weft.language as wl
+
+from .common import world_or_raise
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+HEAD_DIMS = (64, 128, 256)
+MAX_PAGE_SIZE = 256
+
+# Split-KV on GPUs: aim for SPLIT_PROGRAMS_PER_SM programs per SM over the whole grid, but give every split
+# at least MIN_BLOCKS_PER_SPLIT blocks of keys (so the partials' write and merge stay a few per cent of
+# the KV read) and at most MAX_SPLITS splits (the merge walks them). Not yet tuned on GPUs.
+SPLIT_PROGRAMS_PER_SM = 4
+MIN_BLOCKS_PER_SPLIT = 4
+MAX_SPLITS = 64
+# On the cpu backend (interpreter): few splits of small blocks, enough to exercise the split logic.
+CPU_MAX_SPLITS = 3
+CPU_BLOCK_N = 16
+# Partials merged per step of the merge kernels.
+SPLIT_BLOCK = 16
+# Query heads per split program at most: a larger G (multi-query with many heads) is cut into chunks,
+# each of which reads the KV once; fewer than 16 rows are padded (tl.dot needs 16).
+MAX_HEADS_PER_PROGRAM = 64
+
+# sp_flash_decode: words per rank in the exchange buffer (batch * q_heads * (head_dim + 1)): 1 MiB of LL
+# words per slot, 2 * W slots per rank. Calls above it raise.
+SP_MAX_ENTRIES = 128 << 10
+# Programs of the exchange kernel, the same for every call (each keeps an epoch counter).
+SP_PROGRAMS = {"cuda": 64, "cpu": 2}
+
+LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+# -- device helpers -------------------------------------------------------------
+
+@triton.jit
+def _dot(a, b, acc):
+    """acc + a @ b in fp32. Triton 3.6's interpreter gets bf16 dots wrong: multiply in fp32 there. fp32
+    inputs are multiplied in full precision (not tf32): fp32 KV is for checking."""
+    if wl.INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """fp32 `x` rounded to `dtype`, to nearest even. (Triton 3.6's interpreter truncates fp32 -> bf16;
+    round by hand there, as the GPU does.)"""
+    if wl.INTERPRET:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.int32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _seqlen(seqlens, b, max_len):
+    """Sequence b's length, clamped to [0, max_len] so that a bad length cannot read outside the cache."""
+    return tl.minimum(tl.maximum(tl.load(seqlens + b), 0), max_len)
+
+
+@triton.jit
+def _merge_step(acc, m, l, out_s, lse_s):
+    """Fold partials (out_s, lse_s) into the running (acc, m, l): acc / l is the merged output and m +
+    log2(l) its lse (base 2). m = -inf and l = 0 is the empty merge; -inf partials (empty slices) weigh
+    nothing."""
+    m_new = tl.maximum(m, lse_s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf)
+    alpha = tl.exp2(m - m_safe)
+    weight = tl.exp2(lse_s - m_safe)
+    return acc * alpha + weight * out_s, m_new, l * alpha + weight
+
+
+@triton.jit
+def _merge_splits(part_out, part_lse, row, splits, live, D: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+    """The log-sum-exp merge of the first `live` partials of `row`: (out [D] fp32, lse base 2)."""
+    offs_s = tl.arange(0, SPLIT_BLOCK)
+    offs_d = tl.arange(0, D)
+    acc = tl.zeros([D], tl.float32)
+    m = tl.full([], float("-inf"), tl.float32)
+    l = tl.zeros([], tl.float32)
+    for s0 in range(0, live, SPLIT_BLOCK):
+        s = s0 + offs_s
+        mask = s < live
+        idx = row.to(tl.int64) * splits + s
+        lse_s = tl.load(part_lse + idx, mask=mask, other=float("-inf"))
+        out_s = tl.load(part_out + idx[:, None] * D + offs_d[None, :], mask=mask[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse_s, axis=0))  # finite: partial s0 is live
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse_s - m_new)
+        acc = acc * alpha + tl.sum(weight[:, None] * out_s, axis=0)
+        l = l * alpha + tl.sum(weight, axis=0)
+        m = m_new
+    return acc / tl.where(l > 0, l, 1.0), m + tl.log2(l)
+
+
+# -- kernels --------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["max_len", "split_len", "splits"])
+def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse, scale_log2, max_len, split_len,
+                              splits, kv_heads, q_heads, q_sb, q_sh, k_s0, k_s1, k_sh, v_s0, v_s1, v_sh, bt_sb,
+                              bt_sp, GROUP: tl.constexpr, HEADS: tl.constexpr, CHUNKS: tl.constexpr,
+                              D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                              PAGED: tl.constexpr):
+    """Partial attention of query heads [c * HEADS, (c + 1) * HEADS) of KV head kvh's group, sequence b,
+    over positions [split * split_len, (split + 1) * split_len) of the sequence.
+
+    Program (((b * kv_heads + kvh) * CHUNKS + c), split). KV row of position n: contiguous: k + b * k_s0 +
+    n * k_s1; paged: k + page * k_s0 + (n % PAGE_SIZE) * k_s1, page = block_table[b, n // PAGE_SIZE].
+    Writes part_out[row, split, :] = acc / l and part_lse[row, split] = m + log2(l), row = b * q_heads +
+    head, for a split that holds at least one position.
+    """
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    c = pid % CHUNKS
+    kvh = (pid // CHUNKS) % kv_heads
+    b = pid // (CHUNKS * kv_heads)
+    seqlen = _seqlen(seqlens, b, max_len)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seqlen)
+
+    g = c * HEADS + tl.arange(0, HEADS)  # query heads within the group; padded rows are masked
+    live_rows = g < GROUP
+    heads = kvh * GROUP + g
+    offs_d = tl.arange(0, D)
+    qv = tl.load(q + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + offs_d[None, :], mask=live_rows[:, None],
+                 other=0.0)
+
+    m = tl.full([HEADS], float("-inf"), tl.float32)
+    l = tl.zeros([HEADS], tl.float32)
+    acc = tl.zeros([HEADS, D], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        in_seq = pos < end
+        if PAGED:
+            page = tl.load(block_table + b * bt_sb + (pos // PAGE_SIZE) * bt_sp, mask=in_seq, other=0)
+            k_rows = page.to(tl.int64) * k_s0 + (pos % PAGE_SIZE) * k_s1 + kvh * k_sh
+            v_rows = page.to(tl.int64) * v_s0 + (pos % PAGE_SIZE) * v_s1 + kvh * v_sh
+        else:
+            k_rows = b.to(tl.int64) * k_s0 + pos.to(tl.int64) * k_s1 + kvh * k_sh
+            v_rows = b.to(tl.int64) * v_s0 + pos.to(tl.int64) * v_s1 + kvh * v_sh
+        kb = tl.load(k + k_rows[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+        vb = tl.load(v + v_rows[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+        s = _dot(qv, tl.trans(kb), tl.zeros([HEADS, BLOCK_N], tl.float32)) * scale_log2
+        s = tl.where(in_seq[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every block holds at least one position
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = _dot(p.to(vb.dtype), vb, acc * alpha[:, None])
+        m = m_new
+
+    rows = b * q_heads + heads
+    live = live_rows & (start < end)
+    idx = rows.to(tl.int64) * splits + split
+    tl.store(part_out + idx[:, None] * D + offs_d[None, :], acc / l[:, None], mask=live[:, None])
+    tl.store(part_lse + idx, m + tl.log2(l), mask=live)
+
+
+@triton.jit(do_not_specialize=["max_len", "split_len", "splits"])
+def flash_decode_merge_kernel(part_out, part_lse, seqlens, out, lse, max_len, split_len, splits, q_heads,
+                              D: tl.constexpr, SPLIT_BLOCK: tl.constexpr, RETURN_LSE: tl.constexpr):
+    """out[row] (q's dtype) and, with RETURN_LSE, lse[row] (natural log) from the live partials of row =
+    b * q_heads + head: program `row`."""
+    row = tl.program_id(0)
+    seqlen = _seqlen(seqlens, row // q_heads, max_len)
+    o, lse2 = _merge_splits(part_out, part_lse, row, splits, tl.cdiv(seqlen, split_len), D, SPLIT_BLOCK)
+    offs_d = tl.arange(0, D)
+    tl.store(out + row.to(tl.int64) * D + offs_d, _round(o, out.dtype.element_ty))
+    if RETURN_LSE:
+        tl.store(lse + row, lse2 * LN2)  # log(x) = log2(x) * ln(2)
+
+
+@triton.jit(do_not_specialize=["max_len", "split_len", "splits", "rows", "slot_len"])
+def sp_flash_decode_push_kernel(part_out, part_lse, seqlens, ll, flags, heap, max_len, split_len, splits, q_heads,
+                                rows, slot_len, D: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+                                WORLD: tl.constexpr):
+    """Merge my splits of `row` (program `row`) and push the result as LL words into slot [me] of half
+    epoch % 2 of every rank's `ll`: words [row * D, (row + 1) * D) the output (fp32 bits), word rows * D +
+    row the lse (base 2). The epoch is the exchange kernel's counter + 1 (flags[0]: all its counters agree).
+    """
+    row = tl.program_id(0)
+    me = wl.rank(heap)
+    epoch = tl.load(flags) + 1
+    seqlen = _seqlen(seqlens, row // q_heads, max_len)
+    o, lse2 = _merge_splits(part_out, part_lse, row, splits, tl.cdiv(seqlen, split_len), D, SPLIT_BLOCK)
+    o_words = wl.pack_ll(o.to(tl.int32, bitcast=True), epoch)
+    lse_word = wl.pack_ll(lse2.to(tl.int32, bitcast=True), epoch)
+    slot = ll + (epoch % 2) * WORLD * slot_len + me * slot_len
+    offs_d = tl.arange(0, D)
+    for peer in tl.static_range(WORLD):
+        dst = wl.symm_at(slot, peer, heap)
+        tl.store(dst + row * D + offs_d, o_words)
+        tl.store(dst + rows * D + row, lse_word)
+
+
+@triton.jit(do_not_specialize=["rows", "slot_len"])
+def sp_flash_decode_exchange_kernel(ll, flags, out, rows, slot_len, D: tl.constexpr, ROWS: tl.constexpr,
+                                    WORLD: tl.constexpr):
+    """out[row] = the log-sum-exp merge, in rank order, of the W ranks' partials of `row`, as their LL words
+    arrive. Program p handles blocks of ROWS rows p, p + P, ... (P programs, fixed) and counts the epoch in
+    flags[p]."""
+    p = tl.program_id(0)
+    epoch = tl.load(flags + p) + 1
+    half = ll + (epoch % 2) * WORLD * slot_len
+    offs_w = tl.arange(0, ROWS * D)
+    offs_r = tl.arange(0, ROWS)
+    for r0 in range(p * ROWS, rows, tl.num_programs(0) * ROWS):
+        r = r0 + offs_r
+        r_mask = r < rows
+        w_mask = r0 * D + offs_w < rows * D
+        acc = tl.zeros([ROWS, D], tl.float32)
+        m = tl.full([ROWS, 1], float("-inf"), tl.float32)
+        l = tl.zeros([ROWS, 1], tl.float32)
+        for q in tl.static_range(WORLD):
+            slot = half + q * slot_len
+            lse_q = wl.wait_ll(slot + rows * D + r, r_mask, epoch).to(tl.float32, bitcast=True)
+            lse_q = tl.where(r_mask, lse_q, float("-inf"))
+            out_q = wl.wait_ll(slot + r0 * D + offs_w, w_mask, epoch).to(tl.float32, bitcast=True)
+            acc, m, l = _merge_step(acc, m, l, tl.reshape(out_q, [ROWS, D]), lse_q[:, None])
+        o = acc / tl.where(l > 0, l, 1.0)
+        tl.store(out + r0 * D + offs_w, tl.reshape(_round(o, out.dtype.element_ty), [ROWS * D]),
+                 mask=w_mask)
+    tl.store(flags + p, epoch)
+
+
+# -- host side ------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _block_n(head_dim: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_BLOCK_N
+    return 32 if head_dim == 256 else 64  # K and V tiles of 16 KiB (bf16) per step
+
+
+def _splits(groups: int, max_len: int, block_n: int, device: torch.device) -> tuple[int, int]:
+    """(splits, split_len) for `groups` (sequence, KV head, head chunk) programs over up to max_len positions:
+    no look at the actual lengths (that would need a host sync)."""
+    blocks = max(1, triton.cdiv(max_len, block_n))
+    if device.type != "cuda":
+        splits = min(CPU_MAX_SPLITS, blocks)
+    else:
+        want = triton.cdiv(SPLIT_PROGRAMS_PER_SM * _sm_count(device.index), groups)
+        splits = max(1, min(want, MAX_SPLITS, blocks // MIN_BLOCKS_PER_SPLIT))
+    split_len = triton.cdiv(blocks, splits) * block_n
+    return triton.cdiv(max(max_len, 1), split_len), split_len
+
+
+def _check_tensor(name: str, t, device: torch.device | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} (where q is)")
+
+
+def _check(q, k_cache, v_cache, seqlens, block_table, scale, device=None) -> tuple[int, int, float]:
+    """Validate the arguments (TypeError/ValueError naming the argument); returns (max_len, page_size, scale).
+    page_size is 0 for a contiguous cache."""
+    _check_tensor("q", q, device)
+    device = q.device
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("seqlens", seqlens)):
+        _check_tensor(name, t, device)
+    if q.dtype not in DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}; supported: {', '.join(str(d) for d in DTYPES)}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be (batch, q_heads, head_dim), got shape {tuple(q.shape)}")
+    batch, q_heads, head_dim = q.shape
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"q has head_dim {head_dim}; supported: {', '.join(map(str, HEAD_DIMS))}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}, expected q's dtype {q.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-dimensional (batch or pages, positions, kv_heads, head_dim), "
+                             f"got shape {tuple(t.shape)}")
+        if t.shape[3] != head_dim:
+            raise ValueError(f"{name} has head_dim {t.shape[3]}, q has {head_dim}")
+        if t.stride(3) != 1:
+            raise ValueError(f"{name}'s last dimension (head_dim) must be contiguous")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)}, k_cache {tuple(k_cache.shape)}")
+    kv_heads = k_cache.shape[2]
+    if kv_heads < 1 or q_heads % kv_heads:
+        raise ValueError(f"q has {q_heads} heads, not a multiple of k_cache's {kv_heads} KV heads")
+    if seqlens.dtype != torch.int32:
+        raise TypeError(f"seqlens has dtype {seqlens.dtype}, expected torch.int32")
+    if tuple(seqlens.shape) != (batch,):
+        raise ValueError(f"seqlens has shape {tuple(seqlens.shape)}, expected ({batch},)")
+    if block_table is None:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, q {batch} (contiguous cache; "
+                             "pass block_table for a paged one)")
+        max_len, page_size = k_cache.shape[1], 0
+    else:
+        _check_tensor("block_table", block_table, device)
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"block_table has dtype {block_table.dtype}, expected torch.int32")
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must be (batch={batch}, pages_per_seq), got {tuple(block_table.shape)}")
+        page_size = k_cache.shape[1]
+        if not 1 <= page_size <= MAX_PAGE_SIZE:
+            raise ValueError(f"k_cache has page size {page_size}; supported: 1 to {MAX_PAGE_SIZE}")
+        max_len = block_table.shape[1] * page_size
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    elif not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return max_len, page_size, float(scale)
+
+
+def _partials(q, k_cache, v_cache, seqlens, block_table, scale, max_len, page_size):
+    """Launch the split kernel; returns (part_out, part_lse, splits, split_len)."""
+    batch, q_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = q_heads // kv_heads
+    heads = min(max(16, triton.next_power_of_2(group)), MAX_HEADS_PER_PROGRAM)
+    chunks = triton.cdiv(group, heads)
+    block_n = _block_n(head_dim, q.device)
+    splits, split_len = _splits(batch * kv_heads * chunks, max_len, block_n, q.device)
+    part_out = torch.empty((batch * q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((batch * q_heads, splits), dtype=torch.float32, device=q.device)
+    paged = block_table is not None
+    table = block_table if paged else seqlens  # not read when contiguous
+    flash_decode_split_kernel[(batch * kv_heads * chunks, splits)](
+        q, k_cache, v_cache, seqlens, table, part_out, part_lse, scale * LOG2E, max_len, split_len, splits,
+        kv_heads, q_heads, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        table.stride(0), table.stride(-1), GROUP=group, HEADS=heads, CHUNKS=chunks, D=head_dim, BLOCK_N=block_n,
+        PAGE_SIZE=page_size, PAGED=paged, num_warps=4 if heads <= 32 else 8,
+        num_stages=3 if q.element_size() <= 2 else 2)  # fp32 tiles: 3 stages would not fit an A100's shared memory
+    return part_out, part_lse, splits, split_len
+
+
+def _prepare_q(q: torch.Tensor) -> torch.Tensor:
+    return q if q.stride(2) == 1 else q.contiguous()
+
+
+def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
+                 block_table: torch.Tensor | None = None, scale: float | None = None, return_lse: bool = False):
+    """Attention of one query token per sequence over its KV cache (split-KV, merged in the same op).
+
+    q (batch, q_heads, head_dim), head_dim 64, 128 or 256, bf16/fp16/fp32; k_cache, v_cache of q's dtype,
+    contiguous (batch, max_len, kv_heads, head_dim) or paged (num_pages, page_size, kv_heads, head_dim) with
+    block_table (batch, pages_per_seq) int32; q_heads a multiple of kv_heads; seqlens (batch,) int32 on the
+    device, each at most max_len (or pages_per_seq * page_size; larger ones are clamped, not checked: that
+    would need a host sync). scale defaults to head_dim ** -0.5.
+    Returns out (batch, q_heads, head_dim) in q's dtype, and with return_lse also lse (batch, q_heads) fp32,
+    natural log of the softmax normaliser (scale included). An empty sequence gives out 0, lse -inf.
+    """
+    max_len, page_size, scale = _check(q, k_cache, v_cache, seqlens, block_table, scale)
+    batch, q_heads, head_dim = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((batch, q_heads), dtype=torch.float32, device=q.device)
+    if out.numel():
+        part_out, part_lse, splits, split_len = _partials(_prepare_q(q), k_cache, v_cache, seqlens, block_table,
+                                                          scale, max_len, page_size)
+        flash_decode_merge_kernel[(batch * q_heads,)](part_out, part_lse, seqlens, out, lse, max_len, split_len,
+                                                      splits, q_heads, D=head_dim, SPLIT_BLOCK=SPLIT_BLOCK,
+                                                      RETURN_LSE=return_lse, num_warps=4)
+    return (out, lse) if return_lse else out
+
+
+class _SpContext:
+    """The symmetric LL exchange buffer (2 halves x W slots x SP_MAX_ENTRIES int64 words, epoch 0 in every
+    word) and the exchange kernel's epoch counters."""
+
+    def __init__(self, world):
+        self.programs = SP_PROGRAMS[world.device.type]
+        self.ll = world.heap.empty((2 * world.world_size * SP_MAX_ENTRIES,), torch.int64)
+        self.ll.zero_()
+        self.flags = world.heap.empty((self.programs,), torch.int32)
+        self.flags.zero_()
+        world.barrier()  # zeroed everywhere before anyone pushes
+
+
+def sp_flash_decode(q: torch.Tensor, k_cache_shard: torch.Tensor, v_cache_shard: torch.Tensor,
+                    seqlens_shard: torch.Tensor, block_table: torch.Tensor | None = None,
+                    scale: float | None = None) -> torch.Tensor:
+    """flash_decode over a KV cache sharded by sequence position: rank r holds the r-th contiguous slice of
+    every sequence (its length seqlens_shard[b], 0 allowed), in flash_decode's layouts. q is the same on
+    every rank. Returns out (batch, q_heads, head_dim) in q's dtype, the same bits on every rank: attention
+    over the concatenation of the ranks' slices.
+
+    Collective; no host synchronisation, so it can be captured in a CUDA graph (after a first call outside
+    capture, which creates the exchange buffer). batch * q_heads * (head_dim + 1) must be at most
+    SP_MAX_ENTRIES.
+    """
+    world = world_or_raise()
+    _check_tensor("q", q, world.device)
+    max_len, page_size, scale = _check(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table, scale)
+    batch, q_heads, head_dim = q.shape
+    rows = batch * q_heads
+    if rows * (head_dim + 1) > SP_MAX_ENTRIES:
+        raise ValueError(f"q is too large for sp_flash_decode: batch * q_heads * (head_dim + 1) = "
+                         f"{rows * (head_dim + 1)} > SP_MAX_ENTRIES = {SP_MAX_ENTRIES}")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if rows == 0:
+        return out
+    ctx = world.context("sp_flash_decode", lambda: _SpContext(world))
+    part_out, part_lse, splits, split_len = _partials(_prepare_q(q), k_cache_shard, v_cache_shard, seqlens_shard,
+                                                      block_table, scale, max_len, page_size)
+    w = world.world_size
+    sp_flash_decode_push_kernel[(rows,)](part_out, part_lse, seqlens_shard, ctx.ll, ctx.flags,
+                                         world.heap.descriptor, max_len, split_len, splits, q_heads, rows,
+                                         SP_MAX_ENTRIES, D=head_dim, SPLIT_BLOCK=SPLIT_BLOCK, WORLD=w, num_warps=4)
+    sp_flash_decode_exchange_kernel[(ctx.programs,)](ctx.ll, ctx.flags, out, rows, SP_MAX_ENTRIES, D=head_dim,
+                                                     ROWS=512 // head_dim, WORLD=w, num_warps=4)
+    return out
+
+
+# Signatures for the sm_90 compile check (weft.testing.compile).
+_PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+_SPLIT_SIG = dict(q=None, k=None, v=None, seqlens="*i32", block_table="*i32", part_out="*fp32", part_lse="*fp32",
+                  scale_log2="fp32", max_len="i32", split_len="i32", splits="i32", kv_heads="i32", q_heads="i32",
+                  q_sb="i32", q_sh="i32", k_s0="i32", k_s1="i32", k_sh="i32", v_s0="i32", v_s1="i32", v_sh="i32",
+                  bt_sb="i32", bt_sp="i32")
+COMPILE_CASES = [
+    (flash_decode_split_kernel, {**_SPLIT_SIG, "q": t, "k": t, "v": t},
+     dict(GROUP=g, HEADS=h, CHUNKS=c, D=d, BLOCK_N=32 if d == 256 else 64, PAGE_SIZE=ps, PAGED=ps > 0),
+     dict(num_warps=4 if h <= 32 else 8))
+    for t, d, g, h, c, ps in [(t, d, 4, 16, 1, ps) for t in ("*bf16",) for d in HEAD_DIMS for ps in (0, 16)]
+    + [("*fp16", 128, 8, 16, 1, 0), ("*fp32", 128, 4, 16, 1, 0), ("*fp32", 128, 4, 16, 1, 16),
+       ("*bf16", 128, 1, 16, 1, 1), ("*bf16", 128, 32, 32, 1, 256), ("*bf16", 128, 128, 64, 2, 16)]
+] + [
+    (flash_decode_merge_kernel, dict(part_out="*fp32", part_lse="*fp32", seqlens="*i32", out=t, lse="*fp32",
+                                     max_len="i32", split_len="i32", splits="i32", q_heads="i32"),
+     dict(D=d, SPLIT_BLOCK=SPLIT_BLOCK, RETURN_LSE=r), dict(num_warps=4))
+    for t, d, r in [(t, 128, True) for t in _PTR.values()] + [("*bf16", 64, False), ("*bf16", 256, False)]
+] + [
+    (sp_flash_decode_push_kernel, dict(part_out="*fp32", part_lse="*fp32", seqlens="*i32", ll="*i64", flags="*i32",
+                                       heap="*i64", max_len="i32", split_len="i32", splits="i32", q_heads="i32",
+                                       rows="i32", slot_len="i32"),
+     dict(D=d, SPLIT_BLOCK=SPLIT_BLOCK, WORLD=wd), dict(num_warps=4))
+    for d, wd in [(64, 8), (128, 2), (128, 8), (256, 8)]
+] + [
+    (sp_flash_decode_exchange_kernel, dict(ll="*i64", flags="*i32", out=t, rows="i32", slot_len="i32"),
+     dict(D=d, ROWS=512 // d, WORLD=wd), dict(num_warps=4))
+    for t, d, wd in [("*bf16", d, 8) for d in HEAD_DIMS] + [("*fp32", 128, 1), ("*fp16", 128, 2)]
+]
