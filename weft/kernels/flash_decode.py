@@ -47,7 +47,7 @@ order on the caller's stream.
 
 The partials' workspace of the split kernel is a plain per-call torch.empty (the caching allocator makes
 it cheap, and its size follows the call). sp_flash_decode's exchange buffer is symmetric and bounded:
-one per world (`world.context("sp_flash_decode")`), sized for SP_MAX_ENTRIES = batch * q_heads *
+one per world (the op family's workspace), sized for SP_MAX_ENTRIES = batch * q_heads *
 (head_dim + 1) words per rank whatever the call's shape.
 """
 from __future__ import annotations
@@ -62,7 +62,8 @@ import triton.language as tl
 
 import weft.language as wl
 
-from .common import world_or_raise
+from .blocks import cast
+from .common import workspace, world_or_raise
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (64, 128, 256)
@@ -104,18 +105,6 @@ def _dot(a, b, acc):
     if a.dtype == tl.float32:
         return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr):
-    """fp32 `x` rounded to `dtype`, to nearest even. (Triton 3.6's interpreter truncates fp32 -> bf16;
-    round by hand there, as the GPU does.)"""
-    if wl.INTERPRET:
-        if dtype == tl.bfloat16:
-            bits = x.to(tl.int32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit
@@ -232,7 +221,7 @@ def flash_decode_merge_kernel(part_out, part_lse, seqlens, out, lse, max_len, sp
     seqlen = _seqlen(seqlens, row // q_heads, max_len)
     o, lse2 = _merge_splits(part_out, part_lse, row, splits, tl.cdiv(seqlen, split_len), D, SPLIT_BLOCK)
     offs_d = tl.arange(0, D)
-    tl.store(out + row.to(tl.int64) * D + offs_d, _round(o, out.dtype.element_ty))
+    tl.store(out + row.to(tl.int64) * D + offs_d, cast(o, out.dtype.element_ty))
     if RETURN_LSE:
         tl.store(lse + row, lse2 * LN2)  # log(x) = log2(x) * ln(2)
 
@@ -285,7 +274,7 @@ def sp_flash_decode_exchange_kernel(ll, flags, out, rows, slot_len, D: tl.conste
             out_q = wl.wait_ll(slot + r0 * D + offs_w, w_mask, epoch).to(tl.float32, bitcast=True)
             acc, m, l = _merge_step(acc, m, l, tl.reshape(out_q, [ROWS, D]), lse_q[:, None])
         o = acc / tl.where(l > 0, l, 1.0)
-        tl.store(out + r0 * D + offs_w, tl.reshape(_round(o, out.dtype.element_ty), [ROWS * D]),
+        tl.store(out + r0 * D + offs_w, tl.reshape(cast(o, out.dtype.element_ty), [ROWS * D]),
                  mask=w_mask)
     tl.store(flags + p, epoch)
 
@@ -467,7 +456,7 @@ def sp_flash_decode(q: torch.Tensor, k_cache_shard: torch.Tensor, v_cache_shard:
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if rows == 0:
         return out
-    ctx = world.context("sp_flash_decode", lambda: _SpContext(world))
+    ctx = workspace(world, "sp_flash_decode", _SpContext)
     part_out, part_lse, splits, split_len = _partials(_prepare_q(q), k_cache_shard, v_cache_shard, seqlens_shard,
                                                       block_table, scale, max_len, page_size)
     w = world.world_size
