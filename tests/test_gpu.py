@@ -292,3 +292,37 @@ def test_reductions_back_to_back_no_host_sync():
     torch.cuda.synchronize()
     for call, got, want in results:
         torch.testing.assert_close(got, want, msg=lambda e: f"call {call}: {e}")
+
+
+def test_changing_sizes_allocate_nothing_and_large_messages_pass():
+    """Eager calls at sizes that change every call, plain and strided tensors, into the auto paths: after one
+    warm-up call per family nothing is allocated from the heap and no host barrier is made; messages larger
+    than a workspace half go through in passes (or to NCCL) and stay correct."""
+    w = weft.world()
+    sizes = [3, 4096, 1 << 20, 77, (40 << 20) + 5, 513, 1 << 16]
+    for method in ("one_shot", "two_shot", "auto"):
+        weft.ops.all_reduce(torch.ones(64, device=w.device), method=method)
+    for method in ("push", "pull", "auto"):
+        weft.ops.all_gather(torch.ones(64, device=w.device), method=method)
+    weft.ops.broadcast(torch.ones(64, device=w.device))
+    used, barriers = w.heap.used, w.barriers
+    for n in sizes * 2:
+        x = torch.randn(n, device=w.device, dtype=torch.bfloat16)
+        ref = x.clone()
+        dist.all_reduce(ref, group=w.group)
+        for method in ("auto", "two_shot"):
+            torch.testing.assert_close(weft.ops.all_reduce(x, method=method), ref, rtol=2e-2, atol=2e-2)
+        assert torch.equal(weft.ops.all_gather(x), _gathered(x))
+        strided = torch.randn(n, 2, device=w.device)[:, 0]
+        assert torch.equal(weft.ops.all_gather(strided, method="push"), _gathered(strided.contiguous()))
+        rows = torch.randn(w.world_size * n, device=w.device)
+        want = torch.empty(n, device=w.device)
+        reduce_scatter_ref(want, rows, w.group)
+        torch.testing.assert_close(weft.ops.reduce_scatter(rows), want, rtol=1e-5, atol=1e-5)
+        assert (w.heap.used, w.barriers) == (used, barriers), n
+    big = torch.randn(48 << 20, device=w.device)  # 192 MiB: more than a workspace half, in passes
+    ref = big.clone()
+    dist.all_reduce(ref, group=w.group)
+    torch.testing.assert_close(weft.ops.all_reduce(big, method="two_shot"), ref, rtol=1e-5, atol=1e-4)
+    assert torch.equal(weft.ops.all_gather(big, method="push"), _gathered(big))
+    assert (w.heap.used, w.barriers) == (used, barriers)

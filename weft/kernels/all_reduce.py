@@ -583,7 +583,7 @@ def all_reduce(x: torch.Tensor, op: str = "sum", method: str = "auto", out: torc
         key = ("all_reduce", signature(x), op, method, out_kind(world, out, x),
                None if out is None or out is x else signature(out))
         found = world.plans.get(key)
-    except (AttributeError, TypeError):  # not tensors, or unhashable arguments: checked in full below
+    except Exception:  # not tensors, unhashable or data-less arguments: checked in full below
         key, found = None, None
     if found is None:
         found = plan(world, key, lambda: _all_reduce_plan(world, x, op, method, out))
@@ -702,7 +702,7 @@ def reduce_scatter(x: torch.Tensor, op: str = "sum", out: torch.Tensor | None = 
     try:
         key = ("reduce_scatter", signature(x), op, method, out_kind(world, out), None if out is None else signature(out))
         found = world.plans.get(key)
-    except (AttributeError, TypeError):
+    except Exception:  # not tensors, unhashable or data-less arguments: checked in full below
         key, found = None, None
     if found is None:
         found = plan(world, key, lambda: _reduce_scatter_plan(world, x, op, out, method))
@@ -810,7 +810,7 @@ def broadcast(x: torch.Tensor, root: int = 0) -> torch.Tensor:
     try:
         key = ("broadcast", signature(x), root if type(root) is int else None)
         found = world.plans.get(key) if key[2] is not None else None
-    except (AttributeError, TypeError):
+    except Exception:  # not tensors, unhashable or data-less arguments: checked in full below
         key, found = None, None
     if found is None:
         found = plan(world, key, lambda: _broadcast_plan(world, x, root))

@@ -66,8 +66,10 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s bytes as the widest integer words that tile them (pure data movement is bit-exact)."""
-    flat = t.reshape(-1).view(torch.uint8)
+    """`t`'s bytes as the widest integer words that tile them (pure data movement is bit-exact). `t` is
+    contiguous (its size-1 dimensions may carry any stride)."""
+    flat = t.reshape(-1)
+    flat = flat.as_strided((flat.numel(),), (1,)).view(torch.uint8)
     nbytes = flat.numel()
     for dtype, size in ((torch.int32, 4), (torch.int16, 2)):
         if nbytes % size == 0 and t.data_ptr() % size == 0:
@@ -77,7 +79,7 @@ def as_words(t: torch.Tensor) -> torch.Tensor:
 
 def signature(t: torch.Tensor) -> tuple:
     """What a plan depends on in a tensor argument: shape, dtype, device, contiguity, 16-byte alignment."""
-    return t.shape, t.dtype, t.get_device(), t.is_contiguous(), t.data_ptr() & 15
+    return t.shape, t.dtype, t.device, t.is_contiguous(), t.data_ptr() & 15
 
 
 def out_kind(world, out, x=None) -> str:

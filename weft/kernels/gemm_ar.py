@@ -254,7 +254,7 @@ def gemm_ar(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
         key = ("gemm_ar", signature(a), signature(b_shard), method, out_kind(world, out),
                None if out is None else signature(out))
         found = world.plans.get(key)
-    except (AttributeError, TypeError):
+    except Exception:  # not tensors, unhashable or data-less arguments: checked in full below
         key, found = None, None
     if found is None:
         found = plan(world, key, lambda: _gemm_ar_plan(world, a, b_shard, method, out))
