@@ -136,9 +136,12 @@ class AllGatherWorkspace:
 
 # "auto" hands shards of at least this many bytes to the process group's all_gather (NCCL), by symmetric
 # output and world size (the nearest measured one): where NCCL measured faster. 2 H200s, 2026-11-22, bf16,
-# plain output (`weft bench -n 2 allgather`, eager): push 11.1 us against NCCL's 18.6 at 128 KiB gathered,
-# 14.1 against 9.5 at 256 KiB and behind up to 2 MiB; into a symmetric output push is ahead at every size.
-NCCL_ABOVE = {False: {2: 128 << 10}, True: {2: float("inf")}}
+# into a plain output (`weft bench -n 2 allgather`, eager): push 11.1 us against NCCL's 18.6 at 128 KiB
+# gathered, 14.1 against 9.5 at 256 KiB and behind up to 2 MiB. With no output given, NCCL's call costs
+# ~10 us more (its output, allocated per call, is recorded on NCCL's stream): push 21.6 us against 36.3
+# at 1 MiB shards (`weft bench -n 2 overhead`), and ahead to ~8 MiB shards by the sweep's times. Into a
+# symmetric output push is ahead at every size.
+NCCL_ABOVE = {"plain": {2: 128 << 10}, "none": {2: 8 << 20}, "symmetric": {2: float("inf")}}
 
 
 def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
@@ -183,7 +186,8 @@ def _all_gather_plan(world, x, out, method):
         check(x, out)  # before the workspace is made
     nbytes = x.numel() * x.element_size()
     if method == "auto":
-        method = "nccl" if nbytes >= nccl_from(NCCL_ABOVE[symmetric], world) else "push"
+        kind = "symmetric" if symmetric else "none" if out is None else "plain"
+        method = "nccl" if nbytes >= nccl_from(NCCL_ABOVE[kind], world) else "push"
 
     def result(out):
         return torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
