@@ -186,14 +186,9 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, method: str = "auto", out: t
     (weft all_gather, then torch.matmul), "auto" (overlap where it can take the call, else baseline).
     """
     world = world_or_raise()
-    try:
-        key = ("ag_gemm", signature(a_shard), signature(b), method, out_kind(world, out),
-               None if out is None else signature(out), bool(return_gathered), config)
-        found = world.plans.get(key)
-    except Exception:  # not tensors, unhashable or data-less arguments: checked in full below
-        key, found = None, None
-    if found is None:
-        found = plan(world, key, lambda: _ag_gemm_plan(world, a_shard, b, method, out, return_gathered, config))
+    found = plan(world, lambda: ("ag_gemm", signature(a_shard), signature(b), method, out_kind(world, out),
+                                 None if out is None else signature(out), bool(return_gathered), config),
+                 lambda: _ag_gemm_plan(world, a_shard, b, method, out, return_gathered, config))
     return found(a_shard, b, out)
 
 

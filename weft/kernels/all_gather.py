@@ -156,13 +156,9 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "
     in passes. Collective.
     """
     world = world_or_raise()
-    try:
-        key = ("all_gather", signature(x), method, out_kind(world, out), None if out is None else signature(out))
-        found = world.plans.get(key)
-    except Exception:  # not tensors, unhashable or data-less arguments: checked in full below
-        key, found = None, None
-    if found is None:
-        found = plan(world, key, lambda: _all_gather_plan(world, x, out, method))
+    found = plan(world, lambda: ("all_gather", signature(x), method, out_kind(world, out),
+                                 None if out is None else signature(out)),
+                 lambda: _all_gather_plan(world, x, out, method))
     return found(x, out)
 
 

@@ -579,14 +579,9 @@ def all_reduce(x: torch.Tensor, op: str = "sum", method: str = "auto", out: torc
     dtype and method.
     """
     world = world_or_raise()
-    try:
-        key = ("all_reduce", signature(x), op, method, out_kind(world, out, x),
-               None if out is None or out is x else signature(out))
-        found = world.plans.get(key)
-    except Exception:  # not tensors, unhashable or data-less arguments: checked in full below
-        key, found = None, None
-    if found is None:
-        found = plan(world, key, lambda: _all_reduce_plan(world, x, op, method, out))
+    found = plan(world, lambda: ("all_reduce", signature(x), op, method, out_kind(world, out, x),
+                                 None if out is None or out is x else signature(out)),
+                 lambda: _all_reduce_plan(world, x, op, method, out))
     return found(x, out)
 
 
@@ -605,7 +600,8 @@ def _all_reduce_plan(world, x, op, method, out):
     target = out if out is not None else x  # what the output's alignment follows
     symmetric = out is not None and out_contig and world.heap.contains(out)
     if method == "auto":
-        method = "nccl" if nbytes >= nccl_from(NCCL_ABOVE[("all_reduce", symmetric)], world) else _auto_method(nbytes, w)
+        nccl = nbytes >= nccl_from(NCCL_ABOVE[("all_reduce", symmetric)], world)
+        method = "nccl" if nccl else _auto_method(nbytes, w)
     check = (lambda x, out: _check_outside(x, out)) if kind in ("plain", "symmetric") else None
     if check:
         check(x, out)  # before the workspace is made
@@ -699,13 +695,9 @@ def reduce_scatter(x: torch.Tensor, op: str = "sum", out: torch.Tensor | None = 
     kernel), "nccl" (the process group's reduce_scatter), "auto". Collective.
     """
     world = world_or_raise()
-    try:
-        key = ("reduce_scatter", signature(x), op, method, out_kind(world, out), None if out is None else signature(out))
-        found = world.plans.get(key)
-    except Exception:  # not tensors, unhashable or data-less arguments: checked in full below
-        key, found = None, None
-    if found is None:
-        found = plan(world, key, lambda: _reduce_scatter_plan(world, x, op, out, method))
+    found = plan(world, lambda: ("reduce_scatter", signature(x), op, method, out_kind(world, out),
+                                 None if out is None else signature(out)),
+                 lambda: _reduce_scatter_plan(world, x, op, out, method))
     return found(x, out)
 
 
@@ -807,13 +799,8 @@ def _reduce_scatter_plan(world, x, op, out, method):
 def broadcast(x: torch.Tensor, root: int = 0) -> torch.Tensor:
     """Copy rank `root`'s x into x on every rank, in place; returns x. Any dtype and layout. Collective."""
     world = world_or_raise()
-    try:
-        key = ("broadcast", signature(x), root if type(root) is int else None)
-        found = world.plans.get(key) if key[2] is not None else None
-    except Exception:  # not tensors, unhashable or data-less arguments: checked in full below
-        key, found = None, None
-    if found is None:
-        found = plan(world, key, lambda: _broadcast_plan(world, x, root))
+    found = plan(world, lambda: ("broadcast", signature(x), root if type(root) is int else None),
+                 lambda: _broadcast_plan(world, x, root))
     return found(x)
 
 

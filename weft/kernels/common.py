@@ -94,13 +94,20 @@ def out_kind(world, out, x=None) -> str:
 # -- plans ------------------------------------------------------------------------
 
 def plan(world, key, make):
-    """The plan cached under `key`, made by `make()` (which checks the arguments in full) on a miss."""
-    found = world.plans.get(key)
+    """The plan for this call: cached under `key()` (the call's signature), else made by `make()`, which
+    checks the arguments in full. Arguments that cannot make a key (not tensors, unhashable, no data) go
+    straight to `make()`, whose checks reject them."""
+    try:
+        k = key()
+        found = world.plans.get(k)
+    except Exception:  # noqa: BLE001 - whatever it is, make() names the bad argument
+        k, found = None, None
     if found is None:
         found = make()
-        if len(world.plans) >= MAX_PLANS:
-            del world.plans[next(iter(world.plans))]
-        world.plans[key] = found
+        if k is not None:
+            if len(world.plans) >= MAX_PLANS:
+                del world.plans[next(iter(world.plans))]
+            world.plans[k] = found
     return found
 
 

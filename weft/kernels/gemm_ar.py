@@ -250,14 +250,9 @@ def gemm_ar(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
     shapes, dtype and method.
     """
     world = world_or_raise()
-    try:
-        key = ("gemm_ar", signature(a), signature(b_shard), method, out_kind(world, out),
-               None if out is None else signature(out))
-        found = world.plans.get(key)
-    except Exception:  # not tensors, unhashable or data-less arguments: checked in full below
-        key, found = None, None
-    if found is None:
-        found = plan(world, key, lambda: _gemm_ar_plan(world, a, b_shard, method, out))
+    found = plan(world, lambda: ("gemm_ar", signature(a), signature(b_shard), method, out_kind(world, out),
+                                 None if out is None else signature(out)),
+                 lambda: _gemm_ar_plan(world, a, b_shard, method, out))
     return found(a, b_shard, out)
 
 
@@ -299,7 +294,8 @@ def _gemm_ar_plan(world, a, b_shard, method, out):
     half_len = ws.half_bytes // sdtype.itemsize
     heap = world.heap.descriptor
     sample = result(out)
-    launch = Launch(gemm_ar_kernel, (tiles,), (a, b_shard, stage, sample, ws.flags, ws.counter, heap, m, n, k, half_len),
+    launch = Launch(gemm_ar_kernel, (tiles,),
+                    (a, b_shard, stage, sample, ws.flags, ws.counter, heap, m, n, k, half_len),
                     dict(WORLD=world.world_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                          NUM_STAGES=cfg.num_stages, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
                          ALIGNED=n * sdtype.itemsize % 16 == 0), cfg.num_warps)

@@ -289,14 +289,9 @@ def gemm_rs(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
     well: CUBLAS_CHUNKS_BELOW_FILL). Collective: every rank calls it with the same shapes, method and config.
     """
     world = world_or_raise()
-    try:
-        key = ("gemm_rs", signature(a), signature(b_shard), method, out_kind(world, out),
-               None if out is None else signature(out), config)
-        found = world.plans.get(key)
-    except Exception:  # not tensors, unhashable or data-less arguments: checked in full below
-        key, found = None, None
-    if found is None:
-        found = plan(world, key, lambda: _gemm_rs_plan(world, a, b_shard, method, out, config))
+    found = plan(world, lambda: ("gemm_rs", signature(a), signature(b_shard), method, out_kind(world, out),
+                                 None if out is None else signature(out), config),
+                 lambda: _gemm_rs_plan(world, a, b_shard, method, out, config))
     return found(a, b_shard, out)
 
 
