@@ -235,19 +235,21 @@ def _all_gather_plan(world, x, out, method):
             grid = (programs,)
             kernel, flags, consts = all_gather_pull_kernel, ws.pull_flags, {}
 
-        def args(xs, os, k=k, chunk=chunk, flags=flags):
-            return (xs, os if zero_copy else buf, os, flags, ws.counter, heap, k, chunk, n, half_len)
-        launch = Launch(kernel, grid, args(xw[lo:hi], ow[lo:]), dict(**consts, BLOCK=block, VEC=vec), warps)
-        passes.append((lo, hi, launch, args))
+        def args(xs, os, f, k=k, chunk=chunk):
+            return (xs, os if zero_copy else f[0], os, f[1], f[2], f[3], k, chunk, n, half_len)
+        fixed = (buf, flags, ws.counter, heap)
+        launch = Launch(kernel, grid, args(xw[lo:hi], ow[lo:], fixed), dict(**consts, BLOCK=block, VEC=vec), warps)
+        # On GPUs the workspace's addresses, taken once: the launcher has fewer tensors to ask for theirs.
+        passes.append((lo, hi, launch, args, fixed if INTERPRET else tuple(t.data_ptr() for t in fixed)))
 
     if len(passes) == 1 and x_contig and out_contig and not INTERPRET:
-        _, _, launch, args = passes[0]
+        _, _, launch, args, fixed = passes[0]
 
         def run(x, out):
             if check:
                 check(x, out)
             res = result(out)
-            launch(*args(x, res))
+            launch(*args(x, res, fixed))
             return res
         return run
 
@@ -258,8 +260,8 @@ def _all_gather_plan(world, x, out, method):
         dst = res if out_contig else torch.empty(shape, dtype=x.dtype, device=x.device)
         xs = as_words(x if x_contig else x.contiguous()).view(word)
         os = as_words(dst).view(word)
-        for lo, hi, launch, args in passes:
-            launch(*args(xs[lo:hi], os[lo:]))
+        for lo, hi, launch, args, fixed in passes:
+            launch(*args(xs[lo:hi], os[lo:], fixed))
         if dst is not res:
             res.copy_(dst)
         return res

@@ -461,23 +461,29 @@ def _ll_fits(nbytes: int, limit: int, *tensors: torch.Tensor) -> bool:
 
 
 class _Pass:
-    """One launch of a reduction kernel over elements [lo, hi) of the flat input and output. `args(xs, os)`
-    gives the kernel's runtime arguments for the pass's input and output; `typed` views them as the
-    kernel's pointer types (the LL kernels move int32 words), which the interpreter and the compilation
-    need, while a compiled kernel takes any tensor's address."""
+    """One launch of a reduction kernel over elements [lo, hi) of the flat input and output.
 
-    def __init__(self, kernel, grid, args, constexprs: dict, warps: int, xf, of, lo: int, hi: int, typed=None):
+    `args(xs, os, fixed)` gives the kernel's runtime arguments for the pass's input and output, where
+    `fixed` are the workspace tensors that every call passes: on GPUs their addresses, taken once (a compiled
+    kernel takes any address for a pointer argument, and the launcher then has fewer tensors to ask for
+    theirs). `typed` views the input and output as the kernel's pointer types (the LL kernels move int32
+    words), which the interpreter and the compilation need."""
+
+    def __init__(self, kernel, grid, args, fixed: tuple, constexprs: dict, warps: int, xf, of, lo: int, hi: int,
+                 typed=None):
         self.lo, self.hi, self.args = lo, hi, args
         self.typed = typed or (lambda t: t)
-        self.launch = Launch(kernel, grid, args(self.typed(xf[lo:hi]), self.typed(of[lo:hi])), constexprs, warps)
+        self.launch = Launch(kernel, grid, args(self.typed(xf[lo:hi]), self.typed(of[lo:hi]), fixed), constexprs,
+                             warps)
+        self.fixed = fixed if backend.INTERPRET else tuple(t.data_ptr() for t in fixed)
 
     def __call__(self, xf: torch.Tensor, of: torch.Tensor) -> None:
         t = self.typed
-        self.launch(*self.args(t(xf[self.lo:self.hi]), t(of[self.lo:self.hi])))
+        self.launch(*self.args(t(xf[self.lo:self.hi]), t(of[self.lo:self.hi]), self.fixed))
 
     def direct(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """The whole message in this one pass, on GPUs: addresses are all the kernel takes, no views needed."""
-        self.launch(*self.args(x, out))
+        self.launch(*self.args(x, out, self.fixed))
 
 
 def _words32(t: torch.Tensor) -> torch.Tensor:
@@ -489,9 +495,9 @@ def _one_shot_ll_pass(world, ws, xf, of, lo, hi):
     programs, block, warps = _ll_launch(words, xf.device)
     chunk = triton.cdiv(triton.cdiv(words, programs), block) * block
     heap = world.heap.descriptor
-    args = lambda xs, os: (xs, ws.ll, os, ws.counter, heap, words, chunk, ws.ll_half_words)
-    return _Pass(all_reduce_ll_kernel, (programs,), args, dict(ELEM=_ELEM[xf.dtype], WORLD=world.world_size,
-                                                               BLOCK=block), warps, xf, of, lo, hi, _words32)
+    args = lambda xs, os, f: (xs, f[0], os, f[1], f[2], words, chunk, ws.ll_half_words)
+    return _Pass(all_reduce_ll_kernel, (programs,), args, (ws.ll, ws.counter, heap),
+                 dict(ELEM=_ELEM[xf.dtype], WORLD=world.world_size, BLOCK=block), warps, xf, of, lo, hi, _words32)
 
 
 def _two_shot_ll_pass(world, ws, xf, of, lo, hi):
@@ -500,8 +506,8 @@ def _two_shot_ll_pass(world, ws, xf, of, lo, hi):
     programs, block, warps = _ll_launch(slice_len, xf.device)
     chunk = triton.cdiv(triton.cdiv(slice_len, programs), block) * block
     heap = world.heap.descriptor
-    args = lambda xs, os: (xs, ws.ll, os, ws.counter, heap, words, slice_len, chunk, ws.ll_half_words)
-    return _Pass(all_reduce_ll_two_shot_kernel, (programs,), args,
+    args = lambda xs, os, f: (xs, f[0], os, f[1], f[2], words, slice_len, chunk, ws.ll_half_words)
+    return _Pass(all_reduce_ll_two_shot_kernel, (programs,), args, (ws.ll, ws.counter, heap),
                  dict(ELEM=_ELEM[xf.dtype], WORLD=world.world_size, BLOCK=block), warps, xf, of, lo, hi, _words32)
 
 
@@ -513,9 +519,9 @@ def _one_shot_pass(world, ws, xf, of, lo, hi):
     chunk = triton.cdiv(triton.cdiv(n, programs), block) * block  # whole blocks but the last
     vec = _vector_width(xf.element_size(), xf[lo:hi], of[lo:hi])
     heap = world.heap.descriptor
-    args = lambda xs, os: (xs, recv, os, ws.flags, ws.counter, heap, n, chunk, slot_len, half_len)
-    return _Pass(all_reduce_one_shot_kernel, (programs,), args, dict(WORLD=world.world_size, BLOCK=block, VEC=vec),
-                 warps, xf, of, lo, hi)
+    args = lambda xs, os, f: (xs, f[0], os, f[1], f[2], f[3], n, chunk, slot_len, half_len)
+    return _Pass(all_reduce_one_shot_kernel, (programs,), args, (recv, ws.flags, ws.counter, heap),
+                 dict(WORLD=world.world_size, BLOCK=block, VEC=vec), warps, xf, of, lo, hi)
 
 
 def _two_shot_pass(world, ws, xf, of, lo, hi, gather: bool, copy_out: bool):
@@ -533,8 +539,8 @@ def _two_shot_pass(world, ws, xf, of, lo, hi, gather: bool, copy_out: bool):
     if slice_len % vec:
         vec = 1
     heap = world.heap.descriptor
-    args = lambda xs, os: (xs, recv, os, os, ws.flags, ws.counter, heap, n, slice_len, chunk, half_len)
-    return _Pass(all_reduce_two_shot_kernel, (programs,), args,
+    args = lambda xs, os, f: (xs, f[0], os, os, f[1], f[2], f[3], n, slice_len, chunk, half_len)
+    return _Pass(all_reduce_two_shot_kernel, (programs,), args, (recv, ws.flags, ws.counter, heap),
                  dict(GATHER=gather, COPY_OUT=copy_out, WORLD=w, BLOCK=block, VEC=vec), warps, xf, of, lo, hi)
 
 
@@ -827,8 +833,9 @@ def _broadcast_plan(world, x, root):
         programs, block, warps = _launch_shape(hi - lo, xw.element_size(), x.device)
         chunk = triton.cdiv(triton.cdiv(hi - lo, programs), block) * block
         vec = _vector_width(xw.element_size(), xw[lo:hi])
-        args = lambda xs, os, k=hi - lo, chunk=chunk: (xs, data, ws.flags, ws.counter, heap, k, chunk, half_len, root)
-        passes.append(_Pass(broadcast_kernel, (programs,), args, dict(BLOCK=block, VEC=vec), warps, xw, xw, lo, hi))
+        args = lambda xs, os, f, k=hi - lo, chunk=chunk: (xs, *f, k, chunk, half_len, root)
+        passes.append(_Pass(broadcast_kernel, (programs,), args, (data, ws.flags, ws.counter, heap),
+                            dict(BLOCK=block, VEC=vec), warps, xw, xw, lo, hi))
     if len(passes) == 1 and contig and not backend.INTERPRET:
         direct = passes[0].direct
 

@@ -21,6 +21,8 @@ class BarrierWorkspace:
         world.barrier()  # nobody signals into words a peer has not zeroed yet
         self.launch = Launch(barrier_all_kernel, (1,), (self.bar, world.heap.descriptor), {}, num_warps=1)
         self.args = (self.bar, world.heap.descriptor)
+        if self.launch.kernel is not None:  # compiled: addresses are all it takes
+            self.args = tuple(t.data_ptr() for t in self.args)
 
 
 def device_barrier() -> None:

@@ -300,10 +300,14 @@ def _gemm_ar_plan(world, a, b_shard, method, out):
                          NUM_STAGES=cfg.num_stages, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
                          ALIGNED=n * sdtype.itemsize % 16 == 0), cfg.num_warps)
 
+    # On GPUs the workspace's addresses, taken once: the launcher has fewer tensors to ask for theirs.
+    fixed = (stage, ws.flags, ws.counter, heap)
+    f = fixed if launch.kernel is None else tuple(t.data_ptr() for t in fixed)
+
     def run(a, b_shard, out):
         check(a, b_shard, out)
         res = result(out)
-        launch(a, b_shard, stage, res, ws.flags, ws.counter, heap, m, n, k, half_len)
+        launch(a, b_shard, f[0], res, f[1], f[2], f[3], m, n, k, half_len)
         return res
     return run
 

@@ -66,11 +66,10 @@ class SymmetricHeap:
     # -- lookup -------------------------------------------------------------
     def offset_of(self, t: torch.Tensor) -> int | None:
         """Byte offset of `t` in this rank's block, or None if it lives elsewhere."""
-        if t.device != self.device:
-            return None
         p = t.data_ptr()
         base = self.bases[self.rank]
-        if base <= p and p + t.numel() * t.element_size() <= base + self.size:
+        # Addresses first (cheap, and unique across devices in a process); the device only when inside.
+        if base <= p and p + t.numel() * t.element_size() <= base + self.size and t.device == self.device:
             return p - base
         return None
 
