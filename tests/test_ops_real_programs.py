@@ -245,3 +245,32 @@ def _init_again():
 def test_finalize_and_init_again_in_one_process():
     assert run_ranks(_init_again, 2, timeout=TIMEOUT, env=ENV) == [0, 0]  # a fresh heap, no workspaces yet
 
+
+
+def _nccl_paths():
+    """method="nccl": the process group's own collective (gloo here), with weft's output and layout handling."""
+    import torch
+
+    import weft
+
+    me, w = weft.rank(), weft.world_size()
+    xs = [torch.randn(6, 5, generator=torch.Generator().manual_seed(r)) for r in range(w)]
+    total = torch.stack(xs).sum(0)
+    torch.testing.assert_close(weft.ops.all_reduce(xs[me], method="nccl"), total)
+    out = torch.full((6, 10), float("nan"))[:, ::2]
+    torch.testing.assert_close(weft.ops.all_reduce(xs[me].t().contiguous().t(), method="nccl", out=out), total)
+    x = xs[me].clone()
+    assert weft.ops.all_reduce(x, method="nccl", out=x) is x and torch.allclose(x, total)
+    assert torch.equal(weft.ops.all_gather(xs[me][:, 1:], method="nccl"), torch.cat([t[:, 1:] for t in xs]))
+    rows = [torch.randn(w * 3, 4, generator=torch.Generator().manual_seed(10 + r)) for r in range(w)]
+    want = torch.stack(rows).sum(0)[me * 3:(me + 1) * 3]
+    torch.testing.assert_close(weft.ops.reduce_scatter(rows[me], method="nccl"), want)
+    inplace = rows[me].clone()
+    got = weft.ops.reduce_scatter(inplace, method="nccl", out=inplace[me * 3:(me + 1) * 3])
+    torch.testing.assert_close(got, want)
+    return True
+
+
+@pytest.mark.parametrize("w", [1, 3])
+def test_the_nccl_method_through_weft(w):
+    assert all(run_ranks(_nccl_paths, w, timeout=TIMEOUT, env=ENV))
