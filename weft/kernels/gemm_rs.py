@@ -353,11 +353,20 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
                    (a_desc, b_desc, recv, out_desc if out_tma else sample, ws.bar, ws.ready, heap, m, n, k),
                    dict(OUT_TMA=out_tma, WORLD=w, **cfg.constexprs(), NUM_PROGRAMS=programs), cfg.num_warps)
 
+    # The chunk GEMMs' launches, made once: a descriptor per send slot (fixed), one for a's rows (swapped
+    # to this call's a chunk by chunk) and b's (shared with the final GEMM).
+    chunk_a = gemm.descriptor(a[:m], (cfg.block_m, cfg.block_k))
+    chunk_out = {c: gemm.descriptor(src, (cfg.block_m, cfg.block_n)) for c, src, _, _ in steps}
+    chunk_launch = None if cublas_chunks or w == 1 else Launch(
+        gemm.matmul_kernel, (programs,), (chunk_a, b_desc, chunk_out[steps[0][0]], m, n, k),
+        dict(**cfg.constexprs(), NUM_PROGRAMS=programs, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize),
+        cfg.num_warps)
+
     def chunk_gemm(a, b_shard, c, dst):
         if cublas_chunks:
             torch.matmul(a[c * m:(c + 1) * m], b_shard, out=dst)
         else:
-            gemm.matmul(a[c * m:(c + 1) * m], b_shard, out=dst, config=cfg)
+            chunk_launch(chunk_a.on(a[c * m:(c + 1) * m]), b_desc.on(b_shard), chunk_out[c], m, n, k)
 
     def push(dst, src, flag):
         """A partial into its owner's recv slot, then the epoch into its ready flag: data first (stream order)."""
