@@ -82,19 +82,35 @@ NCCL_ABOVE = {2: 256 << 10, 8: 256 << 10}
 # -- device ---------------------------------------------------------------------
 
 @triton.jit
+def _at(rows, cols, VEC: tl.constexpr):
+    """rows + cols (2-D), with the host's promise (VEC > 1) that each row's groups of VEC words start 16-byte
+    aligned (the 2-D form of blocks.at: the compiler does not infer it through the row offsets)."""
+    ptrs = rows + cols
+    if VEC > 1:
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [16, 16]), [1, VEC])
+    return ptrs
+
+
+@triton.jit
 def _copy_rows(dst, dst_stride, src, src_stride, lo, hi, row_len, ROWS: tl.constexpr, COLS: tl.constexpr,
                VEC: tl.constexpr):
     """dst[i dst_stride + j] = src[i src_stride + j], rows i in [lo, hi), j in [0, row_len): 2-D tiles of
     ROWS x COLS words. The strides and row_len are multiples of VEC by construction (the callers multiply
-    by VEC), so the compiler sees 16-byte groups and vectorises."""
+    by VEC); whole column blocks are masked by row only, so the compiler sees 16-byte groups and
+    vectorises; the ragged column tail is masked by element."""
+    full = row_len // COLS
     for r in range(lo, hi, ROWS):
         rows = (r + tl.arange(0, ROWS)).to(tl.int64)
-        rmask = rows < hi
-        for c in range(0, tl.cdiv(row_len, COLS)):
-            cols = c * COLS + tl.arange(0, COLS)
-            mask = rmask[:, None] & (cols < row_len)[None, :]
-            v = tl.load(src + rows[:, None] * src_stride + cols[None, :], mask=mask)
-            tl.store(dst + rows[:, None] * dst_stride + cols[None, :], v, mask=mask)
+        rmask = (rows < hi)[:, None]
+        s_rows = src + rows[:, None] * src_stride
+        d_rows = dst + rows[:, None] * dst_stride
+        for c in range(0, full):
+            cols = (c * COLS + tl.arange(0, COLS))[None, :]
+            tl.store(_at(d_rows, cols, VEC), tl.load(_at(s_rows, cols, VEC), mask=rmask), mask=rmask)
+        if full * COLS < row_len:
+            cols = (full * COLS + tl.arange(0, COLS))[None, :]
+            mask = rmask & (cols < row_len)
+            tl.store(d_rows + cols, tl.load(s_rows + cols, mask=mask), mask=mask)
 
 
 @triton.jit(do_not_specialize=["rows", "chunk", "row_v", "src_stride_v", "src_block_v", "dst_stride_v",
@@ -353,7 +369,7 @@ def _a2a_plan(world, x, scatter, packed, method):
     heap = world.heap.descriptor
     gpu = world.device.type == "cuda"
     block = 2048 if gpu else 1024
-    cols = min(block, max(vec, triton.next_power_of_2(row)))
+    cols = min(block, max(vec, 1 << (row.bit_length() - 1)))  # whole column blocks in every row where it can
     consts = dict(ROWS=block // cols, COLS=cols, VEC=vec)
     passes = []
     for lo in range(0, n, most):
