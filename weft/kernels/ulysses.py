@@ -70,8 +70,8 @@ GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_PROGRAMS = 64
 # Flags per sender of qkv_all_to_all (one per output tile of the sender's GEMM) and of all_to_all_o_proj
 # (one per work item): calls with more fall back to the unfused op.
-MAX_TILES = 8192
-MAX_ITEMS = 8192
+MAX_TILES = 65536
+MAX_ITEMS = 65536
 
 # "auto" hands blocks of at least this many bytes per rank to all_to_all_single (NCCL), by world size.
 # Provisional, not yet measured for this op: all_gather's push (the same pattern, one block per peer pair)
