@@ -30,11 +30,12 @@ each incoming tile and copy it into the output. Program p of every rank computes
 waits for exactly those tiles of its peers, so it waits only on program p elsewhere.
 
 all_to_all_o_proj(attn, w_o): attn (W S, H / W, D) head-sharded -> the seq all-to-all -> (S, H D) @ w_o,
-fused: work items are (row block, column group). Item (m, g) first pushes its share (rows g of row block
-m) of my head columns for every rank q into q's receive buffer (S, H D) (half epoch % 2) and signals it
-(a flag per (sender, item)); then it computes output tiles (m, n) for n = g, g + G, ..., with the K loop
-walking the W head-column chunks in arrival order me, me + 1, ..., waiting for chunk r's G flags of row
-block m just before using it. On the cpu backend G = 1, so program p waits only on program p elsewhere.
+fused: work items are (row block, column group). Each program first pushes, for each of its items
+(m, g), its share (rows g of row block m) of my head columns to every rank q, into q's receive buffer
+(S, H D) (half epoch % 2), and signals it (a flag per (sender, item)); then, item by item, it computes the
+output tiles (m, n) for n = g, g + G, ..., with the K loop walking the W head-column chunks in arrival
+order me, me + 1, ..., waiting for chunk r's G flags of row block m just before using it. On the cpu
+backend either G = 1 (program p waits only on program p elsewhere) or one program.
 
 Halves by call parity, no extra handshake (the argument of all_gather's push): in every call of every op of
 the family each pair of ranks exchanges a signal, so rank s writes half e % 2 of rank q in call e only after
@@ -219,8 +220,11 @@ def all_to_all_o_proj_kernel(attn, w, out, buf, flags, counter, heap, S, N, lhd,
                              groups, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
                              COLS: tl.constexpr):
     """out (S, N) = A @ w, A (S, W lhd) the seq all-to-all of attn (W S, lhd): A[s, r lhd + j] = attn_r[me S +
-    s, j]. Item (mb, g): push rows [mb BM + g sub, ...) of my columns to every rank, then the tiles (mb, n),
-    n = g, g + groups, ..., each waiting for chunk r's flags of row block mb before its K steps over chunk r."""
+    s, j]. First every item (mb, g) of this program pushes rows [mb BM + g sub, ...) of my columns to every
+    rank; then each computes the tiles (mb, n), n = g, g + groups, ..., waiting for chunk r's `groups` flags
+    of row block mb before its K steps over chunk r. Pushing first means a program waits only on pushes
+    issued before any wait: on another program of the peers (all resident on a GPU), or, with one program
+    (the cpu backend's choice with several groups), on itself."""
     p = tl.program_id(0)
     programs = tl.num_programs(0)
     me = wl.rank(heap)
@@ -233,15 +237,16 @@ def all_to_all_o_proj_kernel(attn, w, out, buf, flags, counter, heap, S, N, lhd,
     sub = tl.cdiv(BM, groups)
     for item in range(p, items, programs):
         mb = item // groups
-        g = item % groups
-        lo = mb * BM + g * sub
+        lo = mb * BM + (item % groups) * sub
         hi = tl.minimum(tl.minimum(lo + sub, mb * BM + BM), S)
         for step in range(world):
             q = (me + step) % world
             _copy_rows(wl.symm_at(half + me * lhd, q, heap), hd, attn + q.to(tl.int64) * S * lhd, lhd, lo, hi, lhd,
                        ROWS, COLS, 1)
             wl.notify(flags + me * max_items + item, q, heap, epoch)
-        for nb in range(g, num_n, groups):
+    for item in range(p, items, programs):
+        mb = item // groups
+        for nb in range(item % groups, num_n, groups):
             acc = tl.zeros([BM, BN], tl.float32)
             for step in range(world):
                 r = (me + step) % world
@@ -531,10 +536,16 @@ def _o_plan(world, attn, w_o, method):
     ws = _workspace(world) if method != "unfused" and s * n * lhd else None
     num_m = triton.cdiv(s, bm)
     gpu = world.device.type == "cuda"
-    # Column groups per row block: enough items to fill the GPU when row blocks are few. On the cpu backend
-    # one, so that a program waits only on the same program of its peers (the interpreter runs a grid's
-    # programs one after another).
-    groups = max(1, min(gemm.num_sms(world.device) // max(1, num_m), triton.cdiv(n, bn), bm)) if gpu else 1
+    # Column groups per row block: enough items to fill the GPU when row blocks are few. The interpreter runs
+    # a grid's programs one after another, so a program may wait only on the same program of its peers:
+    # there, several programs with one group each where there are several row blocks, else one program
+    # with two groups (the GPU's arrangement, in one program).
+    if gpu:
+        groups = max(1, min(gemm.num_sms(world.device) // max(1, num_m), triton.cdiv(n, bn), bm))
+        programs = _programs(num_m * groups, world.device)
+    else:
+        groups = 1 if num_m > 1 else min(2, triton.cdiv(n, bn))
+        programs = min(2, num_m)
     refusal = None
     if ws and s * w * lhd * attn.element_size() > ws.half_bytes:
         refusal = (f"the local (seq, heads * head_dim) input ({s * w * lhd * attn.element_size()} bytes) exceeds "
@@ -552,7 +563,6 @@ def _o_plan(world, attn, w_o, method):
     heap = world.heap.descriptor
     cols = triton.next_power_of_2(lhd)
     rows = max(1, (4096 if gpu else 1024) // cols)
-    programs = _programs(num_m * groups, world.device)
 
     def args(attn, w_o, out):
         return (attn, w_o, out, buf, ws.o_flags, ws.counter, heap, s, n, lhd, w_o.stride(0), w_o.stride(1),
