@@ -55,7 +55,7 @@ def test_all_to_all_cuda_graph_replay():
         assert torch.equal(outs[-1], x)
 
 
-@pytest.mark.parametrize("s", [128, 1000, 2048])
+@pytest.mark.parametrize("s", [128, 1000, 2048, 6000])  # 6000: QKV in 3 passes of the default workspace
 def test_fused_projections(s):
     w = weft.world()
     gen = torch.Generator(device=w.device).manual_seed(5)  # the same weights everywhere

@@ -92,6 +92,18 @@ def _passes_and_rejections():
     rejects(lambda: weft.ops.ulysses_all_to_all(wide[me], method="push"), ValueError, "workspace slot", [wide[me]])
     assert bits(weft.ops.ulysses_all_to_all(wide[me])).equal(bits(_heads_ref(wide, me, w)))
     assert weft.world().heap.used == used
+    # The fused QKV projection in passes (a 2 KiB half holds 2 rows of 768 bytes: 3 passes), and with one
+    # output row larger than a half: fused refuses, auto falls back.
+    g = torch.Generator().manual_seed(3)
+    for d in (16, 48):
+        x = [torch.randn(5, 8, generator=g) for _ in range(w)]
+        w_qkv = torch.randn(8, 3 * 2 * w * d, generator=g)
+        ref = _heads_ref([(xr @ w_qkv).view(5, 3, 2 * w, d) for xr in x], me, w)
+        if d == 48:
+            rejects(lambda: weft.ops.qkv_all_to_all(x[me], w_qkv, 2 * w, method="fused"), ValueError,
+                    "exceeds half the workspace", [])
+        got = weft.ops.qkv_all_to_all(x[me], w_qkv, 2 * w, method="fused" if d == 16 else "auto")
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
     if w > 1:
         odd = torch.randn(4, 2 * w + 1, 16)
         rejects(lambda: weft.ops.ulysses_all_to_all(odd), ValueError, "x has", [odd])

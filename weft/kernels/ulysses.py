@@ -24,7 +24,8 @@ method="nccl" is torch.distributed.all_to_all_single with the permutes that make
 
 qkv_all_to_all(x, w_qkv, heads): x (S, hidden) @ w_qkv (hidden, 3 H D) then the heads all-to-all, fused:
 a persistent GEMM whose output tiles (BLOCK_N columns dividing H / W * D, so every tile has one owner rank)
-are stored straight into the owner's receive buffer (W S, 3 H / W D) (half epoch % 2) and signalled one by
+are stored straight into the owner's receive buffer (W S, 3 H / W D) (half epoch % 2; for a pass of rows
+of x, W rows of it) and signalled one by
 one (a flag per (sender, tile), set to the epoch); the owner's programs, after their own tiles, wait for
 each incoming tile and copy it into the output. Program p of every rank computes tiles p, p + P, ... and
 waits for exactly those tiles of its peers, so it waits only on program p elsewhere.
@@ -43,9 +44,10 @@ its call e - 1 saw a signal of q's call e - 1, which q sent after its call e - 2
 half, completed. Each op keeps its own flags (a flag index always belongs to one sender), so a flag can
 only hold an epoch of that op and sender; one epoch counter serves the family.
 
-The fused ops fall back to the unfused ones (torch.matmul + ulysses_all_to_all) where their constraints
-fail: the receive buffer larger than a half of the workspace, too many tiles for the flags, head columns
-(H / W * D) not a multiple of 16.
+qkv_all_to_all goes through in passes of as many rows as a half holds (one launch and epoch each). The fused
+ops fall back to the unfused ones (torch.matmul + ulysses_all_to_all) where their constraints fail: for QKV
+head columns (H / W * D) not a multiple of 16 or one output row beyond a half; for O the receive buffer
+(S, H D) beyond a half or too many items for the flags.
 """
 from __future__ import annotations
 
@@ -168,12 +170,14 @@ def _tile_mm(a, b, off_m, off_n, M, N, K, sa0, sa1, sb0, sb1, BM: tl.constexpr, 
     return acc
 
 
-@triton.jit(do_not_specialize=["S", "half_len", "max_tiles"])
-def qkv_all_to_all_kernel(x, w, out, buf, flags, counter, heap, S, K, N, hd, lhd, sx0, sx1, sw0, sw1, half_len,
+@triton.jit(do_not_specialize=["rows", "S", "half_len", "max_tiles"])
+def qkv_all_to_all_kernel(x, w, out, buf, flags, counter, heap, rows, S, K, N, hd, lhd, sx0, sx1, sw0, sw1, half_len,
                           max_tiles, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """y = x @ w (S, N = 3 hd), tile by tile; tile columns [n0, n0 + BN) are part n0 // hd (q, k or v), heads
-    of owner q = (n0 % hd) // lhd, and land in q's rows [me S, (me + 1) S) at column part lhd + n0 % hd - q
-    lhd of its (W S, 3 lhd) output: mine straight into `out`, the others' into their receive buffers."""
+    """y = x @ w (rows, N = 3 hd), tile by tile: a pass over `rows` of this rank's S tokens, `x` and `out`
+    starting at the pass's first row. Tile columns [n0, n0 + BN) are part n0 // hd (q, k or v), heads of
+    owner q = (n0 % hd) // lhd, column part lhd + n0 % hd - q lhd of the (W S, 3 lhd) output, rows me S +
+    ...: mine straight into `out`; the others' into rows me rows + ... of their receive buffers (W rows,
+    3 lhd), which they copy to their `out`."""
     p = tl.program_id(0)
     programs = tl.num_programs(0)
     me = wl.rank(heap)
@@ -182,22 +186,22 @@ def qkv_all_to_all_kernel(x, w, out, buf, flags, counter, heap, S, K, N, hd, lhd
     half = buf + (epoch % 2) * half_len
     width = 3 * lhd  # a row of the head-sharded output
     num_n = N // BN
-    tiles = tl.cdiv(S, BM) * num_n
+    tiles = tl.cdiv(rows, BM) * num_n
     rb = tl.arange(0, BM)
     cb = tl.arange(0, BN)
     for t in range(p, tiles, programs):
         mb = t // num_n
         n0 = (t % num_n) * BN
-        acc = _tile_mm(x, w, mb * BM, n0, S, N, K, sx0, sx1, sw0, sw1, BM, BN, BK)
+        acc = _tile_mm(x, w, mb * BM, n0, rows, N, K, sx0, sx1, sw0, sw1, BM, BN, BK)
         q = (n0 % hd) // lhd
         col = (n0 // hd) * lhd + n0 % hd - q * lhd
-        rows = mb * BM + rb
-        offs = (me * S + rows)[:, None].to(tl.int64) * width + (col + cb)[None, :]
-        mask = (rows < S)[:, None]
+        r = mb * BM + rb
+        mask = (r < rows)[:, None]
         val = cast(acc, out.dtype.element_ty)
         if q == me:
-            tl.store(out + offs, val, mask=mask)
+            tl.store(out + (me * S + r)[:, None].to(tl.int64) * width + (col + cb)[None, :], val, mask=mask)
         else:
+            offs = (me * rows + r)[:, None].to(tl.int64) * width + (col + cb)[None, :]
             tl.store(wl.symm_at(half, q, heap) + offs, val, mask=mask)
             wl.notify(flags + me * max_tiles + t, q, heap, epoch)
     for t in range(p, tiles, programs):
@@ -205,14 +209,15 @@ def qkv_all_to_all_kernel(x, w, out, buf, flags, counter, heap, S, K, N, hd, lhd
         n0 = (t % num_n) * BN
         if (n0 % hd) // lhd == me:  # my heads: every other rank sends me its tile t
             col = (n0 // hd) * lhd + n0 % hd - me * lhd
-            rows = mb * BM + rb
-            mask = (rows < S)[:, None]
+            r = mb * BM + rb
+            mask = (r < rows)[:, None]
             for step in range(1, world):
-                r = (me + step) % world
-                token = wl.wait(flags + r * max_tiles + t, 1, epoch, wl.CMP_GE, heap=heap, peer=r,
+                src = (me + step) % world
+                token = wl.wait(flags + src * max_tiles + t, 1, epoch, wl.CMP_GE, heap=heap, peer=src,
                                 op="qkv_all_to_all")
-                offs = (r * S + rows)[:, None].to(tl.int64) * width + (col + cb)[None, :]
-                tl.store(out + offs, tl.load(wl.consume_token(half, token) + offs, mask=mask), mask=mask)
+                v = tl.load(wl.consume_token(half, token) + (src * rows + r)[:, None].to(tl.int64) * width
+                            + (col + cb)[None, :], mask=mask)
+                tl.store(out + (src * S + r)[:, None].to(tl.int64) * width + (col + cb)[None, :], v, mask=mask)
 
 
 @triton.jit(do_not_specialize=["S", "half_len", "max_items", "groups"])
@@ -439,8 +444,8 @@ def qkv_all_to_all(x: torch.Tensor, w_qkv: torch.Tensor, heads: int, method: str
     ulysses_all_to_all(packed=True). Returns (W S, 3, heads / W, D) in x's dtype. Collective.
 
     x (S, hidden), w_qkv (hidden, 3 heads D) with columns [q heads | k heads | v heads]; bf16, fp16, fp32.
-    method: "fused" (output tiles pushed to their head owner as they are computed; needs heads / W * D a
-    multiple of 16 and the local output within half the workspace), "unfused" (torch.matmul, then
+    method: "fused" (output tiles pushed to their head owner as they are computed, in passes of as many
+    rows as half the workspace holds; needs heads / W * D a multiple of 16), "unfused" (torch.matmul, then
     ulysses_all_to_all), "auto" (fused where it can take the call).
     """
     world = world_or_raise()
@@ -467,14 +472,17 @@ def _qkv_plan(world, x, w_qkv, heads, method):
     bm, bn, bk, warps = _gemm_blocks(world.device)
     bn = next((b for b in (bn, 64, 32, 16) if b <= bn and lhd % b == 0), None)
     ws = _workspace(world) if method != "unfused" and s else None
-    refusal = None
+    refusal, most = None, 0
     if bn is None:
         refusal = f"heads / world_size * head_dim = {lhd} is not a multiple of 16"
-    elif ws and s * n * x.element_size() > ws.half_bytes:
-        refusal = (f"the local QKV output ({s * n * x.element_size()} bytes) exceeds half the workspace "
-                   f"({ws.half_bytes} bytes; raise WEFT_WORKSPACE_BYTES)")
-    elif triton.cdiv(s, bm) * (n // bn) > MAX_TILES:
-        refusal = f"more than {MAX_TILES} output tiles"
+    elif ws:
+        # Rows per pass: the pass's output, W rows x 3 lhd per rank = rows x n, within a half; whole row
+        # blocks where possible; at most MAX_TILES tiles.
+        most = ws.half_bytes // (n * x.element_size())
+        most = min(most // bm * bm if most >= bm else most, MAX_TILES // (n // bn) * bm)
+        if most == 0:
+            refusal = (f"a row of the QKV output ({n * x.element_size()} bytes) exceeds half the workspace "
+                       f"({ws.half_bytes} bytes; raise WEFT_WORKSPACE_BYTES)")
     if method == "fused" and refusal:
         raise ValueError(f"method='fused' cannot take this call: {refusal}")
     if method == "unfused" or refusal or s == 0:
@@ -484,18 +492,23 @@ def _qkv_plan(world, x, w_qkv, heads, method):
 
     buf, half_len = ws.data_as(x.dtype)
     heap = world.heap.descriptor
-    programs = _programs(triton.cdiv(s, bm) * (n // bn), world.device)
+    width = 3 * lhd
 
-    def args(x, w_qkv, out):
-        return (x, w_qkv, out, buf, ws.qkv_flags, ws.counter, heap, s, k, n, heads * d, lhd, x.stride(0),
-                x.stride(1), w_qkv.stride(0), w_qkv.stride(1), half_len, MAX_TILES)
-    launch = Launch(qkv_all_to_all_kernel, (programs,), args(x, w_qkv, torch.empty(shape, dtype=x.dtype,
-                                                                                   device=x.device)),
-                    dict(BM=bm, BN=bn, BK=bk), warps)
+    def args(x, w_qkv, out, lo, rows):
+        return (x[lo:], w_qkv, out.view(w * s, width)[lo:], buf, ws.qkv_flags, ws.counter, heap, rows, s, k, n,
+                heads * d, lhd, x.stride(0), x.stride(1), w_qkv.stride(0), w_qkv.stride(1), half_len, MAX_TILES)
+    sample = torch.empty(shape, dtype=x.dtype, device=x.device)
+    passes = []
+    for lo in range(0, s, most):
+        rows = min(most, s - lo)
+        programs = _programs(triton.cdiv(rows, bm) * (n // bn), world.device)
+        passes.append((lo, rows, Launch(qkv_all_to_all_kernel, (programs,), args(x, w_qkv, sample, lo, rows),
+                                        dict(BM=bm, BN=bn, BK=bk), warps)))
 
     def run(x, w_qkv):
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
-        launch(*args(x, w_qkv, out))
+        for lo, rows, launch in passes:
+            launch(*args(x, w_qkv, out, lo, rows))
         return out
     return run
 
@@ -583,8 +596,8 @@ def _o_plan(world, attn, w_o, method):
 _A2A_SIG = dict(x=None, buf=None, out=None, flags="*i32", counter="*i64", heap="*i64", rows="i32", chunk="i32",
                 row_v="i32", src_stride_v="i32", src_block_v="i32", dst_stride_v="i32", dst_block_v="i32",
                 slot_v="i32", half_v="i32")
-_QKV_SIG = dict(x=None, w=None, out=None, buf=None, flags="*i32", counter="*i64", heap="*i64", S="i32", K="i32",
-                N="i32", hd="i32", lhd="i32", sx0="i32", sx1="i32", sw0="i32", sw1="i32", half_len="i32",
+_QKV_SIG = dict(x=None, w=None, out=None, buf=None, flags="*i32", counter="*i64", heap="*i64", rows="i32", S="i32",
+                K="i32", N="i32", hd="i32", lhd="i32", sx0="i32", sx1="i32", sw0="i32", sw1="i32", half_len="i32",
                 max_tiles="i32")
 _O_SIG = dict(attn=None, w=None, out=None, buf=None, flags="*i32", counter="*i64", heap="*i64", S="i32", N="i32",
               lhd="i32", sw0="i32", sw1="i32", half_len="i32", max_items="i32", groups="i32")
