@@ -104,6 +104,17 @@ def _passes_and_rejections():
                     "exceeds half the workspace", [])
         got = weft.ops.qkv_all_to_all(x[me], w_qkv, 2 * w, method="fused" if d == 16 else "auto")
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+    # The fused O projection in passes (8 tokens of 2 x 128 bytes of heads per pass: 3 passes), and with one
+    # token's heads larger than a half: fused refuses, auto falls back.
+    for d in (16, 512):
+        attn = [torch.randn(w * 20, 2, d, generator=g) for _ in range(w)]
+        w_o = torch.randn(2 * w * d, 8, generator=g)
+        ref = _seq_ref(attn, me, w).reshape(20, -1) @ w_o
+        if d == 512:
+            rejects(lambda: weft.ops.all_to_all_o_proj(attn[me], w_o, method="fused"), ValueError,
+                    "exceed half the workspace", [])
+        got = weft.ops.all_to_all_o_proj(attn[me], w_o, method="fused" if d == 16 else "auto")
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
     if w > 1:
         odd = torch.randn(4, 2 * w + 1, 16)
         rejects(lambda: weft.ops.ulysses_all_to_all(odd), ValueError, "x has", [odd])

@@ -9,8 +9,8 @@ At --tokens global tokens (rank r holding the r-th slice), --heads x 128 head di
 - O: weft all_to_all_o_proj (fused: arriving row blocks feed the GEMM) against all_to_all_single +
   torch.matmul.
 Cells are the slowest rank's µs per call; bandwidth is bytes sent per rank per second (the projections:
-their all-to-all's bytes). A fused op that cannot take a size (all_to_all_o_proj: its receive
-buffer, this rank's (tokens, heads x 128), beyond half of WEFT_WORKSPACE_BYTES) is reported and left out.
+their all-to-all's bytes). The fused ops go through the default workspace in passes of tokens; one that
+refuses a size (a token's row beyond half the workspace) is reported and left out.
 """
 from __future__ import annotations
 

@@ -44,10 +44,9 @@ its call e - 1 saw a signal of q's call e - 1, which q sent after its call e - 2
 half, completed. Each op keeps its own flags (a flag index always belongs to one sender), so a flag can
 only hold an epoch of that op and sender; one epoch counter serves the family.
 
-qkv_all_to_all goes through in passes of as many rows as a half holds (one launch and epoch each). The fused
-ops fall back to the unfused ones (torch.matmul + ulysses_all_to_all) where their constraints fail: for QKV
-head columns (H / W * D) not a multiple of 16 or one output row beyond a half; for O the receive buffer
-(S, H D) beyond a half or too many items for the flags.
+Both fused ops go through in passes of as many tokens as a half holds (one launch and epoch each). They
+fall back to the unfused ones (torch.matmul + ulysses_all_to_all) where their constraints fail: one token's
+output (QKV) or heads (O) beyond a half, and for QKV head columns (H / W * D) not a multiple of 16.
 """
 from __future__ import annotations
 
@@ -220,12 +219,13 @@ def qkv_all_to_all_kernel(x, w, out, buf, flags, counter, heap, rows, S, K, N, h
                 tl.store(out + (src * S + r)[:, None].to(tl.int64) * width + (col + cb)[None, :], v, mask=mask)
 
 
-@triton.jit(do_not_specialize=["S", "half_len", "max_items", "groups"])
-def all_to_all_o_proj_kernel(attn, w, out, buf, flags, counter, heap, S, N, lhd, sw0, sw1, half_len, max_items,
-                             groups, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
+@triton.jit(do_not_specialize=["rows", "S", "half_len", "max_items", "groups"])
+def all_to_all_o_proj_kernel(attn, w, out, buf, flags, counter, heap, rows, S, N, lhd, sw0, sw1, half_len,
+                             max_items, groups, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
                              COLS: tl.constexpr):
     """out (S, N) = A @ w, A (S, W lhd) the seq all-to-all of attn (W S, lhd): A[s, r lhd + j] = attn_r[me S +
-    s, j]. First every item (mb, g) of this program pushes rows [mb BM + g sub, ...) of my columns to every
+    s, j]; a pass over `rows` of the S tokens, `attn` and `out` starting at the pass's first token (the
+    receive buffer holds the pass's (rows, W lhd)). First every item (mb, g) of this program pushes rows [mb BM + g sub, ...) of my columns to every
     rank; then each computes the tiles (mb, n), n = g, g + groups, ..., waiting for chunk r's `groups` flags
     of row block mb before its K steps over chunk r. Pushing first means a program waits only on pushes
     issued before any wait: on another program of the peers (all resident on a GPU), or, with one program
@@ -238,12 +238,12 @@ def all_to_all_o_proj_kernel(attn, w, out, buf, flags, counter, heap, S, N, lhd,
     half = buf + (epoch % 2) * half_len
     hd = world * lhd
     num_n = tl.cdiv(N, BN)
-    items = tl.cdiv(S, BM) * groups
+    items = tl.cdiv(rows, BM) * groups
     sub = tl.cdiv(BM, groups)
     for item in range(p, items, programs):
         mb = item // groups
         lo = mb * BM + (item % groups) * sub
-        hi = tl.minimum(tl.minimum(lo + sub, mb * BM + BM), S)
+        hi = tl.minimum(tl.minimum(lo + sub, mb * BM + BM), rows)
         for step in range(world):
             q = (me + step) % world
             _copy_rows(wl.symm_at(half + me * lhd, q, heap), hd, attn + q.to(tl.int64) * S * lhd, lhd, lo, hi, lhd,
@@ -258,12 +258,12 @@ def all_to_all_o_proj_kernel(attn, w, out, buf, flags, counter, heap, S, N, lhd,
                 token = wl.wait(flags + r * max_items + mb * groups, groups, epoch, wl.CMP_GE, heap=heap, peer=r,
                                 op="all_to_all_o_proj")
                 a = wl.consume_token(half, token) + r * lhd
-                acc += _tile_mm(a, w + r.to(tl.int64) * lhd * sw0, mb * BM, nb * BN, S, N, lhd, hd, 1, sw0, sw1,
+                acc += _tile_mm(a, w + r.to(tl.int64) * lhd * sw0, mb * BM, nb * BN, rows, N, lhd, hd, 1, sw0, sw1,
                                 BM, BN, BK)
-            rows = mb * BM + tl.arange(0, BM)
+            rs = mb * BM + tl.arange(0, BM)
             cols = nb * BN + tl.arange(0, BN)
-            tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], cast(acc, out.dtype.element_ty),
-                     mask=(rows < S)[:, None] & (cols < N)[None, :])
+            tl.store(out + rs[:, None].to(tl.int64) * N + cols[None, :], cast(acc, out.dtype.element_ty),
+                     mask=(rs < rows)[:, None] & (cols < N)[None, :])
 
 
 # -- workspace --------------------------------------------------------------------
@@ -518,9 +518,9 @@ def all_to_all_o_proj(attn: torch.Tensor, w_o: torch.Tensor, method: str = "auto
     times w_o. Returns (S, hidden) in attn's dtype. Collective.
 
     attn (W S, H / W, D) (this rank's heads of every token), w_o (H D, hidden); bf16, fp16, fp32.
-    method: "fused" (each arriving row block of head columns feeds the GEMM tiles that wait for it; needs
-    the local (S, H D) within half the workspace), "unfused" (ulysses_all_to_all, then torch.matmul),
-    "auto" (fused where it can take the call).
+    method: "fused" (each arriving row block of head columns feeds the GEMM tiles that wait for it; in
+    passes of as many tokens as half the workspace holds), "unfused" (ulysses_all_to_all, then
+    torch.matmul), "auto" (fused where it can take the call).
     """
     world = world_or_raise()
     found = plan(world, lambda: ("all_to_all_o_proj", signature(attn), signature(w_o), w_o.stride(), method),
@@ -547,27 +547,14 @@ def _o_plan(world, attn, w_o, method):
     attn_contig = attn.is_contiguous()
     bm, bn, bk, warps = _gemm_blocks(world.device)
     ws = _workspace(world) if method != "unfused" and s * n * lhd else None
-    num_m = triton.cdiv(s, bm)
     gpu = world.device.type == "cuda"
-    # Column groups per row block: enough items to fill the GPU when row blocks are few. The interpreter runs
-    # a grid's programs one after another, so a program may wait only on the same program of its peers:
-    # there, several programs with one group each where there are several row blocks, else one program
-    # with two groups (the GPU's arrangement, in one program).
-    if gpu:
-        groups = max(1, min(gemm.num_sms(world.device) // max(1, num_m), triton.cdiv(n, bn), bm))
-        programs = _programs(num_m * groups, world.device)
-    else:
-        groups = 1 if num_m > 1 else min(2, triton.cdiv(n, bn))
-        programs = min(2, num_m)
-    refusal = None
-    if ws and s * w * lhd * attn.element_size() > ws.half_bytes:
-        refusal = (f"the local (seq, heads * head_dim) input ({s * w * lhd * attn.element_size()} bytes) exceeds "
-                   f"half the workspace ({ws.half_bytes} bytes; raise WEFT_WORKSPACE_BYTES)")
-    elif num_m * groups > MAX_ITEMS:
-        refusal = f"more than {MAX_ITEMS} row blocks"
-    if method == "fused" and refusal:
-        raise ValueError(f"method='fused' cannot take this call: {refusal}")
-    if method == "unfused" or refusal or ws is None:
+    # Tokens per pass: the pass's received (rows, W lhd) within a half; whole row blocks where possible.
+    most = ws.half_bytes // (w * lhd * attn.element_size()) if ws else 0
+    most = min(most // bm * bm if most >= bm else most, MAX_ITEMS // bm * bm)
+    if method == "fused" and ws and most == 0:
+        raise ValueError(f"method='fused' cannot take this call: a token's heads ({w * lhd * attn.element_size()} "
+                         f"bytes) exceed half the workspace ({ws.half_bytes} bytes; raise WEFT_WORKSPACE_BYTES)")
+    if method == "unfused" or not most:
         def run(attn, w_o):
             return torch.matmul(ulysses_all_to_all(attn, scatter="seq").view(s, w * lhd), w_o)
         return run
@@ -575,19 +562,36 @@ def _o_plan(world, attn, w_o, method):
     buf, half_len = ws.data_as(attn.dtype)
     heap = world.heap.descriptor
     cols = triton.next_power_of_2(lhd)
-    rows = max(1, (4096 if gpu else 1024) // cols)
+    copy_rows = max(1, (4096 if gpu else 1024) // cols)
 
-    def args(attn, w_o, out):
-        return (attn, w_o, out, buf, ws.o_flags, ws.counter, heap, s, n, lhd, w_o.stride(0), w_o.stride(1),
-                half_len, MAX_ITEMS, groups)
-    sample = attn if attn_contig else attn.contiguous()
-    launch = Launch(all_to_all_o_proj_kernel, (programs,),
-                    args(sample, w_o, torch.empty((s, n), dtype=attn.dtype, device=attn.device)),
-                    dict(BM=bm, BN=bn, BK=bk, ROWS=rows, COLS=cols), warps)
+    def args(attn, w_o, out, lo, rows, groups):
+        return (attn[lo:], w_o, out[lo:], buf, ws.o_flags, ws.counter, heap, rows, s, n, lhd, w_o.stride(0),
+                w_o.stride(1), half_len, MAX_ITEMS, groups)
+    sample = (attn if attn_contig else attn.contiguous()).view(w * s, lhd)
+    out_sample = torch.empty((s, n), dtype=attn.dtype, device=attn.device)
+    passes = []
+    for lo in range(0, s, most):
+        rows = min(most, s - lo)
+        num_m = triton.cdiv(rows, bm)
+        # Column groups per row block: enough items to fill the GPU when row blocks are few (at most
+        # MAX_ITEMS). The interpreter runs a grid's programs one after another, so a program may wait only
+        # on the same program of its peers: there, several programs with one group each where there are
+        # several row blocks, else one program with two groups (the GPU's arrangement, in one program).
+        if gpu:
+            groups = max(1, min(gemm.num_sms(world.device) // num_m, triton.cdiv(n, bn), bm, MAX_ITEMS // num_m))
+            programs = _programs(num_m * groups, world.device)
+        else:
+            groups = 1 if num_m > 1 else min(2, triton.cdiv(n, bn))
+            programs = min(2, num_m)
+        passes.append((lo, rows, groups, Launch(all_to_all_o_proj_kernel, (programs,),
+                                                args(sample, w_o, out_sample, lo, rows, groups),
+                                                dict(BM=bm, BN=bn, BK=bk, ROWS=copy_rows, COLS=cols), warps)))
 
     def run(attn, w_o):
         out = torch.empty((s, n), dtype=attn.dtype, device=attn.device)
-        launch(*args(attn if attn_contig else attn.contiguous(), w_o, out))
+        a = (attn if attn_contig else attn.contiguous()).view(w * s, lhd)
+        for lo, rows, groups, launch in passes:
+            launch(*args(a, w_o, out, lo, rows, groups))
         return out
     return run
 
@@ -599,8 +603,8 @@ _A2A_SIG = dict(x=None, buf=None, out=None, flags="*i32", counter="*i64", heap="
 _QKV_SIG = dict(x=None, w=None, out=None, buf=None, flags="*i32", counter="*i64", heap="*i64", rows="i32", S="i32",
                 K="i32", N="i32", hd="i32", lhd="i32", sx0="i32", sx1="i32", sw0="i32", sw1="i32", half_len="i32",
                 max_tiles="i32")
-_O_SIG = dict(attn=None, w=None, out=None, buf=None, flags="*i32", counter="*i64", heap="*i64", S="i32", N="i32",
-              lhd="i32", sw0="i32", sw1="i32", half_len="i32", max_items="i32", groups="i32")
+_O_SIG = dict(attn=None, w=None, out=None, buf=None, flags="*i32", counter="*i64", heap="*i64", rows="i32", S="i32",
+              N="i32", lhd="i32", sw0="i32", sw1="i32", half_len="i32", max_items="i32", groups="i32")
 COMPILE_CASES = [
     (ulysses_all_to_all_kernel, {**_A2A_SIG, "x": t, "buf": t, "out": t}, dict(ROWS=r, COLS=2048 // r, VEC=v),
      dict(num_warps=8))
