@@ -6,7 +6,8 @@
 #     quick: GPU tests on 2 and all GPUs, tutorials;  reductions: allgather, allreduce, reducescatter to
 #     256 MiB, CUDA-graph and eager views;  gemm: the overlapped-GEMM suite;  overhead: host and eager µs
 #     per call of every op against NCCL and torch's symm_mem ops;  attention: flash_decode / sp_flash_decode
-#     GPU tests and bench on 1, 2 and all GPUs
+#     GPU tests and bench on 1, 2 and all GPUs, Ulysses (all-to-all, fused QKV / O projections, layers) GPU
+#     tests and bench on 2 and all GPUs
 # WEFT_COMMIT names the commit in the log where the tree was copied without its git history.
 # Logs and bench JSON/markdown/PNG end up packed in $OUT/weft_results.tar.gz (*.log, bench/).
 set -uo pipefail
@@ -70,6 +71,11 @@ if has attention; then
   done
   step bench_attention_1 timeout 300 python3 -m weft bench -n 1 attention --out "$OUT/bench"
   step bench_attention_sp_2 timeout 200 python3 -m weft bench -n 2 attention --ops sp --out "$OUT/bench"
+  for n in $(printf '%s\n' 2 "$NGPU" | sort -nu); do
+    [ "$n" -le "$NGPU" ] || continue
+    step "gpu_ulysses_tests_$n" timeout 300 python3 -m weft run -n "$n" -m pytest tests/test_gpu_ulysses.py -m gpu -q -x -p no:cacheprovider
+    step "bench_ulysses_$n" timeout 300 python3 -m weft bench -n "$n" ulysses --out "$OUT/bench"
+  done
 fi
 cat "$OUT"/bench/*.md 2>/dev/null
 # One archive instead of many files: the device tool brings back only a few files per call.

@@ -1,0 +1,620 @@
+"""Ulysses sequence parallelism: the all-to-all between sequence-sharded and head-sharded attention tensors,
+and its fusions with the QKV and O projections.
+
+ulysses_all_to_all(x, scatter="heads"): x (S, H, D) on every rank, rank r holding tokens [r S, (r + 1) S)
+of the sequence, becomes (W S, H / W, D), rank q holding heads [q H / W, (q + 1) H / W) of every token:
+    out_q[r S + s, h] = x_r[s, q H / W + h].
+scatter="seq" is the inverse, (W S, H / W, D) -> (S, H, D). packed=True takes q, k and v in one tensor
+(S, 3, H, D) <-> (W S, 3, H / W, D).
+
+In both directions rank me sends rank q a block of S * P rows (P = 3 packed, else 1) of L = H / W * D
+elements: heads: row (s, p) of x at heads [q H / W, ...), into rows [me S, (me + 1) S) of q's output, which
+are contiguous; seq: rows [q S, (q + 1) S) of x, contiguous, into head columns [me H / W, ...) of every row
+of q's output. The kernel is generic over that: per peer, rows at a source stride and block offset, to rows
+at a destination stride and block offset; data moves as integer words (bit-exact, any dtype).
+
+Push through one workspace per family (`UlyssesWorkspace`), as all_gather's push: program (p, i) pairs me
+with q = (i - me) mod W, and q's program (p, i) pairs back. It writes its share of rows of my block for q
+into slot [me] of q's data region (half epoch % 2), signals q, waits for q's block in my slot [q], and copies
+it into my output at its place; the block for myself goes straight from x to out. Rows that do not fit a
+slot (workspace / 2 / W) go through in passes, one launch and one epoch each. A single row larger than a
+slot cannot, and then "auto" takes method="nccl" (an explicit "push" raises).
+
+method="nccl" is torch.distributed.all_to_all_single with the permutes that make the blocks contiguous.
+
+qkv_all_to_all(x, w_qkv, heads): x (S, hidden) @ w_qkv (hidden, 3 H D) then the heads all-to-all, fused:
+a persistent GEMM whose output tiles (BLOCK_N columns dividing H / W * D, so every tile has one owner rank)
+are stored straight into the owner's receive buffer (W S, 3 H / W D) (half epoch % 2; for a pass of rows
+of x, W rows of it) and signalled one by
+one (a flag per (sender, tile), set to the epoch); the owner's programs, after their own tiles, wait for
+each incoming tile and copy it into the output. Program p of every rank computes tiles p, p + P, ... and
+waits for exactly those tiles of its peers, so it waits only on program p elsewhere.
+
+all_to_all_o_proj(attn, w_o): attn (W S, H / W, D) head-sharded -> the seq all-to-all -> (S, H D) @ w_o,
+fused: work items are (row block, column group). Each program first pushes, for each of its items
+(m, g), its share (rows g of row block m) of my head columns to every rank q, into q's receive buffer
+(S, H D) (half epoch % 2), and signals it (a flag per (sender, item)); then, item by item, it computes the
+output tiles (m, n) for n = g, g + G, ..., with the K loop walking the W head-column chunks in arrival
+order me, me + 1, ..., waiting for chunk r's G flags of row block m just before using it. On the cpu
+backend either G = 1 (program p waits only on program p elsewhere) or one program.
+
+Halves by call parity, no extra handshake (the argument of all_gather's push): in every call of every op of
+the family each pair of ranks exchanges a signal, so rank s writes half e % 2 of rank q in call e only after
+its call e - 1 saw a signal of q's call e - 1, which q sent after its call e - 2, the last reader of that
+half, completed. Each op keeps its own flags (a flag index always belongs to one sender), so a flag can
+only hold an epoch of that op and sender; one epoch counter serves the family.
+
+Both fused ops go through in passes of as many tokens as a half holds (one launch and epoch each). They
+fall back to the unfused ones (torch.matmul + ulysses_all_to_all) where their constraints fail: one token's
+output (QKV) or heads (O) beyond a half, and for QKV head columns (H / W * D) not a multiple of 16.
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+import weft.language as wl
+
+from . import gemm
+from .blocks import cast
+from .common import Launch, check_method, check_tensor, nccl_from, plan, signature, workspace, world_or_raise
+
+METHODS = ("auto", "push", "nccl")
+FUSED_METHODS = ("auto", "fused", "unfused")
+SCATTERS = ("heads", "seq")
+GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Program slots of the all-to-all flags (the most programs per peer the launch rule uses).
+MAX_PROGRAMS = 64
+# Flags per sender of qkv_all_to_all (one per output tile of the sender's GEMM) and of all_to_all_o_proj
+# (one per work item): calls with more fall back to the unfused op.
+MAX_TILES = 65536
+MAX_ITEMS = 65536
+
+# "auto" hands blocks of at least this many bytes per rank to all_to_all_single (NCCL), by world size.
+# Provisional, not yet measured for this op: all_gather's push (the same pattern, one block per peer pair)
+# measured ahead of NCCL to ~128 KiB into a plain output on 2 H200s (all_gather.py).
+NCCL_ABOVE = {2: 256 << 10, 8: 256 << 10}
+
+
+# -- device ---------------------------------------------------------------------
+
+@triton.jit
+def _at(rows, cols, VEC: tl.constexpr):
+    """rows + cols (2-D), with the host's promise (VEC > 1) that each row's groups of VEC words start 16-byte
+    aligned (the 2-D form of blocks.at: the compiler does not infer it through the row offsets)."""
+    ptrs = rows + cols
+    if VEC > 1:
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [16, 16]), [1, VEC])
+    return ptrs
+
+
+@triton.jit
+def _copy_rows(dst, dst_stride, src, src_stride, lo, hi, row_len, ROWS: tl.constexpr, COLS: tl.constexpr,
+               VEC: tl.constexpr):
+    """dst[i dst_stride + j] = src[i src_stride + j], rows i in [lo, hi), j in [0, row_len): 2-D tiles of
+    ROWS x COLS words. The strides and row_len are multiples of VEC by construction (the callers multiply
+    by VEC); whole column blocks are masked by row only, so the compiler sees 16-byte groups and
+    vectorises; the ragged column tail is masked by element."""
+    full = row_len // COLS
+    for r in range(lo, hi, ROWS):
+        rows = (r + tl.arange(0, ROWS)).to(tl.int64)
+        rmask = (rows < hi)[:, None]
+        s_rows = src + rows[:, None] * src_stride
+        d_rows = dst + rows[:, None] * dst_stride
+        for c in range(0, full):
+            cols = (c * COLS + tl.arange(0, COLS))[None, :]
+            tl.store(_at(d_rows, cols, VEC), tl.load(_at(s_rows, cols, VEC), mask=rmask), mask=rmask)
+        if full * COLS < row_len:
+            cols = (full * COLS + tl.arange(0, COLS))[None, :]
+            mask = rmask & (cols < row_len)
+            tl.store(d_rows + cols, tl.load(s_rows + cols, mask=mask), mask=mask)
+
+
+@triton.jit(do_not_specialize=["rows", "chunk", "row_v", "src_stride_v", "src_block_v", "dst_stride_v",
+                               "dst_block_v", "slot_v", "half_v"])
+def ulysses_all_to_all_kernel(x, buf, out, flags, counter, heap, rows, chunk, row_v, src_stride_v, src_block_v,
+                              dst_stride_v, dst_block_v, slot_v, half_v, ROWS: tl.constexpr, COLS: tl.constexpr,
+                              VEC: tl.constexpr):
+    """Program (p, i): rows [p chunk, (p + 1) chunk) of my block for q = (i - me) mod W and of q's for me.
+
+    The block for q starts at x + q src_block, rows src_stride apart; the block from q goes to out + q
+    dst_block, rows dst_stride apart; rows are row_len words. All lengths come in units of VEC words.
+    """
+    p = tl.program_id(0)
+    i = tl.program_id(1)
+    me = wl.rank(heap)
+    world = wl.num_ranks(heap)
+    epoch = wl.next_epoch(counter)
+    q = (i - me + world) % world
+    lo = p * chunk
+    hi = tl.minimum(lo + chunk, rows)
+    row_len = row_v * VEC
+    src_stride = src_stride_v * VEC
+    dst_stride = dst_stride_v * VEC
+    src = x + q.to(tl.int64) * (src_block_v * VEC)
+    if q == me:
+        _copy_rows(out + me.to(tl.int64) * (dst_block_v * VEC), dst_stride, src, src_stride, lo, hi, row_len,
+                   ROWS, COLS, VEC)
+    else:
+        half = buf + (epoch % 2) * (half_v * VEC)
+        slot = slot_v * VEC
+        f = flags + p * world + i
+        _copy_rows(wl.symm_at(half + me * slot, q, heap), row_len, src, src_stride, lo, hi, row_len, ROWS, COLS, VEC)
+        wl.notify(f, q, heap, epoch)
+        token = wl.wait(f, 1, epoch, wl.CMP_GE, heap=heap, peer=q, op="ulysses_all_to_all")
+        mine = wl.consume_token(half + q * slot, token)
+        _copy_rows(out + q.to(tl.int64) * (dst_block_v * VEC), dst_stride, mine, row_len, lo, hi, row_len,
+                   ROWS, COLS, VEC)
+
+
+@triton.jit
+def _tile_mm(a, b, off_m, off_n, M, N, K, sa0, sa1, sb0, sb1, BM: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr):
+    """fp32 a[off_m:+BM, :K] @ b[:K, off_n:+BN] (strided operands, masked edges)."""
+    rm = off_m + tl.arange(0, BM)
+    rn = off_n + tl.arange(0, BN)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k in range(0, tl.cdiv(K, BK)):
+        rk = k * BK + tl.arange(0, BK)
+        av = tl.load(a + rm[:, None].to(tl.int64) * sa0 + rk[None, :] * sa1,
+                     mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        bv = tl.load(b + rk[:, None].to(tl.int64) * sb0 + rn[None, :] * sb1,
+                     mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        acc = gemm.dot(av, bv, acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["rows", "S", "half_len", "max_tiles"])
+def qkv_all_to_all_kernel(x, w, out, buf, flags, counter, heap, rows, S, K, N, hd, lhd, sx0, sx1, sw0, sw1, half_len,
+                          max_tiles, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """y = x @ w (rows, N = 3 hd), tile by tile: a pass over `rows` of this rank's S tokens, `x` and `out`
+    starting at the pass's first row. Tile columns [n0, n0 + BN) are part n0 // hd (q, k or v), heads of
+    owner q = (n0 % hd) // lhd, column part lhd + n0 % hd - q lhd of the (W S, 3 lhd) output, rows me S +
+    ...: mine straight into `out`; the others' into rows me rows + ... of their receive buffers (W rows,
+    3 lhd), which they copy to their `out`."""
+    p = tl.program_id(0)
+    programs = tl.num_programs(0)
+    me = wl.rank(heap)
+    world = wl.num_ranks(heap)
+    epoch = wl.next_epoch(counter)
+    half = buf + (epoch % 2) * half_len
+    width = 3 * lhd  # a row of the head-sharded output
+    num_n = N // BN
+    tiles = tl.cdiv(rows, BM) * num_n
+    rb = tl.arange(0, BM)
+    cb = tl.arange(0, BN)
+    for t in range(p, tiles, programs):
+        mb = t // num_n
+        n0 = (t % num_n) * BN
+        acc = _tile_mm(x, w, mb * BM, n0, rows, N, K, sx0, sx1, sw0, sw1, BM, BN, BK)
+        q = (n0 % hd) // lhd
+        col = (n0 // hd) * lhd + n0 % hd - q * lhd
+        r = mb * BM + rb
+        mask = (r < rows)[:, None]
+        val = cast(acc, out.dtype.element_ty)
+        if q == me:
+            tl.store(out + (me * S + r)[:, None].to(tl.int64) * width + (col + cb)[None, :], val, mask=mask)
+        else:
+            offs = (me * rows + r)[:, None].to(tl.int64) * width + (col + cb)[None, :]
+            tl.store(wl.symm_at(half, q, heap) + offs, val, mask=mask)
+            wl.notify(flags + me * max_tiles + t, q, heap, epoch)
+    for t in range(p, tiles, programs):
+        mb = t // num_n
+        n0 = (t % num_n) * BN
+        if (n0 % hd) // lhd == me:  # my heads: every other rank sends me its tile t
+            col = (n0 // hd) * lhd + n0 % hd - me * lhd
+            r = mb * BM + rb
+            mask = (r < rows)[:, None]
+            for step in range(1, world):
+                src = (me + step) % world
+                token = wl.wait(flags + src * max_tiles + t, 1, epoch, wl.CMP_GE, heap=heap, peer=src,
+                                op="qkv_all_to_all")
+                v = tl.load(wl.consume_token(half, token) + (src * rows + r)[:, None].to(tl.int64) * width
+                            + (col + cb)[None, :], mask=mask)
+                tl.store(out + (src * S + r)[:, None].to(tl.int64) * width + (col + cb)[None, :], v, mask=mask)
+
+
+@triton.jit(do_not_specialize=["rows", "S", "half_len", "max_items", "groups"])
+def all_to_all_o_proj_kernel(attn, w, out, buf, flags, counter, heap, rows, S, N, lhd, sw0, sw1, half_len,
+                             max_items, groups, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
+                             COLS: tl.constexpr):
+    """out (S, N) = A @ w, A (S, W lhd) the seq all-to-all of attn (W S, lhd): A[s, r lhd + j] = attn_r[me S +
+    s, j]; a pass over `rows` of the S tokens, `attn` and `out` starting at the pass's first token (the
+    receive buffer holds the pass's (rows, W lhd)). First every item (mb, g) of this program pushes rows [mb BM + g sub, ...) of my columns to every
+    rank; then each computes the tiles (mb, n), n = g, g + groups, ..., waiting for chunk r's `groups` flags
+    of row block mb before its K steps over chunk r. Pushing first means a program waits only on pushes
+    issued before any wait: on another program of the peers (all resident on a GPU), or, with one program
+    (the cpu backend's choice with several groups), on itself."""
+    p = tl.program_id(0)
+    programs = tl.num_programs(0)
+    me = wl.rank(heap)
+    world = wl.num_ranks(heap)
+    epoch = wl.next_epoch(counter)
+    half = buf + (epoch % 2) * half_len
+    hd = world * lhd
+    num_n = tl.cdiv(N, BN)
+    items = tl.cdiv(rows, BM) * groups
+    sub = tl.cdiv(BM, groups)
+    for item in range(p, items, programs):
+        mb = item // groups
+        lo = mb * BM + (item % groups) * sub
+        hi = tl.minimum(tl.minimum(lo + sub, mb * BM + BM), rows)
+        for step in range(world):
+            q = (me + step) % world
+            _copy_rows(wl.symm_at(half + me * lhd, q, heap), hd, attn + q.to(tl.int64) * S * lhd, lhd, lo, hi, lhd,
+                       ROWS, COLS, 1)
+            wl.notify(flags + me * max_items + item, q, heap, epoch)
+    for item in range(p, items, programs):
+        mb = item // groups
+        for nb in range(item % groups, num_n, groups):
+            acc = tl.zeros([BM, BN], tl.float32)
+            for step in range(world):
+                r = (me + step) % world
+                token = wl.wait(flags + r * max_items + mb * groups, groups, epoch, wl.CMP_GE, heap=heap, peer=r,
+                                op="all_to_all_o_proj")
+                a = wl.consume_token(half, token) + r * lhd
+                acc += _tile_mm(a, w + r.to(tl.int64) * lhd * sw0, mb * BM, nb * BN, rows, N, lhd, hd, 1, sw0, sw1,
+                                BM, BN, BK)
+            rs = mb * BM + tl.arange(0, BM)
+            cols = nb * BN + tl.arange(0, BN)
+            tl.store(out + rs[:, None].to(tl.int64) * N + cols[None, :], cast(acc, out.dtype.element_ty),
+                     mask=(rs < rows)[:, None] & (cols < N)[None, :])
+
+
+# -- workspace --------------------------------------------------------------------
+
+class UlyssesWorkspace:
+    """The family's workspace: a data region in two halves (by call parity), the flags of each op, the epoch
+    counter."""
+
+    def __init__(self, world):
+        heap, w = world.heap, world.world_size
+        self.half_bytes = world.workspace_bytes // 2 // 256 * 256
+        self.data = heap.empty((2 * self.half_bytes,), torch.uint8)
+        self.a2a_flags = heap.empty((MAX_PROGRAMS * w,), torch.int32)
+        self.qkv_flags = heap.empty((w * MAX_TILES,), torch.int32)
+        self.o_flags = heap.empty((w * MAX_ITEMS,), torch.int32)
+        self.counter = heap.empty((1,), torch.int64)
+        for t in (self.a2a_flags, self.qkv_flags, self.o_flags, self.counter):
+            t.zero_()
+        world.barrier()  # zero everywhere before anyone signals
+
+    def data_as(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        return self.data.view(dtype), self.half_bytes // dtype.itemsize
+
+
+def _workspace(world) -> UlyssesWorkspace:
+    return workspace(world, "ulysses", UlyssesWorkspace)
+
+
+# -- the all-to-all ----------------------------------------------------------------
+
+def ulysses_all_to_all(x: torch.Tensor, scatter: str = "heads", packed: bool = False,
+                       method: str = "auto") -> torch.Tensor:
+    """Sequence-sharded <-> head-sharded attention tensors. Collective; every rank calls with the same shape.
+
+    scatter="heads": x (S, H, D) -> (W S, H / W, D); scatter="seq": x (W S, H / W, D) -> (S, H, D). With
+    packed=True x carries q, k and v: (S, 3, H, D) <-> (W S, 3, H / W, D). Any dtype and layout; bit-exact.
+    method: "push" (through the family's workspace, in passes when large), "nccl" (all_to_all_single with
+    permutes), "auto" (push, or nccl for large blocks on GPUs and where a single row exceeds a workspace slot).
+    """
+    world = world_or_raise()
+    found = plan(world, lambda: ("ulysses_all_to_all", signature(x), scatter, bool(packed), method),
+                 lambda: _a2a_plan(world, x, scatter, packed, method))
+    return found(x)
+
+
+def _a2a_shapes(x, scatter, packed, w):
+    """(S, P, Hl, D, out shape): S tokens per rank, P = 3 packed or 1, Hl heads per rank after the heads
+    scatter."""
+    if scatter not in SCATTERS:
+        raise ValueError(f"scatter must be one of {', '.join(repr(s) for s in SCATTERS)}, got {scatter!r}")
+    want = 4 if packed else 3
+    if x.dim() != want or (packed and x.shape[1] != 3):
+        form = "(seq, 3, heads, head_dim)" if packed else "(seq, heads, head_dim)"
+        raise ValueError(f"x must be {form}{' (packed=True)' if packed else ''}, got shape {tuple(x.shape)}")
+    p = 3 if packed else 1
+    mid = (3,) if packed else ()
+    if scatter == "heads":
+        s, h, d = x.shape[0], x.shape[-2], x.shape[-1]
+        if h % w:
+            raise ValueError(f"x has {h} heads, not divisible by the world size {w}")
+        return s, p, h // w, d, (w * s, *mid, h // w, d)
+    rows, hl, d = x.shape[0], x.shape[-2], x.shape[-1]
+    if rows % w:
+        raise ValueError(f"x has {rows} tokens, not divisible by the world size {w} (scatter='seq' takes the "
+                         "head-sharded (world_size * seq, heads / world_size, head_dim) layout)")
+    return rows // w, p, hl, d, (rows // w, *mid, hl * w, d)
+
+
+def _word(nbytes: int, *tensors: torch.Tensor) -> torch.dtype:
+    """The widest integer word that divides a row's bytes and every base address."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = dtype.itemsize
+        if nbytes % size == 0 and all(t.data_ptr() % size == 0 for t in tensors):
+            return dtype
+    return torch.int8
+
+
+def _a2a_plan(world, x, scatter, packed, method):
+    check_tensor("x", x, world, contiguous=False)
+    check_method(method, METHODS)
+    w = world.world_size
+    s, p, hl, d, shape = _a2a_shapes(x, scatter, packed, w)
+    x_contig = x.is_contiguous()
+    nbytes = x.numel() * x.element_size()
+    row_bytes = hl * d * x.element_size()
+    if nbytes == 0:
+        return lambda x: torch.empty(shape, dtype=x.dtype, device=x.device)
+    ws = _workspace(world) if method != "nccl" else None
+    slot_bytes = ws.half_bytes // w // 16 * 16 if ws else 0
+    if method == "push" and row_bytes > slot_bytes:
+        raise ValueError(f"method='push' cannot take this call: a row of {row_bytes} bytes (heads / world_size x "
+                         f"head_dim) exceeds a workspace slot of {slot_bytes} bytes (raise WEFT_WORKSPACE_BYTES)")
+    if method == "auto":
+        big = nbytes // w >= nccl_from(NCCL_ABOVE, world)
+        method = "nccl" if big or row_bytes > slot_bytes else "push"
+    if method == "nccl":
+        return _nccl_plan(world, s, p, hl, d, shape, scatter)
+
+    sample_x = x if x_contig else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    sample_out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    word = _word(row_bytes, sample_x, sample_out, ws.data)
+    esize = word.itemsize
+    vec = 16 // esize if row_bytes % 16 == 0 and sample_x.data_ptr() % 16 == 0 else 1
+    row = row_bytes // esize  # words per row
+    n = s * p  # rows per peer block
+    if scatter == "heads":
+        src_stride, src_block, dst_stride, dst_block = w * row, row, row, n * row
+    else:
+        src_stride, src_block, dst_stride, dst_block = row, n * row, w * row, row
+    buf, half_len = ws.data_as(word)
+    slot = slot_bytes // esize
+    most = slot // row
+    heap = world.heap.descriptor
+    gpu = world.device.type == "cuda"
+    block = 2048 if gpu else 1024
+    cols = min(block, max(vec, 1 << (row.bit_length() - 1)))  # whole column blocks in every row where it can
+    consts = dict(ROWS=block // cols, COLS=cols, VEC=vec)
+    passes = []
+    for lo in range(0, n, most):
+        k = min(most, n - lo)
+        per_peer = k * row_bytes
+        programs = min(MAX_PROGRAMS, max(1, per_peer // (128 << 10)), k) if gpu else min(2, k)
+        chunk = triton.cdiv(k, programs)
+
+        def args(xw, ow, lo=lo, k=k, chunk=chunk):
+            return (xw[lo * src_stride:], buf, ow[lo * dst_stride:], ws.a2a_flags, ws.counter, heap, k, chunk,
+                    row // vec, src_stride // vec, src_block // vec, dst_stride // vec, dst_block // vec,
+                    slot // vec, half_len // vec)
+        xw, ow = sample_x.reshape(-1).view(word), sample_out.view(-1).view(word)
+        passes.append((Launch(ulysses_all_to_all_kernel, (programs, w), args(xw, ow), consts, 8 if gpu else 4), args))
+
+    def run(x):
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        xw = (x if x_contig else x.contiguous()).reshape(-1).view(word)
+        ow = out.view(-1).view(word)
+        for launch, args in passes:
+            launch(*args(xw, ow))
+        return out
+    return run
+
+
+def _nccl_plan(world, s, p, hl, d, shape, scatter):
+    """all_to_all_single on blocks made contiguous: heads: x (S, P, W, Hl, D) -> (W, S, P, Hl, D) before;
+    seq: the received (W, S, P, Hl, D) -> (S, P, W, Hl, D) after."""
+    w, group = world.world_size, world.group
+
+    def run(x):
+        recv = torch.empty((w, s, p, hl, d), dtype=x.dtype, device=x.device)
+        if scatter == "heads":
+            send = x.reshape(s, p, w, hl, d).permute(2, 0, 1, 3, 4).contiguous()
+            dist.all_to_all_single(recv, send, group=group)
+            return recv.view(shape)
+        dist.all_to_all_single(recv, x.contiguous(), group=group)
+        return recv.permute(1, 2, 0, 3, 4).reshape(shape)
+    return run
+
+
+# -- the fusions with the projections ------------------------------------------------------
+
+def _gemm_blocks(device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the plain Triton GEMM of the fused ops."""
+    return (128, 128, 64, 8) if device.type == "cuda" else (16, 32, 32, 4)
+
+
+def _programs(work: int, device: torch.device) -> int:
+    return max(1, min(gemm.num_sms(device), work))
+
+
+def _check_heads(heads, w) -> None:
+    if isinstance(heads, bool) or not isinstance(heads, numbers.Integral) or heads <= 0:
+        raise ValueError(f"heads must be a positive integer, got {heads!r}")
+    if heads % w:
+        raise ValueError(f"heads = {heads} is not divisible by the world size {w}")
+
+
+def qkv_all_to_all(x: torch.Tensor, w_qkv: torch.Tensor, heads: int, method: str = "auto") -> torch.Tensor:
+    """The QKV projection of this rank's tokens, scattered by heads: (x @ w_qkv) seen as (S, 3, heads, D) then
+    ulysses_all_to_all(packed=True). Returns (W S, 3, heads / W, D) in x's dtype. Collective.
+
+    x (S, hidden), w_qkv (hidden, 3 heads D) with columns [q heads | k heads | v heads]; bf16, fp16, fp32.
+    method: "fused" (output tiles pushed to their head owner as they are computed, in passes of as many
+    rows as half the workspace holds; needs heads / W * D a multiple of 16), "unfused" (torch.matmul, then
+    ulysses_all_to_all), "auto" (fused where it can take the call).
+    """
+    world = world_or_raise()
+    # Strides are in the key: the kernel is specialised on them (a unit stride makes vector loads).
+    found = plan(world, lambda: ("qkv_all_to_all", signature(x), x.stride(), signature(w_qkv), w_qkv.stride(), heads,
+                                 method),
+                 lambda: _qkv_plan(world, x, w_qkv, heads, method))
+    return found(x, w_qkv)
+
+
+def _qkv_plan(world, x, w_qkv, heads, method):
+    check_method(method, FUSED_METHODS)
+    gemm.check_operands("x", x, "w_qkv", w_qkv, world.device, layout=False)
+    w = world.world_size
+    _check_heads(heads, w)
+    s, k = x.shape
+    n = w_qkv.shape[1]
+    if n == 0 or n % (3 * heads):
+        raise ValueError(f"w_qkv has {n} columns: expected 3 * heads * head_dim, a positive multiple of "
+                         f"3 * {heads}")
+    d = n // (3 * heads)
+    lhd = heads // w * d
+    shape = (w * s, 3, heads // w, d)
+    bm, bn, bk, warps = _gemm_blocks(world.device)
+    bn = next((b for b in (bn, 64, 32, 16) if b <= bn and lhd % b == 0), None)
+    ws = _workspace(world) if method != "unfused" and s else None
+    refusal, most = None, 0
+    if bn is None:
+        refusal = f"heads / world_size * head_dim = {lhd} is not a multiple of 16"
+    elif ws:
+        # Rows per pass: the pass's output, W rows x 3 lhd per rank = rows x n, within a half; whole row
+        # blocks where possible; at most MAX_TILES tiles.
+        most = ws.half_bytes // (n * x.element_size())
+        most = min(most // bm * bm if most >= bm else most, MAX_TILES // (n // bn) * bm)
+        if most == 0:
+            refusal = (f"a row of the QKV output ({n * x.element_size()} bytes) exceeds half the workspace "
+                       f"({ws.half_bytes} bytes; raise WEFT_WORKSPACE_BYTES)")
+    if method == "fused" and refusal:
+        raise ValueError(f"method='fused' cannot take this call: {refusal}")
+    if method == "unfused" or refusal or s == 0:
+        def run(x, w_qkv):
+            return ulysses_all_to_all(torch.matmul(x, w_qkv).view(s, 3, heads, d), packed=True)
+        return run
+
+    buf, half_len = ws.data_as(x.dtype)
+    heap = world.heap.descriptor
+    width = 3 * lhd
+
+    def args(x, w_qkv, out, lo, rows):
+        return (x[lo:], w_qkv, out.view(w * s, width)[lo:], buf, ws.qkv_flags, ws.counter, heap, rows, s, k, n,
+                heads * d, lhd, x.stride(0), x.stride(1), w_qkv.stride(0), w_qkv.stride(1), half_len, MAX_TILES)
+    sample = torch.empty(shape, dtype=x.dtype, device=x.device)
+    passes = []
+    for lo in range(0, s, most):
+        rows = min(most, s - lo)
+        programs = _programs(triton.cdiv(rows, bm) * (n // bn), world.device)
+        passes.append((lo, rows, Launch(qkv_all_to_all_kernel, (programs,), args(x, w_qkv, sample, lo, rows),
+                                        dict(BM=bm, BN=bn, BK=bk), warps)))
+
+    def run(x, w_qkv):
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        for lo, rows, launch in passes:
+            launch(*args(x, w_qkv, out, lo, rows))
+        return out
+    return run
+
+
+def all_to_all_o_proj(attn: torch.Tensor, w_o: torch.Tensor, method: str = "auto") -> torch.Tensor:
+    """The O projection of head-sharded attention: ulysses_all_to_all(attn, scatter="seq") seen as (S, H D),
+    times w_o. Returns (S, hidden) in attn's dtype. Collective.
+
+    attn (W S, H / W, D) (this rank's heads of every token), w_o (H D, hidden); bf16, fp16, fp32.
+    method: "fused" (each arriving row block of head columns feeds the GEMM tiles that wait for it; in
+    passes of as many tokens as half the workspace holds), "unfused" (ulysses_all_to_all, then
+    torch.matmul), "auto" (fused where it can take the call).
+    """
+    world = world_or_raise()
+    found = plan(world, lambda: ("all_to_all_o_proj", signature(attn), signature(w_o), w_o.stride(), method),
+                 lambda: _o_plan(world, attn, w_o, method))
+    return found(attn, w_o)
+
+
+def _o_plan(world, attn, w_o, method):
+    check_method(method, FUSED_METHODS)
+    check_tensor("attn", attn, world, dtypes=GEMM_DTYPES, contiguous=False)
+    w = world.world_size
+    if attn.dim() != 3:
+        raise ValueError(f"attn must be (world_size * seq, heads / world_size, head_dim), got {tuple(attn.shape)}")
+    if attn.shape[0] % w:
+        raise ValueError(f"attn has {attn.shape[0]} tokens, not divisible by the world size {w}")
+    s, hl, d = attn.shape[0] // w, attn.shape[1], attn.shape[2]
+    check_tensor("w_o", w_o, world, dtypes=GEMM_DTYPES, contiguous=False)
+    if w_o.dim() != 2 or w_o.shape[0] != w * hl * d:
+        raise ValueError(f"w_o must be (heads * head_dim = {w * hl * d}, hidden), got {tuple(w_o.shape)}")
+    if w_o.dtype != attn.dtype:
+        raise TypeError(f"attn and w_o must have the same dtype, got {attn.dtype} and {w_o.dtype}")
+    n = w_o.shape[1]
+    lhd = hl * d
+    attn_contig = attn.is_contiguous()
+    bm, bn, bk, warps = _gemm_blocks(world.device)
+    ws = _workspace(world) if method != "unfused" and s * n * lhd else None
+    gpu = world.device.type == "cuda"
+    # Tokens per pass: the pass's received (rows, W lhd) within a half; whole row blocks where possible.
+    most = ws.half_bytes // (w * lhd * attn.element_size()) if ws else 0
+    most = min(most // bm * bm if most >= bm else most, MAX_ITEMS // bm * bm)
+    if method == "fused" and ws and most == 0:
+        raise ValueError(f"method='fused' cannot take this call: a token's heads ({w * lhd * attn.element_size()} "
+                         f"bytes) exceed half the workspace ({ws.half_bytes} bytes; raise WEFT_WORKSPACE_BYTES)")
+    if method == "unfused" or not most:
+        def run(attn, w_o):
+            return torch.matmul(ulysses_all_to_all(attn, scatter="seq").view(s, w * lhd), w_o)
+        return run
+
+    buf, half_len = ws.data_as(attn.dtype)
+    heap = world.heap.descriptor
+    cols = triton.next_power_of_2(lhd)
+    copy_rows = max(1, (4096 if gpu else 1024) // cols)
+
+    def args(attn, w_o, out, lo, rows, groups):
+        return (attn[lo:], w_o, out[lo:], buf, ws.o_flags, ws.counter, heap, rows, s, n, lhd, w_o.stride(0),
+                w_o.stride(1), half_len, MAX_ITEMS, groups)
+    sample = (attn if attn_contig else attn.contiguous()).view(w * s, lhd)
+    out_sample = torch.empty((s, n), dtype=attn.dtype, device=attn.device)
+    passes = []
+    for lo in range(0, s, most):
+        rows = min(most, s - lo)
+        num_m = triton.cdiv(rows, bm)
+        # Column groups per row block: enough items to fill the GPU when row blocks are few (at most
+        # MAX_ITEMS). The interpreter runs a grid's programs one after another, so a program may wait only
+        # on the same program of its peers: there, several programs with one group each where there are
+        # several row blocks, else one program with two groups (the GPU's arrangement, in one program).
+        if gpu:
+            groups = max(1, min(gemm.num_sms(world.device) // num_m, triton.cdiv(n, bn), bm, MAX_ITEMS // num_m))
+            programs = _programs(num_m * groups, world.device)
+        else:
+            groups = 1 if num_m > 1 else min(2, triton.cdiv(n, bn))
+            programs = min(2, num_m)
+        passes.append((lo, rows, groups, Launch(all_to_all_o_proj_kernel, (programs,),
+                                                args(sample, w_o, out_sample, lo, rows, groups),
+                                                dict(BM=bm, BN=bn, BK=bk, ROWS=copy_rows, COLS=cols), warps)))
+
+    def run(attn, w_o):
+        out = torch.empty((s, n), dtype=attn.dtype, device=attn.device)
+        a = (attn if attn_contig else attn.contiguous()).view(w * s, lhd)
+        for lo, rows, groups, launch in passes:
+            launch(*args(a, w_o, out, lo, rows, groups))
+        return out
+    return run
+
+
+# Signatures for the sm_90 compile check (weft.testing.compile).
+_A2A_SIG = dict(x=None, buf=None, out=None, flags="*i32", counter="*i64", heap="*i64", rows="i32", chunk="i32",
+                row_v="i32", src_stride_v="i32", src_block_v="i32", dst_stride_v="i32", dst_block_v="i32",
+                slot_v="i32", half_v="i32")
+_QKV_SIG = dict(x=None, w=None, out=None, buf=None, flags="*i32", counter="*i64", heap="*i64", rows="i32", S="i32",
+                K="i32", N="i32", hd="i32", lhd="i32", sx0="i32", sx1="i32", sw0="i32", sw1="i32", half_len="i32",
+                max_tiles="i32")
+_O_SIG = dict(attn=None, w=None, out=None, buf=None, flags="*i32", counter="*i64", heap="*i64", rows="i32", S="i32",
+              N="i32", lhd="i32", sw0="i32", sw1="i32", half_len="i32", max_items="i32", groups="i32")
+COMPILE_CASES = [
+    (ulysses_all_to_all_kernel, {**_A2A_SIG, "x": t, "buf": t, "out": t}, dict(ROWS=r, COLS=2048 // r, VEC=v),
+     dict(num_warps=8))
+    for t, r, v in [("*i64", 8, 2), ("*i32", 4, 4), ("*i16", 1, 1), ("*i8", 2, 1)]
+] + [
+    (qkv_all_to_all_kernel, {**_QKV_SIG, "x": t, "w": t, "out": t, "buf": t}, dict(BM=128, BN=bn, BK=64),
+     dict(num_warps=8))
+    for t, bn in [("*bf16", 128), ("*fp16", 64), ("*fp32", 128)]
+] + [
+    (all_to_all_o_proj_kernel, {**_O_SIG, "attn": t, "w": t, "out": t, "buf": t},
+     dict(BM=128, BN=128, BK=64, ROWS=4096 // c, COLS=c), dict(num_warps=8))
+    for t, c in [("*bf16", 512), ("*fp16", 1024), ("*fp32", 512)]
+]
