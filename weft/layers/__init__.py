@@ -1,0 +1,4 @@
+"""torch.nn.Module layers built on weft's ops (tensor and sequence parallelism)."""
+from .linear import ColumnParallelLinear, RowParallelLinear
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
