@@ -29,11 +29,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rtol", type=float, default=1e-4, help="largest relative difference of the loss curves")
+    p.add_argument("--rtol", type=float, default=None,
+                   help="largest relative difference of the loss curves (default 1e-4; 5e-3 on GPUs, where weft's "
+                        "fp32 GEMMs multiply in tf32)")
     args = p.parse_args()
 
     weft.init()
     w, me, dev = weft.world_size(), weft.rank(), weft.device()
+    rtol = args.rtol if args.rtol is not None else (5e-3 if dev.type == "cuda" else 1e-4)
     if args.tokens % w or args.hidden % w:
         raise SystemExit(f"--tokens ({args.tokens}) and --hidden ({args.hidden}) must divide by {w} ranks")
     torch.manual_seed(args.seed)
@@ -65,10 +68,10 @@ def main() -> None:
         for step in sorted({0, args.steps // 4, args.steps // 2, 3 * args.steps // 4, args.steps - 1}):
             print(f"step {step:4d}  loss {got[step].item():.6f}  single-process {want[step].item():.6f}")
         print(f"{w} ranks, {args.steps} steps in {seconds:.1f} s; largest relative difference of the loss curves "
-              f"{worst:.2e} (limit {args.rtol:g})")
+              f"{worst:.2e} (limit {rtol:g})")
     weft.finalize()
-    if worst > args.rtol:
-        raise SystemExit(f"rank {me}: the loss curves differ by {worst:.2e} > {args.rtol:g}")
+    if worst > rtol:
+        raise SystemExit(f"rank {me}: the loss curves differ by {worst:.2e} > {rtol:g}")
 
 
 if __name__ == "__main__":

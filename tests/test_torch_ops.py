@@ -172,8 +172,7 @@ def _opchecks():
     q = _randn(20, 2, 2, 64)
     kv = _randn(21, 2, 16, 1, 64)
     cases += [(torch.ops.weft.flash_decode, (q, kv, kv, torch.tensor([16, 5], dtype=torch.int32))),
-              (torch.ops.weft.sp_flash_decode, (q, kv, kv, torch.tensor([16, 5 * me], dtype=torch.int32), None, None,
-                                                w))]
+              (torch.ops.weft.sp_flash_decode, (q, kv, kv, torch.tensor([16, 5 * me], dtype=torch.int32), w))]
     for op, args in cases:
         # Every utility runs the op for real, several times; every rank runs the same sequence of calls, so
         # the collectives meet. The results are compared within a rank, never across.
@@ -217,6 +216,9 @@ def _eager_calls_are_direct():
         weft.ops.ag_gemm(x, _randn(1, 4, 8))
         weft.ops.gemm_rs(x, _randn(1, 4, 8))
         weft.ops.gemm_ar(x, _randn(1, 4, 8))
+        q, kv, lens = _randn(2, 1, 2, 64), _randn(3, 1, 8, 1, 64), torch.tensor([8], dtype=torch.int32)
+        weft.ops.flash_decode(q, kv, kv, lens)
+        weft.ops.sp_flash_decode(q, kv, kv, lens)
         with torch.no_grad():
             weft.ops.gemm_ar(x, _randn(1, 4, 8).requires_grad_())
         assert calls == [], calls

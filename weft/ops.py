@@ -116,5 +116,5 @@ def flash_decode(q, k_cache, v_cache, seqlens, block_table=None, scale=None, ret
 def sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table=None, scale=None):
     if not _traced(q, k_cache_shard, v_cache_shard):
         return _flash_decode.sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table, scale)
-    return torch.ops.weft.sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table, scale,
-                                          world_or_raise().world_size)
+    return torch.ops.weft.sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard,
+                                          world_or_raise().world_size, block_table, scale)

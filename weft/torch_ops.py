@@ -15,8 +15,8 @@ and does no communication.
     torch.ops.weft.gemm_rs(a, b_shard, world_size, method)            -> (M / W, N)
     torch.ops.weft.gemm_ar(a, b_shard, world_size, method)            -> (M, N)
     torch.ops.weft.flash_decode(q, k_cache, v_cache, seqlens, block_table, scale) -> (out, lse)
-    torch.ops.weft.sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table, scale,
-                                   world_size)                        -> out
+    torch.ops.weft.sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard, world_size, block_table,
+                                   scale)                             -> out
 
 `weft.ops.*` call the implementations directly (a custom op's dispatch costs 7-21 us per call) and come
 here only when the call is traced (torch.compile, export, make_fx, a fake-tensor mode) or has to record
@@ -210,14 +210,14 @@ def _(q, k_cache, v_cache, seqlens, block_table=None, scale=None):
 
 @torch.library.custom_op("weft::sp_flash_decode", mutates_args=())
 def sp_flash_decode(q: torch.Tensor, k_cache_shard: torch.Tensor, v_cache_shard: torch.Tensor,
-                    seqlens_shard: torch.Tensor, block_table: Optional[torch.Tensor] = None,
-                    scale: Optional[float] = None, world_size: int = 1) -> torch.Tensor:
+                    seqlens_shard: torch.Tensor, world_size: int, block_table: Optional[torch.Tensor] = None,
+                    scale: Optional[float] = None) -> torch.Tensor:
     _check_world_size(world_size)
     return _flash_decode.sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table, scale)
 
 
 @sp_flash_decode.register_fake
-def _(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table=None, scale=None, world_size=1):
+def _(q, k_cache_shard, v_cache_shard, seqlens_shard, world_size, block_table=None, scale=None):
     return q.new_empty(q.shape)
 
 
