@@ -74,7 +74,10 @@ def reduce_scatter(x, op="sum", out=None, method="auto"):
 def broadcast(x, root=0):
     if not _traced(x):
         return _all_reduce.broadcast(x, root)
-    torch.ops.weft.broadcast_(x, world_or_raise().world_size, root)
+    w = world_or_raise().world_size
+    if torch.is_grad_enabled() and x.requires_grad:  # in place for autograd: a copy of the functional result
+        return x.copy_(torch.ops.weft.broadcast(x, w, root))
+    torch.ops.weft.broadcast_(x, w, root)
     return x
 
 

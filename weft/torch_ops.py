@@ -9,6 +9,7 @@ and does no communication.
     torch.ops.weft.all_reduce_(x, world_size, op, method)             -> (), x summed in place
     torch.ops.weft.all_gather(x, world_size, method)                  -> (W * rows, ...)
     torch.ops.weft.reduce_scatter(x, world_size, op, method)          -> (rows / W, ...)
+    torch.ops.weft.broadcast(x, world_size, root)                     -> the root's x
     torch.ops.weft.broadcast_(x, world_size, root)                    -> (), x overwritten in place
     torch.ops.weft.ag_gemm(a_shard, b, world_size, method, return_gathered)
                                                                       -> (c, gathered A, or an empty (0, K))
@@ -26,6 +27,7 @@ Autograd convention (that of torch.distributed.nn): an op is differentiated as a
 inputs to every rank's outputs, of an objective that is the sum of the ranks' own losses. So
 - all_gather and reduce_scatter are each other's backward;
 - all_reduce's backward is the all_reduce of the gradient (and gemm_ar's: all_reduce(grad) @ b_shardᵀ);
+- broadcast's: that all_reduce on the root, zero elsewhere;
 - ag_gemm: grad_a_shard = gemm_rs(grad_c, bᵀ) (= reduce_scatter(grad_c @ bᵀ)), grad_b = gatheredᵀ @ grad_c
   with the gathered A that the forward returns;
 - gemm_rs: grad_a = ag_gemm(grad_out, b_shardᵀ) (= all_gather(grad_out) @ b_shardᵀ), grad_b_shard =
@@ -59,7 +61,7 @@ def traced(a, b=None, c=None) -> bool:
     """Whether a weft.ops call with tensor arguments a, b, c (None where absent) must go through torch.ops.weft:
     under torch.compile/export (dynamo: is_compiling() folds to True, the rest is never traced), under a
     dispatch mode (make_fx, AOT autograd tracing a backward, FakeTensorMode), or when autograd has to record
-    the call (grad mode on and an input that requires grad). ~0.25 us on the eager path."""
+    the call (grad mode on and an input that requires grad). Well under a microsecond on the eager path."""
     if _is_compiling() or _dispatch_modes():
         return True
     try:
@@ -133,6 +135,17 @@ def reduce_scatter(x: torch.Tensor, world_size: int, op: str = "sum", method: st
 def _(x, world_size, op="sum", method="auto"):
     _rows_divisible(x, world_size)
     return x.new_empty((x.shape[0] // world_size, *x.shape[1:]))
+
+
+@torch.library.custom_op("weft::broadcast", mutates_args=())
+def broadcast(x: torch.Tensor, world_size: int, root: int = 0) -> torch.Tensor:
+    _check_world_size(world_size)
+    return _all_reduce.broadcast(x.clone(memory_format=torch.contiguous_format), root=root)
+
+
+@broadcast.register_fake
+def _(x, world_size, root=0):
+    return x.new_empty(x.shape)
 
 
 @torch.library.custom_op("weft::broadcast_", mutates_args=("x",))
@@ -221,6 +234,15 @@ def _(q, k_cache_shard, v_cache_shard, seqlens_shard, world_size, block_table=No
     return q.new_empty(q.shape)
 
 
+# A collective must run on every rank or on none: a graph pass must not drop one whose result a rank does not
+# use (broadcast's backward on a rank other than the root), or the others wait for that rank for ever. So the
+# functional collectives count as having side effects: fx's dead-code elimination keeps them, and so does
+# inductor's in torch 2.13 (torch._library.utils.is_impure). torch.library's effect tokens would do it too, at
+# the price of a token threaded through every graph.
+for _op in (all_reduce, all_gather, reduce_scatter, broadcast, ag_gemm, gemm_rs, gemm_ar, sp_flash_decode):
+    torch.fx.node.has_side_effect(_op._opoverload)
+
+
 # -- autograd -------------------------------------------------------------------------------
 # The backwards call weft.ops, which run the implementations directly in eager backward and go through
 # torch.ops.weft when AOT autograd traces the backward graph.
@@ -242,15 +264,27 @@ def _reduce_scatter_backward(ctx, grad):
     return _ops().all_gather(grad), None, None, None
 
 
+def _broadcast_setup(ctx, inputs, output):
+    ctx.root = inputs[2] if len(inputs) > 2 else 0
+
+
+def _broadcast_backward(ctx, grad):
+    # Every rank's output is the root's x: the root's gradient is the sum of all of them, the others' zero.
+    summed = _ops().all_reduce(grad)
+    return (summed if world_or_raise().rank == ctx.root else torch.zeros_like(grad)), None, None
+
+
 all_reduce.register_autograd(_all_reduce_backward)
+broadcast.register_autograd(_broadcast_backward, setup_context=_broadcast_setup)
 all_gather.register_autograd(_all_gather_backward)
 reduce_scatter.register_autograd(_reduce_scatter_backward)
 
 
 def _ag_gemm_setup(ctx, inputs, output):
     a_shard, b, _, _, return_gathered = inputs
-    # Without the gathered A in the output (return_gathered=False), the backward gathers a_shard again.
-    ctx.save_for_backward(a_shard, b, output[1])
+    # b's gradient takes the gathered A from the output; without it (return_gathered=False) the backward
+    # gathers a_shard again.
+    ctx.save_for_backward(a_shard, b, output[1] if ctx.needs_input_grad[1] else None)
     ctx.return_gathered = return_gathered
     # An output nobody used gets None, not zeros: weft.ops.ag_gemm asks for the gathered A for the backward's
     # sake alone whenever b needs a gradient, and a reduce_scatter of zeros would be a wasted collective.
