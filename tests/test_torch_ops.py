@@ -116,7 +116,9 @@ def test_gradients_match_single_process_torch(w):
     run_ranks(body, w, timeout=TIMEOUT, env=ENV)
 
 
-def _compiled_mlp_matches_eager():
+def _compiled_mlps_match_eager():
+    """A two-block TP MLP (column, SiLU, row, twice), sequence-parallel and plain TP, compiled with
+    fullgraph=True against eager: outputs, the input's and every parameter's gradient, two calls."""
     import torch
     from torch import nn
 
@@ -128,23 +130,25 @@ def _compiled_mlp_matches_eager():
     torch.manual_seed(0)
     linears = [nn.Linear(d, hidden), nn.Linear(hidden, d), nn.Linear(d, hidden), nn.Linear(hidden, d)]
 
-    def mlp():
-        layers = [cls.from_linear(lin, me, w) for cls, lin in zip([ColumnParallelLinear, RowParallelLinear] * 2,
-                                                                  linears)]
+    def mlp(sp):
+        layers = [cls.from_linear(lin, me, w, sp)
+                  for cls, lin in zip([ColumnParallelLinear, RowParallelLinear] * 2, linears)]
         return nn.Sequential(layers[0], nn.SiLU(), layers[1], layers[2], nn.SiLU(), layers[3])
 
-    eager, compiled = mlp(), mlp()
-    fn = torch.compile(compiled, fullgraph=True, backend="aot_eager")
-    for step in range(2):  # the second call replays what the first compiled
-        x = _randn(10 * step + me, t, d)
-        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
-        ye, yc = eager(xe), fn(xc)
-        torch.testing.assert_close(yc, ye, **TOL)
-        ye.square().sum().backward()
-        yc.square().sum().backward()
-        torch.testing.assert_close(xc.grad, xe.grad, **TOL)
-        for (name, pe), pc in zip(eager.named_parameters(), compiled.parameters()):
-            torch.testing.assert_close(pc.grad, pe.grad, **TOL, msg=lambda s: f"step {step} {name}: {s}")
+    for sp in (True, False):
+        eager, compiled = mlp(sp), mlp(sp)
+        fn = torch.compile(compiled, fullgraph=True, backend="aot_eager")
+        for step in range(2):  # the second call replays what the first compiled
+            x = _randn(10 * step + (me if sp else 0), t, d)  # plain TP: the same tokens on every rank
+            xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+            ye, yc = eager(xe), fn(xc)
+            what = f"sequence_parallel={sp} step {step}"
+            torch.testing.assert_close(yc, ye, **TOL, msg=lambda s: f"{what}: {s}")
+            ye.square().sum().backward()
+            yc.square().sum().backward()
+            torch.testing.assert_close(xc.grad, xe.grad, **TOL, msg=lambda s: f"{what} x: {s}")
+            for (name, pe), pc in zip(eager.named_parameters(), compiled.parameters()):
+                torch.testing.assert_close(pc.grad, pe.grad, **TOL, msg=lambda s: f"{what} {name}: {s}")
     # The graph holds weft's operators, not a graph break around their direct calls.
     from torch._dynamo.utils import counters
     assert not counters["graph_break"], dict(counters["graph_break"])
@@ -182,7 +186,7 @@ def _compiled_collectives_match_eager():
 
 def test_compile_fullgraph_matches_eager():
     def body():
-        _compiled_mlp_matches_eager()
+        _compiled_mlps_match_eager()
         _compiled_collectives_match_eager()
     run_ranks(body, 2, timeout=TIMEOUT, env=ENV)
 
