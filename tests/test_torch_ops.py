@@ -265,6 +265,8 @@ def _eager_calls_are_direct():
         assert calls == [], calls
         weft.ops.gemm_ar(x, _randn(1, 4, 8).requires_grad_())
         assert calls == ["gemm_ar"], calls
+        with pytest.raises(ValueError, match="world_size"):  # the operators' explicit world size is checked
+            saved["all_gather"](x, w + 1)
     finally:
         for name in names:
             setattr(ns, name, saved[name])
