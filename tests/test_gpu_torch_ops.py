@@ -42,6 +42,7 @@ def test_reduce_overhead_compile_replays(tokens):
     d, hidden = 1024, 1024 * w
     ref = _reference(d, hidden, torch.bfloat16)
     mlp = _parallel(ref, True)
+    torch._dynamo.reset()  # each size compiled on its own, static shapes (not the previous case's recompile)
     fn = torch.compile(mlp, mode="reduce-overhead", fullgraph=True)
     with torch.no_grad():
         for step in range(6):  # warm-up, recording, then replays
