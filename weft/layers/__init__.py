@@ -1,4 +1,5 @@
-"""torch.nn.Module layers built on the weft ops."""
+"""torch.nn.Module layers built on weft's ops (tensor, sequence and context parallelism)."""
 from .attention import SPDecodeAttention, UlyssesAttention
+from .linear import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["UlyssesAttention", "SPDecodeAttention"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "UlyssesAttention", "SPDecodeAttention"]
