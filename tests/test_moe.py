@@ -209,3 +209,57 @@ def _grouped_gemm():
 
 def test_grouped_gemm():
     assert run_ranks(_grouped_gemm, 1, timeout=TIMEOUT)[0]
+
+
+# -- many calls, bad input -------------------------------------------------------------------
+
+def _mixed(calls):
+    """HT and LL calls interleaved, new routing each time, one rank late at each call."""
+    import time
+
+    import weft
+
+    me, w = weft.rank(), weft.world_size()
+    for c in range(calls):
+        if me == c % w:
+            time.sleep(0.02)
+        k = 1 + c % 3
+        _ht_case(100 + c, [4, 2 + c % 3][:w], 8, k, 32, "random")
+        _ll_case(200 + c, [3, c % 4][:w], 8, k, 32, "random", 4)
+    return True
+
+
+def test_many_calls_mixed():
+    assert all(run_ranks(_mixed, 2, 4, timeout=TIMEOUT, env=ENV))
+
+
+def _rejects():
+    import torch
+
+    import weft
+    from weft.testing.checks import rejects
+
+    inputs = _routing(5, 2, 4, 8, 2, 32)
+    x, idx, wts = inputs[weft.rank()]
+    dup = idx.clone()
+    dup[1, 1] = dup[1, 0]
+    guarded = [x, idx, wts]
+    rejects(lambda: weft.ops.ep_dispatch(x, dup, wts, 8), ValueError, "twice", guarded)
+    rejects(lambda: weft.ops.ep_dispatch_ll(x, dup, 8, 4), ValueError, "twice", guarded)
+    rejects(lambda: weft.ops.ep_dispatch_ll(x, idx + 8, 8, 4), ValueError, "outside", guarded)
+    rejects(lambda: weft.ops.ep_dispatch_ll(x, idx, 8, 3), ValueError, "max_tokens_per_rank", guarded)
+    rejects(lambda: weft.ops.ep_dispatch(x, idx, wts, 7), ValueError, "divisible", guarded)
+    rejects(lambda: weft.ops.ep_dispatch(x, idx[:, :1].contiguous(), wts, 8), ValueError, "topk_weights", guarded)
+    rejects(lambda: weft.ops.ep_dispatch(x, idx, wts.double(), 8), TypeError, "topk_weights", guarded)
+    rejects(lambda: weft.ops.ep_dispatch(x, idx, wts, 8, max_recv_tokens=1 << 30), ValueError, "workspace",
+            guarded)
+    rejects(lambda: weft.ops.grouped_gemm(x[None], x.t().contiguous()[None], torch.zeros(2, dtype=torch.int32)), ValueError,
+            "counts", guarded)
+    # Nothing was sent: the next calls see the epochs they expect.
+    _ht_case(5, 4, 8, 2, 32, "random")
+    _ll_case(5, 4, 8, 2, 32, "random", 4)
+    return True
+
+
+def test_bad_input_rejected_before_sending():
+    assert all(run_ranks(_rejects, 2, timeout=TIMEOUT, env=ENV))

@@ -213,6 +213,7 @@ def ep_push_kernel(src, slots, region, flags, counter, heap, rows, half_words, R
 def _wait_pushes(region, flags, counter, heap, half_words, WORLD: tl.constexpr, PROGRAMS: tl.constexpr):
     """The half of `region` this call's ep_push_kernel wrote, once every program of every rank has flagged me."""
     epoch = wl.next_epoch(counter)
+    token = epoch * 0
     for q in range(PROGRAMS):
         token = wl.wait(flags + q * WORLD, WORLD, epoch, wl.CMP_GE, heap=heap, op="ep_dispatch/ep_combine push")
     return wl.consume_token(region + (epoch % 2) * half_words, token)
