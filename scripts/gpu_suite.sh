@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The one GPU script: correctness on 2 and all GPUs, then the benchmark suites (on all GPUs; reductions on
 # 2, 4, 8; overhead on 2 and all), results under $OUT.
-#   usage (device machine, repo root): bash scripts/gpu_suite.sh [all|quick|reductions|gemm|overhead|attention ...]
+#   usage (device machine, repo root): bash scripts/gpu_suite.sh [all|quick|reductions|gemm|overhead|attention|moe ...]
 #     all (default): everything (on 8 GPUs more than one device call allows: run the parts in turn)
 #     quick: GPU tests on 2 and all GPUs, tutorials;  reductions: allgather, allreduce, reducescatter to
 #     256 MiB, CUDA-graph and eager views;  gemm: the overlapped-GEMM suite;  overhead: host and eager µs
 #     per call of every op against NCCL and torch's symm_mem ops;  attention: flash_decode / sp_flash_decode
-#     GPU tests and bench on 1, 2 and all GPUs
+#     GPU tests and bench on 1, 2 and all GPUs;  moe: EP dispatch/combine and grouped GEMM GPU tests on 2 and
+#     all GPUs, `weft bench moe` on all GPUs
 # WEFT_COMMIT names the commit in the log where the tree was copied without its git history.
 # Logs and bench JSON/markdown/PNG end up packed in $OUT/weft_results.tar.gz (*.log, bench/).
 set -uo pipefail
@@ -31,8 +32,8 @@ step() {  # step NAME CMD...: run, log, remember failure
 }
 PARTS=" ${*:-all} "
 for part in $PARTS; do
-  case "$part" in all|quick|reductions|gemm|overhead|attention) ;;
-    *) echo "usage: $0 [all|quick|reductions|gemm|overhead|attention ...]" >&2; exit 2 ;; esac
+  case "$part" in all|quick|reductions|gemm|overhead|attention|moe) ;;
+    *) echo "usage: $0 [all|quick|reductions|gemm|overhead|attention|moe ...]" >&2; exit 2 ;; esac
 done
 has() { [[ "$PARTS" == *" $1 "* || "$PARTS" == *" all "* ]]; }
 if has quick; then
@@ -69,6 +70,13 @@ if has attention; then
   done
   step bench_attention_1 timeout 300 python3 -m weft bench -n 1 attention --out "$OUT/bench"
   step bench_attention_sp_2 timeout 200 python3 -m weft bench -n 2 attention --ops sp --out "$OUT/bench"
+fi
+if has moe; then
+  for n in $(printf '%s\n' 2 "$NGPU" | sort -nu); do
+    [ "$n" -le "$NGPU" ] || continue
+    step "gpu_moe_tests_$n" timeout 300 env WEFT_WORKSPACE_BYTES=$((1 << 30)) python3 -m weft run -n "$n" -m pytest tests/test_gpu_moe.py -m gpu -q -x -p no:cacheprovider
+  done
+  step bench_moe timeout 300 python3 -m weft bench -n "$NGPU" moe --out "$OUT/bench"
 fi
 cat "$OUT"/bench/*.md 2>/dev/null
 # One archive instead of many files: the device tool brings back only a few files per call.
