@@ -253,8 +253,9 @@ def _rejects():
     rejects(lambda: weft.ops.ep_dispatch(x, idx, wts.double(), 8), TypeError, "topk_weights", guarded)
     rejects(lambda: weft.ops.ep_dispatch(x, idx, wts, 8, max_recv_tokens=1 << 30), ValueError, "workspace",
             guarded)
-    rejects(lambda: weft.ops.grouped_gemm(x[None], x.t().contiguous()[None], torch.zeros(2, dtype=torch.int32)), ValueError,
-            "counts", guarded)
+    wt = x.t().contiguous()[None]
+    rejects(lambda: weft.ops.grouped_gemm(x[None], wt, torch.zeros(2, dtype=torch.int32)), ValueError, "counts",
+            guarded)
     # Nothing was sent: the next calls see the epochs they expect.
     _ht_case(5, 4, 8, 2, 32, "random")
     _ll_case(5, 4, 8, 2, 32, "random", 4)

@@ -1,16 +1,18 @@
 """moe: expert-parallel dispatch + combine against torch.distributed.all_to_all_single with the permute and
 unpermute around it, and the NVLink bound, in one run (DeepSeek-V3 sizes: hidden 7168, top-8 of 256 experts).
 
-- LL (decode), 1 / 32 / 128 tokens per rank: weft ep_dispatch_ll + ep_combine_ll (one launch each, CUDA
-  graphs), and the dispatch alone;
-- HT (prefill), 4096 tokens per rank: weft ep_dispatch + ep_combine, exact-size (one host sync: eager) and
-  with max_recv_tokens (capturable);
+- LL (decode), 1 / 32 / 128 tokens per rank: weft ep_dispatch_ll + ep_combine_ll (one launch each), and
+  the dispatch alone;
+- HT (prefill), 4096 tokens per rank: weft ep_dispatch + ep_combine, exact-size (one host sync) and with
+  max_recv_tokens (capturable);
 - baseline: the routing layout, all_to_all_single of the counts (the splits go to the host), permute,
   all_to_all_single of the rows and of their topk ids and weights, all_to_all_single back, unpermute
   (index_add): what a torch MoE layer does around its experts (no expert compute in any of them: y = recv);
 - NVLink bound: the bf16 bytes each rank sends to other ranks (dispatch + combine, slowest rank) over the
   per-rank bandwidth that weft's all_gather reaches in the same run.
-Every weft result is checked against the baseline's before timing.
+Two views: every impl eagerly (host cost included), and the capturable ones (weft LL, weft HT with
+max_recv_tokens) replayed from CUDA graphs (the baseline's splits go through the host: it cannot be
+captured). Every weft result is checked against the baseline's before timing.
 """
 from __future__ import annotations
 
@@ -93,9 +95,18 @@ def _link_bandwidth(samples) -> float:
     return (w.world_size - 1) * shard.numel() * 2 / next(iter(ms.values()))
 
 
-def _rows(case, times, nbytes, w):
-    return [Row(SUITE, case, name, ms, nbytes / ms / 1e6 if nbytes else 0.0, nbytes, w.world_size, "graph")
-            for name, ms in times.items()]
+def _timed(case, impls, capturable, nbytes, bandwidth, calls, samples):
+    """Rows of both views: every impl eagerly, the capturable ones in CUDA graphs; the NVLink bound in each."""
+    w = weft.world()
+    rows = []
+    views = {"eager": (impls, False), "graph": ({n: f for n, f in impls.items() if n in capturable}, True)}
+    for view, (fns, graph) in views.items():
+        times = time_calls(fns, calls=calls, samples=samples, graph=graph)
+        if bandwidth:
+            times["NVLink bound"] = nbytes / bandwidth
+        rows += [Row(SUITE, case, name, ms, nbytes / ms / 1e6 if nbytes else 0.0, nbytes, w.world_size, view)
+                 for name, ms in times.items()]
+    return rows
 
 
 def run(args) -> list[Row]:
@@ -122,11 +133,8 @@ def run(args) -> list[Row]:
                  BASELINE: lambda x=x, idx=idx, wts=wts: _all_to_all(x, idx, wts, experts)}
         weft.ops.check_routing_values(idx, experts)
         nbytes = _bytes_sent(idx, experts, hidden, True)
-        case = f"LL {tokens} tok/rank"
-        rows += _rows(case, time_calls(impls, calls=10, samples=args.samples, graph=True), nbytes, w)
-        if bandwidth:
-            rows.append(Row(SUITE, case, "NVLink bound", nbytes / bandwidth, nbytes / (nbytes / bandwidth) / 1e6,
-                            nbytes, w.world_size, "graph"))
+        rows += _timed(f"LL {tokens} tok/rank", impls, {"weft LL dispatch+combine", "weft LL dispatch"}, nbytes,
+                       bandwidth, 10, args.samples)
     for tokens in [int(t) for t in args.ht_tokens.split(",") if t]:
         x, idx, wts = _routing(tokens, hidden, experts, k, dev)
         recv_ref, out_ref = _all_to_all(x, idx, wts, experts)
@@ -144,9 +152,6 @@ def run(args) -> list[Row]:
                  "weft HT dispatch+combine (max_recv_tokens)": lambda: ht(cap=cap),
                  BASELINE: lambda x=x, idx=idx, wts=wts: _all_to_all(x, idx, wts, experts)}
         nbytes = _bytes_sent(idx, experts, hidden, False)
-        case = f"HT {tokens} tok/rank"
-        rows += _rows(case, time_calls(impls, calls=2, samples=args.samples, graph=True), nbytes, w)
-        if bandwidth:
-            rows.append(Row(SUITE, case, "NVLink bound", nbytes / bandwidth, nbytes / (nbytes / bandwidth) / 1e6,
-                            nbytes, w.world_size, "graph"))
+        rows += _timed(f"HT {tokens} tok/rank", impls, {"weft HT dispatch+combine (max_recv_tokens)"}, nbytes,
+                       bandwidth, 2, args.samples)
     return rows

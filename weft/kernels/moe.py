@@ -13,10 +13,10 @@ its experts, pushed straight into that rank's receive region:
      (after the rows of ranks s' < me) and a receiver how many rows it gets, with no host round trip;
   2. ep_push_kernel: the rows ([x | topk_idx | topk_weights] as int32 words) into the destinations'
      regions (half epoch % 2), then a flag per program to every rank;
-  3. ep_wait_kernel: wait for every rank's flags; torch copies the region out.
-Push and wait are separate launches: the wait needs every program of every sender, and the interpreter
-runs a grid's programs one after another. Combine runs steps 2 and 3 backwards (a received row returns to
-its source, into the slot the source numbered it by) and sums each token's rows in rank order.
+  3. ep_receive_kernel: wait for every rank's flags, copy the region out.
+Push and receive are separate launches: the receiver needs every program of every sender, and the
+interpreter runs a grid's programs one after another. Combine pushes each received row back to its source,
+into the slot the source numbered it by, and ep_combine_reduce_kernel sums each token's rows in rank order.
 
 Low-latency EP (decode), ep_dispatch_ll / ep_combine_ll: one launch each, no host sync, data and signal in
 the same LL words (`wl.pack_ll`: 4 bytes and the epoch per 8-byte store). Rank s writes token t into slot
@@ -43,7 +43,6 @@ import triton.language as tl
 
 import weft.language as wl
 
-from ..runtime import backend
 from .all_reduce import _halves_of, _word_of
 from .blocks import copy
 from .common import Launch, check_tensor, plan, signature, workspace, world_or_raise
@@ -625,7 +624,8 @@ class _LLPlan:
         recv = torch.empty((1, self.hw), dtype=torch.int32, device=dev)
         self.dispatch_launch = Launch(
             ep_dispatch_ll_kernel, (self.programs,),
-            (x.view(torch.int32), topk_idx, recv, self.src_tokens(), self.src_rows(), self.src_tokens(),
+            (x.view(torch.int32), topk_idx, recv, torch.empty(self.local, dtype=torch.int32, device=dev),
+             self.src_rows(), self.src_tokens(),
              ws.ll_dispatch, ws.counter(0), self.heap, x.shape[0], ws.ll_half_words),
             dict(**common, BLOCK=block, BLOCK_K=blk_k, BLOCK_L=triton.next_power_of_2(self.local + 1),
                  BLOCK_T=16 if gpu else triton.next_power_of_2(max(1, min(max_tokens, 16)))), warps)
@@ -647,7 +647,7 @@ class _LLPlan:
     def combine(self, y, topk_idx, topk_weights, handle):
         ws, dev = self.ws, y.device
         tokens = topk_idx.shape[0]
-        key = (signature(topk_idx), signature(topk_weights))
+        key = (signature(y), signature(topk_idx), signature(topk_weights))
         launch = self.combine_launches.get(key)
         out = torch.empty((tokens, self.hidden), dtype=self.dtype, device=dev)
         args = (y.view(torch.int32), topk_idx, topk_weights, out.view(torch.int32), handle.src_rows,
