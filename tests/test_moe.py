@@ -116,6 +116,48 @@ def _ht_case(seed, tokens, experts, k, hidden, mode, max_recv=None):
     assert torch.equal(out.view(torch.int16), acc.to(torch.bfloat16).view(torch.int16)), tag
 
 
+def _quantized(x):
+    """x (n, hidden) as e4m3 with one fp32 scale per 128 channels (amax / 448), as the kernel does it."""
+    import torch
+
+    g = x.float().reshape(x.shape[0], x.shape[1] // 128, 128)
+    scale = g.abs().amax(-1).clamp(min=1e-4) / 448
+    return (g / scale[..., None]).to(torch.float8_e4m3fn).reshape(x.shape), scale
+
+
+def _ll_fp8_case(seed, tokens, experts, k, max_tokens):
+    import torch
+
+    import weft
+
+    me, w = weft.rank(), weft.world_size()
+    local = experts // w
+    inputs = _routing(seed, w, tokens, experts, k, 256)
+    x, idx, wts = inputs[me]
+    recv, counts, scales, handle = weft.ops.ep_dispatch_ll(x, idx, experts, max_tokens, fp8=True)
+    assert recv.dtype == torch.float8_e4m3fn and scales.shape == (local, w * max_tokens, 2)
+    ex, ei, _, ec = _ref_dispatch(inputs, me, experts, w)
+    assert torch.equal(counts, ec)
+    for e in range(local):
+        want = ex[(ei == e).any(1)]
+        n = want.shape[0]
+        q, scale = _quantized(want)
+        assert torch.equal(recv[e, :n].view(torch.uint8), q.view(torch.uint8)), f"seed {seed} expert {e}"
+        assert torch.equal(scales[e, :n], scale), f"seed {seed} expert {e}"
+    # The combine of the dequantized rows, with the experts' scales.
+    deq = (recv.float().reshape(local, -1, 2, 128) * scales[..., None]).reshape(recv.shape).to(torch.bfloat16)
+    y = torch.stack([_expert_out(deq[e], me * local + e) for e in range(local)])
+    out = weft.ops.ep_combine_ll(y, idx, wts, handle)
+    torch.testing.assert_close(out.float(), _weighted(x, idx, wts, 0).float(), rtol=0.15, atol=0.15)
+    return True
+
+
+def test_ep_ll_fp8():
+    for w in (1, 3):
+        experts = 12 if w == 3 else 8
+        assert all(run_ranks(_ll_fp8_case, w, 7, [3, 0, 4][:w], experts, 3, 4, timeout=TIMEOUT, env=ENV))
+
+
 def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens):
     import torch
 
@@ -248,6 +290,7 @@ def _rejects():
     rejects(lambda: weft.ops.ep_dispatch_ll(x, dup, 8, 4), ValueError, "twice", guarded)
     rejects(lambda: weft.ops.ep_dispatch_ll(x, idx + 8, 8, 4), ValueError, "outside", guarded)
     rejects(lambda: weft.ops.ep_dispatch_ll(x, idx, 8, 3), ValueError, "max_tokens_per_rank", guarded)
+    rejects(lambda: weft.ops.ep_dispatch_ll(x, idx, 8, 4, fp8=True), ValueError, "128", guarded)
     rejects(lambda: weft.ops.ep_dispatch(x, idx, wts, 7), ValueError, "divisible", guarded)
     rejects(lambda: weft.ops.ep_dispatch(x, idx[:, :1].contiguous(), wts, 8), ValueError, "topk_weights", guarded)
     rejects(lambda: weft.ops.ep_dispatch(x, idx, wts.double(), 8), TypeError, "topk_weights", guarded)

@@ -462,11 +462,46 @@ def _expert_counts(topk, tokens, first, K: tl.constexpr, BLOCK_K: tl.constexpr, 
     return cnt
 
 
+@triton.jit
+def _e4m3_bits(v):
+    """fp32 v (|v| <= 448) rounded to the nearest e4m3fn (ties to even), as int32 bits 0..255. By hand under
+    the interpreter, whose fp8 conversion rounds some values to the wrong binade."""
+    if wl.INTERPRET:
+        bits = v.to(tl.int32, bitcast=True)
+        a = tl.abs(v)
+        e = (a.to(tl.int32, bitcast=True) >> 23) - 127
+        m = a.to(tl.int32, bitcast=True) & 0x7FFFFF
+        keep = m >> 20
+        rem = m & 0xFFFFF
+        up = (rem > 0x80000) | ((rem == 0x80000) & ((keep & 1) == 1))
+        normal = ((e + 7) << 3) + keep + up.to(tl.int32)
+        s = a * 512.0  # below 2^-6: whole units of 2^-9
+        fl = tl.floor(s)
+        fi = fl.to(tl.int32)
+        sub = fi + (((s - fl) > 0.5) | (((s - fl) == 0.5) & ((fi & 1) == 1))).to(tl.int32)
+        return ((bits >> 24) & 0x80) | tl.where(e < -6, sub, normal)
+    return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+
+
+@triton.jit
+def _fp8_words(x, t, g0, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Channel groups [g0, g0 + BLOCK_G) of token t of x (128 channels each): e4m3 words (4 channels per int32,
+    little-endian) and the groups' fp32 scales (amax / 448)."""
+    gg = g0 + tl.arange(0, BLOCK_G)
+    c = tl.arange(0, 128)
+    v = tl.load(x + (t * GROUPS + gg[:, None]) * 128 + c[None, :], mask=gg[:, None] < GROUPS, other=0.0)
+    v = v.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4) / 448.0
+    b = tl.reshape(_e4m3_bits(v / scale[:, None]), [BLOCK_G * 32, 4])
+    return tl.sum(b << (tl.arange(0, 4) * 8)[None, :], axis=1), scale
+
+
 @triton.jit(do_not_specialize=["tokens", "half_words"])
-def ep_dispatch_ll_kernel(x, topk, recv, counts, src_rows, src_tokens, buf, counter, heap, tokens, half_words,
-                          HW: tl.constexpr, K: tl.constexpr, LOCAL: tl.constexpr, MAX_T: tl.constexpr,
-                          WORLD: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
-                          BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr):
+def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, buf, counter, heap, tokens,
+                          half_words, HW: tl.constexpr, K: tl.constexpr, LOCAL: tl.constexpr, MAX_T: tl.constexpr,
+                          WORLD: tl.constexpr, PROGRAMS: tl.constexpr, FP8: tl.constexpr, GROUPS: tl.constexpr,
+                          BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
+                          BLOCK_G: tl.constexpr):
     """Send my tokens t = p (mod PROGRAMS) to the ranks of their experts, then place the tokens program p of
     every rank sent me into recv[local expert, row] (x and recv as int32 words, HW a row).
 
@@ -480,7 +515,7 @@ def ep_dispatch_ll_kernel(x, topk, recv, counts, src_rows, src_tokens, buf, coun
     epoch = wl.next_epoch(counter)
     half = buf + (epoch % 2) * half_words
     HEAD: tl.constexpr = LOCAL + 1
-    SLOT: tl.constexpr = K + HW
+    SLOT: tl.constexpr = K + HW + GROUPS * FP8
     slots = half + WORLD * PROGRAMS * HEAD
     jj = tl.arange(0, BLOCK_K)
     ll = tl.arange(0, BLOCK_L)
@@ -495,13 +530,25 @@ def ep_dispatch_ll_kernel(x, topk, recv, counts, src_rows, src_tokens, buf, coun
         for r in range(WORLD):
             meta = tl.where(dest == r, ((e - r * LOCAL) << 16) | pos, -1)
             tl.store(wl.symm_at(mine, r, heap) + jj, wl.pack_ll(meta, epoch), mask=jj < K)
-        for start in range(0, HW, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            m = offs < HW
-            packed = wl.pack_ll(tl.load(x + t * HW + offs, mask=m, other=0), epoch)
-            for r in range(WORLD):
-                if tl.sum(((dest == r) & (jj < K)).to(tl.int32), axis=0) > 0:
-                    tl.store(wl.symm_at(mine, r, heap) + K + offs, packed, mask=m)
+        if FP8:
+            for g0 in range(0, GROUPS, BLOCK_G):
+                words, scale = _fp8_words(x, t, g0, GROUPS, BLOCK_G)
+                offs = g0 * 32 + tl.arange(0, BLOCK_G * 32)
+                gg = g0 + tl.arange(0, BLOCK_G)
+                packed = wl.pack_ll(words, epoch)
+                packed_scale = wl.pack_ll(scale.to(tl.int32, bitcast=True), epoch)
+                for r in range(WORLD):
+                    if tl.sum(((dest == r) & (jj < K)).to(tl.int32), axis=0) > 0:
+                        tl.store(wl.symm_at(mine, r, heap) + K + offs, packed, mask=offs < HW)
+                        tl.store(wl.symm_at(mine, r, heap) + K + HW + gg, packed_scale, mask=gg < GROUPS)
+        else:
+            for start in range(0, HW, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                m = offs < HW
+                packed = wl.pack_ll(tl.load(x + t * HW + offs, mask=m, other=0), epoch)
+                for r in range(WORLD):
+                    if tl.sum(((dest == r) & (jj < K)).to(tl.int32), axis=0) > 0:
+                        tl.store(wl.symm_at(mine, r, heap) + K + offs, packed, mask=m)
 
     base = tl.zeros([BLOCK_L], tl.int32)  # rows of each of my experts taken by senders before s
     for s in range(WORLD):
@@ -524,6 +571,14 @@ def ep_dispatch_ll_kernel(x, topk, recv, counts, src_rows, src_tokens, buf, coun
                     for j in tl.static_range(K):
                         f = tl.sum(tl.where(jj == j, flat, 0), axis=0).to(tl.int64)
                         tl.store(recv + f * HW + offs, words, mask=m & (f >= 0))
+                if FP8:
+                    for g0 in range(0, GROUPS, BLOCK):
+                        gg = g0 + tl.arange(0, BLOCK)
+                        words = wl.wait_ll(slot + K + HW + gg, gg < GROUPS, epoch, heap=heap, peer=s,
+                                           op="ep_dispatch_ll scales")
+                        for j in tl.static_range(K):
+                            f = tl.sum(tl.where(jj == j, flat, 0), axis=0).to(tl.int64)
+                            tl.store(scales + f * GROUPS + gg, words, mask=(gg < GROUPS) & (f >= 0))
         base += tl.where(ll < LOCAL, head, 0)
         if p == 0:
             tl.store(src_tokens + s, n_s)
@@ -594,55 +649,70 @@ class LLHandle:
 
 
 class _LLPlan:
-    def __init__(self, world, x, topk_idx, num_experts, max_tokens):
+    def __init__(self, world, x, topk_idx, num_experts, max_tokens, fp8):
         _check_routing(world, x, topk_idx, num_experts)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens < (1 << 16):
             raise ValueError(f"max_tokens_per_rank must be an int in [1, 65536), got {max_tokens!r}")
         if x.shape[0] > max_tokens:
             raise ValueError(f"x has {x.shape[0]} tokens, more than max_tokens_per_rank={max_tokens}")
+        if not isinstance(fp8, bool):
+            raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
+        if fp8 and x.shape[1] % 128:
+            raise ValueError(f"fp8 needs a hidden size that is a multiple of 128 (one scale per 128 channels), "
+                             f"got {x.shape[1]}")
         w = world.world_size
-        self.world, self.heap = world, world.heap.descriptor
+        self.world, self.heap, self.fp8 = world, world.heap.descriptor, fp8
         self.k, self.hidden, self.dtype, self.max_tokens = topk_idx.shape[1], x.shape[1], x.dtype, max_tokens
         self.num_experts, self.local = num_experts, num_experts // w
-        self.hw = x.shape[1] * x.element_size() // 4
+        self.hw = x.shape[1] * x.element_size() // 4  # words of a bf16/fp16 row (combine)
+        self.groups = x.shape[1] // 128 if fp8 else 0
+        sent_hw = x.shape[1] // 4 if fp8 else self.hw  # words of a dispatched row
         gpu = world.device.type == "cuda"
         self.programs = min(max_tokens, 64) if gpu else min(max_tokens, 2)
         self.ws = ws = _workspace(world)
-        dispatch_words = w * self.programs * (self.local + 1) + w * max_tokens * (self.k + self.hw)
+        dispatch_words = w * self.programs * (self.local + 1) + w * max_tokens * (self.k + sent_hw + self.groups)
         combine_words = w * self.programs + max_tokens * self.k * self.hw
         for what, words in (("ep_dispatch_ll", dispatch_words), ("ep_combine_ll", combine_words)):
             if words > ws.ll_half_words:
                 raise _too_big(f"{what} with max_tokens_per_rank={max_tokens}, hidden={self.hidden}, k={self.k}",
                                2 * words * 8, 2 * ws.ll_half_words * 8)
         block, warps = (1024, 8) if gpu else (256, 4)
-        common = dict(HW=self.hw, K=self.k, LOCAL=self.local, MAX_T=max_tokens, WORLD=w, PROGRAMS=self.programs)
+        common = dict(K=self.k, LOCAL=self.local, MAX_T=max_tokens, WORLD=w, PROGRAMS=self.programs)
         blk_k = triton.next_power_of_2(self.k)
         dev = world.device
         self.src_rows = lambda: torch.empty((w, max_tokens, self.k), dtype=torch.int32, device=dev)
         self.src_tokens = lambda: torch.empty(w, dtype=torch.int32, device=dev)
         self.recv_shape = (self.local, w * max_tokens, self.hidden)
-        recv = torch.empty((1, self.hw), dtype=torch.int32, device=dev)
+        self.recv_dtype = torch.float8_e4m3fn if fp8 else x.dtype
+        self.scales_shape = (self.local, w * max_tokens, self.groups)
+        i32 = lambda *shape: torch.empty(shape, dtype=torch.int32, device=dev)  # noqa: E731
         self.dispatch_launch = Launch(
             ep_dispatch_ll_kernel, (self.programs,),
-            (x.view(torch.int32), topk_idx, recv, torch.empty(self.local, dtype=torch.int32, device=dev),
-             self.src_rows(), self.src_tokens(),
+            (self._sent(x), topk_idx, i32(1, sent_hw), i32(1), i32(self.local), self.src_rows(), self.src_tokens(),
              ws.ll_dispatch, ws.counter(0), self.heap, x.shape[0], ws.ll_half_words),
-            dict(**common, BLOCK=block, BLOCK_K=blk_k, BLOCK_L=triton.next_power_of_2(self.local + 1),
-                 BLOCK_T=16 if gpu else triton.next_power_of_2(max(1, min(max_tokens, 16)))), warps)
-        self.topk_dtype = topk_idx.dtype
+            dict(HW=sent_hw, **common, FP8=fp8, GROUPS=self.groups, BLOCK=block, BLOCK_K=blk_k,
+                 BLOCK_L=triton.next_power_of_2(self.local + 1),
+                 BLOCK_T=16 if gpu else triton.next_power_of_2(max(1, min(max_tokens, 16))),
+                 BLOCK_G=8 if gpu else 1), warps)
         self.combine_launches = {}
-        self.block, self.warps, self.common, self.blk_k = block, warps, common, blk_k
+        self.block, self.warps, self.common, self.blk_k = block, warps, dict(HW=self.hw, **common), blk_k
+
+    def _sent(self, x):
+        """x as the kernel reads it: its elements (quantized on the way), or its rows' int32 words."""
+        return x if self.fp8 else x.view(torch.int32)
 
     def dispatch(self, x, topk_idx):
         dev, ws = x.device, self.ws
         if not _capturing(dev):
             check_routing_values(topk_idx, self.num_experts)
-        recv = torch.empty(self.recv_shape, dtype=self.dtype, device=dev)
+        recv = torch.empty(self.recv_shape, dtype=self.recv_dtype, device=dev)
+        scales = torch.empty(self.scales_shape, dtype=torch.float32, device=dev) if self.fp8 else None
         counts = torch.empty(self.local, dtype=torch.int32, device=dev)
         src_rows, src_tokens = self.src_rows(), self.src_tokens()
-        self.dispatch_launch(x.view(torch.int32), topk_idx, recv.view(torch.int32), counts, src_rows, src_tokens,
+        self.dispatch_launch(self._sent(x), topk_idx, recv.view(torch.int32),
+                             counts if scales is None else scales.view(torch.int32), counts, src_rows, src_tokens,
                              ws.ll_dispatch, ws.counter(0), self.heap, x.shape[0], ws.ll_half_words)
-        return recv, counts, None, LLHandle(self, src_rows, src_tokens)
+        return recv, counts, scales, LLHandle(self, src_rows, src_tokens)
 
     def combine(self, y, topk_idx, topk_weights, handle):
         ws, dev = self.ws, y.device
@@ -661,18 +731,21 @@ class _LLPlan:
         return out
 
 
-def ep_dispatch_ll(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int):
+def ep_dispatch_ll(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int,
+                   fp8: bool = False):
     """Low-latency dispatch (decode): one launch, no host sync, capturable in a CUDA graph.
 
     x (T, hidden) bf16/fp16 with T <= max_tokens_per_rank; topk_idx (T, k) (-1: no expert).
     Returns (recv (L, max_tokens_per_rank * W, hidden): rows [0, counts[e]) of recv[e] are the tokens of
-    local expert e, ordered by source rank then source token; counts (L,) int32; scales: None (bf16/fp16 are
-    sent as they are); handle for ep_combine_ll). Checks topk_idx's values (a host sync) except under
+    local expert e, ordered by source rank then source token; counts (L,) int32; scales; handle for
+    ep_combine_ll). fp8=False: recv has x's dtype and scales is None. fp8=True (hidden a multiple of 128):
+    tokens travel as float8_e4m3fn, recv is float8_e4m3fn and scales (L, max_tokens_per_rank * W,
+    hidden / 128) fp32 holds one scale per 128 channels (x ~ recv * scale; scale = amax / 448). Checks topk_idx's values (a host sync) except under
     CUDA-graph capture. Collective: every rank passes the same num_experts and max_tokens_per_rank.
     """
     world = world_or_raise()
-    found = plan(world, lambda: ("ep_ll", signature(x), signature(topk_idx), num_experts, max_tokens_per_rank),
-                 lambda: _LLPlan(world, x, topk_idx, num_experts, max_tokens_per_rank))
+    found = plan(world, lambda: ("ep_ll", signature(x), signature(topk_idx), num_experts, max_tokens_per_rank, fp8),
+                 lambda: _LLPlan(world, x, topk_idx, num_experts, max_tokens_per_rank, fp8))
     return found.dispatch(x, topk_idx)
 
 
@@ -792,11 +865,14 @@ COMPILE_CASES = [
                                     out="*i32", half_words="i32", tokens="i32"),
      dict(HW=3584, ELEM=tl.bfloat16, WORLD=8, PROGRAMS=128, BLOCK=1024), dict(num_warps=8)),
 ] + [
-    (ep_dispatch_ll_kernel, dict(x="*i32", topk=t, recv="*i32", counts="*i32", src_rows="*i32", src_tokens="*i32",
-                                 buf="*i64", counter="*i64", heap="*i64", tokens="i32", half_words="i32"),
-     dict(HW=3584, K=8, LOCAL=local, MAX_T=128, WORLD=wd, PROGRAMS=64, BLOCK=1024, BLOCK_K=8,
-          BLOCK_L=triton.next_power_of_2(local + 1), BLOCK_T=16), dict(num_warps=8))
+    (ep_dispatch_ll_kernel, dict(x=xt, topk=t, recv="*i32", scales="*i32", counts="*i32", src_rows="*i32",
+                                 src_tokens="*i32", buf="*i64", counter="*i64", heap="*i64", tokens="i32",
+                                 half_words="i32"),
+     dict(HW=3584 // (1 + fp8), K=8, LOCAL=local, MAX_T=128, WORLD=wd, PROGRAMS=64, FP8=fp8, GROUPS=56 * fp8,
+          BLOCK=1024, BLOCK_K=8, BLOCK_L=triton.next_power_of_2(local + 1), BLOCK_T=16, BLOCK_G=8),
+     dict(num_warps=8))
     for t in ("*i64", "*i32") for wd, local in ((2, 128), (8, 32))
+    for fp8, xt in ((False, "*i32"), (True, "*bf16"), (True, "*fp16"))
 ] + [
     (ep_combine_ll_kernel, dict(y="*i32", topk=t, weights="*fp32", out="*i32", src_rows="*i32", src_tokens="*i32",
                                 buf="*i64", counter="*i64", heap="*i64", tokens="i32", half_words="i32"),
