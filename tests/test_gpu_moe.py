@@ -109,6 +109,25 @@ def test_ep_ll():
         _check_ll(x, idx, wts, recv, counts, out)
 
 
+def test_ep_ll_fp8():
+    w = weft.world()
+    local = EXPERTS // w.world_size
+    for seed in range(2):
+        x, idx, wts = _routing(30 + seed)
+        me = w.rank
+        recv, counts, scales, handle = weft.ops.ep_dispatch_ll(x[me], idx[me], EXPERTS, TOKENS, fp8=True)
+        ex, ei, _, ec = _reference(x, idx, wts)
+        assert torch.equal(counts, ec)
+        for e in range(local):
+            want = ex[(ei == e).any(1)]
+            g = want.float().reshape(want.shape[0], HIDDEN // 128, 128)
+            scale = g.abs().amax(-1).clamp(min=1e-4) / 448
+            q = (g / scale[..., None]).to(torch.float8_e4m3fn).reshape(want.shape)
+            n = want.shape[0]
+            assert torch.equal(scales[e, :n], scale), e
+            assert torch.equal(recv[e, :n].view(torch.uint8), q.view(torch.uint8)), e
+
+
 def test_ep_ll_cuda_graph():
     w = weft.world()
     me = w.rank

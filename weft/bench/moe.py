@@ -2,7 +2,7 @@
 unpermute around it, and the NVLink bound, in one run (DeepSeek-V3 sizes: hidden 7168, top-8 of 256 experts).
 
 - LL (decode), 1 / 32 / 128 tokens per rank: weft ep_dispatch_ll + ep_combine_ll (one launch each), and
-  the dispatch alone;
+  the dispatch alone, bf16 and fp8;
 - HT (prefill), 4096 tokens per rank: weft ep_dispatch + ep_combine, exact-size (one host sync) and with
   max_recv_tokens (capturable);
 - baseline: the routing layout, all_to_all_single of the counts (the splits go to the host), permute,
@@ -117,23 +117,28 @@ def run(args) -> list[Row]:
     rows = []
     for tokens in [int(t) for t in args.ll_tokens.split(",") if t]:
         x, idx, wts = _routing(tokens, hidden, experts, k, dev)
-        recv_ref, out_ref = _all_to_all(x, idx, wts, experts)
+        ones = torch.ones_like(wts)
 
-        def ll(x=x, idx=idx, wts=wts, tokens=tokens):
+        def ll(x=x, idx=idx, ones=ones, tokens=tokens):
             recv, _, _, handle = weft.ops.ep_dispatch_ll(x, idx, experts, tokens)
-            return recv, weft.ops.ep_combine_ll(recv, idx, torch.ones_like(wts), handle)
+            return recv, weft.ops.ep_combine_ll(recv, idx, ones, handle)
 
         recv, out = ll()
-        # With y = recv and weights 1 the combine gives each token k times itself; the baseline once per rank.
+        # With y = recv and weights 1 the combine gives each token k times itself.
         if not torch.allclose(out.float(), x.float() * (idx >= 0).sum(1, keepdim=True), rtol=2e-2, atol=2e-2):
             raise RuntimeError(f"LL combine mismatch at {tokens} tokens")
+        fp8 = hidden % 128 == 0
         impls = {"weft LL dispatch+combine": ll,
                  "weft LL dispatch": lambda x=x, idx=idx, tokens=tokens: weft.ops.ep_dispatch_ll(x, idx, experts,
-                                                                                                  tokens),
+                                                                                                  tokens)}
+        if fp8:
+            impls["weft LL dispatch (fp8)"] = lambda x=x, idx=idx, tokens=tokens: weft.ops.ep_dispatch_ll(
+                x, idx, experts, tokens, fp8=True)
+        impls |= {
                  BASELINE: lambda x=x, idx=idx, wts=wts: _all_to_all(x, idx, wts, experts)}
         weft.ops.check_routing_values(idx, experts)
         nbytes = _bytes_sent(idx, experts, hidden, True)
-        rows += _timed(f"LL {tokens} tok/rank", impls, {"weft LL dispatch+combine", "weft LL dispatch"}, nbytes,
+        rows += _timed(f"LL {tokens} tok/rank", impls, {n for n in impls if n.startswith("weft")}, nbytes,
                        bandwidth, 10, args.samples)
     for tokens in [int(t) for t in args.ht_tokens.split(",") if t]:
         x, idx, wts = _routing(tokens, hidden, experts, k, dev)
