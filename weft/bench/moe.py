@@ -10,6 +10,8 @@ unpermute around it, and the NVLink bound, in one run (DeepSeek-V3 sizes: hidden
   (index_add): what a torch MoE layer does around its experts (no expert compute in any of them: y = recv);
 - NVLink bound: the bf16 bytes each rank sends to other ranks (dispatch + combine, slowest rank) over the
   per-rank bandwidth that weft's all_gather reaches in the same run.
+- grouped GEMM (experts 32, capacity 256, 7168 -> 2048, random counts): weft grouped_gemm against a loop of
+  torch.matmul over the experts' rows.
 Two views: every impl eagerly (host cost included), and the capturable ones (weft LL, weft HT with
 max_recv_tokens) replayed from CUDA graphs (the baseline's splits go through the host: it cannot be
 captured). Every weft result is checked against the baseline's before timing.
@@ -39,6 +41,8 @@ def add_arguments(p) -> None:
     p.add_argument("--hidden", type=int, default=HIDDEN)
     p.add_argument("--experts", type=int, default=EXPERTS)
     p.add_argument("--topk", type=int, default=K)
+    p.add_argument("--gemm", default="32,256,7168,2048",
+                   help="experts,capacity,K,N of the grouped GEMM case ('' to skip)")
     p.add_argument("--samples", type=int, default=20)
 
 
@@ -159,4 +163,30 @@ def run(args) -> list[Row]:
         nbytes = _bytes_sent(idx, experts, hidden, False)
         rows += _timed(f"HT {tokens} tok/rank", impls, {"weft HT dispatch+combine (max_recv_tokens)"}, nbytes,
                        bandwidth, 2, args.samples)
+    if args.gemm:
+        rows += _grouped_gemm(*[int(v) for v in args.gemm.split(",")], args.samples)
     return rows
+
+
+def _grouped_gemm(experts, cap, k, n, samples) -> list[Row]:
+    w = weft.world()
+    x = torch.randn(experts, cap, k, device=w.device).to(torch.bfloat16)
+    wt = (torch.randn(experts, k, n, device=w.device) / k ** 0.5).to(torch.bfloat16)
+    counts = torch.randint(0, cap + 1, (experts,), device=w.device, dtype=torch.int32)
+    sizes = counts.tolist()
+    out = torch.empty(experts, cap, n, dtype=x.dtype, device=w.device)
+
+    def loop():
+        for e, m in enumerate(sizes):
+            torch.matmul(x[e, :m], wt[e], out=out[e, :m])
+
+    loop()
+    got = weft.ops.grouped_gemm(x, wt, counts)
+    for e, m in enumerate(sizes):
+        if not torch.allclose(got[e, :m].float(), out[e, :m].float(), rtol=2e-2, atol=2e-2):
+            raise RuntimeError(f"grouped_gemm mismatch against torch.matmul (expert {e})")
+    impls = {"weft grouped_gemm": lambda: weft.ops.grouped_gemm(x, wt, counts), "torch.matmul loop": loop}
+    case = f"grouped GEMM {experts}x{cap}x{k}x{n}"
+    return [Row(SUITE, case, name, ms, 0.0, 0, w.world_size, view)
+            for view, graph in (("eager", False), ("graph", True))
+            for name, ms in time_calls(impls, calls=5, samples=samples, graph=graph).items()]

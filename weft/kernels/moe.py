@@ -312,7 +312,7 @@ class _HTPlan:
                             dict(WORLD=w, BLOCK_W=triton.next_power_of_2(w)), 1)
         gpu = dev.type == "cuda"
         block, warps = (1024, 8) if gpu else (256, 4)
-        self.programs = 132 if gpu else 2
+        self.grid = 132 if gpu else 2  # programs that copy out / sum what arrived
         i32 = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=dev)  # noqa: E731
         self.push = {words: Launch(ep_push_kernel, (ws.programs,),
                                    (i32(1, words), i32(1, w), ws.ht, ws.flags, ws.counter(3), heap, 1,
@@ -320,12 +320,12 @@ class _HTPlan:
                                    dict(ROW=words, WORLD=w, PROGRAMS=ws.programs, BLOCK=block, VEC=_vec(words)), warps)
                      for words in (self.row, self.hw)}
         self.meta = 2 * k
-        self.receive = Launch(ep_receive_kernel, (self.programs,),
+        self.receive = Launch(ep_receive_kernel, (self.grid,),
                               (ws.ht, ws.flags, ws.counter(4), heap, i32(w, w), i32(1, self.hw), i32(1, self.meta),
                                ws.ht_half_words, 1),
                               dict(HW=self.hw, META=self.meta, ROW=self.row, WORLD=w, PROGRAMS=ws.programs,
                                    BLOCK=block, VEC=_vec(self.hw), BLOCK_W=triton.next_power_of_2(w)), warps)
-        self.reduce = Launch(ep_combine_reduce_kernel, (self.programs,),
+        self.reduce = Launch(ep_combine_reduce_kernel, (self.grid,),
                              (ws.ht, ws.flags, ws.counter(4), heap, i32(1, w), i32(1, self.hw), ws.ht_half_words, 1),
                              dict(HW=self.hw, ELEM=_ELEM[x.dtype], WORLD=w, PROGRAMS=ws.programs, BLOCK=block),
                              warps)
@@ -405,8 +405,9 @@ def ep_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     Returns (recv_x (R, hidden), recv_topk_idx (R, k): the row's experts as local indices on this rank, -1
     for experts elsewhere; recv_topk_weights (R, k); counts (L,) int32: received tokens per local expert;
     handle for ep_combine). Rows are ordered by source rank, then source token. Without max_recv_tokens R is
-    exact (one host sync); with it R = max_recv_tokens on every rank (no sync, capturable): rows past the
-    received ones have idx -1, weights 0 and x 0, and rows beyond it are dropped. Checks topk_idx's values
+    exact (one host sync); with it (the same on every rank) R = max_recv_tokens (no sync, capturable): rows
+    past the received ones have idx -1, weights 0 and x 0, and tokens beyond it are dropped (their combine
+    gets nothing from this rank). Checks topk_idx's values
     (a host sync) except under CUDA-graph capture. Collective.
     """
     world = world_or_raise()
