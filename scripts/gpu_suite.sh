@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU script: correctness on 2 and all GPUs, then the benchmark suites (on all GPUs; reductions on
 # 2, 4, 8; overhead on 2 and all), results under $OUT.
-#   usage (device machine, repo root): bash scripts/gpu_suite.sh [all|quick|reductions|gemm|overhead|attention|tpmlp ...]
+#   usage (device machine, repo root): bash scripts/gpu_suite.sh [all|quick|reductions|gemm|overhead|attention|tpmlp|moe ...]
 #     all (default): everything (on 8 GPUs more than one device call allows: run the parts in turn)
 #     quick: GPU tests on 2 and all GPUs, tutorials;  reductions: allgather, allreduce, reducescatter to
 #     256 MiB, CUDA-graph and eager views;  gemm: the overlapped-GEMM suite;  overhead: host and eager µs
@@ -10,7 +10,9 @@
 #     tests and bench on 2 and all GPUs;
 #     tpmlp: torch operators / layers GPU tests on 2 and all GPUs,
 #     the sequence-parallel MLP training example, and forward + backward of a TP MLP block against NCCL +
-#     cuBLAS and torch async-TP
+#     cuBLAS and torch async-TP;
+#     moe: EP dispatch/combine and grouped GEMM GPU tests on 2 and
+#     all GPUs, `weft bench moe` on all GPUs
 # WEFT_COMMIT names the commit in the log where the tree was copied without its git history.
 # Logs and bench JSON/markdown/PNG end up packed in $OUT/weft_results.tar.gz (*.log, bench/).
 set -uo pipefail
@@ -35,8 +37,8 @@ step() {  # step NAME CMD...: run, log, remember failure
 }
 PARTS=" ${*:-all} "
 for part in $PARTS; do
-  case "$part" in all|quick|reductions|gemm|overhead|attention|tpmlp) ;;
-    *) echo "usage: $0 [all|quick|reductions|gemm|overhead|attention|tpmlp ...]" >&2; exit 2 ;; esac
+  case "$part" in all|quick|reductions|gemm|overhead|attention|tpmlp|moe) ;;
+    *) echo "usage: $0 [all|quick|reductions|gemm|overhead|attention|tpmlp|moe ...]" >&2; exit 2 ;; esac
 done
 has() { [[ "$PARTS" == *" $1 "* || "$PARTS" == *" all "* ]]; }
 if has quick; then
@@ -87,6 +89,13 @@ if has tpmlp; then
   done
   step train_tp_mlp timeout 200 python3 -m weft run -n "$NGPU" examples/train_tp_mlp.py --dim 1024 --hidden 4096 --tokens 4096 --steps 300
   step bench_tpmlp timeout 500 python3 -m weft bench -n "$NGPU" tpmlp --samples 20 --out "$OUT/bench"
+fi
+if has moe; then
+  for n in $(printf '%s\n' 2 "$NGPU" | sort -nu); do
+    [ "$n" -le "$NGPU" ] || continue
+    step "gpu_moe_tests_$n" timeout 300 env WEFT_WORKSPACE_BYTES=$((1 << 30)) python3 -m weft run -n "$n" -m pytest tests/test_gpu_moe.py -m gpu -q -x -p no:cacheprovider
+  done
+  step bench_moe timeout 300 python3 -m weft bench -n "$NGPU" moe --out "$OUT/bench"
 fi
 cat "$OUT"/bench/*.md 2>/dev/null
 # One archive instead of many files: the device tool brings back only a few files per call.

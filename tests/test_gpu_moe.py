@@ -1,0 +1,164 @@
+"""MoE on GPUs at DeepSeek-V3 decode/prefill sizes (hidden 7168, 128 tokens per rank, top-8 of 256 experts),
+against the torch reference of the routing: `WEFT_WORKSPACE_BYTES=1GiB weft run -n N -m pytest
+tests/test_gpu_moe.py -m gpu` (scripts/gpu_suite.sh moe)."""
+import os
+
+import pytest
+import torch
+
+import weft
+from weft.testing.graphs import capture
+
+pytestmark = pytest.mark.gpu
+
+HIDDEN, TOKENS, K, EXPERTS = 7168, 128, 8, 256
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world():
+    os.environ.setdefault("WEFT_WORKSPACE_BYTES", str(1 << 30))  # LL at 8 ranks needs ~160 MiB of it
+    weft.init()
+    yield weft.world()
+
+
+def _routing(seed, tokens=TOKENS):
+    """Every rank's (x, topk_idx, topk_weights), the same on every rank."""
+    w = weft.world()
+    g = torch.Generator(device=w.device).manual_seed(seed)
+    x = torch.randn(w.world_size, tokens, HIDDEN, device=w.device, generator=g).to(torch.bfloat16)
+    idx = torch.rand(w.world_size, tokens, EXPERTS, device=w.device, generator=g).topk(K, dim=-1).indices
+    wts = torch.rand(w.world_size, tokens, K, device=w.device, generator=g)
+    return x, idx, wts
+
+
+def _expert_out(x, e):
+    return (x.float() * ((e + 1) / 64)).to(torch.bfloat16)
+
+
+def _reference(x, idx, wts):
+    """Rows this rank receives (by source, then token): x, local idx (-1 elsewhere), weights; counts."""
+    w = weft.world()
+    local = EXPERTS // w.world_size
+    xa, ia, wa = x.reshape(-1, HIDDEN), idx.reshape(-1, K), wts.reshape(-1, K)
+    mine = ia // local == w.rank
+    rows = mine.any(1)
+    ri = torch.where(mine, ia - w.rank * local, -1)[rows]
+    counts = torch.stack([(ri == e).any(1).sum() for e in range(local)]).int()
+    return xa[rows], ri, wa[rows], counts
+
+
+def _weighted(x, idx, wts, first):
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for j in range(idx.shape[1]):
+        for e in idx[:, j].unique().tolist():
+            if e >= 0:
+                sel = idx[:, j] == e
+                acc[sel] += wts[sel, j:j + 1] * _expert_out(x[sel], first + e).float()
+    return acc.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("max_recv", [None, "fixed"])
+def test_ep_dispatch_combine(max_recv):
+    w = weft.world()
+    local = EXPERTS // w.world_size
+    for seed in range(3):
+        x, idx, wts = _routing(seed)
+        me = w.rank
+        cap = w.world_size * TOKENS if max_recv else None
+        rx, ri, rw, counts, handle = weft.ops.ep_dispatch(x[me], idx[me], wts[me], EXPERTS, max_recv_tokens=cap)
+        ex, ei, ew, ec = _reference(x, idx, wts)
+        n = ex.shape[0]
+        assert torch.equal(rx[:n], ex) and torch.equal(ri[:n], ei) and torch.equal(rw[:n], ew)
+        assert torch.equal(counts, ec)
+        y = _weighted(rx, ri, rw, me * local)
+        out = weft.ops.ep_combine(y, handle)
+        acc = torch.zeros(TOKENS, HIDDEN, device=w.device)
+        for r in range(w.world_size):
+            on_r = idx[me] // local == r
+            part = _weighted(x[me], torch.where(on_r, idx[me] - r * local, -1), wts[me], r * local)
+            acc += torch.where(on_r.any(1, keepdim=True), part.float(), 0.0)
+        assert torch.equal(out, acc.to(torch.bfloat16)), seed
+
+
+def _check_ll(x, idx, wts, recv, counts, out):
+    w = weft.world()
+    local = EXPERTS // w.world_size
+    ex, ei, _, ec = _reference(x, idx, wts)
+    assert torch.equal(counts, ec)
+    for e in range(local):
+        want = ex[(ei == e).any(1)]
+        assert torch.equal(recv[e, :want.shape[0]], want), e
+    want = _weighted(x[w.rank], idx[w.rank], wts[w.rank], 0)
+    torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+def _ll_expert_outputs(recv):
+    w = weft.world()
+    local = EXPERTS // w.world_size
+    scale = ((w.rank * local + torch.arange(local, device=w.device) + 1) / 64).view(-1, 1, 1)
+    return (recv.float() * scale).to(torch.bfloat16)
+
+
+def test_ep_ll():
+    w = weft.world()
+    for seed in range(4):
+        x, idx, wts = _routing(10 + seed)
+        me = w.rank
+        recv, counts, _, handle = weft.ops.ep_dispatch_ll(x[me], idx[me], EXPERTS, TOKENS)
+        out = weft.ops.ep_combine_ll(_ll_expert_outputs(recv), idx[me], wts[me], handle)
+        _check_ll(x, idx, wts, recv, counts, out)
+
+
+def test_ep_ll_fp8():
+    w = weft.world()
+    local = EXPERTS // w.world_size
+    for seed in range(2):
+        x, idx, wts = _routing(30 + seed)
+        me = w.rank
+        recv, counts, scales, handle = weft.ops.ep_dispatch_ll(x[me], idx[me], EXPERTS, TOKENS, fp8=True)
+        ex, ei, _, ec = _reference(x, idx, wts)
+        assert torch.equal(counts, ec)
+        for e in range(local):
+            want = ex[(ei == e).any(1)]
+            g = want.float().reshape(want.shape[0], HIDDEN // 128, 128)
+            scale = g.abs().amax(-1).clamp(min=1e-4) / 448
+            q = (g / scale[..., None]).to(torch.float8_e4m3fn).reshape(want.shape)
+            n = want.shape[0]
+            assert torch.equal(scales[e, :n], scale), e
+            assert torch.equal(recv[e, :n].view(torch.uint8), q.view(torch.uint8)), e
+
+
+def test_ep_ll_cuda_graph():
+    w = weft.world()
+    me = w.rank
+    x, idx, wts = _routing(20)
+    sx, si, sw = x[me].clone(), idx[me].clone(), wts[me].clone()
+    weft.ops.check_routing_values(si, EXPERTS)
+    res = {}
+
+    def step():
+        recv, counts, _, handle = weft.ops.ep_dispatch_ll(sx, si, EXPERTS, TOKENS)
+        res.update(recv=recv, counts=counts, out=weft.ops.ep_combine_ll(_ll_expert_outputs(recv), si, sw, handle))
+
+    step()  # workspace and plans outside capture
+    g = capture(step)
+    for seed in range(21, 25):
+        x, idx, wts = _routing(seed)
+        sx.copy_(x[me])
+        si.copy_(idx[me])
+        sw.copy_(wts[me])
+        g.replay()
+        _check_ll(x, idx, wts, res["recv"], res["counts"], res["out"])
+
+
+def test_grouped_gemm_against_matmul():
+    w = weft.world()
+    experts, cap, k, n = 32, 256, HIDDEN, 2048
+    x = torch.randn(experts, cap, k, device=w.device).to(torch.bfloat16)
+    wt = (torch.randn(experts, k, n, device=w.device) / k ** 0.5).to(torch.bfloat16)
+    counts = torch.randint(0, cap + 1, (experts,), device=w.device, dtype=torch.int32)
+    counts[0], counts[1] = 0, 1
+    out = weft.ops.grouped_gemm(x, wt, counts)
+    for e in range(experts):
+        m = int(counts[e])
+        torch.testing.assert_close(out[e, :m], torch.matmul(x[e, :m], wt[e]), rtol=2e-2, atol=2e-2)

@@ -1,0 +1,309 @@
+"""MoE on cpu ranks: routing layout, high-throughput and low-latency dispatch / combine, grouped GEMM.
+
+Every rank builds every rank's routing from a shared seed and checks its own results against a torch
+reference of the routing: dispatch bit for bit, combine against the weighted sum. Calls follow each other
+with new routing and no host barrier, so the epochs and the halves are exercised.
+"""
+import pytest
+
+from weft.testing import run_ranks
+
+ENV = {"WEFT_WAIT_TIMEOUT_S": "60"}
+TIMEOUT = 120
+
+
+# -- helpers run on the ranks ----------------------------------------------------
+
+def _routing(seed, w, tokens, experts, k, hidden, mode="random"):
+    """Per rank: (x bf16 (T, hidden), topk_idx int64 (T, k), topk_weights fp32 (T, k))."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for r in range(w):
+        t = tokens[r] if isinstance(tokens, (list, tuple)) else tokens
+        x = torch.randn(t, hidden, generator=g).to(torch.bfloat16)
+        if mode == "one":  # every token to expert 0 (and k - 1 others next to it)
+            idx = torch.arange(k).repeat(t, 1)
+        elif mode == "half":  # only experts of the first half: the rest receive nothing
+            idx = torch.stack([torch.randperm(experts // 2, generator=g)[:k] for _ in range(t)]) if t else \
+                torch.empty(0, k, dtype=torch.int64)
+        else:
+            idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(t)]) if t else \
+                torch.empty(0, k, dtype=torch.int64)
+        idx = idx.reshape(t, k).long()
+        if mode == "masked" and t:  # some slots without an expert
+            idx[torch.rand(t, k, generator=g) < 0.3] = -1
+        wts = torch.rand(t, k, generator=g)
+        out.append((x, idx, wts))
+    return out
+
+
+def _ref_dispatch(inputs, me, experts, w):
+    """Rows rank `me` receives: (x, local topk_idx, weights), by source rank then token; counts per expert."""
+    import torch
+
+    local = experts // w
+    xs, idxs, ws = [], [], []
+    for x, idx, wts in inputs:
+        for t in range(x.shape[0]):
+            row = idx[t]
+            if ((row >= 0) & (row // local == me)).any():
+                mine = (row >= 0) & (row // local == me)
+                xs.append(x[t])
+                idxs.append(torch.where(mine, row - me * local, -1))
+                ws.append(wts[t])
+    hidden = inputs[0][0].shape[1]
+    k = inputs[0][1].shape[1]
+    rx = torch.stack(xs) if xs else torch.empty(0, hidden, dtype=torch.bfloat16)
+    ri = torch.stack(idxs) if idxs else torch.empty(0, k, dtype=torch.int64)
+    rw = torch.stack(ws) if ws else torch.empty(0, k)
+    counts = torch.tensor([int((ri == e).sum()) for e in range(local)], dtype=torch.int32)
+    return rx, ri, rw, counts
+
+
+def _expert_out(x, e):
+    """What expert e (global) makes of bf16 rows x: a scale, so that any row gives the same bits alone."""
+    import torch
+
+    return (x.float() * ((e + 1) / 8)).to(torch.bfloat16)
+
+
+def _weighted(rows_x, rows_idx, rows_w, first):
+    """sum_j w_j * expert(first + idx_j)(x) over idx_j >= 0, fp32 in j order, rounded to bf16."""
+    import torch
+
+    acc = torch.zeros(rows_x.shape, dtype=torch.float32)
+    for j in range(rows_idx.shape[1]):
+        for e in rows_idx[:, j].unique().tolist():
+            if e < 0:
+                continue
+            sel = rows_idx[:, j] == e
+            acc[sel] += rows_w[sel, j:j + 1] * _expert_out(rows_x[sel], first + e).float()
+    return acc.to(torch.bfloat16)
+
+
+def _ht_case(seed, tokens, experts, k, hidden, mode, max_recv=None):
+    import torch
+
+    import weft
+
+    me, w = weft.rank(), weft.world_size()
+    local = experts // w
+    inputs = _routing(seed, w, tokens, experts, k, hidden, mode)
+    x, idx, wts = inputs[me]
+    rx, ri, rw, counts, handle = weft.ops.ep_dispatch(x, idx, wts, experts, max_recv_tokens=max_recv)
+    ex, ei, ew, ec = _ref_dispatch(inputs, me, experts, w)
+    n = ex.shape[0]
+    tag = f"seed {seed} mode {mode} k {k} max_recv {max_recv}"
+    if max_recv is None:
+        assert rx.shape[0] == n, tag
+    else:
+        assert rx.shape[0] == max_recv and n <= max_recv, tag
+        assert (ri[n:] == -1).all() and (rw[n:] == 0).all() and (rx[n:] == 0).all(), tag
+    assert torch.equal(rx[:n].view(torch.int16), ex.view(torch.int16)), tag
+    assert torch.equal(ri[:n], ei) and ri.dtype == idx.dtype, tag
+    assert torch.equal(rw[:n], ew), tag
+    assert torch.equal(counts, ec), tag
+    # Each rank's weighted sum over its local experts; back at the source, summed over ranks in rank order.
+    y = _weighted(rx, ri, rw, me * local)
+    out = weft.ops.ep_combine(y, handle)
+    acc = torch.zeros(x.shape, dtype=torch.float32)
+    for r in range(w):
+        mine = (idx >= 0) & (idx // local == r)
+        part = _weighted(x, torch.where(mine, idx - r * local, -1), wts, r * local)
+        acc += torch.where(mine.any(1, keepdim=True), part.float(), 0.0)
+    assert torch.equal(out.view(torch.int16), acc.to(torch.bfloat16).view(torch.int16)), tag
+
+
+def _quantized(x):
+    """x (n, hidden) as e4m3 with one fp32 scale per 128 channels (amax / 448), as the kernel does it."""
+    import torch
+
+    g = x.float().reshape(x.shape[0], x.shape[1] // 128, 128)
+    scale = g.abs().amax(-1).clamp(min=1e-4) / 448
+    return (g / scale[..., None]).to(torch.float8_e4m3fn).reshape(x.shape), scale
+
+
+def _ll_fp8_case(seed, tokens, experts, k, max_tokens):
+    import torch
+
+    import weft
+
+    me, w = weft.rank(), weft.world_size()
+    local = experts // w
+    inputs = _routing(seed, w, tokens, experts, k, 256)
+    x, idx, wts = inputs[me]
+    recv, counts, scales, handle = weft.ops.ep_dispatch_ll(x, idx, experts, max_tokens, fp8=True)
+    assert recv.dtype == torch.float8_e4m3fn and scales.shape == (local, w * max_tokens, 2)
+    ex, ei, _, ec = _ref_dispatch(inputs, me, experts, w)
+    assert torch.equal(counts, ec)
+    for e in range(local):
+        want = ex[(ei == e).any(1)]
+        n = want.shape[0]
+        q, scale = _quantized(want)
+        assert torch.equal(recv[e, :n].view(torch.uint8), q.view(torch.uint8)), f"seed {seed} expert {e}"
+        assert torch.equal(scales[e, :n], scale), f"seed {seed} expert {e}"
+    # The combine of the dequantized rows, with the experts' scales.
+    deq = (recv.float().reshape(local, -1, 2, 128) * scales[..., None]).reshape(recv.shape).to(torch.bfloat16)
+    y = torch.stack([_expert_out(deq[e], me * local + e) for e in range(local)])
+    out = weft.ops.ep_combine_ll(y, idx, wts, handle)
+    torch.testing.assert_close(out.float(), _weighted(x, idx, wts, 0).float(), rtol=0.15, atol=0.15)
+    return True
+
+
+def test_ep_ll_fp8():
+    for w in (1, 3):
+        experts = 12 if w == 3 else 8
+        assert all(run_ranks(_ll_fp8_case, w, 7, [3, 0, 4][:w], experts, 3, 4, timeout=TIMEOUT, env=ENV))
+
+
+def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens):
+    import torch
+
+    import weft
+
+    me, w = weft.rank(), weft.world_size()
+    local = experts // w
+    inputs = _routing(seed, w, tokens, experts, k, hidden, mode)
+    x, idx, wts = inputs[me]
+    recv, counts, scales, handle = weft.ops.ep_dispatch_ll(x, idx, experts, max_tokens)
+    tag = f"seed {seed} mode {mode} k {k}"
+    assert scales is None and recv.shape == (local, w * max_tokens, hidden), tag
+    ex, ei, _, ec = _ref_dispatch(inputs, me, experts, w)
+    assert torch.equal(counts, ec), tag
+    for e in range(local):
+        want = ex[(ei == e).any(1)]
+        assert torch.equal(recv[e, :want.shape[0]].view(torch.int16), want.view(torch.int16)), f"{tag} expert {e}"
+    y = torch.stack([_expert_out(recv[e], me * local + e) for e in range(local)])
+    out = weft.ops.ep_combine_ll(y, idx, wts, handle)
+    want = _weighted(x, idx, wts, 0)
+    torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2, msg=tag)
+
+
+def _many(kind, cases):
+    for case in cases:
+        (_ht_case if kind == "ht" else _ll_case)(*case)
+    return True
+
+
+# -- routing layout ----------------------------------------------------------------------
+
+def test_routing_layout():
+    import torch
+
+    from weft.kernels.moe import routing_layout
+
+    idx = torch.tensor([[0, 5], [3, -1], [7, 6], [1, 2]])
+    lay = routing_layout(idx, 8, 4)
+    assert lay.to_rank.tolist() == [[1, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 1], [1, 1, 0, 0]]
+    assert lay.tokens_per_rank.tolist() == [2, 2, 1, 1]
+    assert lay.rank_pos.tolist() == [[0, -1, 0, -1], [-1, 0, -1, -1], [-1, -1, -1, 0], [1, 1, -1, -1]]
+    assert lay.tokens_per_expert.tolist() == [1, 1, 1, 1, 0, 1, 1, 1]
+
+
+# -- high-throughput ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("w", [1, 2, 3, 4])
+def test_ep_dispatch_combine(w):
+    experts = 12 if w == 3 else 8
+    cases = [(w * 10 + 1, 6, experts, 2, 32, "random"), (w * 10 + 2, [5, 0, 3, 4][:w], experts, 3, 32, "random"),
+             (w * 10 + 3, 4, experts, 1, 32, "one"), (w * 10 + 4, 5, experts, 4, 32, "half"),
+             (w * 10 + 5, 5, experts, 3, 32, "masked")]
+    assert all(run_ranks(_many, w, "ht", cases, timeout=TIMEOUT, env=ENV))
+
+
+def test_ep_dispatch_fixed_size():
+    cases = [(s, [3, 5], 8, 2, 64, "random", 16) for s in range(3)]
+    assert all(run_ranks(_many, 2, "ht", cases, timeout=TIMEOUT, env=ENV))
+
+
+# -- low-latency ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("w", [1, 2, 3, 4])
+def test_ep_ll(w):
+    experts = 12 if w == 3 else 8
+    cases = [(w * 10 + 1, 6, experts, 2, 32, "random", 8), (w * 10 + 2, [5, 0, 3, 8][:w], experts, 3, 32, "random", 8),
+             (w * 10 + 3, 4, experts, 1, 32, "one", 8), (w * 10 + 4, 5, experts, 4, 32, "half", 8),
+             (w * 10 + 5, 5, experts, 3, 32, "masked", 8)]
+    assert all(run_ranks(_many, w, "ll", cases, timeout=TIMEOUT, env=ENV))
+
+
+# -- grouped GEMM ---------------------------------------------------------------------------
+
+def _grouped_gemm():
+    import torch
+
+    import weft
+
+    g = torch.Generator().manual_seed(7)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(4, 37, 48, generator=g).to(dtype)
+        wt = torch.randn(4, 48, 40, generator=g).to(dtype)
+        counts = torch.tensor([0, 37, 5, 17], dtype=torch.int32)
+        out = weft.ops.grouped_gemm(x, wt, counts)
+        for e in range(4):
+            n = int(counts[e])
+            ref = (x[e, :n].float() @ wt[e].float()).to(dtype)
+            torch.testing.assert_close(out[e, :n], ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-4, atol=1e-2)
+    return True
+
+
+def test_grouped_gemm():
+    assert run_ranks(_grouped_gemm, 1, timeout=TIMEOUT)[0]
+
+
+# -- many calls, bad input -------------------------------------------------------------------
+
+def _mixed(calls):
+    """HT and LL calls interleaved, new routing each time, one rank late at each call."""
+    import time
+
+    import weft
+
+    me, w = weft.rank(), weft.world_size()
+    for c in range(calls):
+        if me == c % w:
+            time.sleep(0.02)
+        k = 1 + c % 3
+        _ht_case(100 + c, [4, 2 + c % 3][:w], 8, k, 32, "random")
+        _ll_case(200 + c, [3, c % 4][:w], 8, k, 32, "random", 4)
+    return True
+
+
+def test_many_calls_mixed():
+    assert all(run_ranks(_mixed, 2, 4, timeout=TIMEOUT, env=ENV))
+
+
+def _rejects():
+    import torch
+
+    import weft
+    from weft.testing.checks import rejects
+
+    inputs = _routing(5, 2, 4, 8, 2, 32)
+    x, idx, wts = inputs[weft.rank()]
+    dup = idx.clone()
+    dup[1, 1] = dup[1, 0]
+    guarded = [x, idx, wts]
+    rejects(lambda: weft.ops.ep_dispatch(x, dup, wts, 8), ValueError, "twice", guarded)
+    rejects(lambda: weft.ops.ep_dispatch_ll(x, dup, 8, 4), ValueError, "twice", guarded)
+    rejects(lambda: weft.ops.ep_dispatch_ll(x, idx + 8, 8, 4), ValueError, "outside", guarded)
+    rejects(lambda: weft.ops.ep_dispatch_ll(x, idx, 8, 3), ValueError, "max_tokens_per_rank", guarded)
+    rejects(lambda: weft.ops.ep_dispatch_ll(x, idx, 8, 4, fp8=True), ValueError, "128", guarded)
+    rejects(lambda: weft.ops.ep_dispatch(x, idx, wts, 7), ValueError, "divisible", guarded)
+    rejects(lambda: weft.ops.ep_dispatch(x, idx[:, :1].contiguous(), wts, 8), ValueError, "topk_weights", guarded)
+    rejects(lambda: weft.ops.ep_dispatch(x, idx, wts.double(), 8), TypeError, "topk_weights", guarded)
+    rejects(lambda: weft.ops.ep_dispatch(x, idx, wts, 8, max_recv_tokens=1 << 30), ValueError, "workspace",
+            guarded)
+    wt = x.t().contiguous()[None]
+    rejects(lambda: weft.ops.grouped_gemm(x[None], wt, torch.zeros(2, dtype=torch.int32)), ValueError, "counts",
+            guarded)
+    # Nothing was sent: the next calls see the epochs they expect.
+    _ht_case(5, 4, 8, 2, 32, "random")
+    _ll_case(5, 4, 8, 2, 32, "random", 4)
+    return True
+
+
+def test_bad_input_rejected_before_sending():
+    assert all(run_ranks(_rejects, 2, timeout=TIMEOUT, env=ENV))

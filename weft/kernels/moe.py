@@ -1,0 +1,887 @@
+"""Mixture-of-experts through the symmetric heap: routing layout, expert-parallel dispatch and combine, grouped GEMM.
+
+Experts are split contiguously over ranks: rank r owns experts [r * L, (r + 1) * L), L = E / W.
+`topk_idx` (tokens x k) names each token's experts (-1: none); a row must not name an expert twice.
+
+routing_layout: per-rank and per-expert token counts and each token's slot per destination rank, with torch
+ops on the device (no host sync).
+
+High-throughput EP (prefill), ep_dispatch / ep_combine: each token goes once to every rank that holds one of
+its experts, pushed straight into that rank's receive region:
+  1. ep_count_exchange_kernel: every rank writes its row of tokens-per-destination to every rank as LL
+     words; each rank then holds the whole W x W table, so a sender knows where its rows go on rank r
+     (after the rows of ranks s' < me) and a receiver how many rows it gets, with no host round trip;
+  2. ep_push_kernel: the rows ([x | topk_idx | topk_weights] as int32 words) into the destinations'
+     regions (half epoch % 2), then a flag per program to every rank;
+  3. ep_receive_kernel: wait for every rank's flags, copy the region out.
+Push and receive are separate launches: the receiver needs every program of every sender, and the
+interpreter runs a grid's programs one after another. Combine pushes each received row back to its source,
+into the slot the source numbered it by, and ep_combine_reduce_kernel sums each token's rows in rank order.
+
+Low-latency EP (decode), ep_dispatch_ll / ep_combine_ll: one launch each, no host sync, data and signal in
+the same LL words (`wl.pack_ll`: 4 bytes and the epoch per 8-byte store). Rank s writes token t into slot
+[s][t] of every destination rank; the slot's first k words say which of the receiver's experts take it and
+at which position among s's tokens for that expert; a header per (sender, program) carries s's token count
+and its per-expert counts, from which the receiver places every token at its final row of
+recv[expert] (rows ordered by source rank, then token): `counts[e]` rows of expert e are valid. Combine sends
+each expert output back to slot [t][j] of the token's rank, which sums the k outputs with the weights.
+Program p of every rank handles tokens t = p (mod P) and waits only on program p of its peers.
+
+Buffers are double-buffered by call parity, one epoch counter per kernel (each takes `wl.next_epoch` once
+per call): a sender writes half e % 2 of rank q in call e only after its own call e - 1 ended, in which it
+waited for a word every program of q wrote in q's call e - 1, after q's call e - 2 (the last reader of the
+half) had ended. LL regions are only ever written with LL words, so a stale word carries an older epoch.
+
+grouped_gemm: out[e, :counts[e]] = x[e, :counts[e]] @ w[e], a persistent kernel over the tiles of all
+experts that skips the tiles past each expert's count (read on the device).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import weft.language as wl
+
+from .all_reduce import _halves_of, _word_of
+from .blocks import copy
+from .common import Launch, check_tensor, plan, signature, workspace, world_or_raise
+from .gemm import dot
+
+DTYPES = (torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+# -- routing layout -----------------------------------------------------------------
+
+class Layout:
+    """Where this rank's tokens go, from topk_idx (T, k) on the device:
+    to_rank (T, W) int32 0/1: the token goes to rank r; tokens_per_rank (W,) int32;
+    tokens_per_expert (E,) int32; rank_pos (T, W) int32: the token's position among this rank's tokens
+    to rank r, -1 where it does not go there."""
+
+    def __init__(self, topk_idx: torch.Tensor, num_experts: int, world_size: int):
+        t, dev = topk_idx.shape[0], topk_idx.device
+        local = num_experts // world_size
+        idx = topk_idx.long()
+        valid = idx >= 0
+        ranks = torch.where(valid, idx // local, world_size)  # world_size: nowhere
+        hit = torch.zeros((t, world_size + 1), dtype=torch.int32, device=dev).scatter_(1, ranks, 1)
+        self.to_rank = hit[:, :world_size]
+        self.tokens_per_rank = self.to_rank.sum(0, dtype=torch.int32)
+        self.rank_pos = torch.where(self.to_rank > 0, self.to_rank.cumsum(0, dtype=torch.int32) - 1, -1)
+        experts = torch.where(valid, idx, num_experts).reshape(-1)
+        ones = torch.ones_like(experts, dtype=torch.int32)
+        self.tokens_per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=dev).scatter_add_(
+            0, experts, ones)[:num_experts]
+
+
+def routing_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int | None = None) -> Layout:
+    """The routing layout of `topk_idx` over `world_size` ranks (default: the world's), on the device."""
+    if world_size is None:
+        world_size = world_or_raise().world_size
+    _check_experts(num_experts, world_size)
+    return Layout(topk_idx, num_experts, world_size)
+
+
+# -- checks -------------------------------------------------------------------------
+
+def _check_experts(num_experts, world_size: int) -> None:
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if num_experts % world_size:
+        raise ValueError(f"num_experts ({num_experts}) must be divisible by the world size ({world_size}): "
+                         "experts are split contiguously over ranks")
+
+
+def _check_routing(world, x, topk_idx, num_experts, topk_weights=None):
+    """Shapes and dtypes of a dispatch's arguments (no values: those need a host sync)."""
+    check_tensor("x", x, world, dtypes=DTYPES)
+    check_tensor("topk_idx", topk_idx, world, dtypes=INDEX_DTYPES)
+    _check_experts(num_experts, world.world_size)
+    if x.dim() != 2:
+        raise ValueError(f"x must be (tokens, hidden), got shape {tuple(x.shape)}")
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0] or not 1 <= topk_idx.shape[1] <= num_experts:
+        raise ValueError(f"topk_idx must be (tokens, k) with tokens = {x.shape[0]} and 1 <= k <= num_experts, "
+                         f"got shape {tuple(topk_idx.shape)}")
+    if (x.shape[1] * x.element_size()) % 4:
+        raise ValueError(f"x has {x.shape[1]} columns: rows must be whole 4-byte words (an even hidden size)")
+    if topk_weights is not None:
+        check_tensor("topk_weights", topk_weights, world, dtypes=(torch.float32,))
+        if topk_weights.shape != topk_idx.shape:
+            raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}, expected "
+                             f"{tuple(topk_idx.shape)} (that of topk_idx)")
+
+
+def check_routing_values(topk_idx: torch.Tensor, num_experts: int) -> None:
+    """ValueError unless every entry of topk_idx is -1 or an expert in [0, num_experts), and no row names an
+    expert twice. Reads the values: one host sync (the eager dispatch paths call it; call it yourself
+    before a captured one)."""
+    if topk_idx.numel() == 0:
+        return
+    if bool(((topk_idx < -1) | (topk_idx >= num_experts)).any()):
+        raise ValueError(f"topk_idx holds an expert outside [0, {num_experts}) (and not -1)")
+    srt = topk_idx.sort(dim=1).values
+    if bool(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()):
+        raise ValueError("topk_idx names the same expert twice in a row: each token's experts must differ")
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+# -- the family's workspace ---------------------------------------------------------
+
+# Programs of the high-throughput push (a fixed number: the receivers wait on the flags of each).
+HT_PROGRAMS = {"cpu": 2, "cuda": 128}
+
+
+class MoeWorkspace:
+    """The MoE family's symmetric workspace, made once whatever the call sizes: the LL dispatch and LL combine
+    regions (int64 LL words, zeroed: epoch 0 is never awaited; 3/8 of workspace_bytes each), the
+    high-throughput receive region (1/4), each in two halves; the count table's LL words, the push flags
+    [program][rank], and one epoch counter per kernel."""
+
+    def __init__(self, world):
+        heap, w = world.heap, world.world_size
+        total = world.workspace_bytes // 4096 * 4096
+        self.ll_half_words = total * 3 // 8 // 16
+        self.ll_dispatch = heap.empty((2 * self.ll_half_words,), torch.int64)
+        self.ll_combine = heap.empty((2 * self.ll_half_words,), torch.int64)
+        self.ht_half_words = total // 4 // 8
+        self.ht = heap.empty((2 * self.ht_half_words,), torch.int32)
+        self.table = heap.empty((2 * w * w,), torch.int64)
+        self.programs = HT_PROGRAMS[world.device.type]
+        self.flags = heap.empty((self.programs * w,), torch.int32)
+        self.counters = heap.empty((5,), torch.int64)  # ll dispatch, ll combine, count exchange, push, wait
+        for t in (self.ll_dispatch, self.ll_combine, self.table, self.flags, self.counters):
+            t.zero_()
+        world.barrier()  # zero everywhere before anyone writes
+
+    def counter(self, i: int) -> torch.Tensor:
+        return self.counters[i:i + 1]
+
+
+def _workspace(world) -> MoeWorkspace:
+    return workspace(world, "moe", MoeWorkspace)
+
+
+def _too_big(what: str, need: int, have: int) -> ValueError:
+    return ValueError(f"{what} needs {need} bytes of the MoE workspace, which has {have} (workspace_bytes: set "
+                      "WEFT_WORKSPACE_BYTES or weft.init(workspace_bytes=...) larger)")
+
+
+# -- high-throughput kernels --------------------------------------------------------
+
+@triton.jit(do_not_specialize=["half_words"])
+def ep_count_exchange_kernel(sent, table, buf, counter, heap, half_words, WORLD: tl.constexpr,
+                             BLOCK_W: tl.constexpr):
+    """table[s, r] = tokens rank s sends to rank r, on every rank: my row to everybody, as LL words."""
+    me = wl.rank(heap)
+    epoch = wl.next_epoch(counter)
+    half = buf + (epoch % 2) * half_words
+    r = tl.arange(0, BLOCK_W)
+    live = r < WORLD
+    row = wl.pack_ll(tl.load(sent + r, mask=live, other=0), epoch)
+    for q in range(WORLD):
+        tl.store(wl.symm_at(half + me * WORLD, q, heap) + r, row, mask=live)
+    for s in range(WORLD):
+        got = wl.wait_ll(half + s * WORLD + r, live, epoch, heap=heap, peer=s, op="ep_dispatch count exchange")
+        tl.store(table + s * WORLD + r, got, mask=live)
+
+
+@triton.jit(do_not_specialize=["rows", "half_words"])
+def ep_push_kernel(src, slots, region, flags, counter, heap, rows, half_words, ROW: tl.constexpr,
+                   WORLD: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """Row i of `src` (ROW int32 words) into slot slots[i, r] of rank r's region (half epoch % 2), for every
+    r with a slot >= 0; then flag [p][me] on every rank. Program p pushes rows p, p + PROGRAMS, ..."""
+    p = tl.program_id(0)
+    me = wl.rank(heap)
+    epoch = wl.next_epoch(counter)
+    half = region + (epoch % 2) * half_words
+    for i in range(p, rows, PROGRAMS):
+        for r in range(WORLD):
+            slot = tl.load(slots + i * WORLD + r).to(tl.int64)
+            if slot >= 0:
+                copy(wl.symm_at(half + slot * ROW, r, heap), src + i * ROW, 0, ROW, BLOCK, VEC)
+    wl.notify_all(flags + p * WORLD + me, heap, epoch)
+
+
+
+@triton.jit
+def _wait_pushes(region, flags, counter, heap, half_words, WORLD: tl.constexpr, PROGRAMS: tl.constexpr):
+    """The half of `region` this call's ep_push_kernel wrote, once every program of every rank has flagged me."""
+    epoch = wl.next_epoch(counter)
+    token = epoch * 0
+    for q in range(PROGRAMS):
+        token = wl.wait(flags + q * WORLD, WORLD, epoch, wl.CMP_GE, heap=heap, op="ep_dispatch/ep_combine push")
+    return wl.consume_token(region + (epoch % 2) * half_words, token)
+
+
+@triton.jit(do_not_specialize=["half_words", "rows"])
+def ep_receive_kernel(region, flags, counter, heap, table, x_out, meta_out, half_words, rows, HW: tl.constexpr,
+                      META: tl.constexpr, ROW: tl.constexpr, WORLD: tl.constexpr, PROGRAMS: tl.constexpr,
+                      BLOCK: tl.constexpr, VEC: tl.constexpr, BLOCK_W: tl.constexpr):
+    """After the pushes: rows [0, n) of the region (n: what the table says I receive) split into x_out (HW
+    words a row) and meta_out (META words); rows [n, rows) zeroed."""
+    p = tl.program_id(0)
+    me = wl.rank(heap)
+    half = _wait_pushes(region, flags, counter, heap, half_words, WORLD, PROGRAMS)
+    s = tl.arange(0, BLOCK_W)
+    n = tl.sum(tl.load(table + s * WORLD + me, mask=s < WORLD, other=0), axis=0)
+    for i in range(p, rows, tl.num_programs(0)):
+        src = half + i * ROW
+        if i < n:
+            copy(x_out + i * HW, src, 0, HW, BLOCK, VEC)
+            copy(meta_out + i * META, src + HW, 0, META, BLOCK, 1)
+        else:
+            for start in range(0, HW, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                tl.store(x_out + i * HW + offs, tl.zeros([BLOCK], tl.int32), mask=offs < HW)
+            offs = tl.arange(0, BLOCK)
+            tl.store(meta_out + i * META + offs, tl.zeros([BLOCK], tl.int32), mask=offs < META)
+
+
+@triton.jit(do_not_specialize=["half_words", "tokens"])
+def ep_combine_reduce_kernel(region, flags, counter, heap, pairs, out, half_words, tokens, HW: tl.constexpr,
+                             ELEM: tl.constexpr, WORLD: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK: tl.constexpr):
+    """After the pushes back: out[t] = sum in rank order r of row pairs[t, r] of the region (fp32; -1: none)."""
+    p = tl.program_id(0)
+    half = _wait_pushes(region, flags, counter, heap, half_words, WORLD, PROGRAMS)
+    for t in range(p, tokens, tl.num_programs(0)):
+        for start in range(0, HW, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            m = offs < HW
+            acc_lo = tl.zeros([BLOCK], tl.float32)
+            acc_hi = tl.zeros([BLOCK], tl.float32)
+            for r in range(WORLD):
+                slot = tl.load(pairs + t * WORLD + r).to(tl.int64)
+                a, b = _halves_of(tl.load(half + slot * HW + offs, mask=m & (slot >= 0), other=0), ELEM)
+                acc_lo += a
+                acc_hi += b
+            tl.store(out + t * HW + offs, _word_of(acc_lo, acc_hi, ELEM), mask=m)
+
+
+# -- high-throughput host side ------------------------------------------------------
+
+_ELEM = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _vec(words: int) -> int:
+    return 4 if words % 4 == 0 else 1
+
+
+class HTHandle:
+    """What ep_combine needs of an ep_dispatch: its plan, and on the device `pairs` (T, W), the slot on which
+    each of my tokens comes back from rank r (-1: not sent), and `back` (R, W), the slot on the source rank to
+    which each received row returns (-1 in the other columns)."""
+
+    def __init__(self, plan, pairs, back, rows):
+        self.plan, self.pairs, self.back, self.rows = plan, pairs, back, rows
+
+
+class _HTPlan:
+    """ep_dispatch / ep_combine of one call signature: the launches, the region's rows, the checks done."""
+
+    def __init__(self, world, x, topk_idx, topk_weights, num_experts, max_recv_tokens):
+        _check_routing(world, x, topk_idx, num_experts, topk_weights)
+        if max_recv_tokens is not None and (not isinstance(max_recv_tokens, int) or isinstance(max_recv_tokens, bool)
+                                            or max_recv_tokens < 0):
+            raise ValueError(f"max_recv_tokens must be None or an int >= 0, got {max_recv_tokens!r}")
+        self.world, w = world, world.world_size
+        t, k = topk_idx.shape
+        self.tokens, self.k, self.hidden, self.dtype = t, k, x.shape[1], x.dtype
+        self.num_experts, self.local = num_experts, num_experts // w
+        self.max_recv = max_recv_tokens
+        self.hw = x.shape[1] * x.element_size() // 4
+        self.row = triton.cdiv(self.hw + 2 * k, 4) * 4  # [x | topk_idx | topk_weights], 16-byte rows
+        self.ws = ws = _workspace(world)
+        self.cap = ws.ht_half_words // self.row  # dispatched rows a half holds
+        have = 2 * ws.ht_half_words * 4
+        if max_recv_tokens is not None and max_recv_tokens > self.cap:
+            raise _too_big(f"ep_dispatch with max_recv_tokens={max_recv_tokens}", 2 * max_recv_tokens * self.row * 4,
+                           have)
+        if t * min(w, k) * self.hw > ws.ht_half_words:  # the rows that come back to me in ep_combine
+            raise _too_big(f"ep_combine of {t} tokens", 2 * t * min(w, k) * self.hw * 4, have)
+        self.heap = heap = world.heap.descriptor
+        dev = world.device
+        self.count = Launch(ep_count_exchange_kernel, (1,),
+                            (torch.zeros(w, dtype=torch.int32, device=dev), torch.zeros((w, w), dtype=torch.int32,
+                                                                                       device=dev),
+                             ws.table, ws.counter(2), heap, w * w),
+                            dict(WORLD=w, BLOCK_W=triton.next_power_of_2(w)), 1)
+        gpu = dev.type == "cuda"
+        block, warps = (1024, 8) if gpu else (256, 4)
+        self.grid = 132 if gpu else 2  # programs that copy out / sum what arrived
+        i32 = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=dev)  # noqa: E731
+        self.push = {words: Launch(ep_push_kernel, (ws.programs,),
+                                   (i32(1, words), i32(1, w), ws.ht, ws.flags, ws.counter(3), heap, 1,
+                                    ws.ht_half_words),
+                                   dict(ROW=words, WORLD=w, PROGRAMS=ws.programs, BLOCK=block, VEC=_vec(words)), warps)
+                     for words in (self.row, self.hw)}
+        self.meta = 2 * k
+        self.receive = Launch(ep_receive_kernel, (self.grid,),
+                              (ws.ht, ws.flags, ws.counter(4), heap, i32(w, w), i32(1, self.hw), i32(1, self.meta),
+                               ws.ht_half_words, 1),
+                              dict(HW=self.hw, META=self.meta, ROW=self.row, WORLD=w, PROGRAMS=ws.programs,
+                                   BLOCK=block, VEC=_vec(self.hw), BLOCK_W=triton.next_power_of_2(w)), warps)
+        self.reduce = Launch(ep_combine_reduce_kernel, (self.grid,),
+                             (ws.ht, ws.flags, ws.counter(4), heap, i32(1, w), i32(1, self.hw), ws.ht_half_words, 1),
+                             dict(HW=self.hw, ELEM=_ELEM[x.dtype], WORLD=w, PROGRAMS=ws.programs, BLOCK=block),
+                             warps)
+
+    def dispatch(self, x, topk_idx, topk_weights):
+        world, ws, heap = self.world, self.ws, self.heap
+        w, me, dev = world.world_size, world.rank, x.device
+        if not _capturing(dev):
+            check_routing_values(topk_idx, self.num_experts)
+        lay = Layout(topk_idx, self.num_experts, w)
+        table = torch.empty((w, w), dtype=torch.int32, device=dev)
+        self.count(lay.tokens_per_rank, table, ws.table, ws.counter(2), heap, w * w)
+        # My rows land on rank r after those of ranks s < me; a received row returns to its source after
+        # the source's rows for ranks r' < me.
+        slots = torch.where(lay.rank_pos >= 0, lay.rank_pos + table[:me].sum(0, dtype=torch.int32), -1)
+        if self.max_recv is None:
+            totals = table.sum(0)
+            most = int(totals.max())  # the one host sync: the same table, so every rank raises or none
+            if most > self.cap:
+                raise _too_big(f"ep_dispatch receiving {most} rows on one rank", 2 * most * self.row * 4,
+                               2 * ws.ht_half_words * 4)
+            rows = int(totals[me])
+            kept = slots
+        else:
+            rows = self.max_recv
+            kept = torch.where(slots < rows, slots, -1)  # rows past max_recv_tokens are dropped
+        src = torch.empty((self.tokens, self.row), dtype=torch.int32, device=dev)
+        src[:, :self.hw] = x.view(torch.int32)
+        src[:, self.hw:self.hw + self.k] = topk_idx
+        src[:, self.hw + self.k:self.hw + 2 * self.k] = topk_weights.view(torch.int32)
+        self.push[self.row](src, kept, ws.ht, ws.flags, ws.counter(3), heap, self.tokens, ws.ht_half_words)
+        recv_x = torch.empty((rows, self.hidden), dtype=self.dtype, device=dev)
+        meta = torch.empty((rows, self.meta), dtype=torch.int32, device=dev)
+        self.receive(ws.ht, ws.flags, ws.counter(4), heap, table, recv_x.view(torch.int32), meta, ws.ht_half_words,
+                     rows)
+        # Received rows: from source s at [start_s, start_s + table[s, me]), in the source's token order.
+        received = table[:, me]
+        ends = received.cumsum(0, dtype=torch.int32)
+        i = torch.arange(rows, dtype=torch.int32, device=dev)
+        valid = i < ends[-1]
+        source = torch.searchsorted(ends, i, right=True).clamp(max=w - 1)
+        start = ends - received
+        back_slot = table[:, :me].sum(1, dtype=torch.int32)[source] + i - start[source]
+        back = torch.full((rows, w), -1, dtype=torch.int32, device=dev)
+        back.scatter_(1, source.long()[:, None], torch.where(valid, back_slot, -1)[:, None])
+        gidx = meta[:, :self.k]
+        local = gidx - me * self.local
+        mine = valid[:, None] & (gidx >= 0) & (local >= 0) & (local < self.local)
+        recv_idx = torch.where(mine, local, -1).to(topk_idx.dtype)
+        recv_w = torch.where(valid[:, None], meta[:, self.k:].view(torch.float32), 0.0)
+        counts = torch.zeros(self.local + 1, dtype=torch.int32, device=dev).scatter_add_(
+            0, torch.where(mine, local, self.local).reshape(-1).long(),
+            torch.ones(mine.numel(), dtype=torch.int32, device=dev))[:self.local]
+        # My token t comes back from rank r on slot (rows I send to ranks r' < r) + its position there.
+        sent_before = lay.tokens_per_rank.cumsum(0, dtype=torch.int32) - lay.tokens_per_rank
+        pairs = torch.where(kept >= 0, lay.rank_pos + sent_before, -1)
+        handle = HTHandle(self, pairs, back, rows)
+        return recv_x, recv_idx, recv_w, counts, handle
+
+    def combine(self, y, handle):
+        ws, heap = self.ws, self.heap
+        if y.data_ptr() % 16:
+            y = y.clone()  # the push was compiled for 16-byte aligned rows
+        self.push[self.hw](y.view(torch.int32), handle.back, ws.ht, ws.flags, ws.counter(3), heap, handle.rows,
+                           ws.ht_half_words)
+        out = torch.empty((self.tokens, self.hidden), dtype=self.dtype, device=y.device)
+        self.reduce(ws.ht, ws.flags, ws.counter(4), heap, handle.pairs, out.view(torch.int32), ws.ht_half_words,
+                    self.tokens)
+        return out
+
+
+def ep_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                max_recv_tokens: int | None = None):
+    """Send each token once to every rank that holds one of its experts (high throughput, prefill).
+
+    x (T, hidden) bf16/fp16; topk_idx (T, k) int64/int32 (-1: no expert); topk_weights (T, k) fp32.
+    Returns (recv_x (R, hidden), recv_topk_idx (R, k): the row's experts as local indices on this rank, -1
+    for experts elsewhere; recv_topk_weights (R, k); counts (L,) int32: received tokens per local expert;
+    handle for ep_combine). Rows are ordered by source rank, then source token. Without max_recv_tokens R is
+    exact (one host sync); with it (the same on every rank) R = max_recv_tokens (no sync, capturable): rows
+    past the received ones have idx -1, weights 0 and x 0, and tokens beyond it are dropped (their combine
+    gets nothing from this rank). Checks topk_idx's values
+    (a host sync) except under CUDA-graph capture. Collective.
+    """
+    world = world_or_raise()
+    found = plan(world, lambda: ("ep", signature(x), signature(topk_idx), signature(topk_weights), num_experts,
+                                 max_recv_tokens),
+                 lambda: _HTPlan(world, x, topk_idx, topk_weights, num_experts, max_recv_tokens))
+    return found.dispatch(x, topk_idx, topk_weights)
+
+
+def ep_combine(y: torch.Tensor, handle: HTHandle) -> torch.Tensor:
+    """Return each received row's result to its source: out (T, hidden) on the source rank = the sum over the
+    ranks the token went to of their y row (y (R, hidden): each rank's weighted sum of its local experts'
+    outputs per received row), in rank order, fp32. Collective."""
+    world = world_or_raise()
+    if not isinstance(handle, HTHandle):
+        raise TypeError(f"handle must be what ep_dispatch returned, got {type(handle).__name__}")
+    p = handle.plan
+    check_tensor("y", y, world, dtypes=(p.dtype,))
+    if tuple(y.shape) != (handle.rows, p.hidden):
+        raise ValueError(f"y has shape {tuple(y.shape)}, expected {(handle.rows, p.hidden)} (recv_x's)")
+    return p.combine(y, handle)
+
+
+# -- low-latency kernels ------------------------------------------------------------
+
+@triton.jit
+def _experts_before(topk, t, e, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
+    """For each j: how many tokens t' < t name expert e[j] (0 where e[j] < 0)."""
+    jj = tl.arange(0, BLOCK_K)
+    pos = tl.zeros([BLOCK_K], tl.int32)
+    for t0 in range(0, t, BLOCK_T):
+        tt = t0 + tl.arange(0, BLOCK_T)
+        prev = tl.load(topk + tt[:, None] * K + jj[None, :], mask=(tt[:, None] < t) & (jj[None, :] < K),
+                       other=-1).to(tl.int32)
+        hit = (prev[None, :, :] == e[:, None, None]) & (e[:, None, None] >= 0)
+        pos += tl.sum(tl.sum(hit.to(tl.int32), axis=2), axis=1)
+    return pos
+
+
+@triton.jit
+def _expert_counts(topk, tokens, first, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
+                   BLOCK_T: tl.constexpr):
+    """For each i < BLOCK_L: how many tokens name expert first + i."""
+    jj = tl.arange(0, BLOCK_K)
+    ll = tl.arange(0, BLOCK_L)
+    cnt = tl.zeros([BLOCK_L], tl.int32)
+    for t0 in range(0, tokens, BLOCK_T):
+        tt = t0 + tl.arange(0, BLOCK_T)
+        e = tl.load(topk + tt[:, None] * K + jj[None, :], mask=(tt[:, None] < tokens) & (jj[None, :] < K),
+                    other=-1).to(tl.int32)
+        hit = e[None, :, :] == (first + ll)[:, None, None]
+        cnt += tl.sum(tl.sum(hit.to(tl.int32), axis=2), axis=1)
+    return cnt
+
+
+@triton.jit
+def _e4m3_bits(v):
+    """fp32 v (|v| <= 448) rounded to the nearest e4m3fn (ties to even), as int32 bits 0..255. By hand under
+    the interpreter, whose fp8 conversion rounds some values to the wrong binade."""
+    if wl.INTERPRET:
+        bits = v.to(tl.int32, bitcast=True)
+        a = tl.abs(v)
+        e = (a.to(tl.int32, bitcast=True) >> 23) - 127
+        m = a.to(tl.int32, bitcast=True) & 0x7FFFFF
+        keep = m >> 20
+        rem = m & 0xFFFFF
+        up = (rem > 0x80000) | ((rem == 0x80000) & ((keep & 1) == 1))
+        normal = ((e + 7) << 3) + keep + up.to(tl.int32)
+        s = a * 512.0  # below 2^-6: whole units of 2^-9
+        fl = tl.floor(s)
+        fi = fl.to(tl.int32)
+        sub = fi + (((s - fl) > 0.5) | (((s - fl) == 0.5) & ((fi & 1) == 1))).to(tl.int32)
+        return ((bits >> 24) & 0x80) | tl.where(e < -6, sub, normal)
+    return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+
+
+@triton.jit
+def _fp8_words(x, t, g0, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Channel groups [g0, g0 + BLOCK_G) of token t of x (128 channels each): e4m3 words (4 channels per int32,
+    little-endian) and the groups' fp32 scales (amax / 448)."""
+    gg = g0 + tl.arange(0, BLOCK_G)
+    c = tl.arange(0, 128)
+    v = tl.load(x + (t * GROUPS + gg[:, None]) * 128 + c[None, :], mask=gg[:, None] < GROUPS, other=0.0)
+    v = v.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4) / 448.0
+    b = tl.reshape(_e4m3_bits(v / scale[:, None]), [BLOCK_G * 32, 4])
+    return tl.sum(b << (tl.arange(0, 4) * 8)[None, :], axis=1), scale
+
+
+@triton.jit(do_not_specialize=["tokens", "half_words"])
+def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, buf, counter, heap, tokens,
+                          half_words, HW: tl.constexpr, K: tl.constexpr, LOCAL: tl.constexpr, MAX_T: tl.constexpr,
+                          WORLD: tl.constexpr, PROGRAMS: tl.constexpr, FP8: tl.constexpr, GROUPS: tl.constexpr,
+                          BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
+                          BLOCK_G: tl.constexpr):
+    """Send my tokens t = p (mod PROGRAMS) to the ranks of their experts, then place the tokens program p of
+    every rank sent me into recv[local expert, row] (x and recv as int32 words, HW a row).
+
+    A half of `buf` (epoch parity) holds headers [W][PROGRAMS][LOCAL + 1] (a sender's counts for my experts,
+    then its token count) and slots [W][MAX_T][K + HW] (token t of sender s: K words local expert << 16 |
+    position among s's tokens for that expert, or -1; then the token's words), all LL words.
+    src_rows[s, t, j] = the flat recv row of expert j of token t of rank s, or -1; src_tokens[s] = s's tokens.
+    """
+    p = tl.program_id(0)
+    me = wl.rank(heap)
+    epoch = wl.next_epoch(counter)
+    half = buf + (epoch % 2) * half_words
+    HEAD: tl.constexpr = LOCAL + 1
+    SLOT: tl.constexpr = K + HW + GROUPS * FP8
+    slots = half + WORLD * PROGRAMS * HEAD
+    jj = tl.arange(0, BLOCK_K)
+    ll = tl.arange(0, BLOCK_L)
+    for r in range(WORLD):
+        head = tl.where(ll < LOCAL, _expert_counts(topk, tokens, r * LOCAL, K, BLOCK_K, BLOCK_L, BLOCK_T), tokens)
+        tl.store(wl.symm_at(half + (me * PROGRAMS + p) * HEAD, r, heap) + ll, wl.pack_ll(head, epoch), mask=ll < HEAD)
+    for t in range(p, tokens, PROGRAMS):
+        e = tl.load(topk + t * K + jj, mask=jj < K, other=-1).to(tl.int32)
+        pos = _experts_before(topk, t, e, K, BLOCK_K, BLOCK_T)
+        dest = tl.where(e >= 0, e // LOCAL, -1)
+        mine = slots + (me * MAX_T + t) * SLOT
+        for r in range(WORLD):
+            meta = tl.where(dest == r, ((e - r * LOCAL) << 16) | pos, -1)
+            tl.store(wl.symm_at(mine, r, heap) + jj, wl.pack_ll(meta, epoch), mask=jj < K)
+        if FP8:
+            for g0 in range(0, GROUPS, BLOCK_G):
+                words, scale = _fp8_words(x, t, g0, GROUPS, BLOCK_G)
+                offs = g0 * 32 + tl.arange(0, BLOCK_G * 32)
+                gg = g0 + tl.arange(0, BLOCK_G)
+                packed = wl.pack_ll(words, epoch)
+                packed_scale = wl.pack_ll(scale.to(tl.int32, bitcast=True), epoch)
+                for r in range(WORLD):
+                    if tl.sum(((dest == r) & (jj < K)).to(tl.int32), axis=0) > 0:
+                        tl.store(wl.symm_at(mine, r, heap) + K + offs, packed, mask=offs < HW)
+                        tl.store(wl.symm_at(mine, r, heap) + K + HW + gg, packed_scale, mask=gg < GROUPS)
+        else:
+            for start in range(0, HW, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                m = offs < HW
+                packed = wl.pack_ll(tl.load(x + t * HW + offs, mask=m, other=0), epoch)
+                for r in range(WORLD):
+                    if tl.sum(((dest == r) & (jj < K)).to(tl.int32), axis=0) > 0:
+                        tl.store(wl.symm_at(mine, r, heap) + K + offs, packed, mask=m)
+
+    base = tl.zeros([BLOCK_L], tl.int32)  # rows of each of my experts taken by senders before s
+    for s in range(WORLD):
+        head = wl.wait_ll(half + (s * PROGRAMS + p) * HEAD + ll, ll < HEAD, epoch, heap=heap, peer=s,
+                          op="ep_dispatch_ll header")
+        n_s = tl.sum(tl.where(ll == LOCAL, head, 0), axis=0)
+        for t in range(p, n_s, PROGRAMS):
+            slot = slots + (s * MAX_T + t) * SLOT
+            meta = wl.wait_ll(slot + jj, jj < K, epoch, heap=heap, peer=s, op="ep_dispatch_ll token")
+            taken = (meta >= 0) & (jj < K)
+            lexp = tl.where(taken, meta >> 16, -1)
+            row = tl.sum(tl.where(ll[None, :] == lexp[:, None], base[None, :], 0), axis=1) + (meta & 0xFFFF)
+            flat = tl.where(taken, lexp * (WORLD * MAX_T) + row, -1)
+            tl.store(src_rows + (s * MAX_T + t) * K + jj, flat, mask=jj < K)
+            if tl.sum(taken.to(tl.int32), axis=0) > 0:
+                for start in range(0, HW, BLOCK):
+                    offs = start + tl.arange(0, BLOCK)
+                    m = offs < HW
+                    words = wl.wait_ll(slot + K + offs, m, epoch, heap=heap, peer=s, op="ep_dispatch_ll data")
+                    for j in tl.static_range(K):
+                        f = tl.sum(tl.where(jj == j, flat, 0), axis=0).to(tl.int64)
+                        tl.store(recv + f * HW + offs, words, mask=m & (f >= 0))
+                if FP8:
+                    for g0 in range(0, GROUPS, BLOCK):
+                        gg = g0 + tl.arange(0, BLOCK)
+                        words = wl.wait_ll(slot + K + HW + gg, gg < GROUPS, epoch, heap=heap, peer=s,
+                                           op="ep_dispatch_ll scales")
+                        for j in tl.static_range(K):
+                            f = tl.sum(tl.where(jj == j, flat, 0), axis=0).to(tl.int64)
+                            tl.store(scales + f * GROUPS + gg, words, mask=(gg < GROUPS) & (f >= 0))
+        base += tl.where(ll < LOCAL, head, 0)
+        if p == 0:
+            tl.store(src_tokens + s, n_s)
+    if p == 0:
+        tl.store(counts + ll, base, mask=ll < LOCAL)
+
+
+@triton.jit(do_not_specialize=["tokens", "half_words"])
+def ep_combine_ll_kernel(y, topk, weights, out, src_rows, src_tokens, buf, counter, heap, tokens, half_words,
+                         HW: tl.constexpr, K: tl.constexpr, LOCAL: tl.constexpr, MAX_T: tl.constexpr,
+                         WORLD: tl.constexpr, PROGRAMS: tl.constexpr, ELEM: tl.constexpr, BLOCK: tl.constexpr,
+                         BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Send each expert output y[row] of the tokens program p received back to slot [t][j] of the token's rank,
+    then sum my tokens t = p (mod PROGRAMS): out[t] = sum_j weights[t, j] * (output of expert j), fp32.
+
+    A half of `buf` holds acks [W][PROGRAMS] (every program hears from every rank each call, which the
+    halves' reuse relies on) and slots [MAX_T][K][HW], LL words.
+    """
+    p = tl.program_id(0)
+    me = wl.rank(heap)
+    epoch = wl.next_epoch(counter)
+    half = buf + (epoch % 2) * half_words
+    slots = half + WORLD * PROGRAMS
+    jj = tl.arange(0, BLOCK_K)
+    for s in range(WORLD):
+        n_s = tl.load(src_tokens + s)
+        for t in range(p, n_s, PROGRAMS):
+            flat = tl.load(src_rows + (s * MAX_T + t) * K + jj, mask=jj < K, other=-1)
+            dst = wl.symm_at(slots + t * K * HW, s, heap)
+            for j in tl.static_range(K):
+                f = tl.sum(tl.where(jj == j, flat, 0), axis=0).to(tl.int64)
+                if f >= 0:
+                    for start in range(0, HW, BLOCK):
+                        offs = start + tl.arange(0, BLOCK)
+                        m = offs < HW
+                        word = wl.pack_ll(tl.load(y + f * HW + offs, mask=m, other=0), epoch)
+                        tl.store(dst + j * HW + offs, word, mask=m)
+        tl.store(wl.symm_at(half + me * PROGRAMS + p, s, heap), wl.pack_ll(p, epoch))
+
+    ww = tl.arange(0, BLOCK_W)
+    wl.wait_ll(half + ww * PROGRAMS + p, ww < WORLD, epoch, heap=heap, op="ep_combine_ll ack")
+    for t in range(p, tokens, PROGRAMS):
+        e = tl.load(topk + t * K + jj, mask=jj < K, other=-1).to(tl.int32)
+        wt = tl.load(weights + t * K + jj, mask=jj < K, other=0.0)
+        for start in range(0, HW, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            m = offs < HW
+            acc_lo = tl.zeros([BLOCK], tl.float32)
+            acc_hi = tl.zeros([BLOCK], tl.float32)
+            for j in tl.static_range(K):
+                e_j = tl.sum(tl.where(jj == j, e, 0), axis=0)
+                w_j = tl.sum(tl.where(jj == j, wt, 0.0), axis=0)
+                got = wl.wait_ll(slots + (t * K + j) * HW + offs, m & (e_j >= 0), epoch, heap=heap,
+                                 peer=e_j // LOCAL, op="ep_combine_ll")
+                a, b = _halves_of(got, ELEM)
+                acc_lo += w_j * a
+                acc_hi += w_j * b
+            tl.store(out + t * HW + offs, _word_of(acc_lo, acc_hi, ELEM), mask=m)
+
+
+# -- low-latency host side ----------------------------------------------------------
+
+class LLHandle:
+    """What ep_combine_ll needs of an ep_dispatch_ll: its plan, src_rows (W, max_tokens, k) and src_tokens (W,)."""
+
+    def __init__(self, plan, src_rows, src_tokens):
+        self.plan, self.src_rows, self.src_tokens = plan, src_rows, src_tokens
+
+
+class _LLPlan:
+    def __init__(self, world, x, topk_idx, num_experts, max_tokens, fp8):
+        _check_routing(world, x, topk_idx, num_experts)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens < (1 << 16):
+            raise ValueError(f"max_tokens_per_rank must be an int in [1, 65536), got {max_tokens!r}")
+        if x.shape[0] > max_tokens:
+            raise ValueError(f"x has {x.shape[0]} tokens, more than max_tokens_per_rank={max_tokens}")
+        if not isinstance(fp8, bool):
+            raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
+        if fp8 and x.shape[1] % 128:
+            raise ValueError(f"fp8 needs a hidden size that is a multiple of 128 (one scale per 128 channels), "
+                             f"got {x.shape[1]}")
+        w = world.world_size
+        self.world, self.heap, self.fp8 = world, world.heap.descriptor, fp8
+        self.k, self.hidden, self.dtype, self.max_tokens = topk_idx.shape[1], x.shape[1], x.dtype, max_tokens
+        self.num_experts, self.local = num_experts, num_experts // w
+        self.hw = x.shape[1] * x.element_size() // 4  # words of a bf16/fp16 row (combine)
+        self.groups = x.shape[1] // 128 if fp8 else 0
+        sent_hw = x.shape[1] // 4 if fp8 else self.hw  # words of a dispatched row
+        gpu = world.device.type == "cuda"
+        self.programs = min(max_tokens, 64) if gpu else min(max_tokens, 2)
+        self.ws = ws = _workspace(world)
+        dispatch_words = w * self.programs * (self.local + 1) + w * max_tokens * (self.k + sent_hw + self.groups)
+        combine_words = w * self.programs + max_tokens * self.k * self.hw
+        for what, words in (("ep_dispatch_ll", dispatch_words), ("ep_combine_ll", combine_words)):
+            if words > ws.ll_half_words:
+                raise _too_big(f"{what} with max_tokens_per_rank={max_tokens}, hidden={self.hidden}, k={self.k}",
+                               2 * words * 8, 2 * ws.ll_half_words * 8)
+        block, warps = (1024, 8) if gpu else (256, 4)
+        common = dict(K=self.k, LOCAL=self.local, MAX_T=max_tokens, WORLD=w, PROGRAMS=self.programs)
+        blk_k = triton.next_power_of_2(self.k)
+        dev = world.device
+        self.src_rows = lambda: torch.empty((w, max_tokens, self.k), dtype=torch.int32, device=dev)
+        self.src_tokens = lambda: torch.empty(w, dtype=torch.int32, device=dev)
+        self.recv_shape = (self.local, w * max_tokens, self.hidden)
+        self.recv_dtype = torch.float8_e4m3fn if fp8 else x.dtype
+        self.scales_shape = (self.local, w * max_tokens, self.groups)
+        i32 = lambda *shape: torch.empty(shape, dtype=torch.int32, device=dev)  # noqa: E731
+        self.dispatch_launch = Launch(
+            ep_dispatch_ll_kernel, (self.programs,),
+            (self._sent(x), topk_idx, i32(1, sent_hw), i32(1), i32(self.local), self.src_rows(), self.src_tokens(),
+             ws.ll_dispatch, ws.counter(0), self.heap, x.shape[0], ws.ll_half_words),
+            dict(HW=sent_hw, **common, FP8=fp8, GROUPS=self.groups, BLOCK=block, BLOCK_K=blk_k,
+                 BLOCK_L=triton.next_power_of_2(self.local + 1),
+                 BLOCK_T=16 if gpu else triton.next_power_of_2(max(1, min(max_tokens, 16))),
+                 BLOCK_G=8 if gpu else 1), warps)
+        self.combine_launches = {}
+        self.block, self.warps, self.common, self.blk_k = block, warps, dict(HW=self.hw, **common), blk_k
+
+    def _sent(self, x):
+        """x as the kernel reads it: its elements (quantized on the way), or its rows' int32 words."""
+        return x if self.fp8 else x.view(torch.int32)
+
+    def dispatch(self, x, topk_idx):
+        dev, ws = x.device, self.ws
+        if not _capturing(dev):
+            check_routing_values(topk_idx, self.num_experts)
+        recv = torch.empty(self.recv_shape, dtype=self.recv_dtype, device=dev)
+        scales = torch.empty(self.scales_shape, dtype=torch.float32, device=dev) if self.fp8 else None
+        counts = torch.empty(self.local, dtype=torch.int32, device=dev)
+        src_rows, src_tokens = self.src_rows(), self.src_tokens()
+        self.dispatch_launch(self._sent(x), topk_idx, recv.view(torch.int32),
+                             counts if scales is None else scales.view(torch.int32), counts, src_rows, src_tokens,
+                             ws.ll_dispatch, ws.counter(0), self.heap, x.shape[0], ws.ll_half_words)
+        return recv, counts, scales, LLHandle(self, src_rows, src_tokens)
+
+    def combine(self, y, topk_idx, topk_weights, handle):
+        ws, dev = self.ws, y.device
+        tokens = topk_idx.shape[0]
+        key = (signature(y), signature(topk_idx), signature(topk_weights))
+        launch = self.combine_launches.get(key)
+        out = torch.empty((tokens, self.hidden), dtype=self.dtype, device=dev)
+        args = (y.view(torch.int32), topk_idx, topk_weights, out.view(torch.int32), handle.src_rows,
+                handle.src_tokens, ws.ll_combine, ws.counter(1), self.heap, tokens, ws.ll_half_words)
+        if launch is None:
+            launch = self.combine_launches[key] = Launch(
+                ep_combine_ll_kernel, (self.programs,), args,
+                dict(**self.common, ELEM=_ELEM[self.dtype], BLOCK=self.block, BLOCK_K=self.blk_k,
+                     BLOCK_W=triton.next_power_of_2(self.world.world_size)), self.warps)
+        launch(*args)
+        return out
+
+
+def ep_dispatch_ll(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int,
+                   fp8: bool = False):
+    """Low-latency dispatch (decode): one launch, no host sync, capturable in a CUDA graph.
+
+    x (T, hidden) bf16/fp16 with T <= max_tokens_per_rank; topk_idx (T, k) (-1: no expert).
+    Returns (recv (L, max_tokens_per_rank * W, hidden): rows [0, counts[e]) of recv[e] are the tokens of
+    local expert e, ordered by source rank then source token; counts (L,) int32; scales; handle for
+    ep_combine_ll). fp8=False: recv has x's dtype and scales is None. fp8=True (hidden a multiple of 128):
+    tokens travel as float8_e4m3fn, recv is float8_e4m3fn and scales (L, max_tokens_per_rank * W,
+    hidden / 128) fp32 holds one scale per 128 channels (x ~ recv * scale; scale = amax / 448). Checks topk_idx's values (a host sync) except under
+    CUDA-graph capture. Collective: every rank passes the same num_experts and max_tokens_per_rank.
+    """
+    world = world_or_raise()
+    found = plan(world, lambda: ("ep_ll", signature(x), signature(topk_idx), num_experts, max_tokens_per_rank, fp8),
+                 lambda: _LLPlan(world, x, topk_idx, num_experts, max_tokens_per_rank, fp8))
+    return found.dispatch(x, topk_idx)
+
+
+def ep_combine_ll(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LLHandle):
+    """Low-latency combine: out (T, hidden) = sum_j topk_weights[t, j] * (expert topk_idx[t, j]'s output for
+    token t), fp32, where y (L, max_tokens_per_rank * W, hidden) holds each rank's expert outputs in recv's
+    rows. One launch, no host sync. Collective."""
+    world = world_or_raise()
+    if not isinstance(handle, LLHandle):
+        raise TypeError(f"handle must be what ep_dispatch_ll returned, got {type(handle).__name__}")
+    p = handle.plan
+    check_tensor("y", y, world, dtypes=(p.dtype,))
+    if tuple(y.shape) != p.recv_shape:
+        raise ValueError(f"y has shape {tuple(y.shape)}, expected {p.recv_shape} (recv's)")
+    check_tensor("topk_idx", topk_idx, world, dtypes=INDEX_DTYPES)
+    check_tensor("topk_weights", topk_weights, world, dtypes=(torch.float32,))
+    if topk_idx.dim() != 2 or topk_idx.shape[1] != p.k or topk_idx.shape[0] > p.max_tokens:
+        raise ValueError(f"topk_idx must be (tokens <= {p.max_tokens}, {p.k}), got {tuple(topk_idx.shape)}")
+    if topk_weights.shape != topk_idx.shape:
+        raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}, expected {tuple(topk_idx.shape)}")
+    return p.combine(y, topk_idx, topk_weights, handle)
+
+
+# -- grouped GEMM -------------------------------------------------------------------
+
+@triton.jit
+def grouped_gemm_kernel(x, w, out, counts, experts, capacity, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr):
+    """out[e, m] = x[e, m] @ w[e] for m < counts[e]: program p takes tiles p, p + PROGRAMS, ... of all
+    experts (N blocks fastest, so an x tile's reloads hit L2) and skips those past the expert's count."""
+    tiles_m = tl.cdiv(capacity, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_expert = tiles_m * tiles_n
+    for tile in range(tl.program_id(0), experts * per_expert, PROGRAMS):
+        e = tile // per_expert
+        pm = tile % per_expert // tiles_n
+        pn = tile % tiles_n
+        rows_used = tl.minimum(tl.load(counts + e), capacity)
+        if pm * BLOCK_M < rows_used:
+            rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+            xe = x + e.to(tl.int64) * capacity * K
+            we = w + e.to(tl.int64) * K * N
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(xe + rows[:, None] * K + kk[None, :], mask=(rows[:, None] < rows_used) & (kk[None, :] < K),
+                            other=0.0)
+                b = tl.load(we + kk[:, None] * N + cols[None, :], mask=(kk[:, None] < K) & (cols[None, :] < N),
+                            other=0.0)
+                acc = dot(a, b, acc)
+            oe = out + e.to(tl.int64) * capacity * N
+            tl.store(oe + rows[:, None] * N + cols[None, :], acc.to(out.dtype.element_ty),
+                     mask=(rows[:, None] < rows_used) & (cols[None, :] < N))
+
+
+GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """out (E, C, N) with out[e, :counts[e]] = x[e, :counts[e]] @ w[e] (fp32 accumulation); rows past
+    counts[e] are left undefined. x (E, C, K), w (E, K, N) of one dtype, contiguous; counts (E,) int32 on the
+    device (read there: no host sync). Local (not collective)."""
+    world = world_or_raise()
+    found = plan(world, lambda: ("grouped_gemm", signature(x), signature(w), signature(counts)),
+                 lambda: _GroupedGemmPlan(world, x, w, counts))
+    return found(x, w, counts)
+
+
+class _GroupedGemmPlan:
+    def __init__(self, world, x, w, counts):
+        check_tensor("x", x, world, dtypes=GEMM_DTYPES)
+        check_tensor("w", w, world, dtypes=GEMM_DTYPES)
+        check_tensor("counts", counts, world, dtypes=(torch.int32,))
+        if x.dim() != 3 or w.dim() != 3 or x.shape[0] != w.shape[0] or x.shape[2] != w.shape[1]:
+            raise ValueError(f"x must be (E, C, K) and w (E, K, N), got {tuple(x.shape)} and {tuple(w.shape)}")
+        if x.dtype != w.dtype:
+            raise TypeError(f"x and w must have the same dtype, got {x.dtype} and {w.dtype}")
+        if tuple(counts.shape) != (x.shape[0],):
+            raise ValueError(f"counts must be ({x.shape[0]},), got {tuple(counts.shape)}")
+        self.e, self.c, self.k = x.shape
+        self.n = w.shape[2]
+        self.out_shape = (self.e, self.c, self.n)
+        gpu = world.device.type == "cuda"
+        bm, bn, bk, warps = (64, 128, 64, 4) if gpu else (16, 32, 32, 4)
+        tiles = self.e * triton.cdiv(self.c, bm) * triton.cdiv(self.n, bn)
+        sms = torch.cuda.get_device_properties(world.device).multi_processor_count if gpu else 2
+        self.programs = max(1, min(sms, tiles))
+        self.empty = self.e == 0 or self.c == 0 or self.n == 0
+        out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
+        self.launch = None if self.empty else Launch(
+            grouped_gemm_kernel, (self.programs,), (x, w, out, counts, self.e, self.c, self.n, self.k),
+            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PROGRAMS=self.programs), warps)
+
+    def __call__(self, x, w, counts):
+        out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
+        if not self.empty:
+            self.launch(x, w, out, counts, self.e, self.c, self.n, self.k)
+        return out
+
+
+# Signatures for the sm_90 compile check (weft.testing.compile).
+COMPILE_CASES = [
+    (ep_count_exchange_kernel, dict(sent="*i32", table="*i32", buf="*i64", counter="*i64", heap="*i64",
+                                    half_words="i32"), dict(WORLD=wd, BLOCK_W=wd), dict(num_warps=1))
+    for wd in (2, 8)
+] + [
+    (ep_push_kernel, dict(src="*i32", slots="*i32", region="*i32", flags="*i32", counter="*i64", heap="*i64",
+                          rows="i32", half_words="i32"),
+     dict(ROW=row, WORLD=8, PROGRAMS=128, BLOCK=1024, VEC=_vec(row)), dict(num_warps=8))
+    for row in (3600, 3585)
+] + [
+    (ep_receive_kernel, dict(region="*i32", flags="*i32", counter="*i64", heap="*i64", table="*i32", x_out="*i32",
+                             meta_out="*i32", half_words="i32", rows="i32"),
+     dict(HW=3584, META=16, ROW=3600, WORLD=8, PROGRAMS=128, BLOCK=1024, VEC=4, BLOCK_W=8), dict(num_warps=8)),
+    (ep_combine_reduce_kernel, dict(region="*i32", flags="*i32", counter="*i64", heap="*i64", pairs="*i32",
+                                    out="*i32", half_words="i32", tokens="i32"),
+     dict(HW=3584, ELEM=tl.bfloat16, WORLD=8, PROGRAMS=128, BLOCK=1024), dict(num_warps=8)),
+] + [
+    (ep_dispatch_ll_kernel, dict(x=xt, topk=t, recv="*i32", scales="*i32", counts="*i32", src_rows="*i32",
+                                 src_tokens="*i32", buf="*i64", counter="*i64", heap="*i64", tokens="i32",
+                                 half_words="i32"),
+     dict(HW=3584 // (1 + fp8), K=8, LOCAL=local, MAX_T=128, WORLD=wd, PROGRAMS=64, FP8=fp8, GROUPS=56 * fp8,
+          BLOCK=1024, BLOCK_K=8, BLOCK_L=triton.next_power_of_2(local + 1), BLOCK_T=16, BLOCK_G=8),
+     dict(num_warps=8))
+    for t in ("*i64", "*i32") for wd, local in ((2, 128), (8, 32))
+    for fp8, xt in ((False, "*i32"), (True, "*bf16"), (True, "*fp16"))
+] + [
+    (ep_combine_ll_kernel, dict(y="*i32", topk=t, weights="*fp32", out="*i32", src_rows="*i32", src_tokens="*i32",
+                                buf="*i64", counter="*i64", heap="*i64", tokens="i32", half_words="i32"),
+     dict(HW=3584, K=8, LOCAL=32, MAX_T=128, WORLD=8, PROGRAMS=64, ELEM=e, BLOCK=1024, BLOCK_K=8, BLOCK_W=8),
+     dict(num_warps=8))
+    for t in ("*i64", "*i32") for e in (tl.bfloat16, tl.float16)
+] + [
+    (grouped_gemm_kernel, dict(x=t, w=t, out=t, counts="*i32", experts="i32", capacity="i32", N="i32", K="i32"),
+     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, PROGRAMS=132), dict(num_warps=4))
+    for t in ("*bf16", "*fp16", "*fp32")
+]
