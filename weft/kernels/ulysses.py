@@ -75,10 +75,16 @@ MAX_PROGRAMS = 64
 MAX_TILES = 65536
 MAX_ITEMS = 65536
 
-# "auto" hands blocks of at least this many bytes per rank to all_to_all_single (NCCL), by world size.
-# Provisional, not yet measured for this op: all_gather's push (the same pattern, one block per peer pair)
-# measured ahead of NCCL to ~128 KiB into a plain output on 2 H200s (all_gather.py).
-NCCL_ABOVE = {2: 256 << 10, 8: 256 << 10}
+# "auto" hands blocks of at least this many bytes per rank to all_to_all_single (NCCL), by world size (the
+# nearest measured). 2 H200s, 2026-11-22 (`weft bench -n 2 ulysses`, 32 heads x 128, bf16): push 32.7 / 126.3 /
+# 502.3 us against all_to_all_single + permutes' 74.4 / 222.1 / 798.8 at 4K / 16K / 64K tokens: push at every
+# size measured.
+NCCL_ABOVE = {2: float("inf")}
+
+# "auto" takes the fused projections only where they were measured faster than matmul + the all-to-all:
+# nowhere yet. 2 H200s, same run: fused QKV 591 / 2433 / 9906 us against 482 / 1805 / 7152 unfused, fused O
+# 522 / 2141 / 8487 against 160 / 570 / 2243 (their GEMM is a plain Triton kernel, not the TMA one).
+AUTO_FUSED = False
 
 
 # -- device ---------------------------------------------------------------------
@@ -446,7 +452,7 @@ def qkv_all_to_all(x: torch.Tensor, w_qkv: torch.Tensor, heads: int, method: str
     x (S, hidden), w_qkv (hidden, 3 heads D) with columns [q heads | k heads | v heads]; bf16, fp16, fp32.
     method: "fused" (output tiles pushed to their head owner as they are computed, in passes of as many
     rows as half the workspace holds; needs heads / W * D a multiple of 16), "unfused" (torch.matmul, then
-    ulysses_all_to_all), "auto" (fused where it can take the call).
+    ulysses_all_to_all), "auto" (fused where it can take the call and is measured faster: AUTO_FUSED).
     """
     world = world_or_raise()
     # Strides are in the key: the kernel is specialised on them (a unit stride makes vector loads).
@@ -471,6 +477,8 @@ def _qkv_plan(world, x, w_qkv, heads, method):
     shape = (w * s, 3, heads // w, d)
     bm, bn, bk, warps = _gemm_blocks(world.device)
     bn = next((b for b in (bn, 64, 32, 16) if b <= bn and lhd % b == 0), None)
+    if method == "auto":
+        method = "fused" if AUTO_FUSED else "unfused"
     ws = _workspace(world) if method != "unfused" and s else None
     refusal, most = None, 0
     if bn is None:
@@ -520,7 +528,7 @@ def all_to_all_o_proj(attn: torch.Tensor, w_o: torch.Tensor, method: str = "auto
     attn (W S, H / W, D) (this rank's heads of every token), w_o (H D, hidden); bf16, fp16, fp32.
     method: "fused" (each arriving row block of head columns feeds the GEMM tiles that wait for it; in
     passes of as many tokens as half the workspace holds), "unfused" (ulysses_all_to_all, then
-    torch.matmul), "auto" (fused where it can take the call).
+    torch.matmul), "auto" (fused where it can take the call and is measured faster: AUTO_FUSED).
     """
     world = world_or_raise()
     found = plan(world, lambda: ("all_to_all_o_proj", signature(attn), signature(w_o), w_o.stride(), method),
@@ -546,6 +554,8 @@ def _o_plan(world, attn, w_o, method):
     lhd = hl * d
     attn_contig = attn.is_contiguous()
     bm, bn, bk, warps = _gemm_blocks(world.device)
+    if method == "auto":
+        method = "fused" if AUTO_FUSED else "unfused"
     ws = _workspace(world) if method != "unfused" and s * n * lhd else None
     gpu = world.device.type == "cuda"
     # Tokens per pass: the pass's received (rows, W lhd) within a half; whole row blocks where possible.
