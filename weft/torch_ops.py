@@ -88,6 +88,11 @@ def _rows_divisible(x: torch.Tensor, world_size: int) -> None:
         raise ValueError(f"x has shape {tuple(x.shape)}: its rows are not divisible by the world size {world_size}")
 
 
+def _matmul_operands(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> None:
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"{a_name} {tuple(a.shape)} and {b_name} {tuple(b.shape)} are not 2-D operands of a matmul")
+
+
 # -- collectives ---------------------------------------------------------------------
 
 @torch.library.custom_op("weft::all_reduce", mutates_args=())
@@ -173,8 +178,7 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, world_size: int, method: str
 
 @ag_gemm.register_fake
 def _(a_shard, b, world_size, method="auto", return_gathered=False):
-    if a_shard.dim() != 2 or b.dim() != 2 or a_shard.shape[1] != b.shape[0]:
-        raise ValueError(f"a_shard {tuple(a_shard.shape)} and b {tuple(b.shape)} are not 2-D operands of a matmul")
+    _matmul_operands("a_shard", a_shard, "b", b)
     rows = world_size * a_shard.shape[0]
     return (a_shard.new_empty((rows, b.shape[1])),
             a_shard.new_empty((rows if return_gathered else 0, a_shard.shape[1])))
@@ -188,8 +192,7 @@ def gemm_rs(a: torch.Tensor, b_shard: torch.Tensor, world_size: int, method: str
 
 @gemm_rs.register_fake
 def _(a, b_shard, world_size, method="auto"):
-    if a.dim() != 2 or b_shard.dim() != 2 or a.shape[1] != b_shard.shape[0]:
-        raise ValueError(f"a {tuple(a.shape)} and b_shard {tuple(b_shard.shape)} are not 2-D operands of a matmul")
+    _matmul_operands("a", a, "b_shard", b_shard)
     _rows_divisible(a, world_size)
     return a.new_empty((a.shape[0] // world_size, b_shard.shape[1]))
 
@@ -202,8 +205,7 @@ def gemm_ar(a: torch.Tensor, b_shard: torch.Tensor, world_size: int, method: str
 
 @gemm_ar.register_fake
 def _(a, b_shard, world_size, method="auto"):
-    if a.dim() != 2 or b_shard.dim() != 2 or a.shape[1] != b_shard.shape[0]:
-        raise ValueError(f"a {tuple(a.shape)} and b_shard {tuple(b_shard.shape)} are not 2-D operands of a matmul")
+    _matmul_operands("a", a, "b_shard", b_shard)
     return a.new_empty((a.shape[0], b_shard.shape[1]))
 
 
