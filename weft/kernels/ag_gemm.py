@@ -49,7 +49,8 @@ from weft.language import ptx
 
 from . import gemm
 from .all_gather import all_gather
-from .common import Launch, check_method, check_out, out_kind, plan, signature, workspace, world_or_raise
+from .common import (Launch, check_method, check_out, out_kind, plan, signature, workspace, world_or_raise,
+                     zero_everywhere)
 
 METHODS = ("auto", "overlap", "baseline")
 # "auto" overlaps from this many gathered rows (see auto_method); provisional between the 128 and 4096
@@ -135,10 +136,8 @@ class AgGemmWorkspace:
         self.gathered = heap.empty((self.bytes,), torch.uint8)
         self.bar = heap.empty((1 + w,), torch.int32)
         self.ready = heap.empty((w,), torch.int32)
-        self.bar.zero_()
-        self.ready.zero_()
         self.stream = torch.cuda.Stream(world.device) if world.device.type == "cuda" else None
-        world.barrier()  # flags are zero everywhere before anyone signals
+        zero_everywhere(world, self.bar, self.ready)
 
 
 def overlap_refusal(world, a_shard, b, out) -> str | None:

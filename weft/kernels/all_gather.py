@@ -31,7 +31,7 @@ import weft.language as wl
 from ..runtime.backend import INTERPRET
 from .blocks import copy
 from .common import (Launch, as_words, check_method, check_out, check_tensor, nccl_all_gather, nccl_from, out_kind,
-                     overlaps, plan, signature, workspace, world_or_raise)
+                     overlaps, plan, signature, workspace, world_or_raise, zero_everywhere)
 
 METHODS = ("auto", "push", "pull", "nccl")
 
@@ -126,9 +126,7 @@ class AllGatherWorkspace:
         self.push_flags = heap.empty((MAX_PROGRAMS * w * 2,), torch.int32)
         self.pull_flags = heap.empty((MAX_PROGRAMS * w,), torch.int32)
         self.counter = heap.empty((1,), torch.int64)
-        for t in (self.push_flags, self.pull_flags, self.counter):
-            t.zero_()
-        world.barrier()  # zero everywhere before anyone signals
+        zero_everywhere(world, self.push_flags, self.pull_flags, self.counter)
 
     def data_as(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
         return self.data.view(dtype), self.half_bytes // dtype.itemsize

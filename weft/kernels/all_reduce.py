@@ -71,7 +71,7 @@ import weft.language as wl
 from ..runtime import backend
 from .blocks import at, cast, copy
 from .common import (Launch, as_words, check_method, check_out, check_tensor, nccl_from, nccl_reduce_scatter, out_kind,
-                     overlaps, plan, signature, workspace, world_or_raise)
+                     overlaps, plan, signature, workspace, world_or_raise, zero_everywhere)
 
 METHODS = ("auto", "one_shot", "two_shot", "nccl")
 RS_METHODS = ("auto", "two_shot", "nccl")
@@ -400,9 +400,7 @@ class ReduceWorkspace:
         self.data = heap.empty((2 * self.data_half_bytes,), torch.uint8)
         self.flags = heap.empty((MAX_PROGRAMS * 2 * w,), torch.int32)
         self.counter = heap.empty((1,), torch.int64)
-        for t in (self.ll, self.flags, self.counter):
-            t.zero_()
-        world.barrier()  # zero everywhere before anyone signals
+        zero_everywhere(world, self.ll, self.flags, self.counter)
 
     def data_as(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
         """The data region as `dtype` elements, and the elements in one half."""

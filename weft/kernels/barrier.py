@@ -4,7 +4,7 @@ import triton
 
 import weft.language as wl
 
-from .common import Launch, workspace, world_or_raise
+from .common import Launch, workspace, world_or_raise, zero_everywhere
 
 
 @triton.jit
@@ -17,8 +17,7 @@ class BarrierWorkspace:
 
     def __init__(self, world):
         self.bar = world.heap.empty((1 + world.world_size,), torch.int32)
-        self.bar.zero_()
-        world.barrier()  # nobody signals into words a peer has not zeroed yet
+        zero_everywhere(world, self.bar)
         self.launch = Launch(barrier_all_kernel, (1,), (self.bar, world.heap.descriptor), {}, num_warps=1)
         self.args = (self.bar, world.heap.descriptor)
         if self.launch.kernel is not None:  # compiled: addresses are all it takes

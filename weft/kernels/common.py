@@ -117,6 +117,14 @@ def workspace(world, family: str, make):
     return world.context(family, lambda: make(world))
 
 
+def zero_everywhere(world, *tensors) -> None:
+    """Zero a new workspace's flags, counters and LL words on this rank, then a host barrier, so that no peer
+    signals into words this rank has not zeroed yet: the one host barrier an op family makes."""
+    for t in tensors:
+        t.zero_()
+    world.barrier()
+
+
 # -- launches ---------------------------------------------------------------------
 
 class Launch:

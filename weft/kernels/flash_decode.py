@@ -63,7 +63,7 @@ import triton.language as tl
 import weft.language as wl
 
 from .blocks import cast
-from .common import workspace, world_or_raise
+from .common import workspace, world_or_raise, zero_everywhere
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (64, 128, 256)
@@ -427,10 +427,8 @@ class _SpContext:
     def __init__(self, world):
         self.programs = SP_PROGRAMS[world.device.type]
         self.ll = world.heap.empty((2 * world.world_size * SP_MAX_ENTRIES,), torch.int64)
-        self.ll.zero_()
         self.flags = world.heap.empty((self.programs,), torch.int32)
-        self.flags.zero_()
-        world.barrier()  # zeroed everywhere before anyone pushes
+        zero_everywhere(world, self.ll, self.flags)
 
 
 def sp_flash_decode(q: torch.Tensor, k_cache_shard: torch.Tensor, v_cache_shard: torch.Tensor,

@@ -52,7 +52,7 @@ import weft.language as wl
 from .all_reduce import all_reduce
 from .blocks import cast
 from .common import (Launch, check_method, check_out, check_tensor, out_kind, overlaps, plan, signature, workspace,
-                     world_or_raise)
+                     world_or_raise, zero_everywhere)
 from .gemm import dot
 
 METHODS = ("auto", "fused", "baseline")
@@ -204,9 +204,7 @@ class GemmArWorkspace:
         self.stage = heap.empty((2 * self.half_bytes,), torch.uint8)
         self.flags = heap.empty((MAX_TILES * world.world_size,), torch.int32)
         self.counter = heap.empty((1,), torch.int64)
-        self.flags.zero_()
-        self.counter.zero_()
-        world.barrier()  # zero everywhere before anyone signals
+        zero_everywhere(world, self.flags, self.counter)
 
 
 def _check_operands(a, b_shard, out, world) -> None:

@@ -91,7 +91,8 @@ from . import gemm
 from .all_reduce import reduce_scatter
 from .blocks import cast
 from .ag_gemm import OVERLAP_MIN_ROWS
-from .common import Launch, check_method, check_out, out_kind, plan, signature, workspace, world_or_raise
+from .common import (Launch, check_method, check_out, out_kind, plan, signature, workspace, world_or_raise,
+                     zero_everywhere)
 
 METHODS = ("auto", "overlap", "baseline")
 
@@ -218,13 +219,11 @@ class GemmRSWorkspace:
         self.recv = heap.empty((self.bytes,), torch.uint8)
         self.ready = heap.empty((w,), torch.int32)
         self.bar = heap.empty((1 + w,), torch.int32)
-        self.ready.zero_()
-        self.bar.zero_()
         self.send = torch.empty((self.bytes,), dtype=torch.uint8, device=world.device)
         cuda = world.device.type == "cuda"
         self.stream = torch.cuda.Stream(world.device) if cuda else None  # the copy engine's pushes
         self.side = torch.cuda.Stream(world.device) if cuda else None  # every other chunk GEMM
-        world.barrier()  # flags are zero everywhere before anyone signals
+        zero_everywhere(world, self.ready, self.bar)
 
 
 def overlap_refusal(world, a, b_shard, out) -> str | None:

@@ -45,7 +45,7 @@ import weft.language as wl
 
 from .all_reduce import _halves_of, _word_of
 from .blocks import copy
-from .common import Launch, check_tensor, plan, signature, workspace, world_or_raise
+from .common import Launch, check_tensor, plan, signature, workspace, world_or_raise, zero_everywhere
 from .gemm import dot
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -154,9 +154,7 @@ class MoeWorkspace:
         self.programs = HT_PROGRAMS[world.device.type]
         self.flags = heap.empty((self.programs * w,), torch.int32)
         self.counters = heap.empty((5,), torch.int64)  # ll dispatch, ll combine, count exchange, push, wait
-        for t in (self.ll_dispatch, self.ll_combine, self.table, self.flags, self.counters):
-            t.zero_()
-        world.barrier()  # zero everywhere before anyone writes
+        zero_everywhere(world, self.ll_dispatch, self.ll_combine, self.table, self.flags, self.counters)
 
     def counter(self, i: int) -> torch.Tensor:
         return self.counters[i:i + 1]

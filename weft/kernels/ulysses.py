@@ -61,7 +61,8 @@ import weft.language as wl
 
 from . import gemm
 from .blocks import cast
-from .common import Launch, check_method, check_tensor, nccl_from, plan, signature, workspace, world_or_raise
+from .common import (Launch, check_method, check_tensor, nccl_from, plan, signature, workspace, world_or_raise,
+                     zero_everywhere)
 
 METHODS = ("auto", "push", "nccl")
 FUSED_METHODS = ("auto", "fused", "unfused")
@@ -286,9 +287,7 @@ class UlyssesWorkspace:
         self.qkv_flags = heap.empty((w * MAX_TILES,), torch.int32)
         self.o_flags = heap.empty((w * MAX_ITEMS,), torch.int32)
         self.counter = heap.empty((1,), torch.int64)
-        for t in (self.a2a_flags, self.qkv_flags, self.o_flags, self.counter):
-            t.zero_()
-        world.barrier()  # zero everywhere before anyone signals
+        zero_everywhere(world, self.a2a_flags, self.qkv_flags, self.o_flags, self.counter)
 
     def data_as(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
         return self.data.view(dtype), self.half_bytes // dtype.itemsize
