@@ -49,8 +49,8 @@ from weft.language import ptx
 
 from . import gemm
 from .all_gather import all_gather
-from .common import (Launch, check_method, check_out, out_kind, plan, signature, workspace, world_or_raise,
-                     zero_everywhere)
+from .common import (Launch, check_method, check_out, on_stream, out_kind, plan, signature, stream_wait,
+                     workspace, world_or_raise, zero_everywhere)
 
 METHODS = ("auto", "overlap", "baseline")
 # "auto" overlaps from this many gathered rows (see auto_method); provisional between the 128 and 4096
@@ -137,6 +137,7 @@ class AgGemmWorkspace:
         self.bar = heap.empty((1 + w,), torch.int32)
         self.ready = heap.empty((w,), torch.int32)
         self.stream = torch.cuda.Stream(world.device) if world.device.type == "cuda" else None
+        self.event = torch.cuda.Event() if self.stream is not None else None
         zero_everywhere(world, self.bar, self.ready)
 
 
@@ -257,13 +258,12 @@ def _ag_gemm_plan(world, a_shard, b, method, out, return_gathered, config):
             push(a_shard)
         else:
             main = torch.cuda.current_stream()
-            stream.wait_stream(main)
-            with torch.cuda.stream(stream):
-                push(a_shard)
+            stream_wait(stream, main, ws.event)
+            on_stream(stream, main, push, a_shard)
         launch(a_desc, b_desc.on(b), c_desc.on(res.view(w, m, n) if ragged else res), ws.bar, ws.ready, heap,
                m, n, k)
         if stream is not None:
-            main.wait_stream(stream)
+            stream_wait(main, stream, ws.event)
         return (res, gathered.clone()) if return_gathered else res
     return run
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import triton
+from triton.backends.nvidia.driver import make_tensordesc_arg as _make_tensordesc_arg
 
 from ..runtime import backend
 from ..runtime import world as _world
@@ -157,8 +158,9 @@ class Launch:
             # that launcher adds nothing else: no scratch memory to allocate for the kernel.
             launcher = self.run
             if not getattr(launcher, "global_scratch_size", 1) and not getattr(launcher, "profile_scratch_size", 1):
-                self.c_launch = launcher.launch
+                self.c_launch, self.descriptors = _unwrap_descriptors(launcher.launch)
                 self.c_head = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None)
+                self.encoded = {}  # descriptor position -> (its tensor's address, its encoded arguments)
 
     def __call__(self, *args) -> None:
         if self.kernel is None:
@@ -169,6 +171,8 @@ class Launch:
         enter = triton.knobs.runtime.launch_enter_hook
         if enter is None or not getattr(enter, "calls", True):  # torch installs an empty HookChain
             if self.c_launch is not None:
+                if self.descriptors:
+                    args = self._encode(args)
                 self.c_launch(g[0], g[1], g[2], stream, self.function, *self.c_head, self.meta, None, None, None,
                               *args, *self.tail)
             else:
@@ -177,6 +181,60 @@ class Launch:
             meta = self.kernel.launch_metadata(g, stream, *args, *self.tail)
             self.run(g[0], g[1], g[2], stream, self.function, self.meta, meta, enter,
                      triton.knobs.runtime.launch_exit_hook, *args, *self.tail)
+
+    def _encode(self, args: tuple) -> list:
+        """The arguments with each tensor descriptor replaced by its encoded TMA arguments, encoded again only
+        when its tensor's address changed since this launch's last call: a weight or a workspace keeps its
+        encoding, and encoding (cuTensorMapEncodeTiled) is most of a descriptor's host cost."""
+        flat, prev = [], 0
+        for i, meta in self.descriptors:
+            d = args[i]
+            key = (d.base.data_ptr(), id(d))
+            hit = self.encoded.get(i)
+            if hit is None or hit[0] != key:
+                hit = self.encoded[i] = (key, _make_tensordesc_arg(d, meta))
+            flat.extend(args[prev:i])
+            flat.extend(hit[1])
+            prev = i + 1
+        flat.extend(args[prev:])
+        return flat
+
+
+def _unwrap_descriptors(launch):
+    """Triton wraps the C launch function of a kernel that takes tensor descriptors in a Python function that
+    encodes every descriptor on every call. Returns (C launch function, [(argument position, TMA metadata)])
+    where every descriptor has TMA metadata (whose encoding holds no tensor, so it may be kept), else
+    (launch, None). Reads the wrapper's closure: triton is pinned (3.6.0)."""
+    code = getattr(launch, "__code__", None)
+    if code is None or "launcher" not in code.co_freevars:
+        return launch, None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in launch.__closure__)))
+    metas = cells.get("tensordesc_meta")
+    if not metas or any(m is None for m in metas):
+        return launch, None
+    return cells["launcher"], list(zip(sorted(cells["tensordesc_indices"]), metas))
+
+
+# -- streams ----------------------------------------------------------------------
+# torch's `a.wait_stream(b)` makes a new event per call and `with torch.cuda.stream(s)` checks devices on
+# entry and exit: together ~30 us of host time per overlapped GEMM call on an H200 host. Ops that fork
+# work onto a side stream use these instead, with one event made with their workspace.
+
+def stream_wait(waiter, target, event) -> None:
+    """Work queued on `waiter` from now on runs after the work queued on `target` so far. One event serves
+    every such edge: a wait takes the event's state when it is queued, so recording it again later is safe
+    (also under CUDA-graph capture)."""
+    event.record(target)
+    waiter.wait_event(event)
+
+
+def on_stream(stream, main, fn, *args) -> None:
+    """fn(*args) with `stream` current, then `main` current again."""
+    torch.cuda.set_stream(stream)
+    try:
+        fn(*args)
+    finally:
+        torch.cuda.set_stream(main)
 
 
 # -- the process group's own collectives (what `auto` falls back to) ----------------------

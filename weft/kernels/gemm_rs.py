@@ -91,8 +91,8 @@ from . import gemm
 from .all_reduce import reduce_scatter
 from .blocks import cast
 from .ag_gemm import OVERLAP_MIN_ROWS
-from .common import (Launch, check_method, check_out, out_kind, plan, signature, workspace, world_or_raise,
-                     zero_everywhere)
+from .common import (Launch, check_method, check_out, on_stream, out_kind, plan, signature, stream_wait,
+                     workspace, world_or_raise, zero_everywhere)
 
 METHODS = ("auto", "overlap", "baseline")
 
@@ -223,6 +223,7 @@ class GemmRSWorkspace:
         cuda = world.device.type == "cuda"
         self.stream = torch.cuda.Stream(world.device) if cuda else None  # the copy engine's pushes
         self.side = torch.cuda.Stream(world.device) if cuda else None  # every other chunk GEMM
+        self.event = torch.cuda.Event() if cuda else None  # for every edge between the streams
         zero_everywhere(world, self.ready, self.bar)
 
 
@@ -383,19 +384,18 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
         else:
             # Chunk GEMMs alternate between two streams, so the next one's programs take the SMs that this
             # one's last, partial wave leaves idle.
-            ws.side.wait_stream(main)
+            ev = ws.event
+            stream_wait(ws.side, main, ev)
             for i, (c, src, dst, flag) in enumerate(steps):
                 compute = (main, ws.side)[i % 2]
-                with torch.cuda.stream(compute):
-                    chunk_gemm(a, b_shard, c, src)
-                ws.stream.wait_stream(compute)
-                with torch.cuda.stream(ws.stream):
-                    push(dst, src, flag)
-            main.wait_stream(ws.side)  # the final GEMM starts after every chunk GEMM (no deadlock: see above)
+                on_stream(compute, main, chunk_gemm, a, b_shard, c, src)
+                stream_wait(ws.stream, compute, ev)
+                on_stream(ws.stream, main, push, dst, src, flag)
+            stream_wait(main, ws.side, ev)  # the final GEMM starts after every chunk GEMM (no deadlock: see above)
         final(a_desc.on(a[me * m:(me + 1) * m]), b_desc.on(b_shard), recv, out_desc.on(res) if out_tma else res,
               ws.bar, ws.ready, heap, m, n, k)
         if main is not None:
-            main.wait_stream(ws.stream)
+            stream_wait(main, ws.stream, ws.event)
         return res
     return run
 
