@@ -141,16 +141,18 @@ class Launch:
     kernel's pointer types.
     """
 
-    def __init__(self, fn, grid, args, constexprs: dict, num_warps: int = 4):
+    def __init__(self, fn, grid, args, constexprs: dict, num_warps: int = 4, num_stages: int | None = None):
         self.fn, self.grid = fn, tuple(grid) + (1,) * (3 - len(grid))
-        self.constexprs, self.num_warps = constexprs, num_warps
+        self.constexprs = constexprs
+        self.options = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps,
+                                                                                  num_stages=num_stages)
         names = fn.arg_names[len(args):]
         if list(names) != list(constexprs):
             raise TypeError(f"{fn.__name__}: constexprs must follow the runtime arguments in order: {names}")
         self.tail = tuple(constexprs.values())
         self.kernel = self.c_launch = None
         if not backend.INTERPRET:
-            kernel = fn.warmup(*args, grid=self.grid, num_warps=num_warps, **constexprs)
+            kernel = fn.warmup(*args, grid=self.grid, **self.options, **constexprs)
             self.kernel = kernel.result() if hasattr(kernel, "result") else kernel
             self.run, self.function, self.meta = self.kernel.run, self.kernel.function, self.kernel.packed_metadata
             self.device = torch.cuda.current_device()
@@ -164,7 +166,7 @@ class Launch:
 
     def __call__(self, *args) -> None:
         if self.kernel is None:
-            self.fn[self.grid](*args, num_warps=self.num_warps, **self.constexprs)
+            self.fn[self.grid](*args, **self.options, **self.constexprs)
             return
         g = self.grid
         stream = torch._C._cuda_getCurrentRawStream(self.device)

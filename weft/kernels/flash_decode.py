@@ -63,7 +63,8 @@ import triton.language as tl
 import weft.language as wl
 
 from .blocks import cast
-from .common import workspace, world_or_raise, zero_everywhere
+from ..runtime.world import is_initialized
+from .common import Launch, plan, signature, workspace, world_or_raise, zero_everywhere
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (64, 128, 256)
@@ -85,7 +86,7 @@ SPLIT_BLOCK = 16
 MAX_HEADS_PER_PROGRAM = 64
 
 # sp_flash_decode: words per rank in the exchange buffer (batch * q_heads * (head_dim + 1)): 1 MiB of LL
-# words per slot, 2 * W slots per rank. Calls above it raise.
+# words per slot, 2 * W slots per rank. Larger batches go through in passes of sequences.
 SP_MAX_ENTRIES = 128 << 10
 # Programs of the exchange kernel, the same for every call (each keeps an epoch counter).
 SP_PROGRAMS = {"cuda": 64, "cpu": 2}
@@ -369,8 +370,10 @@ def _check(q, k_cache, v_cache, seqlens, block_table, scale, device=None) -> tup
     return max_len, page_size, float(scale)
 
 
-def _partials(q, k_cache, v_cache, seqlens, block_table, scale, max_len, page_size):
-    """Launch the split kernel; returns (part_out, part_lse, splits, split_len)."""
+def _split_launch(q, k_cache, v_cache, seqlens, block_table, scale, max_len, page_size):
+    """The split kernel's launch for this signature; returns (launch, args(q, k, v, seqlens, table, part_out,
+    part_lse) -> its runtime arguments, splits, split_len). The strides go in as plan constants (the key
+    holds every stride: Triton specialises integer arguments on their value)."""
     batch, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = q_heads // kv_heads
@@ -378,21 +381,39 @@ def _partials(q, k_cache, v_cache, seqlens, block_table, scale, max_len, page_si
     chunks = triton.cdiv(group, heads)
     block_n = _block_n(head_dim, q.device)
     splits, split_len = _splits(batch * kv_heads * chunks, max_len, block_n, q.device)
-    part_out = torch.empty((batch * q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((batch * q_heads, splits), dtype=torch.float32, device=q.device)
     paged = block_table is not None
     table = block_table if paged else seqlens  # not read when contiguous
-    flash_decode_split_kernel[(batch * kv_heads * chunks, splits)](
-        q, k_cache, v_cache, seqlens, table, part_out, part_lse, scale * LOG2E, max_len, split_len, splits,
-        kv_heads, q_heads, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        table.stride(0), table.stride(-1), GROUP=group, HEADS=heads, CHUNKS=chunks, D=head_dim, BLOCK_N=block_n,
-        PAGE_SIZE=page_size, PAGED=paged, num_warps=4 if heads <= 32 else 8,
-        num_stages=3 if q.element_size() <= 2 else 2)  # fp32 tiles: 3 stages would not fit an A100's shared memory
-    return part_out, part_lse, splits, split_len
+    consts = (scale * LOG2E, max_len, split_len, splits, kv_heads, q_heads, q.stride(0), q.stride(1),
+              *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0), table.stride(-1))
+
+    def args(q, k, v, lens, table, part_out, part_lse):
+        return (q, k, v, lens, table, part_out, part_lse, *consts)
+    part_out, part_lse = _partial_buffers(batch * q_heads, splits, head_dim, q.device)
+    launch = Launch(flash_decode_split_kernel, (batch * kv_heads * chunks, splits),
+                    args(q, k_cache, v_cache, seqlens, table, part_out, part_lse),
+                    dict(GROUP=group, HEADS=heads, CHUNKS=chunks, D=head_dim, BLOCK_N=block_n, PAGE_SIZE=page_size,
+                         PAGED=paged),
+                    num_warps=4 if heads <= 32 else 8,
+                    num_stages=3 if q.element_size() <= 2 else 2)  # fp32 tiles: 3 stages would not fit an A100
+    return launch, args, splits, split_len
+
+
+def _partial_buffers(rows: int, splits: int, head_dim: int, device):
+    """The split kernel's per-call partials (fp32 out and lse per split): plain torch.empty, cheap from the
+    caching allocator, never kept past the call."""
+    return (torch.empty((rows, splits, head_dim), dtype=torch.float32, device=device),
+            torch.empty((rows, splits), dtype=torch.float32, device=device))
 
 
 def _prepare_q(q: torch.Tensor) -> torch.Tensor:
     return q if q.stride(2) == 1 else q.contiguous()
+
+
+def _key(name, q, k_cache, v_cache, seqlens, block_table, scale, *rest):
+    """A plan key: the signature of every tensor argument with its strides (they are launch constants)."""
+    return (name, signature(q), q.stride(), signature(k_cache), k_cache.stride(), signature(v_cache),
+            v_cache.stride(), signature(seqlens), None if block_table is None else
+            (signature(block_table), block_table.stride()), scale, *rest)
 
 
 def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
@@ -406,18 +427,49 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     would need a host sync). scale defaults to head_dim ** -0.5.
     Returns out (batch, q_heads, head_dim) in q's dtype, and with return_lse also lse (batch, q_heads) fp32,
     natural log of the softmax normaliser (scale included). An empty sequence gives out 0, lse -inf.
+    Not collective. Without weft.init() it works too, but plans nothing: each call is checked and
+    compiled-kernel-looked-up in full (the plans live in the initialised world).
     """
+    if not is_initialized():
+        return _flash_decode_plan(q, k_cache, v_cache, seqlens, block_table, scale, bool(return_lse))(
+            q, k_cache, v_cache, seqlens, block_table)
+    found = plan(world_or_raise(), lambda: _key("flash_decode", q, k_cache, v_cache, seqlens, block_table, scale,
+                                     bool(return_lse)),
+                 lambda: _flash_decode_plan(q, k_cache, v_cache, seqlens, block_table, scale, bool(return_lse)))
+    return found(q, k_cache, v_cache, seqlens, block_table)
+
+
+def _flash_decode_plan(q, k_cache, v_cache, seqlens, block_table, scale, return_lse):
     max_len, page_size, scale = _check(q, k_cache, v_cache, seqlens, block_table, scale)
     batch, q_heads, head_dim = q.shape
+    rows = batch * q_heads
+    if rows == 0:
+        def run(q, k_cache, v_cache, seqlens, block_table):
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            lse = torch.empty((batch, q_heads), dtype=torch.float32, device=q.device)
+            return (out, lse) if return_lse else out
+        return run
+    qc = _prepare_q(q)
+    split, split_args, splits, split_len = _split_launch(qc, k_cache, v_cache, seqlens, block_table, scale,
+                                                         max_len, page_size)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, q_heads), dtype=torch.float32, device=q.device)
-    if out.numel():
-        part_out, part_lse, splits, split_len = _partials(_prepare_q(q), k_cache, v_cache, seqlens, block_table,
-                                                          scale, max_len, page_size)
-        flash_decode_merge_kernel[(batch * q_heads,)](part_out, part_lse, seqlens, out, lse, max_len, split_len,
-                                                      splits, q_heads, D=head_dim, SPLIT_BLOCK=SPLIT_BLOCK,
-                                                      RETURN_LSE=return_lse, num_warps=4)
-    return (out, lse) if return_lse else out
+    part_out, part_lse = _partial_buffers(rows, splits, head_dim, q.device)
+    merge = Launch(flash_decode_merge_kernel, (rows,),
+                   (part_out, part_lse, seqlens, out, lse, max_len, split_len, splits, q_heads),
+                   dict(D=head_dim, SPLIT_BLOCK=SPLIT_BLOCK, RETURN_LSE=return_lse), num_warps=4)
+    device = q.device
+
+    def run(q, k_cache, v_cache, seqlens, block_table):
+        q = _prepare_q(q)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty((batch, q_heads), dtype=torch.float32, device=device)
+        part_out, part_lse = _partial_buffers(rows, splits, head_dim, device)
+        split(*split_args(q, k_cache, v_cache, seqlens, seqlens if block_table is None else block_table,
+                          part_out, part_lse))
+        merge(part_out, part_lse, seqlens, out, lse, max_len, split_len, splits, q_heads)
+        return (out, lse) if return_lse else out
+    return run
 
 
 class _SpContext:
@@ -440,30 +492,67 @@ def sp_flash_decode(q: torch.Tensor, k_cache_shard: torch.Tensor, v_cache_shard:
     over the concatenation of the ranks' slices.
 
     Collective; no host synchronisation, so it can be captured in a CUDA graph (after a first call outside
-    capture, which creates the exchange buffer). batch * q_heads * (head_dim + 1) must be at most
-    SP_MAX_ENTRIES.
+    capture, which creates the exchange buffer). Any batch: the exchange carries at most SP_MAX_ENTRIES
+    words per rank (batch * q_heads * (head_dim + 1)), so a larger batch goes through in passes of
+    sequences.
     """
     world = world_or_raise()
+    found = plan(world, lambda: _key("sp_flash_decode", q, k_cache_shard, v_cache_shard, seqlens_shard,
+                                     block_table, scale),
+                 lambda: _sp_flash_decode_plan(world, q, k_cache_shard, v_cache_shard, seqlens_shard, block_table,
+                                               scale))
+    return found(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table)
+
+
+def _sp_flash_decode_plan(world, q, k_cache, v_cache, seqlens, block_table, scale):
     _check_tensor("q", q, world.device)
-    max_len, page_size, scale = _check(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table, scale)
+    max_len, page_size, scale = _check(q, k_cache, v_cache, seqlens, block_table, scale)
     batch, q_heads, head_dim = q.shape
-    rows = batch * q_heads
-    if rows * (head_dim + 1) > SP_MAX_ENTRIES:
-        raise ValueError(f"q is too large for sp_flash_decode: batch * q_heads * (head_dim + 1) = "
-                         f"{rows * (head_dim + 1)} > SP_MAX_ENTRIES = {SP_MAX_ENTRIES}")
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if rows == 0:
-        return out
+    if batch * q_heads == 0:
+        return lambda q, *rest: torch.empty_like(q, memory_format=torch.contiguous_format)
     ctx = workspace(world, "sp_flash_decode", _SpContext)
-    part_out, part_lse, splits, split_len = _partials(_prepare_q(q), k_cache_shard, v_cache_shard, seqlens_shard,
-                                                      block_table, scale, max_len, page_size)
+    heap = world.heap.descriptor
     w = world.world_size
-    sp_flash_decode_push_kernel[(rows,)](part_out, part_lse, seqlens_shard, ctx.ll, ctx.flags,
-                                         world.heap.descriptor, max_len, split_len, splits, q_heads, rows,
-                                         SP_MAX_ENTRIES, D=head_dim, SPLIT_BLOCK=SPLIT_BLOCK, WORLD=w, num_warps=4)
-    sp_flash_decode_exchange_kernel[(ctx.programs,)](ctx.ll, ctx.flags, out, rows, SP_MAX_ENTRIES, D=head_dim,
-                                                     ROWS=512 // head_dim, WORLD=w, num_warps=4)
-    return out
+    per_pass = max(1, SP_MAX_ENTRIES // (q_heads * (head_dim + 1)))  # sequences per pass
+    paged = block_table is not None
+    qc = _prepare_q(q)
+    sample = torch.empty_like(q, memory_format=torch.contiguous_format)
+    passes = []
+    for b0 in range(0, batch, per_pass):
+        b1 = min(batch, b0 + per_pass)
+        rows = (b1 - b0) * q_heads
+        # A pass's sequences: rows b0..b1 of q, seqlens, block_table (paged) or the cache (contiguous).
+        k, v = (k_cache, v_cache) if paged else (k_cache[b0:b1], v_cache[b0:b1])
+        split, split_args, splits, split_len = _split_launch(
+            qc[b0:b1], k, v, seqlens[b0:b1], block_table[b0:b1] if paged else None, scale, max_len, page_size)
+        part_out, part_lse = _partial_buffers(rows, splits, head_dim, q.device)
+        push = Launch(sp_flash_decode_push_kernel, (rows,),
+                      (part_out, part_lse, seqlens[b0:b1], ctx.ll, ctx.flags, heap, max_len, split_len, splits,
+                       q_heads, rows, SP_MAX_ENTRIES),
+                      dict(D=head_dim, SPLIT_BLOCK=SPLIT_BLOCK, WORLD=w), num_warps=4)
+        exchange = Launch(sp_flash_decode_exchange_kernel, (ctx.programs,),
+                          (ctx.ll, ctx.flags, sample[b0:b1], rows, SP_MAX_ENTRIES),
+                          dict(D=head_dim, ROWS=512 // head_dim, WORLD=w), num_warps=4)
+        passes.append((b0, b1, rows, split, split_args, splits, split_len, push, exchange))
+
+    def run(q, k_cache, v_cache, seqlens, block_table):
+        q = _prepare_q(q)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        for b0, b1, rows, split, split_args, splits, split_len, push, exchange in passes:
+            whole = b0 == 0 and b1 == batch
+            lens = seqlens if whole else seqlens[b0:b1]
+            part_out, part_lse = _partial_buffers(rows, splits, head_dim, q.device)
+            if paged:
+                split(*split_args(q if whole else q[b0:b1], k_cache, v_cache, lens,
+                                  block_table if whole else block_table[b0:b1], part_out, part_lse))
+            else:
+                split(*split_args(q if whole else q[b0:b1], k_cache if whole else k_cache[b0:b1],
+                                  v_cache if whole else v_cache[b0:b1], lens, lens, part_out, part_lse))
+            push(part_out, part_lse, lens, ctx.ll, ctx.flags, heap, max_len, split_len, splits, q_heads, rows,
+                 SP_MAX_ENTRIES)
+            exchange(ctx.ll, ctx.flags, out if whole else out[b0:b1], rows, SP_MAX_ENTRIES)
+        return out
+    return run
 
 
 # Signatures for the sm_90 compile check (weft.testing.compile).
