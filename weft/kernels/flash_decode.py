@@ -72,8 +72,11 @@ MAX_PAGE_SIZE = 256
 
 # Split-KV on GPUs: aim for SPLIT_PROGRAMS_PER_SM programs per SM over the whole grid, but give every split
 # at least MIN_BLOCKS_PER_SPLIT blocks of keys (so the partials' write and merge stay a few per cent of
-# the KV read) and at most MAX_SPLITS splits (the merge walks them). Not yet tuned on GPUs.
-SPLIT_PROGRAMS_PER_SM = 4
+# the KV read) and at most MAX_SPLITS splits (the merge walks them). Measured on an H200 (2026-11-23,
+# bf16, head_dim 128, TB/s of KV read with 4 / 2 programs per SM): batch 1 at KV 8K / 32K / 128K 2.69 / 2.70,
+# 2.95 / 3.49, 3.71 / 4.17; batch 8 (64/8 heads) at 8K 3.65 / 3.66, (32/8) at 32K 4.00 / 4.06 (8 per SM:
+# 4.22 there, but 2.95 and 3.70 at batch 1).
+SPLIT_PROGRAMS_PER_SM = 2
 MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 64
 # On the cpu backend (interpreter): few splits of small blocks, enough to exercise the split logic.
