@@ -94,7 +94,10 @@ def test_bench_overhead(tmp_path):
     for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):  # the large message: eager only
         assert by[(f"{op} 4 KiB", "weft", "eager")] > 0 and (f"{op} 4 KiB", "weft", "host") not in by
     assert by[("bare @triton.jit launch, 10 args", "anchor", "host")] > 0
-    assert {r["impl"] for r in rows} == {"weft", "gloo", "anchor"}  # torch's ops and the graph anchor: cuda only
+    assert by[("flash_decode b1 kv64", "torch sdpa", "eager")] > 0 and by[("flash_decode b1 kv64", "weft", "host")] > 0
+    assert by[("sp_flash_decode b1 kv128 per rank", "gloo", "host")] > 0
+    # torch's symm_mem ops and the graph anchor run on cuda only
+    assert {r["impl"] for r in rows} == {"weft", "gloo", "anchor", "torch sdpa"}
     table = (tmp_path / "overhead_2.md").read_text()
     assert "### host (CPU) time to issue one call" in table and "| all_reduce 256 B |" in table
     assert (tmp_path / "overhead_2.png").stat().st_size > 1000

@@ -69,7 +69,7 @@ def _check(name: str, case: str, got: torch.Tensor, ref: torch.Tensor) -> None:
         raise RuntimeError(f"{case} {name}: relative error {err:.2e} against torch")
 
 
-def _sdpa(q, k, v):
+def sdpa_decode(q, k, v):
     """torch's attention of q (B, H, D) over a (B, L, KVH, D) cache: enable_gqa, else repeated KV heads."""
     q4, k4, v4 = q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2)
     try:
@@ -112,7 +112,7 @@ def _fd_case(args, model, batch, length, kv_bytes, dev, gen):
     copies = [torch.empty_like(k) for k in ks]
     impls = {
         "weft flash_decode": lambda i: flash_decode(qs[i], ks[i], vs[i], lens),
-        "torch sdpa": lambda i: _sdpa(qs[i], ks[i], vs[i]),
+        "torch sdpa": lambda i: sdpa_decode(qs[i], ks[i], vs[i]),
         BASELINE: lambda i: copies[i].copy_(ks[i]),
     }
     if args.page_size and length % args.page_size == 0:
@@ -138,7 +138,7 @@ def _run_fd(args, rows):
                 impls, sets, first = _fd_case(args, model, batch, length, kv_bytes, dev, gen)
                 # Checked on the first and the last sequence (torch may need far more memory for the whole batch).
                 ends = [0, batch - 1]
-                ref = _sdpa(*(t[ends] for t in first))
+                ref = sdpa_decode(*(t[ends] for t in first))
                 for name, f in impls.items():
                     if name.startswith("weft"):
                         _check(name, case, f(0)[ends], ref)
@@ -155,7 +155,7 @@ def _run_fd(args, rows):
                     torch.cuda.empty_cache()  # the next case's caches may be large
 
 
-def _torch_merge(parts: torch.Tensor, head_dim: int) -> torch.Tensor:
+def lse_merge(parts: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Log-sum-exp merge of W gathered (out | lse) rows: parts (W, rows, head_dim + 1) fp32."""
     out, lse = parts[..., :head_dim], parts[..., head_dim:]
     weight = torch.softmax(lse, dim=0).nan_to_num(0.0)  # an empty slice (lse -inf everywhere) weighs nothing
@@ -185,7 +185,7 @@ def _run_sp(args, rows):
             mine[:, :HEAD_DIM] = out[0]
             mine[:, HEAD_DIM] = lse[0]
             all_gather_ref(gathered.view(-1), mine.view(-1), w.group)
-            return _torch_merge(gathered, HEAD_DIM).to(DTYPE)[None]
+            return lse_merge(gathered, HEAD_DIM).to(DTYPE)[None]
 
         impls = {
             "weft sp_flash_decode": lambda i: sp_flash_decode(q, ks[i], vs[i], lens),

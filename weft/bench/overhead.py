@@ -17,7 +17,9 @@ weft all_reduce (GPUs only).
 Sizes: collectives at 8 KiB and 1 MiB bf16 per rank (x's bytes: all_gather's shard, reduce_scatter's
 whole input), and 64 MiB in the eager view only; ag_gemm and gemm_rs on the TP shapes 4096x14336x4096
 and 4096x4096x14336 and the same at M=128, gemm_ar at M=1 and 16 with N=5120, K=25600 (cut for the
-world size as in the gemm suite). Every result is checked against the baseline's before timing.
+world size as in the gemm suite); flash_decode at batch 8 over 4K positions against torch's SDPA, and
+sp_flash_decode at batch 1 over 8K positions per rank against flash_decode + the process group's all_gather
++ a torch merge (Llama-3-8B heads). Every result is checked against the baseline's before timing.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from weft.testing.graphs import capture
 from weft.testing.reference import all_gather_ref, reduce_scatter_ref
 
 from . import gemm, sweep
+from .attention import lse_merge, sdpa_decode
 from .reducescatter import TORCH_WORLD_SIZES
 from .report import Row, human_bytes
 from .timing import issue_times, time_calls
@@ -40,7 +43,8 @@ from .timing import issue_times, time_calls
 SUITE = "overhead"
 BANDWIDTH = None  # cells are µs only
 RIVAL = "torch"
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "device_barrier", "ag_gemm", "gemm_rs", "gemm_ar")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "device_barrier", "ag_gemm", "gemm_rs", "gemm_ar",
+       "flash_decode", "sp_flash_decode")
 SIZES, EAGER_SIZES = (8 << 10, 1 << 20), (64 << 20,)
 GEMM_SHAPES = {"ag_gemm": [(4096, 14336, 4096), (128, 14336, 4096)],
                "gemm_rs": [(4096, 4096, 14336), (128, 4096, 14336)],
@@ -149,6 +153,36 @@ def _gemm(op: str, shape, w, baseline: str, scale: int) -> Case:
     return Case(f"{op} {M}x{N}x{K} (per rank {m}x{n}x{k})", impls, 2 * m * n * k, fewer=True, gemm=True)
 
 
+def _attention(op: str, w, baseline: str, scale: int) -> Case:
+    """Decode attention with Llama-3-8B's heads (32 / 8, head_dim 128, bf16): flash_decode at batch 8 over
+    4K positions against torch's scaled_dot_product_attention; sp_flash_decode at batch 1 over 8K positions
+    per rank against flash_decode's partials gathered by the process group and merged by torch."""
+    dev = w.device
+    batch, length = (8, 4096) if op == "flash_decode" else (1, 8192)
+    heads, kv_heads, d = 32, 8, 128
+    if scale > 1:  # --quick: the interpreter's scale
+        batch, length, heads, kv_heads, d = 1, length // scale, 4, 2, 64
+    gen = torch.Generator(device=dev).manual_seed(11)  # the same q everywhere
+    q = torch.randn(batch, heads, d, device=dev, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(batch, length, kv_heads, d, device=dev).to(torch.bfloat16) for _ in range(2))
+    lens = torch.full((batch,), length, dtype=torch.int32, device=dev)
+    kv_bytes = 2 * k.numel() * k.element_size()
+    if op == "flash_decode":
+        impls = {"weft": lambda: weft.ops.flash_decode(q, k, v, lens), "torch sdpa": lambda: sdpa_decode(q, k, v)}
+        return Case(f"flash_decode b{batch} kv{length}", impls, kv_bytes, gemm=True)
+    mine = torch.empty(heads, d + 1, device=dev)
+    gathered = torch.empty(w.world_size, heads, d + 1, device=dev)
+
+    def process_group():
+        out, lse = weft.ops.flash_decode(q, k, v, lens, return_lse=True)
+        mine[:, :d], mine[:, d] = out[0], lse[0]
+        all_gather_ref(gathered.view(-1), mine.view(-1), w.group)
+        return lse_merge(gathered, d).to(q.dtype)[None]
+
+    impls = {"weft": lambda: weft.ops.sp_flash_decode(q, k, v, lens), baseline: process_group}
+    return Case(f"sp_flash_decode b1 kv{length} per rank", impls, kv_bytes, gemm=True)
+
+
 def _anchors(w, size: int):
     t = torch.zeros(1, dtype=torch.int32, device=w.device)
     yield Case("bare @triton.jit launch, 10 args",
@@ -171,6 +205,8 @@ def _cases(args, w, baseline):
         if op == "device_barrier":
             one = torch.ones(1, device=w.device)
             yield Case(op, {"weft": weft.ops.device_barrier, baseline: lambda: dist.all_reduce(one, group=w.group)})
+        elif op in ("flash_decode", "sp_flash_decode"):
+            yield _attention(op, w, baseline, scale)
         elif op in GEMM_SHAPES:
             for shape in GEMM_SHAPES[op]:
                 yield _gemm(op, shape, w, baseline, scale)
@@ -183,8 +219,10 @@ def _cases(args, w, baseline):
 
 
 def _check(case: Case, baseline: str) -> None:
-    """Every impl's result against the baseline's, on the same inputs (this also creates weft's workspaces)."""
-    ref = case.impls[baseline]() if baseline in case.impls else None
+    """Every impl's result against the baseline's (or, where the process group has none, torch's), on the same
+    inputs (this also creates weft's workspaces)."""
+    baseline = baseline if baseline in case.impls else next((n for n in case.impls if n.startswith("torch")), None)
+    ref = case.impls[baseline]() if baseline is not None else None
     if ref is None:
         return
     ref = ref.clone()
