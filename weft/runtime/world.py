@@ -18,8 +18,9 @@ from .heap import SymmetricHeap, cpu_heap, cuda_heap
 
 DEFAULT_HEAP_SIZE = {"cpu": 64 << 20, "cuda": 2 << 30}
 # Bytes of symmetric workspace each op family owns (all_gather, the reductions, ag_gemm, gemm_rs, gemm_ar, ...):
-# a message that does not fit goes through in several passes, or by the op's documented fallback. Seven
-# families fit the default heap with room for the caller's own symmetric tensors.
+# a message that does not fit goes through in several passes, or by the op's documented fallback (gemm_rs
+# takes it twice: receive buffer and send slots). The seven families take half the default heap, leaving room
+# for the caller's own symmetric tensors.
 DEFAULT_WORKSPACE_BYTES = {"cpu": 4 << 20, "cuda": 128 << 20}
 
 
