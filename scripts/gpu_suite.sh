@@ -45,7 +45,7 @@ if has quick; then
   for n in 2 $NGPU; do
     [ "$n" -le "$NGPU" ] || continue
     step "gpu_tests_$n" timeout 200 python3 -m weft run -n "$n" -m pytest tests/test_gpu.py tests/test_gpu_gemm.py -m gpu -q -x -p no:cacheprovider
-    step "gpu_reinit_$n" timeout 60 python3 -m weft run -n "$n" -m pytest tests/test_gpu_reinit.py -m gpu -q -x -p no:cacheprovider
+    step "gpu_reinit_$n" timeout 200 env WEFT_WAIT_TIMEOUT_S=30 python3 -m weft run -n "$n" -m pytest tests/test_gpu_reinit.py -m gpu -q -x -p no:cacheprovider
   done
   step tutorials timeout 240 bash -c "for t in tutorials/0*.py; do python3 -m weft run -n $NGPU \$t || exit 1; done"
 fi

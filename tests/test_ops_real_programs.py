@@ -112,9 +112,18 @@ def _warm_up():
     weft.ops.gemm_rs(torch.ones(4 * w, 8), torch.ones(8, 8), method="overlap")
 
 
+def _keeps_only_heap_memory(world) -> None:
+    """Between calls weft holds no tensor but symmetric-heap memory: no caller's tensor, no allocation of torch's
+    (a first call under CUDA-graph trees would leave it in their pool, which must hold outputs only)."""
+    from weft.testing.checks import kept_tensors
+
+    kept = kept_tensors(world)
+    assert not kept, f"plans or workspaces keep tensors outside the heap: {[tuple(t.shape) for t in kept]}"
+
+
 def _changing_sizes(seeds):
     """Round after round of every op at new random shapes: once every family's workspace exists, nothing is
-    allocated from the heap and no host barrier is made."""
+    allocated from the heap and no host barrier is made; nothing is kept outside the heap."""
     import weft
 
     world = weft.world()
@@ -125,6 +134,7 @@ def _changing_sizes(seeds):
         _one_round(seed, w, me)
         assert (world.heap.used, world.barriers) == (used, barriers), (
             f"seed {seed}: heap {used} -> {world.heap.used} bytes, barriers {barriers} -> {world.barriers}")
+    _keeps_only_heap_memory(world)
     return used
 
 
@@ -160,6 +170,7 @@ def _larger_than_the_workspace():
     want = torch.arange(40000, dtype=torch.int16)
     b = want.clone() if me == w - 1 else torch.zeros(40000, dtype=torch.int16)
     assert torch.equal(weft.ops.broadcast(b, root=w - 1), want)
+    _keeps_only_heap_memory(weft.world())
     return weft.world().heap.used
 
 

@@ -192,7 +192,7 @@ def _anchors(w, size: int):
         return
     x = sweep.inputs(size // 2, torch.bfloat16, sets=1)[0]
     weft.ops.all_reduce(x)  # its workspace is made outside capture
-    g = capture(lambda: weft.ops.all_reduce(x), warm=True)
+    g = capture(lambda: weft.ops.all_reduce(x), warmups=1)
     yield Case(f"CUDA graph replay of one call (weft all_reduce {human_bytes(size)})", {"anchor": g.replay})
 
 

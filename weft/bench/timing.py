@@ -27,6 +27,10 @@ def _slowest(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+# Calls of a fn on the capture's side stream before it is captured: torch's recipe for capturing a backward.
+GRAPH_WARMUPS = 3
+
+
 def time_calls(fns: dict, *, calls: int = 10, samples: int = 50, warmup: int = 5, graph: bool = False) -> dict:
     """Median milliseconds per call of each `fns[name]()` on the slowest rank, as {name: ms}.
 
@@ -60,7 +64,7 @@ def time_calls(fns: dict, *, calls: int = 10, samples: int = 50, warmup: int = 5
         steps[name] = batch
         if graph:
             try:
-                steps[name] = capture(batch, warm=True).replay
+                steps[name] = capture(batch, warmups=GRAPH_WARMUPS).replay
             except Exception as e:  # noqa: BLE001 - e.g. an op that cannot be captured: time it eagerly
                 torch.cuda.synchronize()
                 if w.rank == 0:

@@ -10,7 +10,8 @@ accumulated), by
 - torch async-TP: the block on functional collectives, torch.compile'd with
   torch._inductor.config._micro_pipeline_tp (inductor's pass that turns all_gather + matmul and matmul +
   reduce_scatter into torch's symmetric-memory fused ops), where this torch has it.
-Every result is checked against NCCL+cuBLAS before timing. Views: CUDA-graph replay and eager calls.
+Every result is checked against NCCL+cuBLAS before timing. Views: CUDA-graph replay (forward and backward
+in one graph, captured by torch's recipe: weft.testing.graphs.capture) and eager calls.
 The bandwidth column holds TFLOP/s per GPU (12 * tokens * dim * hidden / W per block, forward + backward).
 """
 from __future__ import annotations
@@ -115,8 +116,10 @@ def _impls(w, dim, hidden, tokens, dev):
     row = RowParallelLinear.from_linear(ref[2], w.rank, w.world_size)
     # The same shards, as plain leaves, for the baselines (weights stored as weft's: (in, out) slices).
     w1, b1, w2, b2 = (p.detach().clone().requires_grad_() for p in (col.weight, col.bias, row.weight, row.bias))
-    x = torch.randn(tokens // w.world_size, dim, device=dev, dtype=torch.bfloat16).requires_grad_()
-    grad = torch.randn(tokens // w.world_size, dim, device=dev, dtype=torch.bfloat16)
+    # Drawn on the host: nothing here uses the device's generator (see weft.testing.graphs.capture).
+    g = torch.Generator().manual_seed(1 + w.rank)
+    x = torch.randn(tokens // w.world_size, dim, generator=g).to(dev, torch.bfloat16).requires_grad_()
+    grad = torch.randn(tokens // w.world_size, dim, generator=g).to(dev, torch.bfloat16)
     group = w.group
 
     def weft_layers():

@@ -207,8 +207,10 @@ def _ag_gemm_plan(world, a_shard, b, method, out, return_gathered, config):
     if method == "auto":
         method = "baseline" if refusal else auto_method(m, n, k, w)
 
+    dtype, device = a_shard.dtype, a_shard.device  # not a_shard itself: a plan keeps no caller tensor
+
     def result(out):
-        return torch.empty(shape, dtype=a_shard.dtype, device=a_shard.device) if out is None else out
+        return torch.empty(shape, dtype=dtype, device=device) if out is None else out
 
     if method == "baseline":
         def run(a_shard, b, out):
@@ -262,6 +264,8 @@ def _ag_gemm_plan(world, a_shard, b, method, out, return_gathered, config):
             on_stream(stream, main, push, a_shard)
         launch(a_desc, b_desc.on(b), c_desc.on(res.view(w, m, n) if ragged else res), ws.bar, ws.ready, heap,
                m, n, k)
+        b_desc.off()  # the plan keeps no caller tensor (gemm.Descriptor)
+        c_desc.off()
         if stream is not None:
             stream_wait(main, stream, ws.event)
         return (res, gathered.clone()) if return_gathered else res

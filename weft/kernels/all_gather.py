@@ -183,8 +183,10 @@ def _all_gather_plan(world, x, out, method):
         kind = "symmetric" if symmetric else "none" if out is None else "plain"
         method = "nccl" if nbytes >= nccl_from(NCCL_ABOVE[kind], world) else "push"
 
+    dtype, device = x.dtype, x.device  # not x itself: a plan keeps no caller tensor
+
     def result(out):
-        return torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
+        return torch.empty(shape, dtype=dtype, device=device) if out is None else out
 
     if nbytes == 0:
         def run(x, out):

@@ -784,16 +784,18 @@ def _reduce_scatter_plan(world, x, op, out, method):
         return run
 
     # Larger than the workspace: pass by pass over a column range [lo, hi) of every rank's block, gathered
-    # into a contiguous (W, hi - lo) temporary first (a local copy: the price of a bounded workspace).
+    # into a contiguous (W, hi - lo) temporary first (a local copy: the price of a bounded workspace). The
+    # temporary is the call's own, not the plan's: a plan keeps no memory of torch's allocator.
     pieces = _pieces(m, most, 16)
-    stage = torch.empty(w * pieces[0][1], dtype=x.dtype, device=x.device)
-    passes = [_two_shot_pass(world, ws, stage[:w * (hi - lo)], of[:hi - lo], 0, w * (hi - lo), False, False)
+    sample = torch.empty(w * pieces[0][1], dtype=x.dtype, device=x.device)
+    passes = [_two_shot_pass(world, ws, sample[:w * (hi - lo)], of[:hi - lo], 0, w * (hi - lo), False, False)
               for lo, hi in pieces]
 
     def run(x, out):
         check(x, out)
         res = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
         blocks = x.reshape(w, m)
+        stage = torch.empty(w * pieces[0][1], dtype=x.dtype, device=x.device)
         dst = torch.empty(m, dtype=x.dtype, device=x.device)
         for (lo, hi), p in zip(pieces, passes):
             part = stage[:w * (hi - lo)].view(w, hi - lo)

@@ -176,11 +176,18 @@ def check_operands(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor, d
 class Descriptor(TensorDescriptor):
     """A TMA descriptor argument whose tensor can change call by call: an op's plan keeps one and swaps its
     `base` (same shape, strides and alignment: the plan's key guarantees it), which costs less host time
-    than building a descriptor per call."""
+    than building a descriptor per call.
+
+    The launch reads the base's address only, so after it the plan lets go of the call's tensor (`off`): a
+    plan that kept its caller's tensors would keep them alive between calls, which CUDA-graph trees
+    (torch.compile's "reduce-overhead") reject as memory of their pool that no output accounts for."""
 
     def on(self, t: torch.Tensor) -> "Descriptor":
         self.base = t
         return self
+
+    def off(self) -> None:
+        self.base = None
 
 
 def descriptor(t: torch.Tensor, block) -> Descriptor:

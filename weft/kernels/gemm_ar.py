@@ -264,8 +264,10 @@ def _gemm_ar_plan(world, a, b_shard, method, out):
         if out is not None and any(overlaps(out, t) for t in (a, b_shard) if t.numel()):
             raise ValueError("out overlaps a or b_shard: pass a separate tensor")
 
+    dtype, device = a.dtype, a.device  # not a itself: a plan keeps no caller tensor
+
     def result(out):
-        return torch.empty(shape, dtype=a.dtype, device=a.device) if out is None else out
+        return torch.empty(shape, dtype=dtype, device=device) if out is None else out
 
     check(a, b_shard, out)  # before the workspace is made
     refusal = fused_refusal(world, a, b_shard, out)

@@ -18,7 +18,7 @@ How the overlap works (one call on rank `me`, W ranks):
   the last reader of its receive buffer. It leaves the call's epoch e in
   bar[0] and sets my own ready[me] = e.
 - Steps s = 1 .. W - 1, chunk c = me + s (mod W): the partial P_c =
-  a[c * m:(c + 1) * m] @ b_shard goes into a local send slot (gemm.matmul,
+  a[c * m:(c + 1) * m] @ b_shard goes into a send slot (gemm.matmul,
   the persistent TMA GEMM, or cuBLAS where no tiling of the chunk fills the
   GPU well: CUBLAS_CHUNKS_BELOW_FILL), and the copy stream, after waiting for it, pushes
   it into slot (me - c - 1) mod W of rank c's symmetric `recv` (a copy-engine
@@ -60,9 +60,9 @@ after (stream order) my final GEMM of epoch e - 1, the buffer's last reader.
 The flags count epochs, never reset, and ready[q] cannot move past e while my
 final GEMM of epoch e runs (q's pushes of epoch e + 1 come after the barrier
 that waits for this GEMM), so "ready >= e" means exactly "epoch e's data is
-here". The send slots are plain local memory: a call's chunk GEMMs rewrite
-them only after the previous call's main stream joined the copy stream, that
-is after the previous pushes read them.
+here". The send slots are read by my own copy engine only: a call's chunk
+GEMMs rewrite them only after the previous call's main stream joined the copy
+stream, that is after the previous pushes read them.
 
 Memory ordering. A flag is written by the copy engine after the data copy
 has completed (stream order). The final GEMM acquires the flags (ld.acquire.sys
@@ -72,9 +72,12 @@ before the acquire.
 
 One workspace for every shape, from the symmetric heap once: recv (viewed as
 (W - 1, m, N): slot i holds rank me + 1 + i's partial of my chunk), ready (W
-int32), bar (1 + W int32, the start barrier's words); in local memory the
-W - 1 send slots (m, N). The epochs live on the device, so whole calls can be
-captured in a CUDA graph and replayed.
+int32), bar (1 + W int32, the start barrier's words), and the W - 1 send
+slots (m, N), which no peer reads: they come from the heap because nothing a
+workspace keeps may come from torch's caching allocator, whose allocations go
+to a CUDA-graph pool when the first call runs under CUDA-graph trees. The
+epochs live on the device, so whole calls can be captured in a CUDA graph and
+replayed.
 
 "baseline" is torch.matmul then weft.ops.reduce_scatter: the fallback where
 measurement shows the overlap loses.
@@ -210,8 +213,9 @@ def gemm_rs_kernel(a_desc, b_desc, recv, out, bar, ready, heap, m, N, K, OUT_TMA
 
 class GemmRSWorkspace:
     """The symmetric receive buffer (workspace_bytes, viewed as (W - 1, m, N) per call shape), ready flags
-    and start-barrier words; the local send slots (as many bytes, on the device); the copy stream and the
-    side stream. One for every shape: the start barrier makes a change of shape between calls safe."""
+    and start-barrier words; the send slots (as many bytes, also from the heap: see the module doc); the
+    copy stream and the side stream. One for every shape: the start barrier makes a change of shape between
+    calls safe."""
 
     def __init__(self, world):
         heap, w = world.heap, world.world_size
@@ -219,7 +223,7 @@ class GemmRSWorkspace:
         self.recv = heap.empty((self.bytes,), torch.uint8)
         self.ready = heap.empty((w,), torch.int32)
         self.bar = heap.empty((1 + w,), torch.int32)
-        self.send = torch.empty((self.bytes,), dtype=torch.uint8, device=world.device)
+        self.send = heap.empty((self.bytes,), torch.uint8)
         cuda = world.device.type == "cuda"
         self.stream = torch.cuda.Stream(world.device) if cuda else None  # the copy engine's pushes
         self.side = torch.cuda.Stream(world.device) if cuda else None  # every other chunk GEMM
@@ -318,8 +322,10 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
         # from the same row count as ag_gemm's.
         method = "baseline" if refusal or m_total < OVERLAP_MIN_ROWS else "overlap"
 
+    dtype, device = a.dtype, a.device  # not a itself: a plan keeps no caller tensor
+
     def result(out):
-        return torch.empty(shape, dtype=a.dtype, device=a.device) if out is None else out
+        return torch.empty(shape, dtype=dtype, device=device) if out is None else out
 
     if method == "baseline":
         return lambda a, b_shard, out: reduce_scatter(torch.matmul(a, b_shard), out=result(out))
@@ -357,6 +363,7 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
     # to this call's a chunk by chunk) and b's (shared with the final GEMM).
     chunk_a = gemm.descriptor(a[:m], (cfg.block_m, cfg.block_k))
     chunk_out = {c: gemm.descriptor(src, (cfg.block_m, cfg.block_n)) for c, src, _, _ in steps}
+    swapped = (a_desc, b_desc, chunk_a) + ((out_desc,) if out_tma else ())
     chunk_launch = None if cublas_chunks or w == 1 else Launch(
         gemm.matmul_kernel, (programs,), (chunk_a, b_desc, chunk_out[steps[0][0]], m, n, k),
         dict(**cfg.constexprs(), NUM_PROGRAMS=programs, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize),
@@ -394,6 +401,8 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
             stream_wait(main, ws.side, ev)  # the final GEMM starts after every chunk GEMM (no deadlock: see above)
         final(a_desc.on(a[me * m:(me + 1) * m]), b_desc.on(b_shard), recv, out_desc.on(res) if out_tma else res,
               ws.bar, ws.ready, heap, m, n, k)
+        for desc in swapped:  # the plan keeps no caller tensor (gemm.Descriptor)
+            desc.off()
         if main is not None:
             stream_wait(main, ws.stream, ws.event)
         return res

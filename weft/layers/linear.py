@@ -69,6 +69,16 @@ def _split(total: int, world_size: int, what: str) -> int:
     return total // world_size
 
 
+def _uninitialised(cls, linear: nn.Linear, rank, world_size, sequence_parallel):
+    """A layer of `cls` shaped for `linear`'s shard, its parameters left uninitialised (from_linear copies
+    them in): made on the meta device, then given memory. A random initialisation would draw from the
+    device's generator for nothing."""
+    out_features, in_features = linear.weight.shape
+    return nn.utils.skip_init(cls, in_features, out_features, linear.bias is not None, rank=rank,
+                              world_size=world_size, sequence_parallel=sequence_parallel,
+                              device=linear.weight.device, dtype=linear.weight.dtype)
+
+
 class _ParallelLinear(nn.Module):
     def __init__(self, in_local, out_local, bias_features, fan_in, bias, rank, world_size, sequence_parallel,
                  device, dtype):
@@ -108,8 +118,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def from_linear(cls, linear: nn.Linear, rank: int, world_size: int, sequence_parallel: bool = True):
         """This rank's shard of `linear` (its weight's rows [rank * out / W, (rank + 1) * out / W))."""
         out_features, in_features = linear.weight.shape
-        layer = cls(in_features, out_features, linear.bias is not None, rank=rank, world_size=world_size,
-                    sequence_parallel=sequence_parallel, device=linear.weight.device, dtype=linear.weight.dtype)
+        layer = _uninitialised(cls, linear, rank, world_size, sequence_parallel)
         n = out_features // world_size
         with torch.no_grad():
             layer.weight.copy_(linear.weight[rank * n:(rank + 1) * n].t())
@@ -145,8 +154,7 @@ class RowParallelLinear(_ParallelLinear):
     def from_linear(cls, linear: nn.Linear, rank: int, world_size: int, sequence_parallel: bool = True):
         """This rank's shard of `linear` (its weight's columns [rank * in / W, (rank + 1) * in / W)), bias whole."""
         out_features, in_features = linear.weight.shape
-        layer = cls(in_features, out_features, linear.bias is not None, rank=rank, world_size=world_size,
-                    sequence_parallel=sequence_parallel, device=linear.weight.device, dtype=linear.weight.dtype)
+        layer = _uninitialised(cls, linear, rank, world_size, sequence_parallel)
         k = in_features // world_size
         with torch.no_grad():
             layer.weight.copy_(linear.weight[:, rank * k:(rank + 1) * k].t())

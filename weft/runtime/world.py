@@ -18,8 +18,9 @@ from .heap import SymmetricHeap, cpu_heap, cuda_heap
 
 DEFAULT_HEAP_SIZE = {"cpu": 64 << 20, "cuda": 2 << 30}
 # Bytes of symmetric workspace each op family owns (all_gather, the reductions, ag_gemm, gemm_rs, gemm_ar, ...):
-# a message that does not fit goes through in several passes, or by the op's documented fallback. Seven
-# families fit the default heap with room for the caller's own symmetric tensors.
+# a message that does not fit goes through in several passes, or by the op's documented fallback (gemm_rs
+# takes it twice: receive buffer and send slots). The seven families take half the default heap, leaving room
+# for the caller's own symmetric tensors.
 DEFAULT_WORKSPACE_BYTES = {"cpu": 4 << 20, "cuda": 128 << 20}
 
 
@@ -83,6 +84,20 @@ def _size_setting(value, env: str, default: dict, name: str) -> int:
     return value
 
 
+def _launcher_store(rank: int, world_size: int, timeout: datetime.timedelta):
+    """The launcher's key-value store (env://: MASTER_ADDR, MASTER_PORT), under keys of this world's own.
+
+    torchrun's store is its agent's, which outlives process groups: a group made after finalize() under the
+    keys of the one before reads that one's entries, its NCCL unique id among them, and NCCL then waits for
+    ever to join a communicator that is gone (pytorch issues 114585, 119196). So each world of a process
+    takes the next generation number from the store: every rank adds 1, and the W adds of one world all come
+    before any of the next (which starts after the finalize barrier)."""
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    generation = (store.add("weft/worlds", 1) - 1) // world_size
+    return dist.PrefixStore(f"weft/{generation}", store)
+
+
 def init(heap_size: int | None = None, workspace_bytes: int | None = None) -> World:
     """Join the world: from torchrun's (or `weft run`'s) environment, else a world of one.
 
@@ -115,7 +130,8 @@ def init(heap_size: int | None = None, workspace_bytes: int | None = None) -> Wo
         pg_backend = "nccl" if device.type == "cuda" else "gloo"
         if "MASTER_ADDR" in os.environ:
             kwargs = dict(device_id=device) if device.type == "cuda" else {}
-            dist.init_process_group(pg_backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+            dist.init_process_group(pg_backend, store=_launcher_store(rank, world_size, timeout), rank=rank,
+                                    world_size=world_size, timeout=timeout, **kwargs)
         else:
             if world_size != 1:
                 raise RuntimeError("WORLD_SIZE > 1 but no MASTER_ADDR: start ranks with `weft run -n N` or torchrun")

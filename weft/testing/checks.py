@@ -20,3 +20,50 @@ def rejects(fn, exc, word: str, guarded) -> None:
         raise AssertionError(f"expected {exc.__name__} naming {word!r}")
     for b, t in zip(before, guarded):
         assert bits(b).equal(bits(t)), f"a rejected call ({word}) wrote into a tensor"
+
+
+
+def kept_tensors(world) -> list[torch.Tensor]:
+    """The tensors that weft keeps between calls (reachable from its workspaces and plans) other than
+    symmetric-heap memory (this rank's or a peer's) and the heap's descriptor. It should be none: after a
+    first call under CUDA-graph trees (torch.compile's "reduce-overhead") such a tensor would be memory of
+    the graphs' pool that no output accounts for, or a caller's tensor kept alive.
+
+    Follows containers, closures (cells and defaults), bound methods and the attributes of weft's own
+    objects, up to the world and its heap; the rest (Triton's compiled kernels, streams, numbers) holds no
+    tensor of weft's."""
+    import types
+
+    heap, found, seen = world.heap, [], {id(world), id(world.heap)}
+
+    def in_heap(t):  # by the memory t keeps alive: its storage, which a heap view shares with a block
+        storage = t.untyped_storage()
+        start = storage.data_ptr()
+        return storage.nbytes() == 0 or (t.device == heap.device and any(b <= start < b + heap.size
+                                                                          for b in heap.bases))
+
+    todo = [*world.contexts.values(), *world.plans.values()]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj is not heap.descriptor and not in_heap(obj):
+                found.append(obj)
+        elif isinstance(obj, dict):
+            todo += [*obj.keys(), *obj.values()]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            todo += list(obj)
+        elif isinstance(obj, types.FunctionType):
+            for cell in obj.__closure__ or ():
+                try:
+                    todo.append(cell.cell_contents)
+                except ValueError:  # a cell not filled yet
+                    pass
+            todo += [*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()]
+        elif isinstance(obj, types.MethodType):
+            todo += [obj.__self__, obj.__func__]
+        elif type(obj).__module__.startswith("weft.") and hasattr(obj, "__dict__"):
+            todo += list(vars(obj).values())
+    return found
