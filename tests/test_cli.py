@@ -1,4 +1,4 @@
-"""The `weft` command: launcher failure handling, info, tutorials, the bench harness (on cpu ranks)."""
+"""The `weft` command: launcher failure handling, info, the demo, tutorials, the bench harness (on cpu ranks)."""
 import json
 import os
 import subprocess
@@ -34,6 +34,13 @@ def test_info():
     assert res.returncode == 0, res.stderr
     for key in ("backend     cpu", "world size  1", "torch", "triton      3.6.0", "heap"):
         assert key in res.stdout
+
+
+def test_demo_checks_the_model_against_transformers():
+    res = weft_cmd("demo", "-n", "2", "--batch", "1", "--prompt-len", "5", "--new-tokens", "3", timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "against transformers' Qwen3ForCausalLM on one process" in res.stdout
+    assert "greedy tokens identical; comm='nccl' (gloo) tokens identical" in res.stdout
 
 
 @pytest.mark.parametrize("tutorial", sorted(f for f in os.listdir(os.path.join(ROOT, "tutorials")) if f.endswith(".py")))

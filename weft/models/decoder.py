@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -230,13 +231,14 @@ class Transformer(nn.Module):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                  eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None, seed: int = 0,
-                 cuda_graph: bool = True) -> torch.Tensor:
+                 cuda_graph: bool = True, callback: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
         """The prompts (batch, seq), the same on every rank, followed by up to max_new_tokens new tokens each
         (batch, seq + new), as transformers' generate: greedy, or sampled (do_sample) from the softmax of the
         logits / temperature, cut to the top_k tokens and the top_p probability mass. A sequence that emits
         eos_token_id is padded with pad_token_id (default: the eos) from then on, and generation stops when
         every sequence has; without eos_token_id every sequence gets max_new_tokens. cuda_graph: replay the
-        decode steps from a CUDA graph (GPUs)."""
+        decode steps from a CUDA graph (GPUs). callback(i, tokens): called with each new token i (batch,)
+        (on the device, not waited for)."""
         ids = self._ids(input_ids)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
@@ -260,6 +262,8 @@ class Transformer(nn.Module):
                 token = token.masked_fill(done, pad)
                 done |= torch.isin(token, eos)
             new.append(token)
+            if callback is not None:
+                callback(i, token)
             if eos is not None and bool(done.all()):
                 break
         return torch.cat([ids, torch.stack(new, dim=1)], dim=1)
