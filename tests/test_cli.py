@@ -119,3 +119,16 @@ def test_bench_attention_suite(tmp_path):
                                                "weft flash_decode + gloo all_gather + torch merge"))}
     assert all(r["ms"] > 0 and r["gbps"] > 0 for r in rows)
     assert "best weft vs copy (same bytes)" in (tmp_path / "attention_2.md").read_text()
+
+
+def test_bench_e2e_suite(tmp_path):
+    res = weft_cmd("bench", "-n", "2", "e2e", "--out", str(tmp_path), "--models", "tiny", "--prefill", "1x5",
+                   "--batches", "2", "--contexts", "4", "--samples", "1", "--prefill-samples", "1", timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads((tmp_path / "e2e_2.json").read_text())["rows"]
+    assert {(r["case"], r["impl"]) for r in rows} == {(case, impl) for case in ("tiny prefill 1×5", "tiny decode b2 ctx4")
+                                                      for impl in ("weft", "NCCL+cuBLAS")}
+    assert all(r["ms"] > 0 for r in rows)
+    assert "weft vs NCCL+cuBLAS logits differ by" in res.stdout
+    assert "best weft vs NCCL+cuBLAS" in (tmp_path / "e2e_2.md").read_text()
+    assert (tmp_path / "e2e_2.png").stat().st_size > 1000
