@@ -2,9 +2,9 @@
 from .attention import SPDecodeAttention, UlyssesAttention
 from .comm import Comm, NcclComm, WeftComm, make_comm
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .transformer import (DecodeStep, ParallelLMHead, RMSNorm, RotaryEmbedding, TensorParallelAttention,
+from .transformer import (ParallelLMHead, Positions, RMSNorm, RotaryEmbedding, TensorParallelAttention,
                           TensorParallelMLP, VocabParallelEmbedding)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "UlyssesAttention", "SPDecodeAttention", "RMSNorm",
            "RotaryEmbedding", "VocabParallelEmbedding", "ParallelLMHead", "TensorParallelAttention",
-           "TensorParallelMLP", "DecodeStep", "Comm", "WeftComm", "NcclComm", "make_comm"]
+           "TensorParallelMLP", "Positions", "Comm", "WeftComm", "NcclComm", "make_comm"]

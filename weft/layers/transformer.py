@@ -28,6 +28,7 @@ import weft
 from weft import ops
 from weft.kernels.flash_decode import DTYPES as FLASH_DECODE_DTYPES
 from weft.kernels.flash_decode import HEAD_DIMS as FLASH_DECODE_HEAD_DIMS
+from weft.kernels.pointwise import qk_norm_rope, rms_norm, silu_mul
 
 from .comm import make_comm
 
@@ -76,22 +77,24 @@ def _vocab_shard(weight: torch.Tensor, rank: int, world_size: int) -> torch.Tens
 
 class RMSNorm(nn.Module):
     """weight * x / sqrt(mean(x²) + eps) over the last dimension, as transformers' LlamaRMSNorm computes it:
-    in fp32, rounded to x's dtype before the weight multiplies it. Local: every rank holds the weight."""
+    in fp32, rounded to x's dtype before the weight multiplies it. Local: every rank holds the weight.
+
+    norm(x), or norm(x, residual) -> (norm(x + residual), x + residual): a pre-norm block's residual add
+    fused with the norm after it (one kernel: weft.kernels.pointwise.rms_norm)."""
 
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
         self.weight, self.eps = _weight(weight), eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (rope θ), with Llama-3's frequency scaling if `scaling` says so
-    ({"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    "original_max_position_embeddings"}). `rope(positions, dtype)` gives (cos, sin), (..., head_dim)."""
+    """The rotary position embedding's frequencies, inv_freq (head_dim / 2,) fp32: θ^(-2j / head_dim), with
+    Llama-3's scaling if `scaling` says so ({"rope_type": "llama3", "factor", "low_freq_factor",
+    "high_freq_factor", "original_max_position_embeddings"}). The attention layers rotate q and k by them in
+    their fused kernel (weft.kernels.pointwise.qk_norm_rope), in transformers' rotate_half form."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None, device=None):
         super().__init__()
@@ -99,11 +102,6 @@ class RotaryEmbedding(nn.Module):
         if scaling is not None:
             inv_freq = _llama3_frequencies(inv_freq, scaling)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def _llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -117,13 +115,6 @@ def _llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
     return torch.where(medium, smoothed, scaled)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (..., heads, head_dim) rotated by the angles of (cos, sin) (..., head_dim): transformers' rotate_half form."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -180,22 +171,30 @@ class ParallelLMHead(nn.Module):
 
 
 @dataclass
-class DecodeStep:
-    """What every attention layer needs of one decode step, computed once per step: the rotary (cos, sin)
-    (batch, head_dim) at each sequence's position, the attended lengths (positions + 1, int32: flash_decode's
-    seqlens), and the (row, position) of each sequence's new key and value in the cache."""
-    cos: torch.Tensor
-    sin: torch.Tensor
-    lengths: torch.Tensor
+class Positions:
+    """Where the tokens of a call go, computed once per call for every layer: token t belongs to sequence
+    rows[t] (its KV-cache row) at position positions[t] (its rotary angle and cache slot), int64; the
+    rotary frequencies; and in decode each sequence's length after the step (flash_decode's seqlens, int32).
+    A prefill call holds `batch` sequences of `seq` tokens, token t = b * seq + i; a decode step one token
+    of each of `batch` sequences (seq = 1)."""
     rows: torch.Tensor
     positions: torch.Tensor
+    inv_freq: torch.Tensor
+    batch: int
+    seq: int
+    lengths: torch.Tensor | None = None
 
     @classmethod
-    def at(cls, positions: torch.Tensor, rope: RotaryEmbedding, dtype: torch.dtype) -> "DecodeStep":
-        """positions (batch,) int64: where each sequence's new token goes (its length so far)."""
-        cos, sin = rope(positions, dtype)
+    def prefill(cls, batch: int, seq: int, rope: RotaryEmbedding) -> "Positions":
+        """Prompts of `seq` tokens from position 0."""
+        t = torch.arange(batch * seq, device=rope.inv_freq.device)
+        return cls(t // seq, t % seq, rope.inv_freq, batch, seq)
+
+    @classmethod
+    def decode(cls, positions: torch.Tensor, rope: RotaryEmbedding) -> "Positions":
+        """One new token per sequence at positions (batch,) int64 (each sequence's length so far)."""
         rows = torch.arange(positions.shape[0], device=positions.device)
-        return cls(cos, sin, (positions + 1).to(torch.int32), rows, positions)
+        return cls(rows, positions, rope.inv_freq, positions.shape[0], 1, (positions + 1).to(torch.int32))
 
 
 class TensorParallelAttention(nn.Module):
@@ -262,46 +261,41 @@ class TensorParallelAttention(nn.Module):
         return cls(_local(qkv, device, dtype), _local(o_weight[:, rank * hl:(rank + 1) * hl].t(), device, dtype),
                    heads, kv_heads, head_dim, rank, world_size, *norms, comm=comm, decode_attention=decode_attention)
 
-    def _heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q, k, v (..., heads, d) of the projections (..., (h + 2 kv) d): normed (Qwen3) and rotated."""
-        d = self.head_dim
-        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-        q, k, v = (t.unflatten(-1, (-1, d)) for t in (q, k, v))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+    def _qk(self, qkv: torch.Tensor, pos: Positions, k_dst: torch.Tensor, v_dst: torch.Tensor) -> torch.Tensor:
+        """q (tokens, heads, d) of the projections' first tokens rows, normed (Qwen3) and rotated; k and v into
+        k_dst / v_dst at (pos.rows, pos.positions)."""
+        norm = self.q_norm is not None
+        return qk_norm_rope(qkv, pos.rows.shape[0], self.heads, self.kv_heads, pos.inv_freq, pos.rows, pos.positions,
+                            k_dst, v_dst, self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                            self.q_norm.eps if norm else 0.0)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: int,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Prefill of `batch` sequences of S tokens each, sequence-parallel: x (rows, hidden) this rank's rows
-        of the batch's tokens (flattened sequence after sequence, padded to W * rows); cos, sin (S, d) at
-        positions 0 .. S - 1. With kv, the keys and values go into the cache's rows [0, batch), positions
-        [0, S). Returns this rank's rows of the attention output (rows, hidden)."""
-        seq = cos.shape[0]
-        tokens = batch * seq
+    def forward(self, x: torch.Tensor, pos: Positions, kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Prefill of pos.batch sequences of pos.seq tokens, sequence-parallel: x (rows, hidden) this rank's rows
+        of the batch's tokens (flattened sequence after sequence, padded to W * rows). With kv (a cache of at
+        least pos.batch rows and pos.seq positions), the keys and values go into it, else into scratch.
+        Returns this rank's rows of the attention output (rows, hidden)."""
+        batch, seq, d = pos.batch, pos.seq, self.head_dim
         qkv = self.comm.ag_gemm(x, self.qkv_weight)
-        q, k, v = self._heads(qkv[:tokens].view(batch, seq, -1), cos, sin)
-        if kv is not None:
-            kv[0][:batch, :seq] = k
-            kv[1][:batch, :seq] = v
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        if kv is None:
+            kv = tuple(qkv.new_empty((batch, seq, self.kv_heads, d)) for _ in range(2))
+        q = self._qk(qkv, pos, *kv)
+        k, v = (t[:batch, :seq].transpose(1, 2) for t in kv)
+        attn = F.scaled_dot_product_attention(q.view(batch, seq, self.heads, d).transpose(1, 2), k, v,
                                               is_causal=True, enable_gqa=self.kv_heads != self.heads)
-        attn = attn.transpose(1, 2).reshape(tokens, -1)
-        attn = F.pad(attn, (0, 0, 0, qkv.shape[0] - tokens))  # the padding rows, back for the reduce-scatter
+        attn = attn.transpose(1, 2).reshape(batch * seq, self.heads * d)
+        attn = F.pad(attn, (0, 0, 0, qkv.shape[0] - batch * seq))  # the padding rows, back for the reduce-scatter
         return self.comm.gemm_rs(attn, self.o_weight)
 
-    def decode(self, x: torch.Tensor, step: DecodeStep, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """One token per sequence, plain TP: x (batch, hidden) on every rank, `kv` this layer's cache of
-        `batch` sequences (any strides but the last dimension's). Returns (batch, hidden), the same on every rank."""
+    def decode(self, x: torch.Tensor, pos: Positions, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """One token per sequence, plain TP: x (batch, hidden) on every rank, `kv` this layer's cache of `batch`
+        sequences (any strides but the last dimension's). Returns (batch, hidden), the same on every rank."""
         batch, d = x.shape[0], self.head_dim
-        q, k, v = self._heads(x @ self.qkv_weight, step.cos, step.sin)
         k_cache, v_cache = kv
-        k_cache[step.rows, step.positions] = k
-        v_cache[step.rows, step.positions] = v
+        q = self._qk(x @ self.qkv_weight, pos, k_cache, v_cache)
         if self.decode_attention == "flash_decode":
-            attn = ops.flash_decode(q, k_cache, v_cache, step.lengths)
+            attn = ops.flash_decode(q, k_cache, v_cache, pos.lengths)
         else:
-            live = torch.arange(k_cache.shape[1], device=x.device) < step.lengths.unsqueeze(-1)
+            live = torch.arange(k_cache.shape[1], device=x.device) < pos.lengths.unsqueeze(-1)
             attn = F.scaled_dot_product_attention(q.unsqueeze(2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
                                                   attn_mask=live[:, None, None, :],
                                                   enable_gqa=self.kv_heads != self.heads).squeeze(2)
@@ -340,6 +334,5 @@ class TensorParallelMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = True) -> torch.Tensor:
         h = self.comm.ag_gemm(x, self.gate_up_weight) if sequence_parallel else x @ self.gate_up_weight
-        gate, up = h.chunk(2, dim=-1)
-        h = F.silu(gate) * up
+        h = silu_mul(h)
         return self.comm.gemm_rs(h, self.down_weight) if sequence_parallel else self.comm.gemm_ar(h, self.down_weight)

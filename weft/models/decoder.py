@@ -37,7 +37,7 @@ from torch import nn
 
 import weft
 from weft.layers.comm import Comm, make_comm
-from weft.layers.transformer import (DecodeStep, ParallelLMHead, RMSNorm, RotaryEmbedding, TensorParallelAttention,
+from weft.layers.transformer import (ParallelLMHead, Positions, RMSNorm, RotaryEmbedding, TensorParallelAttention,
                                      TensorParallelMLP, VocabParallelEmbedding)
 
 from .weights import CheckpointWeights, RandomWeights, StateDictWeights, hf_shapes, read_config
@@ -123,19 +123,28 @@ class KVCache:
 
 
 class Block(nn.Module):
-    """x + attention(norm(x)), then + mlp(norm(.)): one decoder layer, prefill (sequence-parallel) or decode."""
+    """One decoder layer, pre-norm: h = x + attention(norm(x)), then h + mlp(norm(h)). The residual stream is
+    carried as (x, residual) with the adds fused into the next norm: block(x, residual) returns the MLP's
+    output and the stream before it (residual None at the first layer: x is the stream)."""
 
     def __init__(self, attn_norm: RMSNorm, attn: TensorParallelAttention, mlp_norm: RMSNorm, mlp: TensorParallelMLP):
         super().__init__()
         self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
 
-    def forward(self, x, cos, sin, batch, kv=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, batch, kv)
-        return x + self.mlp(self.mlp_norm(x))
+    def _norm(self, x, residual):
+        return (self.attn_norm(x), x) if residual is None else self.attn_norm(x, residual)
 
-    def decode(self, x, step, kv):
-        x = x + self.attn.decode(self.attn_norm(x), step, kv)
-        return x + self.mlp(self.mlp_norm(x), sequence_parallel=False)
+    def forward(self, x, residual, pos, kv=None):
+        """Prefill, sequence-parallel (this rank's rows)."""
+        x, residual = self._norm(x, residual)
+        x, residual = self.mlp_norm(self.attn(x, pos, kv), residual)
+        return self.mlp(x), residual
+
+    def decode(self, x, residual, pos, kv):
+        """One token per sequence, every token on every rank."""
+        x, residual = self._norm(x, residual)
+        x, residual = self.mlp_norm(self.attn.decode(x, pos, kv), residual)
+        return self.mlp(x, sequence_parallel=False), residual
 
 
 class Transformer(nn.Module):
@@ -182,11 +191,11 @@ class Transformer(nn.Module):
         batch, seq = ids.shape
         tokens = batch * seq
         padded = -(-tokens // self.world_size) * self.world_size
-        x = self.embed(F.pad(ids.reshape(-1), (0, padded - tokens)), sequence_parallel=True)
-        cos, sin = self.rope(torch.arange(seq, device=self.device), self.dtype)
+        x, residual = self.embed(F.pad(ids.reshape(-1), (0, padded - tokens)), sequence_parallel=True), None
+        pos = Positions.prefill(batch, seq, self.rope)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, batch, None if cache is None else cache.layer(i))
-        return self.norm(x)
+            x, residual = block(x, residual, pos, None if cache is None else cache.layer(i))
+        return self.norm(x, residual)[0]
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -211,11 +220,11 @@ class Transformer(nn.Module):
         """One decode step of every sequence of the cache: tokens (batch,) int64 at positions (batch,) int64 (each
         sequence's length so far; not checked against the cache, which would need a host sync). Returns the
         logits (batch, vocab)."""
-        step = DecodeStep.at(positions, self.rope, self.dtype)
-        x = self.embed(tokens)
+        pos = Positions.decode(positions, self.rope)
+        x, residual = self.embed(tokens), None
         for i, block in enumerate(self.blocks):
-            x = block.decode(x, step, cache.layer(i))
-        return self.lm_head(self.norm(x))
+            x, residual = block.decode(x, residual, pos, cache.layer(i))
+        return self.lm_head(self.norm(x, residual)[0])
 
     def session(self, batch: int, max_len: int, cuda_graph: bool = True) -> "DecodeSession":
         """The decode session of `batch`'s bucket with a cache of at least max_len positions (kept and reused)."""
