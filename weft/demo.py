@@ -32,7 +32,7 @@ QWEN3_TINY = dict(QWEN3_8B, hidden_size=64, intermediate_size=128, num_hidden_la
 
 def parse(argv=None):
     p = argparse.ArgumentParser(prog="weft demo", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="a local checkpoint directory (config.json, *.safetensors) instead of random weights")
+    p.add_argument("--model", help="a local checkpoint directory (config.json, *.safetensors), not random weights")
     p.add_argument("--batch", type=int, help="prompts (default 8 on GPUs, 2 on cpu)")
     p.add_argument("--prompt-len", type=int, help="tokens per prompt (default 512 on GPUs, 8 on cpu)")
     p.add_argument("--new-tokens", type=int, help="tokens to generate (default 128 on GPUs, 12 on cpu)")

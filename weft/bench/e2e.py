@@ -86,12 +86,11 @@ def _prefill_rows(label, models, cases, samples, w) -> list[Row]:
         cache = models["weft"].new_cache(batch, seq)
         case = f"{label} prefill {batch}×{seq}"
         _agree(case, models["weft"].prefill(ids, cache), models[BASELINE].prefill(ids, cache))
-        fns = {name: (lambda m=m: m.prefill(ids, cache)) for name, m in models.items()}
+        fns = {name: (lambda m=m, cache=cache: m.prefill(ids, cache)) for name, m in models.items()}
         for name, ms in time_calls(fns, calls=1, samples=samples, warmup=2).items():
             rows.append(Row(SUITE, case, name, ms, 0.0, batch * seq, w.world_size, "eager"))
             if w.rank == 0:
                 print(f"{case} {name}: {ms:.2f} ms ({batch * seq / ms * 1e3:,.0f} tokens/s)", flush=True)
-        del cache
     return rows
 
 

@@ -18,8 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-import weft.language as wl
-
 from .blocks import cast
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -207,8 +205,9 @@ def qk_norm_rope(qkv: torch.Tensor, tokens: int, heads: int, kv_heads: int, inv_
             raise ValueError(f"{name} has {t.shape[0]} entries, expected tokens = {tokens}")
     half = inv_freq.shape[0]
     if qkv.shape[1] != (heads + 2 * kv_heads) * 2 * half or qkv.stride(1) != 1 or not 0 <= tokens <= qkv.shape[0]:
-        raise ValueError(f"qkv must be (>= {tokens}, (heads + 2 kv_heads) head_dim = {(heads + 2 * kv_heads) * 2 * half}) "
-                         f"with contiguous rows, got {tuple(qkv.shape)}, strides {qkv.stride()}")
+        raise ValueError(f"qkv must be (>= {tokens}, (heads + 2 kv_heads) head_dim = "
+                         f"{(heads + 2 * kv_heads) * 2 * half}) with contiguous rows, got {tuple(qkv.shape)}, "
+                         f"strides {qkv.stride()}")
     for name, t in (("k_dst", k_dst), ("v_dst", v_dst)):
         _check(name, t, qkv.dtype, 4)
         if t.shape[2:] != (kv_heads, 2 * half) or t.stride(3) != 1:

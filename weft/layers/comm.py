@@ -2,14 +2,13 @@
 
 A layer asks its `comm` for six things; the two implementations compute the same values:
 
-| call                  | what it is                                          | "weft"            | "nccl"                                   |
-|---|---|---|---|
-| ag_gemm(x_shard, w)   | all_gather(x_shard, dim 0) @ w (column-parallel, SP) | weft.ops.ag_gemm  | all_gather_into_tensor, then torch.matmul |
-| gemm_rs(x, w)         | reduce_scatter(x @ w, dim 0) (row-parallel, SP)      | weft.ops.gemm_rs  | torch.matmul, then reduce_scatter_tensor  |
-| gemm_ar(x, w)         | all_reduce(x @ w) (row-parallel, plain TP)           | weft.ops.gemm_ar  | torch.matmul, then all_reduce             |
-| all_reduce(x)         | sum over ranks                                       | weft.ops.all_reduce | all_reduce                             |
-| reduce_scatter(x)     | rows [r m, (r + 1) m) of the sum over ranks          | weft.ops.reduce_scatter | reduce_scatter_tensor              |
-| all_gather(x)         | concat over ranks (dim 0)                            | weft.ops.all_gather | all_gather_into_tensor                 |
+    call                  what it is                                  "weft"              "nccl"
+    ag_gemm(x_shard, w)   all_gather(x_shard, dim 0) @ w (column, SP)  ops.ag_gemm         all_gather, matmul
+    gemm_rs(x, w)         reduce_scatter(x @ w, dim 0) (row, SP)      ops.gemm_rs         matmul, reduce_scatter
+    gemm_ar(x, w)         all_reduce(x @ w) (row, plain TP)           ops.gemm_ar         matmul, all_reduce
+    all_reduce(x)         the sum over ranks                          ops.all_reduce      all_reduce
+    reduce_scatter(x)     rows [r m, (r + 1) m) of the sum            ops.reduce_scatter  reduce_scatter
+    all_gather(x)         the concatenation over ranks (dim 0)        ops.all_gather      all_gather
 
 "nccl" is the tensor parallelism of Megatron-LM (sequence-parallel prefill: all-gather before the column
 GEMM, reduce-scatter after the row GEMM) and of vLLM (decode: all-reduce after the row GEMM), each

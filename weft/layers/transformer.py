@@ -45,7 +45,7 @@ def _local(t: torch.Tensor, device, dtype) -> torch.Tensor:
     return out.copy_(t)
 
 
-def split_size(total: int, world_size: int, what: str) -> int:
+def _split_size(total: int, world_size: int, what: str) -> int:
     """total / world_size, or a ValueError naming `what` where it does not divide."""
     if total % world_size:
         raise ValueError(f"{what} = {total} is not divisible by the world size {world_size}")
@@ -201,7 +201,9 @@ class TensorParallelAttention(nn.Module):
     """Grouped-query self-attention with the heads split over ranks: rank r holds query heads
     [r h / W, (r + 1) h / W) and KV heads [r kv / W, (r + 1) kv / W) (so each rank's query heads keep their
     KV heads), as one fused QKV projection (hidden, (h + 2 kv) d / W), columns [q | k | v], and the matching
-    rows of the output projection. Optional q/k RMSNorm over head_dim (Qwen3), then rotary embedding.
+    rows of the output projection. After the projection one kernel (weft.kernels.pointwise.qk_norm_rope)
+    RMS-norms q and k over head_dim (Qwen3's q_norm / k_norm, if given), rotates them (rotary embedding at
+    each token's position) and writes k and v into their KV-cache slots.
 
     forward (prefill): sequence-parallel in and out; QKV by comm.ag_gemm, causal
     scaled_dot_product_attention per sequence, output projection by comm.gemm_rs.
@@ -216,7 +218,8 @@ class TensorParallelAttention(nn.Module):
                  rank: int, world_size: int, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
                  comm="weft", decode_attention: str = "auto"):
         super().__init__()
-        self.heads, self.kv_heads = split_size(heads, world_size, "heads"), split_size(kv_heads, world_size, "kv_heads")
+        self.heads = _split_size(heads, world_size, "heads")
+        self.kv_heads = _split_size(kv_heads, world_size, "kv_heads")
         self.head_dim, self.rank, self.world_size = head_dim, rank, world_size
         self.qkv_weight, self.o_weight = _weight(qkv_weight), _weight(o_weight)
         self.q_norm, self.k_norm = q_norm, k_norm
@@ -240,7 +243,7 @@ class TensorParallelAttention(nn.Module):
         (kv d, hidden), o (hidden, h d); q_norm, k_norm (d,) or None."""
         _check_rank(rank, world_size)
         for name, n in (("heads", heads), ("kv_heads", kv_heads)):
-            split_size(n, world_size, name)
+            _split_size(n, world_size, name)
         if heads % kv_heads:
             raise ValueError(f"heads = {heads} is not a multiple of kv_heads = {kv_heads}")
         _check_dense("q_weight", q_weight, (None, None))
@@ -326,7 +329,7 @@ class TensorParallelMLP(nn.Module):
         inter, hidden = gate_weight.shape
         _check_dense("up_weight", up_weight, (inter, hidden))
         _check_dense("down_weight", down_weight, (hidden, inter))
-        n = split_size(inter, world_size, "intermediate_size")
+        n = _split_size(inter, world_size, "intermediate_size")
         cols = slice(rank * n, (rank + 1) * n)
         gate_up = torch.cat([gate_weight[cols], up_weight[cols]]).t()
         return cls(_local(gate_up, device, dtype), _local(down_weight[:, cols].t(), device, dtype), rank,

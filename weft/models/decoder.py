@@ -99,7 +99,8 @@ class ModelConfig:
 class KVCache:
     """Keys and values of up to `batch` sequences of up to `max_len` positions, every layer, this rank's KV
     heads: one tensor (layers, 2, batch, max_len, kv_heads / W, head_dim); layer i's (k, v) are views in
-    flash_decode's contiguous layout."""
+    flash_decode's contiguous layout. A KVCache of a view of another's data (e.g. some of its rows) writes
+    into that one's memory."""
 
     def __init__(self, data: torch.Tensor):
         self.data = data
@@ -114,12 +115,6 @@ class KVCache:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.data[i, 0], self.data[i, 1]
-
-    def narrow(self, batch: int, max_len: int) -> "KVCache":
-        """The first `batch` sequences and `max_len` positions: a view (the same memory)."""
-        if not (0 < batch <= self.batch and 0 < max_len <= self.max_len):
-            raise ValueError(f"narrow({batch}, {max_len}) of a cache of {self.batch} x {self.max_len}")
-        return KVCache(self.data[:, :, :batch, :max_len])
 
 
 class Block(nn.Module):
@@ -211,7 +206,8 @@ class Transformer(nn.Module):
         ids = self._ids(input_ids)
         batch, seq = ids.shape
         if batch > cache.batch or seq > cache.max_len:
-            raise ValueError(f"the cache holds {cache.batch} sequences of {cache.max_len}, the prompts are {batch} x {seq}")
+            raise ValueError(f"the cache holds {cache.batch} sequences of {cache.max_len} positions, the prompts "
+                             f"are {batch} x {seq}")
         last = self.comm.all_gather(self._prefill(ids, cache))[seq - 1:batch * seq:seq]
         return self.lm_head(last)
 
