@@ -84,10 +84,10 @@ def test_prefill_and_graph_decode_match_transformers(reference, models, comm):
 
 
 def test_generate_with_graphs_equals_eager(models):
-    prompts = _ids(3, 40, 3)  # batch 3 runs in the bucket of 4
+    prompts = _ids(3, 40, 3)  # batch 3 runs in the bucket of 4, with graphs and without
     with_graphs = models["weft"].generate(prompts, 16)
     assert models["weft"].sessions.keys() >= {(4, True)}
-    assert torch.equal(with_graphs, models["weft"].generate(prompts, 16, cuda_graph=False))
+    assert torch.equal(with_graphs, models["weft"].generate(prompts, 16, cuda_graph=False))  # the same kernels
     sampled = models["weft"].generate(prompts, 8, do_sample=True, top_k=50, seed=1)
     everyone = [torch.empty_like(sampled) for _ in range(weft.world_size())]
     torch.distributed.all_gather(everyone, sampled, group=weft.world().group)

@@ -18,8 +18,8 @@ split the vocabulary (weft/layers/transformer.py has the layers, weft/layers/com
 "nccl" communication).
 
 generate(): prefill into a KV cache, then one decode step per token. Decode steps run in a DecodeSession:
-the cache and static input buffers of a batch-size bucket (powers of two on GPUs), its step captured
-once in a CUDA graph and replayed; sessions are kept per bucket and reused while their cache is long
+the cache and static input buffers of a batch-size bucket (powers of two), its step captured once in a
+CUDA graph and replayed (GPUs); sessions are kept per bucket and reused while their cache is long
 enough. Sampling (greedy, or temperature / top-k / top-p with a seeded generator, the same seed on every
 rank) runs outside the graph on the gathered logits, which are the same bits on every rank, so the ranks
 pick the same tokens.
@@ -223,9 +223,10 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x, residual)[0])
 
     def session(self, batch: int, max_len: int, cuda_graph: bool = True) -> "DecodeSession":
-        """The decode session of `batch`'s bucket with a cache of at least max_len positions (kept and reused)."""
+        """The decode session of `batch`'s bucket (the next power of two: a batch runs padded to it, with or
+        without graphs, so both compute the same) with a cache of at least max_len positions, kept and reused."""
         graph = cuda_graph and self.device.type == "cuda"
-        bucket = 1 << (batch - 1).bit_length() if graph else batch
+        bucket = 1 << (batch - 1).bit_length()
         found = self.sessions.get((bucket, graph))
         if found is None or found.cache.max_len < max_len:
             cache = self.new_cache(bucket, -(-max_len // CACHE_ROUND) * CACHE_ROUND)
