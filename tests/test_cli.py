@@ -37,7 +37,8 @@ def test_info():
 
 
 def test_demo_checks_the_model_against_transformers():
-    res = weft_cmd("demo", "-n", "2", "--batch", "1", "--prompt-len", "5", "--new-tokens", "3", timeout=300)
+    res = weft_cmd("demo", "-n", "2", "--batch", "1", "--prompt-len", "5", "--new-tokens", "3", "--layers", "1",
+                   timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "against transformers' Qwen3ForCausalLM on one process" in res.stdout
     assert "greedy tokens identical; comm='nccl' (gloo) tokens identical" in res.stdout
@@ -122,12 +123,12 @@ def test_bench_attention_suite(tmp_path):
 
 
 def test_bench_e2e_suite(tmp_path):
-    res = weft_cmd("bench", "-n", "2", "e2e", "--out", str(tmp_path), "--models", "tiny", "--prefill", "1x5",
-                   "--batches", "2", "--contexts", "4", "--samples", "1", "--prefill-samples", "1", timeout=300)
+    res = weft_cmd("bench", "-n", "2", "e2e", "--out", str(tmp_path), "--models", "tiny", "--layers", "1",
+                   "--prefill", "1x5", "--batches", "2", "--contexts", "4", "--samples", "1", "--prefill-samples", "1", timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = json.loads((tmp_path / "e2e_2.json").read_text())["rows"]
-    assert {(r["case"], r["impl"]) for r in rows} == {(case, impl) for case in ("tiny prefill 1×5", "tiny decode b2 ctx4")
-                                                      for impl in ("weft", "NCCL+cuBLAS")}
+    cases = ("tiny (1 layers) prefill 1×5", "tiny (1 layers) decode b2 ctx4")
+    assert {(r["case"], r["impl"]) for r in rows} == {(c, i) for c in cases for i in ("weft", "NCCL+cuBLAS")}
     assert all(r["ms"] > 0 for r in rows)
     assert "weft vs NCCL+cuBLAS logits differ by" in res.stdout
     assert "best weft vs NCCL+cuBLAS" in (tmp_path / "e2e_2.md").read_text()
