@@ -124,7 +124,8 @@ def test_bench_attention_suite(tmp_path):
 
 def test_bench_e2e_suite(tmp_path):
     res = weft_cmd("bench", "-n", "2", "e2e", "--out", str(tmp_path), "--models", "tiny", "--layers", "1",
-                   "--prefill", "1x5", "--batches", "2", "--contexts", "4", "--samples", "1", "--prefill-samples", "1", timeout=300)
+                   "--prefill", "1x5", "--batches", "2", "--contexts", "4", "--samples", "1", "--prefill-samples", "1",
+                   timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = json.loads((tmp_path / "e2e_2.json").read_text())["rows"]
     cases = ("tiny (1 layers) prefill 1×5", "tiny (1 layers) decode b2 ctx4")
