@@ -1,4 +1,4 @@
-"""The `weft` command: launcher failure handling, info, tutorials, the bench harness (on cpu ranks)."""
+"""The `weft` command: launcher failure handling, info, the demo, tutorials, the bench harness (on cpu ranks)."""
 import json
 import os
 import subprocess
@@ -34,6 +34,14 @@ def test_info():
     assert res.returncode == 0, res.stderr
     for key in ("backend     cpu", "world size  1", "torch", "triton      3.6.0", "heap"):
         assert key in res.stdout
+
+
+def test_demo_checks_the_model_against_transformers():
+    res = weft_cmd("demo", "-n", "2", "--batch", "1", "--prompt-len", "5", "--new-tokens", "3", "--layers", "1",
+                   timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "against transformers' Qwen3ForCausalLM on one process" in res.stdout
+    assert "greedy tokens identical; comm='nccl' (gloo) tokens identical" in res.stdout
 
 
 @pytest.mark.parametrize("tutorial", sorted(f for f in os.listdir(os.path.join(ROOT, "tutorials")) if f.endswith(".py")))
@@ -115,3 +123,17 @@ def test_bench_attention_suite(tmp_path):
                                                "weft flash_decode + gloo all_gather + torch merge"))}
     assert all(r["ms"] > 0 and r["gbps"] > 0 for r in rows)
     assert "best weft vs copy (same bytes)" in (tmp_path / "attention_2.md").read_text()
+
+
+def test_bench_e2e_suite(tmp_path):
+    res = weft_cmd("bench", "-n", "2", "e2e", "--out", str(tmp_path), "--models", "tiny", "--layers", "1",
+                   "--prefill", "1x5", "--batches", "2", "--contexts", "4", "--samples", "1", "--prefill-samples", "1",
+                   timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads((tmp_path / "e2e_2.json").read_text())["rows"]
+    cases = ("tiny (1 layers) prefill 1×5", "tiny (1 layers) decode b2 ctx4")
+    assert {(r["case"], r["impl"]) for r in rows} == {(c, i) for c in cases for i in ("weft", "NCCL+cuBLAS")}
+    assert all(r["ms"] > 0 for r in rows)
+    assert "weft vs NCCL+cuBLAS logits differ by" in res.stdout
+    assert "best weft vs NCCL+cuBLAS" in (tmp_path / "e2e_2.md").read_text()
+    assert (tmp_path / "e2e_2.png").stat().st_size > 1000

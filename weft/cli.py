@@ -47,9 +47,21 @@ def cmd_info(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    import importlib.util
+    import os
+    import tempfile
+
+    from .runtime.backend import BACKEND
     from .runtime.launcher import run
 
-    return run(args.n or _default_ranks(), ["-m", "weft.demo"])
+    target = ["-m", "weft.demo", *args.args]
+    if BACKEND == "cuda" or importlib.util.find_spec("transformers") is not None:
+        return run(args.n or _default_ranks(), target)
+    # No transformers to check the cpu ranks against: the same model on one rank is the reference.
+    with tempfile.TemporaryDirectory() as tmp:
+        reference = os.path.join(tmp, "reference.pt")
+        return run(1, [*target, "--save", reference]) or run(args.n or _default_ranks(),
+                                                              [*target, "--reference", reference])
 
 
 def cmd_bench(args) -> int:
@@ -68,14 +80,20 @@ def main(argv=None) -> int:
     r.set_defaults(fn=cmd_run)
     i = sub.add_parser("info", help="backend, world size, devices, versions, heap size")
     i.set_defaults(fn=cmd_info)
-    d = sub.add_parser("demo", help="the main demo: on all GPUs if present, else on 4 cpu ranks")
+    d = sub.add_parser("demo", help="the main demo: a Qwen3 decoder on all GPUs (weft against NCCL), else on 4 cpu "
+                       "ranks checked against transformers; its options (--model PATH, --batch, ...): "
+                       "`python -m weft.demo -h`")
     d.add_argument("-n", type=int, default=None)
     d.set_defaults(fn=cmd_demo)
     b = sub.add_parser("bench", help="benchmark suites against NCCL/torch baselines (see `weft bench allgather -h`)")
     b.add_argument("-n", type=int, default=None, help="ranks (default: all GPUs, or 4 cpu ranks)")
     b.add_argument("args", nargs=argparse.REMAINDER, help="SUITE and its options")
     b.set_defaults(fn=cmd_bench)
-    args = p.parse_args(argv)
+    args, extra = p.parse_known_args(argv)
+    if args.command == "demo":
+        args.args = extra  # the demo's own options, parsed by each rank
+    elif extra:
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     return args.fn(args)
 
 

@@ -1,33 +1,177 @@
-"""The main demo: all-gather across every rank, push and pull, checked against torch.distributed."""
+"""The main demo (`weft demo`, `make demo`): a Qwen3 decoder split over every rank, generating text.
+
+On GPUs: a Qwen3-8B-shaped model (random bf16 weights, or a local checkpoint with --model PATH) over all
+GPUs generates --new-tokens tokens for a batch of prompts, once on weft's ops and once on the NCCL +
+cuBLAS tensor parallelism of the same weights (each decode step replayed from a CUDA graph in both), and
+prints prefill time, per-token decode latency and tokens/s side by side.
+
+On the cpu backend: a small model of the same architecture on 4 cpu ranks (Triton's interpreter), its
+greedy tokens and logits checked against transformers' Qwen3ForCausalLM on one process with the same
+weights (or, without transformers, against the same model on one rank: `weft demo` runs that first and
+passes its result with --reference).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
 import torch
+import torch.distributed as dist
 
 import weft
-from weft.testing.reference import all_gather_ref
+from weft.models import from_hf
+
+# Qwen3-8B's config.json, but for the weights (random here unless --model).
+QWEN3_8B = dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
+                rope_theta=1000000.0, tie_word_embeddings=False, hidden_act="silu")
+# The same architecture, small enough for the interpreter (heads and KV heads divide by 4 ranks).
+QWEN3_TINY = dict(QWEN3_8B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=16, vocab_size=512)
 
 
-def main() -> None:
-    weft.init()
+def parse(argv=None):
+    p = argparse.ArgumentParser(prog="weft demo", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="a local checkpoint directory (config.json, *.safetensors), not random weights")
+    p.add_argument("--batch", type=int, help="prompts (default 8 on GPUs, 2 on cpu)")
+    p.add_argument("--prompt-len", type=int, help="tokens per prompt (default 512 on GPUs, 8 on cpu)")
+    p.add_argument("--new-tokens", type=int, help="tokens to generate (default 128 on GPUs, 12 on cpu)")
+    p.add_argument("--layers", type=int, help="use only the first N layers (random weights)")
+    p.add_argument("--prompt", help="with --model and its tokenizer: this text, repeated --batch times, as the prompts")
+    p.add_argument("--reference", help=argparse.SUPPRESS)  # cpu, no transformers: the one-rank run's result
+    p.add_argument("--save", help=argparse.SUPPRESS)  # cpu: save this run's result there (the one-rank reference)
+    return p.parse_args(argv)
+
+
+def say(*lines) -> None:
+    if weft.rank() == 0:
+        print(*lines, sep="\n", flush=True)
+
+
+def slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64, device=weft.device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=weft.world().group)
+    return t.item()
+
+
+def timed_generate(model, prompts, new_tokens, label):
+    """generate() with a progress bar; returns (tokens, prefill seconds, decode seconds per token)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    sync = torch.cuda.synchronize if prompts.is_cuda else (lambda: None)
+    stamps = []
+
+    with Progress(TextColumn("  {task.description:12s}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  disable=weft.rank() != 0) as bar:
+        task = bar.add_task(label, total=new_tokens)
+
+        def on_token(i, tokens):
+            sync()  # every rank's step is done: the bar (and the clock) see finished tokens
+            stamps.append(time.perf_counter())
+            bar.advance(task)
+
+        weft.barrier()
+        start = time.perf_counter()
+        tokens = model.generate(prompts, new_tokens, callback=on_token)
+    prefill = slowest(stamps[0] - start)
+    decode = slowest((stamps[-1] - stamps[0]) / max(1, len(stamps) - 1))
+    return tokens, prefill, decode
+
+
+def gpu_demo(args) -> None:
     w = weft.world()
-    n = 1 << 10 if w.device.type == "cpu" else 1 << 20
-    x = torch.randn(n, 4, device=w.device) + w.rank
-    ref = torch.empty(w.world_size * n, 4, device=w.device)
-    all_gather_ref(ref, x, w.group)
-    sym_out = weft.empty(ref.shape, ref.dtype)
-    results = {
-        "pull into a plain tensor": weft.ops.all_gather(x, method="pull"),
-        "push into a symmetric tensor": weft.ops.all_gather(x, out=sym_out, method="push"),
-        "push, copied out": weft.ops.all_gather(x, method="push"),
-    }
-    ok = {name: torch.equal(out, ref) for name, out in results.items()}
-    weft.ops.device_barrier()
-    weft.barrier()
-    if w.rank == 0:
-        print(f"weft demo: all_gather of {tuple(x.shape)} {x.dtype} per rank on {w.world_size} ranks "
-              f"({w.backend} backend)")
-        for name, good in ok.items():
-            print(f"  {name:32s} {'bit-exact vs torch.distributed' if good else 'MISMATCH'}")
-    if not all(ok.values()):
-        raise SystemExit(f"rank {w.rank}: all_gather mismatch")
+    config = args.model or dict(QWEN3_8B, num_hidden_layers=args.layers or QWEN3_8B["num_hidden_layers"])
+    batch, prompt_len, new = args.batch or 8, args.prompt_len or 512, args.new_tokens or 128
+    say(f"weft demo: {'checkpoint ' + args.model if args.model else 'a Qwen3-8B-shaped model, random bf16 weights'}"
+        f" over {w.world_size} × {torch.cuda.get_device_name(w.device)}")
+    t0 = time.perf_counter()
+    model = from_hf(config, comm="weft")
+    baseline = model.with_comm("nccl")
+    cfg = model.config
+    say(f"  {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.heads} heads / {cfg.kv_heads} KV heads, "
+        f"vocab {cfg.vocab_size}; loaded in {time.perf_counter() - t0:.1f} s")
+    tokenizer = _tokenizer(args.model) if args.model and args.prompt else None
+    if tokenizer is not None:
+        prompts = tokenizer(args.prompt, return_tensors="pt").input_ids.repeat(batch, 1)
+    else:
+        prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
+    prompts = prompts.to(w.device)
+    say(f"  batch of {batch} prompts × {prompts.shape[1]} tokens, {new} new tokens each (greedy)", "")
+    results = {}
+    for label, m in (("weft", model), ("NCCL+cuBLAS", baseline)):
+        m.session(batch, prompts.shape[1] + new)  # capture the decode graph before the clock starts
+        m.generate(prompts, 2)  # warm-up: compiled kernels, cuBLAS, NCCL
+        results[label] = timed_generate(m, prompts, new, label)
+    rows = [("", "prefill", "decode / token", "decode tokens/s")]
+    for label, (_, prefill, decode) in results.items():
+        rows.append((label, f"{prefill * 1e3:.1f} ms", f"{decode * 1e3:.2f} ms", f"{batch / decode:,.0f}"))
+    (_, p_weft, d_weft), (_, p_base, d_base) = (r for r in results.values())
+    rows.append(("weft speed-up", f"{p_base / p_weft:.2f}×", f"{d_base / d_weft:.2f}×", ""))
+    say("", *(f"  {a:14s} {b:>12s} {c:>16s} {d:>16s}" for a, b, c, d in rows))
+    same = (results["weft"][0] == results["NCCL+cuBLAS"][0]).all(dim=1).sum().item()
+    say(f"  sequences with identical tokens on both: {same} of {batch} (bf16: the two reduce in different orders)")
+    if tokenizer is not None:
+        say("", f"  {args.prompt!r} →", "  " + repr(tokenizer.decode(results["weft"][0][0, prompts.shape[1]:])))
+
+
+def _tokenizer(path):
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - no tokenizer: random prompts instead
+        say(f"  (no tokenizer in {path}: {type(e).__name__}; random prompts instead)")
+        return None
+
+
+def cpu_demo(args) -> None:
+    from weft.models.weights import RandomWeights, hf_shapes
+
+    w = weft.world()
+    batch, prompt_len, new = args.batch or 2, args.prompt_len or 8, args.new_tokens or 12
+    config = dict(QWEN3_TINY, num_hidden_layers=args.layers or QWEN3_TINY["num_hidden_layers"])
+    say(f"weft demo: a small Qwen3-architecture decoder on {w.world_size} cpu ranks (Triton interpreter)")
+    t0 = time.perf_counter()
+    model = from_hf(config, comm="weft", seed=0, std=0.1)
+    weights = RandomWeights(hf_shapes(model.config), 0, torch.float32, w.device, std=0.1)
+    state = {name: weights[name] for name in weights.shapes}
+    prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
+    logits = model(prompts)
+    tokens, prefill, decode = timed_generate(model, prompts, new, "weft")
+    gloo = model.with_comm("nccl").generate(prompts, new)
+    say(f"  prefill {prefill:.2f} s, decode {decode:.2f} s per token (interpreted: correctness, not speed)")
+    if args.save:
+        torch.save({"tokens": tokens, "logits": logits}, args.save)
+        return
+    if args.reference:
+        ref = torch.load(args.reference)
+        ref_tokens, ref_logits, what = ref["tokens"], ref["logits"], "the same model on one rank"
+    else:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        hf = Qwen3ForCausalLM(Qwen3Config(**{k: v for k, v in config.items() if k != "model_type"})).eval()
+        hf.load_state_dict(state)
+        hf.generation_config.eos_token_id = None
+        with torch.no_grad():
+            ref_logits = hf(prompts).logits
+            ref_tokens = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new,
+                                     do_sample=False, eos_token_id=None, pad_token_id=0)
+        what = "transformers' Qwen3ForCausalLM on one process"
+    err = (logits - ref_logits).abs().max().item()
+    good = torch.equal(tokens, ref_tokens) and torch.equal(gloo, tokens) and err < 1e-3
+    say(f"  against {what}: logits max |difference| {err:.1e}, greedy tokens "
+        f"{'identical' if torch.equal(tokens, ref_tokens) else 'DIFFERENT'}; comm='nccl' (gloo) tokens "
+        f"{'identical' if torch.equal(gloo, tokens) else 'DIFFERENT'}", f"  ({time.perf_counter() - t0:.0f} s)")
+    for row in tokens[:, prompt_len:].tolist():
+        say(f"  new tokens: {row}")
+    if not good:
+        raise SystemExit(f"rank {w.rank}: the tensor-parallel model does not match {what}")
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    weft.init()
+    (gpu_demo if weft.device().type == "cuda" else cpu_demo)(args)
     weft.finalize()
 
 

@@ -9,7 +9,8 @@ import sys
 SUITES = {"allgather": "weft.bench.allgather", "matmul": "weft.bench.matmul", "gemm": "weft.bench.gemm",
           "allreduce": "weft.bench.allreduce", "reducescatter": "weft.bench.reducescatter",
           "overhead": "weft.bench.overhead", "attention": "weft.bench.attention",
-          "ulysses": "weft.bench.ulysses", "tpmlp": "weft.bench.tpmlp", "moe": "weft.bench.moe"}
+          "ulysses": "weft.bench.ulysses", "tpmlp": "weft.bench.tpmlp", "moe": "weft.bench.moe",
+          "e2e": "weft.bench.e2e"}
 # The symmetric heap per rank on GPUs unless WEFT_HEAP_SIZE is set: op workspaces are cached per size and
 # never freed, so a sweep to 512 MiB needs ~1 GiB of them per op (weft's default heap is 2 GiB).
 BENCH_HEAP_SIZE = "24GiB"
@@ -31,8 +32,8 @@ def main(argv=None) -> int:
     import weft
     from weft.bench.report import ALGBW, write
 
-    if weft.BACKEND == "cuda":
-        os.environ.setdefault("WEFT_HEAP_SIZE", BENCH_HEAP_SIZE)
+    if weft.BACKEND == "cuda":  # a suite that needs the memory for itself (model weights) asks for less heap
+        os.environ.setdefault("WEFT_HEAP_SIZE", getattr(suite, "HEAP_SIZE", BENCH_HEAP_SIZE))
         if hasattr(suite, "WORKSPACE_BYTES"):  # a suite whose messages need larger op workspaces
             os.environ.setdefault("WEFT_WORKSPACE_BYTES", suite.WORKSPACE_BYTES)
     weft.init()

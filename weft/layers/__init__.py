@@ -1,5 +1,10 @@
 """torch.nn.Module layers built on weft's ops (tensor, sequence and context parallelism)."""
 from .attention import SPDecodeAttention, UlyssesAttention
+from .comm import Comm, NcclComm, WeftComm, make_comm
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .transformer import (ParallelLMHead, Positions, RMSNorm, RotaryEmbedding, TensorParallelAttention,
+                          TensorParallelMLP, VocabParallelEmbedding)
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "UlyssesAttention", "SPDecodeAttention"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "UlyssesAttention", "SPDecodeAttention", "RMSNorm",
+           "RotaryEmbedding", "VocabParallelEmbedding", "ParallelLMHead", "TensorParallelAttention",
+           "TensorParallelMLP", "Positions", "Comm", "WeftComm", "NcclComm", "make_comm"]

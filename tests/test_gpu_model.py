@@ -1,0 +1,94 @@
+"""GPU checks of the tensor-parallel decoder (weft.models), on every rank:
+`weft run -n N -m pytest tests/test_gpu_model.py -m gpu` (scripts/gpu_suite.sh, part e2e).
+
+A Qwen3-8B-shaped model cut to 2 layers, random bf16 weights, against transformers' Qwen3ForCausalLM with
+the same weights on one GPU (every rank runs it on its own):
+- the full forward's logits, on weft's ops and on NCCL + cuBLAS, for prompts long enough for the
+  overlapped GEMMs (ag_gemm / gemm_rs) and not a multiple of every world size;
+- prefill into the KV cache then decode steps, against transformers' full forward at those positions;
+- decode replayed from the CUDA graph against eager decode, and generate() with graphs (batch 3 in the
+  bucket of 4) against generate() without.
+"""
+import pytest
+import torch
+
+import weft
+from weft.models import DecodeSession, from_hf
+
+pytestmark = pytest.mark.gpu
+
+QWEN3_8B_2_LAYERS = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=2, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
+                         rope_theta=1000000.0, tie_word_embeddings=False)
+TOL = 3e-2  # relative error of bf16 logits: the two sum their GEMMs' partial products in different orders
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world():
+    weft.init()
+    yield weft.world()
+
+
+@pytest.fixture(scope="module")
+def reference(world):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)  # the same weights on every rank
+    with torch.device(world.device):
+        model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_8B_2_LAYERS)).to(torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(reference):
+    model = from_hf(reference.config, state_dict=reference.state_dict())
+    return {"weft": model, "nccl": model.with_comm("nccl")}
+
+
+def _rel(got, want) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def _ids(batch, seq, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, QWEN3_8B_2_LAYERS["vocab_size"], (batch, seq), generator=g).to(weft.device())
+
+
+@pytest.mark.parametrize("comm", ["weft", "nccl"])
+def test_forward_matches_transformers(reference, models, comm):
+    ids = _ids(2, 601, 1)  # 1202 tokens: overlapped GEMMs; padded to a multiple of 4 and 8 ranks
+    with torch.no_grad():
+        want = reference(ids).logits
+    got = models[comm](ids)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert _rel(got, want) < TOL, _rel(got, want)
+
+
+@pytest.mark.parametrize("comm", ["weft", "nccl"])
+def test_prefill_and_graph_decode_match_transformers(reference, models, comm):
+    model = models[comm]
+    seqs = _ids(2, 604, 2)
+    with torch.no_grad():
+        want = reference(seqs).logits
+    caches = [model.new_cache(2, 640) for _ in range(2)]
+    graphed = DecodeSession(model, caches[0])  # captured before its cache is filled (its warm-up writes position 0)
+    for cache in caches:
+        got = model.prefill(seqs[:, :600], cache)
+        assert _rel(got, want[:, 599]) < TOL, ("prefill", _rel(got, want[:, 599]))
+    for j in range(4):
+        eager = model.decode(seqs[:, 600 + j], torch.full((2,), 600 + j, device=weft.device()), caches[1])
+        replayed = graphed.step(seqs[:, 600 + j], 600 + j)
+        assert _rel(replayed, want[:, 600 + j]) < TOL, (j, _rel(replayed, want[:, 600 + j]))
+        assert _rel(replayed, eager) < 1e-3, (j, _rel(replayed, eager))
+
+
+def test_generate_with_graphs_equals_eager(models):
+    prompts = _ids(3, 40, 3)  # batch 3 runs in the bucket of 4, with graphs and without
+    with_graphs = models["weft"].generate(prompts, 16)
+    assert models["weft"].sessions.keys() >= {(4, True)}
+    assert torch.equal(with_graphs, models["weft"].generate(prompts, 16, cuda_graph=False))  # the same kernels
+    sampled = models["weft"].generate(prompts, 8, do_sample=True, top_k=50, seed=1)
+    everyone = [torch.empty_like(sampled) for _ in range(weft.world_size())]
+    torch.distributed.all_gather(everyone, sampled, group=weft.world().group)
+    assert all(torch.equal(t, sampled) for t in everyone), "ranks sampled different tokens"

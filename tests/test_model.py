@@ -1,0 +1,155 @@
+"""The tensor-parallel decoder (weft.models) on cpu ranks against transformers' own LlamaForCausalLM /
+Qwen3ForCausalLM on one process, with the same tiny random weights (fp32):
+
+- the full forward's logits at every position (prompt lengths that leave the sequence-parallel rows
+  ragged: 14 tokens on 3 and 4 ranks);
+- prefill, then 5 decode steps from the KV cache, two sequences of different lengths in one cache;
+- greedy generation token for token (and with an eos token, padded after it as transformers does);
+- sampled generation: the same tokens on every rank, and again for the same seed;
+- comm="weft" (weft's ops under the interpreter) and comm="nccl" (gloo here), Llama-3 rope scaling,
+  tied embeddings, a vocabulary that does not divide by the world size;
+- the refusals: heads or KV heads that do not divide by the world size, configs this decoder lacks, bad ids.
+"""
+import pytest
+
+from weft.testing import run_ranks
+
+ENV = {"WEFT_WAIT_TIMEOUT_S": "60"}
+TIMEOUT = 300
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+
+
+def _hf_model(kind, heads, kv_heads, vocab, tie=False, rope=None, layers=2):
+    """A tiny transformers model with random weights: normal(0, 0.1) matrices, norms normal(1, 0.1) (so that
+    every weight matters), the same on every rank."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[kind]
+    config = config_cls(hidden_size=64, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16,
+                        intermediate_size=96, num_hidden_layers=layers, vocab_size=vocab, tie_word_embeddings=tie,
+                        rms_norm_eps=1e-6, **({"rope_parameters": rope} if rope else {}))
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.1) if p.dim() == 2 else p.normal_(1.0, 0.1)
+    model.generation_config.eos_token_id = None  # generate max_new_tokens, as weft does without eos_token_id
+    return model
+
+
+def _close(got, want, what):
+    import torch
+
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda s: f"{what}: {s}")
+
+
+def _matches_transformers(kind, heads, kv_heads, vocab, tie, rope, comm, extras):
+    import torch
+
+    import weft
+    from weft.models import KVCache, from_hf
+    from weft.testing.checks import rejects
+
+    if weft.world_size() == 3:  # shapes that do not divide by the world size are refused
+        rejects(lambda: from_hf(_hf_model("qwen3", 4, 2, vocab).config), ValueError, "heads = 4 is not divisible", [])
+        rejects(lambda: from_hf(_hf_model("qwen3", 6, 2, vocab).config), ValueError, "kv_heads = 2 is not divisible",
+                [])
+    ref = _hf_model(kind, heads, kv_heads, vocab, tie, rope)
+    model = from_hf(ref.config, state_dict=ref.state_dict(), comm=comm)
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, vocab, (2, 7), generator=g)
+    with torch.no_grad():
+        _close(model(prompts), ref(prompts).logits, "forward")
+
+        # Prefill a 7-token and a 4-token prompt into rows 0 and 1 of one cache, then 5 decode steps of both.
+        cont = torch.randint(0, vocab, (2, 5), generator=g)
+        seqs = [torch.cat([prompts[0], cont[0]]), torch.cat([prompts[1, :4], cont[1]])]
+        want = [ref(s[None]).logits[0] for s in seqs]
+        cache = model.new_cache(2, 16)
+        for row, n in ((0, 7), (1, 4)):
+            got = model.prefill(seqs[row][None, :n], KVCache(cache.data[:, :, row:row + 1]))
+            _close(got[0], want[row][n - 1], f"prefill of row {row}")
+        for j in range(5):
+            got = model.decode(cont[:, j], torch.tensor([7 + j, 4 + j]), cache)
+            _close(got, torch.stack([want[0][7 + j], want[1][4 + j]]), f"decode step {j}")
+
+        greedy = model.generate(prompts, 6)
+        mask = torch.ones_like(prompts)
+        assert greedy.tolist() == ref.generate(prompts, attention_mask=mask, max_new_tokens=6, do_sample=False).tolist()
+    if not extras:  # the interpreter is slow: eos and sampling on the fast comm only
+        return greedy.tolist()
+    eos = int(greedy[0, 9])  # row 0's third new token: that row stops there
+    stopped = model.generate(prompts, 6, eos_token_id=eos, pad_token_id=0)
+    with torch.no_grad():
+        assert stopped.tolist() == ref.generate(prompts, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                                eos_token_id=eos, pad_token_id=0).tolist()
+    sampled = model.generate(prompts, 4, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=3)
+    again = model.generate(prompts, 4, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=3)
+    assert sampled.tolist() == again.tolist() and sampled.shape == (2, 11)
+    assert torch.equal(sampled[:, :7], prompts)
+    return greedy.tolist(), sampled.tolist()
+
+
+@pytest.mark.parametrize("kind, heads, kv_heads, vocab, tie, rope, comm, world_size", [
+    ("llama", 4, 2, 96, False, None, "weft", 2),
+    ("qwen3", 6, 3, 96, False, None, "weft", 3),
+    ("qwen3", 8, 4, 98, True, None, "weft", 4),   # tied embeddings; 98 = 4 x 24.5: the last vocab slice padded
+    ("llama", 4, 2, 96, True, LLAMA3_ROPE, "nccl", 2),
+])
+def test_logits_and_generation_match_transformers(kind, heads, kv_heads, vocab, tie, rope, comm, world_size):
+    results = run_ranks(_matches_transformers, world_size, kind, heads, kv_heads, vocab, tie, rope, comm,
+                        comm == "nccl", timeout=TIMEOUT, env=ENV)
+    assert all(r == results[0] for r in results), "ranks generated different tokens"
+
+
+def _checkpoint_and_comms(path):
+    """A checkpoint directory loads (safetensors, each rank slicing the full tensors); the same weights on weft's
+    ops and on the process group's collectives give the same logits; the twin shares the weights; bad input
+    ids are refused before anything runs."""
+    import torch
+
+    from weft.models import from_hf
+    from weft.testing.checks import rejects
+
+    ref = _hf_model("qwen3", 4, 2, 96)
+    prompts = torch.randint(0, 96, (3, 5), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        _close(from_hf(path)(prompts), ref(prompts).logits, "from a checkpoint directory")
+    model = from_hf(ref.config, seed=5)  # seeded random weights, the same on every rank
+    twin = model.with_comm("nccl")
+    assert twin.comm.name == "nccl" and model.comm.name == "weft"
+    assert all(a is b for a, b in zip(model.parameters(), twin.parameters()))
+    _close(model(prompts), twin(prompts), "weft vs nccl")
+    assert model.generate(prompts, 3).tolist() == twin.generate(prompts, 3).tolist()
+    rejects(lambda: model(torch.tensor([[1, 96]])), ValueError, "input_ids must lie in [0, 96)", [])
+    rejects(lambda: model(torch.tensor([1, 2])), ValueError, "input_ids must be (batch, seq)", [])
+    rejects(lambda: model(torch.tensor([[1.0]])), TypeError, "input_ids has dtype", [])
+    rejects(lambda: model.generate(prompts, -1), ValueError, "max_new_tokens", [])
+    rejects(lambda: model.with_comm("mpi"), ValueError, "comm must be one of", [])
+    return True
+
+
+def test_checkpoint_comms_and_bad_input(tmp_path):
+    _hf_model("qwen3", 4, 2, 96).save_pretrained(tmp_path)  # config.json and model.safetensors
+    run_ranks(_checkpoint_and_comms, 2, str(tmp_path), timeout=TIMEOUT, env=ENV)
+
+
+def test_configs_the_decoder_lacks_are_refused():
+    from transformers import LlamaConfig, MistralConfig
+
+    from weft.models import ModelConfig
+    from weft.testing.checks import rejects
+
+    base = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                num_hidden_layers=1, vocab_size=96)
+    rejects(lambda: ModelConfig.from_hf(MistralConfig(**base)), ValueError, "model_type 'mistral'", [])
+    rejects(lambda: ModelConfig.from_hf(LlamaConfig(attention_bias=True, **base)), ValueError, "attention_bias", [])
+    rejects(lambda: ModelConfig.from_hf(LlamaConfig(hidden_act="gelu", **base)), ValueError, "hidden_act", [])
+    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 32}
+    rejects(lambda: ModelConfig.from_hf(LlamaConfig(rope_parameters=yarn, **base)), ValueError, "rope type 'yarn'", [])
+    # transformers 5 keeps rope θ in rope_parameters, config.json files of older ones in rope_theta / rope_scaling.
+    cfg = ModelConfig.from_hf(dict(model_type="llama", rope_theta=5e5, rope_scaling=LLAMA3_ROPE, **base))
+    assert cfg.rope_theta == 5e5 and cfg.rope_scaling["factor"] == 8.0 and cfg.head_dim == 16 and not cfg.qk_norm
+    assert ModelConfig.from_hf(LlamaConfig(rope_theta=123.0, **base)).rope_theta == 123.0

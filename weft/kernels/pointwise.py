@@ -1,0 +1,260 @@
+"""The pointwise work of a decoder layer, fused: one kernel each where torch runs five to twenty.
+
+- rms_norm(x, weight, eps, residual): the residual add and the RMSNorm after it (transformers' order of
+  roundings: the sum rounded to x's dtype, the norm in fp32, rounded before the weight multiplies it);
+- silu_mul(h): silu(gate) * up of the fused gate/up projection's output [gate | up];
+- qk_norm_rope(qkv, ...): from the fused QKV projection's output, per token: q and k heads RMS-normed over
+  head_dim (Qwen3), rotated by the rotary embedding of the token's position (cos and sin rounded to the
+  dtype as transformers does), q written out, k and v written straight into their KV-cache slots.
+
+A decode step of a Qwen3-8B-shaped layer is ~50 kernels of a few µs in torch; with these, 10 (its GEMMs,
+attention and collectives included). The kernels are memory-bound and simple: a program handles BLOCK_R
+rows (tokens); on GPUs one, under the interpreter (cpu) many, since the interpreter's cost is per operation,
+not per element.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .blocks import cast
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Columns per program of silu_mul on GPUs.
+SILU_BLOCK = 1024
+# Rows (tokens) per program under the interpreter.
+CPU_ROWS = 16
+
+
+# -- kernels --------------------------------------------------------------------
+
+@triton.jit
+def rms_norm_kernel(x, residual, weight, out, res_out, rows, cols, eps, HAS_RESIDUAL: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out = weight * norm(s), s = x (+ residual, rounded; written to res_out), rows [pid BLOCK_R, +BLOCK_R)."""
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None].to(tl.int64)
+    c = tl.arange(0, BLOCK_C)[None, :]
+    mask = (r < rows) & (c < cols)
+    s = tl.load(x + r * cols + c, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        s = cast(s.to(tl.float32) + tl.load(residual + r * cols + c, mask=mask, other=0.0).to(tl.float32),
+                 out.dtype.element_ty)
+        tl.store(res_out + r * cols + c, s, mask=mask)
+    h = s.to(tl.float32)
+    h = h * tl.rsqrt(tl.sum(h * h, axis=1) / cols + eps)[:, None]
+    w = tl.load(weight + c, mask=c < cols, other=0.0)
+    y = cast(cast(h, out.dtype.element_ty).to(tl.float32) * w.to(tl.float32), out.dtype.element_ty)
+    tl.store(out + r * cols + c, y, mask=mask)
+
+
+@triton.jit
+def silu_mul_kernel(h, out, rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out[r, c] = silu(h[r, c]) * h[r, cols + c] (each rounded as torch rounds F.silu(gate) * up)."""
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None].to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    mask = (r < rows) & (c < cols)
+    gate = tl.load(h + r * 2 * cols + c, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h + r * 2 * cols + cols + c, mask=mask, other=0.0).to(tl.float32)
+    act = cast(gate / (1.0 + tl.exp(-gate)), out.dtype.element_ty).to(tl.float32)
+    tl.store(out + r * cols + c, cast(act * up, out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_heads(x1, x2, weight, eps, d_mask, HALF: tl.constexpr, HALF_P: tl.constexpr):
+    """RMSNorm over head_dim of heads given as halves x1, x2 [R, H, HALF_P] (fp32), weight (head_dim,):
+    transformers' roundings (normed, rounded, times the weight, rounded)."""
+    j = tl.arange(0, HALF_P)[None, None, :]
+    rs = tl.rsqrt((tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) / (2 * HALF) + eps)[:, :, None]
+    w1 = tl.load(weight + j, mask=d_mask, other=0.0).to(tl.float32)
+    w2 = tl.load(weight + HALF + j, mask=d_mask, other=0.0).to(tl.float32)
+    dt = weight.dtype.element_ty
+    return (cast(cast(x1 * rs, dt).to(tl.float32) * w1, dt).to(tl.float32),
+            cast(cast(x2 * rs, dt).to(tl.float32) * w2, dt).to(tl.float32))
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin, dt: tl.constexpr):
+    """rotate_half form: (x1 cos - x2 sin, x2 cos + x1 sin), each product and sum rounded to dt as in torch."""
+    y1 = cast(x1 * cos, dt).to(tl.float32) - cast(x2 * sin, dt).to(tl.float32)
+    y2 = cast(x2 * cos, dt).to(tl.float32) + cast(x1 * sin, dt).to(tl.float32)
+    return cast(y1, dt), cast(y2, dt)
+
+
+@triton.jit
+def qk_norm_rope_kernel(qkv, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, tokens, qkv_stride,
+                        dst_sb, dst_sp, dst_sh, eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                        HALF: tl.constexpr, HEADS_P: tl.constexpr, KV_P: tl.constexpr, HALF_P: tl.constexpr,
+                        NORM: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Tokens [pid BLOCK_R, +BLOCK_R) of qkv (tokens, (HEADS + 2 KV_HEADS) 2 HALF): q heads normed (NORM) and
+    rotated into q_out (tokens, HEADS, 2 HALF); k heads likewise and v heads as they are into
+    k_dst / v_dst[rows[t], positions[t]] (strides dst_sb, dst_sp, dst_sh; head_dim contiguous)."""
+    t = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None, None]
+    j = tl.arange(0, HALF_P)[None, None, :]
+    t_mask = t < tokens
+    d_mask = j < HALF
+    pos = tl.load(positions + t, mask=t_mask, other=0)
+    angle = pos.to(tl.float32) * tl.load(inv_freq + j, mask=d_mask, other=0.0)
+    dt = q_out.dtype.element_ty
+    cos = cast(tl.cos(angle), dt).to(tl.float32)
+    sin = cast(tl.sin(angle), dt).to(tl.float32)
+    src = qkv + t.to(tl.int64) * qkv_stride
+    # q heads
+    h = tl.arange(0, HEADS_P)[None, :, None]
+    mask = t_mask & (h < HEADS) & d_mask
+    x1 = tl.load(src + h * 2 * HALF + j, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + h * 2 * HALF + HALF + j, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        x1, x2 = _rms_heads(x1, x2, q_weight, eps, d_mask, HALF, HALF_P)
+    y1, y2 = _rotate(x1, x2, cos, sin, dt)
+    dst = q_out + (t.to(tl.int64) * HEADS + h) * 2 * HALF + j
+    tl.store(dst, y1, mask=mask)
+    tl.store(dst + HALF, y2, mask=mask)
+    # k and v heads, into their cache slots
+    h = tl.arange(0, KV_P)[None, :, None]
+    mask = t_mask & (h < KV_HEADS) & d_mask
+    slot = tl.load(rows + t, mask=t_mask, other=0) * dst_sb + pos * dst_sp + h * dst_sh + j
+    k_src = src + (HEADS + h) * 2 * HALF + j
+    x1 = tl.load(k_src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(k_src + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        x1, x2 = _rms_heads(x1, x2, k_weight, eps, d_mask, HALF, HALF_P)
+    y1, y2 = _rotate(x1, x2, cos, sin, dt)
+    tl.store(k_dst + slot, y1, mask=mask)
+    tl.store(k_dst + slot + HALF, y2, mask=mask)
+    v_src = src + (HEADS + KV_HEADS + h) * 2 * HALF + j
+    tl.store(v_dst + slot, tl.load(v_src, mask=mask), mask=mask)
+    tl.store(v_dst + slot + HALF, tl.load(v_src + HALF, mask=mask), mask=mask)
+
+
+# -- host side ------------------------------------------------------------------
+
+def _check(name: str, t, dtype=None, dims=None) -> None:
+    """TypeError/ValueError naming `name` unless t is a tensor of `dtype` (default: one of DTYPES) and `dims`."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    allowed = DTYPES if dtype is None else (dtype,)
+    if t.dtype not in allowed:
+        raise TypeError(f"{name} has dtype {t.dtype}, expected {' or '.join(str(d) for d in allowed)}")
+    if dims is not None and t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
+
+
+def _rows_per_program(rows: int, device: torch.device) -> int:
+    return 1 if device.type == "cuda" else min(CPU_ROWS, triton.next_power_of_2(max(rows, 1)))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """weight * x / sqrt(mean(x²) + eps) over the last dimension (transformers' LlamaRMSNorm). With `residual`
+    (x's shape and dtype): s = x + residual first, and returns (norm(s), s), as a pre-norm block's residual
+    stream needs them."""
+    _check("x", x)
+    _check("weight", weight, x.dtype, 1)
+    if weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight has {weight.shape[0]} elements, x's rows {x.shape[-1]}")
+    if residual is not None:
+        _check("residual", residual, x.dtype)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual has shape {tuple(residual.shape)}, x {tuple(x.shape)}")
+    cols = x.shape[-1]
+    rows = x.numel() // max(cols, 1)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else out
+    if x.numel():
+        block_r = _rows_per_program(rows, x.device)
+        block_c = triton.next_power_of_2(cols)
+        rms_norm_kernel[(triton.cdiv(rows, block_r),)](
+            x, x if residual is None else residual.contiguous(), weight, out, res_out, rows, cols, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_C=block_c,
+            num_warps=4 if block_c <= 2048 else 8)
+    return out if residual is None else (out, res_out)
+
+
+def silu_mul(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of h (..., 2 n) = [gate | up]: (..., n)."""
+    _check("h", h)
+    if h.shape[-1] % 2:
+        raise ValueError(f"h's last dimension ({h.shape[-1]}) must be even: [gate | up]")
+    cols = h.shape[-1] // 2
+    rows = h.numel() // max(2 * cols, 1)
+    h = h.contiguous()
+    out = torch.empty((*h.shape[:-1], cols), dtype=h.dtype, device=h.device)
+    if out.numel():
+        block_r = _rows_per_program(rows, h.device)
+        block_c = SILU_BLOCK if h.device.type == "cuda" else triton.next_power_of_2(cols)
+        silu_mul_kernel[(triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))](
+            h, out, rows, cols, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    return out
+
+
+def qk_norm_rope(qkv: torch.Tensor, tokens: int, heads: int, kv_heads: int, inv_freq: torch.Tensor,
+                 rows: torch.Tensor, positions: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor,
+                 q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                 eps: float = 1e-6) -> torch.Tensor:
+    """The first `tokens` rows of qkv (rows, (heads + 2 kv_heads) head_dim), columns [q | k | v]: returns q
+    (tokens, heads, head_dim), normed by q_weight (if given) and rotated; k (normed by k_weight) and rotated,
+    and v as it is, go to k_dst / v_dst[rows[t], positions[t]] ((sequences, positions, kv_heads, head_dim),
+    head_dim contiguous). Rotation of token t: angles positions[t] * inv_freq (head_dim / 2 fp32), rotate_half
+    form. rows, positions: (tokens,) int64 (not checked against k_dst's size: that would need a host sync)."""
+    _check("qkv", qkv, dims=2)
+    _check("inv_freq", inv_freq, torch.float32, 1)
+    for name, t in (("rows", rows), ("positions", positions)):
+        _check(name, t, torch.int64, 1)
+        if t.shape[0] != tokens:
+            raise ValueError(f"{name} has {t.shape[0]} entries, expected tokens = {tokens}")
+    half = inv_freq.shape[0]
+    if qkv.shape[1] != (heads + 2 * kv_heads) * 2 * half or qkv.stride(1) != 1 or not 0 <= tokens <= qkv.shape[0]:
+        raise ValueError(f"qkv must be (>= {tokens}, (heads + 2 kv_heads) head_dim = "
+                         f"{(heads + 2 * kv_heads) * 2 * half}) with contiguous rows, got {tuple(qkv.shape)}, "
+                         f"strides {qkv.stride()}")
+    for name, t in (("k_dst", k_dst), ("v_dst", v_dst)):
+        _check(name, t, qkv.dtype, 4)
+        if t.shape[2:] != (kv_heads, 2 * half) or t.stride(3) != 1:
+            raise ValueError(f"{name} must be (sequences, positions, {kv_heads}, {2 * half}) with head_dim contiguous, "
+                             f"got {tuple(t.shape)}")
+    if k_dst.stride() != v_dst.stride():
+        raise ValueError(f"k_dst and v_dst must have the same strides, got {k_dst.stride()} and {v_dst.stride()}")
+    for name, t in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if t is not None:
+            _check(name, t, qkv.dtype, 1)
+            if t.shape[0] != 2 * half:
+                raise ValueError(f"{name} has {t.shape[0]} elements, head_dim is {2 * half}")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("give both q_weight and k_weight, or neither")
+    q = torch.empty((tokens, heads, 2 * half), dtype=qkv.dtype, device=qkv.device)
+    if tokens:
+        block_r = _rows_per_program(tokens, qkv.device)
+        norm = q_weight is not None
+        qkv_norm_w = (q_weight, k_weight) if norm else (inv_freq, inv_freq)  # not read without NORM
+        qk_norm_rope_kernel[(triton.cdiv(tokens, block_r),)](
+            qkv, q, k_dst, v_dst, rows, positions, inv_freq, *qkv_norm_w, tokens, qkv.stride(0), *k_dst.stride()[:3],
+            eps, HEADS=heads, KV_HEADS=kv_heads, HALF=half, HEADS_P=triton.next_power_of_2(heads),
+            KV_P=triton.next_power_of_2(kv_heads), HALF_P=triton.next_power_of_2(half), NORM=norm, BLOCK_R=block_r,
+            num_warps=4)
+    return q
+
+
+def _compile_cases():
+    out = []
+    for t in ("*bf16", "*fp32"):
+        out.append((rms_norm_kernel, dict(x=t, residual=t, weight=t, out=t, res_out=t, rows="i32", cols="i32",
+                                          eps="fp32"), dict(HAS_RESIDUAL=True, BLOCK_R=1, BLOCK_C=8192),
+                    dict(num_warps=8)))
+        out.append((rms_norm_kernel, dict(x=t, residual=t, weight=t, out=t, res_out=t, rows="i32", cols="i32",
+                                          eps="fp32"), dict(HAS_RESIDUAL=False, BLOCK_R=1, BLOCK_C=128)))
+        out.append((silu_mul_kernel, dict(h=t, out=t, rows="i32", cols="i32"), dict(BLOCK_R=1, BLOCK_C=SILU_BLOCK)))
+        for heads, kv, half, norm in ((16, 4, 64, True), (64, 8, 64, True), (3, 1, 40, False)):
+            out.append((qk_norm_rope_kernel,
+                        dict(qkv=t, q_out=t, k_dst=t, v_dst=t, rows="*i64", positions="*i64", inv_freq="*fp32",
+                             q_weight=t, k_weight=t, tokens="i32", qkv_stride="i32", dst_sb="i64", dst_sp="i64",
+                             dst_sh="i64", eps="fp32"),
+                        dict(HEADS=heads, KV_HEADS=kv, HALF=half, HEADS_P=triton.next_power_of_2(heads),
+                             KV_P=triton.next_power_of_2(kv), HALF_P=triton.next_power_of_2(half), NORM=norm,
+                             BLOCK_R=1)))
+    return out
+
+
+# Signatures for the compile check (weft.testing.compile): Qwen3-8B at 2 ranks and Qwen3-32B at 1 (with q/k norm),
+# an odd head_dim without; bf16 and fp32.
+COMPILE_CASES = _compile_cases()

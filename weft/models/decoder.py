@@ -1,0 +1,370 @@
+"""A dense decoder of the Llama-3 / Qwen3 family, tensor-parallel over every rank, end to end on weft's ops.
+
+    model = weft.models.from_hf("Qwen/Qwen3-8B-local-dir")          # or a transformers config: random weights
+    logits = model(input_ids)                                         # (batch, seq, vocab): a full forward
+    tokens = model.generate(input_ids, max_new_tokens=128)            # prompt + new tokens, greedy
+    baseline = model.with_comm("nccl")                                # the same weights on NCCL + cuBLAS
+
+Every rank runs the same program on the same input ids and gets the same logits and tokens.
+
+Prefill (and the full forward) keeps the residual stream sequence-parallel: the batch's tokens, flattened
+and padded to a multiple of the world size W, are split by rows over the ranks; each block's QKV and
+gate/up projections gather the rows under their GEMM (weft.ops.ag_gemm) and the output and down
+projections reduce-scatter theirs (weft.ops.gemm_rs); attention is torch's causal
+scaled_dot_product_attention on each rank's heads. Decode (one new token per sequence) is plain tensor
+parallelism: every rank holds every token; the row projections all-reduce fused with their GEMM
+(weft.ops.gemm_ar), attention runs over the KV cache with weft.ops.flash_decode. The embedding and LM head
+split the vocabulary (weft/layers/transformer.py has the layers, weft/layers/comm.py the "weft" and
+"nccl" communication).
+
+generate(): prefill into a KV cache, then one decode step per token. Decode steps run in a DecodeSession:
+the cache and static input buffers of a batch-size bucket (powers of two), its step captured once in a
+CUDA graph and replayed (GPUs); sessions are kept per bucket and reused while their cache is long
+enough. Sampling (greedy, or temperature / top-k / top-p with a seeded generator, the same seed on every
+rank) runs outside the graph on the gathered logits, which are the same bits on every rank, so the ranks
+pick the same tokens.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import weft
+from weft.layers.comm import Comm, make_comm
+from weft.layers.transformer import (ParallelLMHead, Positions, RMSNorm, RotaryEmbedding, TensorParallelAttention,
+                                     TensorParallelMLP, VocabParallelEmbedding)
+
+from .weights import CheckpointWeights, RandomWeights, StateDictWeights, hf_shapes, read_config
+
+# KV cache capacity is rounded up to a multiple of this, so that a session serves prompts of nearby lengths.
+CACHE_ROUND = 128
+
+
+def _hf(config, name: str, default=None):
+    return config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the decoder needs of a Hugging Face config (LlamaConfig, Qwen3Config, or their config.json)."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # Llama-3's frequency scaling, or None
+    tie_word_embeddings: bool
+    qk_norm: bool  # Qwen3's RMSNorm of q and k over head_dim
+
+    @classmethod
+    def from_hf(cls, config) -> "ModelConfig":
+        """From a transformers config object or a config.json dict; ValueError for what this decoder lacks."""
+        kind = _hf(config, "model_type")
+        if kind not in ("llama", "qwen3"):
+            raise ValueError(f"model_type {kind!r} is not supported: 'llama' and 'qwen3' are")
+        for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
+            if _hf(config, flag, False):
+                raise ValueError(f"config.{flag} is set: not supported")
+        if _hf(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {_hf(config, 'hidden_act')!r} is not supported: 'silu' is")
+        heads = _hf(config, "num_attention_heads")
+        # transformers >= 5 keeps rope θ and scaling in rope_parameters; older configs in rope_theta, rope_scaling.
+        rope = _hf(config, "rope_parameters") or {}
+        theta = rope.get("rope_theta", _hf(config, "rope_theta", 10000.0))
+        scaling = rope if rope.get("rope_type", "default") != "default" else _hf(config, "rope_scaling")
+        kind_of_rope = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if kind_of_rope not in ("default", "llama3"):
+            raise ValueError(f"rope type {kind_of_rope!r} is not supported: 'default' and 'llama3' are")
+        if rope.get("partial_rotary_factor", _hf(config, "partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError("partial_rotary_factor other than 1 is not supported")
+        hidden = _hf(config, "hidden_size")
+        return cls(vocab_size=_hf(config, "vocab_size"), hidden_size=hidden,
+                   intermediate_size=_hf(config, "intermediate_size"), num_layers=_hf(config, "num_hidden_layers"),
+                   heads=heads, kv_heads=_hf(config, "num_key_value_heads") or heads,
+                   head_dim=_hf(config, "head_dim") or hidden // heads, rms_norm_eps=_hf(config, "rms_norm_eps", 1e-6),
+                   rope_theta=float(theta), rope_scaling=dict(scaling) if kind_of_rope == "llama3" else None,
+                   tie_word_embeddings=bool(_hf(config, "tie_word_embeddings", False)), qk_norm=kind == "qwen3")
+
+
+class KVCache:
+    """Keys and values of up to `batch` sequences of up to `max_len` positions, every layer, this rank's KV
+    heads: one tensor (layers, 2, batch, max_len, kv_heads / W, head_dim); layer i's (k, v) are views in
+    flash_decode's contiguous layout. A KVCache of a view of another's data (e.g. some of its rows) writes
+    into that one's memory."""
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+
+    @property
+    def batch(self) -> int:
+        return self.data.shape[2]
+
+    @property
+    def max_len(self) -> int:
+        return self.data.shape[3]
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[i, 0], self.data[i, 1]
+
+
+class Block(nn.Module):
+    """One decoder layer, pre-norm: h = x + attention(norm(x)), then h + mlp(norm(h)). The residual stream is
+    carried as (x, residual) with the adds fused into the next norm: block(x, residual) returns the MLP's
+    output and the stream before it (residual None at the first layer: x is the stream)."""
+
+    def __init__(self, attn_norm: RMSNorm, attn: TensorParallelAttention, mlp_norm: RMSNorm, mlp: TensorParallelMLP):
+        super().__init__()
+        self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
+
+    def _norm(self, x, residual):
+        return (self.attn_norm(x), x) if residual is None else self.attn_norm(x, residual)
+
+    def forward(self, x, residual, pos, kv=None):
+        """Prefill, sequence-parallel (this rank's rows)."""
+        x, residual = self._norm(x, residual)
+        x, residual = self.mlp_norm(self.attn(x, pos, kv), residual)
+        return self.mlp(x), residual
+
+    def decode(self, x, residual, pos, kv):
+        """One token per sequence, every token on every rank."""
+        x, residual = self._norm(x, residual)
+        x, residual = self.mlp_norm(self.attn.decode(x, pos, kv), residual)
+        return self.mlp(x, sequence_parallel=False), residual
+
+
+class Transformer(nn.Module):
+    """The decoder on this rank (see the module doc). Made by from_hf."""
+
+    def __init__(self, config: ModelConfig, embed: VocabParallelEmbedding, blocks: list[Block], norm: RMSNorm,
+                 lm_head: ParallelLMHead, rope: RotaryEmbedding, comm: Comm):
+        super().__init__()
+        self.config, self.comm = config, comm
+        self.embed, self.blocks, self.norm, self.lm_head, self.rope = embed, nn.ModuleList(blocks), norm, lm_head, rope
+        self.world_size = embed.world_size
+        self.dtype, self.device = norm.weight.dtype, norm.weight.device
+        self.sessions: dict[tuple[int, bool], DecodeSession] = {}
+
+    def with_comm(self, comm) -> "Transformer":
+        """This model with another communication ("weft" or "nccl"), sharing its weights (no copy)."""
+        comm = make_comm(comm)
+        shared = {id(t): t for t in (*self.parameters(), *self.buffers())}
+        shared[id(self.sessions)] = {}  # the twin captures its own decode graphs
+        twin = copy.deepcopy(self, memo=shared)
+        for m in twin.modules():
+            if isinstance(getattr(m, "comm", None), Comm):
+                m.comm = comm
+        return twin
+
+    def _ids(self, input_ids) -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        if input_ids.dim() != 2 or input_ids.numel() == 0:
+            raise ValueError(f"input_ids must be (batch, seq) with batch, seq >= 1, got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input_ids has dtype {input_ids.dtype}, expected torch.int64 or torch.int32")
+        if not 0 <= int(input_ids.min()) <= int(input_ids.max()) < self.config.vocab_size:
+            raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size})")
+        return input_ids.to(self.device, torch.int64)
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        attn = self.blocks[0].attn
+        return KVCache(torch.zeros((len(self.blocks), 2, batch, max_len, attn.kv_heads, attn.head_dim),
+                                   dtype=self.dtype, device=self.device))
+
+    def _prefill(self, ids: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        """The final norm's output, sequence-parallel: this rank's rows of the batch's tokens, padded to W rows."""
+        batch, seq = ids.shape
+        tokens = batch * seq
+        padded = -(-tokens // self.world_size) * self.world_size
+        x, residual = self.embed(F.pad(ids.reshape(-1), (0, padded - tokens)), sequence_parallel=True), None
+        pos = Positions.prefill(batch, seq, self.rope)
+        for i, block in enumerate(self.blocks):
+            x, residual = block(x, residual, pos, None if cache is None else cache.layer(i))
+        return self.norm(x, residual)[0]
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits (batch, seq, vocab) of every position, no cache. input_ids (batch, seq), the same on every rank."""
+        ids = self._ids(input_ids)
+        logits = self.lm_head(self._prefill(ids, None), sequence_parallel=True)
+        return logits[:ids.numel()].view(*ids.shape, -1)
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Run the prompts (batch, seq) into the cache's first `batch` rows; returns the logits of each
+        prompt's last token (batch, vocab)."""
+        ids = self._ids(input_ids)
+        batch, seq = ids.shape
+        if batch > cache.batch or seq > cache.max_len:
+            raise ValueError(f"the cache holds {cache.batch} sequences of {cache.max_len} positions, the prompts "
+                             f"are {batch} x {seq}")
+        last = self.comm.all_gather(self._prefill(ids, cache))[seq - 1:batch * seq:seq]
+        return self.lm_head(last)
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One decode step of every sequence of the cache: tokens (batch,) int64 at positions (batch,) int64 (each
+        sequence's length so far; not checked against the cache, which would need a host sync). Returns the
+        logits (batch, vocab)."""
+        pos = Positions.decode(positions, self.rope)
+        x, residual = self.embed(tokens), None
+        for i, block in enumerate(self.blocks):
+            x, residual = block.decode(x, residual, pos, cache.layer(i))
+        return self.lm_head(self.norm(x, residual)[0])
+
+    def session(self, batch: int, max_len: int, cuda_graph: bool = True) -> "DecodeSession":
+        """The decode session of `batch`'s bucket (the next power of two: a batch runs padded to it, with or
+        without graphs, so both compute the same) with a cache of at least max_len positions, kept and reused."""
+        graph = cuda_graph and self.device.type == "cuda"
+        bucket = 1 << (batch - 1).bit_length()
+        found = self.sessions.get((bucket, graph))
+        if found is None or found.cache.max_len < max_len:
+            cache = self.new_cache(bucket, -(-max_len // CACHE_ROUND) * CACHE_ROUND)
+            found = self.sessions[(bucket, graph)] = DecodeSession(self, cache, graph)
+        return found
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                 eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None, seed: int = 0,
+                 cuda_graph: bool = True, callback: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+        """The prompts (batch, seq), the same on every rank, followed by up to max_new_tokens new tokens each
+        (batch, seq + new), as transformers' generate: greedy, or sampled (do_sample) from the softmax of the
+        logits / temperature, cut to the top_k tokens and the top_p probability mass. A sequence that emits
+        eos_token_id is padded with pad_token_id (default: the eos) from then on, and generation stops when
+        every sequence has; without eos_token_id every sequence gets max_new_tokens. cuda_graph: replay the
+        decode steps from a CUDA graph (GPUs). callback(i, tokens): called with each new token i (batch,)
+        (on the device, not waited for)."""
+        ids = self._ids(input_ids)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        if do_sample and not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        batch, seq = ids.shape
+        if max_new_tokens == 0:
+            return ids
+        eos = None if eos_token_id is None else torch.tensor(eos_token_id, device=self.device).reshape(-1)
+        pad = int(eos[0]) if pad_token_id is None and eos is not None else pad_token_id
+        generator = torch.Generator(self.device).manual_seed(seed) if do_sample else None
+        session = self.session(batch, seq + max_new_tokens, cuda_graph)
+        logits = self.prefill(ids, session.cache)
+        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        new = []
+        for i in range(max_new_tokens):
+            if i:
+                logits = session.step(new[-1], seq + i - 1)
+            token = sample(logits, do_sample, temperature, top_k, top_p, generator)
+            if eos is not None:
+                token = token.masked_fill(done, pad)
+                done |= torch.isin(token, eos)
+            new.append(token)
+            if callback is not None:
+                callback(i, token)
+            if eos is not None and bool(done.all()):
+                break
+        return torch.cat([ids, torch.stack(new, dim=1)], dim=1)
+
+
+def sample(logits: torch.Tensor, do_sample: bool, temperature: float = 1.0, top_k: int | None = None,
+           top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The next token of each row of logits (batch, vocab): argmax, or drawn from softmax(logits / temperature)
+    restricted to the top_k largest and to the smallest set of tokens holding top_p of the probability
+    (transformers' order: temperature, top-k, top-p)."""
+    if not do_sample:
+        return logits.argmax(dim=-1)
+    scores = logits.float() / temperature
+    if top_k is not None and top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_scores, order = scores.sort(dim=-1)
+        cut = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        cut[:, -1] = False  # the most likely token always stays
+        scores = scores.masked_fill(cut.scatter(-1, order, cut), float("-inf"))
+    return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
+
+
+class DecodeSession:
+    """Decode steps of the sequences of one KV cache from static input buffers (tokens, positions); on GPUs
+    the step is captured once in a CUDA graph and replayed. The capture's warm-up step writes position 0 of
+    every row: make the session before prefilling its cache."""
+
+    def __init__(self, model: Transformer, cache: KVCache, cuda_graph: bool = True):
+        self.model, self.cache = model, cache
+        self.tokens = torch.zeros(cache.batch, dtype=torch.int64, device=model.device)
+        self.positions = torch.zeros(cache.batch, dtype=torch.int64, device=model.device)
+        self.graph = None
+        if cuda_graph and model.device.type == "cuda":
+            from weft.testing.graphs import capture
+
+            # The warm-up run (outside capture) creates weft's workspaces, plans and compiled kernels.
+            self.graph = capture(self.run, warm=True)
+
+    def run(self) -> None:
+        """One step on the static buffers (what the graph replays): self.logits (batch, vocab)."""
+        self.logits = self.model.decode(self.tokens, self.positions, self.cache)
+
+    def step(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
+        """Feed tokens (n,) of the first n sequences, all at `position`; returns their logits (n, vocab), valid
+        until the next step."""
+        n = tokens.shape[0]
+        self.tokens[:n].copy_(tokens)
+        self.positions[:n].fill_(position)
+        if self.graph is None:
+            self.run()
+        else:
+            self.graph.replay()
+        return self.logits[:n]
+
+
+def from_hf(config_or_path, state_dict: dict | None = None, dtype: torch.dtype | None = None, comm="weft",
+            seed: int = 0, std: float = 0.02) -> Transformer:
+    """This rank's part of the decoder of a Hugging Face config (a transformers LlamaConfig / Qwen3Config, or
+    the path of a local checkpoint directory: config.json and *.safetensors). Weights: `state_dict` (Hugging
+    Face naming, full tensors) if given, else the checkpoint's, else seeded random ones (normal(0, std),
+    the same on every rank). dtype: default the weights' own, bf16 for random weights on GPUs (fp32 on the
+    cpu backend). comm: "weft" or "nccl". Collective: call it on every rank after weft.init()."""
+    path = os.fspath(config_or_path) if isinstance(config_or_path, (str, os.PathLike)) else None
+    cfg = ModelConfig.from_hf(read_config(path) if path is not None else config_or_path)
+    shapes = hf_shapes(cfg)
+    device = weft.device()
+    if state_dict is not None:
+        weights = StateDictWeights(state_dict, shapes)
+    elif path is not None:
+        weights = CheckpointWeights(path, shapes)
+    else:
+        weights = RandomWeights(shapes, seed, dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32),
+                                device, std)
+    dtype = dtype or weights.dtype
+    rank, w = weft.rank(), weft.world_size()
+    comm = make_comm(comm)
+    local = dict(rank=rank, world_size=w, comm=comm, device=device, dtype=dtype)
+
+    def norm(name):
+        return RMSNorm(weights[name].to(device, dtype, copy=True), cfg.rms_norm_eps)
+
+    blocks = []
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        qk = [weights[p + f"self_attn.{x}_norm.weight"] if cfg.qk_norm else None for x in "qk"]
+        attn = TensorParallelAttention.from_dense(*(weights[p + f"self_attn.{x}_proj.weight"] for x in "qkvo"),
+                                                  cfg.heads, cfg.kv_heads, q_norm=qk[0], k_norm=qk[1],
+                                                  eps=cfg.rms_norm_eps, **local)
+        mlp = TensorParallelMLP.from_dense(*(weights[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up", "down")),
+                                           **local)
+        blocks.append(Block(norm(p + "input_layernorm.weight"), attn, norm(p + "post_attention_layernorm.weight"), mlp))
+    embed = VocabParallelEmbedding.from_dense(weights["model.embed_tokens.weight"], **local)
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    lm_head = ParallelLMHead.from_dense(weights[head], **local)
+    rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
+    return Transformer(cfg, embed, blocks, norm("model.norm.weight"), lm_head, rope, comm)
