@@ -44,7 +44,7 @@ for part in $PARTS; do
 done
 has() { [[ "$PARTS" == *" $1 "* || "$PARTS" == *" all "* ]]; }
 if has quick; then
-  for n in 2 $NGPU; do
+  for n in $(printf '%s\n' 2 "$NGPU" | sort -nu); do
     [ "$n" -le "$NGPU" ] || continue
     step "gpu_tests_$n" timeout 200 python3 -m weft run -n "$n" -m pytest tests/test_gpu.py tests/test_gpu_gemm.py -m gpu -q -x -p no:cacheprovider
     step "gpu_reinit_$n" timeout 200 env WEFT_WAIT_TIMEOUT_S=30 python3 -m weft run -n "$n" -m pytest tests/test_gpu_reinit.py -m gpu -q -x -p no:cacheprovider
@@ -72,7 +72,7 @@ if has overhead; then
   done
 fi
 if has attention; then
-  for n in 1 2 $NGPU; do
+  for n in $(printf '%s\n' 1 2 "$NGPU" | sort -nu); do
     [ "$n" -le "$NGPU" ] || continue
     step "gpu_attention_tests_$n" timeout 300 python3 -m weft run -n "$n" -m pytest tests/test_gpu_attention.py -m gpu -q -x -p no:cacheprovider
   done
