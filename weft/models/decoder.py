@@ -308,7 +308,7 @@ class DecodeSession:
             from weft.testing.graphs import capture
 
             # The warm-up run (outside capture) creates weft's workspaces, plans and compiled kernels.
-            self.graph = capture(self.run, warm=True)
+            self.graph = capture(self.run, warmups=1)
 
     def run(self) -> None:
         """One step on the static buffers (what the graph replays): self.logits (batch, vocab)."""
