@@ -325,9 +325,10 @@ def test_consumer_that_skips_tile_wait_is_caught():
     assert not results[1][0], "rank 1 read rank 0's rows before they were pushed, and the test did not notice"
 
 
-def _shard_gather(shard, cols, consumer, epochs, late):
+def _shard_gather(shard, cols, consumer, epochs, late, host_push):
     """All-gather in the dense form (shard_gather_kernel), `epochs` times on one flag array, never reset; in
-    the last epoch rank 0 launches `late` seconds after the others. Returns the seconds my last kernel took."""
+    the last epoch rank 0 launches `late` seconds after the others. With `host_push` the host produces, by
+    copy_engine_push into each peer's views. Returns the seconds my last kernel took."""
     import time
 
     import triton
@@ -348,9 +349,14 @@ def _shard_gather(shard, cols, consumer, epochs, late):
         if epoch == epochs and me == 0:
             time.sleep(late)
         start = time.monotonic()
+        if host_push:  # my tile: my rows of every peer's buf, then my flag there
+            mine, peer = slice(me * shard, (me + 1) * shard), weft.world().heap.peer
+            for q in range(w):
+                wl.copy_engine_push(peer(buf, q)[mine], full[mine], peer(flags, q)[me:me + 1],
+                                    torch.tensor([epoch], dtype=torch.int32))
         shard_gather_kernel[(1 + consumers,)](full, buf, flags, out, heap, shard, cols, epoch, BLOCK_ROWS=2,
                                               BLOCK_COLS=triton.next_power_of_2(cols), CONSUMER_M=consumer[0],
-                                              CONSUMER_N=consumer[1])
+                                              CONSUMER_N=consumer[1], PRODUCE=not host_push)
         took = time.monotonic() - start
         assert torch.equal(out, 2 * full + 1), epoch
         weft.barrier()  # nobody pushes the next epoch into a buffer still being read
@@ -358,12 +364,14 @@ def _shard_gather(shard, cols, consumer, epochs, late):
     return took
 
 
-@pytest.mark.parametrize("world, shard, cols, consumer", [(2, 5, 12, (4, 8)), (3, 3, 10, (8, 16))],
-                         ids=["2ranks", "3ranks"])
-def test_shard_producer_consumer_mismatched_blocks(world, shard, cols, consumer):
-    """Shards of 5 (3) rows pushed whole, consumed in 4 x 8 (8 x 16) blocks that straddle them; the last of
-    three epochs with rank 0 late: the others' consumers wait for it."""
-    took = run_ranks(_shard_gather, world, shard, cols, consumer, 3, 0.5, timeout=120)
+@pytest.mark.parametrize("world, shard, cols, consumer, host_push", [
+    (2, 5, 12, (4, 8), False), (3, 3, 10, (8, 16), False), (2, 5, 12, (4, 8), True)],
+    ids=["2ranks", "3ranks", "2ranks-copy-engine"])
+def test_shard_producer_consumer_mismatched_blocks(world, shard, cols, consumer, host_push):
+    """Shards of 5 (3) rows pushed whole by a kernel or the host (copy_engine_push), consumed in 4 x 8
+    (8 x 16) blocks that straddle them; the last of three epochs with rank 0 late: the others' consumers
+    wait for it."""
+    took = run_ranks(_shard_gather, world, shard, cols, consumer, 3, 0.5, host_push, timeout=120)
     assert all(t > 0.25 for t in took[1:]), f"a consumer returned before rank 0 had produced: {took}"
 
 

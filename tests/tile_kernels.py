@@ -55,29 +55,38 @@ def shard_wait_kernel(world, shard, cols, flags, out, a, b, c, d, value, RECT: t
     tl.store(out, token)
 
 
+@triton.jit
+def _push_shard(src, buf, flags, heap, shards, me, world, shard, cols, epoch, BLOCK_ROWS: tl.constexpr,
+                BLOCK_COLS: tl.constexpr):
+    """My shard into every rank's `buf`, BLOCK_ROWS rows at a time, then my tile's flag everywhere."""
+    c = tl.arange(0, BLOCK_COLS)[None, :]
+    for r0 in range(me * shard, (me + 1) * shard, BLOCK_ROWS):
+        r = r0 + tl.arange(0, BLOCK_ROWS)[:, None]
+        mask = (r < (me + 1) * shard) & (c < cols)
+        x = tl.load(src + r * cols + c, mask=mask)
+        for q in range(world):
+            tl.store(wl.symm_at(buf, q, heap) + r * cols + c, x, mask=mask)
+    wl.tile_notify(shards, me, flags, heap, epoch, wl.ALL_RANKS)
+
+
 @triton.jit(do_not_specialize=["epoch"])
 def shard_gather_kernel(src, buf, flags, out, heap, shard, cols, epoch, BLOCK_ROWS: tl.constexpr,
-                        BLOCK_COLS: tl.constexpr, CONSUMER_M: tl.constexpr, CONSUMER_N: tl.constexpr):
+                        BLOCK_COLS: tl.constexpr, CONSUMER_M: tl.constexpr, CONSUMER_N: tl.constexpr,
+                        PRODUCE: tl.constexpr):
     """All-gather in the dense form: rank r's shard is rows [r * shard, (r + 1) * shard) of `src`, one tile.
 
-    Program 0 produces: it copies my shard into every rank's `buf` with its own loop, BLOCK_ROWS rows at a
-    time (a shard is no constexpr block, so no tile_push), then raises my tile's flag everywhere. The others
-    consume CONSUMER_M x CONSUMER_N blocks (row-major over the tensor), which may straddle shards:
-    tile_wait, then out = 2 * buf + 1 over the block.
+    Program 0 produces (PRODUCE; else the host did, with copy_engine_push): it copies my shard into every
+    rank's `buf` with its own loop, BLOCK_ROWS rows at a time (a shard is no constexpr block, so no
+    tile_push), then raises my tile's flag everywhere. The others consume CONSUMER_M x CONSUMER_N blocks
+    (row-major over the tensor), which may straddle shards: tile_wait, then out = 2 * buf + 1 over the block.
     """
     pid = tl.program_id(0)
     me = wl.rank(heap)
     world = wl.num_ranks(heap)
     shards = wl.ShardMapping(world, shard, cols)
     if pid == 0:
-        c = tl.arange(0, BLOCK_COLS)[None, :]
-        for r0 in range(me * shard, (me + 1) * shard, BLOCK_ROWS):
-            r = r0 + tl.arange(0, BLOCK_ROWS)[:, None]
-            mask = (r < (me + 1) * shard) & (c < cols)
-            x = tl.load(src + r * cols + c, mask=mask)
-            for q in range(world):
-                tl.store(wl.symm_at(buf, q, heap) + r * cols + c, x, mask=mask)
-        wl.tile_notify(shards, me, flags, heap, epoch, wl.ALL_RANKS)
+        if PRODUCE:
+            _push_shard(src, buf, flags, heap, shards, me, world, shard, cols, epoch, BLOCK_ROWS, BLOCK_COLS)
     else:
         blocks_across = tl.cdiv(cols, CONSUMER_N)
         row0 = ((pid - 1) // blocks_across) * CONSUMER_M
@@ -170,5 +179,5 @@ def compile_cases():
                                                   d="i32", value="i32"), dict(RECT=rect, TMA=tma)))
     cases.append((shard_gather_kernel, dict(src="*fp32", buf="*fp32", flags="*i32", out="*fp32", heap="*i64",
                                             shard="i32", cols="i32", epoch="i32"),
-                  dict(BLOCK_ROWS=16, BLOCK_COLS=64, CONSUMER_M=32, CONSUMER_N=32)))
+                  dict(BLOCK_ROWS=16, BLOCK_COLS=64, CONSUMER_M=32, CONSUMER_N=32, PRODUCE=True)))
     return cases

@@ -198,6 +198,22 @@ class TileMap:
         return out
 
 
+# -- host: the copy engine as a tile's producer -------------------------------------
+
+def copy_engine_push(dst: torch.Tensor, src: torch.Tensor, flag: torch.Tensor, value: torch.Tensor) -> None:
+    """Host code, the copy engine's `tile_push`: copy tile `src` into `dst`, its place in a peer's buffer
+    (a `heap.peer` view), then `value` into `flag`, that peer's flag of the tile; both on the current
+    stream, taking no SM. `value` is a one-element device tensor (the call's epoch, kept on the device
+    so that a CUDA-graph replay sends the replay's).
+
+    Memory ordering: stream order starts the flag's copy only once the data's has completed, so a rank
+    that acquires the flag (`tile_wait`, `tile_wait_tiles`) sees the tile. On the cpu backend both are
+    plain copies, in that order.
+    """
+    dst.copy_(src)
+    flag.copy_(value)
+
+
 # -- device: a tile's place --------------------------------------------------------
 # Each function takes either form of the map; `mapping.table is None` (the dense form) is decided at trace time.
 
