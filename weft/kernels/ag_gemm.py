@@ -15,8 +15,8 @@ How the overlap works (one call on rank `me`):
   everybody's G. The pushes are copy-engine transfers (cudaMemcpyAsync to the
   peer's memory through NVLink): they take no SM away from the GEMM. Each is
   followed, on the same stream, by a 4-byte copy of the call's epoch into the
-  peer's flag of the tile: stream order puts the flag after the data (the
-  copy engine's form of `tile_notify`).
+  peer's flag of the tile: stream order puts the flag after the data
+  (`wl.copy_engine_push`, the copy engine's `tile_push`).
 - At step s rank q pushes to rank q - s, so rank d receives chunk d + s at
   step s, and at every step the W pushes go to W different ranks.
 - The GEMM is the persistent TMA GEMM of gemm.py with its tiles ordered by
@@ -243,10 +243,8 @@ def _ag_gemm_plan(world, a_shard, b, method, out, return_gathered, config):
     stream = ws.stream
 
     def push(a_shard):
-        """My chunk into each peer's G, then the epoch into its ready[me]: data first, flag after (stream order)."""
         for rows, flag in pushes:
-            rows.copy_(a_shard)
-            flag.copy_(epoch)
+            wl.copy_engine_push(rows, a_shard, flag, epoch)
 
     def run(a_shard, b, out):
         res = result(out)
