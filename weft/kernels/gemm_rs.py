@@ -29,8 +29,8 @@ How the overlap works (one call on rank `me`, W ranks):
   it into slot (me - c - 1) mod W of rank c's symmetric `recv` (a copy-engine
   transfer through NVLink: no SM is taken from the GEMMs), then copies the
   4-byte epoch bar[0] into rank c's flag of tile me, ready[me]: stream order
-  puts the flag after the data (the copy engine's form of `tile_notify`). At
-  every step the W ranks send to W different ranks.
+  puts the flag after the data (`wl.copy_engine_push`, the copy engine's
+  `tile_push`). At every step the W ranks send to W different ranks.
   The chunk GEMMs alternate between the main and a side stream, so the
   programs of the next one start on the SMs that this one's last, partial
   wave leaves idle (a chunk has 1/W of the tiles: its last wave is often
@@ -375,11 +375,6 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
         else:
             chunk_launch(chunk_a.on(a[c * m:(c + 1) * m]), b_desc.on(b_shard), chunk_out[c], m, n, k)
 
-    def push(dst, src, flag):
-        """A partial into its owner's recv slot, then the epoch into its ready flag: data first (stream order)."""
-        dst.copy_(src)
-        flag.copy_(epoch)
-
     def run(a, b_shard, out):
         res = result(out)
         main = torch.cuda.current_stream() if ws.stream is not None else None
@@ -387,7 +382,7 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
         if main is None:
             for c, src, dst, flag in steps:
                 chunk_gemm(a, b_shard, c, src)
-                push(dst, src, flag)
+                wl.copy_engine_push(dst, src, flag, epoch)
         else:
             # Chunk GEMMs alternate between two streams, so the next one's programs take the SMs that this
             # one's last, partial wave leaves idle.
@@ -398,7 +393,7 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
                     chunk_gemm(a, b_shard, c, src)
                 ws.stream.wait_stream(compute)
                 with torch.cuda.stream(ws.stream):
-                    push(dst, src, flag)
+                    wl.copy_engine_push(dst, src, flag, epoch)
             main.wait_stream(ws.side)  # the final GEMM starts after every chunk GEMM (no deadlock: see above)
         final(a_desc.on(a[me * m:(me + 1) * m]), b_desc.on(b_shard), recv, out_desc.on(res) if out_tma else res,
               ws.bar, ws.ready, heap, m, n, k)
