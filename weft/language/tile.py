@@ -37,7 +37,8 @@ case in scalars, with no table: the rows sharded evenly, each rank's whole
 shard one producer tile (tile t = rank t's shard, flag t). A kernel builds it
 from arguments it already has, so its arithmetic folds to what hand-written
 flag code computes and it adds no load; it is what the overlapped GEMMs use,
-whose shards are moved whole by the copy engine. The primitives take either
+whose shards are moved whole by the copy engine (`copy_engine_push`, host
+code: the tile, then its flag, in stream order). The primitives take either
 form, but the tile-sized copies (`tile_offsets`, `tile_push`, `tile_pull`),
 which need a constexpr block, take a `TileMapping` only.
 
