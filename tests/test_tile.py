@@ -1,6 +1,6 @@
 """Tile-centric primitives (weft.language.tile) on the cpu backend: the map's arithmetic against brute force,
 its device functions under the interpreter, producer/consumer kernels at 2, 3 and 4 ranks, a delayed
-producer, and the sm_90 compile of every primitive."""
+producer, the same for the dense form (ShardMapping), and the sm_90 compile of every primitive."""
 import os
 import random
 import subprocess
@@ -149,6 +149,95 @@ def test_tile_wait_waits_on_exactly_the_cover(layout, monkeypatch):
             flags[t] = 1
 
 
+# -- the dense form (ShardMapping): the same checks, against the definition ------------------------
+
+def random_shards(rng: random.Random) -> tuple[int, int, int]:
+    """(world, shard, cols): world 1-8, shards of 0-12 rows (empty ones too), 1-40 columns."""
+    return rng.randint(1, 8), rng.choice([0, rng.randint(1, 12), rng.randint(1, 12)]), rng.randint(1, 40)
+
+
+SHARDS = [random_shards(random.Random(1000 + seed)) for seed in range(10)]
+
+
+def shard_of_each_row(world: int, shard: int) -> list[int]:
+    """Brute force: the rank owning each row, from the definition (rank r's rows follow rank r - 1's)."""
+    return [r for r in range(world) for _ in range(shard)]
+
+
+def shard_cover(world, shard, cols, row0, col0, num_rows, num_cols) -> list[int]:
+    """Brute force: the tiles (shards) holding some element of the block."""
+    if max(col0, 0) >= min(col0 + num_cols, cols):
+        return []
+    owners = shard_of_each_row(world, shard)
+    return sorted({owners[r] for r in range(max(row0, 0), min(row0 + num_rows, world * shard))})
+
+
+@pytest.mark.parametrize("layout", SHARDS)
+def test_shard_mapping_matches_the_definition_and_the_table_form(layout):
+    from tile_kernels import shard_places_kernel
+
+    world, shard, cols = layout
+    out = torch.full((world, 7), -1, dtype=torch.int64)
+    shard_places_kernel[(1,)](world, shard, cols, out)
+    owners = shard_of_each_row(world, shard)
+    expect = []
+    for t in range(world):
+        rows = [r for r in range(world * shard) if owners[r] == t]
+        assert rows == list(range(t * shard, t * shard + len(rows))), "a shard is contiguous"
+        expect.append([t, t * shard, 0, len(rows), cols, t * shard * cols, t])
+    assert out.tolist() == expect
+    if shard:  # a table map whose blocks cover a shard has the same tiles
+        m = wl.TileMap((world * shard, cols), world, (2 ** (shard - 1).bit_length(), 2 ** (cols - 1).bit_length()))
+        assert [[m.owner(t), *m.rect(t), m.offset(t), m.flag(t)] for t in range(m.num_tiles)] == expect
+
+
+def _expect_wait(kernel_args, kernel, flags, waited, monkeypatch):
+    """The wait returns with exactly the tiles `waited` raised, and times out with any one of them lowered."""
+    out = torch.full((1,), -1, dtype=torch.int32)
+    flags.zero_()
+    flags[waited] = 1
+    monkeypatch.setenv("WEFT_WAIT_TIMEOUT_S", "5")
+    kernel[(1,)](*kernel_args(flags, out))
+    assert int(out) == (1 if waited else 0)
+    monkeypatch.setenv("WEFT_WAIT_TIMEOUT_S", "0.02")
+    for t in waited[:1] + waited[-1:]:
+        flags[t] = 0
+        with pytest.raises(Exception, match="WaitTimeout"):
+            kernel[(1,)](*kernel_args(flags, out))
+        flags[t] = 1
+
+
+@pytest.mark.parametrize("layout", SHARDS[:6])
+def test_shard_waits_wait_on_exactly_the_cover(layout, monkeypatch):
+    from tile_kernels import shard_wait_kernel
+
+    world, shard, cols = layout
+    rng = random.Random(str(layout))
+    flags = torch.zeros(world, dtype=torch.int32)
+    for _ in range(3):
+        rect = (rng.randint(-2, world * shard), rng.randint(-2, cols), 2 ** rng.randint(0, 4), 2 ** rng.randint(0, 4))
+        _expect_wait(lambda f, o: (world, shard, cols, f, o, *rect, 1, True, False), shard_wait_kernel, flags,
+                     shard_cover(world, shard, cols, *rect), monkeypatch)
+        first = rng.randrange(world)
+        count = rng.randint(1, world - first)
+        _expect_wait(lambda f, o: (world, shard, cols, f, o, first, count, 0, 0, 1, False, False), shard_wait_kernel,
+                     flags, list(range(first, first + count)), monkeypatch)
+
+
+@pytest.mark.parametrize("layout", DEVICE_LAYOUTS[:4])
+def test_tile_wait_tiles_waits_on_exactly_those_tiles(layout, monkeypatch):
+    from tile_kernels import tiles_wait_kernel
+
+    m = wl.TileMap(**layout)
+    rng = random.Random(str(layout))
+    flags = torch.zeros(m.num_tiles, dtype=torch.int32)
+    for _ in range(2):
+        first = rng.randrange(m.num_tiles)
+        count = rng.randint(1, m.num_tiles - first)
+        _expect_wait(lambda f, o: (m.arg, f, o, first, count, 1, False), tiles_wait_kernel, flags,
+                     list(range(first, first + count)), monkeypatch)
+
+
 # -- producers and consumers across ranks -----------------------------------------------------
 
 def _produce_consume(layout, consumer, forms, epochs_per_form):
@@ -236,6 +325,56 @@ def test_consumer_that_skips_tile_wait_is_caught():
     assert not results[1][0], "rank 1 read rank 0's rows before they were pushed, and the test did not notice"
 
 
+def _shard_gather(shard, cols, consumer, epochs, late, host_push):
+    """All-gather in the dense form (shard_gather_kernel), `epochs` times on one flag array, never reset; in
+    the last epoch rank 0 launches `late` seconds after the others. With `host_push` the host produces, by
+    copy_engine_push into each peer's views. Returns the seconds my last kernel took."""
+    import time
+
+    import triton
+
+    import weft
+    from tile_kernels import shard_gather_kernel
+
+    me, w = weft.rank(), weft.world_size()
+    heap = weft.world().heap.descriptor
+    buf = weft.empty((w * shard, cols), torch.float32)
+    flags = weft.zeros((w,), torch.int32)
+    consumers = triton.cdiv(w * shard, consumer[0]) * triton.cdiv(cols, consumer[1])
+    for epoch in range(1, epochs + 1):
+        full = epoch * 1000 + torch.arange(w * shard * cols, dtype=torch.float32).view(w * shard, cols)
+        buf.fill_(float("nan"))
+        out = torch.full_like(full, float("nan"))
+        weft.barrier()  # no push lands before the poison
+        if epoch == epochs and me == 0:
+            time.sleep(late)
+        start = time.monotonic()
+        if host_push:  # my tile: my rows of every peer's buf, then my flag there
+            mine, peer = slice(me * shard, (me + 1) * shard), weft.world().heap.peer
+            for q in range(w):
+                wl.copy_engine_push(peer(buf, q)[mine], full[mine], peer(flags, q)[me:me + 1],
+                                    torch.tensor([epoch], dtype=torch.int32))
+        shard_gather_kernel[(1 + consumers,)](full, buf, flags, out, heap, shard, cols, epoch, BLOCK_ROWS=2,
+                                              BLOCK_COLS=triton.next_power_of_2(cols), CONSUMER_M=consumer[0],
+                                              CONSUMER_N=consumer[1], PRODUCE=not host_push)
+        took = time.monotonic() - start
+        assert torch.equal(out, 2 * full + 1), epoch
+        weft.barrier()  # nobody pushes the next epoch into a buffer still being read
+    assert (flags == epochs).all()
+    return took
+
+
+@pytest.mark.parametrize("world, shard, cols, consumer, host_push", [
+    (2, 5, 12, (4, 8), False), (3, 3, 10, (8, 16), False), (2, 5, 12, (4, 8), True)],
+    ids=["2ranks", "3ranks", "2ranks-copy-engine"])
+def test_shard_producer_consumer_mismatched_blocks(world, shard, cols, consumer, host_push):
+    """Shards of 5 (3) rows pushed whole by a kernel or the host (copy_engine_push), consumed in 4 x 8
+    (8 x 16) blocks that straddle them; the last of three epochs with rank 0 late: the others' consumers
+    wait for it."""
+    took = run_ranks(_shard_gather, world, shard, cols, consumer, 3, 0.5, host_push, timeout=120)
+    assert all(t > 0.25 for t in took[1:]), f"a consumer returned before rank 0 had produced: {took}"
+
+
 # -- the GPU compiler accepts every primitive ---------------------------------------------------
 
 COMPILE_ALL = """
@@ -252,4 +391,4 @@ def test_tile_primitives_compile_for_sm90():
     env.update(WEFT_BACKEND="cuda", PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
     res = subprocess.run([sys.executable, "-c", COMPILE_ALL], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "compiled 10" in res.stdout
+    assert "compiled 18" in res.stdout

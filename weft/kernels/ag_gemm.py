@@ -9,22 +9,27 @@ How the overlap works (one call on rank `me`):
     main stream:  barrier ─ copy a_shard → G[me] ─────── GEMM (tiles of chunk me, me+1, ..., me-1) ─ join
     copy stream:          └─ for s = 1 .. W-1: push a_shard → G[me] of rank me-s, then its flag ─┘
 
-- G is this context's gathered buffer (W * m, K) in the symmetric heap; rank q
-  writes chunk q of everybody's G. The pushes are copy-engine transfers
-  (cudaMemcpyAsync to the peer's memory through NVLink): they take no SM away
-  from the GEMM. Each is followed, on the same stream, by a 4-byte copy of the
-  call's epoch into the peer's `ready[me]` flag: stream order puts the flag
-  after the data.
+- G is this context's gathered buffer (W * m, K) in the symmetric heap, a
+  tile map in its dense form (`wl.ShardMapping`): chunk q, rank q's shard, is
+  one producer tile, and its flag is `ready[q]`. Rank q writes chunk q of
+  everybody's G. The pushes are copy-engine transfers (cudaMemcpyAsync to the
+  peer's memory through NVLink): they take no SM away from the GEMM. Each is
+  followed, on the same stream, by a 4-byte copy of the call's epoch into the
+  peer's flag of the tile: stream order puts the flag after the data
+  (`wl.copy_engine_push`, the copy engine's `tile_push`).
 - At step s rank q pushes to rank q - s, so rank d receives chunk d + s at
   step s, and at every step the W pushes go to W different ranks.
 - The GEMM is the persistent TMA GEMM of gemm.py with its tiles ordered by
   arrival: first the local chunk (no wait), then chunk me + 1, me + 2, ...
-  Before the K loop of a tile of chunk c it waits for `ready[c]` to reach the
-  epoch, then fences the async (TMA) proxy so the loads see the pushed data.
+  Before the K loop of its first GEMM tile of chunk c a program waits for
+  tile c (`tile_wait_tiles`: an acquire on ready[c], then the async-proxy
+  fence that makes its TMA loads see the pushed data).
 - A device barrier starts each call: a rank pushes into a peer's G only after
   that peer's previous GEMM has finished reading it. The barrier's epoch word
   is the call's epoch, on the device, so the whole call can be captured in a
-  CUDA graph and replayed with no reset.
+  CUDA graph and replayed with no reset. The barrier stays `barrier_all`: it
+  orders calls, not tiles (the tile primitives leave buffer reuse between
+  epochs to the caller).
 
 On the cpu backend there are no streams: the pushes run on the host between
 the barrier and the GEMM kernel, and the GEMM's waits see peers' pushes
@@ -45,7 +50,6 @@ import triton
 import triton.language as tl
 
 import weft.language as wl
-from weft.language import ptx
 
 from . import gemm
 from .all_gather import all_gather
@@ -67,33 +71,28 @@ def ag_gemm_barrier_kernel(bar, heap):
 
 
 @triton.jit
-def _wait_chunk(ready, c, epoch):
-    """Wait until chunk c has arrived, and order the TMA loads after the acquire."""
-    token = wl.wait(ready + c, 1, epoch, wl.CMP_GE)
-    if not wl.INTERPRET:
-        ptx.fence_proxy_async()
-    return token
-
-
-@triton.jit
 def ag_gemm_kernel(a_desc, b_desc, c_desc, bar, ready, heap, m, N, K, RAGGED: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                    NUM_STAGES: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     """c = G @ b, chunk by chunk in arrival order: me, me + 1, ..., me - 1 (mod W).
 
-    The tiles are numbered chunk after chunk and dealt round-robin to the
-    programs, as in a plain persistent GEMM, so the load stays balanced. A
-    program waits for chunk c's flag once, before its first tile of the chunk,
-    outside the tile loop. The tile and K loops are not fused (the configs'
-    `flatten` is ignored): fused, this kernel measured 1.74 ms against 1.48 ms
-    unfused (4 H200s, 8192x7168x8192, both with WEFT_WAIT_TIMEOUT_S set). A tile never straddles two chunks: with RAGGED (m not a
-    multiple of BLOCK_M) the descriptors of G and c are 3-D (W, m, ·), which
-    zero-fills loads and clips stores at the chunk's edge; otherwise they are
-    2-D (W * m, ·).
+    G is a dense tile map (`wl.ShardMapping`): chunk c, rank c's m rows, is
+    one producer tile, flagged in ready[c]. The GEMM tiles are numbered chunk
+    after chunk and dealt round-robin to the programs, as in a plain persistent
+    GEMM, so the load stays balanced. A program waits for chunk c
+    (`tile_wait_tiles`, with the fence its TMA loads need) once, before its
+    first GEMM tile of the chunk, outside the tile loop. The tile and K loops
+    are not fused (the configs' `flatten` is ignored): fused, this kernel
+    measured 1.74 ms against 1.48 ms unfused (4 H200s, 8192x7168x8192, both
+    with WEFT_WAIT_TIMEOUT_S set). A GEMM tile never straddles two chunks:
+    with RAGGED (m not a multiple of BLOCK_M) the descriptors of G and c are
+    3-D (W, m, ·), which zero-fills loads and clips stores at the chunk's
+    edge; otherwise they are 2-D (W * m, ·).
     """
     pid = tl.program_id(0)
     me = wl.rank(heap)
     world = wl.num_ranks(heap)
+    chunks = wl.ShardMapping(world, m, K)
     epoch = tl.load(bar)
     num_m = tl.cdiv(m, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -103,8 +102,8 @@ def ag_gemm_kernel(a_desc, b_desc, c_desc, bar, ready, heap, m, N, K, RAGGED: tl
         c = (me + step) % world
         base = step * per_chunk  # global number of the chunk's first tile
         row0 = 0
-        if step > 0:
-            row0 = wl.consume_token(0, _wait_chunk(ready, c, epoch))
+        if step > 0:  # my own chunk is in place before the launch
+            row0 = wl.consume_token(0, wl.tile_wait_tiles(chunks, ready, c, 1, epoch, tma=True))
         first = base + (pid - base % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS  # my first tile here
         for tile in tl.range(first, base + per_chunk, NUM_PROGRAMS):
             pid_m, pid_n = gemm.tile_of(tile - base, num_m, num_n, GROUP_M)
@@ -223,7 +222,7 @@ def _ag_gemm_plan(world, a_shard, b, method, out, return_gathered, config):
     ws = workspace(world, "ag_gemm", AgGemmWorkspace)
     me = world.rank
     gathered = ws.gathered[:w * m * k * a_shard.element_size()].view(a_shard.dtype).view(w * m, k)
-    # Step s pushes my chunk into rank me - s: its G rows [me * m, (me + 1) * m) and its ready[me].
+    # Step s pushes tile me (my chunk) into rank me - s: its G rows [me * m, (me + 1) * m), then its flag ready[me].
     pushes = [(world.heap.peer(gathered, (me - s) % w)[me * m:(me + 1) * m],
                world.heap.peer(ws.ready, (me - s) % w)[me:me + 1]) for s in range(1, w)]
     local = gathered[me * m:(me + 1) * m]
@@ -247,10 +246,8 @@ def _ag_gemm_plan(world, a_shard, b, method, out, return_gathered, config):
     stream = ws.stream
 
     def push(a_shard):
-        """My chunk into each peer's G, then the epoch into its ready[me]: data first, flag after (stream order)."""
         for rows, flag in pushes:
-            rows.copy_(a_shard)
-            flag.copy_(epoch)
+            wl.copy_engine_push(rows, a_shard, flag, epoch)
 
     def run(a_shard, b, out):
         res = result(out)

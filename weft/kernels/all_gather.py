@@ -19,6 +19,16 @@ larger than a half go through in passes. Into a symmetric output the push
 writes straight into the peers' `out`, after a handshake per call.
 
 Flags per program slot: push [ready, arrived] per peer pair; pull ready[W].
+
+They stay hand-written rather than on the tile primitives
+(`weft.language.tile`), for the reasons all_reduce.py gives for its family
+(program slots and per-call epochs, not data tiles; parts of runtime size
+streamed in 16-byte vectors, not constexpr blocks), and two of their own:
+push's `ready` is a call-level handshake (the peer's symmetric `out` is free
+again), not a tile's arrival, and its flags are indexed by peer pair, so the
+same tile's flag sits at a different index on every rank; pull polls its own
+copy of each rank's flag (raised everywhere by `notify_all`), where
+`tile_pull` polls the owner's.
 """
 from __future__ import annotations
 

@@ -56,6 +56,20 @@ my `out` only after my kernel of this call has started (it waited for my
 phase-1 data), so all my earlier work on `out` is done. LL words only ever
 go to the LL region, so a stale word there carries an older epoch, never
 data that could pass for the current one.
+
+Why the tile primitives (`weft.language.tile`) do not carry this family's
+synchronisation. Its unit is the program slot of a call, not a data tile:
+program p of every rank raises one flag per call once all its parts are
+pushed, whatever their size (none included), and waits for the W flags of
+slot p; that every program 0 waits on every rank is what the halves' reuse
+rests on. A tile map's waits follow data (`tile_wait` skips a block outside
+the tensor), and its copies move one constexpr block per signal
+(`tile_push`), where these kernels stream a part of runtime size in 16-byte
+vectors and signal once. On a one-tile-per-rank map (`ShardMapping`),
+`tile_notify` / `tile_wait_tiles` would be the same `notify_all` / `wait` on
+the same flags under other names, minus the waits' timeout reports (`op`).
+The LL kernels have no flags at all (each word carries its epoch), and the
+epoch is a per-call ticket (`wl.next_epoch`), not a tile's signal.
 """
 from __future__ import annotations
 

@@ -13,25 +13,32 @@ How the overlap works (one call on rank `me`, W ranks):
     copy stream:              └ push ┘  └ push ┘  └ push ...                                   ───┘
                               (to me+1) (to me+2) (to me+3)
 
+- The partials of my chunk are a tile map in its dense form
+  (`wl.ShardMapping`): tile q is rank q's partial, and its flag is ready[q].
+  The map names tiles and flags only: the received tiles sit in `recv` in
+  rotated slots (below), my own stays in registers.
 - `gemm_rs_start_kernel` (1 program) is a device barrier across the ranks:
   it ends only when every rank's previous call has finished its final GEMM,
   the last reader of its receive buffer. It leaves the call's epoch e in
-  bar[0] and sets my own ready[me] = e.
+  bar[0] and raises my own tile's flag, ready[me] = e (a plain store: the
+  final GEMM comes after it in stream order).
 - Steps s = 1 .. W - 1, chunk c = me + s (mod W): the partial P_c =
   a[c * m:(c + 1) * m] @ b_shard goes into a send slot (gemm.matmul,
   the persistent TMA GEMM, or cuBLAS where no tiling of the chunk fills the
   GPU well: CUBLAS_CHUNKS_BELOW_FILL), and the copy stream, after waiting for it, pushes
   it into slot (me - c - 1) mod W of rank c's symmetric `recv` (a copy-engine
   transfer through NVLink: no SM is taken from the GEMMs), then copies the
-  4-byte epoch bar[0] into rank c's ready[me]: stream order puts the flag
-  after the data. At every step the W ranks send to W different ranks.
+  4-byte epoch bar[0] into rank c's flag of tile me, ready[me]: stream order
+  puts the flag after the data (`wl.copy_engine_push`, the copy engine's
+  `tile_push`). At every step the W ranks send to W different ranks.
   The chunk GEMMs alternate between the main and a side stream, so the
   programs of the next one start on the SMs that this one's last, partial
   wave leaves idle (a chunk has 1/W of the tiles: its last wave is often
   far from full). The final GEMM waits for both.
 - `gemm_rs_kernel`, the final GEMM, computes my own chunk with gemm.matmul's
   tile loop. After the K loop of its first tile, a program waits once for
-  all W ready flags to reach e (own flag included); every epilogue then sums,
+  all W tiles of the map (`tile_wait_tiles`: one wait polling the W flags in
+  parallel, my own included); every epilogue then sums,
   in rank order q = 0 .. W - 1 in fp32, its own tile rounded to the dtype
   (q = me: each rank's partial is rounded once, as with matmul +
   reduce_scatter) and the received tiles of the other ranks, and stores the
@@ -66,9 +73,9 @@ stream, that is after the previous pushes read them.
 
 Memory ordering. A flag is written by the copy engine after the data copy
 has completed (stream order). The final GEMM acquires the flags (ld.acquire.sys
-in wl.wait) and reads the received tiles with ordinary loads carrying a data
-dependency on the wait's token (wl.consume_token), so they cannot be issued
-before the acquire.
+in tile_wait_tiles) and reads the received tiles with ordinary loads carrying
+a data dependency on the wait's token (wl.consume_token), so they cannot be
+issued before the acquire.
 
 One workspace for every shape, from the symmetric heap once: recv (viewed as
 (W - 1, m, N): slot i holds rank me + 1 + i's partial of my chunk), ready (W
@@ -185,11 +192,12 @@ def gemm_rs_kernel(a_desc, b_desc, recv, out, bar, ready, heap, m, N, K, OUT_TMA
     """out = my chunk of a (a_desc, m rows) @ b_shard + the partials of my chunk that the peers pushed.
 
     Program p computes tiles p, p + NUM_PROGRAMS, ... in grouped order, as gemm.matmul_kernel does.
-    Before its first epilogue it waits, once, for the W ready flags: its first K loop runs while the
-    last pushes land.
+    Before its first epilogue it waits, once, for the W partials (tiles of `partials`): its first K
+    loop runs while the last pushes land.
     """
     pid = tl.program_id(0)
     me = wl.rank(heap)
+    partials = wl.ShardMapping(WORLD, m, N)  # of my chunk: tile q = rank q's, flag ready[q]
     epoch = tl.load(bar)
     num_m = tl.cdiv(m, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -201,7 +209,7 @@ def gemm_rs_kernel(a_desc, b_desc, recv, out, bar, ready, heap, m, N, K, OUT_TMA
         col0 = pid_n * BLOCK_N
         acc = gemm.mma(a_desc, b_desc, row0, col0, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
         if tile == pid:
-            arrived = wl.consume_token(0, wl.wait(ready, WORLD, epoch, wl.CMP_GE))
+            arrived = wl.consume_token(0, wl.tile_wait_tiles(partials, ready, 0, WORLD, epoch))
         row0 += arrived
         if (row0 + BLOCK_M <= m) & (col0 + BLOCK_N <= N):
             _reduce_tile(acc, recv, out, me, row0, col0, m, N, True, OUT_TMA, WORLD, BLOCK_M, BLOCK_N)
@@ -339,7 +347,7 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
     recv = ws.recv[:(w - 1) * m * n * a.element_size()].view(a.dtype).view(w - 1, m, n)  # slot i: rank me + 1 + i
     send = ws.send[:(w - 1) * m * n * a.element_size()].view(a.dtype).view(w - 1, m, n)
     # Step s: chunk c = me + s goes into slot (me - c - 1) mod W = W - 1 - s of rank c's recv, then the
-    # epoch into its ready[me].
+    # epoch into its flag of tile me, ready[me].
     steps = []
     for s in range(1, w):
         c = (me + s) % w
@@ -375,11 +383,6 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
         else:
             chunk_launch(chunk_a.on(a[c * m:(c + 1) * m]), b_desc.on(b_shard), chunk_out[c], m, n, k)
 
-    def push(dst, src, flag):
-        """A partial into its owner's recv slot, then the epoch into its ready flag: data first (stream order)."""
-        dst.copy_(src)
-        flag.copy_(epoch)
-
     def run(a, b_shard, out):
         res = result(out)
         main = torch.cuda.current_stream() if ws.stream is not None else None
@@ -387,7 +390,7 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
         if main is None:
             for c, src, dst, flag in steps:
                 chunk_gemm(a, b_shard, c, src)
-                push(dst, src, flag)
+                wl.copy_engine_push(dst, src, flag, epoch)
         else:
             # Chunk GEMMs alternate between two streams, so the next one's programs take the SMs that this
             # one's last, partial wave leaves idle.
@@ -397,7 +400,7 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
                 compute = (main, ws.side)[i % 2]
                 on_stream(compute, main, chunk_gemm, a, b_shard, c, src)
                 stream_wait(ws.stream, compute, ev)
-                on_stream(ws.stream, main, push, dst, src, flag)
+                on_stream(ws.stream, main, wl.copy_engine_push, dst, src, flag, epoch)
             stream_wait(main, ws.side, ev)  # the final GEMM starts after every chunk GEMM (no deadlock: see above)
         final(a_desc.on(a[me * m:(me + 1) * m]), b_desc.on(b_shard), recv, out_desc.on(res) if out_tma else res,
               ws.bar, ws.ready, heap, m, n, k)

@@ -32,6 +32,22 @@ epochs against each other: a producer may overwrite a buffer for the next
 epoch only once its consumers are done with it (a barrier, or acknowledgement
 flags as in tutorial 01).
 
+The dense form. `ShardMapping(world, shard, cols)` is the map of the common
+case in scalars, with no table: the rows sharded evenly, each rank's whole
+shard one producer tile (tile t = rank t's shard, flag t). A kernel builds it
+from arguments it already has, so its arithmetic folds to what hand-written
+flag code computes and it adds no load; it is what the overlapped GEMMs use,
+whose shards are moved whole by the copy engine (`copy_engine_push`, host
+code: the tile, then its flag, in stream order). The primitives take either
+form, but the tile-sized copies (`tile_offsets`, `tile_push`, `tile_pull`),
+which need a constexpr block, take a `TileMapping` only.
+
+Consumers that read whole producer tiles wait for them by number
+(`tile_wait_tiles`: their flags are consecutive, one `wait`); consumers with
+blocks of their own shape wait for a block (`tile_wait`). Either may read the
+tiles through TMA (`tma=True`), which adds the async-proxy fence those loads
+need after the acquire.
+
 Every primitive is built from `notify` / `notify_all` / `wait` /
 `consume_token` and plain loads and stores, so each has its interpreter form
 through theirs.
@@ -44,7 +60,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .core import CMP_GE, SCOPE_SYS, SIGNAL_SET, num_ranks, rank, symm_at
+from . import ptx
+from .core import CMP_GE, INTERPRET, SCOPE_SYS, SIGNAL_SET, num_ranks, rank, symm_at
 from .signals import consume_token, notify, notify_all, wait
 
 # `peer` of tile_notify / tile_push: every rank, myself included.
@@ -65,6 +82,23 @@ class TileMapping(NamedTuple):
     BLOCK_N: tl.constexpr         # ... and columns
     SHARD_DIM: tl.constexpr       # 0: rows are sharded over ranks, 1: columns
     MAX_SEGMENTS: tl.constexpr    # a power of two >= the number of segments (for a vectorised search)
+
+
+class ShardMapping(NamedTuple):
+    """The dense form of a tile map, in scalars: a (world * shard, cols) tensor whose rows are sharded
+    evenly over `world` ranks, each rank's whole shard one producer tile. Tile t is rank t's rows
+    [t * shard, (t + 1) * shard), every column; rank t owns it and its flag is flags[t].
+
+    No table and no loads: every function of the map is integer arithmetic on these fields, so a
+    kernel builds the map from arguments it already has (`wl.ShardMapping(world, m, K)`, constexpr
+    fields folding away) and it costs what hand-written flag arithmetic costs. A shard is not a
+    constexpr block, so `tile_offsets`, `tile_push` and `tile_pull` take the table form only: the
+    dense form's producer moves a shard with its own loop or the copy engine, then raises its flag.
+    """
+    world: tl.tensor              # ranks, one tile each
+    shard: tl.tensor              # rows per rank
+    cols: tl.tensor
+    table: None = None            # no table: what tells this form from a TileMapping, at trace time
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -165,12 +199,32 @@ class TileMap:
         return out
 
 
+# -- host: the copy engine as a tile's producer -------------------------------------
+
+def copy_engine_push(dst: torch.Tensor, src: torch.Tensor, flag: torch.Tensor, value: torch.Tensor) -> None:
+    """Host code, the copy engine's `tile_push`: copy tile `src` into `dst`, its place in a peer's buffer
+    (a `heap.peer` view), then `value` into `flag`, that peer's flag of the tile; both on the current
+    stream, taking no SM. `value` is a one-element device tensor (the call's epoch, kept on the device
+    so that a CUDA-graph replay sends the replay's).
+
+    Memory ordering: stream order starts the flag's copy only once the data's has completed, so a rank
+    that acquires the flag (`tile_wait`, `tile_wait_tiles`) sees the tile. On the cpu backend both are
+    plain copies, in that order.
+    """
+    dst.copy_(src)
+    flag.copy_(value)
+
+
 # -- device: a tile's place --------------------------------------------------------
+# Each function takes either form of the map; `mapping.table is None` (the dense form) is decided at trace time.
 
 @triton.jit
 def tile_count(mapping):
     """How many producer tiles the map has."""
-    return tl.load(mapping.table + NUM_TILES)
+    if mapping.table is None:
+        return mapping.world
+    else:
+        return tl.load(mapping.table + NUM_TILES)
 
 
 @triton.jit
@@ -198,7 +252,10 @@ def _tile_segment(mapping, tile):
 @triton.jit
 def tile_owner(mapping, tile):
     """The rank whose shard holds producer tile `tile`."""
-    return tl.load(_segment_field(mapping, OWNER) + _tile_segment(mapping, tile))
+    if mapping.table is None:
+        return tile
+    else:
+        return tl.load(_segment_field(mapping, OWNER) + _tile_segment(mapping, tile))
 
 
 @triton.jit
@@ -210,6 +267,14 @@ def tile_flag(mapping, tile):
 @triton.jit
 def tile_rect(mapping, tile):
     """(row0, col0, num_rows, num_cols) of producer tile `tile`; clipped at its segment's and the tensor's edge."""
+    if mapping.table is None:
+        return tile * mapping.shard, tl.full([], 0, tl.int32), mapping.shard, mapping.cols
+    else:
+        return _segment_tile_rect(mapping, tile)
+
+
+@triton.jit
+def _segment_tile_rect(mapping, tile):
     seg = _tile_segment(mapping, tile)
     start = tl.load(_segment_field(mapping, START) + seg)
     size = tl.load(_segment_field(mapping, SIZE) + seg)
@@ -230,15 +295,33 @@ def tile_rect(mapping, tile):
 
 
 @triton.jit
+def _rows(mapping):
+    if mapping.table is None:
+        return mapping.world * mapping.shard
+    else:
+        return tl.load(mapping.table + ROWS)
+
+
+@triton.jit
+def _cols(mapping):
+    if mapping.table is None:
+        return mapping.cols
+    else:
+        return tl.load(mapping.table + COLS)
+
+
+@triton.jit
 def tile_offset(mapping, tile):
     """Element offset (int64) of the tile's first element in a buffer laid out by the map."""
     row0, col0, _, _ = tile_rect(mapping, tile)
-    return row0.to(tl.int64) * tl.load(mapping.table + COLS) + col0
+    return row0.to(tl.int64) * _cols(mapping) + col0
 
 
 @triton.jit
 def tile_offsets(mapping, tile):
-    """(offsets, mask), both [BLOCK_M, BLOCK_N]: the tile's elements in a buffer laid out by the map."""
+    """(offsets, mask), both [BLOCK_M, BLOCK_N]: the tile's elements in a buffer laid out by the map.
+    A TileMapping's only: a ShardMapping's tile (a whole shard) is no constexpr block."""
+    tl.static_assert(mapping.table is not None, "tile_offsets, tile_push and tile_pull need a TileMap's blocks")
     row0, col0, num_rows, num_cols = tile_rect(mapping, tile)
     r = tl.arange(0, mapping.BLOCK_M)[:, None]
     c = tl.arange(0, mapping.BLOCK_N)[None, :]
@@ -265,22 +348,65 @@ def tile_notify(mapping, tile, flags, heap, value, peer, op: tl.constexpr = SIGN
 
 
 @triton.jit
-def tile_wait(mapping, flags, row0, col0, num_rows, num_cols, value, cmp: tl.constexpr = CMP_GE):
+def _after_acquire(token, tma: tl.constexpr):
+    """With `tma`, order the async proxy (TMA loads) after the acquire that produced `token`, as the
+    generic proxy already is: without the fence a TMA load may read what was there before."""
+    if tma:
+        if not INTERPRET:
+            ptx.fence_proxy_async()
+    return token
+
+
+@triton.jit
+def tile_wait_tiles(mapping, flags, first, count, value, cmp: tl.constexpr = CMP_GE, tma: tl.constexpr = False):
+    """Wait (acquire) until producer tiles [first, first + count) have their flags, in this rank's
+    `flags`, `<cmp> value`; returns a token. For a consumer that reads whole producer tiles.
+
+    Their flags are consecutive: one `wait`, every flag polled in parallel, and no other load. Loads
+    through `consume_token(ptr, token)` are ordered after the acquire (on the GPU, all the program's
+    later loads: `wait` ends in a CTA barrier); with `tma`, TMA loads issued after the call too.
+    """
+    return _after_acquire(wait(flags + tile_flag(mapping, first), count, value, cmp), tma)
+
+
+@triton.jit
+def tile_wait(mapping, flags, row0, col0, num_rows, num_cols, value, cmp: tl.constexpr = CMP_GE,
+              tma: tl.constexpr = False):
     """Wait (acquire) until every producer tile that holds part of rows [row0, +num_rows) x cols
     [col0, +num_cols) has its flag, in this rank's `flags`, `<cmp> value`; returns a token.
 
     The consumer's block may have any shape: the producer tiles covering it are found segment by
-    segment, and each block row of them is one `wait` on its contiguous flags (polled in parallel).
-    Loads through `consume_token(ptr, token)` are ordered after every one of those acquires; so are
-    all the program's later loads on the GPU, where `wait` ends in a CTA barrier. The part of the
-    block outside the tensor needs no tile.
+    segment, and each block row of them is one `wait` on its contiguous flags (polled in parallel;
+    in the dense form the shards the rows touch: one `wait`). Loads through `consume_token(ptr,
+    token)` are ordered after every one of those acquires; so are all the program's later loads on
+    the GPU, where `wait` ends in a CTA barrier; with `tma`, TMA loads issued after the call too.
+    The part of the block outside the tensor needs no tile.
     """
-    rows = tl.load(mapping.table + ROWS)
-    cols = tl.load(mapping.table + COLS)
     r0 = tl.maximum(row0, 0)
-    r1 = tl.minimum(row0 + num_rows, rows)
+    r1 = tl.minimum(row0 + num_rows, _rows(mapping))
     c0 = tl.maximum(col0, 0)
-    c1 = tl.minimum(col0 + num_cols, cols)
+    c1 = tl.minimum(col0 + num_cols, _cols(mapping))
+    if mapping.table is None:
+        token = _wait_shards(mapping, flags, r0, r1, c0, c1, value, cmp)
+    else:
+        token = _wait_segments(mapping, flags, r0, r1, c0, c1, value, cmp)
+    return _after_acquire(token, tma)
+
+
+@triton.jit
+def _wait_shards(mapping, flags, r0, r1, c0, c1, value, cmp: tl.constexpr):
+    """tile_wait's dense form, for the clipped block [r0, r1) x [c0, c1): a tile spans every column,
+    so the block needs the shards [r0 // shard, (r1 - 1) // shard], whose flags are consecutive."""
+    token = tl.full([], 0, tl.int32)
+    if (r1 > r0) & (c1 > c0):
+        first = r0 // mapping.shard
+        token = wait(flags + first, (r1 - 1) // mapping.shard - first + 1, value, cmp).to(tl.int32)
+    return token
+
+
+@triton.jit
+def _wait_segments(mapping, flags, r0, r1, c0, c1, value, cmp: tl.constexpr):
+    """tile_wait's table form, for the clipped block [r0, r1) x [c0, c1)."""
     # (s: along the sharded dimension, o: across it)
     if mapping.SHARD_DIM == 0:
         s0, s1, o0, o1 = r0, r1, c0, c1
