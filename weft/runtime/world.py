@@ -8,6 +8,7 @@ launch plans in `world.plans`, so both live as long as the heap they use.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 
 import torch
@@ -164,6 +165,11 @@ def finalize() -> None:
     if _world is None:
         return
     w, _world = _world, None
+    # CUDA graphs still alive in reference cycles (a model and its decode sessions) may hold NCCL kernels of
+    # this group's communicator: free them, and let the device finish, before the group goes.
+    gc.collect()
+    if w.device.type == "cuda":
+        torch.cuda.synchronize(w.device)
     w.barrier()
     w.contexts.clear()
     w.plans.clear()
