@@ -19,12 +19,13 @@ from .kernels.barrier import device_barrier
 from .kernels.common import world_or_raise
 from .kernels.moe import (check_routing_values, ep_combine, ep_combine_ll, ep_dispatch, ep_dispatch_ll, grouped_gemm,
                           routing_layout)
+from .kernels.moe_tp import GroupLayout, ag_group_gemm, group_gemm_rs
 from .kernels.ulysses import all_to_all_o_proj, qkv_all_to_all, ulysses_all_to_all
 
 __all__ = ["ag_gemm", "all_gather", "all_reduce", "reduce_scatter", "broadcast", "device_barrier", "gemm_rs", "gemm_ar",
            "flash_decode", "sp_flash_decode", "ulysses_all_to_all", "qkv_all_to_all", "all_to_all_o_proj",
            "routing_layout", "check_routing_values", "ep_dispatch", "ep_combine", "ep_dispatch_ll", "ep_combine_ll",
-           "grouped_gemm"]
+           "grouped_gemm", "ag_group_gemm", "group_gemm_rs", "GroupLayout"]
 
 _traced = _t.traced
 

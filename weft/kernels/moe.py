@@ -45,7 +45,7 @@ import weft.language as wl
 
 from .all_reduce import _halves_of, _word_of
 from .blocks import copy
-from .common import Launch, check_tensor, plan, signature, workspace, world_or_raise, zero_everywhere
+from .common import Launch, capturing, check_tensor, plan, signature, workspace, world_or_raise, zero_everywhere
 from .gemm import dot
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -124,10 +124,6 @@ def check_routing_values(topk_idx: torch.Tensor, num_experts: int) -> None:
     srt = topk_idx.sort(dim=1).values
     if bool(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()):
         raise ValueError("topk_idx names the same expert twice in a row: each token's experts must differ")
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 # -- the family's workspace ---------------------------------------------------------
@@ -331,7 +327,7 @@ class _HTPlan:
     def dispatch(self, x, topk_idx, topk_weights):
         world, ws, heap = self.world, self.ws, self.heap
         w, me, dev = world.world_size, world.rank, x.device
-        if not _capturing(dev):
+        if not capturing(dev):
             check_routing_values(topk_idx, self.num_experts)
         lay = Layout(topk_idx, self.num_experts, w)
         table = torch.empty((w, w), dtype=torch.int32, device=dev)
@@ -702,7 +698,7 @@ class _LLPlan:
 
     def dispatch(self, x, topk_idx):
         dev, ws = x.device, self.ws
-        if not _capturing(dev):
+        if not capturing(dev):
             check_routing_values(topk_idx, self.num_experts)
         recv = torch.empty(self.recv_shape, dtype=self.recv_dtype, device=dev)
         scales = torch.empty(self.scales_shape, dtype=torch.float32, device=dev) if self.fp8 else None
