@@ -331,9 +331,9 @@ def group_gemm_rs_kernel(h, meta, w, y, row_of_pair, weights, recv, out, done, r
         blk = item - base
         computed = wl.wait(done + me, 1, tiles, wl.CMP_GE, wl.SCOPE_GPU, heap=heap, peer=me,
                            op="group_gemm_rs chunk GEMM")
-        for q in range(WORLD):
-            if q != me:
-                computed = wl.wait(pushed + blk * WORLD + q, 1, epoch, wl.CMP_GE, heap=heap, peer=q,
+        for sender in range(WORLD):
+            if sender != me:
+                computed = wl.wait(pushed + blk * WORLD + sender, 1, epoch, wl.CMP_GE, heap=heap, peer=sender,
                                    op="group_gemm_rs partials")
         t = blk * BLOCK_T + t_in
         live = t < m
@@ -430,6 +430,16 @@ def _check_topk(world, topk_idx, m: int, num_experts: int, topk_weights=None):
                              "(that of topk_idx)")
 
 
+def _check_out(world, out, shape, dtype) -> None:
+    if out is None:
+        return
+    check_tensor("out", out, world)
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(shape)}")
+    if out.dtype != dtype:
+        raise TypeError(f"out has dtype {out.dtype}, expected {dtype}")
+
+
 def _choose(method: str, refusal: str | None, world_size: int) -> str:
     """The method a plan runs: "overlap" where it can take the call, except "auto" on one rank (nothing to hide)."""
     if method == "overlap" and refusal:
@@ -466,7 +476,7 @@ def _join(ws) -> None:
 class _AgPlan:
     """ag_group_gemm of one call signature: checks, method, launches, workspace views."""
 
-    def __init__(self, world, tokens, w, topk_idx, method):
+    def __init__(self, world, tokens, w, topk_idx, method, out):
         check_method(method, METHODS)
         check_tensor("tokens_shard", tokens, world, dtypes=DTYPES)
         if tokens.dim() != 2:
@@ -478,6 +488,7 @@ class _AgPlan:
         ww, me, k = world.world_size, world.rank, topk_idx.shape[1]
         self.m, self.k, self.e, self.n, self.dtype, self.dev = m, k, e, n, tokens.dtype, tokens.device
         self.out_shape = (ww * m * k, n)
+        _check_out(world, out, self.out_shape, tokens.dtype)
         self.width = width = e + 2 + m * k  # a chunk's layout, int32
         tokens_bytes = _aligned(ww * m * hidden * tokens.element_size())
         need = tokens_bytes + ww * width * 4
@@ -496,7 +507,8 @@ class _AgPlan:
         self.mapping = wl.TileMap((ww * m, hidden), ww, block, device=world.device).arg  # a tile per rank
         overlap = self.method == "overlap"
         consts = dict(E=e, TOP_K=k, GATHER=True, WAIT=overlap, **tiles, NUM_PROGRAMS=programs, **even)
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.dev)
+        if out is None:  # the launch is compiled for the alignment of the caller's out, or a fresh one's
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.dev)
         if overlap:
             self.ws = ws = _workspace(world)
             gathered = ws.view(0, (ww * m, hidden), self.dtype)
@@ -519,12 +531,12 @@ class _AgPlan:
         return (gathered, metas, w, out, self.ready, self.bar, self.heap, self.mapping, self.m, self.n,
                 gathered.shape[1], self.width)
 
-    def __call__(self, tokens, w, topk_idx):
+    def __call__(self, tokens, w, topk_idx, out):
         meta = chunk_layout(topk_idx, self.e)
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.dev)
         if self.empty:
-            return (torch.zeros(self.out_shape, dtype=self.dtype, device=self.dev),
-                    GroupLayout(all_gather(meta[None]), self.e, self.k, self.m))
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.dev)
+            return out.zero_(), GroupLayout(all_gather(meta[None]), self.e, self.k, self.m)
         if self.method == "baseline":
             metas = all_gather(meta[None])
             self.launch(*self._args(all_gather(tokens), metas, w, out))
@@ -541,7 +553,7 @@ class _AgPlan:
 
 
 def ag_group_gemm(tokens_shard: torch.Tensor, w_experts_shard: torch.Tensor, topk_idx: torch.Tensor,
-                  method: str = "auto"):
+                  method: str = "auto", out: torch.Tensor | None = None):
     """All-gather the tokens and multiply every (token, expert) pair by its expert's weight slice, overlapped.
 
     tokens_shard (m, hidden) bf16/fp16: this rank's tokens; w_experts_shard (E, hidden, N) of that dtype: every
@@ -550,7 +562,8 @@ def ag_group_gemm(tokens_shard: torch.Tensor, w_experts_shard: torch.Tensor, top
     expert twice). Contiguous. Returns (inter, layout): inter (W m k, N) has one row per pair of every rank's
     tokens, grouped by rank chunk, then by expert, in the order `layout` (a GroupLayout) describes:
     inter[row] = token @ w_experts_shard[expert] (fp32 accumulation, rounded to the dtype), zeros for the
-    pairs without expert; pass `layout` on to group_gemm_rs.
+    pairs without expert; pass `layout` on to group_gemm_rs. `out`: a contiguous (W m k, N) tensor to write
+    inter into.
     method: "overlap" (copy-engine pushes of the tokens under a persistent grouped GEMM that takes each rank's
     chunk as it arrives; needs the gathered tokens and layouts to fit the workspace), "baseline" (weft
     all_gather, then the grouped GEMM), "auto" (overlap where it can take the call, baseline on one rank).
@@ -559,17 +572,17 @@ def ag_group_gemm(tokens_shard: torch.Tensor, w_experts_shard: torch.Tensor, top
     """
     world = world_or_raise()
     found = plan(world, lambda: ("ag_group_gemm", signature(tokens_shard), signature(w_experts_shard),
-                                 signature(topk_idx), method),
-                 lambda: _AgPlan(world, tokens_shard, w_experts_shard, topk_idx, method))
+                                 signature(topk_idx), method, None if out is None else signature(out)),
+                 lambda: _AgPlan(world, tokens_shard, w_experts_shard, topk_idx, method, out))
     if not capturing(world.device):
         check_routing_values(topk_idx, found.e)
-    return found(tokens_shard, w_experts_shard, topk_idx)
+    return found(tokens_shard, w_experts_shard, topk_idx, out)
 
 
 class _RsPlan:
     """group_gemm_rs of one call signature: checks, method, launches, workspace views."""
 
-    def __init__(self, world, h, w_down, topk_idx, topk_weights, method):
+    def __init__(self, world, h, w_down, topk_idx, topk_weights, method, out):
         check_method(method, METHODS)
         check_tensor("h", h, world, dtypes=DTYPES)
         if h.dim() != 2:
@@ -586,6 +599,7 @@ class _RsPlan:
             raise ValueError(f"h has {h.shape[0]} rows, expected world size x tokens x k = {ww * m * k} (one per pair "
                              "of every rank's tokens, as ag_group_gemm returns them)")
         self.world, self.m, self.k, self.e, self.hidden, self.dtype, self.dev = world, m, k, e, hidden, h.dtype, h.device
+        _check_out(world, out, (m, hidden), h.dtype)
         recv_bytes = _aligned(ww * m * hidden * h.element_size())
         need = recv_bytes + ww * m * k * 4
         self.empty = min(m, inter, hidden) == 0
@@ -626,7 +640,8 @@ class _RsPlan:
         # tile may be what an earlier one's reduction waits for (module doc).
         programs = num_sms(world.device) if gpu else 1
         block_t = max(16 if gpu else 4, triton.next_power_of_2(triton.cdiv(m, MAX_TOKEN_BLOCKS)))
-        out = torch.empty((m, hidden), dtype=self.dtype, device=self.dev)
+        if out is None:  # the launch is compiled for the alignment of the caller's out, or a fresh one's
+            out = torch.empty((m, hidden), dtype=self.dtype, device=self.dev)
         self.launch = Launch(group_gemm_rs_kernel, (programs,),
                              self._args(h, metas, w_down, y, rows, out),
                              dict(E=e, TOP_K=k, WORLD=ww, **tiles, NUM_PROGRAMS=programs, **even, BLOCK_T=block_t,
@@ -649,9 +664,11 @@ class _RsPlan:
             raise ValueError(f"layout is for (world size, experts, k, tokens per rank) = {have} on "
                              f"{layout.meta.device}, but this call has {want} on {self.dev}")
 
-    def __call__(self, h, w_down, topk_idx, topk_weights, layout):
+    def __call__(self, h, w_down, topk_idx, topk_weights, layout, out):
+        if out is None:
+            out = torch.empty((self.m, self.hidden), dtype=self.dtype, device=self.dev)
         if self.empty:
-            return torch.zeros((self.m, self.hidden), dtype=self.dtype, device=self.dev)
+            return out.zero_()
         if layout is None:
             layout = _gathered_layout(topk_idx, self.e)
         if self.method == "baseline":
@@ -662,9 +679,8 @@ class _RsPlan:
             for j in range(self.k):  # fp32, in j order, as the overlapped kernel sums
                 r = layout.row_of_pair[:, j]
                 acc += torch.where((r >= 0)[:, None], weights[:, j:j + 1] * y[r.clamp(min=0).long()].float(), 0.0)
-            return reduce_scatter(acc.to(self.dtype))
+            return reduce_scatter(acc.to(self.dtype), out=out)
         ws = self.ws
-        out = torch.empty((self.m, self.hidden), dtype=self.dtype, device=self.dev)
         y = torch.empty((h.shape[0], self.hidden), dtype=self.dtype, device=self.dev)
         self.done.zero_()
         self.start(ws.bar, self.heap)
@@ -677,7 +693,7 @@ class _RsPlan:
 
 
 def group_gemm_rs(h: torch.Tensor, w_down_shard: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                  layout: GroupLayout | None = None, method: str = "auto") -> torch.Tensor:
+                  layout: GroupLayout | None = None, method: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
     """Multiply every pair's row of h by its expert's down-projection slice, sum each token's k results with
     its routing weights, and reduce-scatter the sum back to the token's rank, overlapped.
 
@@ -688,7 +704,8 @@ def group_gemm_rs(h: torch.Tensor, w_down_shard: torch.Tensor, topk_idx: torch.T
     all_gather, and topk_idx's values checked, a host sync, except under CUDA-graph capture). Contiguous.
     Returns (m, hidden): for each of my tokens, sum over ranks q in rank order of q's partial, sum over j of
     topk_weights[t, j] * (h[row of (t, j)] @ w_down_shard[expert] on rank q, rounded to the dtype), in fp32
-    and rounded once per rank; pairs with topk_idx -1 add nothing.
+    and rounded once per rank; pairs with topk_idx -1 add nothing. `out`: a contiguous (m, hidden) tensor to
+    write the result into.
     method: "overlap" (one persistent kernel: each rank chunk's GEMM, then its weighted sums pushed into the
     owner's workspace while the next chunk computes; needs the partials and routing weights to fit the
     workspace), "baseline" (the grouped GEMM, the weighted sum in torch, weft reduce_scatter), "auto"
@@ -697,9 +714,47 @@ def group_gemm_rs(h: torch.Tensor, w_down_shard: torch.Tensor, topk_idx: torch.T
     """
     world = world_or_raise()
     found = plan(world, lambda: ("group_gemm_rs", signature(h), signature(w_down_shard), signature(topk_idx),
-                                 signature(topk_weights), layout is None, method),
-                 lambda: _RsPlan(world, h, w_down_shard, topk_idx, topk_weights, method))
+                                 signature(topk_weights), layout is None, method,
+                                 None if out is None else signature(out)),
+                 lambda: _RsPlan(world, h, w_down_shard, topk_idx, topk_weights, method, out))
     found.check_layout(layout)
     if layout is None and not capturing(world.device):
         check_routing_values(topk_idx, found.e)
-    return found(h, w_down_shard, topk_idx, topk_weights, layout)
+    return found(h, w_down_shard, topk_idx, topk_weights, layout, out)
+
+
+# Signatures for the sm_90 compile check (weft.testing.compile): both GPU tilings, bf16 and fp16, the
+# ag_group_gemm (gather, wait) and group_gemm_rs baseline (no gather, no wait) forms; Qwen3-30B-A3B's 128
+# experts top-8 at 8 ranks and Mixtral's 8 top-2 at 2.
+def _chunks_case(t: str, big: bool, gather: bool, experts: int, k: int):
+    tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, NUM_STAGES=3) if big else \
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, NUM_STAGES=4)
+    sig = dict(a=f"*{t}", meta="*i32", w=f"*{t}", out=f"*{t}", ready="*i32", bar="*i32", heap="*i64",
+               mapping=wl.TileMapping("*i32", "constexpr", "constexpr", "constexpr", "constexpr"), m="i32", N="i32",
+               K="i32", meta_stride="i32")
+    consts = {("mapping", 1): 1024, ("mapping", 2): 2048, ("mapping", 3): 0, ("mapping", 4): 8}
+    consts |= dict(E=experts, TOP_K=k, GATHER=gather, WAIT=gather, BLOCK_M=tiles["BLOCK_M"],
+                   BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"], BLOCK_E=triton.next_power_of_2(experts + 2),
+                   NUM_STAGES=tiles["NUM_STAGES"], NUM_PROGRAMS=132, EVEN_K=True, EVEN_N=big)
+    return group_gemm_chunks_kernel, sig, consts, dict(num_warps=8 if big else 4)
+
+
+def _rs_case(t: str, big: bool, experts: int, k: int, world: int):
+    tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, NUM_STAGES=3) if big else \
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, NUM_STAGES=4)
+    sig = dict(h=f"*{t}", meta="*i32", w=f"*{t}", y=f"*{t}", row_of_pair="*i32", weights="*fp32", recv=f"*{t}",
+               out=f"*{t}", done="*i32", ready="*i32", pushed="*i32", bar="*i32", heap="*i64", m="i32", N="i32",
+               K="i32", meta_stride="i32")
+    consts = dict(E=experts, TOP_K=k, WORLD=world, **tiles, BLOCK_E=triton.next_power_of_2(experts + 2),
+                  NUM_PROGRAMS=132, EVEN_K=big, EVEN_N=True, BLOCK_T=16, BLOCK_H=256)
+    consts = {name: consts[name] for name in group_gemm_rs_kernel.arg_names if name in consts}
+    return group_gemm_rs_kernel, sig, consts, dict(num_warps=8 if big else 4)
+
+
+COMPILE_CASES = [(moe_tp_start_kernel, dict(bar="*i32", heap="*i64"), {}, dict(num_warps=1))] + [
+    _chunks_case(t, big, gather, experts, k) for t in ("bf16", "fp16") for big in (True, False)
+    for gather in (True, False) for experts, k in ((128, 8), (8, 2))
+] + [
+    _rs_case(t, big, experts, k, world) for t in ("bf16", "fp16") for big in (True, False)
+    for experts, k, world in ((128, 8, 8), (8, 2, 2))
+]
