@@ -11,7 +11,7 @@
 #     tpmlp: torch operators / layers GPU tests on 2 and all GPUs,
 #     the sequence-parallel MLP training example, and forward + backward of a TP MLP block against NCCL +
 #     cuBLAS and torch async-TP;
-#     moe: EP dispatch/combine and grouped GEMM GPU tests on 2 and
+#     moe: EP dispatch/combine, grouped GEMM, TP-MoE ops and MoE layers GPU tests on 2 and
 #     all GPUs, `weft bench moe` on all GPUs
 # WEFT_COMMIT names the commit in the log where the tree was copied without its git history.
 # Logs and bench JSON/markdown/PNG end up packed in $OUT/weft_results.tar.gz (*.log, bench/).
@@ -93,9 +93,9 @@ fi
 if has moe; then
   for n in $(printf '%s\n' 2 "$NGPU" | sort -nu); do
     [ "$n" -le "$NGPU" ] || continue
-    step "gpu_moe_tests_$n" timeout 300 env WEFT_WORKSPACE_BYTES=$((1 << 30)) python3 -m weft run -n "$n" -m pytest tests/test_gpu_moe.py -m gpu -q -x -p no:cacheprovider
+    step "gpu_moe_tests_$n" timeout 400 env WEFT_WORKSPACE_BYTES=$((1 << 30)) python3 -m weft run -n "$n" -m pytest tests/test_gpu_moe.py -m gpu -q -x -p no:cacheprovider
   done
-  step bench_moe timeout 300 python3 -m weft bench -n "$NGPU" moe --out "$OUT/bench"
+  step bench_moe timeout 540 python3 -m weft bench -n "$NGPU" moe --out "$OUT/bench"
 fi
 cat "$OUT"/bench/*.md 2>/dev/null
 # One archive instead of many files: the device tool brings back only a few files per call.
