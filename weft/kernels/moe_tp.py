@@ -87,11 +87,12 @@ MAX_TOKEN_BLOCKS = 4096
 
 def chunk_layout(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     """One rank's chunk of a GroupLayout, from its topk_idx (m, k), on the device with no host sync:
-    (E + 2 + m k,) int32 = [starts (E + 2) | pair_of_row (m k)] (see GroupLayout)."""
+    (E + 2 + m k,) int32 = [starts (E + 2) | pair_of_row (m k)] (see GroupLayout). An entry outside [0, E)
+    (-1, or an unchecked bad value under CUDA-graph capture) is a pair without expert."""
     m, k = topk_idx.shape
     dev = topk_idx.device
     flat = topk_idx.reshape(-1).long()
-    key = torch.where(flat < 0, num_experts, flat)  # no expert: after every expert
+    key = torch.where((flat < 0) | (flat >= num_experts), num_experts, flat)  # no expert: after every expert
     sorted_key, order = torch.sort(key, stable=True)
     meta = torch.empty(num_experts + 2 + m * k, dtype=torch.int32, device=dev)
     meta[:num_experts + 2] = torch.searchsorted(sorted_key, torch.arange(num_experts + 2, device=dev))
@@ -546,7 +547,8 @@ class _AgPlan:
         self.mine[0].copy_(tokens)
         self.mine[1].copy_(meta)
         epoch = ws.bar[0:1]
-        _push(ws, [pair for rows, layout, flag in self.peers for pair in ((rows, tokens), (layout, meta), (flag, epoch))])
+        _push(ws, [pair for rows, layout, flag in self.peers
+                   for pair in ((rows, tokens), (layout, meta), (flag, epoch))])
         self.launch(*self._args(self.gathered, self.metas, w, out))
         _join(ws)
         return out, GroupLayout(self.metas.clone(), self.e, self.k, self.m)
@@ -598,7 +600,8 @@ class _RsPlan:
         if h.shape[0] != ww * m * k:
             raise ValueError(f"h has {h.shape[0]} rows, expected world size x tokens x k = {ww * m * k} (one per pair "
                              "of every rank's tokens, as ag_group_gemm returns them)")
-        self.world, self.m, self.k, self.e, self.hidden, self.dtype, self.dev = world, m, k, e, hidden, h.dtype, h.device
+        self.world, self.m, self.k, self.e, self.hidden = world, m, k, e, hidden
+        self.dtype, self.dev = h.dtype, h.device
         _check_out(world, out, (m, hidden), h.dtype)
         recv_bytes = _aligned(ww * m * hidden * h.element_size())
         need = recv_bytes + ww * m * k * 4
@@ -693,7 +696,8 @@ class _RsPlan:
 
 
 def group_gemm_rs(h: torch.Tensor, w_down_shard: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                  layout: GroupLayout | None = None, method: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
+                  layout: GroupLayout | None = None, method: str = "auto",
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Multiply every pair's row of h by its expert's down-projection slice, sum each token's k results with
     its routing weights, and reduce-scatter the sum back to the token's rank, overlapped.
 

@@ -61,8 +61,8 @@ def dense_weights(block: nn.Module):
         names = ("gate_proj", "up_proj", "down_proj") if hasattr(experts[0], "gate_proj") else ("w1", "w3", "w2")
         gate, up, down = (torch.stack([getattr(mlp, n).weight for mlp in experts]) for n in names)
     if top_k is None or gate.shape[2] != router.shape[1] or down.shape[1] != router.shape[1]:
-        raise ValueError(f"{type(block).__name__} is not a sparse MoE block weft can read: router {tuple(router.shape)}, "
-                         f"gate {tuple(gate.shape)}, down {tuple(down.shape)}, top_k {top_k}")
+        raise ValueError(f"{type(block).__name__} is not a sparse MoE block weft can read: router "
+                         f"{tuple(router.shape)}, gate {tuple(gate.shape)}, down {tuple(down.shape)}, top_k {top_k}")
     return router, gate, up, down, int(top_k), bool(norm)
 
 
