@@ -111,13 +111,18 @@ class GroupLayout:
       = m k) and `pair_of_row[c]` (m k: the pair t k + j of rank c that row i of the chunk holds);
     - row_of_pair (W m, k) int32: the global row of the j-th pair of gathered token g (token t of rank c is
       g = c m + t), -1 where topk_idx is -1.
-    Fields world_size, num_experts, top_k, tokens_per_rank (m).
+    Fields world_size, num_experts, top_k, tokens_per_rank (m). Made from meta; row_of_pair is computed from it
+    unless given (an operator's output: weft.torch_ops).
     """
 
-    def __init__(self, meta: torch.Tensor, num_experts: int, top_k: int, tokens_per_rank: int):
+    def __init__(self, meta: torch.Tensor, num_experts: int, top_k: int, tokens_per_rank: int,
+                 row_of_pair: torch.Tensor | None = None):
         w = meta.shape[0]
         e, k, m = num_experts, top_k, tokens_per_rank
         self.meta, self.world_size, self.num_experts, self.top_k, self.tokens_per_rank = meta, w, e, k, m
+        self.row_of_pair = row_of_pair
+        if row_of_pair is not None:
+            return
         pairs = m * k
         dev = meta.device
         local = torch.arange(pairs, dtype=torch.int32, device=dev)
