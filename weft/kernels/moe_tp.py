@@ -71,10 +71,10 @@ import weft.language as wl
 
 from .all_gather import all_gather
 from .all_reduce import reduce_scatter
-from .blocks import cast
+from .blocks import cast, group_tile
 from .common import (Launch, capturing, check_method, check_tensor, plan, signature, workspace, world_or_raise,
                      zero_everywhere)
-from .gemm import dot, num_sms
+from .gemm import num_sms
 from .moe import INDEX_DTYPES, check_routing_values
 
 METHODS = ("auto", "overlap", "baseline")
@@ -156,41 +156,6 @@ def _segments(starts, NUM_SEGMENTS, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr
 
 
 @triton.jit
-def _group_tile(a, pairs, w, out, a_row0, out_row0, row0, rows, e, k_end, pm, pn, N, K,
-                GATHER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-    """Row block pm x column block pn of one segment (rows [row0, row0 + rows) of a chunk, expert e):
-    out[out_row0 + row] = A row @ w[e] over K[:k_end] (k_end 0: a block of zeros). A row: token
-    pairs[row] // TOP_K of the chunk's tokens at a_row0 (GATHER), else row a_row0 + row."""
-    i = pm * BLOCK_M + tl.arange(0, BLOCK_M)
-    live = i < rows
-    row = row0 + tl.where(live, i, 0)  # dead rows read the segment's first row: in bounds, never stored
-    if GATHER:
-        src = a_row0 + tl.load(pairs + row) // TOP_K
-    else:
-        src = a_row0 + row
-    cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    kk = tl.arange(0, BLOCK_K)
-    a_ptrs = a + src.to(tl.int64)[:, None] * K + kk[None, :]
-    b_ptrs = w + e.to(tl.int64) * K * N + kk[:, None] * N + cols[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in tl.range(0, k_end, BLOCK_K, num_stages=NUM_STAGES):
-        if EVEN_K:
-            x = tl.load(a_ptrs)
-        else:
-            x = tl.load(a_ptrs, mask=(k0 + kk)[None, :] < K, other=0.0)
-        if EVEN_K and EVEN_N:
-            b = tl.load(b_ptrs)
-        else:
-            b = tl.load(b_ptrs, mask=((k0 + kk)[:, None] < K) & (cols[None, :] < N), other=0.0)
-        acc = dot(x, b, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * N
-    dst = out + (out_row0 + row).to(tl.int64)[:, None] * N + cols[None, :]
-    tl.store(dst, cast(acc, out.dtype.element_ty), mask=live[:, None] & (cols[None, :] < N))
-
-
-@triton.jit
 def _chunk_tiles(a, meta_c, w, out, done_c, heap, a_row0, out_row0, base, N, K, E: tl.constexpr,
                  TOP_K: tl.constexpr, GATHER: tl.constexpr, COUNT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -213,7 +178,7 @@ def _chunk_tiles(a, meta_c, w, out, done_c, heap, a_row0, out_row0, base, N, K, 
         this = s == e
         nb = tl.sum(tl.where(this, blocks, 0), axis=0)
         within = local - tl.sum(tl.where(this, first_tile, 0), axis=0)
-        _group_tile(a, meta_c + E + 2, w, out, a_row0, out_row0, tl.sum(tl.where(this, first, 0), axis=0),
+        group_tile(a, meta_c + E + 2, w, out, a_row0, out_row0, tl.sum(tl.where(this, first, 0), axis=0),
                     tl.sum(tl.where(this, rows, 0), axis=0), tl.minimum(e, E - 1), tl.where(e < E, K, 0),
                     within % nb, within // nb, N, K, GATHER, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
                     EVEN_K, EVEN_N)
