@@ -12,7 +12,7 @@ tensor-parallel MoE ops and the MoE layers against the same work on torch collec
 - NVLink bound: the bf16 bytes each rank sends to other ranks (dispatch + combine, slowest rank) over the
   per-rank bandwidth that weft's all_gather reaches in the same run.
 - grouped GEMM (experts 32, capacity 256, 7168 -> 2048, random counts): weft grouped_gemm against a loop of
-  torch.matmul over the experts' rows.
+  torch.matmul over the experts' rows and, where it runs, torch._grouped_mm over the same rows packed.
 - TP-MoE ops (Qwen3-30B-A3B: hidden 2048, 128 experts, top-8, moe inter 768; Mixtral-8x7B: hidden 4096, 8
   experts, top-2, inter 14336; 8192 tokens in all, sequence parallel): ag_group_gemm (gate and up side by
   side, 2 inter / W columns per rank) and group_gemm_rs (inter / W -> hidden), "weft overlap" (method
@@ -214,6 +214,11 @@ def _grouped_gemm(experts, cap, k, n, samples) -> list[Row]:
         if not torch.allclose(got[e, :m].float(), out[e, :m].float(), rtol=2e-2, atol=2e-2):
             raise RuntimeError(f"grouped_gemm mismatch against torch.matmul (expert {e})")
     impls = {"weft grouped_gemm": lambda: weft.ops.grouped_gemm(x, wt, counts), "torch.matmul loop": loop}
+    grouped = TorchGrouped(w.device)
+    if grouped.grouped:  # torch's grouped GEMM on the same rows, packed (the packing untimed)
+        packed = torch.cat([x[e, :m] for e, m in enumerate(sizes)])
+        ends = counts.cumsum(0, dtype=torch.int32)
+        impls["torch._grouped_mm"] = lambda: grouped(packed, wt, ends)
     case = f"grouped GEMM {experts}x{cap}x{k}x{n}"
     return [Row(SUITE, case, name, ms, 0.0, 0, w.world_size, view)
             for view, graph in (("eager", False), ("graph", True))
