@@ -59,7 +59,10 @@ the workspace, or a world of one): ag_group_gemm is weft all_gather of the token
 the same grouped GEMM kernel without waits; group_gemm_rs is the grouped GEMM of every chunk, the weighted
 top-k sum in torch, and weft reduce_scatter. Every rank computes every chunk in both methods, with the same
 rounding: each expert output rounded to the dtype, each rank's weighted sum in fp32 rounded once, the ranks'
-partials summed in fp32 in rank order.
+partials summed in fp32 in rank order. "auto" overlaps wherever it can, and the GEMM tiling follows the experts'
+average rows per chunk (_gemm_config): both provisional, not measured on GPUs yet.
+
+Both ops are PyTorch operators too (torch.ops.weft.*, weft/torch_ops.py; inference only).
 """
 from __future__ import annotations
 
