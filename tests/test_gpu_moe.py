@@ -272,7 +272,8 @@ def test_moe_layers_match_dense_block(layer):
     g = torch.Generator(device=w.device).manual_seed(61 + w.rank)
     x = torch.randn(1, 96, 1024, device=w.device, generator=g).to(torch.bfloat16)
     with torch.no_grad():
-        want = block(x).float()
+        want = block(x)
+    want = (want[0] if isinstance(want, tuple) else want).float()  # transformers 4 adds the router logits
     if layer == "tp":
         moe = TPMoE.from_dense(block)
         got = moe(x)
