@@ -267,7 +267,8 @@ def _sorted_pairs(idx, experts):
     int32: where each expert's pairs end)."""
     key = idx.reshape(-1)
     sorted_key, order = torch.sort(key, stable=True)
-    ends = torch.searchsorted(sorted_key, torch.arange(1, experts + 1, device=idx.device)).to(torch.int32)
+    bounds = torch.arange(1, experts + 1, dtype=sorted_key.dtype, device=idx.device)
+    ends = torch.searchsorted(sorted_key, bounds).to(torch.int32)
     return order, ends
 
 

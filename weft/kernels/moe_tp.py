@@ -98,7 +98,8 @@ def chunk_layout(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     key = torch.where((flat < 0) | (flat >= num_experts), num_experts, flat)  # no expert: after every expert
     sorted_key, order = torch.sort(key, stable=True)
     meta = torch.empty(num_experts + 2 + m * k, dtype=torch.int32, device=dev)
-    meta[:num_experts + 2] = torch.searchsorted(sorted_key, torch.arange(num_experts + 2, device=dev))
+    meta[:num_experts + 2] = torch.searchsorted(sorted_key, torch.arange(num_experts + 2, dtype=sorted_key.dtype,
+                                                                          device=dev))
     meta[num_experts + 2:] = order
     return meta
 

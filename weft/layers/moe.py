@@ -136,7 +136,7 @@ class EPMoE(_MoE):
         sizes = counts.tolist()  # the one host sync: the buffer's size
         pairs = sum(sizes)
         expert = sorted_key[:pairs]
-        first = torch.searchsorted(sorted_key, torch.arange(self.local, device=dev))
+        first = torch.searchsorted(sorted_key, torch.arange(self.local, dtype=sorted_key.dtype, device=dev))
         slot = torch.arange(pairs, device=dev) - first[expert]
         row = order[:pairs] // k
         x = rx.new_empty((self.local, max(sizes, default=0), self.hidden))
