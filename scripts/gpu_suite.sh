@@ -11,7 +11,7 @@
 #     tpmlp: torch operators / layers GPU tests on 2 and all GPUs,
 #     the sequence-parallel MLP training example, and forward + backward of a TP MLP block against NCCL +
 #     cuBLAS and torch async-TP;
-#     moe: EP dispatch/combine and grouped GEMM GPU tests on 2 and
+#     moe: EP dispatch/combine, grouped GEMM, TP-MoE ops and MoE layers GPU tests on 2 and
 #     all GPUs, `weft bench moe` on all GPUs;
 #     e2e: the tensor-parallel decoder (weft.models): GPU tests on 2 and all GPUs (logits against transformers,
 #     graph-replayed decode), `weft demo`, `weft bench e2e` (Qwen3-8B and -32B, prefill and decode) on all GPUs
@@ -95,9 +95,9 @@ fi
 if has moe; then
   for n in $(printf '%s\n' 2 "$NGPU" | sort -nu); do
     [ "$n" -le "$NGPU" ] || continue
-    step "gpu_moe_tests_$n" timeout 300 env WEFT_WORKSPACE_BYTES=$((1 << 30)) python3 -m weft run -n "$n" -m pytest tests/test_gpu_moe.py -m gpu -q -x -p no:cacheprovider
+    step "gpu_moe_tests_$n" timeout 400 env WEFT_WORKSPACE_BYTES=$((1 << 30)) python3 -m weft run -n "$n" -m pytest tests/test_gpu_moe.py -m gpu -q -x -p no:cacheprovider
   done
-  step bench_moe timeout 300 python3 -m weft bench -n "$NGPU" moe --out "$OUT/bench"
+  step bench_moe timeout 540 python3 -m weft bench -n "$NGPU" moe --out "$OUT/bench"
 fi
 if has e2e; then
   for n in $(printf '%s\n' 2 "$NGPU" | sort -nu); do

@@ -1,4 +1,5 @@
 """MoE on GPUs at DeepSeek-V3 decode/prefill sizes (hidden 7168, 128 tokens per rank, top-8 of 256 experts),
+the TP-MoE ops at Qwen3-30B-A3B sizes and the MoE layers against a Hugging Face block,
 against the torch reference of the routing: `WEFT_WORKSPACE_BYTES=1GiB weft run -n N -m pytest
 tests/test_gpu_moe.py -m gpu` (scripts/gpu_suite.sh moe)."""
 import os
@@ -162,3 +163,121 @@ def test_grouped_gemm_against_matmul():
     for e in range(experts):
         m = int(counts[e])
         torch.testing.assert_close(out[e, :m], torch.matmul(x[e, :m], wt[e]), rtol=2e-2, atol=2e-2)
+
+
+# -- tensor-parallel MoE -------------------------------------------------------------------------------
+
+TP_HIDDEN, TP_EXPERTS, TP_K, TP_INTER = 2048, 128, 8, 768  # Qwen3-30B-A3B's MoE block
+
+
+def _tp_case(seed, m):
+    """Every rank's tokens, routing and weights (the same on every rank); this rank's weight slices."""
+    w = weft.world()
+    g = torch.Generator(device=w.device).manual_seed(seed)
+    ws, n = w.world_size, TP_INTER // w.world_size
+    x = torch.randn(ws, m, TP_HIDDEN, device=w.device, generator=g).to(torch.bfloat16)
+    idx = torch.rand(ws, m, TP_EXPERTS, device=w.device, generator=g).topk(TP_K, dim=-1).indices
+    wts = torch.rand(ws, m, TP_K, device=w.device, generator=g)
+    w_gu = (torch.randn(TP_EXPERTS, TP_HIDDEN, 2 * n, device=w.device, generator=g) / 45).to(torch.bfloat16)
+    w_dn = (torch.randn(ws, TP_EXPERTS, n, TP_HIDDEN, device=w.device, generator=g) / 20).to(torch.bfloat16)
+    h = torch.randn(ws, ws * m * TP_K, n, device=w.device, generator=g).to(torch.bfloat16)
+    return x, idx, wts, w_gu, w_dn, h
+
+
+def _tp_reference(x, idx, wts, w_gu, w_dn, h, layout):
+    """(inter of every pair, by global pair index; my tokens' group_gemm_rs output), by expert in torch."""
+    w = weft.world()
+    ws, m = x.shape[0], x.shape[1]
+    xa, ia = x.reshape(-1, TP_HIDDEN), idx.reshape(-1)
+    inter = torch.empty(ia.shape[0], w_gu.shape[2], dtype=torch.bfloat16, device=w.device)
+    for e in range(TP_EXPERTS):
+        sel = (ia == e).nonzero().squeeze(1)
+        inter[sel] = xa[sel // TP_K] @ w_gu[e]
+    rows = layout.row_of_pair.reshape(-1).long()  # pair -> row of h
+    total = torch.zeros(m, TP_HIDDEN, device=w.device)
+    mine = torch.arange(w.rank * m * TP_K, (w.rank + 1) * m * TP_K, device=w.device)
+    for q in range(ws):
+        y = torch.empty(mine.shape[0], TP_HIDDEN, dtype=torch.bfloat16, device=w.device)
+        for e in range(TP_EXPERTS):
+            sel = (ia[mine] == e).nonzero().squeeze(1)
+            y[sel] = h[q][rows[mine[sel]]] @ w_dn[q, e]
+        part = (y.float() * wts[w.rank].reshape(-1, 1)).reshape(m, TP_K, TP_HIDDEN).sum(1)
+        total += part.to(torch.bfloat16).float()
+    return inter, total
+
+
+@pytest.mark.parametrize("method", ["overlap", "baseline"])
+def test_ag_group_gemm_and_group_gemm_rs(method):
+    w = weft.world()
+    me = w.rank
+    for seed, m in ((40, 512), (41, 300)):  # 300: segments that end mid-block
+        x, idx, wts, w_gu, w_dn, h = _tp_case(seed, m)
+        inter, layout = weft.ops.ag_group_gemm(x[me], w_gu, idx[me], method=method)
+        out = weft.ops.group_gemm_rs(h[me], w_dn[me], idx[me], wts[me], layout, method=method)
+        want_inter, want_out = _tp_reference(x, idx, wts, w_gu, w_dn, h, layout)
+        got_inter = inter[layout.row_of_pair.reshape(-1).long()]
+        torch.testing.assert_close(got_inter.float(), want_inter.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(out.float(), want_out, rtol=3e-2, atol=3e-2)
+
+
+def test_moe_tp_cuda_graph():
+    w = weft.world()
+    me = w.rank
+    x, idx, wts, w_gu, w_dn, h = _tp_case(50, 256)
+    sx, si, sw, sh = x[me].clone(), idx[me].clone(), wts[me].clone(), h[me].clone()
+    weft.ops.check_routing_values(si, TP_EXPERTS)
+    res = {}
+
+    def step():
+        inter, layout = weft.ops.ag_group_gemm(sx, w_gu, si)
+        res.update(inter=inter, layout=layout, out=weft.ops.group_gemm_rs(sh, w_dn[me], si, sw, layout))
+
+    step()  # workspace and plans outside capture
+    g = capture(step)
+    for seed in range(51, 54):
+        x, idx, wts, _, _, h = _tp_case(seed, 256)
+        sx.copy_(x[me])
+        si.copy_(idx[me])
+        sw.copy_(wts[me])
+        sh.copy_(h[me])
+        g.replay()
+        want_inter, want_out = _tp_reference(x, idx, wts, w_gu, w_dn, h, res["layout"])
+        got_inter = res["inter"][res["layout"].row_of_pair.reshape(-1).long()]
+        torch.testing.assert_close(got_inter.float(), want_inter.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(res["out"].float(), want_out, rtol=3e-2, atol=3e-2)
+
+
+# -- layers ------------------------------------------------------------------------------------------------
+
+def _qwen3_block(seed):
+    config = pytest.importorskip("transformers.models.qwen3_moe.configuration_qwen3_moe")
+    modeling = pytest.importorskip("transformers.models.qwen3_moe.modeling_qwen3_moe")
+    w = weft.world()
+    block = modeling.Qwen3MoeSparseMoeBlock(config.Qwen3MoeConfig(
+        hidden_size=1024, moe_intermediate_size=512, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True))
+    g = torch.Generator(device=w.device).manual_seed(seed)
+    block = block.to(w.device)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, device=w.device, generator=g) / p.shape[-1] ** 0.5)
+    return block.to(torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("layer", ["tp", "ep-ll", "ep-ht"])
+def test_moe_layers_match_dense_block(layer):
+    from weft.layers import EPMoE, TPMoE
+
+    w = weft.world()
+    block = _qwen3_block(60)
+    g = torch.Generator(device=w.device).manual_seed(61 + w.rank)
+    x = torch.randn(1, 96, 1024, device=w.device, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        want = block(x)
+    want = (want[0] if isinstance(want, tuple) else want).float()  # transformers 4 adds the router logits
+    if layer == "tp":
+        moe = TPMoE.from_dense(block)
+        got = moe(x)
+    else:
+        moe = EPMoE.from_dense(block, decode_tokens=128)
+        got = moe(x, mode=layer[3:])
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)

@@ -19,12 +19,14 @@ from .kernels.barrier import device_barrier
 from .kernels.common import world_or_raise
 from .kernels.moe import (check_routing_values, ep_combine, ep_combine_ll, ep_dispatch, ep_dispatch_ll, grouped_gemm,
                           routing_layout)
+from .kernels import moe_tp as _moe_tp
+from .kernels.moe_tp import GroupLayout
 from .kernels.ulysses import all_to_all_o_proj, qkv_all_to_all, ulysses_all_to_all
 
 __all__ = ["ag_gemm", "all_gather", "all_reduce", "reduce_scatter", "broadcast", "device_barrier", "gemm_rs", "gemm_ar",
            "flash_decode", "sp_flash_decode", "ulysses_all_to_all", "qkv_all_to_all", "all_to_all_o_proj",
            "routing_layout", "check_routing_values", "ep_dispatch", "ep_combine", "ep_dispatch_ll", "ep_combine_ll",
-           "grouped_gemm"]
+           "grouped_gemm", "ag_group_gemm", "group_gemm_rs", "GroupLayout"]
 
 _traced = _t.traced
 
@@ -126,3 +128,22 @@ def sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table=
         return _flash_decode.sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table, scale)
     return torch.ops.weft.sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard,
                                           world_or_raise().world_size, block_table, scale)
+
+
+@_doc(_moe_tp.ag_group_gemm)
+def ag_group_gemm(tokens_shard, w_experts_shard, topk_idx, method="auto", out=None):
+    if not _traced(tokens_shard, w_experts_shard, out):
+        return _moe_tp.ag_group_gemm(tokens_shard, w_experts_shard, topk_idx, method, out)
+    inter, meta, row_of_pair = torch.ops.weft.ag_group_gemm(tokens_shard, w_experts_shard, topk_idx,
+                                                            world_or_raise().world_size, method)
+    return _into(out, inter), GroupLayout(meta, w_experts_shard.shape[0], topk_idx.shape[1], topk_idx.shape[0],
+                                          row_of_pair)
+
+
+@_doc(_moe_tp.group_gemm_rs)
+def group_gemm_rs(h, w_down_shard, topk_idx, topk_weights, layout=None, method="auto", out=None):
+    if not _traced(h, w_down_shard, out):
+        return _moe_tp.group_gemm_rs(h, w_down_shard, topk_idx, topk_weights, layout, method, out)
+    meta, row_of_pair = (None, None) if layout is None else (layout.meta, layout.row_of_pair)
+    return _into(out, torch.ops.weft.group_gemm_rs(h, w_down_shard, topk_idx, topk_weights, meta, row_of_pair,
+                                                   world_or_raise().world_size, method))

@@ -18,6 +18,11 @@ and does no communication.
     torch.ops.weft.flash_decode(q, k_cache, v_cache, seqlens, block_table, scale) -> (out, lse)
     torch.ops.weft.sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard, world_size, block_table,
                                    scale)                             -> out
+    torch.ops.weft.ag_group_gemm(tokens_shard, w_experts_shard, topk_idx, world_size, method)
+                                                                      -> (inter, the layout's meta, row_of_pair)
+    torch.ops.weft.group_gemm_rs(h, w_down_shard, topk_idx, topk_weights, meta, row_of_pair, world_size, method)
+                                                                      -> (m, hidden)  (meta, row_of_pair: the
+                                                                         layout, or None both)
 
 `weft.ops.*` call the implementations directly (a custom op's dispatch costs 7-21 us per call) and come
 here only when the call is traced (torch.compile, export, make_fx, a fake-tensor mode) or has to record
@@ -36,7 +41,8 @@ Sequence-parallel programs (activations split by token over the ranks, each rank
 get exactly the single-process gradients this way. A program whose activations are *replicated* (plain
 tensor parallelism: every rank computes the same loss on the same output) counts that loss W times under
 this convention; weft.layers' plain-TP layers use Megatron's convention instead (see weft/layers/linear.py).
-Every backward runs on weft's ops, never NCCL (except where the op's own `auto` picks it).
+Every backward runs on weft's ops, never NCCL (except where the op's own `auto` picks it). The TP-MoE ops
+(ag_group_gemm, group_gemm_rs) are inference only: no autograd.
 """
 from __future__ import annotations
 
@@ -50,6 +56,7 @@ from .kernels import all_reduce as _all_reduce
 from .kernels import flash_decode as _flash_decode
 from .kernels import gemm_ar as _gemm_ar
 from .kernels import gemm_rs as _gemm_rs
+from .kernels import moe_tp as _moe_tp
 from .kernels.common import world_or_raise
 
 _is_compiling = torch.compiler.is_compiling
@@ -195,6 +202,40 @@ def _(a, b_shard, world_size, method="auto"):
     _matmul_operands("a", a, "b_shard", b_shard)
     _rows_divisible(a, world_size)
     return a.new_empty((a.shape[0] // world_size, b_shard.shape[1]))
+
+
+# -- tensor-parallel MoE (inference only) ----------------------------------------------
+
+@torch.library.custom_op("weft::ag_group_gemm", mutates_args=())
+def ag_group_gemm(tokens_shard: torch.Tensor, w_experts_shard: torch.Tensor, topk_idx: torch.Tensor, world_size: int,
+                  method: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_world_size(world_size)
+    inter, layout = _moe_tp.ag_group_gemm(tokens_shard, w_experts_shard, topk_idx, method=method)
+    return inter, layout.meta, layout.row_of_pair
+
+
+@ag_group_gemm.register_fake
+def _(tokens_shard, w_experts_shard, topk_idx, world_size, method="auto"):
+    m, k = topk_idx.shape
+    experts, _, n = w_experts_shard.shape
+    return (tokens_shard.new_empty((world_size * m * k, n)),
+            topk_idx.new_empty((world_size, experts + 2 + m * k), dtype=torch.int32),
+            topk_idx.new_empty((world_size * m, k), dtype=torch.int32))
+
+
+@torch.library.custom_op("weft::group_gemm_rs", mutates_args=())
+def group_gemm_rs(h: torch.Tensor, w_down_shard: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                  meta: Optional[torch.Tensor], row_of_pair: Optional[torch.Tensor], world_size: int,
+                  method: str = "auto") -> torch.Tensor:
+    _check_world_size(world_size)
+    layout = None if meta is None else _moe_tp.GroupLayout(meta, w_down_shard.shape[0], topk_idx.shape[1],
+                                                           topk_idx.shape[0], row_of_pair)
+    return _moe_tp.group_gemm_rs(h, w_down_shard, topk_idx, topk_weights, layout, method=method)
+
+
+@group_gemm_rs.register_fake
+def _(h, w_down_shard, topk_idx, topk_weights, meta, row_of_pair, world_size, method="auto"):
+    return h.new_empty((topk_idx.shape[0], w_down_shard.shape[2]))
 
 
 @torch.library.custom_op("weft::gemm_ar", mutates_args=())

@@ -1,5 +1,6 @@
 """moe: expert-parallel dispatch + combine against torch.distributed.all_to_all_single with the permute and
-unpermute around it, and the NVLink bound, in one run (DeepSeek-V3 sizes: hidden 7168, top-8 of 256 experts).
+unpermute around it, and the NVLink bound (DeepSeek-V3 sizes: hidden 7168, top-8 of 256 experts); the
+tensor-parallel MoE ops and the MoE layers against the same work on torch collectives; in one run.
 
 - LL (decode), 1 / 32 / 128 tokens per rank: weft ep_dispatch_ll + ep_combine_ll (one launch each), and
   the dispatch alone, bf16 and fp8;
@@ -11,24 +12,39 @@ unpermute around it, and the NVLink bound, in one run (DeepSeek-V3 sizes: hidden
 - NVLink bound: the bf16 bytes each rank sends to other ranks (dispatch + combine, slowest rank) over the
   per-rank bandwidth that weft's all_gather reaches in the same run.
 - grouped GEMM (experts 32, capacity 256, 7168 -> 2048, random counts): weft grouped_gemm against a loop of
-  torch.matmul over the experts' rows.
+  torch.matmul over the experts' rows and, where it runs, torch._grouped_mm over the same rows packed.
+- TP-MoE ops (Qwen3-30B-A3B: hidden 2048, 128 experts, top-8, moe inter 768; Mixtral-8x7B: hidden 4096, 8
+  experts, top-2, inter 14336; 8192 tokens in all, sequence parallel): ag_group_gemm (gate and up side by
+  side, 2 inter / W columns per rank) and group_gemm_rs (inter / W -> hidden), "weft overlap" (method
+  overlap) and "weft no overlap" (method baseline: weft all_gather + the same grouped GEMM; the grouped GEMM,
+  the weighted sum in torch, weft reduce_scatter) against the torch path: NCCL all_gather of the tokens and
+  the routing, a sort by expert, torch's grouped GEMM (torch._grouped_mm where it runs, else a loop of
+  torch.matmul); torch's grouped GEMM, the weighted sum (index_add), NCCL reduce_scatter.
+- layers (Qwen3-30B-A3B's MoE block; random weights): EPMoE at 128 tokens per rank (decode: LL) and 4096
+  (prefill: HT), TPMoE at 8192 tokens in all (Qwen3 and Mixtral), against the same layer on torch
+  collectives (EP: all_to_all_single both ways around torch's grouped GEMMs; TP: the torch paths above).
 Two views: every impl eagerly (host cost included), and the capturable ones (weft LL, weft HT with
-max_recv_tokens) replayed from CUDA graphs (the baseline's splits go through the host: it cannot be
+max_recv_tokens, the TP-MoE ops both ways, TPMoE, EPMoE in decode; the TP torch paths where torch's grouped
+GEMM runs) replayed from CUDA graphs (the EP baselines' splits go through the host: they cannot be
 captured). Every weft result is checked against the baseline's before timing.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import weft
 from weft.kernels.moe import routing_layout
+from weft.layers import EPMoE, TPMoE
+from weft.testing.reference import all_gather_ref, reduce_scatter_ref
 
 from .report import Row
 from .timing import time_calls
 
 SUITE = "moe"
-BASELINE = "all_to_all_single + permute"
+# EP: all_to_all_single + permute; TP: NCCL all_gather / reduce_scatter + torch's grouped GEMM (module doc).
+BASELINE = "torch collectives"
 BANDWIDTH = "GB/s of bf16 rows sent to other ranks per rank"
 # The HT case receives ~20K rows of 7168 bf16 per rank at 8 ranks, in two halves of the MoE workspace's quarter.
 WORKSPACE_BYTES = str(4 << 30)
@@ -43,6 +59,10 @@ def add_arguments(p) -> None:
     p.add_argument("--topk", type=int, default=K)
     p.add_argument("--gemm", default="32,256,7168,2048",
                    help="experts,capacity,K,N of the grouped GEMM case ('' to skip)")
+    p.add_argument("--tp", default="qwen3,mixtral", help="models of the TP-MoE op cases ('' to skip)")
+    p.add_argument("--tp-tokens", type=int, default=8192, help="tokens in all (over the ranks) of the TP cases")
+    p.add_argument("--layers", default="ep,tp", help="layer cases: ep (EPMoE, Qwen3), tp (TPMoE, --tp models)")
+    p.add_argument("--ep-tokens", default="128,4096", help="tokens per rank of the EPMoE cases")
     p.add_argument("--samples", type=int, default=20)
 
 
@@ -165,6 +185,14 @@ def run(args) -> list[Row]:
                        bandwidth, 2, args.samples)
     if args.gemm:
         rows += _grouped_gemm(*[int(v) for v in args.gemm.split(",")], args.samples)
+    models = [m for m in args.tp.split(",") if m]
+    for model in models:
+        rows += _tp_ops(MODELS[model], args.tp_tokens, args.samples)
+    layers = args.layers.split(",")
+    if "ep" in layers:
+        rows += [r for t in args.ep_tokens.split(",") if t for r in _ep_layer(MODELS["qwen3"], int(t), args.samples)]
+    if "tp" in layers:
+        rows += [r for model in models for r in _tp_layer(MODELS[model], args.tp_tokens, args.samples)]
     return rows
 
 
@@ -186,7 +214,223 @@ def _grouped_gemm(experts, cap, k, n, samples) -> list[Row]:
         if not torch.allclose(got[e, :m].float(), out[e, :m].float(), rtol=2e-2, atol=2e-2):
             raise RuntimeError(f"grouped_gemm mismatch against torch.matmul (expert {e})")
     impls = {"weft grouped_gemm": lambda: weft.ops.grouped_gemm(x, wt, counts), "torch.matmul loop": loop}
+    grouped = TorchGrouped(w.device)
+    if grouped.grouped:  # torch's grouped GEMM on the same rows, packed (the packing untimed)
+        packed = torch.cat([x[e, :m] for e, m in enumerate(sizes)])
+        ends = counts.cumsum(0, dtype=torch.int32)
+        impls["torch._grouped_mm"] = lambda: grouped(packed, wt, ends)
     case = f"grouped GEMM {experts}x{cap}x{k}x{n}"
     return [Row(SUITE, case, name, ms, 0.0, 0, w.world_size, view)
             for view, graph in (("eager", False), ("graph", True))
             for name, ms in time_calls(impls, calls=5, samples=samples, graph=graph).items()]
+
+
+# -- tensor-parallel MoE ---------------------------------------------------------------------------
+
+MODELS = {"qwen3": dict(name="Qwen3-30B-A3B", hidden=2048, experts=128, k=8, inter=768),
+          "mixtral": dict(name="Mixtral-8x7B", hidden=4096, experts=8, k=2, inter=14336)}
+
+
+class TorchGrouped:
+    """torch's grouped GEMM over rows sorted by expert: out[ends[e - 1]:ends[e]] = x[...] @ w[e]
+    (torch._grouped_mm where it runs on this device, checked once against matmul; else a loop of
+    torch.matmul, whose row ranges go to the host)."""
+
+    def __init__(self, dev):
+        self.name, self.grouped = "torch.matmul loop", False
+        if hasattr(torch, "_grouped_mm") and dev.type == "cuda":
+            try:
+                x = torch.randn(64, 64, device=dev).to(torch.bfloat16)
+                w = torch.randn(4, 64, 32, device=dev).to(torch.bfloat16)
+                ends = torch.tensor([16, 16, 40, 64], dtype=torch.int32, device=dev)
+                got = torch._grouped_mm(x, w, offs=ends)
+                want = torch.cat([x[:16] @ w[0], x[16:40] @ w[2], x[40:] @ w[3]])
+                self.grouped = torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+            except Exception:  # noqa: BLE001 - not on this GPU / torch: the loop
+                self.grouped = False
+            if self.grouped:
+                self.name = "torch._grouped_mm"
+
+    def __call__(self, x, w, ends):
+        if self.grouped:
+            return torch._grouped_mm(x, w, offs=ends)
+        out = torch.empty((x.shape[0], w.shape[2]), dtype=x.dtype, device=x.device)
+        lo = 0
+        for e, hi in enumerate(ends.tolist()):
+            torch.matmul(x[lo:hi], w[e], out=out[lo:hi])
+            lo = hi
+        return out
+
+
+def _sorted_pairs(idx, experts):
+    """Every (token, slot) pair of idx (T, k) sorted by expert: (order: the pairs' flat indices, ends (E,)
+    int32: where each expert's pairs end)."""
+    key = idx.reshape(-1)
+    sorted_key, order = torch.sort(key, stable=True)
+    bounds = torch.arange(1, experts + 1, dtype=sorted_key.dtype, device=idx.device)
+    ends = torch.searchsorted(sorted_key, bounds).to(torch.int32)
+    return order, ends
+
+
+def _torch_ag(x, w_gu, idx, grouped):
+    """all_gather + grouped GEMM on torch: the gathered pairs' rows, sorted by expert; and the order."""
+    w = weft.world()
+    gathered = torch.empty((w.world_size * x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
+    all_gather_ref(gathered, x, group=w.group)
+    gidx = torch.empty((w.world_size * idx.shape[0], idx.shape[1]), dtype=idx.dtype, device=x.device)
+    all_gather_ref(gidx, idx, group=w.group)
+    order, ends = _sorted_pairs(gidx, w_gu.shape[0])
+    return grouped(gathered[order // idx.shape[1]], w_gu, ends), order, ends
+
+
+def _torch_rs(h, w_dn, wts, order, ends, grouped):
+    """grouped GEMM + weighted sum + reduce_scatter on torch, h in _torch_ag's row order."""
+    w = weft.world()
+    k = wts.shape[1]
+    y = grouped(h, w_dn, ends)
+    gw = torch.empty((w.world_size * wts.shape[0], k), dtype=wts.dtype, device=wts.device)
+    all_gather_ref(gw, wts, group=w.group)
+    acc = torch.zeros((gw.shape[0], y.shape[1]), dtype=torch.float32, device=y.device)
+    acc.index_add_(0, order // k, y.float() * gw.reshape(-1)[order, None])
+    out = torch.empty((wts.shape[0], y.shape[1]), dtype=y.dtype, device=y.device)
+    reduce_scatter_ref(out, acc.to(y.dtype), group=w.group)
+    return out
+
+
+def _routing_weights(tokens, experts, k, dev):
+    idx = torch.rand(tokens, experts, device=dev).topk(k, dim=-1).indices
+    return idx, torch.softmax(torch.rand(tokens, k, device=dev), dim=-1)
+
+
+def _tp_ops(model, total, samples) -> list[Row]:
+    """ag_group_gemm and group_gemm_rs of one model, overlapped and not, against the torch paths."""
+    w = weft.world()
+    dev, ws = w.device, w.world_size
+    m, hidden, experts, k = total // ws, model["hidden"], model["experts"], model["k"]
+    n = model["inter"] // ws
+    grouped = TorchGrouped(dev)
+    x = torch.randn(m, hidden, device=dev).to(torch.bfloat16)
+    idx, wts = _routing_weights(m, experts, k, dev)
+    w_gu = (torch.randn(experts, hidden, 2 * n, device=dev) / hidden ** 0.5).to(torch.bfloat16)
+    w_dn = (torch.randn(experts, n, hidden, device=dev) / n ** 0.5).to(torch.bfloat16)
+    # Both layouts hold the same pairs: compare them pair by pair.
+    inter, layout = weft.ops.ag_group_gemm(x, w_gu, idx, method="overlap" if ws > 1 else "auto")
+    ref, order, ends = _torch_ag(x, w_gu, idx, grouped)
+    pair_of_row = (layout.pair_of_row + torch.arange(ws, device=dev)[:, None] * m * k).reshape(-1).long()
+    if not torch.allclose(inter[layout.row_of_pair.reshape(-1).long()].float(),
+                          ref[torch.argsort(order)].float(), rtol=2e-2, atol=2e-2):
+        raise RuntimeError(f"ag_group_gemm mismatch against the torch path ({model['name']})")
+    h_pairs = torch.randn(ws * m * k, n, device=dev).to(torch.bfloat16)  # a value per pair, both orders
+    h_weft, h_torch = h_pairs[pair_of_row].contiguous(), h_pairs[order].contiguous()
+    got = weft.ops.group_gemm_rs(h_weft, w_dn, idx, wts, layout, method="overlap" if ws > 1 else "auto")
+    want = _torch_rs(h_torch, w_dn, wts, order, ends, grouped)
+    if not torch.allclose(got.float(), want.float(), rtol=3e-2, atol=3e-2):
+        raise RuntimeError(f"group_gemm_rs mismatch against the torch path ({model['name']})")
+
+    def ag(method):
+        return lambda: weft.ops.ag_group_gemm(x, w_gu, idx, method=method)
+
+    def rs(method):
+        return lambda: weft.ops.group_gemm_rs(h_weft, w_dn, idx, wts, layout, method=method)
+
+    torch_name = f"{BASELINE} ({grouped.name})"
+    capturable = {"weft overlap", "weft no overlap"} | ({torch_name} if grouped.grouped else set())
+    rows = []
+    for op, impls in (
+            ("ag_group_gemm", {"weft overlap": ag("overlap"), "weft no overlap": ag("baseline"),
+                               torch_name: lambda: _torch_ag(x, w_gu, idx, grouped)}),
+            ("group_gemm_rs", {"weft overlap": rs("overlap"), "weft no overlap": rs("baseline"),
+                               torch_name: lambda: _torch_rs(h_torch, w_dn, wts, order, ends, grouped)})):
+        if ws == 1:
+            impls.pop("weft overlap")
+        case = f"{op} {model['name']} {total} tok"
+        rows += [Row(SUITE, case, name, ms, 0.0, 0, ws, view)
+                 for view, graph in (("eager", False), ("graph", True))
+                 for name, ms in time_calls({n_: fn for n_, fn in impls.items() if not graph or n_ in capturable},
+                                            calls=2, samples=samples, graph=graph).items()]
+    return rows
+
+
+# -- layers ----------------------------------------------------------------------------------------
+
+def _dense(model, dev):
+    """Random dense weights of a model's MoE block, nn.Linear layout: router, gate, up, down."""
+    e, hidden, inter = model["experts"], model["hidden"], model["inter"]
+    scale = lambda t, fan_in: (t / fan_in ** 0.5).to(torch.bfloat16)  # noqa: E731
+    return (scale(torch.randn(e, hidden, device=dev), hidden), scale(torch.randn(e, inter, hidden, device=dev), hidden),
+            scale(torch.randn(e, inter, hidden, device=dev), hidden),
+            scale(torch.randn(e, hidden, inter, device=dev), inter))
+
+
+def _torch_ep_layer(layer: EPMoE, x, grouped):
+    """EPMoE's forward on torch collectives: all_to_all_single of the tokens and their routing to the ranks of
+    their experts, torch's grouped GEMMs over the (token, local expert) pairs, all_to_all_single back, sum."""
+    w = weft.world()
+    k, local = layer.top_k, layer.local
+    idx, wts = layer.route(x)
+    lay = routing_layout(idx, layer.num_experts, w.world_size)
+    tok, dest = lay.to_rank.nonzero(as_tuple=True)
+    tok = tok[torch.argsort(dest, stable=True)]  # my rows, by destination rank
+    recv_counts = torch.empty_like(lay.tokens_per_rank)
+    dist.all_to_all_single(recv_counts, lay.tokens_per_rank, group=w.group)
+    ins, outs = lay.tokens_per_rank.tolist(), recv_counts.tolist()
+    recv = torch.empty((sum(outs), x.shape[1]), dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(recv, x[tok], outs, ins, group=w.group)
+    meta = torch.cat([idx.int(), wts.view(torch.int32)], 1)[tok]
+    recv_meta = torch.empty((recv.shape[0], 2 * k), dtype=torch.int32, device=x.device)
+    dist.all_to_all_single(recv_meta, meta, outs, ins, group=w.group)
+    mine = recv_meta[:, :k] - w.rank * local
+    mine = torch.where((mine >= 0) & (mine < local), mine, local)  # local: not here, sorted last
+    order, ends = _sorted_pairs(mine, local)
+    order = order[:int(ends[-1])]  # the pairs of my experts (the splits went through the host already)
+    rows = order // k
+    gate_up = grouped(recv[rows], layer.w_gate_up, ends)
+    y = grouped(F.silu(gate_up[:, :layer.inter]) * gate_up[:, layer.inter:], layer.w_down, ends)
+    weight = recv_meta[:, k:].reshape(-1).view(torch.float32)[order]
+    part = torch.zeros((recv.shape[0], x.shape[1]), dtype=torch.float32, device=x.device)
+    part.index_add_(0, rows, y.float() * weight[:, None])
+    back = torch.empty((tok.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(back, part.to(x.dtype), ins, outs, group=w.group)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, tok, back.float())
+    return out.to(x.dtype)
+
+
+def _torch_tp_layer(layer: TPMoE, x, grouped):
+    """TPMoE's forward on torch collectives: the torch paths of ag_group_gemm and group_gemm_rs."""
+    idx, wts = layer.route(x)
+    gate_up, order, ends = _torch_ag(x, layer.w_gate_up, idx, grouped)
+    h = F.silu(gate_up[:, :layer.slice]) * gate_up[:, layer.slice:]
+    return _torch_rs(h, layer.w_down, wts, order, ends, grouped)
+
+
+def _layer_rows(case, impls, capturable, samples) -> list[Row]:
+    w = weft.world()
+    want = impls[BASELINE]()
+    got = impls["weft layer"]()
+    if not torch.allclose(got.float(), want.float(), rtol=5e-2, atol=5e-2):
+        raise RuntimeError(f"{case}: weft layer mismatch against {BASELINE}")
+    return [Row(SUITE, case, name, ms, 0.0, 0, w.world_size, view)
+            for view, graph in (("eager", False), ("graph", True))
+            for name, ms in time_calls({n: f for n, f in impls.items() if not graph or n in capturable},
+                                       calls=2, samples=samples, graph=graph).items()]
+
+
+def _ep_layer(model, tokens, samples) -> list[Row]:
+    w = weft.world()
+    grouped = TorchGrouped(w.device)
+    layer = EPMoE(*_dense(model, w.device), model["k"], True, decode_tokens=128)
+    x = torch.randn(tokens, model["hidden"], device=w.device).to(torch.bfloat16)
+    mode = "LL" if tokens <= layer.decode_tokens else "HT"
+    impls = {"weft layer": lambda: layer(x), BASELINE: lambda: _torch_ep_layer(layer, x, grouped)}
+    return _layer_rows(f"EPMoE {model['name']} {tokens} tok/rank ({mode})", impls,
+                       {"weft layer"} if mode == "LL" else set(), samples)
+
+
+def _tp_layer(model, total, samples) -> list[Row]:
+    w = weft.world()
+    grouped = TorchGrouped(w.device)
+    layer = TPMoE(*_dense(model, w.device), model["k"], True)
+    x = torch.randn(total // w.world_size, model["hidden"], device=w.device).to(torch.bfloat16)
+    impls = {"weft layer": lambda: layer(x), BASELINE: lambda: _torch_tp_layer(layer, x, grouped)}
+    return _layer_rows(f"TPMoE {model['name']} {total} tok", impls,
+                       {"weft layer"} | ({BASELINE} if grouped.grouped else set()), samples)

@@ -1,8 +1,10 @@
-"""Device building blocks shared by the kernel families: vector-friendly copies and rounding."""
+"""Device building blocks shared by the kernel families: vector-friendly copies, rounding, a grouped GEMM tile."""
 import triton
 import triton.language as tl
 
 import weft.language as wl
+
+from .gemm import dot
 
 
 @triton.jit
@@ -40,3 +42,41 @@ def cast(acc, dtype: tl.constexpr):
             bits = bits + 0x7FFF + ((bits >> 16) & 1)
             return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
     return acc.to(dtype)
+
+
+@triton.jit
+def group_tile(a, pairs, w, out, a_row0, out_row0, row0, rows, e, k_end, pm, pn, N, K,
+               GATHER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """One tile of a grouped GEMM: row block pm x column block pn of a segment of rows (rows [row0, row0 + rows),
+    all of expert e): out[out_row0 + row, cols] = (A row) @ w[e][:k_end, cols], fp32 accumulation rounded to
+    out's dtype (k_end 0: a block of zeros). A row: row a_row0 + pairs[row] // TOP_K of `a` (GATHER: a token
+    picked by a (token, expert) pair index), else row a_row0 + row. a (·, K), w (E, K, N), out (·, N) row-major.
+    Rows past the segment are neither read (they read its first row) nor stored. Pipelined NUM_STAGES deep;
+    EVEN_K / EVEN_N: K / N are whole blocks (no masks)."""
+    i = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    live = i < rows
+    row = row0 + tl.where(live, i, 0)  # dead rows read the segment's first row: in bounds, never stored
+    if GATHER:
+        src = a_row0 + tl.load(pairs + row) // TOP_K
+    else:
+        src = a_row0 + row
+    cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    a_ptrs = a + src.to(tl.int64)[:, None] * K + kk[None, :]
+    b_ptrs = w + e.to(tl.int64) * K * N + kk[:, None] * N + cols[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in tl.range(0, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        if EVEN_K:
+            x = tl.load(a_ptrs)
+        else:
+            x = tl.load(a_ptrs, mask=(k0 + kk)[None, :] < K, other=0.0)
+        if EVEN_K and EVEN_N:
+            b = tl.load(b_ptrs)
+        else:
+            b = tl.load(b_ptrs, mask=((k0 + kk)[:, None] < K) & (cols[None, :] < N), other=0.0)
+        acc = dot(x, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * N
+    dst = out + (out_row0 + row).to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(dst, cast(acc, out.dtype.element_ty), mask=live[:, None] & (cols[None, :] < N))

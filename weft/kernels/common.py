@@ -83,6 +83,11 @@ def signature(t: torch.Tensor) -> tuple:
     return t.shape, t.dtype, t.device, t.is_contiguous(), t.data_ptr() & 15
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is being captured into a graph (ops skip their host-synced checks then)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def out_kind(world, out, x=None) -> str:
     """"none", "x" (in place), "symmetric" (from weft.empty) or "plain": what a plan does with `out`."""
     if out is None:

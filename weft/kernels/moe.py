@@ -32,8 +32,9 @@ per call): a sender writes half e % 2 of rank q in call e only after its own cal
 waited for a word every program of q wrote in q's call e - 1, after q's call e - 2 (the last reader of the
 half) had ended. LL regions are only ever written with LL words, so a stale word carries an older epoch.
 
-grouped_gemm: out[e, :counts[e]] = x[e, :counts[e]] @ w[e], a persistent kernel over the tiles of all
-experts that skips the tiles past each expert's count (read on the device).
+grouped_gemm: out[e, :counts[e]] = x[e, :counts[e]] @ w[e], a persistent kernel over the tiles under each
+expert's count (read on the device), row blocks fastest so that the weights are read once (blocks.group_tile,
+the tile moe_tp's grouped GEMMs use too).
 """
 from __future__ import annotations
 
@@ -44,9 +45,8 @@ import triton.language as tl
 import weft.language as wl
 
 from .all_reduce import _halves_of, _word_of
-from .blocks import copy
-from .common import Launch, check_tensor, plan, signature, workspace, world_or_raise, zero_everywhere
-from .gemm import dot
+from .blocks import copy, group_tile
+from .common import Launch, capturing, check_tensor, plan, signature, workspace, world_or_raise, zero_everywhere
 
 DTYPES = (torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int64, torch.int32)
@@ -124,10 +124,6 @@ def check_routing_values(topk_idx: torch.Tensor, num_experts: int) -> None:
     srt = topk_idx.sort(dim=1).values
     if bool(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()):
         raise ValueError("topk_idx names the same expert twice in a row: each token's experts must differ")
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 # -- the family's workspace ---------------------------------------------------------
@@ -331,7 +327,7 @@ class _HTPlan:
     def dispatch(self, x, topk_idx, topk_weights):
         world, ws, heap = self.world, self.ws, self.heap
         w, me, dev = world.world_size, world.rank, x.device
-        if not _capturing(dev):
+        if not capturing(dev):
             check_routing_values(topk_idx, self.num_experts)
         lay = Layout(topk_idx, self.num_experts, w)
         table = torch.empty((w, w), dtype=torch.int32, device=dev)
@@ -702,7 +698,7 @@ class _LLPlan:
 
     def dispatch(self, x, topk_idx):
         dev, ws = x.device, self.ws
-        if not _capturing(dev):
+        if not capturing(dev):
             check_routing_values(topk_idx, self.num_experts)
         recv = torch.empty(self.recv_shape, dtype=self.recv_dtype, device=dev)
         scales = torch.empty(self.scales_shape, dtype=torch.float32, device=dev) if self.fp8 else None
@@ -772,33 +768,26 @@ def ep_combine_ll(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
 
 @triton.jit
 def grouped_gemm_kernel(x, w, out, counts, experts, capacity, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr):
-    """out[e, m] = x[e, m] @ w[e] for m < counts[e]: program p takes tiles p, p + PROGRAMS, ... of all
-    experts (N blocks fastest, so an x tile's reloads hit L2) and skips those past the expert's count."""
-    tiles_m = tl.cdiv(capacity, BLOCK_M)
+                        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, NUM_STAGES: tl.constexpr,
+                        PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """out[e, m] = x[e, m] @ w[e] for m < counts[e]. Only the tiles under each expert's count are dealt out,
+    round-robin to the programs, expert after expert and within an expert row blocks fastest: the programs
+    at work at once share w[e]'s column block (read from memory once, then from L2), and an expert's rows
+    stay in L2 across its column blocks. (Column blocks fastest, the weights were read again for every row
+    block: 32 experts x 4 row blocks of 7168 x 2048 took 774 us on an H200, 0.69x a torch.matmul loop.)"""
+    s = tl.arange(0, BLOCK_E)
+    live = s < experts
+    rows = tl.minimum(tl.load(counts + s, mask=live, other=0), capacity)
+    blocks = (rows + BLOCK_M - 1) // BLOCK_M
     tiles_n = tl.cdiv(N, BLOCK_N)
-    per_expert = tiles_m * tiles_n
-    for tile in range(tl.program_id(0), experts * per_expert, PROGRAMS):
-        e = tile // per_expert
-        pm = tile % per_expert // tiles_n
-        pn = tile % tiles_n
-        rows_used = tl.minimum(tl.load(counts + e), capacity)
-        if pm * BLOCK_M < rows_used:
-            rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
-            cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-            xe = x + e.to(tl.int64) * capacity * K
-            we = w + e.to(tl.int64) * K * N
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + tl.arange(0, BLOCK_K)
-                a = tl.load(xe + rows[:, None] * K + kk[None, :], mask=(rows[:, None] < rows_used) & (kk[None, :] < K),
-                            other=0.0)
-                b = tl.load(we + kk[:, None] * N + cols[None, :], mask=(kk[:, None] < K) & (cols[None, :] < N),
-                            other=0.0)
-                acc = dot(a, b, acc)
-            oe = out + e.to(tl.int64) * capacity * N
-            tl.store(oe + rows[:, None] * N + cols[None, :], acc.to(out.dtype.element_ty),
-                     mask=(rows[:, None] < rows_used) & (cols[None, :] < N))
+    first_tile = (tl.cumsum(blocks, axis=0) - blocks) * tiles_n
+    for tile in range(tl.program_id(0), tl.sum(blocks, axis=0) * tiles_n, PROGRAMS):
+        e = tl.sum(((first_tile <= tile) & live).to(tl.int32), axis=0) - 1  # experts with no rows share a start
+        this = s == e
+        nb = tl.sum(tl.where(this, blocks, 0), axis=0)
+        within = tile - tl.sum(tl.where(this, first_tile, 0), axis=0)
+        group_tile(x, x, w, out, 0, 0, e * capacity, tl.sum(tl.where(this, rows, 0), axis=0), e, K, within % nb,
+                   within // nb, N, K, False, 1, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, EVEN_N)
 
 
 GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -829,7 +818,7 @@ class _GroupedGemmPlan:
         self.n = w.shape[2]
         self.out_shape = (self.e, self.c, self.n)
         gpu = world.device.type == "cuda"
-        bm, bn, bk, warps = (64, 128, 64, 4) if gpu else (16, 32, 32, 4)
+        bm, bn, bk, stages, warps = (64, 128, 64, 4, 4) if gpu else (16, 32, 32, 1, 4)
         tiles = self.e * triton.cdiv(self.c, bm) * triton.cdiv(self.n, bn)
         sms = torch.cuda.get_device_properties(world.device).multi_processor_count if gpu else 2
         self.programs = max(1, min(sms, tiles))
@@ -837,7 +826,8 @@ class _GroupedGemmPlan:
         out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
         self.launch = None if self.empty else Launch(
             grouped_gemm_kernel, (self.programs,), (x, w, out, counts, self.e, self.c, self.n, self.k),
-            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PROGRAMS=self.programs), warps)
+            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(self.e), NUM_STAGES=stages,
+                 PROGRAMS=self.programs, EVEN_K=self.k % bk == 0, EVEN_N=self.n % bn == 0), warps)
 
     def __call__(self, x, w, counts):
         out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
@@ -880,6 +870,7 @@ COMPILE_CASES = [
     for t in ("*i64", "*i32") for e in (tl.bfloat16, tl.float16)
 ] + [
     (grouped_gemm_kernel, dict(x=t, w=t, out=t, counts="*i32", experts="i32", capacity="i32", N="i32", K="i32"),
-     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, PROGRAMS=132), dict(num_warps=4))
-    for t in ("*bf16", "*fp16", "*fp32")
+     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, BLOCK_E=32, NUM_STAGES=4, PROGRAMS=132, EVEN_K=even, EVEN_N=even),
+     dict(num_warps=4))
+    for t in ("*bf16", "*fp16", "*fp32") for even in (True, False)
 ]

@@ -1,0 +1,223 @@
+"""TP-MoE on cpu ranks: ag_group_gemm and group_gemm_rs against torch references, both methods.
+
+Every rank builds every rank's tokens, routing and weight slices from a shared seed, so it knows the whole
+layer and checks its own results: the grouped layout exactly (a stable sort of each rank's pairs by expert),
+the intermediate and the reduce-scattered output against torch's matmuls. Outputs are poisoned (NaN) before
+each call; the rows of h that belong to no expert are NaN too, since nothing may read them. Calls follow
+each other with new routing, one rank late, so the barrier epochs and the flags are exercised.
+"""
+import pytest
+
+from weft.testing import run_ranks
+
+ENV = {"WEFT_WAIT_TIMEOUT_S": "60"}
+TIMEOUT = 240
+
+
+# -- helpers run on the ranks ---------------------------------------------------------
+
+def _routing(seed, w, m, experts, k, mode):
+    """Per rank: topk_idx (m, k) int64 and topk_weights (m, k) fp32."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(w):
+        pool = experts // 2 if mode == "half" else experts  # "half": the other experts get nothing
+        idx = torch.stack([torch.randperm(pool, generator=g)[:k] for _ in range(m)]) if m else \
+            torch.empty(0, k, dtype=torch.int64)
+        if mode == "masked" and m:
+            idx[torch.rand(m, k, generator=g) < 0.3] = -1
+        out.append((idx.long(), torch.rand(m, k, generator=g)))
+    return out
+
+
+def _expected_layout(idxs, experts):
+    """(starts (W, E + 2), pair_of_row (W, m k)) of every rank's pairs, by a plain stable sort."""
+    import torch
+
+    starts, orders = [], []
+    for idx in idxs:
+        keys = [experts if e < 0 else e for e in idx.reshape(-1).tolist()]
+        order = sorted(range(len(keys)), key=lambda p: keys[p])
+        starts.append([sum(1 for key in keys if key < e) for e in range(experts + 2)])
+        orders.append(order)
+    return torch.tensor(starts, dtype=torch.int32), torch.tensor(orders, dtype=torch.int32).reshape(len(idxs), -1)
+
+
+def _inter_ref(tokens, idxs, w_up, pair_of_row, k):
+    """The grouped intermediate (W m k, N): each pair's token @ its expert's slice, fp32 (zeros: no expert)."""
+    import torch
+
+    rows = []
+    for c, (x, idx) in enumerate(zip(tokens, idxs)):
+        for p in pair_of_row[c].tolist():
+            e = int(idx[p // k, p % k])
+            rows.append(x[p // k].float() @ w_up[e].float() if e >= 0 else torch.zeros(w_up.shape[2]))
+    return torch.stack(rows) if rows else torch.zeros(0, w_up.shape[2])
+
+
+def _rs_ref(hs, w_downs, idxs, wts, pair_of_row, k, me, m, dtype):
+    """My tokens' output: each rank's weighted sum of its experts' outputs (rounded to the dtype), summed in
+    rank order in fp32. hs[q], w_downs[q]: rank q's h and w_down slice."""
+    import torch
+
+    hidden = w_downs[0].shape[2]
+    total = torch.zeros(m, hidden)
+    base = me * m * k
+    row_of = {int(p): base + i for i, p in enumerate(pair_of_row[me].tolist())}
+    for h, wd in zip(hs, w_downs):
+        part = torch.zeros(m, hidden)
+        for t in range(m):
+            for j in range(k):
+                e = int(idxs[me][t, j])
+                if e >= 0:
+                    y = (h[row_of[t * k + j]].float() @ wd[e].float()).to(dtype)
+                    part[t] += wts[me][t, j] * y.float()
+        total += part.to(dtype).float()
+    return total
+
+
+def _case(seed, m, hidden, n, experts, k, mode, method, dtype_name="bfloat16", with_layout=True):
+    """One ag_group_gemm + group_gemm_rs call checked against the references; returns the layout's meta."""
+    import torch
+
+    import weft
+
+    me, w = weft.rank(), weft.world_size()
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(seed + 1000)
+    tokens = [torch.randn(m, hidden, generator=g).to(dtype) for _ in range(w)]
+    w_up = [(torch.randn(experts, hidden, n, generator=g) / hidden ** 0.5).to(dtype) for _ in range(w)]
+    w_down = [(torch.randn(experts, n, hidden, generator=g) / n ** 0.5).to(dtype) for _ in range(w)]
+    routing = _routing(seed, w, m, experts, k, mode)
+    idxs, wts = [r[0] for r in routing], [r[1] for r in routing]
+    tag = f"seed {seed} m {m} hidden {hidden} n {n} E {experts} k {k} {mode} {method} {dtype_name}"
+
+    out = torch.full((w * m * k, n), float("nan"), dtype=dtype)
+    inter, layout = weft.ops.ag_group_gemm(tokens[me], w_up[me], idxs[me], method=method, out=out)
+    assert inter is out, tag
+    starts, pair_of_row = _expected_layout(idxs, experts)
+    assert torch.equal(layout.starts, starts), tag
+    assert torch.equal(layout.pair_of_row, pair_of_row), tag
+    for c in range(w):  # row_of_pair inverts pair_of_row, -1 where the pair has no expert
+        for i, p in enumerate(pair_of_row[c].tolist()):
+            want = c * m * k + i if idxs[c][p // k, p % k] >= 0 else -1
+            assert int(layout.row_of_pair[c * m + p // k, p % k]) == want, tag
+    torch.testing.assert_close(inter.float(), _inter_ref(tokens, idxs, w_up[me], pair_of_row, k), rtol=2e-2,
+                               atol=2e-2, msg=tag)
+
+    # Every rank's h: random, NaN in the rows of pairs without expert (never read).
+    hs = []
+    for c in range(w):
+        h = torch.randn(w * m * k, n, generator=g).to(dtype)
+        routed = layout.row_of_pair.reshape(-1)
+        mask = torch.ones(w * m * k, dtype=torch.bool)
+        mask[routed[routed >= 0].long()] = False
+        h[mask] = float("nan")
+        hs.append(h)
+    res = torch.full((m, hidden), float("nan"), dtype=dtype)
+    got = weft.ops.group_gemm_rs(hs[me], w_down[me], idxs[me], wts[me], layout if with_layout else None,
+                                 method=method, out=res)
+    assert got is res, tag
+    want = _rs_ref(hs, w_down, idxs, wts, pair_of_row, k, me, m, dtype)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2, msg=tag)
+    return True
+
+
+def _cases(cases, late=False):
+    import time
+
+    import weft
+
+    for i, case in enumerate(cases):
+        if late and weft.rank() == i % weft.world_size():
+            time.sleep(0.02)  # a different rank late each call
+        _case(*case)
+    return True
+
+
+# -- tests ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("w", [1, 2, 3, 4])
+def test_moe_tp_matches_reference(w):
+    experts = 6 if w == 3 else 4
+    cases = [
+        (w * 10 + 1, 5, 40, 24, experts, 3, "random", "overlap"),             # ragged everywhere
+        (w * 10 + 2, 7, 64, 32, experts, 2, "half", "overlap"),               # whole blocks; experts with no pair
+        (w * 10 + 3, 4, 32, 16, experts, 2, "masked", "baseline", "float16"),  # pairs without expert
+        (w * 10 + 4, 6, 32, 40, experts, 1, "random", "auto", "bfloat16", False),  # no layout: made again
+    ]
+    if w >= 3:  # the interpreter's cost grows with the ranks: the ragged and the masked case
+        cases = cases[0::2]
+    assert all(run_ranks(_cases, w, cases, timeout=TIMEOUT, env=ENV))
+
+
+def test_moe_tp_many_calls():
+    cases = [(50 + i, 3 + i % 3, 32, 16, 4, 1 + i % 2, ("random", "masked", "half")[i % 3],
+              ("overlap", "baseline")[i % 2 == 1 and i > 2]) for i in range(6)]
+    assert all(run_ranks(_cases, 2, cases, True, timeout=TIMEOUT, env=ENV))
+
+
+def test_moe_tp_workspace_fallback():
+    """A call larger than the workspace: "auto" takes the baseline, "overlap" says why it cannot."""
+    env = dict(ENV, WEFT_WORKSPACE_BYTES="4096")
+    assert all(run_ranks(_fallback, 2, timeout=TIMEOUT, env=env))
+
+
+def _fallback():
+    import torch
+
+    import weft
+    from weft.testing.checks import rejects
+
+    _case(70, 8, 128, 16, 4, 2, "random", "auto")
+    x = torch.zeros(8, 128, dtype=torch.bfloat16)
+    wu = torch.zeros(4, 128, 16, dtype=torch.bfloat16)
+    idx = torch.zeros(8, 1, dtype=torch.int64)
+    rejects(lambda: weft.ops.ag_group_gemm(x, wu, idx, method="overlap"), ValueError, "workspace", [x])
+    return True
+
+
+def _rejects():
+    import torch
+
+    import weft
+    from weft.testing.checks import rejects
+
+    m, hidden, n, experts, k = 4, 32, 16, 4, 2
+    x = torch.randn(m, hidden).to(torch.bfloat16)
+    wu = torch.randn(experts, hidden, n).to(torch.bfloat16)
+    wd = torch.randn(experts, n, hidden).to(torch.bfloat16)
+    idx, wts = _routing(3, 1, m, experts, k, "random")[0]
+    out = torch.zeros(2 * m * k, n, dtype=torch.bfloat16)
+    guarded = [x, wu, wd, idx, wts, out]
+    ag = weft.ops.ag_group_gemm
+    rejects(lambda: ag(x.float(), wu, idx), TypeError, "tokens_shard", guarded)
+    rejects(lambda: ag(x, wu.half(), idx), TypeError, "w_experts_shard", guarded)
+    rejects(lambda: ag(x, wu[:, :8].contiguous(), idx), ValueError, "w_experts_shard", guarded)
+    rejects(lambda: ag(x, wu, idx[:3].contiguous()), ValueError, "topk_idx", guarded)
+    rejects(lambda: ag(x, wu, idx.float()), TypeError, "topk_idx", guarded)
+    dup = idx.clone()
+    dup[1, 1] = dup[1, 0]
+    rejects(lambda: ag(x, wu, dup), ValueError, "twice", guarded)
+    rejects(lambda: ag(x, wu, idx + experts), ValueError, "outside", guarded)
+    rejects(lambda: ag(x, wu, idx, method="fast"), ValueError, "method", guarded)
+    rejects(lambda: ag(x, wu, idx, out=out[:, :8]), ValueError, "out", guarded)
+    inter, layout = ag(x, wu, idx, out=out)
+    rs = weft.ops.group_gemm_rs
+    rejects(lambda: rs(inter[:-1], wd, idx, wts, layout), ValueError, "h", guarded)
+    rejects(lambda: rs(inter, wd[:, :8].contiguous(), idx, wts, layout), ValueError, "w_down_shard", guarded)
+    rejects(lambda: rs(inter, wd, idx, wts.double(), layout), TypeError, "topk_weights", guarded)
+    rejects(lambda: rs(inter, wd, idx, wts[:, :1].contiguous(), layout), ValueError, "topk_weights", guarded)
+    rejects(lambda: rs(inter, wd, idx, wts, "layout"), TypeError, "layout", guarded)
+    _, other = ag(x, wu, idx[:, :1].contiguous())
+    rejects(lambda: rs(inter, wd, idx, wts, other), ValueError, "layout", guarded)
+    rejects(lambda: rs(inter, wd, dup, wts), ValueError, "twice", guarded)
+    # Nothing was sent: the next calls see the epochs they expect.
+    _case(5, 4, 32, 16, 4, 2, "random", "overlap")
+    return True
+
+
+def test_bad_input_rejected_before_sending():
+    assert all(run_ranks(_rejects, 2, timeout=TIMEOUT, env=ENV))

@@ -1,0 +1,738 @@
+"""Tensor-parallel mixture-of-experts: AllGather-GroupGEMM and GroupGEMM-ReduceScatter.
+
+TP-MoE (Triton-distributed's AllGather-GroupGEMM / GroupGEMM-ReduceScatter): the tokens are sharded by rank
+(sequence parallel, m per rank), and every rank holds every expert's weights sliced along the intermediate
+dimension. An MoE MLP is then
+
+    inter, layout = ag_group_gemm(tokens_shard, w_experts_shard, topk_idx)   # (W m k, N): every rank's pairs
+    h = activation(inter)                                                   # e.g. SiLU(gate) * up, row-wise
+    out_shard = group_gemm_rs(h, w_down_shard, topk_idx, topk_weights, layout)  # (m, hidden)
+
+with w_experts_shard (E, hidden, N) (N = inter / W, or 2 inter / W with gate and up side by side) and
+w_down_shard (E, N', hidden). Both ops communicate once each and hide it under their grouped GEMM.
+
+The grouped layout (`GroupLayout`). A (token, expert) *pair* is one entry of topk_idx. The intermediate has
+one row per pair of every rank's tokens, W m k rows, in rank chunks: chunk c (rows [c m k, (c + 1) m k))
+holds rank c's pairs sorted by expert (stably: by token t, then slot j, pair index t k + j); the pairs
+whose topk_idx is -1 come last in the chunk, as rows of zeros. A chunk depends only on its rank's topk_idx,
+so each rank sorts its own pairs (`chunk_layout`, torch on the device, no host sync) and sends the result
+along with its tokens: the consumer of a chunk needs nothing else.
+
+ag_group_gemm, method "overlap" (one call on rank `me`):
+
+    main stream:  layout ─ start barrier ─ copy my chunk → G[me] ─ GEMM (chunks me, me+1, ..., me-1) ─ join
+    copy stream:                       └─ for s = 1 .. W-1: push tokens + layout → G[me] of rank me-s, flag ─┘
+
+as ag_gemm: the pushes are copy-engine transfers into the peers' gathered buffer G (the workspace), each
+followed by a 4-byte copy of the call's epoch into the peer's ready[me] (stream order puts the flag after
+the data). `group_gemm_chunks_kernel` is persistent: its tiles are numbered chunk after chunk in arrival
+order, and a program waits for a chunk (`tile_wait` on the TileMap of the gathered tokens: one producer
+tile per rank) once, before its first tile there. A tile is BLOCK_M rows of one expert's segment of a chunk
+times BLOCK_N columns; its A rows are gathered by token index from G, its B is the expert's weight slice.
+
+group_gemm_rs, method "overlap": one persistent kernel, `group_gemm_rs_kernel`, whose programs deal out
+work items round-robin in this order:
+
+    GEMM(me+1)  GEMM(me+2) RS(me+1)  GEMM(me+3) RS(me+2)  ...  GEMM(me) RS(me-1)  FINAL
+
+- GEMM(c): the tiles of chunk c, y[pair rows of c] = h[rows] @ w_down_shard[expert]; each counts itself
+  done in done[c] (a local counter, zeroed per call);
+- RS(c): per block of BLOCK_T tokens of rank c, once done[c] has every tile of chunk c and rank c's routing
+  weights have arrived: the top-k weighted sum of each token's k rows of y (fp32, in j order, rounded once
+  to the dtype: this rank's partial), stored straight into rank c's symmetric `recv` slot [me] through
+  NVLink, then pushed[block][me] raised on rank c;
+- FINAL: per token block of my own tokens: my own partial (as RS) and, once pushed[block][q] says so, the
+  partials of ranks q, summed in rank order in fp32 into `out`.
+An item waits only for items earlier in every program's order (or for peers' RS items, which wait for
+nothing of mine), so with all programs resident (a persistent grid of one program per SM) it cannot
+deadlock; under the interpreter, which runs programs one after another, the grid is one program. The
+routing weights travel by the copy engine at the start (ready[me] on every peer).
+
+Start barrier and buffer reuse (both ops): each call begins with a device barrier across the ranks
+(`moe_tp_start_kernel`), which leaves the call's epoch in bar[0]; a rank writes into a peer's workspace only
+after it, i.e. after the peer's previous kernels, the last readers of that workspace, have finished. The
+flags count epochs and are never reset. The two ops share the workspace and the barrier: their calls
+alternate, and each barrier orders the next writer after the last reader, whichever op they belong to.
+
+method "baseline" (and the fallback of "auto" where the overlap cannot take the call: a message larger than
+the workspace, or a world of one): ag_group_gemm is weft all_gather of the tokens and of the layouts, then
+the same grouped GEMM kernel without waits; group_gemm_rs is the grouped GEMM of every chunk, the weighted
+top-k sum in torch, and weft reduce_scatter. Every rank computes every chunk in both methods, with the same
+rounding: each expert output rounded to the dtype, each rank's weighted sum in fp32 rounded once, the ranks'
+partials summed in fp32 in rank order. "auto" overlaps wherever it can, and the GEMM tiling follows the experts'
+average rows per chunk (_gemm_config): both provisional, not measured on GPUs yet.
+
+Both ops are PyTorch operators too (torch.ops.weft.*, weft/torch_ops.py; inference only).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import weft.language as wl
+
+from .all_gather import all_gather
+from .all_reduce import reduce_scatter
+from .blocks import cast, group_tile
+from .common import (Launch, capturing, check_method, check_tensor, plan, signature, workspace, world_or_raise,
+                     zero_everywhere)
+from .gemm import num_sms
+from .moe import INDEX_DTYPES, check_routing_values
+
+METHODS = ("auto", "overlap", "baseline")
+DTYPES = (torch.bfloat16, torch.float16)
+# pushed[] flags per sender in the workspace: group_gemm_rs's token blocks grow with the shard to stay under it.
+MAX_TOKEN_BLOCKS = 4096
+
+
+# -- the grouped layout -----------------------------------------------------------
+
+def chunk_layout(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """One rank's chunk of a GroupLayout, from its topk_idx (m, k), on the device with no host sync:
+    (E + 2 + m k,) int32 = [starts (E + 2) | pair_of_row (m k)] (see GroupLayout). An entry outside [0, E)
+    (-1, or an unchecked bad value under CUDA-graph capture) is a pair without expert."""
+    m, k = topk_idx.shape
+    dev = topk_idx.device
+    flat = topk_idx.reshape(-1).long()
+    key = torch.where((flat < 0) | (flat >= num_experts), num_experts, flat)  # no expert: after every expert
+    sorted_key, order = torch.sort(key, stable=True)
+    meta = torch.empty(num_experts + 2 + m * k, dtype=torch.int32, device=dev)
+    meta[:num_experts + 2] = torch.searchsorted(sorted_key, torch.arange(num_experts + 2, dtype=sorted_key.dtype,
+                                                                          device=dev))
+    meta[num_experts + 2:] = order
+    return meta
+
+
+class GroupLayout:
+    """Where ag_group_gemm put every rank's (token, expert) pairs, and what group_gemm_rs needs to bring them back.
+
+    The grouped intermediate has W m k rows in rank chunks: chunk c (rows [c m k, (c + 1) m k)) holds the pairs
+    of rank c's m tokens, sorted by expert, then by pair index t k + j; the pairs with topk_idx -1 come last.
+    On the device:
+    - meta (W, E + 2 + m k) int32: row c is rank c's chunk_layout: `starts[c]` (E + 2: rows [starts[c, e],
+      starts[c, e + 1]) of the chunk are expert e's, rows from starts[c, E] on have no expert, starts[c, E + 1]
+      = m k) and `pair_of_row[c]` (m k: the pair t k + j of rank c that row i of the chunk holds);
+    - row_of_pair (W m, k) int32: the global row of the j-th pair of gathered token g (token t of rank c is
+      g = c m + t), -1 where topk_idx is -1.
+    Fields world_size, num_experts, top_k, tokens_per_rank (m). Made from meta; row_of_pair is computed from it
+    unless given (an operator's output: weft.torch_ops).
+    """
+
+    def __init__(self, meta: torch.Tensor, num_experts: int, top_k: int, tokens_per_rank: int,
+                 row_of_pair: torch.Tensor | None = None):
+        w = meta.shape[0]
+        e, k, m = num_experts, top_k, tokens_per_rank
+        self.meta, self.world_size, self.num_experts, self.top_k, self.tokens_per_rank = meta, w, e, k, m
+        self.row_of_pair = row_of_pair
+        if row_of_pair is not None:
+            return
+        pairs = m * k
+        dev = meta.device
+        local = torch.arange(pairs, dtype=torch.int32, device=dev)
+        rows = torch.arange(w, dtype=torch.int32, device=dev)[:, None] * pairs + local
+        routed = local[None, :] < meta[:, e:e + 1]
+        dest = (rows - local + meta[:, e + 2:]).long().reshape(-1)  # the row's pair, as a global pair index
+        self.row_of_pair = torch.empty(w * pairs, dtype=torch.int32, device=dev).scatter_(
+            0, dest, torch.where(routed, rows, -1).reshape(-1)).view(w * m, k)
+
+    @property
+    def starts(self) -> torch.Tensor:
+        return self.meta[:, :self.num_experts + 2]
+
+    @property
+    def pair_of_row(self) -> torch.Tensor:
+        return self.meta[:, self.num_experts + 2:]
+
+
+# -- device helpers -----------------------------------------------------------------
+
+@triton.jit
+def _segments(starts, NUM_SEGMENTS, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Segment s < NUM_SEGMENTS of a chunk (an expert, or the unrouted pairs) from its starts: first row,
+    rows, row blocks, first row block; and the chunk's row blocks in all."""
+    s = tl.arange(0, BLOCK_E)
+    live = s < NUM_SEGMENTS
+    first = tl.load(starts + s, mask=live, other=0)
+    rows = tl.load(starts + s + 1, mask=live, other=0) - first
+    blocks = (rows + BLOCK_M - 1) // BLOCK_M
+    return first, rows, blocks, tl.cumsum(blocks, axis=0) - blocks, tl.sum(blocks, axis=0)
+
+
+@triton.jit
+def _chunk_tiles(a, meta_c, w, out, done_c, heap, a_row0, out_row0, base, N, K, E: tl.constexpr,
+                 TOP_K: tl.constexpr, GATHER: tl.constexpr, COUNT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, NUM_STAGES: tl.constexpr,
+                 NUM_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """This program's tiles of one chunk, numbered from `base` (the work items before it); returns the next
+    base. Tiles go segment after segment, row blocks fastest (consecutive programs share w[e]'s column
+    block). GATHER (ag_group_gemm) also writes the unrouted pairs' rows (zeros); COUNT adds each finished
+    tile to done_c (release)."""
+    pid = tl.program_id(0)
+    segments = E + 1 if GATHER else E
+    first, rows, blocks, first_block, total = _segments(meta_c, segments, BLOCK_M, BLOCK_E)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    first_tile = first_block * tiles_n
+    s = tl.arange(0, BLOCK_E)
+    live = s < segments
+    mine = base + (pid - base % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
+    for tile in range(mine, base + total * tiles_n, NUM_PROGRAMS):
+        local = tile - base
+        e = tl.sum(((first_tile <= local) & live).to(tl.int32), axis=0) - 1  # empty segments share a start
+        this = s == e
+        nb = tl.sum(tl.where(this, blocks, 0), axis=0)
+        within = local - tl.sum(tl.where(this, first_tile, 0), axis=0)
+        group_tile(a, meta_c + E + 2, w, out, a_row0, out_row0, tl.sum(tl.where(this, first, 0), axis=0),
+                    tl.sum(tl.where(this, rows, 0), axis=0), tl.minimum(e, E - 1), tl.where(e < E, K, 0),
+                    within % nb, within // nb, N, K, GATHER, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                    EVEN_K, EVEN_N)
+        if COUNT:
+            wl.notify(done_c, wl.rank(heap), heap, 1, wl.SIGNAL_ADD, wl.SCOPE_GPU)
+    return base + total * tiles_n
+
+
+@triton.jit
+def _weighted_sum(y, row_of_pair, weights, g, live, cols, cols_live, N, TOP_K: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """fp32 (BLOCK_T, BLOCK_H): for gathered tokens g, sum over j in order of weights[g, j] * y[row_of_pair[g, j],
+    cols] (rows -1 skipped)."""
+    acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
+    for j in tl.static_range(TOP_K):
+        r = tl.load(row_of_pair + g * TOP_K + j, mask=live, other=-1)
+        wt = tl.load(weights + g * TOP_K + j, mask=live, other=0.0)
+        v = tl.load(y + r.to(tl.int64)[:, None] * N + cols[None, :], mask=(r >= 0)[:, None] & cols_live[None, :],
+                    other=0.0)
+        acc += wt[:, None] * v.to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _tile_count(meta_c, N, E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The GEMM tiles of a chunk's experts (what done[c] reaches once they are all computed)."""
+    _, _, _, _, total = _segments(meta_c, E, BLOCK_M, BLOCK_E)
+    return total * tl.cdiv(N, BLOCK_N)
+
+
+# -- kernels --------------------------------------------------------------------------
+
+@triton.jit
+def moe_tp_start_kernel(bar, heap):
+    """Start of a call: every rank's previous kernels, the last readers of its workspace, are done.
+    bar[0] = the call's epoch."""
+    wl.barrier_all(bar, heap)
+
+
+@triton.jit
+def group_gemm_chunks_kernel(a, meta, w, out, ready, bar, heap, mapping, m, N, K, meta_stride, E: tl.constexpr,
+                             TOP_K: tl.constexpr, GATHER: tl.constexpr, WAIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                             NUM_STAGES: tl.constexpr, NUM_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr,
+                             EVEN_N: tl.constexpr):
+    """out = the grouped GEMM of every chunk, chunks in arrival order me, me + 1, ..., me - 1.
+
+    GATHER (ag_group_gemm): a is the gathered tokens (W m, K) and row i of chunk c computes token
+    pair_of_row[c, i] // TOP_K of rank c; else (group_gemm_rs's baseline) a has the W m k rows of `out`.
+    WAIT: before its first tile of chunk c != me, a program waits for the chunk (and its layout) to arrive:
+    ready[c] >= the epoch, as `tile_wait` on `mapping` (the gathered tokens, one tile per rank) says it.
+    ready, bar and mapping are read only with WAIT.
+    """
+    me = wl.rank(heap)
+    world = wl.num_ranks(heap)
+    pairs = m * TOP_K
+    base = tl.program_id(0) * 0
+    for step in range(world):
+        c = (me + step) % world
+        a_c = a
+        meta_c = meta + c * meta_stride
+        if WAIT:
+            if step > 0:
+                token = wl.tile_wait(mapping, ready, c * m, 0, m, K, tl.load(bar))
+                a_c = wl.consume_token(a, token)
+                meta_c = wl.consume_token(meta_c, token)
+        base = _chunk_tiles(a_c, meta_c, w, out, ready, heap, c * (m if GATHER else pairs), c * pairs, base, N, K,
+                            E, TOP_K, GATHER, False, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, NUM_STAGES, NUM_PROGRAMS,
+                            EVEN_K, EVEN_N)
+
+
+@triton.jit
+def group_gemm_rs_kernel(h, meta, w, y, row_of_pair, weights, recv, out, done, ready, pushed, bar, heap, m, N, K,
+                         meta_stride, E: tl.constexpr, TOP_K: tl.constexpr, WORLD: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                         NUM_STAGES: tl.constexpr, NUM_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr,
+                         EVEN_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out (m, N) = rows of my tokens of sum over ranks of (top-k weighted sum of (h @ w_down[expert])), as
+    GEMM(me+1) GEMM(me+2) RS(me+1) ... GEMM(me) RS(me-1) FINAL (module doc). y (W m k, N): the expert
+    outputs; weights (W m, k): every rank's routing weights; recv (W, m, N): the partials rank q pushed
+    into slot q; done (W,) local tile counters; pushed (MAX_TOKEN_BLOCKS, W) flags."""
+    pid = tl.program_id(0)
+    me = wl.rank(heap)
+    epoch = tl.load(bar)
+    pairs = m * TOP_K
+    blocks_t = tl.cdiv(m, BLOCK_T)
+    t_in = tl.arange(0, BLOCK_T)
+    hh = tl.arange(0, BLOCK_H)
+    base = pid * 0
+    for step in range(WORLD):
+        c = (me + 1 + step) % WORLD
+        base = _chunk_tiles(h, meta + c * meta_stride, w, y, done + c, heap, c * pairs, c * pairs, base, N, K, E,
+                            TOP_K, False, True, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, NUM_STAGES, NUM_PROGRAMS,
+                            EVEN_K, EVEN_N)
+        if step > 0:  # RS of the chunk before: my partial of rank p's tokens into its recv slot [me]
+            p = (me + step) % WORLD
+            tiles = _tile_count(meta + p * meta_stride, N, E, BLOCK_M, BLOCK_N, BLOCK_E)
+            mine = base + (pid - base % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
+            for item in range(mine, base + blocks_t, NUM_PROGRAMS):
+                blk = item - base
+                computed = wl.wait(done + p, 1, tiles, wl.CMP_GE, wl.SCOPE_GPU, heap=heap, peer=me,
+                                   op="group_gemm_rs chunk GEMM")
+                arrived = wl.wait(ready + p, 1, epoch, wl.CMP_GE, heap=heap, peer=p,
+                                  op="group_gemm_rs routing weights")
+                t = blk * BLOCK_T + t_in
+                live = t < m
+                dst = wl.symm_at(recv, p, heap) + (me * m).to(tl.int64) * N
+                for h0 in range(0, N, BLOCK_H):
+                    cols = h0 + hh
+                    acc = _weighted_sum(wl.consume_token(y, computed), row_of_pair,
+                                        wl.consume_token(weights, arrived), p * m + t, live, cols, cols < N, N,
+                                        TOP_K, BLOCK_T, BLOCK_H)
+                    tl.store(dst + t.to(tl.int64)[:, None] * N + cols[None, :], cast(acc, y.dtype.element_ty),
+                             mask=live[:, None] & (cols < N)[None, :])
+                wl.notify(pushed + blk * WORLD + me, p, heap, epoch)
+            base += blocks_t
+    # FINAL: my tokens, my partial and the pushed ones summed in rank order.
+    tiles = _tile_count(meta + me * meta_stride, N, E, BLOCK_M, BLOCK_N, BLOCK_E)
+    mine = base + (pid - base % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
+    for item in range(mine, base + blocks_t, NUM_PROGRAMS):
+        blk = item - base
+        computed = wl.wait(done + me, 1, tiles, wl.CMP_GE, wl.SCOPE_GPU, heap=heap, peer=me,
+                           op="group_gemm_rs chunk GEMM")
+        for sender in range(WORLD):
+            if sender != me:
+                computed = wl.wait(pushed + blk * WORLD + sender, 1, epoch, wl.CMP_GE, heap=heap, peer=sender,
+                                   op="group_gemm_rs partials")
+        t = blk * BLOCK_T + t_in
+        live = t < m
+        for h0 in range(0, N, BLOCK_H):
+            cols = h0 + hh
+            mask = live[:, None] & (cols < N)[None, :]
+            own = cast(_weighted_sum(wl.consume_token(y, computed), row_of_pair, weights, me * m + t, live, cols,
+                                     cols < N, N, TOP_K, BLOCK_T, BLOCK_H), y.dtype.element_ty)
+            total = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
+            for q in tl.static_range(WORLD):
+                ptrs = wl.consume_token(recv, computed) + (q * m + t).to(tl.int64)[:, None] * N + cols[None, :]
+                part = tl.load(ptrs, mask=mask & (q != me), other=0.0)
+                total += tl.where(q == me, own.to(tl.float32), part.to(tl.float32))
+            tl.store(out + t.to(tl.int64)[:, None] * N + cols[None, :], cast(total, out.dtype.element_ty), mask=mask)
+
+
+# -- the family's workspace -----------------------------------------------------------
+
+class MoeTPWorkspace:
+    """One symmetric workspace for both ops and every shape: `data` (workspace_bytes), viewed by ag_group_gemm
+    as the gathered tokens and layouts and by group_gemm_rs as the received partials and the gathered routing
+    weights; the start barrier's words bar (1 + W); ready (W): rank r's chunk (or weights) arrived, raised by
+    the copy engine with the call's epoch; pushed (MAX_TOKEN_BLOCKS, W): rank q's partials of token block b
+    arrived. The copy stream for the pushes."""
+
+    def __init__(self, world):
+        heap, w = world.heap, world.world_size
+        self.bytes = data_bytes(world)
+        self.data = heap.empty((self.bytes,), torch.uint8)
+        self.bar = heap.empty((1 + w,), torch.int32)
+        self.ready = heap.empty((w,), torch.int32)
+        self.pushed = heap.empty((MAX_TOKEN_BLOCKS * w,), torch.int32)
+        self.stream = torch.cuda.Stream(world.device) if world.device.type == "cuda" else None
+        zero_everywhere(world, self.bar, self.ready, self.pushed)
+
+    def view(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A view of `data` from byte `offset` (a multiple of 256)."""
+        n = 1
+        for s in shape:
+            n *= s
+        return self.data[offset:offset + n * dtype.itemsize].view(dtype).view(shape)
+
+
+def data_bytes(world) -> int:
+    return world.workspace_bytes // 256 * 256
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + 255) // 256 * 256
+
+
+def _workspace(world) -> MoeTPWorkspace:
+    return workspace(world, "moe_tp", MoeTPWorkspace)
+
+
+# -- host side --------------------------------------------------------------------------
+
+def _gemm_config(world, m: int, k: int, experts: int, n: int, kdim: int):
+    """(tiles, even, warps): the grouped GEMM's tiling constexprs (BLOCK_M/N/K, BLOCK_E, NUM_STAGES), whether K
+    and N are whole blocks (EVEN_K, EVEN_N), and its warps. On GPUs 128-row tiles where the experts' segments
+    (m k / E rows on average per chunk) fill them, else 64 (provisional: not measured yet)."""
+    if world.device.type != "cuda":
+        bm, bn, bk, stages, warps = 16, 32, 32, 1, 4
+    elif m * k >= 128 * experts:
+        bm, bn, bk, stages, warps = 128, 128, 64, 3, 8
+    else:
+        bm, bn, bk, stages, warps = 64, 128, 64, 4, 4
+    tiles = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(experts + 2),
+                 NUM_STAGES=stages)
+    return tiles, dict(EVEN_K=kdim % bk == 0, EVEN_N=n % bn == 0), warps
+
+
+def _programs(world) -> int:
+    return num_sms(world.device) if world.device.type == "cuda" else 2
+
+
+def _check_weights(name, w, world, dtype, rows: int, rows_name: str):
+    check_tensor(name, w, world, dtypes=DTYPES)
+    if w.dtype != dtype:
+        raise TypeError(f"{name} has dtype {w.dtype}, expected {dtype} (that of the activations)")
+    if w.dim() != 3 or w.shape[0] < 1 or w.shape[1] != rows:
+        raise ValueError(f"{name} must be (experts, {rows_name} = {rows}, N), got shape {tuple(w.shape)}")
+
+
+def _check_topk(world, topk_idx, m: int, num_experts: int, topk_weights=None):
+    check_tensor("topk_idx", topk_idx, world, dtypes=INDEX_DTYPES)
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != m or not 1 <= topk_idx.shape[1] <= num_experts:
+        raise ValueError(f"topk_idx must be (tokens, k) with tokens = {m} and 1 <= k <= {num_experts} (the experts), "
+                         f"got shape {tuple(topk_idx.shape)}")
+    if topk_weights is not None:
+        check_tensor("topk_weights", topk_weights, world, dtypes=(torch.float32,))
+        if topk_weights.shape != topk_idx.shape:
+            raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}, expected {tuple(topk_idx.shape)} "
+                             "(that of topk_idx)")
+
+
+def _check_out(world, out, shape, dtype) -> None:
+    if out is None:
+        return
+    check_tensor("out", out, world)
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(shape)}")
+    if out.dtype != dtype:
+        raise TypeError(f"out has dtype {out.dtype}, expected {dtype}")
+
+
+def _choose(method: str, refusal: str | None, world_size: int) -> str:
+    """The method a plan runs: "overlap" where it can take the call, except "auto" on one rank (nothing to hide)."""
+    if method == "overlap" and refusal:
+        raise ValueError(f"method='overlap' cannot take this call: {refusal}")
+    if method == "auto":
+        return "baseline" if refusal or world_size == 1 else "overlap"
+    return method
+
+
+def _gathered_layout(topk_idx, num_experts: int) -> GroupLayout:
+    """The GroupLayout of every rank's topk_idx: each rank's chunk_layout, all-gathered (weft all_gather)."""
+    m, k = topk_idx.shape
+    return GroupLayout(all_gather(chunk_layout(topk_idx, num_experts)[None]), num_experts, k, m)
+
+
+def _push(ws, copies) -> None:
+    """copies [(dst, src), ...] in order on the copy stream, after the main stream's work so far (inline on cpu)."""
+    if ws.stream is None:
+        for dst, src in copies:
+            dst.copy_(src)
+        return
+    ws.stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(ws.stream):
+        for dst, src in copies:
+            dst.copy_(src)
+
+
+def _join(ws) -> None:
+    """The main stream waits for the copy stream's pushes (their sources may be freed after the call)."""
+    if ws.stream is not None:
+        torch.cuda.current_stream().wait_stream(ws.stream)
+
+
+class _AgPlan:
+    """ag_group_gemm of one call signature: checks, method, launches, workspace views."""
+
+    def __init__(self, world, tokens, w, topk_idx, method, out):
+        check_method(method, METHODS)
+        check_tensor("tokens_shard", tokens, world, dtypes=DTYPES)
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens_shard must be (tokens, hidden), got shape {tuple(tokens.shape)}")
+        m, hidden = tokens.shape
+        _check_weights("w_experts_shard", w, world, tokens.dtype, hidden, "hidden")
+        e, _, n = w.shape
+        _check_topk(world, topk_idx, m, e)
+        ww, me, k = world.world_size, world.rank, topk_idx.shape[1]
+        self.m, self.k, self.e, self.n, self.dtype, self.dev = m, k, e, n, tokens.dtype, tokens.device
+        self.out_shape = (ww * m * k, n)
+        _check_out(world, out, self.out_shape, tokens.dtype)
+        self.width = width = e + 2 + m * k  # a chunk's layout, int32
+        tokens_bytes = _aligned(ww * m * hidden * tokens.element_size())
+        need = tokens_bytes + ww * width * 4
+        self.empty = min(m, n, hidden) == 0
+        refusal = "an empty dimension" if self.empty else None
+        if need > data_bytes(world):
+            refusal = (f"the gathered tokens and layouts take {need} bytes, more than the workspace "
+                       f"({data_bytes(world)} bytes: raise WEFT_WORKSPACE_BYTES)")
+        self.method = _choose(method, refusal, ww)
+        if self.empty:
+            return
+        tiles, even, warps = _gemm_config(world, m, k, e, n, hidden)
+        programs = _programs(world)
+        self.heap = heap = world.heap.descriptor
+        block = (triton.next_power_of_2(m), triton.next_power_of_2(hidden))
+        self.mapping = wl.TileMap((ww * m, hidden), ww, block, device=world.device).arg  # a tile per rank
+        overlap = self.method == "overlap"
+        consts = dict(E=e, TOP_K=k, GATHER=True, WAIT=overlap, **tiles, NUM_PROGRAMS=programs, **even)
+        if out is None:  # the launch is compiled for the alignment of the caller's out, or a fresh one's
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.dev)
+        if overlap:
+            self.ws = ws = _workspace(world)
+            gathered = ws.view(0, (ww * m, hidden), self.dtype)
+            metas = ws.view(tokens_bytes, (ww, width), torch.int32)
+            self.mine = (gathered[me * m:(me + 1) * m], metas[me])
+            # Step s pushes my chunk to rank me - s, whose kernel takes chunk me at its step s.
+            peer = world.heap.peer
+            self.peers = [(peer(gathered, (me - s) % ww)[me * m:(me + 1) * m], peer(metas, (me - s) % ww)[me],
+                           peer(ws.ready, (me - s) % ww)[me:me + 1]) for s in range(1, ww)]
+            self.start = Launch(moe_tp_start_kernel, (1,), (ws.bar, heap), {}, 1)
+            ready, bar = ws.ready, ws.bar
+        else:
+            gathered = torch.empty((ww * m, hidden), dtype=self.dtype, device=self.dev)
+            metas = torch.empty((ww, width), dtype=torch.int32, device=self.dev)
+            ready = bar = metas  # read only with WAIT
+        self.gathered, self.metas, self.ready, self.bar = gathered, metas, ready, bar
+        self.launch = Launch(group_gemm_chunks_kernel, (programs,), self._args(gathered, metas, w, out), consts, warps)
+
+    def _args(self, gathered, metas, w, out):
+        return (gathered, metas, w, out, self.ready, self.bar, self.heap, self.mapping, self.m, self.n,
+                gathered.shape[1], self.width)
+
+    def __call__(self, tokens, w, topk_idx, out):
+        meta = chunk_layout(topk_idx, self.e)
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.dev)
+        if self.empty:
+            return out.zero_(), GroupLayout(all_gather(meta[None]), self.e, self.k, self.m)
+        if self.method == "baseline":
+            metas = all_gather(meta[None])
+            self.launch(*self._args(all_gather(tokens), metas, w, out))
+            return out, GroupLayout(metas, self.e, self.k, self.m)
+        ws = self.ws
+        self.start(ws.bar, self.heap)
+        self.mine[0].copy_(tokens)
+        self.mine[1].copy_(meta)
+        epoch = ws.bar[0:1]
+        _push(ws, [pair for rows, layout, flag in self.peers
+                   for pair in ((rows, tokens), (layout, meta), (flag, epoch))])
+        self.launch(*self._args(self.gathered, self.metas, w, out))
+        _join(ws)
+        return out, GroupLayout(self.metas.clone(), self.e, self.k, self.m)
+
+
+def ag_group_gemm(tokens_shard: torch.Tensor, w_experts_shard: torch.Tensor, topk_idx: torch.Tensor,
+                  method: str = "auto", out: torch.Tensor | None = None):
+    """All-gather the tokens and multiply every (token, expert) pair by its expert's weight slice, overlapped.
+
+    tokens_shard (m, hidden) bf16/fp16: this rank's tokens; w_experts_shard (E, hidden, N) of that dtype: every
+    expert's slice of the first MoE weights on this rank (N = inter / W; gate and up may be side by side,
+    N = 2 inter / W); topk_idx (m, k) int64/int32: each token's experts (-1: none; a row must not name an
+    expert twice). Contiguous. Returns (inter, layout): inter (W m k, N) has one row per pair of every rank's
+    tokens, grouped by rank chunk, then by expert, in the order `layout` (a GroupLayout) describes:
+    inter[row] = token @ w_experts_shard[expert] (fp32 accumulation, rounded to the dtype), zeros for the
+    pairs without expert; pass `layout` on to group_gemm_rs. `out`: a contiguous (W m k, N) tensor to write
+    inter into.
+    method: "overlap" (copy-engine pushes of the tokens under a persistent grouped GEMM that takes each rank's
+    chunk as it arrives; needs the gathered tokens and layouts to fit the workspace), "baseline" (weft
+    all_gather, then the grouped GEMM), "auto" (overlap where it can take the call, baseline on one rank).
+    Checks topk_idx's values (a host sync) except under CUDA-graph capture. Collective: every rank passes the
+    same shapes and method.
+    """
+    world = world_or_raise()
+    found = plan(world, lambda: ("ag_group_gemm", signature(tokens_shard), signature(w_experts_shard),
+                                 signature(topk_idx), method, None if out is None else signature(out)),
+                 lambda: _AgPlan(world, tokens_shard, w_experts_shard, topk_idx, method, out))
+    if not capturing(world.device):
+        check_routing_values(topk_idx, found.e)
+    return found(tokens_shard, w_experts_shard, topk_idx, out)
+
+
+class _RsPlan:
+    """group_gemm_rs of one call signature: checks, method, launches, workspace views."""
+
+    def __init__(self, world, h, w_down, topk_idx, topk_weights, method, out):
+        check_method(method, METHODS)
+        check_tensor("h", h, world, dtypes=DTYPES)
+        if h.dim() != 2:
+            raise ValueError(f"h must be (pairs, N), got shape {tuple(h.shape)}")
+        _check_weights("w_down_shard", w_down, world, h.dtype, h.shape[1], "h's columns")
+        e, inter, hidden = w_down.shape
+        check_tensor("topk_idx", topk_idx, world, dtypes=INDEX_DTYPES)
+        if topk_idx.dim() != 2:
+            raise ValueError(f"topk_idx must be (tokens, k), got shape {tuple(topk_idx.shape)}")
+        m, k = topk_idx.shape
+        _check_topk(world, topk_idx, m, e, topk_weights)
+        ww, me = world.world_size, world.rank
+        if h.shape[0] != ww * m * k:
+            raise ValueError(f"h has {h.shape[0]} rows, expected world size x tokens x k = {ww * m * k} (one per pair "
+                             "of every rank's tokens, as ag_group_gemm returns them)")
+        self.world, self.m, self.k, self.e, self.hidden = world, m, k, e, hidden
+        self.dtype, self.dev = h.dtype, h.device
+        _check_out(world, out, (m, hidden), h.dtype)
+        recv_bytes = _aligned(ww * m * hidden * h.element_size())
+        need = recv_bytes + ww * m * k * 4
+        self.empty = min(m, inter, hidden) == 0
+        refusal = "an empty dimension" if self.empty else None
+        if need > data_bytes(world):
+            refusal = (f"the partials and routing weights take {need} bytes, more than the workspace "
+                       f"({data_bytes(world)} bytes: raise WEFT_WORKSPACE_BYTES)")
+        self.method = _choose(method, refusal, ww)
+        if self.empty:
+            return
+        tiles, even, warps = _gemm_config(world, m, k, e, hidden, inter)
+        self.heap = heap = world.heap.descriptor
+        width = e + 2 + m * k
+        y = torch.empty((ww * m * k, hidden), dtype=self.dtype, device=self.dev)
+        metas = torch.empty((ww, width), dtype=torch.int32, device=self.dev)
+        rows = torch.empty((ww * m, k), dtype=torch.int32, device=self.dev)
+        if self.method == "baseline":
+            mapping = wl.TileMap((ww * m, inter), ww, (triton.next_power_of_2(m), triton.next_power_of_2(inter)),
+                                 device=world.device).arg
+            # ready, bar and mapping are read only with WAIT
+            self.gemm_args = lambda h, metas, w_down, y: (h, metas, w_down, y, metas, metas, heap, mapping, m, hidden,
+                                                          inter, width)
+            self.launch = Launch(group_gemm_chunks_kernel, (_programs(world),), self.gemm_args(h, metas, w_down, y),
+                                 dict(E=e, TOP_K=k, GATHER=False, WAIT=False, **tiles,
+                                      NUM_PROGRAMS=_programs(world), **even), warps)
+            return
+        self.ws = ws = _workspace(world)
+        self.recv = ws.view(0, (ww, m, hidden), self.dtype)
+        self.weights = ws.view(recv_bytes, (ww * m, k), torch.float32)
+        self.mine = self.weights[me * m:(me + 1) * m]
+        peer = world.heap.peer
+        self.peers = [(peer(self.weights, q)[me * m:(me + 1) * m], peer(ws.ready, q)[me:me + 1])
+                      for q in range(ww) if q != me]
+        self.done = torch.zeros(ww, dtype=torch.int32, device=self.dev)
+        self.start = Launch(moe_tp_start_kernel, (1,), (ws.bar, heap), {}, 1)
+        gpu = world.device.type == "cuda"
+        # One program under the interpreter, which runs programs one after another: a later program's GEMM
+        # tile may be what an earlier one's reduction waits for (module doc).
+        programs = num_sms(world.device) if gpu else 1
+        block_t = max(16 if gpu else 4, triton.next_power_of_2(triton.cdiv(m, MAX_TOKEN_BLOCKS)))
+        if out is None:  # the launch is compiled for the alignment of the caller's out, or a fresh one's
+            out = torch.empty((m, hidden), dtype=self.dtype, device=self.dev)
+        self.launch = Launch(group_gemm_rs_kernel, (programs,),
+                             self._args(h, metas, w_down, y, rows, out),
+                             dict(E=e, TOP_K=k, WORLD=ww, **tiles, NUM_PROGRAMS=programs, **even, BLOCK_T=block_t,
+                                  BLOCK_H=256 if gpu else 32), warps)
+
+    def _args(self, h, metas, w_down, y, row_of_pair, out):
+        ws = self.ws
+        return (h, metas, w_down, y, row_of_pair, self.weights, self.recv, out, self.done, ws.ready, ws.pushed, ws.bar,
+                self.heap, self.m, self.hidden, h.shape[1], metas.shape[1])
+
+    def check_layout(self, layout) -> None:
+        if layout is None:
+            return
+        if not isinstance(layout, GroupLayout):
+            raise TypeError(f"layout must be a GroupLayout (what ag_group_gemm returned) or None, got "
+                            f"{type(layout).__name__}")
+        want = (self.world.world_size, self.e, self.k, self.m)
+        have = (layout.world_size, layout.num_experts, layout.top_k, layout.tokens_per_rank)
+        if have != want or layout.meta.device != self.dev:
+            raise ValueError(f"layout is for (world size, experts, k, tokens per rank) = {have} on "
+                             f"{layout.meta.device}, but this call has {want} on {self.dev}")
+
+    def __call__(self, h, w_down, topk_idx, topk_weights, layout, out):
+        if out is None:
+            out = torch.empty((self.m, self.hidden), dtype=self.dtype, device=self.dev)
+        if self.empty:
+            return out.zero_()
+        if layout is None:
+            layout = _gathered_layout(topk_idx, self.e)
+        if self.method == "baseline":
+            y = torch.empty((h.shape[0], self.hidden), dtype=self.dtype, device=self.dev)
+            self.launch(*self.gemm_args(h, layout.meta, w_down, y))
+            weights = all_gather(topk_weights)
+            acc = torch.zeros((weights.shape[0], self.hidden), dtype=torch.float32, device=self.dev)
+            for j in range(self.k):  # fp32, in j order, as the overlapped kernel sums
+                r = layout.row_of_pair[:, j]
+                acc += torch.where((r >= 0)[:, None], weights[:, j:j + 1] * y[r.clamp(min=0).long()].float(), 0.0)
+            return reduce_scatter(acc.to(self.dtype), out=out)
+        ws = self.ws
+        y = torch.empty((h.shape[0], self.hidden), dtype=self.dtype, device=self.dev)
+        self.done.zero_()
+        self.start(ws.bar, self.heap)
+        self.mine.copy_(topk_weights)
+        epoch = ws.bar[0:1]
+        _push(ws, [pair for weights, flag in self.peers for pair in ((weights, topk_weights), (flag, epoch))])
+        self.launch(*self._args(h, layout.meta, w_down, y, layout.row_of_pair, out))
+        _join(ws)
+        return out
+
+
+def group_gemm_rs(h: torch.Tensor, w_down_shard: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                  layout: GroupLayout | None = None, method: str = "auto",
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Multiply every pair's row of h by its expert's down-projection slice, sum each token's k results with
+    its routing weights, and reduce-scatter the sum back to the token's rank, overlapped.
+
+    h (W m k, N') bf16/fp16: the grouped intermediate in GroupLayout order (ag_group_gemm's output after the
+    activation); w_down_shard (E, N', hidden) of that dtype: every expert's slice of the down projection on
+    this rank; topk_idx (m, k) int64/int32 and topk_weights (m, k) fp32: this rank's routing, as given to
+    ag_group_gemm; layout: what ag_group_gemm returned (None: made again from every rank's topk_idx, an
+    all_gather, and topk_idx's values checked, a host sync, except under CUDA-graph capture). Contiguous.
+    Returns (m, hidden): for each of my tokens, sum over ranks q in rank order of q's partial, sum over j of
+    topk_weights[t, j] * (h[row of (t, j)] @ w_down_shard[expert] on rank q, rounded to the dtype), in fp32
+    and rounded once per rank; pairs with topk_idx -1 add nothing. `out`: a contiguous (m, hidden) tensor to
+    write the result into.
+    method: "overlap" (one persistent kernel: each rank chunk's GEMM, then its weighted sums pushed into the
+    owner's workspace while the next chunk computes; needs the partials and routing weights to fit the
+    workspace), "baseline" (the grouped GEMM, the weighted sum in torch, weft reduce_scatter), "auto"
+    (overlap where it can take the call, baseline on one rank). Collective: every rank passes the same shapes
+    and method.
+    """
+    world = world_or_raise()
+    found = plan(world, lambda: ("group_gemm_rs", signature(h), signature(w_down_shard), signature(topk_idx),
+                                 signature(topk_weights), layout is None, method,
+                                 None if out is None else signature(out)),
+                 lambda: _RsPlan(world, h, w_down_shard, topk_idx, topk_weights, method, out))
+    found.check_layout(layout)
+    if layout is None and not capturing(world.device):
+        check_routing_values(topk_idx, found.e)
+    return found(h, w_down_shard, topk_idx, topk_weights, layout, out)
+
+
+# Signatures for the sm_90 compile check (weft.testing.compile): both GPU tilings, bf16 and fp16, the
+# ag_group_gemm (gather, wait) and group_gemm_rs baseline (no gather, no wait) forms; Qwen3-30B-A3B's 128
+# experts top-8 at 8 ranks and Mixtral's 8 top-2 at 2.
+def _chunks_case(t: str, big: bool, gather: bool, experts: int, k: int):
+    tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, NUM_STAGES=3) if big else \
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, NUM_STAGES=4)
+    sig = dict(a=f"*{t}", meta="*i32", w=f"*{t}", out=f"*{t}", ready="*i32", bar="*i32", heap="*i64",
+               mapping=wl.TileMapping("*i32", "constexpr", "constexpr", "constexpr", "constexpr"), m="i32", N="i32",
+               K="i32", meta_stride="i32")
+    consts = {("mapping", 1): 1024, ("mapping", 2): 2048, ("mapping", 3): 0, ("mapping", 4): 8}
+    consts |= dict(E=experts, TOP_K=k, GATHER=gather, WAIT=gather, BLOCK_M=tiles["BLOCK_M"],
+                   BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"], BLOCK_E=triton.next_power_of_2(experts + 2),
+                   NUM_STAGES=tiles["NUM_STAGES"], NUM_PROGRAMS=132, EVEN_K=True, EVEN_N=big)
+    return group_gemm_chunks_kernel, sig, consts, dict(num_warps=8 if big else 4)
+
+
+def _rs_case(t: str, big: bool, experts: int, k: int, world: int):
+    tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, NUM_STAGES=3) if big else \
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, NUM_STAGES=4)
+    sig = dict(h=f"*{t}", meta="*i32", w=f"*{t}", y=f"*{t}", row_of_pair="*i32", weights="*fp32", recv=f"*{t}",
+               out=f"*{t}", done="*i32", ready="*i32", pushed="*i32", bar="*i32", heap="*i64", m="i32", N="i32",
+               K="i32", meta_stride="i32")
+    consts = dict(E=experts, TOP_K=k, WORLD=world, **tiles, BLOCK_E=triton.next_power_of_2(experts + 2),
+                  NUM_PROGRAMS=132, EVEN_K=big, EVEN_N=True, BLOCK_T=16, BLOCK_H=256)
+    consts = {name: consts[name] for name in group_gemm_rs_kernel.arg_names if name in consts}
+    return group_gemm_rs_kernel, sig, consts, dict(num_warps=8 if big else 4)
+
+
+COMPILE_CASES = [(moe_tp_start_kernel, dict(bar="*i32", heap="*i64"), {}, dict(num_warps=1))] + [
+    _chunks_case(t, big, gather, experts, k) for t in ("bf16", "fp16") for big in (True, False)
+    for gather in (True, False) for experts, k in ((128, 8), (8, 2))
+] + [
+    _rs_case(t, big, experts, k, world) for t in ("bf16", "fp16") for big in (True, False)
+    for experts, k, world in ((128, 8, 8), (8, 2, 2))
+]
