@@ -95,7 +95,7 @@ fi
 if has moe; then
   for n in $(printf '%s\n' 2 "$NGPU" | sort -nu); do
     [ "$n" -le "$NGPU" ] || continue
-    step "gpu_moe_tests_$n" timeout 400 env WEFT_WORKSPACE_BYTES=$((1 << 30)) python3 -m weft run -n "$n" -m pytest tests/test_gpu_moe.py -m gpu -q -x -p no:cacheprovider
+    step "gpu_moe_tests_$n" timeout 400 env WEFT_WORKSPACE_BYTES=$((1 << 30)) WEFT_HEAP_SIZE=$((8 << 30)) python3 -m weft run -n "$n" -m pytest tests/test_gpu_moe.py -m gpu -q -x -p no:cacheprovider
   done
   step bench_moe timeout 540 python3 -m weft bench -n "$NGPU" moe --out "$OUT/bench"
 fi

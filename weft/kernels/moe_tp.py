@@ -59,8 +59,9 @@ the workspace, or a world of one): ag_group_gemm is weft all_gather of the token
 the same grouped GEMM kernel without waits; group_gemm_rs is the grouped GEMM of every chunk, the weighted
 top-k sum in torch, and weft reduce_scatter. Every rank computes every chunk in both methods, with the same
 rounding: each expert output rounded to the dtype, each rank's weighted sum in fp32 rounded once, the ranks'
-partials summed in fp32 in rank order. "auto" overlaps wherever it can, and the GEMM tiling follows the experts'
-average rows per chunk (_gemm_config): both provisional, not measured on GPUs yet.
+partials summed in fp32 in rank order. "auto" overlaps where it can and where the overlap measured faster
+(AUTO_OVERLAPS: group_gemm_rs yes, ag_group_gemm not yet); the GEMM tiling follows the experts' average rows
+per chunk (_gemm_config), not tuned on GPUs yet.
 
 Both ops are PyTorch operators too (torch.ops.weft.*, weft/torch_ops.py; inference only).
 """
@@ -415,12 +416,20 @@ def _check_out(world, out, shape, dtype) -> None:
         raise TypeError(f"out has dtype {out.dtype}, expected {dtype}")
 
 
-def _choose(method: str, refusal: str | None, world_size: int) -> str:
-    """The method a plan runs: "overlap" where it can take the call, except "auto" on one rank (nothing to hide)."""
+# Where "auto" overlaps, by op: measured on 2 H200s (2026-11-23, `weft bench -n 2 moe`, Qwen3-30B-A3B, 8192
+# tokens, CUDA-graph replay): ag_group_gemm overlapped 1561.9 us against 868.2 for all_gather + the grouped
+# GEMM (the overlapped kernel loses: auto does not take it); group_gemm_rs overlapped 657.4 us against
+# 2481.5 for its baseline.
+AUTO_OVERLAPS = {"ag_group_gemm": False, "group_gemm_rs": True}
+
+
+def _choose(op: str, method: str, refusal: str | None, world_size: int) -> str:
+    """The method a plan runs: explicit, or for "auto" the overlap where it can take the call and is measured
+    faster (AUTO_OVERLAPS), never on one rank (nothing to hide)."""
     if method == "overlap" and refusal:
         raise ValueError(f"method='overlap' cannot take this call: {refusal}")
     if method == "auto":
-        return "baseline" if refusal or world_size == 1 else "overlap"
+        return "overlap" if AUTO_OVERLAPS[op] and not refusal and world_size > 1 else "baseline"
     return method
 
 
@@ -472,7 +481,7 @@ class _AgPlan:
         if need > data_bytes(world):
             refusal = (f"the gathered tokens and layouts take {need} bytes, more than the workspace "
                        f"({data_bytes(world)} bytes: raise WEFT_WORKSPACE_BYTES)")
-        self.method = _choose(method, refusal, ww)
+        self.method = _choose("ag_group_gemm", method, refusal, ww)
         if self.empty:
             return
         tiles, even, warps = _gemm_config(world, m, k, e, n, hidden)
@@ -542,7 +551,7 @@ def ag_group_gemm(tokens_shard: torch.Tensor, w_experts_shard: torch.Tensor, top
     inter into.
     method: "overlap" (copy-engine pushes of the tokens under a persistent grouped GEMM that takes each rank's
     chunk as it arrives; needs the gathered tokens and layouts to fit the workspace), "baseline" (weft
-    all_gather, then the grouped GEMM), "auto" (overlap where it can take the call, baseline on one rank).
+    all_gather, then the grouped GEMM), "auto" (the baseline: the overlap measured slower, AUTO_OVERLAPS).
     Checks topk_idx's values (a host sync) except under CUDA-graph capture. Collective: every rank passes the
     same shapes and method.
     """
@@ -584,7 +593,7 @@ class _RsPlan:
         if need > data_bytes(world):
             refusal = (f"the partials and routing weights take {need} bytes, more than the workspace "
                        f"({data_bytes(world)} bytes: raise WEFT_WORKSPACE_BYTES)")
-        self.method = _choose(method, refusal, ww)
+        self.method = _choose("group_gemm_rs", method, refusal, ww)
         if self.empty:
             return
         tiles, even, warps = _gemm_config(world, m, k, e, hidden, inter)
