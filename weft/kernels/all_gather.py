@@ -249,8 +249,7 @@ def _all_gather_plan(world, x, out, method):
             return (xs, os if zero_copy else f[0], os, f[1], f[2], f[3], k, chunk, n, half_len)
         fixed = (buf, flags, ws.counter, heap)
         launch = Launch(kernel, grid, args(xw[lo:hi], ow[lo:], fixed), dict(**consts, BLOCK=block, VEC=vec), warps)
-        # On GPUs the workspace's addresses, taken once: the launcher has fewer tensors to ask for theirs.
-        passes.append((lo, hi, launch, args, fixed if INTERPRET else tuple(t.data_ptr() for t in fixed)))
+        passes.append((lo, hi, launch, args, tuple(map(launch.address, fixed))))  # on GPUs addresses, taken once
 
     if len(passes) == 1 and x_contig and out_contig and not INTERPRET:
         _, _, launch, args, fixed = passes[0]
@@ -259,7 +258,7 @@ def _all_gather_plan(world, x, out, method):
             if check:
                 check(x, out)
             res = result(out)
-            launch(*args(x.data_ptr(), res.data_ptr(), fixed))  # integers: no driver query per tensor
+            launch(*args(launch.address(x), launch.address(res), fixed))
             return res
         return run
 

@@ -476,9 +476,8 @@ class _Pass:
     """One launch of a reduction kernel over elements [lo, hi) of the flat input and output.
 
     `args(xs, os, fixed)` gives the kernel's runtime arguments for the pass's input and output, where
-    `fixed` are the workspace tensors that every call passes: on GPUs their addresses, taken once (a compiled
-    kernel takes any address for a pointer argument, and the launcher then has fewer tensors to ask for
-    theirs). `typed` views the input and output as the kernel's pointer types (the LL kernels move int32
+    `fixed` are the workspace tensors that every call passes, as `Launch.address` gives them (on GPUs their
+    addresses, taken once). `typed` views the input and output as the kernel's pointer types (the LL kernels move int32
     words), which the interpreter and the compilation need."""
 
     def __init__(self, kernel, grid, args, fixed: tuple, constexprs: dict, warps: int, xf, of, lo: int, hi: int,
@@ -487,19 +486,16 @@ class _Pass:
         self.typed = typed or (lambda t: t)
         self.launch = Launch(kernel, grid, args(self.typed(xf[lo:hi]), self.typed(of[lo:hi]), fixed), constexprs,
                              warps)
-        self.fixed = fixed if backend.INTERPRET else tuple(t.data_ptr() for t in fixed)
+        self.fixed = tuple(map(self.launch.address, fixed))
 
     def __call__(self, xf: torch.Tensor, of: torch.Tensor) -> None:
         t = self.typed
         self.launch(*self.args(t(xf[self.lo:self.hi]), t(of[self.lo:self.hi]), self.fixed))
 
     def direct(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """x and out whole in this one pass. On GPUs addresses are all the kernel takes, so no views are made,
-        and as integers the launcher skips its per-tensor driver query (cuPointerGetAttribute)."""
-        if self.launch.kernel is None:
-            self.launch(*self.args(x, out, self.fixed))
-        else:
-            self.launch(*self.args(x.data_ptr(), out.data_ptr(), self.fixed))
+        """x and out whole in this one pass (no views made: on GPUs their addresses are all the kernel takes)."""
+        address = self.launch.address
+        self.launch(*self.args(address(x), address(out), self.fixed))
 
 
 def _words32(t: torch.Tensor) -> torch.Tensor:

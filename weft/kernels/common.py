@@ -156,6 +156,10 @@ class Launch:
             raise TypeError(f"{fn.__name__}: constexprs must follow the runtime arguments in order: {names}")
         self.tail = tuple(constexprs.values())
         self.kernel = self.c_launch = None
+        # What a plan passes for a pointer argument: the tensor itself under the interpreter (which needs
+        # tensors), its address on GPUs (a compiled kernel takes any address, and as an integer the launcher
+        # makes no driver query for it: cuPointerGetAttribute per tensor argument).
+        self.address = _itself if backend.INTERPRET else torch.Tensor.data_ptr
         if not backend.INTERPRET:
             kernel = fn.warmup(*args, grid=self.grid, **self.options, **constexprs)
             self.kernel = kernel.result() if hasattr(kernel, "result") else kernel
@@ -205,6 +209,10 @@ class Launch:
             prev = i + 1
         flat.extend(args[prev:])
         return flat
+
+
+def _itself(t):
+    return t
 
 
 def _unwrap_descriptors(launch):

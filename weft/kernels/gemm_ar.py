@@ -300,22 +300,13 @@ def _gemm_ar_plan(world, a, b_shard, method, out):
                          NUM_STAGES=cfg.num_stages, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
                          ALIGNED=n * sdtype.itemsize % 16 == 0), cfg.num_warps)
 
-    # On GPUs the workspace's addresses, taken once: the launcher has fewer tensors to ask for theirs.
-    fixed = (stage, ws.flags, ws.counter, heap)
-    f = fixed if launch.kernel is None else tuple(t.data_ptr() for t in fixed)
+    address = launch.address  # on GPUs the workspace's addresses are taken once, the caller's per call
+    f = tuple(map(address, (stage, ws.flags, ws.counter, heap)))
 
-    if launch.kernel is None:  # the interpreter: tensors
-        def run(a, b_shard, out):
-            check(a, b_shard, out)
-            res = result(out)
-            launch(a, b_shard, f[0], res, f[1], f[2], f[3], m, n, k, half_len)
-            return res
-        return run
-
-    def run(a, b_shard, out):  # a GPU: addresses as integers, so the launcher makes no driver query per tensor
+    def run(a, b_shard, out):
         check(a, b_shard, out)
         res = result(out)
-        launch(a.data_ptr(), b_shard.data_ptr(), f[0], res.data_ptr(), f[1], f[2], f[3], m, n, k, half_len)
+        launch(address(a), address(b_shard), f[0], address(res), f[1], f[2], f[3], m, n, k, half_len)
         return res
     return run
 
