@@ -112,8 +112,6 @@ def gpu_demo(args) -> None:
     say(f"  sequences with identical tokens on both: {same} of {batch} (bf16: the two reduce in different orders)")
     if tokenizer is not None:
         say("", f"  {args.prompt!r} →", "  " + repr(tokenizer.decode(results["weft"][0][0, prompts.shape[1]:])))
-    for m in (model, baseline):  # their decode graphs hold NCCL kernels: gone before the process group
-        m.sessions.clear()
 
 
 def _tokenizer(path):
