@@ -51,10 +51,11 @@ import triton.language as tl
 
 import weft.language as wl
 
+from ..runtime.streams import StreamSet, device_copy
 from . import gemm
 from .all_gather import all_gather
-from .common import (Launch, check_method, check_out, on_stream, out_kind, plan, signature, stream_wait,
-                     workspace, world_or_raise, zero_everywhere)
+from .common import (Launch, check_method, check_out, out_kind, plan, signature, workspace, world_or_raise,
+                     zero_everywhere)
 
 METHODS = ("auto", "overlap", "baseline")
 # "auto" overlaps from this many gathered rows (see auto_method); provisional between the 128 and 4096
@@ -135,8 +136,7 @@ class AgGemmWorkspace:
         self.gathered = heap.empty((self.bytes,), torch.uint8)
         self.bar = heap.empty((1 + w,), torch.int32)
         self.ready = heap.empty((w,), torch.int32)
-        self.stream = torch.cuda.Stream(world.device) if world.device.type == "cuda" else None
-        self.event = torch.cuda.Event() if self.stream is not None else None
+        self.streams = StreamSet(world.device, 1) if world.device.type == "cuda" else None  # the pushes' stream
         zero_everywhere(world, self.bar, self.ready)
 
 
@@ -243,7 +243,7 @@ def _ag_gemm_plan(world, a_shard, b, method, out, return_gathered, config):
     barrier = Launch(ag_gemm_barrier_kernel, (1,), (ws.bar, heap), {}, num_warps=1)
     launch = Launch(ag_gemm_kernel, (programs,), (a_desc, b_desc, c_desc, ws.bar, ws.ready, heap, m, n, k),
                     dict(RAGGED=ragged, **cfg.constexprs(), NUM_PROGRAMS=programs), cfg.num_warps)
-    stream = ws.stream
+    streams = ws.streams
 
     def push(a_shard):
         for rows, flag in pushes:
@@ -252,19 +252,19 @@ def _ag_gemm_plan(world, a_shard, b, method, out, return_gathered, config):
     def run(a_shard, b, out):
         res = result(out)
         barrier(ws.bar, heap)
-        local.copy_(a_shard)
-        if stream is None:
+        device_copy(local, a_shard)
+        if streams is None:
             push(a_shard)
         else:
-            main = torch.cuda.current_stream()
-            stream_wait(stream, main, ws.event)
-            on_stream(stream, main, push, a_shard)
+            main, side = streams.current(), streams.sides[0]
+            streams.wait(side, main)
+            streams.run_on(side, main, push, a_shard)
         launch(a_desc, b_desc.on(b), c_desc.on(res.view(w, m, n) if ragged else res), ws.bar, ws.ready, heap,
                m, n, k)
         b_desc.off()  # the plan keeps no caller tensor (gemm.Descriptor)
         c_desc.off()
-        if stream is not None:
-            stream_wait(main, stream, ws.event)
+        if streams is not None:
+            streams.wait(main, side)
         return (res, gathered.clone()) if return_gathered else res
     return run
 

@@ -230,28 +230,6 @@ def _unwrap_descriptors(launch):
     return cells["launcher"], list(zip(sorted(cells["tensordesc_indices"]), metas))
 
 
-# -- streams ----------------------------------------------------------------------
-# torch's `a.wait_stream(b)` makes a new event per call and `with torch.cuda.stream(s)` checks devices on
-# entry and exit: together ~30 us of host time per overlapped GEMM call on an H200 host. Ops that fork
-# work onto a side stream use these instead, with one event made with their workspace.
-
-def stream_wait(waiter, target, event) -> None:
-    """Work queued on `waiter` from now on runs after the work queued on `target` so far. One event serves
-    every such edge: a wait takes the event's state when it is queued, so recording it again later is safe
-    (also under CUDA-graph capture)."""
-    event.record(target)
-    waiter.wait_event(event)
-
-
-def on_stream(stream, main, fn, *args) -> None:
-    """fn(*args) with `stream` current, then `main` current again."""
-    torch.cuda.set_stream(stream)
-    try:
-        fn(*args)
-    finally:
-        torch.cuda.set_stream(main)
-
-
 # -- the process group's own collectives (what `auto` falls back to) ----------------------
 
 # torch >= 2.13 renames all_gather_into_tensor and reduce_scatter_tensor; the GPU machines run 2.11.

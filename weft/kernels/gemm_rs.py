@@ -97,12 +97,13 @@ import triton.language as tl
 
 import weft.language as wl
 
+from ..runtime.streams import StreamSet
 from . import gemm
 from .all_reduce import reduce_scatter
 from .blocks import cast
 from .ag_gemm import OVERLAP_MIN_ROWS
-from .common import (Launch, check_method, check_out, on_stream, out_kind, plan, signature, stream_wait,
-                     workspace, world_or_raise, zero_everywhere)
+from .common import (Launch, check_method, check_out, out_kind, plan, signature, workspace, world_or_raise,
+                     zero_everywhere)
 
 METHODS = ("auto", "overlap", "baseline")
 
@@ -233,9 +234,8 @@ class GemmRSWorkspace:
         self.bar = heap.empty((1 + w,), torch.int32)
         self.send = heap.empty((self.bytes,), torch.uint8)
         cuda = world.device.type == "cuda"
-        self.stream = torch.cuda.Stream(world.device) if cuda else None  # the copy engine's pushes
-        self.side = torch.cuda.Stream(world.device) if cuda else None  # every other chunk GEMM
-        self.event = torch.cuda.Event() if cuda else None  # for every edge between the streams
+        # sides[0]: the copy engine's pushes; sides[1]: every other chunk GEMM.
+        self.streams = StreamSet(world.device, 2) if cuda else None
         zero_everywhere(world, self.ready, self.bar)
 
 
@@ -383,31 +383,36 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
         else:
             chunk_launch(chunk_a.on(a[c * m:(c + 1) * m]), b_desc.on(b_shard), chunk_out[c], m, n, k)
 
+    streams = ws.streams
+
     def run(a, b_shard, out):
         res = result(out)
-        main = torch.cuda.current_stream() if ws.stream is not None else None
         start(ws.bar, ws.ready, heap)
-        if main is None:
+        if streams is None:
             for c, src, dst, flag in steps:
                 chunk_gemm(a, b_shard, c, src)
                 wl.copy_engine_push(dst, src, flag, epoch)
         else:
             # Chunk GEMMs alternate between two streams, so the next one's programs take the SMs that this
             # one's last, partial wave leaves idle.
-            ev = ws.event
-            stream_wait(ws.side, main, ev)
+            main = streams.current()
+            pushes, side = streams.sides
+            streams.wait(side, main)
             for i, (c, src, dst, flag) in enumerate(steps):
-                compute = (main, ws.side)[i % 2]
-                on_stream(compute, main, chunk_gemm, a, b_shard, c, src)
-                stream_wait(ws.stream, compute, ev)
-                on_stream(ws.stream, main, wl.copy_engine_push, dst, src, flag, epoch)
-            stream_wait(main, ws.side, ev)  # the final GEMM starts after every chunk GEMM (no deadlock: see above)
+                compute = (main, side)[i % 2]
+                if compute is main:
+                    chunk_gemm(a, b_shard, c, src)
+                else:
+                    streams.run_on(compute, main, chunk_gemm, a, b_shard, c, src)
+                streams.wait(pushes, compute)
+                streams.run_on(pushes, main, wl.copy_engine_push, dst, src, flag, epoch)
+            streams.wait(main, side)  # the final GEMM starts after every chunk GEMM (no deadlock: see above)
         final(a_desc.on(a[me * m:(me + 1) * m]), b_desc.on(b_shard), recv, out_desc.on(res) if out_tma else res,
               ws.bar, ws.ready, heap, m, n, k)
         for desc in swapped:  # the plan keeps no caller tensor (gemm.Descriptor)
             desc.off()
-        if main is not None:
-            stream_wait(main, ws.stream, ws.event)
+        if streams is not None:
+            streams.wait(main, pushes)
         return res
     return run
 

@@ -73,6 +73,7 @@ import triton.language as tl
 
 import weft.language as wl
 
+from ..runtime.streams import StreamSet, device_copy
 from .all_gather import all_gather
 from .all_reduce import reduce_scatter
 from .blocks import cast, group_tile
@@ -342,7 +343,7 @@ class MoeTPWorkspace:
         self.bar = heap.empty((1 + w,), torch.int32)
         self.ready = heap.empty((w,), torch.int32)
         self.pushed = heap.empty((MAX_TOKEN_BLOCKS * w,), torch.int32)
-        self.stream = torch.cuda.Stream(world.device) if world.device.type == "cuda" else None
+        self.streams = StreamSet(world.device, 1) if world.device.type == "cuda" else None  # the pushes' stream
         zero_everywhere(world, self.bar, self.ready, self.pushed)
 
     def view(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -441,20 +442,24 @@ def _gathered_layout(topk_idx, num_experts: int) -> GroupLayout:
 
 def _push(ws, copies) -> None:
     """copies [(dst, src), ...] in order on the copy stream, after the main stream's work so far (inline on cpu)."""
-    if ws.stream is None:
+    if ws.streams is None:
         for dst, src in copies:
             dst.copy_(src)
         return
-    ws.stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(ws.stream):
-        for dst, src in copies:
-            dst.copy_(src)
+    main, side = ws.streams.current(), ws.streams.sides[0]
+    ws.streams.wait(side, main)
+    ws.streams.run_on(side, main, _copies, copies)
+
+
+def _copies(copies) -> None:
+    for dst, src in copies:
+        device_copy(dst, src)
 
 
 def _join(ws) -> None:
     """The main stream waits for the copy stream's pushes (their sources may be freed after the call)."""
-    if ws.stream is not None:
-        torch.cuda.current_stream().wait_stream(ws.stream)
+    if ws.streams is not None:
+        ws.streams.wait(ws.streams.current(), ws.streams.sides[0])
 
 
 class _AgPlan:

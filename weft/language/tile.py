@@ -60,6 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..runtime import streams
 from . import ptx
 from .core import CMP_GE, INTERPRET, SCOPE_SYS, SIGNAL_SET, num_ranks, rank, symm_at
 from .signals import consume_token, notify, notify_all, wait
@@ -211,8 +212,8 @@ def copy_engine_push(dst: torch.Tensor, src: torch.Tensor, flag: torch.Tensor, v
     that acquires the flag (`tile_wait`, `tile_wait_tiles`) sees the tile. On the cpu backend both are
     plain copies, in that order.
     """
-    dst.copy_(src)
-    flag.copy_(value)
+    streams.device_copy(dst, src)
+    streams.device_copy(flag, value)
 
 
 # -- device: a tile's place --------------------------------------------------------

@@ -35,6 +35,9 @@ class World:
         self.contexts: dict = {}  # op family -> its workspace
         self.plans: dict = {}  # call signature -> what the call does (weft.kernels.common.Plan)
         self.barriers = 0  # host barriers made so far: ops make none once their workspaces exist
+        # The barrier's one word, made now: NCCL's own barrier allocates a tensor per call and keeps it, which
+        # a workspace first made under CUDA-graph trees' warm-up (in their pool) would leave behind there.
+        self._barrier_word = torch.zeros(1, dtype=torch.int32, device=device) if device.type == "cuda" else None
         self._owns_group = owns_group
 
     def context(self, key, make):
@@ -54,7 +57,7 @@ class World:
         self.barriers += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            dist.barrier(group=self.group, device_ids=[self.device.index])
+            dist.all_reduce(self._barrier_word, group=self.group)
             torch.cuda.synchronize(self.device)
         else:
             dist.barrier(group=self.group)
