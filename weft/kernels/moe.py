@@ -33,8 +33,12 @@ waited for a word every program of q wrote in q's call e - 1, after q's call e -
 half) had ended. LL regions are only ever written with LL words, so a stale word carries an older epoch.
 
 grouped_gemm: out[e, :counts[e]] = x[e, :counts[e]] @ w[e], a persistent kernel over the tiles under each
-expert's count (read on the device), row blocks fastest so that the weights are read once (blocks.group_tile,
-the tile moe_tp's grouped GEMMs use too).
+expert's count (read on the device), in grouped order within an expert so that the weights are read once.
+grouped_gemm_tma_kernel runs the dense GEMM's mainloop (gemm.py: TMA loads from one host descriptor per
+operand, x as (E C, K) and w as (E K, N), pipelined; the output's 3-D descriptor clips each expert's tile at
+its capacity); where TMA cannot take the operands (rows not whole 16 bytes, K not whole BLOCK_Ks, unaligned),
+the plan takes grouped_gemm_kernel, pointer loads through blocks.group_tile (the tile moe_tp's grouped GEMMs
+use, whose rows are gathered by token). scripts/probe_grouped_gemm.py sweeps the TMA kernel's configs.
 """
 from __future__ import annotations
 
