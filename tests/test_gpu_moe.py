@@ -152,17 +152,42 @@ def test_ep_ll_cuda_graph():
         _check_ll(x, idx, wts, res["recv"], res["counts"], res["out"])
 
 
-def test_grouped_gemm_against_matmul():
+@pytest.mark.parametrize("experts,cap,k,n,dtype,tma", [
+    (32, 256, HIDDEN, 2048, torch.bfloat16, True),  # the bench shape
+    (6, 200, 768, 2048, torch.bfloat16, True),  # row blocks that reach into the next expert
+    (8, 96, 512, 384, torch.float16, True),  # "skinny" tiles; N not whole 256-column blocks
+    (4, 130, 256, 200, torch.float32, True),  # tf32
+    (5, 100, 520, 256, torch.bfloat16, False),  # K not whole 64-row blocks: pointer kernel
+    (5, 100, 256, 2047, torch.bfloat16, False),  # N rows not whole 16 bytes: pointer kernel
+])
+def test_grouped_gemm_against_matmul(experts, cap, k, n, dtype, tma):
+    """Both kernels against torch.matmul over empty, one-row, partial and full experts, with NaN in the rows
+    past the counts (must not leak into the rows under them), a call per fresh input and one graph replay."""
+    from weft.kernels.moe import grouped_config, tma_refusal
+
     w = weft.world()
-    experts, cap, k, n = 32, 256, HIDDEN, 2048
-    x = torch.randn(experts, cap, k, device=w.device).to(torch.bfloat16)
-    wt = (torch.randn(experts, k, n, device=w.device) / k ** 0.5).to(torch.bfloat16)
-    counts = torch.randint(0, cap + 1, (experts,), device=w.device, dtype=torch.int32)
-    counts[0], counts[1] = 0, 1
-    out = weft.ops.grouped_gemm(x, wt, counts)
-    for e in range(experts):
-        m = int(counts[e])
-        torch.testing.assert_close(out[e, :m], torch.matmul(x[e, :m], wt[e]), rtol=2e-2, atol=2e-2)
+    g = torch.Generator(device=w.device).manual_seed(experts * cap + n)
+    x = torch.randn(experts, cap, k, device=w.device, generator=g).to(dtype)
+    wt = (torch.randn(experts, k, n, device=w.device, generator=g) / k ** 0.5).to(dtype)
+    assert (tma_refusal(x, wt, grouped_config(cap, dtype, w.device, True).block_k) is None) == tma
+    res = {}
+    for call in range(3):
+        counts = torch.randint(0, cap + 1, (experts,), device=w.device, dtype=torch.int32, generator=g)
+        counts[0], counts[1], counts[-1] = 0, 1, cap if call else cap - 1
+        xs = x.clone()
+        for e, m in enumerate(counts.tolist()):
+            xs[e, m:] = float("nan")
+        if call < 2:
+            out = weft.ops.grouped_gemm(xs, wt, counts)
+        else:  # a graph replayed on new inputs in the same buffers
+            sx, sc = xs.clone(), counts.clone()
+            graph = capture(lambda: res.update(out=weft.ops.grouped_gemm(sx, wt, sc)))
+            sx.copy_(xs)
+            sc.copy_(counts)
+            graph.replay()
+            out = res["out"]
+        for e, m in enumerate(counts.tolist()):
+            torch.testing.assert_close(out[e, :m], torch.matmul(xs[e, :m], wt[e]), rtol=2e-2, atol=2e-2)
 
 
 # -- tensor-parallel MoE -------------------------------------------------------------------------------

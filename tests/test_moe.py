@@ -231,26 +231,66 @@ def test_ep_ll(w):
 
 # -- grouped GEMM ---------------------------------------------------------------------------
 
-def _grouped_gemm():
+def _check_grouped(x, wt, counts, out, dtype):
+    import torch
+
+    for e in range(x.shape[0]):
+        n = int(counts[e])
+        ref = (x[e, :n].float() @ wt[e].float()).to(dtype)
+        torch.testing.assert_close(out[e, :n], ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-4, atol=1e-2)
+
+
+def _grouped_gemm(seed):
+    """Both kernels on fresh inputs, two calls per plan: the TMA kernel (experts of 37 rows: row blocks of 16
+    reach into the next expert; empty, partial and full experts; NaN in the rows past each count, which must
+    not leak), and the pointer kernel where TMA cannot take the shape (K not whole BLOCK_Ks, N rows not whole
+    16 bytes, x not 16-byte aligned)."""
     import torch
 
     import weft
+    from weft.kernels.moe import CPU_CONFIG, tma_refusal
 
-    g = torch.Generator().manual_seed(7)
-    for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(4, 37, 48, generator=g).to(dtype)
-        wt = torch.randn(4, 48, 40, generator=g).to(dtype)
-        counts = torch.tensor([0, 37, 5, 17], dtype=torch.int32)
-        out = weft.ops.grouped_gemm(x, wt, counts)
-        for e in range(4):
-            n = int(counts[e])
-            ref = (x[e, :n].float() @ wt[e].float()).to(dtype)
-            torch.testing.assert_close(out[e, :n], ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-4, atol=1e-2)
+    g = torch.Generator().manual_seed(seed + weft.rank())
+    cases = [(torch.bfloat16, 5, 37, 64, 40, True, 0), (torch.float32, 3, 20, 32, 36, True, 0),
+             (torch.bfloat16, 4, 37, 48, 40, False, 0), (torch.bfloat16, 3, 9, 32, 37, False, 0),
+             (torch.float32, 2, 8, 32, 16, False, 1)]
+    for dtype, experts, cap, k, n, tma, shift in cases:
+        for call in range(2):
+            buf = torch.randn(experts * cap * k + shift, generator=g).to(dtype)
+            x = buf[shift:].view(experts, cap, k)
+            wt = torch.randn(experts, k, n, generator=g).to(dtype)
+            counts = torch.randint(0, cap + 1, (experts,), generator=g, dtype=torch.int32)
+            counts[0], counts[-1] = (0, cap) if call == 0 else (cap, 1)
+            for e in range(experts):
+                x[e, int(counts[e]):] = float("nan")
+            assert (tma_refusal(x, wt, CPU_CONFIG.block_k) is None) == tma
+            _check_grouped(x, wt, counts, weft.ops.grouped_gemm(x, wt, counts), dtype)
     return True
 
 
-def test_grouped_gemm():
-    assert run_ranks(_grouped_gemm, 1, timeout=TIMEOUT)[0]
+@pytest.mark.parametrize("w", [1, 2])
+def test_grouped_gemm(w):
+    assert all(run_ranks(_grouped_gemm, w, 7, timeout=TIMEOUT))
+
+
+def _grouped_gemm_configs():
+    """The TMA kernel under other tilings: one row block per group, and a block of rows larger than an expert."""
+    import torch
+
+    import weft
+    from weft.kernels.gemm import GemmConfig
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 24, 64, generator=g).to(torch.bfloat16)
+    wt = torch.randn(3, 64, 48, generator=g).to(torch.bfloat16)
+    counts = torch.tensor([24, 0, 7], dtype=torch.int32)
+    for cfg in (GemmConfig(16, 16, 16, 1, 1, 4, False), GemmConfig(32, 32, 32, 4, 1, 4, False)):
+        _check_grouped(x, wt, counts, weft.ops.grouped_gemm(x, wt, counts, config=cfg), torch.bfloat16)
+    return True
+
+
+def test_grouped_gemm_configs():
+    assert run_ranks(_grouped_gemm_configs, 1, timeout=TIMEOUT)[0]
 
 
 # -- many calls, bad input -------------------------------------------------------------------
@@ -299,6 +339,8 @@ def _rejects():
     wt = x.t().contiguous()[None]
     rejects(lambda: weft.ops.grouped_gemm(x[None], wt, torch.zeros(2, dtype=torch.int32)), ValueError, "counts",
             guarded)
+    rejects(lambda: weft.ops.grouped_gemm(x[None], wt, torch.ones(1, dtype=torch.int32), config=(64, 128)),
+            TypeError, "config", guarded)
     # Nothing was sent: the next calls see the epochs they expect.
     _ht_case(5, 4, 8, 2, 32, "random")
     _ll_case(5, 4, 8, 2, 32, "random", 4)
