@@ -840,12 +840,16 @@ def grouped_gemm_kernel(x, w, out, counts, experts, capacity, N, K, BLOCK_M: tl.
 
 GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# GPU configs of the TMA kernel (gemm.GemmConfig; flatten and warp_specialize apply to it alone). "large" is
-# the dense GEMM's H200 config; experts of at most 128 rows (decode, fine-grained experts) take 64-row
-# blocks, which waste less of a block on a partial count. Untuned: scripts/probe_grouped_gemm.py measures.
-# fp32 (tf32) takes small tiles, whose stages and output tile fit in shared memory.
+# GPU configs of the TMA kernel (gemm.GemmConfig; flatten and warp_specialize apply to it alone). "large": the
+# dense GEMM's 128x256x64 tiles, flattened loop: on an H200 (2026-11-23, `python3 scripts/probe_grouped_gemm.py`,
+# bf16, CUDA-graph replay) 1.01-1.05x torch._grouped_mm on 32 x 256 rows 7168 <-> 2048, Qwen3-30B-A3B's 128 x 512
+# rows (2048 -> 1536, 768 -> 2048) and Mixtral's 8 x 2048 rows (4096 -> 14336), 1.02x on 14336 -> 4096 (where
+# 64x256x64 s4 w4 reached 1.09x) and 1.00x with uneven counts; the unflattened loop was 0.96-0.97x on three of
+# them. Experts of at most 128 rows (decode, fine-grained experts) take 64-row blocks, which waste less of a
+# block on a partial count (not probed). fp32 (tf32) takes small tiles, whose stages and output tile fit in
+# shared memory.
 GPU_CONFIGS = {
-    "large": GemmConfig(128, 256, 64, 8, 3, 8, False),
+    "large": GemmConfig(128, 256, 64, 8, 3, 8, True),
     "skinny": GemmConfig(64, 128, 64, 8, 4, 4, False),
     "fp32": GemmConfig(64, 128, 32, 8, 4, 4, False),
 }
