@@ -142,14 +142,18 @@ class AllGatherWorkspace:
         return self.data.view(dtype), self.half_bytes // dtype.itemsize
 
 
-# "auto" hands shards of at least this many bytes to the process group's all_gather (NCCL), by symmetric
-# output and world size (the nearest measured one): where NCCL measured faster. 2 H200s, 2026-11-22, bf16,
-# into a plain output (`weft bench -n 2 allgather`, eager): push 11.1 us against NCCL's 18.6 at 128 KiB
-# gathered, 14.1 against 9.5 at 256 KiB and behind up to 2 MiB. With no output given, NCCL's call costs
-# ~10 us more (its output, allocated per call, is recorded on NCCL's stream): push 21.6 us against 36.3
-# at 1 MiB shards (`weft bench -n 2 overhead`), and ahead to ~8 MiB shards by the sweep's times. Into a
-# symmetric output push is ahead at every size.
-NCCL_ABOVE = {"plain": {2: 128 << 10}, "none": {2: 8 << 20}, "symmetric": {2: float("inf")}}
+# "auto" hands shards of at least this many bytes to the process group's all_gather (NCCL), by output kind
+# and world size (the nearest measured one): where NCCL measured faster. Into a plain output, 2 H200s,
+# 2026-11-23 (`weft bench -n 2 allgather --view both`): push ahead of NCCL to 128 KiB shards (1.4-2.6x
+# replayed); pull from 256 KiB to 16 MiB shards, 16.4 / 17.7 / 17.9 / 19.3 / 24.9 / 45.0 / 89.2 us against
+# NCCL's 17.9 / 15.1 / 20.6 / 30.0 / 43.3 / 59.6 / 95.8 replayed (behind at 512 KiB, where eager calls are
+# ahead: 19.0 us against 24.0) and ahead eagerly at every size; NCCL from 32 MiB (pull 180 us against 162).
+# With no output given, NCCL's call costs ~10 us more (its output, allocated per call, is recorded on NCCL's
+# stream; 2026-11-22: push 21.6 us against 36.3 at 1 MiB shards), so it takes over only from 8 MiB there.
+# Into a symmetric output push is ahead at every size.
+NCCL_ABOVE = {"plain": {2: 32 << 20}, "none": {2: 8 << 20}, "symmetric": {2: float("inf")}}
+# From this many bytes per shard "auto" pulls (below NCCL_ABOVE) into a plain output or none.
+PULL_FROM = 256 << 10
 
 
 def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
@@ -191,7 +195,8 @@ def _all_gather_plan(world, x, out, method):
     nbytes = x.numel() * x.element_size()
     if method == "auto":
         kind = "symmetric" if symmetric else "none" if out is None else "plain"
-        method = "nccl" if nbytes >= nccl_from(NCCL_ABOVE[kind], world) else "push"
+        method = "nccl" if nbytes >= nccl_from(NCCL_ABOVE[kind], world) else \
+            "pull" if kind != "symmetric" and nbytes >= PULL_FROM and world.device.type == "cuda" else "push"
 
     dtype, device = x.dtype, x.device  # not x itself: a plan keeps no caller tensor
 

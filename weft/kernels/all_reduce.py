@@ -117,8 +117,11 @@ LL_TWO_SHOT_SYMMETRIC_MAX_BYTES = 256 << 10
 # output 0.92-0.98x NCCL from 64 MiB, in place in symmetric memory 1.01-1.08x; reduce_scatter 1.01-1.18x
 # NCCL from 16 MiB.
 # 2 GPUs, eager, 2026-11-22 (`weft bench -n 2 overhead`): reduce_scatter of 64 MiB 241 us against NCCL's 166.
+# 2 GPUs, 2026-11-23 (`weft bench -n 2 allreduce --view both`, plain output): from 32 MiB weft's two-shot took
+# 135 / 259 / 488 / 986 us (graph) at 32 / 64 / 128 / 256 MiB where NCCL's call with its copy into the output
+# took 152 / 280 / 529 / 1015: at 2 ranks a plain output never goes to NCCL.
 NCCL_ABOVE = {
-    ("all_reduce", False): {4: 32 << 20},
+    ("all_reduce", False): {2: float("inf"), 4: 32 << 20},
     ("all_reduce", True): {4: float("inf")},
     ("reduce_scatter", False): {2: 16 << 20, 4: float("inf")},
     ("reduce_scatter", True): {2: 16 << 20, 4: float("inf")},
