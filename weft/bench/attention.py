@@ -213,7 +213,7 @@ def _run_sp(args, rows):
         merge()
         _check(MERGE_ALONE, case, merged, want)
         _time(args, rows, case, impls, sets, kv_bytes, per_rank=(LOCAL,), no_bandwidth=(MERGE_ALONE,))
-        del ks, vs, merge, merged
+        del ks, vs
 
 
 def _time(args, rows, case, impls, sets, kv_bytes, per_rank=(), no_bandwidth=()):
