@@ -97,8 +97,13 @@ MAX_SPLITS = 64
 # On the cpu backend (interpreter): few splits of small blocks, enough to exercise the split logic.
 CPU_MAX_SPLITS = 3
 CPU_BLOCK_N = 16
-# Partials merged per step of the merge kernels.
+# Partials merged per step of flash_decode's merge kernel.
 SPLIT_BLOCK = 16
+# sp_flash_decode's merge kernel (8 warps) merges up to SP_SPLIT_WORDS // head_dim partials per step: all
+# of a row's splits (at most MAX_SPLITS) in one step at head_dim 128, so that the local merge, on the
+# latency path of the exchange, is one round of loads rather than one per 16 splits.
+SP_SPLIT_WORDS = 8192
+SP_NUM_WARPS = 8
 # Query heads per split program at most: a larger G (multi-query with many heads) is cut into chunks,
 # each of which reads the KV once; fewer than 16 rows are padded (tl.dot needs 16).
 MAX_HEADS_PER_PROGRAM = 64
@@ -249,24 +254,24 @@ def sp_flash_decode_merge_kernel(part_out, part_lse, seqlens, ll, counter, heap,
     p = tl.program_id(0)
     programs = tl.num_programs(0)
     epoch = wl.next_epoch(counter)
-    me = wl.rank(heap)
     half = ll + (epoch % 2) * WORLD * slot_len
     offs_d = tl.arange(0, D)
+    lanes = tl.arange(0, RANKS)  # lane q: rank q
+    live = lanes < WORLD
+    # Phase 1. My slot on every rank, translated once: lane q points into rank q's buffer.
+    dst = wl.symm_at(half + wl.rank(heap) * slot_len, tl.minimum(lanes, WORLD - 1), heap)
     for row in range(p, rows, programs):
         seqlen = _seqlen(seqlens, row // q_heads, max_len)
         o, lse2 = _merge_splits(part_out, part_lse, row, splits, tl.cdiv(seqlen, split_len), D, SPLIT_BLOCK)
         o_words = wl.pack_ll(o.to(tl.int32, bitcast=True), epoch)
         lse_word = wl.pack_ll(lse2.to(tl.int32, bitcast=True), epoch)
-        for peer in tl.static_range(WORLD):
-            dst = wl.symm_at(half + me * slot_len, peer, heap)
-            tl.store(dst + row * D + offs_d, o_words)
-            tl.store(dst + rows * D + row, lse_word)
+        tl.store(dst[:, None] + row * D + offs_d[None, :], tl.broadcast_to(o_words[None, :], [RANKS, D]),
+                 mask=live[:, None])
+        tl.store(dst + rows * D + row, lse_word, mask=live)
 
     # Phase 2: all W ranks' words of a row are waited for at once (one spin, not W after each other) and
     # merged as one vector over ranks: every rank runs the same code on the same words in the same lanes
     # (lane q holds rank q's partial everywhere), so every rank gets the same bits.
-    lanes = tl.arange(0, RANKS)
-    live = lanes < WORLD
     offs_w = tl.arange(0, RANKS * D)  # lane q's output words: [q * D, (q + 1) * D)
     live_w = offs_w < WORLD * D
     slot_w = (offs_w // D) * slot_len + offs_w % D
@@ -484,6 +489,10 @@ class _SpContext:
         zero_everywhere(world, self.ll, self.counter)
 
 
+def _sp_split_block(splits: int, head_dim: int) -> int:
+    return max(SPLIT_BLOCK, min(triton.next_power_of_2(splits), SP_SPLIT_WORDS // head_dim))
+
+
 def _sp_max_programs(device: torch.device) -> int:
     return _sm_count(device.index) if device.type == "cuda" else CPU_SP_PROGRAMS
 
@@ -565,8 +574,8 @@ class _SpPlan:
             merge = Launch(sp_flash_decode_merge_kernel, (min(rows, _sp_max_programs(q.device)),),
                            (part_out, part_lse, seqlens[b0:b1], ctx.ll, ctx.counter, self.heap, sample[b0:b1],
                             max_len, split_len, splits, q_heads, rows, SP_MAX_ENTRIES),
-                           dict(D=head_dim, SPLIT_BLOCK=SPLIT_BLOCK, WORLD=w, RANKS=max(2, triton.next_power_of_2(w))),
-                           num_warps=4)
+                           dict(D=head_dim, SPLIT_BLOCK=_sp_split_block(splits, head_dim), WORLD=w,
+                                RANKS=max(2, triton.next_power_of_2(w))), num_warps=SP_NUM_WARPS)
             self.passes.append(_SpPass(b0, b1, rows, split, split_args, splits, split_len, merge))
 
     def split(self, step, q, k_cache, v_cache, seqlens, block_table):
@@ -620,6 +629,7 @@ COMPILE_CASES = [
     (sp_flash_decode_merge_kernel, dict(part_out="*fp32", part_lse="*fp32", seqlens="*i32", ll="*i64", counter="*i64",
                                         heap="*i64", out=t, max_len="i32", split_len="i32", splits="i32",
                                         q_heads="i32", rows="i32", slot_len="i32"),
-     dict(D=d, SPLIT_BLOCK=SPLIT_BLOCK, WORLD=wd, RANKS=max(2, triton.next_power_of_2(wd))), dict(num_warps=4))
+     dict(D=d, SPLIT_BLOCK=_sp_split_block(64, d), WORLD=wd, RANKS=max(2, triton.next_power_of_2(wd))),
+     dict(num_warps=SP_NUM_WARPS))
     for t, d, wd in [("*bf16", d, 8) for d in HEAD_DIMS] + [("*bf16", 128, 2), ("*fp32", 128, 1), ("*fp16", 128, 3)]
 ]
