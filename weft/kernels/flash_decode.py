@@ -493,6 +493,11 @@ def _sp_split_block(splits: int, head_dim: int) -> int:
     return max(SPLIT_BLOCK, min(triton.next_power_of_2(splits), SP_SPLIT_WORDS // head_dim))
 
 
+def _sp_lanes(world_size: int) -> int:
+    """The merge kernel's lanes over ranks: the world size rounded up to a power of two, at least 2."""
+    return max(2, triton.next_power_of_2(world_size))
+
+
 def _sp_max_programs(device: torch.device) -> int:
     return _sm_count(device.index) if device.type == "cuda" else CPU_SP_PROGRAMS
 
@@ -537,10 +542,12 @@ def sp_flash_decode_merge_only(q: torch.Tensor, k_cache_shard: torch.Tensor, v_c
 
 
 class _SpPass:
-    """One pass of sp_flash_decode: sequences [b0, b1), their split launch and their merge launch."""
+    """One pass of sp_flash_decode: sequences [b0, b1) (`whole`: all of the batch), their split launch and
+    their merge launch."""
 
-    def __init__(self, b0, b1, rows, split_launch, split_args, splits, split_len, merge_launch):
+    def __init__(self, b0, b1, batch, rows, split_launch, split_args, splits, split_len, merge_launch):
         self.b0, self.b1, self.rows, self.splits, self.split_len = b0, b1, rows, splits, split_len
+        self.whole = b1 - b0 == batch
         self.split_launch, self.split_args, self.merge_launch = split_launch, split_args, merge_launch
 
 
@@ -552,13 +559,12 @@ class _SpPlan:
         _check_tensor("q", q, world.device)
         max_len, page_size, scale = _check(q, k_cache, v_cache, seqlens, block_table, scale)
         batch, q_heads, head_dim = q.shape
-        self.batch, self.q_heads, self.head_dim, self.max_len = batch, q_heads, head_dim, max_len
+        self.q_heads, self.head_dim, self.max_len = q_heads, head_dim, max_len
         self.paged, self.passes = block_table is not None, []
         if batch * q_heads == 0:
             return
         self.ctx = ctx = workspace(world, "sp_flash_decode", _SpContext)
         self.heap = world.heap.descriptor
-        w = world.world_size
         per_pass = max(1, SP_MAX_ENTRIES // (q_heads * (head_dim + 1)))  # sequences per pass
         qc = _prepare_q(q)
         sample = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -574,30 +580,30 @@ class _SpPlan:
             merge = Launch(sp_flash_decode_merge_kernel, (min(rows, _sp_max_programs(q.device)),),
                            (part_out, part_lse, seqlens[b0:b1], ctx.ll, ctx.counter, self.heap, sample[b0:b1],
                             max_len, split_len, splits, q_heads, rows, SP_MAX_ENTRIES),
-                           dict(D=head_dim, SPLIT_BLOCK=_sp_split_block(splits, head_dim), WORLD=w,
-                                RANKS=max(2, triton.next_power_of_2(w))), num_warps=SP_NUM_WARPS)
-            self.passes.append(_SpPass(b0, b1, rows, split, split_args, splits, split_len, merge))
+                           dict(D=head_dim, SPLIT_BLOCK=_sp_split_block(splits, head_dim), WORLD=world.world_size,
+                                RANKS=_sp_lanes(world.world_size)), num_warps=SP_NUM_WARPS)
+            self.passes.append(_SpPass(b0, b1, batch, rows, split, split_args, splits, split_len, merge))
 
     def split(self, step, q, k_cache, v_cache, seqlens, block_table):
         """The pass's split kernel into new partials; returns (the pass's seqlens, part_out, part_lse)."""
-        whole = step.b0 == 0 and step.b1 == self.batch
-        sl = slice(step.b0, step.b1)
-        lens = seqlens if whole else seqlens[sl]
         part_out, part_lse = _partial_buffers(step.rows, step.splits, self.head_dim, q.device)
-        if self.paged:
-            step.split_launch(*step.split_args(q if whole else q[sl], k_cache, v_cache, lens,
-                                        block_table if whole else block_table[sl], part_out, part_lse))
-        else:
-            step.split_launch(*step.split_args(q if whole else q[sl], k_cache if whole else k_cache[sl],
-                                        v_cache if whole else v_cache[sl], lens, lens, part_out, part_lse))
-        return lens, part_out, part_lse
+        if not step.whole:
+            b0, b1 = step.b0, step.b1
+            q, seqlens = q[b0:b1], seqlens[b0:b1]
+            if self.paged:
+                block_table = block_table[b0:b1]
+            else:
+                k_cache, v_cache = k_cache[b0:b1], v_cache[b0:b1]
+        # A contiguous cache passes seqlens for the block table (not read).
+        step.split_launch(*step.split_args(q, k_cache, v_cache, seqlens, block_table if self.paged else seqlens,
+                                           part_out, part_lse))
+        return seqlens, part_out, part_lse
 
-    def merge(self, step, lens, part_out, part_lse, out):
+    def merge(self, step, seqlens, part_out, part_lse, out):
         """The pass's merge kernel: its rows of `out` from every rank's partials."""
-        whole = step.b0 == 0 and step.b1 == self.batch
-        step.merge_launch(part_out, part_lse, lens, self.ctx.ll, self.ctx.counter, self.heap,
-                   out if whole else out[step.b0:step.b1], self.max_len, step.split_len, step.splits, self.q_heads,
-                   step.rows, SP_MAX_ENTRIES)
+        step.merge_launch(part_out, part_lse, seqlens, self.ctx.ll, self.ctx.counter, self.heap,
+                          out if step.whole else out[step.b0:step.b1], self.max_len, step.split_len, step.splits,
+                          self.q_heads, step.rows, SP_MAX_ENTRIES)
 
     def __call__(self, q, k_cache, v_cache, seqlens, block_table):
         q = _prepare_q(q)
@@ -629,7 +635,7 @@ COMPILE_CASES = [
     (sp_flash_decode_merge_kernel, dict(part_out="*fp32", part_lse="*fp32", seqlens="*i32", ll="*i64", counter="*i64",
                                         heap="*i64", out=t, max_len="i32", split_len="i32", splits="i32",
                                         q_heads="i32", rows="i32", slot_len="i32"),
-     dict(D=d, SPLIT_BLOCK=_sp_split_block(64, d), WORLD=wd, RANKS=max(2, triton.next_power_of_2(wd))),
+     dict(D=d, SPLIT_BLOCK=_sp_split_block(64, d), WORLD=wd, RANKS=_sp_lanes(wd)),
      dict(num_warps=SP_NUM_WARPS))
     for t, d, wd in [("*bf16", d, 8) for d in HEAD_DIMS] + [("*bf16", 128, 2), ("*fp32", 128, 1), ("*fp16", 128, 3)]
 ]
