@@ -78,7 +78,7 @@ if has attention; then
     step "gpu_attention_tests_$n" timeout 300 python3 -m weft run -n "$n" -m pytest tests/test_gpu_attention.py -m gpu -q -x -p no:cacheprovider
   done
   step bench_attention_1 timeout 300 python3 -m weft bench -n 1 attention --out "$OUT/bench"
-  step bench_attention_sp_2 timeout 200 python3 -m weft bench -n 2 attention --ops sp --out "$OUT/bench"
+  step bench_attention_sp_2 timeout 240 python3 -m weft bench -n 2 attention --ops sp --out "$OUT/bench"
   for n in $(printf '%s\n' 2 "$NGPU" | sort -nu); do
     [ "$n" -le "$NGPU" ] || continue
     step "gpu_ulysses_tests_$n" timeout 300 python3 -m weft run -n "$n" -m pytest tests/test_gpu_ulysses.py -m gpu -q -x -p no:cacheprovider

@@ -294,3 +294,33 @@ def _sp_bad_inputs():
 
 def test_sp_flash_decode_bad_inputs_rejected():
     run_ranks(_sp_bad_inputs, 1, timeout=TIMEOUT, env=ENV)
+
+
+def _sp_alternating_grids(cases):
+    """sp_flash_decode calls whose merge grids differ (min(rows, 3) programs on the cpu backend), then the
+    merge kernel alone, replayed on ready partials with its output poisoned each time."""
+    import weft
+
+    digests = _sp_calls(cases)
+    seed, lens, q_heads, kv_heads, head_dim, dtype_name, _ = cases[-1]
+    me, w = weft.rank(), weft.world_size()
+    shards = [make_inputs(seed * 10 + r, lens[r], max(max(r) for r in lens), q_heads, kv_heads, head_dim)
+              for r in range(w)]
+    q, k, v, seqlens = shards[me]
+    merge, out = fd.sp_flash_decode_merge_only(q, k, v, seqlens)
+    want = fd.sp_flash_decode(q, k, v, seqlens)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        merge()
+        assert torch.equal(out, want)
+    return digests
+
+
+@pytest.mark.parametrize("w", [2, 3])
+def test_sp_flash_decode_alternating_grids(w):
+    """Calls of 1, 8 and 2 rows (merge grids of 1, 3 and 2 programs) in turn, lengths changing every call:
+    the epoch counter must hold whatever the grid of each call."""
+    cases = [(10 + i, _lens(w, batch, 10 + i, hi=12), q_heads, q_heads, 64, "float32", 0)
+             for i, (batch, q_heads) in enumerate([(1, 1), (2, 4), (1, 2), (1, 1), (4, 2), (2, 1)])]
+    results = run_ranks(_sp_alternating_grids, w, cases, timeout=TIMEOUT, env=ENV)
+    assert all(r == results[0] for r in results), "ranks got different bits"

@@ -1,12 +1,14 @@
 """GPU checks of flash_decode and sp_flash_decode, run on every rank:
 `weft run -n N -m pytest tests/test_gpu_attention.py -m gpu` (N = 1 checks flash_decode alone)."""
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import weft
-from weft.kernels.flash_decode import flash_decode, sp_flash_decode
+from weft.kernels.flash_decode import flash_decode, sp_flash_decode, sp_flash_decode_merge_only
 from weft.testing.graphs import capture
 
 pytestmark = pytest.mark.gpu
@@ -157,6 +159,57 @@ def test_sp_flash_decode_back_to_back_no_host_sync():
     for i, (out, (_, _, ref_out)) in enumerate(zip(outs, cases)):
         _check(out, None, ref_out, None, torch.bfloat16, f"call {i}")
         _same_on_every_rank(out)
+
+
+@contextlib.contextmanager
+def _nan_outputs():
+    """Every floating torch.empty / empty_like in the block comes filled with NaN (on the device, no sync)."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = lambda *a, **kw: poison(empty(*a, **kw))
+    torch.empty_like = lambda *a, **kw: poison(empty_like(*a, **kw))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = empty, empty_like
+
+
+def test_sp_flash_decode_alternating_grids_no_host_sync():
+    """Calls whose merge grids differ (32 rows: 32 programs; 256 rows: one per SM, several rows each; 64;
+    batch 40: two passes) in turn, outputs poisoned, no host sync until the end, a rank late each time: the
+    epoch counter must hold whatever each call's grid."""
+    w = weft.world()
+    cases = [_sp_case(60 + i, 256, batch=b) for i, b in enumerate([1, 8, 2, 40, 1, 8, 2])]
+    outs = []
+    weft.barrier()
+    with _nan_outputs():
+        for i, (q, (k, v, lens, _), _) in enumerate(cases):
+            if i % w.world_size == w.rank:
+                torch.cuda._sleep(100_000)
+            outs.append(sp_flash_decode(q, k, v, lens))
+    torch.cuda.synchronize()
+    for i, (out, (_, _, ref_out)) in enumerate(zip(outs, cases)):
+        _check(out, None, ref_out, None, torch.bfloat16, f"call {i}")
+        _same_on_every_rank(out)
+
+
+def test_sp_merge_kernel_alone_in_a_graph():
+    """The merge kernel alone on ready partials (what `weft bench attention --ops sp` times), replayed from
+    a CUDA graph between ordinary calls, its output poisoned before each replay."""
+    q, (k, v, lens, _), ref_out = _sp_case(80, 1024, batch=2)
+    merge, out = sp_flash_decode_merge_only(q, k, v, lens)
+    merge()
+    _check(out, None, ref_out, None, torch.bfloat16, "merge alone")
+    g = capture(merge)
+    for replay in range(3):
+        out.fill_(float("nan"))
+        g.replay()
+        _check(out, None, ref_out, None, torch.bfloat16, f"merge alone, replay {replay}")
+        _same_on_every_rank(out)
+        _check(sp_flash_decode(q, k, v, lens), None, ref_out, None, torch.bfloat16, f"call after replay {replay}")
 
 
 def test_cuda_graph_capture_and_replay():

@@ -23,10 +23,12 @@ of the normaliser). Part 1 below checks this identity in plain torch; part 2 cal
 Across ranks (sequence parallelism). For very long contexts the cache itself is split: rank r holds the
 r-th slice of every sequence. The same merge applies with ranks in place of splits, so the ranks only
 need to exchange one (out, lse) pair per (sequence, query head) — a few KiB, however long the context.
-`weft.ops.sp_flash_decode` computes its slice's partials, pushes them to every rank as low-latency (LL)
-words (4 data bytes and a call counter in one 8-byte store: the receiver sees data and "it has arrived"
-at once, with no flag and no fence), and every rank merges the W partials in rank order, so all ranks
-get the same bits. Part 3 checks it against torch over the concatenated cache.
+`weft.ops.sp_flash_decode` costs two launches, as many as flash_decode: the split kernel computes its
+slice's partials, then one merge kernel merges each row's splits, pushes the result to every rank as
+low-latency (LL) words (4 data bytes and a call counter in one 8-byte store: the receiver sees data and
+"it has arrived" at once, with no flag and no fence), and only once all its pushes are out waits for
+the other ranks' words and merges the W partials, each in the same lane on every rank, so all ranks get
+the same bits. Part 3 checks it against torch over the concatenated cache.
 """
 import torch
 import torch.distributed as dist
@@ -98,7 +100,7 @@ def part3_sp_flash_decode(w):
         full_k = torch.cat([sk[b, :sl[b]] for sk, _, sl in slices])
         full_v = torch.cat([sv[b, :sl[b]] for _, sv, sl in slices])
         torch.testing.assert_close(out[b].cpu().double(), attention(q[b], full_k, full_v)[0], rtol=1e-4, atol=1e-4)
-    # The same bits on every rank: each merged the same W partials in the same order.
+    # The same bits on every rank: each merged the same W partials the same way.
     mine = out.cpu().contiguous().view(torch.uint8)
     every = [torch.empty_like(mine) for _ in range(w.world_size)]
     dist.all_gather_object(every, mine)

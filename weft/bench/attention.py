@@ -8,14 +8,24 @@ full, for the heads of Llama-3-8B (32 query / 8 KV) and Qwen3-32B (64 / 8), batc
   cache seen as (batch, kv_heads, len, head_dim)
 - copy (same bytes): a device-to-device copy of the K cache, which reads and writes as many bytes as the
   attention reads: the bandwidth the attention could reach.
-sp (all ranks): batch 1, Llama-3-8B heads, global KV length L, rank r holding positions [r L/W, (r+1) L/W):
-- weft sp_flash_decode
+sp (all ranks): batch 1, Llama-3-8B heads, global KV length L, rank r holding positions [r L/W, (r+1) L/W).
+Run with -n 1 for the 1-GPU row of strong scaling (the whole cache on one GPU), -n W for W GPUs:
+- weft sp_flash_decode: the op, split kernel + merge kernel
 - weft flash_decode + NCCL all_gather + torch merge: the same partials exchanged by the process group
   (gloo on the cpu backend); sp_flash_decode is checked against it
-- weft flash_decode of the local shard alone: the compute part.
+- weft flash_decode of the local shard: the compute part alone (the slowest rank's median, like every cell)
+- weft flash_decode of the local shard, rank r: rank r's own median of the same calls. Their spread is the
+  steady skew between ranks; per-call jitter on top of it is not observable from here
+- weft sp merge kernel alone (ready partials): sp_flash_decode's merge kernel launched by itself on
+  partials the split kernel left (weft.kernels.flash_decode.sp_flash_decode_merge_only), the ranks lined
+  up before each sample: the real cost of the cross-rank part (a launch, the local merge, the pushes, one
+  NVLink trip, the wait, the final merge), with no skew in it. No bandwidth (0).
+How to read them: sp_flash_decode ≈ (slowest rank's local part) + (merge alone) + what rank skew adds,
+since the merge waits for the last rank's words; sp minus the slowest-rank local median, less the merge
+alone, is roughly what skew and jitter cost per call.
 The bandwidth column is KV bytes read per second (GB/s), for sp all ranks' bytes (so it grows with W under
-strong scaling); cells are the slowest rank's µs per call. Every result is checked before timing. Small
-caches are rotated through several copies so that L2 does not serve them.
+strong scaling); cells are the slowest rank's µs per call (per-rank rows: that rank's). Every result is
+checked before timing. Small caches are rotated through several copies so that L2 does not serve them.
 """
 from __future__ import annotations
 
@@ -26,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import weft
-from weft.kernels.flash_decode import flash_decode, sp_flash_decode
+from weft.kernels.flash_decode import flash_decode, sp_flash_decode, sp_flash_decode_merge_only
 from weft.testing.reference import all_gather_ref
 
 from .report import Row
@@ -42,6 +52,8 @@ HEAD_DIM = 128
 DTYPE = torch.bfloat16
 ROTATE_BYTES = 256 << 20  # caches below this are cycled through copies totalling at least this (L2: 50 MiB)
 TOLERANCE = 2e-2  # relative error (norm) against torch, bf16
+LOCAL = "weft flash_decode of the local shard"
+MERGE_ALONE = "weft sp merge kernel alone (ready partials)"
 
 
 def add_arguments(p) -> None:
@@ -187,28 +199,41 @@ def _run_sp(args, rows):
             all_gather_ref(gathered.view(-1), mine.view(-1), w.group)
             return lse_merge(gathered, HEAD_DIM).to(DTYPE)[None]
 
+        merge, merged = sp_flash_decode_merge_only(q, ks[0], vs[0], lens)
         impls = {
             "weft sp_flash_decode": lambda i: sp_flash_decode(q, ks[i], vs[i], lens),
             f"weft flash_decode + {dist.get_backend(w.group)} all_gather + torch merge": process_group,
-            "weft flash_decode of the local shard": lambda i: flash_decode(q, ks[i], vs[i], lens),
+            LOCAL: lambda i: flash_decode(q, ks[i], vs[i], lens),
+            MERGE_ALONE: lambda i: merge(),
         }
         # Against the process group's exchange of flash_decode's partials (flash_decode is checked in fd).
-        _check("weft sp_flash_decode", case, impls["weft sp_flash_decode"](0), process_group(0))
-        _time(args, rows, case, impls, sets, kv_bytes)
+        want = process_group(0)
+        _check("weft sp_flash_decode", case, impls["weft sp_flash_decode"](0), want)
+        merged.fill_(float("nan"))
+        merge()
+        _check(MERGE_ALONE, case, merged, want)
+        _time(args, rows, case, impls, sets, kv_bytes, per_rank=(LOCAL,), no_bandwidth=(MERGE_ALONE,))
         del ks, vs
 
 
-def _time(args, rows, case, impls, sets, kv_bytes):
+def _time(args, rows, case, impls, sets, kv_bytes, per_rank=(), no_bandwidth=()):
+    """A row per impl (the slowest rank's median), and for the impls in `per_rank` a row per rank too (that
+    rank's median, impl name + ", rank r"); the impls in `no_bandwidth` get bandwidth 0."""
     w = weft.world()
     gpu = w.device.type == "cuda"
     weft.barrier()
     steps = {name: cycling(f, sets) for name, f in impls.items()}
     calls = max(sets, 20 if kv_bytes < (256 << 20) else 3) if gpu else 1
-    times = time_calls(steps, calls=calls, samples=args.samples, warmup=3 if gpu else 1, graph=gpu)
-    for name, ms in times.items():
-        rows.append(Row(SUITE, case, name, ms, kv_bytes / ms / 1e6, kv_bytes, w.world_size))
-        if w.rank == 0:
-            print(f"{case} {name}: {ms * 1e3:.1f} us, {kv_bytes / ms / 1e9:.2f} TB/s", flush=True)
+    times = time_calls(steps, calls=calls, samples=args.samples, warmup=3 if gpu else 1, graph=gpu, per_rank=True)
+    for name, ranks in times.items():
+        base = name.removesuffix(" (eager)")  # a name time_calls marked: timed eagerly
+        cells = [(name, max(ranks))] + ([(f"{name}, rank {r}", ms) for r, ms in enumerate(ranks)]
+                                        if base in per_rank else [])
+        for impl, ms in cells:
+            gbps = 0.0 if base in no_bandwidth else kv_bytes / ms / 1e6
+            rows.append(Row(SUITE, case, impl, ms, gbps, kv_bytes, w.world_size))
+            if w.rank == 0:
+                print(f"{case} {impl}: {ms * 1e3:.1f} us" + (f", {gbps / 1e3:.2f} TB/s" if gbps else ""), flush=True)
     weft.barrier()
 
 

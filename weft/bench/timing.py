@@ -27,12 +27,23 @@ def _slowest(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def _every_rank(values: list[float]) -> list[list[float]]:
+    """values[i] of every rank: [[rank 0's, rank 1's, ...] for each i]."""
+    w = weft.world()
+    t = torch.tensor(values, dtype=torch.float64, device=w.device)
+    parts = [torch.empty_like(t) for _ in range(w.world_size)]
+    dist.all_gather(parts, t, group=w.group)
+    return torch.stack(parts, dim=1).tolist()
+
+
 # Calls of a fn on the capture's side stream before it is captured: torch's recipe for capturing a backward.
 GRAPH_WARMUPS = 3
 
 
-def time_calls(fns: dict, *, calls: int = 10, samples: int = 50, warmup: int = 5, graph: bool = False) -> dict:
-    """Median milliseconds per call of each `fns[name]()` on the slowest rank, as {name: ms}.
+def time_calls(fns: dict, *, calls: int = 10, samples: int = 50, warmup: int = 5, graph: bool = False,
+               per_rank: bool = False) -> dict:
+    """Median milliseconds per call of each `fns[name]()` on the slowest rank, as {name: ms}; with
+    `per_rank`, every rank's median instead, as {name: [rank 0's ms, rank 1's, ...]}.
 
     Samples are taken round-robin (sample i of every fn, then sample i + 1, ...), so that drift in clocks
     or temperature during a run hits every fn alike, and no fn is favoured by running first or last; a
@@ -53,7 +64,8 @@ def time_calls(fns: dict, *, calls: int = 10, samples: int = 50, warmup: int = 5
                 for _ in range(calls):
                     fn()
                 times[name].append((time.perf_counter() - t0) * 1e3 / calls)
-        return dict(zip(times, _slowest([statistics.median(t) for t in times.values()])))
+        medians = [statistics.median(t) for t in times.values()]
+        return dict(zip(times, _every_rank(medians) if per_rank else _slowest(medians)))
 
     steps = {}
     for name, fn in fns.items():
@@ -87,7 +99,7 @@ def time_calls(fns: dict, *, calls: int = 10, samples: int = 50, warmup: int = 5
             end.record()
     torch.cuda.synchronize()
     medians = [statistics.median(s.elapsed_time(e) / calls for s, e in pairs) for pairs in events.values()]
-    return dict(zip(steps, _slowest(medians)))
+    return dict(zip(steps, _every_rank(medians) if per_rank else _slowest(medians)))
 
 
 def _sleep_cycles_per_ms() -> float:

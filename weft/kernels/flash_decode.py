@@ -25,30 +25,45 @@ positions, and one program handles one (sequence, KV head, range):
 sp_flash_decode: sequence parallelism. Rank r holds the r-th contiguous slice of every sequence's KV.
 Each rank computes the partial (out, lse) of its slice with the split kernel and merges its splits;
 since the merge is the same log-sum-exp whether the parts are splits or ranks, the ranks then only
-exchange their per-rank partials (head_dim + 1 fp32 words per (sequence, head)) and merge them:
+exchange their per-rank partials (head_dim + 1 fp32 words per (sequence, head)) and merge them, in as
+many launches as flash_decode: the split kernel, then
 
-3. sp_flash_decode_push_kernel merges the local splits as in 2 and pushes the result, as LL words
-   (wl.pack_ll: 4 data bytes and the epoch in one 8-byte store), into slot [me] of every rank's
-   exchange buffer.
-4. sp_flash_decode_exchange_kernel waits for the W slots' words (wl.wait_ll) and merges them in rank
-   order 0, 1, ..., W - 1, so every rank computes the same bits.
+3. sp_flash_decode_merge_kernel, a persistent grid of min(rows, SM count) programs, program p owning
+   rows p, p + P, ... Phase 1: for each of its rows, merge the local splits as in 2 and push the result,
+   as LL words (wl.pack_ll: 4 data bytes and the epoch in one 8-byte store), into slot [me] of every
+   rank's exchange buffer. Phase 2: for each of its rows, wait for the W slots' words at once
+   (wl.wait_ll) and merge them as one vector over ranks, lane q holding rank q's partial on every rank,
+   so every rank computes the same bits.
+   Deadlock-free: a program pushes all its rows before its first wait, so whatever it waits for was
+   pushed by a peer program that is running or has run; with at most one program per SM, all are
+   resident (work of other streams only delays them).
+
+Why not merge and push in the split kernel's last program per row (a counter of finished splits, the
+last one merges)? It would hide the local merge (a few hundred ns: the partials are in L2) under the
+slowest split, but the split kernel, shared with flash_decode and tuned for its KV read, would need a
+per-row atomic counter, a release of every partial before it and a reset per call, and the exchange
+would still need a second kernel to wait in: the split programs cannot wait for peers (they are many
+more than the SMs, so a waiting one could block the ones it waits for). One merge kernel after the
+split kernel is as few launches, simpler, and keeps the split kernel as it is.
 
 Memory ordering of the exchange. An LL word is written with one 8-byte store, single-copy atomic: a
 reader that sees the current epoch in a word's high half sees the payload stored with it, so there is
 no separate flag, no fence and no release/acquire pair; the reader polls the words themselves with
-volatile loads. The epoch is counted on the device: the exchange kernel's programs each keep a counter
-(all equal: the grid is fixed, SP_PROGRAMS), the push kernel of the next call reads counter 0. The
-buffer has two halves, used by epoch parity. Rank s writes half e % 2 of rank q in call e only after
-its exchange kernel of call e - 1 completed, which had received q's words of call e - 1, pushed by q's
-push kernel of call e - 1, which q launched after its exchange kernel of call e - 2 (the last reader of
-half e % 2) had completed. Old words in a half carry epoch e - 2, never e. So calls follow each other,
-and replay in CUDA graphs, with no reset and no host synchronisation. All kernels of one call run in
-order on the caller's stream.
+volatile loads. The epoch counts the merge kernel's launches on the device (wl.next_epoch: every
+program takes a ticket, the last one publishes the next epoch), so it holds whatever the grid size of
+each launch: calls of different batch sizes, and passes, may follow each other in any order. The
+buffer has two halves, used by epoch parity. Rank s writes half e % 2 of rank q in launch e only after
+its launch e - 1 completed, which had received q's words of launch e - 1, pushed by q's launch e - 1,
+which started after q's launch e - 2 (the last reader of half e % 2) had completed. Old words in a
+half carry epoch e - 2, never e. So calls follow each other, and replay in CUDA graphs, with no reset
+and no host synchronisation. All kernels of one call run in order on the caller's stream.
 
 The partials' workspace of the split kernel is a plain per-call torch.empty (the caching allocator makes
 it cheap, and its size follows the call). sp_flash_decode's exchange buffer is symmetric and bounded:
 one per world (the op family's workspace), sized for SP_MAX_ENTRIES = batch * q_heads *
-(head_dim + 1) words per rank whatever the call's shape.
+(head_dim + 1) words per rank whatever the call's shape; a larger batch goes through in passes of
+sequences (split kernel and merge kernel per pass). sp_flash_decode_merge_only runs the merge kernel
+alone on ready partials, to measure the cross-rank part (`weft bench attention --ops sp`).
 """
 from __future__ import annotations
 
@@ -82,8 +97,13 @@ MAX_SPLITS = 64
 # On the cpu backend (interpreter): few splits of small blocks, enough to exercise the split logic.
 CPU_MAX_SPLITS = 3
 CPU_BLOCK_N = 16
-# Partials merged per step of the merge kernels.
+# Partials merged per step of flash_decode's merge kernel.
 SPLIT_BLOCK = 16
+# sp_flash_decode's merge kernel (8 warps) merges up to SP_SPLIT_WORDS // head_dim partials per step: all
+# of a row's splits (at most MAX_SPLITS) in one step at head_dim 128, so that the local merge, on the
+# latency path of the exchange, is one round of loads rather than one per 16 splits.
+SP_SPLIT_WORDS = 8192
+SP_NUM_WARPS = 8
 # Query heads per split program at most: a larger G (multi-query with many heads) is cut into chunks,
 # each of which reads the KV once; fewer than 16 rows are padded (tl.dot needs 16).
 MAX_HEADS_PER_PROGRAM = 64
@@ -91,8 +111,8 @@ MAX_HEADS_PER_PROGRAM = 64
 # sp_flash_decode: words per rank in the exchange buffer (batch * q_heads * (head_dim + 1)): 1 MiB of LL
 # words per slot, 2 * W slots per rank. Larger batches go through in passes of sequences.
 SP_MAX_ENTRIES = 128 << 10
-# Programs of the exchange kernel, the same for every call (each keeps an epoch counter).
-SP_PROGRAMS = {"cuda": 64, "cpu": 2}
+# Programs of the merge kernel on the cpu backend at most (on GPUs: one per SM at most).
+CPU_SP_PROGRAMS = 3
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
@@ -118,18 +138,6 @@ def _seqlen(seqlens, b, max_len):
 
 
 @triton.jit
-def _merge_step(acc, m, l, out_s, lse_s):
-    """Fold partials (out_s, lse_s) into the running (acc, m, l): acc / l is the merged output and m +
-    log2(l) its lse (base 2). m = -inf and l = 0 is the empty merge; -inf partials (empty slices) weigh
-    nothing."""
-    m_new = tl.maximum(m, lse_s)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf)
-    alpha = tl.exp2(m - m_safe)
-    weight = tl.exp2(lse_s - m_safe)
-    return acc * alpha + weight * out_s, m_new, l * alpha + weight
-
-
-@triton.jit
 def _merge_splits(part_out, part_lse, row, splits, live, D: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
     """The log-sum-exp merge of the first `live` partials of `row`: (out [D] fp32, lse base 2)."""
     offs_s = tl.arange(0, SPLIT_BLOCK)
@@ -140,7 +148,7 @@ def _merge_splits(part_out, part_lse, row, splits, live, D: tl.constexpr, SPLIT_
     for s0 in range(0, live, SPLIT_BLOCK):
         s = s0 + offs_s
         mask = s < live
-        idx = row.to(tl.int64) * splits + s
+        idx = tl.cast(row, tl.int64) * splits + s  # row may be a loop counter: a plain int under the interpreter
         lse_s = tl.load(part_lse + idx, mask=mask, other=float("-inf"))
         out_s = tl.load(part_out + idx[:, None] * D + offs_d[None, :], mask=mask[:, None], other=0.0)
         m_new = tl.maximum(m, tl.max(lse_s, axis=0))  # finite: partial s0 is live
@@ -231,56 +239,52 @@ def flash_decode_merge_kernel(part_out, part_lse, seqlens, out, lse, max_len, sp
 
 
 @triton.jit(do_not_specialize=["max_len", "split_len", "splits", "rows", "slot_len"])
-def sp_flash_decode_push_kernel(part_out, part_lse, seqlens, ll, flags, heap, max_len, split_len, splits, q_heads,
-                                rows, slot_len, D: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
-                                WORLD: tl.constexpr):
-    """Merge my splits of `row` (program `row`) and push the result as LL words into slot [me] of half
+def sp_flash_decode_merge_kernel(part_out, part_lse, seqlens, ll, counter, heap, out, max_len, split_len, splits,
+                                 q_heads, rows, slot_len, D: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+                                 WORLD: tl.constexpr, RANKS: tl.constexpr):
+    """out[row] = attention over all ranks' slices, for rows p, p + P, ... (program p of P).
+
+    Phase 1 merges my splits of each of my rows and pushes the result as LL words into slot [me] of half
     epoch % 2 of every rank's `ll`: words [row * D, (row + 1) * D) the output (fp32 bits), word rows * D +
-    row the lse (base 2). The epoch is the exchange kernel's counter + 1 (flags[0]: all its counters agree).
+    row the lse (base 2). Phase 2 waits for the W slots' words of each of my rows and merges them. All of a
+    program's pushes come before its first wait, so no rank waits for words that a waiting program of a
+    peer still has to push (and with P <= SM count every program is resident). RANKS: WORLD rounded up to a
+    power of two (at least 2), the lanes of the cross-rank merge.
     """
-    row = tl.program_id(0)
-    me = wl.rank(heap)
-    epoch = tl.load(flags) + 1
-    seqlen = _seqlen(seqlens, row // q_heads, max_len)
-    o, lse2 = _merge_splits(part_out, part_lse, row, splits, tl.cdiv(seqlen, split_len), D, SPLIT_BLOCK)
-    o_words = wl.pack_ll(o.to(tl.int32, bitcast=True), epoch)
-    lse_word = wl.pack_ll(lse2.to(tl.int32, bitcast=True), epoch)
-    slot = ll + (epoch % 2) * WORLD * slot_len + me * slot_len
-    offs_d = tl.arange(0, D)
-    for peer in tl.static_range(WORLD):
-        dst = wl.symm_at(slot, peer, heap)
-        tl.store(dst + row * D + offs_d, o_words)
-        tl.store(dst + rows * D + row, lse_word)
-
-
-@triton.jit(do_not_specialize=["rows", "slot_len"])
-def sp_flash_decode_exchange_kernel(ll, flags, out, rows, slot_len, D: tl.constexpr, ROWS: tl.constexpr,
-                                    WORLD: tl.constexpr):
-    """out[row] = the log-sum-exp merge, in rank order, of the W ranks' partials of `row`, as their LL words
-    arrive. Program p handles blocks of ROWS rows p, p + P, ... (P programs, fixed) and counts the epoch in
-    flags[p]."""
     p = tl.program_id(0)
-    epoch = tl.load(flags + p) + 1
+    programs = tl.num_programs(0)
+    epoch = wl.next_epoch(counter)
     half = ll + (epoch % 2) * WORLD * slot_len
-    offs_w = tl.arange(0, ROWS * D)
-    offs_r = tl.arange(0, ROWS)
-    for r0 in range(p * ROWS, rows, tl.num_programs(0) * ROWS):
-        r = r0 + offs_r
-        r_mask = r < rows
-        w_mask = r0 * D + offs_w < rows * D
-        acc = tl.zeros([ROWS, D], tl.float32)
-        m = tl.full([ROWS, 1], float("-inf"), tl.float32)
-        l = tl.zeros([ROWS, 1], tl.float32)
-        for q in tl.static_range(WORLD):
-            slot = half + q * slot_len
-            lse_q = wl.wait_ll(slot + rows * D + r, r_mask, epoch).to(tl.float32, bitcast=True)
-            lse_q = tl.where(r_mask, lse_q, float("-inf"))
-            out_q = wl.wait_ll(slot + r0 * D + offs_w, w_mask, epoch).to(tl.float32, bitcast=True)
-            acc, m, l = _merge_step(acc, m, l, tl.reshape(out_q, [ROWS, D]), lse_q[:, None])
-        o = acc / tl.where(l > 0, l, 1.0)
-        tl.store(out + r0 * D + offs_w, tl.reshape(cast(o, out.dtype.element_ty), [ROWS * D]),
-                 mask=w_mask)
-    tl.store(flags + p, epoch)
+    offs_d = tl.arange(0, D)
+    lanes = tl.arange(0, RANKS)  # lane q: rank q
+    live = lanes < WORLD
+    # Phase 1. My slot on every rank, translated once: lane q points into rank q's buffer.
+    dst = wl.symm_at(half + wl.rank(heap) * slot_len, tl.minimum(lanes, WORLD - 1), heap)
+    for row in range(p, rows, programs):
+        seqlen = _seqlen(seqlens, row // q_heads, max_len)
+        o, lse2 = _merge_splits(part_out, part_lse, row, splits, tl.cdiv(seqlen, split_len), D, SPLIT_BLOCK)
+        o_words = wl.pack_ll(o.to(tl.int32, bitcast=True), epoch)
+        lse_word = wl.pack_ll(lse2.to(tl.int32, bitcast=True), epoch)
+        tl.store(dst[:, None] + row * D + offs_d[None, :], tl.broadcast_to(o_words[None, :], [RANKS, D]),
+                 mask=live[:, None])
+        tl.store(dst + rows * D + row, lse_word, mask=live)
+
+    # Phase 2: all W ranks' words of a row are waited for at once (one spin, not W after each other) and
+    # merged as one vector over ranks: every rank runs the same code on the same words in the same lanes
+    # (lane q holds rank q's partial everywhere), so every rank gets the same bits.
+    offs_w = tl.arange(0, RANKS * D)  # lane q's output words: [q * D, (q + 1) * D)
+    live_w = offs_w < WORLD * D
+    slot_w = (offs_w // D) * slot_len + offs_w % D
+    for row in range(p, rows, programs):
+        out_w = wl.wait_ll(half + slot_w + row * D, live_w, epoch, heap, op="sp_flash_decode")
+        lse_w = wl.wait_ll(half + lanes * slot_len + rows * D + row, live, epoch, heap, op="sp_flash_decode")
+        lse_q = tl.where(live, lse_w.to(tl.float32, bitcast=True), float("-inf"))
+        out_q = tl.reshape(out_w.to(tl.float32, bitcast=True), [RANKS, D])
+        m = tl.max(lse_q, axis=0)
+        weight = tl.exp2(lse_q - tl.where(m == float("-inf"), 0.0, m))  # an empty slice weighs nothing
+        l = tl.sum(weight, axis=0)
+        o = tl.sum(weight[:, None] * out_q, axis=0) / tl.where(l > 0, l, 1.0)
+        tl.store(out + tl.cast(row, tl.int64) * D + offs_d, cast(o, out.dtype.element_ty))
 
 
 # -- host side ------------------------------------------------------------------
@@ -477,13 +481,25 @@ def _flash_decode_plan(q, k_cache, v_cache, seqlens, block_table, scale, return_
 
 class _SpContext:
     """The symmetric LL exchange buffer (2 halves x W slots x SP_MAX_ENTRIES int64 words, epoch 0 in every
-    word) and the exchange kernel's epoch counters."""
+    word) and the merge kernel's epoch counter (wl.next_epoch)."""
 
     def __init__(self, world):
-        self.programs = SP_PROGRAMS[world.device.type]
         self.ll = world.heap.empty((2 * world.world_size * SP_MAX_ENTRIES,), torch.int64)
-        self.flags = world.heap.empty((self.programs,), torch.int32)
-        zero_everywhere(world, self.ll, self.flags)
+        self.counter = world.heap.empty((1,), torch.int64)
+        zero_everywhere(world, self.ll, self.counter)
+
+
+def _sp_split_block(splits: int, head_dim: int) -> int:
+    return max(SPLIT_BLOCK, min(triton.next_power_of_2(splits), SP_SPLIT_WORDS // head_dim))
+
+
+def _sp_lanes(world_size: int) -> int:
+    """The merge kernel's lanes over ranks: the world size rounded up to a power of two, at least 2."""
+    return max(2, triton.next_power_of_2(world_size))
+
+
+def _sp_max_programs(device: torch.device) -> int:
+    return _sm_count(device.index) if device.type == "cuda" else CPU_SP_PROGRAMS
 
 
 def sp_flash_decode(q: torch.Tensor, k_cache_shard: torch.Tensor, v_cache_shard: torch.Tensor,
@@ -502,60 +518,99 @@ def sp_flash_decode(q: torch.Tensor, k_cache_shard: torch.Tensor, v_cache_shard:
     world = world_or_raise()
     found = plan(world, lambda: _key("sp_flash_decode", q, k_cache_shard, v_cache_shard, seqlens_shard,
                                      block_table, scale),
-                 lambda: _sp_flash_decode_plan(world, q, k_cache_shard, v_cache_shard, seqlens_shard, block_table,
-                                               scale))
+                 lambda: _SpPlan(world, q, k_cache_shard, v_cache_shard, seqlens_shard, block_table, scale))
     return found(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table)
 
 
-def _sp_flash_decode_plan(world, q, k_cache, v_cache, seqlens, block_table, scale):
-    _check_tensor("q", q, world.device)
-    max_len, page_size, scale = _check(q, k_cache, v_cache, seqlens, block_table, scale)
-    batch, q_heads, head_dim = q.shape
-    if batch * q_heads == 0:
-        return lambda q, *rest: torch.empty_like(q, memory_format=torch.contiguous_format)
-    ctx = workspace(world, "sp_flash_decode", _SpContext)
-    heap = world.heap.descriptor
-    w = world.world_size
-    per_pass = max(1, SP_MAX_ENTRIES // (q_heads * (head_dim + 1)))  # sequences per pass
-    paged = block_table is not None
-    qc = _prepare_q(q)
-    sample = torch.empty_like(q, memory_format=torch.contiguous_format)
-    passes = []
-    for b0 in range(0, batch, per_pass):
-        b1 = min(batch, b0 + per_pass)
-        rows = (b1 - b0) * q_heads
-        # A pass's sequences: rows b0..b1 of q, seqlens, block_table (paged) or the cache (contiguous).
-        k, v = (k_cache, v_cache) if paged else (k_cache[b0:b1], v_cache[b0:b1])
-        split, split_args, splits, split_len = _split_launch(
-            qc[b0:b1], k, v, seqlens[b0:b1], block_table[b0:b1] if paged else None, scale, max_len, page_size)
-        part_out, part_lse = _partial_buffers(rows, splits, head_dim, q.device)
-        push = Launch(sp_flash_decode_push_kernel, (rows,),
-                      (part_out, part_lse, seqlens[b0:b1], ctx.ll, ctx.flags, heap, max_len, split_len, splits,
-                       q_heads, rows, SP_MAX_ENTRIES),
-                      dict(D=head_dim, SPLIT_BLOCK=SPLIT_BLOCK, WORLD=w), num_warps=4)
-        exchange = Launch(sp_flash_decode_exchange_kernel, (ctx.programs,),
-                          (ctx.ll, ctx.flags, sample[b0:b1], rows, SP_MAX_ENTRIES),
-                          dict(D=head_dim, ROWS=512 // head_dim, WORLD=w), num_warps=4)
-        passes.append((b0, b1, rows, split, split_args, splits, split_len, push, exchange))
+def sp_flash_decode_merge_only(q: torch.Tensor, k_cache_shard: torch.Tensor, v_cache_shard: torch.Tensor,
+                               seqlens_shard: torch.Tensor, block_table: torch.Tensor | None = None,
+                               scale: float | None = None):
+    """sp_flash_decode's cross-rank part alone, for measuring it: computes this rank's split partials of the
+    call once (sp_flash_decode's arguments) and returns (merge, out), where each merge() launches the call's
+    merge kernel (per pass) on those ready partials into out, exactly as sp_flash_decode's second launch
+    does. Collective, like sp_flash_decode (each merge() too), and capturable in a CUDA graph."""
+    world = world_or_raise()
+    sp = _SpPlan(world, q, k_cache_shard, v_cache_shard, seqlens_shard, block_table, scale)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    parts = [sp.split(step, _prepare_q(q), k_cache_shard, v_cache_shard, seqlens_shard, block_table)
+             for step in sp.passes]
 
-    def run(q, k_cache, v_cache, seqlens, block_table):
+    def merge():
+        for step, (lens, part_out, part_lse) in zip(sp.passes, parts):
+            sp.merge(step, lens, part_out, part_lse, out)
+    return merge, out
+
+
+class _SpPass:
+    """One pass of sp_flash_decode: sequences [b0, b1) (`whole`: all of the batch), their split launch and
+    their merge launch."""
+
+    def __init__(self, b0, b1, batch, rows, split_launch, split_args, splits, split_len, merge_launch):
+        self.b0, self.b1, self.rows, self.splits, self.split_len = b0, b1, rows, splits, split_len
+        self.whole = b1 - b0 == batch
+        self.split_launch, self.split_args, self.merge_launch = split_launch, split_args, merge_launch
+
+
+class _SpPlan:
+    """sp_flash_decode's plan: per pass of sequences, the split kernel into this call's partials, then the
+    merge kernel (a persistent grid of min(rows, SM count) programs)."""
+
+    def __init__(self, world, q, k_cache, v_cache, seqlens, block_table, scale):
+        _check_tensor("q", q, world.device)
+        max_len, page_size, scale = _check(q, k_cache, v_cache, seqlens, block_table, scale)
+        batch, q_heads, head_dim = q.shape
+        self.q_heads, self.head_dim, self.max_len = q_heads, head_dim, max_len
+        self.paged, self.passes = block_table is not None, []
+        if batch * q_heads == 0:
+            return
+        self.ctx = ctx = workspace(world, "sp_flash_decode", _SpContext)
+        self.heap = world.heap.descriptor
+        per_pass = max(1, SP_MAX_ENTRIES // (q_heads * (head_dim + 1)))  # sequences per pass
+        qc = _prepare_q(q)
+        sample = torch.empty_like(q, memory_format=torch.contiguous_format)
+        for b0 in range(0, batch, per_pass):
+            b1 = min(batch, b0 + per_pass)
+            rows = (b1 - b0) * q_heads
+            # A pass's sequences: rows b0..b1 of q, seqlens, block_table (paged) or the cache (contiguous).
+            k, v = (k_cache, v_cache) if self.paged else (k_cache[b0:b1], v_cache[b0:b1])
+            split, split_args, splits, split_len = _split_launch(
+                qc[b0:b1], k, v, seqlens[b0:b1], block_table[b0:b1] if self.paged else None, scale, max_len,
+                page_size)
+            part_out, part_lse = _partial_buffers(rows, splits, head_dim, q.device)
+            merge = Launch(sp_flash_decode_merge_kernel, (min(rows, _sp_max_programs(q.device)),),
+                           (part_out, part_lse, seqlens[b0:b1], ctx.ll, ctx.counter, self.heap, sample[b0:b1],
+                            max_len, split_len, splits, q_heads, rows, SP_MAX_ENTRIES),
+                           dict(D=head_dim, SPLIT_BLOCK=_sp_split_block(splits, head_dim), WORLD=world.world_size,
+                                RANKS=_sp_lanes(world.world_size)), num_warps=SP_NUM_WARPS)
+            self.passes.append(_SpPass(b0, b1, batch, rows, split, split_args, splits, split_len, merge))
+
+    def split(self, step, q, k_cache, v_cache, seqlens, block_table):
+        """The pass's split kernel into new partials; returns (the pass's seqlens, part_out, part_lse)."""
+        part_out, part_lse = _partial_buffers(step.rows, step.splits, self.head_dim, q.device)
+        if not step.whole:
+            b0, b1 = step.b0, step.b1
+            q, seqlens = q[b0:b1], seqlens[b0:b1]
+            if self.paged:
+                block_table = block_table[b0:b1]
+            else:
+                k_cache, v_cache = k_cache[b0:b1], v_cache[b0:b1]
+        # A contiguous cache passes seqlens for the block table (not read).
+        step.split_launch(*step.split_args(q, k_cache, v_cache, seqlens, block_table if self.paged else seqlens,
+                                           part_out, part_lse))
+        return seqlens, part_out, part_lse
+
+    def merge(self, step, seqlens, part_out, part_lse, out):
+        """The pass's merge kernel: its rows of `out` from every rank's partials."""
+        step.merge_launch(part_out, part_lse, seqlens, self.ctx.ll, self.ctx.counter, self.heap,
+                          out if step.whole else out[step.b0:step.b1], self.max_len, step.split_len, step.splits,
+                          self.q_heads, step.rows, SP_MAX_ENTRIES)
+
+    def __call__(self, q, k_cache, v_cache, seqlens, block_table):
         q = _prepare_q(q)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        for b0, b1, rows, split, split_args, splits, split_len, push, exchange in passes:
-            whole = b0 == 0 and b1 == batch
-            lens = seqlens if whole else seqlens[b0:b1]
-            part_out, part_lse = _partial_buffers(rows, splits, head_dim, q.device)
-            if paged:
-                split(*split_args(q if whole else q[b0:b1], k_cache, v_cache, lens,
-                                  block_table if whole else block_table[b0:b1], part_out, part_lse))
-            else:
-                split(*split_args(q if whole else q[b0:b1], k_cache if whole else k_cache[b0:b1],
-                                  v_cache if whole else v_cache[b0:b1], lens, lens, part_out, part_lse))
-            push(part_out, part_lse, lens, ctx.ll, ctx.flags, heap, max_len, split_len, splits, q_heads, rows,
-                 SP_MAX_ENTRIES)
-            exchange(ctx.ll, ctx.flags, out if whole else out[b0:b1], rows, SP_MAX_ENTRIES)
+        for step in self.passes:
+            self.merge(step, *self.split(step, q, k_cache, v_cache, seqlens, block_table), out)
         return out
-    return run
 
 
 # Signatures for the sm_90 compile check (weft.testing.compile).
@@ -577,13 +632,10 @@ COMPILE_CASES = [
      dict(D=d, SPLIT_BLOCK=SPLIT_BLOCK, RETURN_LSE=r), dict(num_warps=4))
     for t, d, r in [(t, 128, True) for t in _PTR.values()] + [("*bf16", 64, False), ("*bf16", 256, False)]
 ] + [
-    (sp_flash_decode_push_kernel, dict(part_out="*fp32", part_lse="*fp32", seqlens="*i32", ll="*i64", flags="*i32",
-                                       heap="*i64", max_len="i32", split_len="i32", splits="i32", q_heads="i32",
-                                       rows="i32", slot_len="i32"),
-     dict(D=d, SPLIT_BLOCK=SPLIT_BLOCK, WORLD=wd), dict(num_warps=4))
-    for d, wd in [(64, 8), (128, 2), (128, 8), (256, 8)]
-] + [
-    (sp_flash_decode_exchange_kernel, dict(ll="*i64", flags="*i32", out=t, rows="i32", slot_len="i32"),
-     dict(D=d, ROWS=512 // d, WORLD=wd), dict(num_warps=4))
-    for t, d, wd in [("*bf16", d, 8) for d in HEAD_DIMS] + [("*fp32", 128, 1), ("*fp16", 128, 2)]
+    (sp_flash_decode_merge_kernel, dict(part_out="*fp32", part_lse="*fp32", seqlens="*i32", ll="*i64", counter="*i64",
+                                        heap="*i64", out=t, max_len="i32", split_len="i32", splits="i32",
+                                        q_heads="i32", rows="i32", slot_len="i32"),
+     dict(D=d, SPLIT_BLOCK=_sp_split_block(64, d), WORLD=wd, RANKS=_sp_lanes(wd)),
+     dict(num_warps=SP_NUM_WARPS))
+    for t, d, wd in [("*bf16", d, 8) for d in HEAD_DIMS] + [("*bf16", 128, 2), ("*fp32", 128, 1), ("*fp16", 128, 3)]
 ]
