@@ -136,7 +136,14 @@ class MoeWorkspace:
     """The MoE family's symmetric workspace, made once whatever the call sizes: the LL dispatch and LL combine
     regions (int64 LL words, zeroed: epoch 0 is never awaited; 3/8 of workspace_bytes each), the
     high-throughput receive region (1/4), each in two halves; the count table's LL words, the push flags
-    [program][rank], and one epoch counter per kernel."""
+    [program][rank], and one epoch counter per kernel.
+
+    And the error word, where the kernels record a bad topk_idx row (_check_row). The host reads it with no
+    sync: on GPUs it is pinned host memory, which the kernels store to through its address (unified
+    addressing maps it for the device), so a recorded error shows up once the kernel has run, and every EP op
+    raises it on entry (and dispatches again after their launches: under the interpreter, kernels have run by
+    then, so the call that passed the row raises). The word is cleared as it is raised: the next valid call
+    works. On the cpu backend it is a word of this rank's heap."""
 
     def __init__(self, world):
         heap, w = world.heap, world.world_size
@@ -150,7 +157,19 @@ class MoeWorkspace:
         self.programs = HT_PROGRAMS[world.device.type]
         self.flags = heap.empty((self.programs * w,), torch.int32)
         self.counters = heap.empty((5,), torch.int64)  # ll dispatch, ll combine, count exchange, push, wait
-        zero_everywhere(world, self.ll_dispatch, self.ll_combine, self.table, self.flags, self.counters)
+        if world.device.type == "cuda":
+            self.error = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        else:
+            self.error = heap.empty((1,), torch.int64)
+        self.error_word = self.error.numpy()  # the host's view: a read is a load, no torch op
+        zero_everywhere(world, self.ll_dispatch, self.ll_combine, self.table, self.flags, self.counters, self.error)
+
+    def raise_routing_error(self) -> None:
+        """The ValueError for a bad topk_idx row a kernel has recorded since the last one raised, if any."""
+        word = int(self.error_word[0])
+        if word:
+            self.error_word[0] = 0
+            raise _routing_error(word)
 
     def counter(self, i: int) -> torch.Tensor:
         return self.counters[i:i + 1]
@@ -160,9 +179,55 @@ def _workspace(world) -> MoeWorkspace:
     return workspace(world, "moe", MoeWorkspace)
 
 
+def _routing_error(word: int) -> ValueError:
+    row, outside, expert = (word >> 33) & ((1 << 28) - 1), (word >> 32) & 1, word & 0xFFFFFFFF
+    expert -= (expert >> 31) << 32
+    if outside:
+        return ValueError(f"topk_idx row {row} holds {expert}: an expert outside [0, num_experts) (and not -1)")
+    return ValueError(f"topk_idx row {row} names expert {expert} twice: each token's experts must differ")
+
+
 def _too_big(what: str, need: int, have: int) -> ValueError:
     return ValueError(f"{what} needs {need} bytes of the MoE workspace, which has {have} (workspace_bytes: set "
                       "WEFT_WORKSPACE_BYTES or weft.init(workspace_bytes=...) larger)")
+
+
+# -- routing checks on the device ---------------------------------------------------
+# A bad topk_idx row (an expert named twice, or outside [0, E) and not -1) is found by the kernels that read
+# the rows, not by a host sync: they read an entry outside [0, E) as -1 (no expert), count a token once per
+# expert however often its row names it (so a repeat lands on one row and never past a buffer), and record
+# the row in the workspace's error word, which the host reads with no sync (see MoeWorkspace).
+
+ERROR_SET = tl.constexpr(1 << 62)  # marks a recorded error: word = ERROR_SET | row << 33 | kind << 32 | expert (32 bits)
+
+
+@triton.jit
+def _valid_experts(raw, live, EXPERTS: tl.constexpr):
+    """A row's entries (any integer type) as int32 experts, -1 where none or outside [0, EXPERTS)."""
+    raw = raw.to(tl.int64)
+    return tl.where(live & (raw >= 0) & (raw < EXPERTS), raw, -1).to(tl.int32)
+
+
+@triton.jit
+def _check_row(raw, t, err, live, EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Row t's experts (as _valid_experts), recording in the error word `err` an expert named twice or one
+    outside [0, EXPERTS) and not -1. Any program may record: one 8-byte store of the whole word, so the host
+    reads one error whole."""
+    e = _valid_experts(raw, live, EXPERTS)
+    jj = tl.arange(0, BLOCK_K)
+    raw = raw.to(tl.int64)
+    outside = live & ((raw < -1) | (raw >= EXPERTS))
+    twice = tl.max(((e[:, None] == e[None, :]) & (jj[:, None] < jj[None, :]) & (e[:, None] >= 0)).to(tl.int32),
+                   axis=1) > 0
+    if tl.sum((outside | twice).to(tl.int32), axis=0) > 0:
+        first = tl.min(tl.where(outside, jj, BLOCK_K), axis=0)
+        shown = tl.minimum(tl.maximum(raw, -(1 << 31)), (1 << 31) - 1)
+        expert = tl.where(first < BLOCK_K, tl.sum(tl.where(jj == first, shown, 0), axis=0),
+                          tl.max(tl.where(twice, e, -1), axis=0).to(tl.int64))
+        kind = (first < BLOCK_K).to(tl.int64)
+        row = tl.zeros([], tl.int64) + t  # t may be a plain int (the interpreter's loop index)
+        tl.store(err, ERROR_SET | (row << 33) | (kind << 32) | (expert & 0xFFFFFFFF))
+    return e
 
 
 # -- high-throughput kernels --------------------------------------------------------
@@ -429,7 +494,7 @@ def ep_combine(y: torch.Tensor, handle: HTHandle) -> torch.Tensor:
 
 @triton.jit
 def _experts_before(topk, t, e, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
-    """For each j: how many tokens t' < t name expert e[j] (0 where e[j] < 0)."""
+    """For each j: how many tokens t' < t name expert e[j] (0 where e[j] < 0), a token naming it twice once."""
     jj = tl.arange(0, BLOCK_K)
     pos = tl.zeros([BLOCK_K], tl.int32)
     for t0 in range(0, t, BLOCK_T):
@@ -437,14 +502,14 @@ def _experts_before(topk, t, e, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T:
         prev = tl.load(topk + tt[:, None] * K + jj[None, :], mask=(tt[:, None] < t) & (jj[None, :] < K),
                        other=-1).to(tl.int32)
         hit = (prev[None, :, :] == e[:, None, None]) & (e[:, None, None] >= 0)
-        pos += tl.sum(tl.sum(hit.to(tl.int32), axis=2), axis=1)
+        pos += tl.sum(tl.max(hit.to(tl.int32), axis=2), axis=1)  # tokens, not entries: a repeat counts once
     return pos
 
 
 @triton.jit
 def _expert_counts(topk, tokens, first, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
                    BLOCK_T: tl.constexpr):
-    """For each i < BLOCK_L: how many tokens name expert first + i."""
+    """For each i < BLOCK_L: how many tokens name expert first + i (a token naming it twice once)."""
     jj = tl.arange(0, BLOCK_K)
     ll = tl.arange(0, BLOCK_L)
     cnt = tl.zeros([BLOCK_L], tl.int32)
@@ -453,7 +518,7 @@ def _expert_counts(topk, tokens, first, K: tl.constexpr, BLOCK_K: tl.constexpr, 
         e = tl.load(topk + tt[:, None] * K + jj[None, :], mask=(tt[:, None] < tokens) & (jj[None, :] < K),
                     other=-1).to(tl.int32)
         hit = e[None, :, :] == (first + ll)[:, None, None]
-        cnt += tl.sum(tl.sum(hit.to(tl.int32), axis=2), axis=1)
+        cnt += tl.sum(tl.max(hit.to(tl.int32), axis=2), axis=1)
     return cnt
 
 
@@ -492,7 +557,7 @@ def _fp8_words(x, t, g0, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["tokens", "half_words"])
-def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, buf, counter, heap, tokens,
+def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, buf, counter, heap, err, tokens,
                           half_words, HW: tl.constexpr, K: tl.constexpr, LOCAL: tl.constexpr, MAX_T: tl.constexpr,
                           WORLD: tl.constexpr, PROGRAMS: tl.constexpr, FP8: tl.constexpr, GROUPS: tl.constexpr,
                           BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -504,6 +569,8 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
     then its token count) and slots [W][MAX_T][K + HW] (token t of sender s: K words local expert << 16 |
     position among s's tokens for that expert, or -1; then the token's words), all LL words.
     src_rows[s, t, j] = the flat recv row of expert j of token t of rank s, or -1; src_tokens[s] = s's tokens.
+    A bad row of topk is recorded in `err` (_check_row) and travels harmlessly: its entries outside the
+    experts as none, an expert named twice to one row, which combine returns once per naming.
     """
     p = tl.program_id(0)
     me = wl.rank(heap)
@@ -518,7 +585,7 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
         head = tl.where(ll < LOCAL, _expert_counts(topk, tokens, r * LOCAL, K, BLOCK_K, BLOCK_L, BLOCK_T), tokens)
         tl.store(wl.symm_at(half + (me * PROGRAMS + p) * HEAD, r, heap) + ll, wl.pack_ll(head, epoch), mask=ll < HEAD)
     for t in range(p, tokens, PROGRAMS):
-        e = tl.load(topk + t * K + jj, mask=jj < K, other=-1).to(tl.int32)
+        e = _check_row(tl.load(topk + t * K + jj, mask=jj < K, other=-1), t, err, jj < K, LOCAL * WORLD, BLOCK_K)
         pos = _experts_before(topk, t, e, K, BLOCK_K, BLOCK_T)
         dest = tl.where(e >= 0, e // LOCAL, -1)
         mine = slots + (me * MAX_T + t) * SLOT
@@ -616,7 +683,7 @@ def ep_combine_ll_kernel(y, topk, weights, out, src_rows, src_tokens, buf, count
     ww = tl.arange(0, BLOCK_W)
     wl.wait_ll(half + ww * PROGRAMS + p, ww < WORLD, epoch, heap=heap, op="ep_combine_ll ack")
     for t in range(p, tokens, PROGRAMS):
-        e = tl.load(topk + t * K + jj, mask=jj < K, other=-1).to(tl.int32)
+        e = _valid_experts(tl.load(topk + t * K + jj, mask=jj < K, other=-1), jj < K, LOCAL * WORLD)
         wt = tl.load(weights + t * K + jj, mask=jj < K, other=0.0)
         for start in range(0, HW, BLOCK):
             offs = start + tl.arange(0, BLOCK)
@@ -683,46 +750,52 @@ class _LLPlan:
         i32 = lambda *shape: torch.empty(shape, dtype=torch.int32, device=dev)  # noqa: E731
         self.dispatch_launch = Launch(
             ep_dispatch_ll_kernel, (self.programs,),
-            (self._sent(x), topk_idx, i32(1, sent_hw), i32(1), i32(self.local), self.src_rows(), self.src_tokens(),
-             ws.ll_dispatch, ws.counter(0), self.heap, x.shape[0], ws.ll_half_words),
+            (x if fp8 else x.view(torch.int32), topk_idx, i32(1, sent_hw), i32(1), i32(self.local), self.src_rows(),
+             self.src_tokens(), ws.ll_dispatch, ws.counter(0), self.heap, ws.error, x.shape[0], ws.ll_half_words),
             dict(HW=sent_hw, **common, FP8=fp8, GROUPS=self.groups, BLOCK=block, BLOCK_K=blk_k,
                  BLOCK_L=triton.next_power_of_2(self.local + 1),
                  BLOCK_T=16 if gpu else triton.next_power_of_2(max(1, min(max_tokens, 16))),
                  BLOCK_G=8 if gpu else 1), warps)
+        # Pointer arguments as the launch takes them (Launch.address): on GPUs addresses (no view made per
+        # call; the workspace's taken once here), under the interpreter tensors of the kernel's types.
+        address = self.dispatch_launch.address
+        self.words = (lambda t: t.view(torch.int32)) if self.dispatch_launch.kernel is None else address
+        self.sent = address if fp8 else self.words  # x: its elements (quantized on the way) or its words
+        self.dispatch_fixed = tuple(map(address, (ws.ll_dispatch, ws.counter(0), self.heap, ws.error)))
+        self.combine_fixed = tuple(map(address, (ws.ll_combine, ws.counter(1), self.heap)))
         self.combine_launches = {}
         self.block, self.warps, self.common, self.blk_k = block, warps, dict(HW=self.hw, **common), blk_k
 
-    def _sent(self, x):
-        """x as the kernel reads it: its elements (quantized on the way), or its rows' int32 words."""
-        return x if self.fp8 else x.view(torch.int32)
-
     def dispatch(self, x, topk_idx):
-        dev, ws = x.device, self.ws
-        if not capturing(dev):
-            check_routing_values(topk_idx, self.num_experts)
+        dev, ws, a = x.device, self.ws, self.dispatch_launch.address
+        ws.raise_routing_error()
         recv = torch.empty(self.recv_shape, dtype=self.recv_dtype, device=dev)
         scales = torch.empty(self.scales_shape, dtype=torch.float32, device=dev) if self.fp8 else None
         counts = torch.empty(self.local, dtype=torch.int32, device=dev)
         src_rows, src_tokens = self.src_rows(), self.src_tokens()
-        self.dispatch_launch(self._sent(x), topk_idx, recv.view(torch.int32),
-                             counts if scales is None else scales.view(torch.int32), counts, src_rows, src_tokens,
-                             ws.ll_dispatch, ws.counter(0), self.heap, x.shape[0], ws.ll_half_words)
+        self.dispatch_launch(self.sent(x), a(topk_idx), self.words(recv),
+                             a(counts) if scales is None else self.words(scales), a(counts), a(src_rows),
+                             a(src_tokens), *self.dispatch_fixed, x.shape[0], self.ws.ll_half_words)
+        ws.raise_routing_error()
         return recv, counts, scales, LLHandle(self, src_rows, src_tokens)
 
     def combine(self, y, topk_idx, topk_weights, handle):
-        ws, dev = self.ws, y.device
+        ws = self.ws
+        ws.raise_routing_error()
         tokens = topk_idx.shape[0]
         key = (signature(y), signature(topk_idx), signature(topk_weights))
         launch = self.combine_launches.get(key)
-        out = torch.empty((tokens, self.hidden), dtype=self.dtype, device=dev)
-        args = (y.view(torch.int32), topk_idx, topk_weights, out.view(torch.int32), handle.src_rows,
-                handle.src_tokens, ws.ll_combine, ws.counter(1), self.heap, tokens, ws.ll_half_words)
+        out = torch.empty((tokens, self.hidden), dtype=self.dtype, device=y.device)
         if launch is None:
             launch = self.combine_launches[key] = Launch(
-                ep_combine_ll_kernel, (self.programs,), args,
+                ep_combine_ll_kernel, (self.programs,),
+                (y.view(torch.int32), topk_idx, topk_weights, out.view(torch.int32), handle.src_rows,
+                 handle.src_tokens, ws.ll_combine, ws.counter(1), self.heap, tokens, ws.ll_half_words),
                 dict(**self.common, ELEM=_ELEM[self.dtype], BLOCK=self.block, BLOCK_K=self.blk_k,
                      BLOCK_W=triton.next_power_of_2(self.world.world_size)), self.warps)
-        launch(*args)
+        a = launch.address
+        launch(self.words(y), a(topk_idx), a(topk_weights), self.words(out), a(handle.src_rows),
+               a(handle.src_tokens), *self.combine_fixed, tokens, ws.ll_half_words)
         return out
 
 
@@ -735,8 +808,14 @@ def ep_dispatch_ll(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, ma
     local expert e, ordered by source rank then source token; counts (L,) int32; scales; handle for
     ep_combine_ll). fp8=False: recv has x's dtype and scales is None. fp8=True (hidden a multiple of 128):
     tokens travel as float8_e4m3fn, recv is float8_e4m3fn and scales (L, max_tokens_per_rank * W,
-    hidden / 128) fp32 holds one scale per 128 channels (x ~ recv * scale; scale = amax / 448). Checks topk_idx's values (a host sync) except under
-    CUDA-graph capture. Collective: every rank passes the same num_experts and max_tokens_per_rank.
+    hidden / 128) fp32 holds one scale per 128 channels (x ~ recv * scale; scale = amax / 448).
+    Collective: every rank passes the same num_experts and max_tokens_per_rank.
+
+    topk_idx's values are checked on the device, with no host sync: a row naming an expert twice or one outside
+    [0, num_experts) (and not -1) raises a ValueError naming topk_idx, the row and the expert at the next EP
+    op's call on this rank once the kernel has run (under the interpreter: this call, after the collective
+    launch, so every rank stays in step). Until then the row does no harm: entries outside the experts count
+    as none, and an expert named twice gets the token once (combine returns it once per naming).
     """
     world = world_or_raise()
     found = plan(world, lambda: ("ep_ll", signature(x), signature(topk_idx), num_experts, max_tokens_per_rank, fp8),
@@ -855,7 +934,7 @@ COMPILE_CASES = [
      dict(HW=3584, ELEM=tl.bfloat16, WORLD=8, PROGRAMS=128, BLOCK=1024), dict(num_warps=8)),
 ] + [
     (ep_dispatch_ll_kernel, dict(x=xt, topk=t, recv="*i32", scales="*i32", counts="*i32", src_rows="*i32",
-                                 src_tokens="*i32", buf="*i64", counter="*i64", heap="*i64", tokens="i32",
+                                 src_tokens="*i32", buf="*i64", counter="*i64", heap="*i64", err="*i64", tokens="i32",
                                  half_words="i32"),
      dict(HW=3584 // (1 + fp8), K=8, LOCAL=local, MAX_T=128, WORLD=wd, PROGRAMS=64, FP8=fp8, GROUPS=56 * fp8,
           BLOCK=1024, BLOCK_K=8, BLOCK_L=triton.next_power_of_2(local + 1), BLOCK_T=16, BLOCK_G=8),
