@@ -1,22 +1,30 @@
 """Mixture-of-experts through the symmetric heap: routing layout, expert-parallel dispatch and combine, grouped GEMM.
 
 Experts are split contiguously over ranks: rank r owns experts [r * L, (r + 1) * L), L = E / W.
-`topk_idx` (tokens x k) names each token's experts (-1: none); a row must not name an expert twice.
+`topk_idx` (tokens x k) names each token's experts (-1: none); a row must not name an expert twice. The
+dispatch kernels check the rows on the device as they read them (no host sync): a bad row is recorded in the
+workspace's error word and raised as a ValueError by the next EP op on that rank (see _check_rows and
+MoeWorkspace); check_routing_values is the same check on the host, for other uses.
 
 routing_layout: per-rank and per-expert token counts and each token's slot per destination rank, with torch
 ops on the device (no host sync).
 
 High-throughput EP (prefill), ep_dispatch / ep_combine: each token goes once to every rank that holds one of
-its experts, pushed straight into that rank's receive region:
-  1. ep_count_exchange_kernel: every rank writes its row of tokens-per-destination to every rank as LL
-     words; each rank then holds the whole W x W table, so a sender knows where its rows go on rank r
-     (after the rows of ranks s' < me) and a receiver how many rows it gets, with no host round trip;
-  2. ep_push_kernel: the rows ([x | topk_idx | topk_weights] as int32 words) into the destinations'
-     regions (half epoch % 2), then a flag per program to every rank;
-  3. ep_receive_kernel: wait for every rank's flags, copy the region out.
+its experts, pushed straight into that rank's receive region, in three launches and no torch op between:
+  1. ep_route_kernel (one program): each token's position among my tokens to each rank, its row checked;
+     then every rank writes its row of tokens-per-destination (and whether it saw a bad row) to every rank
+     as LL words, so each holds the whole W x W table: a sender knows where its rows go on rank r (after
+     the rows of ranks s' < me) and a receiver how many rows it gets, with no host round trip. Without
+     max_recv_tokens the host reads [most rows received, my rows, bad rows anywhere] here: the op's one sync;
+  2. ep_push_kernel: the rows ([x | the receiver's local topk_idx | topk_weights] as int32 words, read from
+     the caller's tensors as they are) into the destinations' regions (half epoch % 2), then a flag per
+     program to every rank;
+  3. ep_receive_kernel: wait for every rank's flags, copy the region out into recv_x, recv_topk_idx and
+     recv_topk_weights, and count the rows per local expert.
 Push and receive are separate launches: the receiver needs every program of every sender, and the
-interpreter runs a grid's programs one after another. Combine pushes each received row back to its source,
-into the slot the source numbered it by, and ep_combine_reduce_kernel sums each token's rows in rank order.
+interpreter runs a grid's programs one after another. Combine: ep_push_back_kernel pushes each received row
+back to its source, into the slot the source numbers it by (from the table), and ep_combine_reduce_kernel
+sums each token's rows in rank order.
 
 Low-latency EP (decode), ep_dispatch_ll / ep_combine_ll: one launch each, no host sync, data and signal in
 the same LL words (`wl.pack_ll`: 4 bytes and the epoch per 8-byte store). Rank s writes token t into slot
@@ -115,8 +123,8 @@ def _check_routing(world, x, topk_idx, num_experts, topk_weights=None):
 
 def check_routing_values(topk_idx: torch.Tensor, num_experts: int) -> None:
     """ValueError unless every entry of topk_idx is -1 or an expert in [0, num_experts), and no row names an
-    expert twice. Reads the values: one host sync (the eager dispatch paths call it; call it yourself
-    before a captured one)."""
+    expert twice. Reads the values: host syncs. (The EP dispatch ops check on the device instead; the
+    tensor-parallel MoE ops call this eagerly.)"""
     if topk_idx.numel() == 0:
         return
     if bool(((topk_idx < -1) | (topk_idx >= num_experts)).any()):
@@ -535,6 +543,7 @@ class _HTPlan:
         recv_w = torch.empty((rows, self.k), dtype=torch.float32, device=dev)
         self.receive(*self.wait_fixed, a(table), self.words(recv_x), a(recv_idx), a(recv_w), a(counts),
                      ws.ht_half_words, rows)
+        ws.raise_routing_error()  # with max_recv_tokens, under the interpreter: this call's row
         return recv_x, recv_idx, recv_w, counts, HTHandle(self, rank_pos, table, rows, limit)
 
     def combine(self, y, handle):
