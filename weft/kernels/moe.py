@@ -246,6 +246,11 @@ def _check_rows(raw, rows, err, live, EXPERTS: tl.constexpr, BLOCK_K: tl.constex
 
 # -- high-throughput kernels --------------------------------------------------------
 
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
 @triton.jit(do_not_specialize=["tokens"])
 def ep_route_kernel(topk, rank_pos, table, counts, info, buf, counter, heap, err, tokens, K: tl.constexpr,
                     LOCAL: tl.constexpr, WORLD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -270,8 +275,9 @@ def ep_route_kernel(topk, rank_pos, table, counts, info, buf, counter, heap, err
         raw = tl.load(topk + tt[:, None] * K + jj[None, :], mask=live, other=-1)
         e, n_bad = _check_rows(raw, tt, err, live, LOCAL * WORLD, BLOCK_K)
         bad += n_bad
-        dest = tl.where(e >= 0, e // LOCAL, -1)
-        to_rank = tl.max((dest[:, :, None] == ww[None, None, :]).to(tl.int32), axis=1)  # (BLOCK_T, BLOCK_W)
+        # The ranks each token goes to as bits (a token naming two experts of a rank goes there once).
+        ranks = tl.reduce(tl.where(e >= 0, tl.full([1, 1], 1, tl.int64) << (e // LOCAL).to(tl.int64), 0), 1, _or)
+        to_rank = ((ranks[:, None] >> ww[None, :].to(tl.int64)) & 1).to(tl.int32)  # (BLOCK_T, BLOCK_W)
         pos = sent[None, :] + tl.cumsum(to_rank, axis=0) - to_rank
         tl.store(rank_pos + tt[:, None] * WORLD + ww[None, :], tl.where(to_rank > 0, pos, -1),
                  mask=(tt[:, None] < tokens) & (ww[None, :] < WORLD))
@@ -458,6 +464,8 @@ class _HTPlan:
                                             or max_recv_tokens < 0):
             raise ValueError(f"max_recv_tokens must be None or an int >= 0, got {max_recv_tokens!r}")
         self.world, w = world, world.world_size
+        if w > 63:
+            raise ValueError(f"ep_dispatch serves at most 63 ranks (a token's ranks are bits of a word), not {w}")
         t, k = topk_idx.shape
         self.tokens, self.k, self.hidden, self.dtype, self.idx_dtype = t, k, x.shape[1], x.dtype, topk_idx.dtype
         self.num_experts, self.local = num_experts, num_experts // w
@@ -482,7 +490,7 @@ class _HTPlan:
         self.route = Launch(ep_route_kernel, (1,),
                             (topk_idx, i32(max(t, 1), w), i32(w, w), i32(self.local), i32(3), ws.table, ws.counter(2),
                              heap, ws.error, t),
-                            dict(K=k, LOCAL=self.local, WORLD=w, BLOCK_T=64 if gpu else 16, BLOCK_K=blk_k,
+                            dict(K=k, LOCAL=self.local, WORLD=w, BLOCK_T=256 if gpu else 16, BLOCK_K=blk_k,
                                  BLOCK_W=max(4, triton.next_power_of_2(w + 1)),
                                  BLOCK_L=triton.next_power_of_2(self.local)), warps)
         self.push = Launch(ep_push_kernel, (ws.programs,),
@@ -1029,7 +1037,7 @@ class _GroupedGemmPlan:
 COMPILE_CASES = [
     (ep_route_kernel, dict(topk=t, rank_pos="*i32", table="*i32", counts="*i32", info="*i32", buf="*i64",
                            counter="*i64", heap="*i64", err="*i64", tokens="i32"),
-     dict(K=8, LOCAL=256 // wd, WORLD=wd, BLOCK_T=64, BLOCK_K=8, BLOCK_W=max(4, triton.next_power_of_2(wd + 1)),
+     dict(K=8, LOCAL=256 // wd, WORLD=wd, BLOCK_T=256, BLOCK_K=8, BLOCK_W=max(4, triton.next_power_of_2(wd + 1)),
           BLOCK_L=256 // wd), dict(num_warps=8))
     for t in ("*i64", "*i32") for wd in (2, 8)
 ] + [
