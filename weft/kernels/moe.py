@@ -219,9 +219,9 @@ def _valid_experts(raw, live, EXPERTS: tl.constexpr):
 @triton.jit
 def _check_rows(raw, rows, err, live, EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr):
     """A tile of topk rows (raw (R, BLOCK_K), row numbers `rows` (R,)) as _valid_experts, and how many of its
-    entries are bad; the first bad row's first bad entry (outside [0, EXPERTS) and not -1, else an expert
-    named twice) is recorded in the error word `err`. Any program may record: one 8-byte store of the whole
-    word, so the host reads one error whole."""
+    entries are bad; the tile's first bad row is recorded in the error word `err`, with its first entry
+    outside [0, EXPERTS) (and not -1), else the expert it names twice. Any program or tile may record over
+    another: one 8-byte store of the whole word, so the host reads one bad row whole."""
     e = _valid_experts(raw, live, EXPERTS)
     jj = tl.arange(0, BLOCK_K)
     raw = raw.to(tl.int64)
@@ -933,7 +933,8 @@ def ep_dispatch_ll(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, ma
     [0, num_experts) (and not -1) raises a ValueError naming topk_idx, the row and the expert at the next EP
     op's call on this rank once the kernel has run (under the interpreter: this call, after the collective
     launch, so every rank stays in step). Until then the row does no harm: entries outside the experts count
-    as none, and an expert named twice gets the token once (combine returns it once per naming).
+    as none, and an expert named twice gets the token once (combine returns it once per naming). A raise on
+    entry skips that collective call on this rank while its peers wait in theirs: a bug to fix, not a path.
     """
     world = world_or_raise()
     found = plan(world, lambda: ("ep_ll", signature(x), signature(topk_idx), num_experts, max_tokens_per_rank, fp8),
