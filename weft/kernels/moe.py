@@ -454,7 +454,7 @@ class HTHandle:
 class _HTPlan:
     """ep_dispatch / ep_combine of one call signature: the launches, the region's rows, the checks done.
 
-    A call is four launches: route (with the count exchange), push, receive; without max_recv_tokens, one
+    A dispatch is three launches: route (with the count exchange), push, receive; without max_recv_tokens, one
     host sync between route and push reads info (the exact row count, and whether any rank's topk_idx was
     bad: then every rank raises before anything is pushed)."""
 
