@@ -152,6 +152,64 @@ def test_ep_ll_cuda_graph():
         _check_ll(x, idx, wts, res["recv"], res["counts"], res["out"])
 
 
+def test_bad_row_raises_at_the_next_call():
+    """A row naming an expert twice, on rank 0: the LL dispatch records it on the device with no sync, and rank
+    0's next EP call (once the kernel has run) raises naming topk_idx, the row and the expert; the exact-size
+    HT dispatch raises on every rank before pushing; valid calls work after both."""
+    w = weft.world()
+    me = w.rank
+    x, idx, wts = _routing(70)
+    bad = idx[me].clone()
+    bad[5, 3] = bad[5, 0]
+    want = f"topk_idx row 5 names expert {int(bad[5, 0])} twice"
+    raised = None
+    try:
+        weft.ops.ep_dispatch_ll(x[me], bad if me == 0 else idx[me], EXPERTS, TOKENS)
+        torch.cuda.synchronize()
+        if me == 0:
+            weft.ops.ep_dispatch_ll(x[me], idx[me], EXPERTS, TOKENS)  # raises on entry: nothing launched
+    except ValueError as e:
+        raised = str(e)
+    assert (raised is not None) == (me == 0) and (raised is None or want in raised), raised
+    weft.barrier()
+    with pytest.raises(ValueError, match=want if me == 0 else "topk_idx on another rank"):
+        weft.ops.ep_dispatch(x[me], bad if me == 0 else idx[me], wts[me], EXPERTS)
+    recv, counts, _, handle = weft.ops.ep_dispatch_ll(x[me], idx[me], EXPERTS, TOKENS)
+    out = weft.ops.ep_combine_ll(_ll_expert_outputs(recv), idx[me], wts[me], handle)
+    _check_ll(x, idx, wts, recv, counts, out)
+
+
+def test_eager_calls_changing_sizes():
+    """Back-to-back eager calls with new routing and token counts each time (LL, HT exact and fixed-size): right
+    results, and no heap allocation or host barrier once the workspace exists."""
+    w = weft.world()
+    me = w.rank
+    local = EXPERTS // w.world_size
+    used, barriers = None, None
+    for seed, tokens in enumerate((128, 1, 77, 128, 3, 64)):
+        x, idx, wts = _routing(80 + seed, tokens)
+        recv, counts, _, handle = weft.ops.ep_dispatch_ll(x[me], idx[me], EXPERTS, TOKENS)
+        out = weft.ops.ep_combine_ll(_ll_expert_outputs(recv), idx[me], wts[me], handle)
+        cap = w.world_size * tokens if seed % 2 else None
+        rx, ri, rw, ht_counts, ht_handle = weft.ops.ep_dispatch(x[me], idx[me], wts[me], EXPERTS, max_recv_tokens=cap)
+        y = _weighted(rx, ri, rw, me * local)
+        ht_out = weft.ops.ep_combine(y, ht_handle)
+        _check_ll(x, idx, wts, recv, counts, out)
+        ex, ei, ew, ec = _reference(x, idx, wts)
+        n = ex.shape[0]
+        assert torch.equal(rx[:n], ex) and torch.equal(ri[:n], ei) and torch.equal(rw[:n], ew), seed
+        assert torch.equal(ht_counts, ec), seed
+        acc = torch.zeros(tokens, HIDDEN, device=w.device)
+        for r in range(w.world_size):
+            on_r = idx[me] // local == r
+            part = _weighted(x[me], torch.where(on_r, idx[me] - r * local, -1), wts[me], r * local)
+            acc += torch.where(on_r.any(1, keepdim=True), part.float(), 0.0)
+        assert torch.equal(ht_out, acc.to(torch.bfloat16)), seed
+        if used is None:
+            used, barriers = w.heap.used, w.barriers
+        assert (w.heap.used, w.barriers) == (used, barriers), seed
+
+
 @pytest.mark.parametrize("experts,cap,k,n,dtype,tma", [
     (32, 256, HIDDEN, 2048, torch.bfloat16, True),  # the bench shape
     (6, 200, 768, 2048, torch.bfloat16, True),  # row blocks that reach into the next expert

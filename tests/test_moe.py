@@ -349,3 +349,81 @@ def _rejects():
 
 def test_bad_input_rejected_before_sending():
     assert all(run_ranks(_rejects, 2, timeout=TIMEOUT, env=ENV))
+
+
+# -- bad rows found on the device, eager calls ---------------------------------------------------
+
+def _bad_rows():
+    """A row naming an expert twice (or one outside the experts) on one rank: that rank's call raises a
+    ValueError naming topk_idx, the row and the expert (the kernels ran: under the interpreter they have ended
+    by the time the call returns); the other rank's call returns the harmless result; the next calls work."""
+    import pytest
+    import torch
+
+    import weft
+
+    me, w = weft.rank(), weft.world_size()
+    inputs = _routing(9, w, 4, 8, 2, 32)
+    x, idx, wts = inputs[me]
+    bad = idx.clone()
+    bad[2, 1] = bad[2, 0]
+    expert = int(bad[2, 0])
+    # LL: rank 0's row 2 names `expert` twice; rank 1 gets the token once.
+    if me == 0:
+        with pytest.raises(ValueError, match=rf"topk_idx row 2 names expert {expert} twice"):
+            weft.ops.ep_dispatch_ll(x, bad, 8, 4)
+    else:
+        _, counts, _, _ = weft.ops.ep_dispatch_ll(x, idx, 8, 4)
+        x0, idx0, wts0 = inputs[0]
+        once = idx0.clone()
+        once[2, 1] = -1  # rank 0's repeated entry, as if it were none
+        assert torch.equal(counts, _ref_dispatch([(x0, once, wts0), *inputs[1:]], me, 8, w)[3])
+    _ll_case(10, 4, 8, 2, 32, "random", 4)
+    # LL: rank 1's row 0 holds 99.
+    if me == 1:
+        outside = idx.clone()
+        outside[0, 1] = 99
+        with pytest.raises(ValueError, match="topk_idx row 0 holds 99: an expert outside"):
+            weft.ops.ep_dispatch_ll(x, outside, 8, 4)
+    else:
+        weft.ops.ep_dispatch_ll(x, idx, 8, 4)
+    _ll_case(11, 3, 8, 2, 32, "random", 4)
+    # HT, exact size: the host sync sees every rank's check, so every rank raises before pushing.
+    with pytest.raises(ValueError, match=f"topk_idx row 2 names expert {expert} twice" if me == 0 else
+                       "topk_idx on another rank"):
+        weft.ops.ep_dispatch(x, bad if me == 0 else idx, wts, 8)
+    _ht_case(12, 4, 8, 2, 32, "random")
+    # HT with max_recv_tokens (no sync): rank 1's call raises once its kernels have run.
+    if me == 1:
+        with pytest.raises(ValueError, match="topk_idx row 2 names"):
+            weft.ops.ep_dispatch(x, bad, wts, 8, max_recv_tokens=16)
+    else:
+        weft.ops.ep_dispatch(x, idx, wts, 8, max_recv_tokens=16)
+    _ht_case(13, 4, 8, 2, 32, "random", 16)
+    return True
+
+
+def test_bad_rows_raise_and_the_next_call_works():
+    assert all(run_ranks(_bad_rows, 2, timeout=TIMEOUT, env=ENV))
+
+
+def _eager_calls(rounds):
+    """Call after call with new routing and token counts (LL and HT, both sizes of HT): once the MoE workspace
+    exists, nothing more is allocated from the heap, no host barrier is made, nothing outside the heap is kept."""
+    import weft
+    from weft.testing.checks import kept_tensors
+
+    world = weft.world()
+    _ll_case(300, 2, 8, 2, 32, "random", 6)
+    used, barriers = world.heap.used, world.barriers
+    for c in range(rounds):
+        k = 1 + c % 3
+        _ll_case(301 + c, [c % 7, (3 * c + 1) % 7], 8, k, 32, ("random", "masked")[c % 2], 6)
+        _ht_case(401 + c, [(c + 2) % 6, c % 4], 8, k, 32, "random", (None, 12)[c % 2])
+        assert (world.heap.used, world.barriers) == (used, barriers), f"call {c}"
+    assert not kept_tensors(world)
+    return True
+
+
+def test_many_eager_calls_changing_sizes_bounded_memory():
+    assert all(run_ranks(_eager_calls, 2, 6, timeout=TIMEOUT, env=ENV))

@@ -15,8 +15,8 @@ high throughput (prefill)  `ep_dispatch` sends each token once to every rank hol
 low latency (decode)  `ep_dispatch_ll` is one kernel launch: every word travels as an LL word (4 bytes and
     the call's epoch in one 8-byte store), so the data is its own signal, and each receiver places every
     token straight at its row in `recv[local expert]`. `ep_combine_ll` sends each expert's output back,
-    where the token's rank sums them with the routing weights. No host sync: a decode step can be
-    captured in a CUDA graph.
+    where the token's rank sums them with the routing weights. No host sync (the kernel checks topk_idx
+    itself; a bad row raises at the next EP call): a decode step can be captured in a CUDA graph.
 
 Between the two, `grouped_gemm` runs every local expert on its rows, reading the per-expert counts on
 the device. This tutorial runs a small MoE layer (one linear map per expert) both ways and checks it

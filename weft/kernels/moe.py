@@ -1,22 +1,30 @@
 """Mixture-of-experts through the symmetric heap: routing layout, expert-parallel dispatch and combine, grouped GEMM.
 
 Experts are split contiguously over ranks: rank r owns experts [r * L, (r + 1) * L), L = E / W.
-`topk_idx` (tokens x k) names each token's experts (-1: none); a row must not name an expert twice.
+`topk_idx` (tokens x k) names each token's experts (-1: none); a row must not name an expert twice. The
+dispatch kernels check the rows on the device as they read them (no host sync): a bad row is recorded in the
+workspace's error word and raised as a ValueError by the next EP op on that rank (see _check_rows and
+MoeWorkspace); check_routing_values is the same check on the host, for other uses.
 
 routing_layout: per-rank and per-expert token counts and each token's slot per destination rank, with torch
 ops on the device (no host sync).
 
 High-throughput EP (prefill), ep_dispatch / ep_combine: each token goes once to every rank that holds one of
-its experts, pushed straight into that rank's receive region:
-  1. ep_count_exchange_kernel: every rank writes its row of tokens-per-destination to every rank as LL
-     words; each rank then holds the whole W x W table, so a sender knows where its rows go on rank r
-     (after the rows of ranks s' < me) and a receiver how many rows it gets, with no host round trip;
-  2. ep_push_kernel: the rows ([x | topk_idx | topk_weights] as int32 words) into the destinations'
-     regions (half epoch % 2), then a flag per program to every rank;
-  3. ep_receive_kernel: wait for every rank's flags, copy the region out.
+its experts, pushed straight into that rank's receive region, in three launches and no torch op between:
+  1. ep_route_kernel (one program): each token's position among my tokens to each rank, its row checked;
+     then every rank writes its row of tokens-per-destination (and whether it saw a bad row) to every rank
+     as LL words, so each holds the whole W x W table: a sender knows where its rows go on rank r (after
+     the rows of ranks s' < me) and a receiver how many rows it gets, with no host round trip. Without
+     max_recv_tokens the host reads [most rows received, my rows, bad rows anywhere] here: the op's one sync;
+  2. ep_push_kernel: the rows ([x | the receiver's local topk_idx | topk_weights] as int32 words, read from
+     the caller's tensors as they are) into the destinations' regions (half epoch % 2), then a flag per
+     program to every rank;
+  3. ep_receive_kernel: wait for every rank's flags, copy the region out into recv_x, recv_topk_idx and
+     recv_topk_weights, and count the rows per local expert.
 Push and receive are separate launches: the receiver needs every program of every sender, and the
-interpreter runs a grid's programs one after another. Combine pushes each received row back to its source,
-into the slot the source numbered it by, and ep_combine_reduce_kernel sums each token's rows in rank order.
+interpreter runs a grid's programs one after another. Combine: ep_push_back_kernel pushes each received row
+back to its source, into the slot the source numbers it by (from the table), and ep_combine_reduce_kernel
+sums each token's rows in rank order.
 
 Low-latency EP (decode), ep_dispatch_ll / ep_combine_ll: one launch each, no host sync, data and signal in
 the same LL words (`wl.pack_ll`: 4 bytes and the epoch per 8-byte store). Rank s writes token t into slot
@@ -50,7 +58,7 @@ import weft.language as wl
 
 from .all_reduce import _halves_of, _word_of
 from .blocks import cast, copy, group_tile
-from .common import Launch, capturing, check_tensor, plan, signature, workspace, world_or_raise, zero_everywhere
+from .common import Launch, check_tensor, plan, signature, workspace, world_or_raise, zero_everywhere
 from .gemm import GemmConfig, descriptor, dot, num_sms, tile_of
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -120,8 +128,8 @@ def _check_routing(world, x, topk_idx, num_experts, topk_weights=None):
 
 def check_routing_values(topk_idx: torch.Tensor, num_experts: int) -> None:
     """ValueError unless every entry of topk_idx is -1 or an expert in [0, num_experts), and no row names an
-    expert twice. Reads the values: one host sync (the eager dispatch paths call it; call it yourself
-    before a captured one)."""
+    expert twice. Reads the values: host syncs. (The EP dispatch ops check on the device instead; the
+    tensor-parallel MoE ops call this eagerly.)"""
     if topk_idx.numel() == 0:
         return
     if bool(((topk_idx < -1) | (topk_idx >= num_experts)).any()):
@@ -141,7 +149,14 @@ class MoeWorkspace:
     """The MoE family's symmetric workspace, made once whatever the call sizes: the LL dispatch and LL combine
     regions (int64 LL words, zeroed: epoch 0 is never awaited; 3/8 of workspace_bytes each), the
     high-throughput receive region (1/4), each in two halves; the count table's LL words, the push flags
-    [program][rank], and one epoch counter per kernel."""
+    [program][rank], and one epoch counter per kernel.
+
+    And the error word, where the kernels record a bad topk_idx row (_check_rows). The host reads it with no
+    sync: on GPUs it is pinned host memory, which the kernels store to through its address (unified
+    addressing maps it for the device), so a recorded error shows up once the kernel has run, and every EP op
+    raises it on entry (and dispatches again after their launches: under the interpreter, kernels have run by
+    then, so the call that passed the row raises). The word is cleared as it is raised: the next valid call
+    works. On the cpu backend it is a word of this rank's heap."""
 
     def __init__(self, world):
         heap, w = world.heap, world.world_size
@@ -151,11 +166,23 @@ class MoeWorkspace:
         self.ll_combine = heap.empty((2 * self.ll_half_words,), torch.int64)
         self.ht_half_words = total // 4 // 8
         self.ht = heap.empty((2 * self.ht_half_words,), torch.int32)
-        self.table = heap.empty((2 * w * w,), torch.int64)
+        self.table = heap.empty((2 * w * (w + 1),), torch.int64)  # [sender][tokens to each rank | bad rows]
         self.programs = HT_PROGRAMS[world.device.type]
         self.flags = heap.empty((self.programs * w,), torch.int32)
         self.counters = heap.empty((5,), torch.int64)  # ll dispatch, ll combine, count exchange, push, wait
-        zero_everywhere(world, self.ll_dispatch, self.ll_combine, self.table, self.flags, self.counters)
+        if world.device.type == "cuda":
+            self.error = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        else:
+            self.error = heap.empty((1,), torch.int64)
+        self.error_word = self.error.numpy()  # the host's view: a read is a load, no torch op
+        zero_everywhere(world, self.ll_dispatch, self.ll_combine, self.table, self.flags, self.counters, self.error)
+
+    def raise_routing_error(self) -> None:
+        """The ValueError for a bad topk_idx row a kernel has recorded since the last one raised, if any."""
+        word = int(self.error_word[0])
+        if word:
+            self.error_word[0] = 0
+            raise _routing_error(word)
 
     def counter(self, i: int) -> torch.Tensor:
         return self.counters[i:i + 1]
@@ -165,51 +192,182 @@ def _workspace(world) -> MoeWorkspace:
     return workspace(world, "moe", MoeWorkspace)
 
 
+def _routing_error(word: int) -> ValueError:
+    row, outside, expert = (word >> 33) & ((1 << 28) - 1), (word >> 32) & 1, word & 0xFFFFFFFF
+    expert -= (expert >> 31) << 32
+    if outside:
+        return ValueError(f"topk_idx row {row} holds {expert}: an expert outside [0, num_experts) (and not -1)")
+    return ValueError(f"topk_idx row {row} names expert {expert} twice: each token's experts must differ")
+
+
 def _too_big(what: str, need: int, have: int) -> ValueError:
     return ValueError(f"{what} needs {need} bytes of the MoE workspace, which has {have} (workspace_bytes: set "
                       "WEFT_WORKSPACE_BYTES or weft.init(workspace_bytes=...) larger)")
 
 
+# -- routing checks on the device ---------------------------------------------------
+# A bad topk_idx row (an expert named twice, or outside [0, E) and not -1) is found by the kernels that read
+# the rows, not by a host sync: they read an entry outside [0, E) as -1 (no expert), count a token once per
+# expert or rank however often its row names it (so a repeat lands on one row and never past a buffer), and
+# record the row in the workspace's error word, which the host reads with no sync (MoeWorkspace).
+
+ERROR_SET = tl.constexpr(1 << 62)  # marks a recorded error: word = ERROR_SET | row << 33 | kind << 32 | expert
+
+
+@triton.jit
+def _valid_experts(raw, live, EXPERTS: tl.constexpr):
+    """Entries of topk rows (any integer type) as int32 experts, -1 where none or outside [0, EXPERTS)."""
+    raw = raw.to(tl.int64)
+    return tl.where(live & (raw >= 0) & (raw < EXPERTS), raw, -1).to(tl.int32)
+
+
+@triton.jit
+def _check_rows(raw, rows, err, live, EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A tile of topk rows (raw (R, BLOCK_K), row numbers `rows` (R,)) as _valid_experts, and how many of its
+    entries are bad; the tile's first bad row is recorded in the error word `err`, with its first entry
+    outside [0, EXPERTS) (and not -1), else the expert it names twice. Any program or tile may record over
+    another: one 8-byte store of the whole word, so the host reads one bad row whole."""
+    e = _valid_experts(raw, live, EXPERTS)
+    jj = tl.arange(0, BLOCK_K)
+    raw = raw.to(tl.int64)
+    outside = live & ((raw < -1) | (raw >= EXPERTS))
+    later = (e[:, :, None] == e[:, None, :]) & (jj[None, :, None] < jj[None, None, :]) & (e[:, :, None] >= 0)
+    twice = tl.max(later.to(tl.int32), axis=2) > 0
+    bad = tl.sum(tl.sum((outside | twice).to(tl.int32), axis=1), axis=0)
+    if bad > 0:
+        first_row = tl.min(tl.where(tl.max((outside | twice).to(tl.int32), axis=1) > 0, rows, 1 << 30), axis=0)
+        here = (rows == first_row)[:, None]
+        outside = outside & here
+        first = tl.min(tl.min(tl.where(outside, jj[None, :], BLOCK_K), axis=1), axis=0)
+        shown = tl.minimum(tl.maximum(raw, -(1 << 31)), (1 << 31) - 1)
+        named_twice = tl.max(tl.max(tl.where(twice & here, e, -1), axis=1), axis=0).to(tl.int64)
+        expert = tl.where(first < BLOCK_K,
+                          tl.sum(tl.sum(tl.where(outside & (jj[None, :] == first), shown, 0), axis=1), axis=0),
+                          named_twice)
+        kind = (first < BLOCK_K).to(tl.int64)
+        tl.store(err, ERROR_SET | (first_row.to(tl.int64) << 33) | (kind << 32) | (expert & 0xFFFFFFFF))
+    return e, bad
+
+
 # -- high-throughput kernels --------------------------------------------------------
 
-@triton.jit(do_not_specialize=["half_words"])
-def ep_count_exchange_kernel(sent, table, buf, counter, heap, half_words, WORLD: tl.constexpr,
-                             BLOCK_W: tl.constexpr):
-    """table[s, r] = tokens rank s sends to rank r, on every rank: my row to everybody, as LL words."""
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit(do_not_specialize=["tokens"])
+def ep_route_kernel(topk, rank_pos, table, counts, info, buf, counter, heap, err, tokens, K: tl.constexpr,
+                    LOCAL: tl.constexpr, WORLD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_W: tl.constexpr, BLOCK_L: tl.constexpr):
+    """Where my tokens go, in one program: rank_pos[t, r] = token t's position among my tokens to rank r (-1:
+    not there), its rows checked (_check_rows); then every rank's [tokens to each rank | bad rows] to every
+    rank as LL words, so each holds table[s, r] = tokens rank s sends to rank r with no host round trip, and
+    info = [most rows any rank receives, rows I receive, bad rows anywhere]. Zeroes counts (ep_receive_kernel
+    counts into them)."""
     me = wl.rank(heap)
     epoch = wl.next_epoch(counter)
-    half = buf + (epoch % 2) * half_words
-    r = tl.arange(0, BLOCK_W)
-    live = r < WORLD
-    row = wl.pack_ll(tl.load(sent + r, mask=live, other=0), epoch)
+    half = buf + (epoch % 2) * (WORLD * (WORLD + 1))
+    jj = tl.arange(0, BLOCK_K)
+    ww = tl.arange(0, BLOCK_W)
+    ll = tl.arange(0, BLOCK_L)
+    tl.store(counts + ll, tl.zeros([BLOCK_L], tl.int32), mask=ll < LOCAL)
+    sent = tl.zeros([BLOCK_W], tl.int32)
+    bad = tokens * 0
+    for t0 in range(0, tokens, BLOCK_T):
+        tt = t0 + tl.arange(0, BLOCK_T)
+        live = (tt[:, None] < tokens) & (jj[None, :] < K)
+        raw = tl.load(topk + tt[:, None] * K + jj[None, :], mask=live, other=-1)
+        e, n_bad = _check_rows(raw, tt, err, live, LOCAL * WORLD, BLOCK_K)
+        bad += n_bad
+        # The ranks each token goes to as bits (a token naming two experts of a rank goes there once).
+        ranks = tl.reduce(tl.where(e >= 0, tl.full([1, 1], 1, tl.int64) << (e // LOCAL).to(tl.int64), 0), 1, _or)
+        to_rank = ((ranks[:, None] >> ww[None, :].to(tl.int64)) & 1).to(tl.int32)  # (BLOCK_T, BLOCK_W)
+        pos = sent[None, :] + tl.cumsum(to_rank, axis=0) - to_rank
+        tl.store(rank_pos + tt[:, None] * WORLD + ww[None, :], tl.where(to_rank > 0, pos, -1),
+                 mask=(tt[:, None] < tokens) & (ww[None, :] < WORLD))
+        sent += tl.sum(to_rank, axis=0)
+    row = wl.pack_ll(tl.where(ww < WORLD, sent, (bad > 0).to(tl.int32)), epoch)
     for q in range(WORLD):
-        tl.store(wl.symm_at(half + me * WORLD, q, heap) + r, row, mask=live)
+        tl.store(wl.symm_at(half + me * (WORLD + 1), q, heap) + ww, row, mask=ww <= WORLD)
+    total = tl.zeros([BLOCK_W], tl.int32)
     for s in range(WORLD):
-        got = wl.wait_ll(half + s * WORLD + r, live, epoch, heap=heap, peer=s, op="ep_dispatch count exchange")
-        tl.store(table + s * WORLD + r, got, mask=live)
+        got = wl.wait_ll(half + s * (WORLD + 1) + ww, ww <= WORLD, epoch, heap=heap, peer=s,
+                         op="ep_dispatch count exchange")
+        tl.store(table + s * WORLD + ww, got, mask=ww < WORLD)
+        total += got
+    most = tl.max(tl.where(ww < WORLD, total, 0), axis=0)
+    mine = tl.sum(tl.where(ww == me, total, 0), axis=0)
+    anywhere = tl.sum(tl.where(ww == WORLD, total, 0), axis=0)
+    tl.store(info + ww, tl.where(ww == 0, most, tl.where(ww == 1, mine, anywhere)), mask=ww < 3)
 
 
-@triton.jit(do_not_specialize=["rows", "half_words"])
-def ep_push_kernel(src, slots, region, flags, counter, heap, rows, half_words, ROW: tl.constexpr,
-                   WORLD: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
-    """Row i of `src` (ROW int32 words) into slot slots[i, r] of rank r's region (half epoch % 2), for every
-    r with a slot >= 0; then flag [p][me] on every rank. Program p pushes rows p, p + PROGRAMS, ..."""
+@triton.jit
+def _rows_before_mine(table, me, WORLD: tl.constexpr, BLOCK_W: tl.constexpr):
+    """For each rank r: the rows that ranks s < me send to r (where my rows start on r)."""
+    s = tl.arange(0, BLOCK_W)[:, None]
+    r = tl.arange(0, BLOCK_W)[None, :]
+    return tl.sum(tl.load(table + s * WORLD + r, mask=(s < me) & (r < WORLD), other=0), axis=0)
+
+
+@triton.jit(do_not_specialize=["tokens", "limit", "half_words"])
+def ep_push_kernel(x, topk, weights, rank_pos, table, region, flags, counter, heap, tokens, limit, half_words,
+                   HW: tl.constexpr, K: tl.constexpr, ROW: tl.constexpr, LOCAL: tl.constexpr, WORLD: tl.constexpr,
+                   PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_W: tl.constexpr):
+    """Token i of x (HW int32 words a row) to every rank r it goes to, at row rank_pos[i, r] + (rows of ranks
+    s < me) of r's region (half epoch % 2), rows from `limit` on dropped: [x | its experts as r's local
+    indices (-1: not r's) | topk weights' bits], ROW words; then flag [p][me] on every rank. Program p pushes
+    tokens p, p + PROGRAMS, ..."""
     p = tl.program_id(0)
     me = wl.rank(heap)
     epoch = wl.next_epoch(counter)
     half = region + (epoch % 2) * half_words
-    for i in range(p, rows, PROGRAMS):
+    ww = tl.arange(0, BLOCK_W)
+    jj = tl.arange(0, BLOCK_K)
+    start = _rows_before_mine(table, me, WORLD, BLOCK_W)
+    for i in range(p, tokens, PROGRAMS):
+        pos = tl.load(rank_pos + i * WORLD + ww, mask=ww < WORLD, other=-1)
+        slots = tl.where((pos >= 0) & (pos + start < limit), pos + start, -1)
+        e = _valid_experts(tl.load(topk + i * K + jj, mask=jj < K, other=-1), jj < K, LOCAL * WORLD)
+        wbits = tl.load(weights + i * K + jj, mask=jj < K, other=0.0).to(tl.int32, bitcast=True)
         for r in range(WORLD):
-            slot = tl.load(slots + i * WORLD + r).to(tl.int64)
+            slot = tl.sum(tl.where(ww == r, slots, 0), axis=0).to(tl.int64)
             if slot >= 0:
-                copy(wl.symm_at(half + slot * ROW, r, heap), src + i * ROW, 0, ROW, BLOCK, VEC)
+                dst = wl.symm_at(half + slot * ROW, r, heap)
+                copy(dst, x + i * HW, 0, HW, BLOCK, VEC)
+                tl.store(dst + HW + jj, tl.where((e >= 0) & (e // LOCAL == r), e - r * LOCAL, -1), mask=jj < K)
+                tl.store(dst + HW + K + jj, wbits, mask=jj < K)
     wl.notify_all(flags + p * WORLD + me, heap, epoch)
 
+
+@triton.jit(do_not_specialize=["rows", "half_words"])
+def ep_push_back_kernel(y, table, region, flags, counter, heap, rows, half_words, HW: tl.constexpr,
+                        WORLD: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+                        BLOCK_W: tl.constexpr):
+    """Received row i of y (HW int32 words) back to its source s, at the row s numbered it by (its rows for
+    ranks r < me, then its position among those it sent me), in s's region; then flag [p][me] on every rank."""
+    p = tl.program_id(0)
+    me = wl.rank(heap)
+    epoch = wl.next_epoch(counter)
+    half = region + (epoch % 2) * half_words
+    s = tl.arange(0, BLOCK_W)
+    got = tl.load(table + s * WORLD + me, mask=s < WORLD, other=0)  # rows from each source, in source order
+    ends = tl.cumsum(got, axis=0)
+    r = tl.arange(0, BLOCK_W)[None, :]
+    sent_before = tl.sum(tl.load(table + s[:, None] * WORLD + r, mask=(s[:, None] < WORLD) & (r < me), other=0),
+                         axis=1)  # for each source: its rows for ranks r < me
+    n = tl.minimum(tl.sum(got, axis=0), rows)
+    for i in range(p, n, PROGRAMS):
+        src = tl.sum((ends <= i).to(tl.int32), axis=0)
+        slot = tl.sum(tl.where(s == src, sent_before + i - (ends - got), 0), axis=0).to(tl.int64)
+        copy(wl.symm_at(half + slot * HW, src, heap), y + i * HW, 0, HW, BLOCK, VEC)
+    wl.notify_all(flags + p * WORLD + me, heap, epoch)
 
 
 @triton.jit
 def _wait_pushes(region, flags, counter, heap, half_words, WORLD: tl.constexpr, PROGRAMS: tl.constexpr):
-    """The half of `region` this call's ep_push_kernel wrote, once every program of every rank has flagged me."""
+    """The half of `region` this call's push wrote, once every program of every rank has flagged me."""
     epoch = wl.next_epoch(counter)
     token = epoch * 0
     for q in range(PROGRAMS):
@@ -218,43 +376,62 @@ def _wait_pushes(region, flags, counter, heap, half_words, WORLD: tl.constexpr, 
 
 
 @triton.jit(do_not_specialize=["half_words", "rows"])
-def ep_receive_kernel(region, flags, counter, heap, table, x_out, meta_out, half_words, rows, HW: tl.constexpr,
-                      META: tl.constexpr, ROW: tl.constexpr, WORLD: tl.constexpr, PROGRAMS: tl.constexpr,
-                      BLOCK: tl.constexpr, VEC: tl.constexpr, BLOCK_W: tl.constexpr):
-    """After the pushes: rows [0, n) of the region (n: what the table says I receive) split into x_out (HW
-    words a row) and meta_out (META words); rows [n, rows) zeroed."""
+def ep_receive_kernel(region, flags, counter, heap, table, x_out, idx_out, w_out, counts, half_words, rows,
+                      HW: tl.constexpr, K: tl.constexpr, ROW: tl.constexpr, LOCAL: tl.constexpr, WORLD: tl.constexpr,
+                      PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr):
+    """After the pushes: rows [0, n) of the region (n: what the table says I receive, at most `rows`) split
+    into x_out (HW words a row), idx_out and w_out (K a row); rows [n, rows) zero, -1 and 0. counts[e] +=
+    the rows naming my expert e (each program adds its own)."""
     p = tl.program_id(0)
     me = wl.rank(heap)
     half = _wait_pushes(region, flags, counter, heap, half_words, WORLD, PROGRAMS)
     s = tl.arange(0, BLOCK_W)
-    n = tl.sum(tl.load(table + s * WORLD + me, mask=s < WORLD, other=0), axis=0)
+    n = tl.minimum(tl.sum(tl.load(table + s * WORLD + me, mask=s < WORLD, other=0), axis=0), rows)
+    jj = tl.arange(0, BLOCK_K)
+    ll = tl.arange(0, BLOCK_L)
+    named = tl.zeros([BLOCK_L], tl.int32)
     for i in range(p, rows, tl.num_programs(0)):
         src = half + i * ROW
         if i < n:
             copy(x_out + i * HW, src, 0, HW, BLOCK, VEC)
-            copy(meta_out + i * META, src + HW, 0, META, BLOCK, 1)
+            idx = tl.load(src + HW + jj, mask=jj < K, other=-1)
+            tl.store(idx_out + i * K + jj, idx, mask=jj < K)
+            tl.store(w_out + i * K + jj, tl.load(src + HW + K + jj, mask=jj < K).to(tl.float32, bitcast=True),
+                     mask=jj < K)
+            named += tl.sum((idx[:, None] == ll[None, :]).to(tl.int32), axis=0)
         else:
             for start in range(0, HW, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 tl.store(x_out + i * HW + offs, tl.zeros([BLOCK], tl.int32), mask=offs < HW)
-            offs = tl.arange(0, BLOCK)
-            tl.store(meta_out + i * META + offs, tl.zeros([BLOCK], tl.int32), mask=offs < META)
+            tl.store(idx_out + i * K + jj, tl.full([BLOCK_K], -1, tl.int32), mask=jj < K)
+            tl.store(w_out + i * K + jj, tl.zeros([BLOCK_K], tl.float32), mask=jj < K)
+    tl.atomic_add(counts + ll, named, mask=ll < LOCAL)
 
 
-@triton.jit(do_not_specialize=["half_words", "tokens"])
-def ep_combine_reduce_kernel(region, flags, counter, heap, pairs, out, half_words, tokens, HW: tl.constexpr,
-                             ELEM: tl.constexpr, WORLD: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK: tl.constexpr):
-    """After the pushes back: out[t] = sum in rank order r of row pairs[t, r] of the region (fp32; -1: none)."""
+@triton.jit(do_not_specialize=["half_words", "tokens", "limit"])
+def ep_combine_reduce_kernel(region, flags, counter, heap, rank_pos, table, out, half_words, tokens, limit,
+                             HW: tl.constexpr, ELEM: tl.constexpr, WORLD: tl.constexpr, PROGRAMS: tl.constexpr,
+                             BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
+    """After the pushes back: out[t] = sum in rank order r of the row token t came back on from r (fp32): my
+    rows for ranks r' < r, then its position among them; none where the dispatch did not send or dropped it."""
     p = tl.program_id(0)
+    me = wl.rank(heap)
     half = _wait_pushes(region, flags, counter, heap, half_words, WORLD, PROGRAMS)
+    ww = tl.arange(0, BLOCK_W)
+    start = _rows_before_mine(table, me, WORLD, BLOCK_W)
+    mine = tl.load(table + me * WORLD + ww, mask=ww < WORLD, other=0)
+    back_start = tl.cumsum(mine, axis=0) - mine
     for t in range(p, tokens, tl.num_programs(0)):
-        for start in range(0, HW, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
+        pos = tl.load(rank_pos + t * WORLD + ww, mask=ww < WORLD, other=-1)
+        back = tl.where((pos >= 0) & (pos + start < limit), pos + back_start, -1)
+        for c in range(0, HW, BLOCK):
+            offs = c + tl.arange(0, BLOCK)
             m = offs < HW
             acc_lo = tl.zeros([BLOCK], tl.float32)
             acc_hi = tl.zeros([BLOCK], tl.float32)
             for r in range(WORLD):
-                slot = tl.load(pairs + t * WORLD + r).to(tl.int64)
+                slot = tl.sum(tl.where(ww == r, back, 0), axis=0).to(tl.int64)
                 a, b = _halves_of(tl.load(half + slot * HW + offs, mask=m & (slot >= 0), other=0), ELEM)
                 acc_lo += a
                 acc_hi += b
@@ -266,21 +443,25 @@ def ep_combine_reduce_kernel(region, flags, counter, heap, pairs, out, half_word
 _ELEM = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def _vec(words: int) -> int:
-    return 4 if words % 4 == 0 else 1
+def _vec(words: int, *tensors) -> int:
+    """4 (16-byte vectors) where rows of `words` int32 words and every tensor's address allow it, else 1."""
+    return 4 if words % 4 == 0 and all(t.data_ptr() % 16 == 0 for t in tensors) else 1
 
 
 class HTHandle:
-    """What ep_combine needs of an ep_dispatch: its plan, and on the device `pairs` (T, W), the slot on which
-    each of my tokens comes back from rank r (-1: not sent), and `back` (R, W), the slot on the source rank to
-    which each received row returns (-1 in the other columns)."""
+    """What ep_combine needs of an ep_dispatch: its plan, and on the device rank_pos (T, W) and table (W, W)
+    (ep_route_kernel's), from which each row's way back is computed; rows received (R) and the row limit."""
 
-    def __init__(self, plan, pairs, back, rows):
-        self.plan, self.pairs, self.back, self.rows = plan, pairs, back, rows
+    def __init__(self, plan, rank_pos, table, rows, limit):
+        self.plan, self.rank_pos, self.table, self.rows, self.limit = plan, rank_pos, table, rows, limit
 
 
 class _HTPlan:
-    """ep_dispatch / ep_combine of one call signature: the launches, the region's rows, the checks done."""
+    """ep_dispatch / ep_combine of one call signature: the launches, the region's rows, the checks done.
+
+    A dispatch is three launches: route (with the count exchange), push, receive; without max_recv_tokens, one
+    host sync between route and push reads info (the exact row count, and whether any rank's topk_idx was
+    bad: then every rank raises before anything is pushed)."""
 
     def __init__(self, world, x, topk_idx, topk_weights, num_experts, max_recv_tokens):
         _check_routing(world, x, topk_idx, num_experts, topk_weights)
@@ -288,12 +469,14 @@ class _HTPlan:
                                             or max_recv_tokens < 0):
             raise ValueError(f"max_recv_tokens must be None or an int >= 0, got {max_recv_tokens!r}")
         self.world, w = world, world.world_size
+        if w > 63:
+            raise ValueError(f"ep_dispatch serves at most 63 ranks (a token's ranks are bits of a word), not {w}")
         t, k = topk_idx.shape
-        self.tokens, self.k, self.hidden, self.dtype = t, k, x.shape[1], x.dtype
+        self.tokens, self.k, self.hidden, self.dtype, self.idx_dtype = t, k, x.shape[1], x.dtype, topk_idx.dtype
         self.num_experts, self.local = num_experts, num_experts // w
         self.max_recv = max_recv_tokens
         self.hw = x.shape[1] * x.element_size() // 4
-        self.row = triton.cdiv(self.hw + 2 * k, 4) * 4  # [x | topk_idx | topk_weights], 16-byte rows
+        self.row = triton.cdiv(self.hw + 2 * k, 4) * 4  # [x | local topk_idx | topk_weights], 16-byte rows
         self.ws = ws = _workspace(world)
         self.cap = ws.ht_half_words // self.row  # dispatched rows a half holds
         have = 2 * ws.ht_half_words * 4
@@ -304,95 +487,87 @@ class _HTPlan:
             raise _too_big(f"ep_combine of {t} tokens", 2 * t * min(w, k) * self.hw * 4, have)
         self.heap = heap = world.heap.descriptor
         dev = world.device
-        self.count = Launch(ep_count_exchange_kernel, (1,),
-                            (torch.zeros(w, dtype=torch.int32, device=dev), torch.zeros((w, w), dtype=torch.int32,
-                                                                                       device=dev),
-                             ws.table, ws.counter(2), heap, w * w),
-                            dict(WORLD=w, BLOCK_W=triton.next_power_of_2(w)), 1)
         gpu = dev.type == "cuda"
         block, warps = (1024, 8) if gpu else (256, 4)
         self.grid = 132 if gpu else 2  # programs that copy out / sum what arrived
         i32 = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=dev)  # noqa: E731
-        self.push = {words: Launch(ep_push_kernel, (ws.programs,),
-                                   (i32(1, words), i32(1, w), ws.ht, ws.flags, ws.counter(3), heap, 1,
-                                    ws.ht_half_words),
-                                   dict(ROW=words, WORLD=w, PROGRAMS=ws.programs, BLOCK=block, VEC=_vec(words)), warps)
-                     for words in (self.row, self.hw)}
-        self.meta = 2 * k
+        blk_w, blk_k = triton.next_power_of_2(w), triton.next_power_of_2(k)
+        self.route = Launch(ep_route_kernel, (1,),
+                            (topk_idx, i32(max(t, 1), w), i32(w, w), i32(self.local), i32(3), ws.table, ws.counter(2),
+                             heap, ws.error, t),
+                            dict(K=k, LOCAL=self.local, WORLD=w, BLOCK_T=256 if gpu else 16, BLOCK_K=blk_k,
+                                 BLOCK_W=max(4, triton.next_power_of_2(w + 1)),
+                                 BLOCK_L=triton.next_power_of_2(self.local)), warps)
+        self.push = Launch(ep_push_kernel, (ws.programs,),
+                           (x.view(torch.int32), topk_idx, topk_weights, i32(max(t, 1), w), i32(w, w), ws.ht, ws.flags,
+                            ws.counter(3), heap, t, 1, ws.ht_half_words),
+                           dict(HW=self.hw, K=k, ROW=self.row, LOCAL=self.local, WORLD=w, PROGRAMS=ws.programs,
+                                BLOCK=block, VEC=_vec(self.hw, x), BLOCK_K=blk_k, BLOCK_W=blk_w), warps)
         self.receive = Launch(ep_receive_kernel, (self.grid,),
-                              (ws.ht, ws.flags, ws.counter(4), heap, i32(w, w), i32(1, self.hw), i32(1, self.meta),
-                               ws.ht_half_words, 1),
-                              dict(HW=self.hw, META=self.meta, ROW=self.row, WORLD=w, PROGRAMS=ws.programs,
-                                   BLOCK=block, VEC=_vec(self.hw), BLOCK_W=triton.next_power_of_2(w)), warps)
+                              (ws.ht, ws.flags, ws.counter(4), heap, i32(w, w), i32(1, self.hw),
+                               torch.zeros((1, k), dtype=topk_idx.dtype, device=dev),
+                               torch.zeros((1, k), device=dev), i32(self.local), ws.ht_half_words, 1),
+                              dict(HW=self.hw, K=k, ROW=self.row, LOCAL=self.local, WORLD=w, PROGRAMS=ws.programs,
+                                   BLOCK=block, VEC=_vec(self.hw), BLOCK_K=blk_k,
+                                   BLOCK_L=triton.next_power_of_2(self.local), BLOCK_W=blk_w), warps)
+        # y's rows go back 16-byte vectors at a time: the combine takes y at that alignment (else a copy).
+        self.push_back = Launch(ep_push_back_kernel, (ws.programs,),
+                                (i32(1, self.hw), i32(w, w), ws.ht, ws.flags, ws.counter(3), heap, 1,
+                                 ws.ht_half_words),
+                                dict(HW=self.hw, WORLD=w, PROGRAMS=ws.programs, BLOCK=block, VEC=_vec(self.hw),
+                                     BLOCK_W=blk_w), warps)
         self.reduce = Launch(ep_combine_reduce_kernel, (self.grid,),
-                             (ws.ht, ws.flags, ws.counter(4), heap, i32(1, w), i32(1, self.hw), ws.ht_half_words, 1),
-                             dict(HW=self.hw, ELEM=_ELEM[x.dtype], WORLD=w, PROGRAMS=ws.programs, BLOCK=block),
-                             warps)
+                             (ws.ht, ws.flags, ws.counter(4), heap, i32(max(t, 1), w), i32(w, w), i32(1, self.hw),
+                              ws.ht_half_words, t, 1),
+                             dict(HW=self.hw, ELEM=_ELEM[x.dtype], WORLD=w, PROGRAMS=ws.programs, BLOCK=block,
+                                  BLOCK_W=blk_w), warps)
+        # Pointer arguments as the launches take them (Launch.address): on GPUs addresses (the workspace's
+        # taken once here, no view made per call), under the interpreter tensors of the kernels' types.
+        a = self.address = self.route.address
+        self.words = (lambda t: t.view(torch.int32)) if self.route.kernel is None else a
+        self.route_fixed = tuple(map(a, (ws.table, ws.counter(2), heap, ws.error)))
+        self.push_fixed = tuple(map(a, (ws.ht, ws.flags, ws.counter(3), heap)))
+        self.wait_fixed = tuple(map(a, (ws.ht, ws.flags, ws.counter(4), heap)))
 
     def dispatch(self, x, topk_idx, topk_weights):
-        world, ws, heap = self.world, self.ws, self.heap
-        w, me, dev = world.world_size, world.rank, x.device
-        if not capturing(dev):
-            check_routing_values(topk_idx, self.num_experts)
-        lay = Layout(topk_idx, self.num_experts, w)
+        ws, w, dev, a = self.ws, self.world.world_size, x.device, self.address
+        ws.raise_routing_error()
+        rank_pos = torch.empty((self.tokens, w), dtype=torch.int32, device=dev)
         table = torch.empty((w, w), dtype=torch.int32, device=dev)
-        self.count(lay.tokens_per_rank, table, ws.table, ws.counter(2), heap, w * w)
-        # My rows land on rank r after those of ranks s < me; a received row returns to its source after
-        # the source's rows for ranks r' < me.
-        slots = torch.where(lay.rank_pos >= 0, lay.rank_pos + table[:me].sum(0, dtype=torch.int32), -1)
+        counts = torch.empty(self.local, dtype=torch.int32, device=dev)
+        info = torch.empty(3, dtype=torch.int32, device=dev)
+        self.route(a(topk_idx), a(rank_pos), a(table), a(counts), a(info), *self.route_fixed, self.tokens)
         if self.max_recv is None:
-            totals = table.sum(0)
-            most = int(totals.max())  # the one host sync: the same table, so every rank raises or none
+            most, rows, bad = info.tolist()  # the one host sync: the same table on every rank, so all raise or none
+            if bad:
+                ws.raise_routing_error()
+                raise ValueError("topk_idx on another rank names an expert twice or one outside [0, num_experts): "
+                                 "nothing was sent")
             if most > self.cap:
                 raise _too_big(f"ep_dispatch receiving {most} rows on one rank", 2 * most * self.row * 4,
                                2 * ws.ht_half_words * 4)
-            rows = int(totals[me])
-            kept = slots
+            limit = self.cap
         else:
-            rows = self.max_recv
-            kept = torch.where(slots < rows, slots, -1)  # rows past max_recv_tokens are dropped
-        src = torch.empty((self.tokens, self.row), dtype=torch.int32, device=dev)
-        src[:, :self.hw] = x.view(torch.int32)
-        src[:, self.hw:self.hw + self.k] = topk_idx
-        src[:, self.hw + self.k:self.hw + 2 * self.k] = topk_weights.view(torch.int32)
-        self.push[self.row](src, kept, ws.ht, ws.flags, ws.counter(3), heap, self.tokens, ws.ht_half_words)
+            rows = limit = self.max_recv  # rows past it are dropped
+        self.push(self.words(x), a(topk_idx), a(topk_weights), a(rank_pos), a(table), *self.push_fixed, self.tokens,
+                  limit, ws.ht_half_words)
         recv_x = torch.empty((rows, self.hidden), dtype=self.dtype, device=dev)
-        meta = torch.empty((rows, self.meta), dtype=torch.int32, device=dev)
-        self.receive(ws.ht, ws.flags, ws.counter(4), heap, table, recv_x.view(torch.int32), meta, ws.ht_half_words,
-                     rows)
-        # Received rows: from source s at [start_s, start_s + table[s, me]), in the source's token order.
-        received = table[:, me]
-        ends = received.cumsum(0, dtype=torch.int32)
-        i = torch.arange(rows, dtype=torch.int32, device=dev)
-        valid = i < ends[-1]
-        source = torch.searchsorted(ends, i, right=True).clamp(max=w - 1)
-        start = ends - received
-        back_slot = table[:, :me].sum(1, dtype=torch.int32)[source] + i - start[source]
-        back = torch.full((rows, w), -1, dtype=torch.int32, device=dev)
-        back.scatter_(1, source.long()[:, None], torch.where(valid, back_slot, -1)[:, None])
-        gidx = meta[:, :self.k]
-        local = gidx - me * self.local
-        mine = valid[:, None] & (gidx >= 0) & (local >= 0) & (local < self.local)
-        recv_idx = torch.where(mine, local, -1).to(topk_idx.dtype)
-        recv_w = torch.where(valid[:, None], meta[:, self.k:].view(torch.float32), 0.0)
-        counts = torch.zeros(self.local + 1, dtype=torch.int32, device=dev).scatter_add_(
-            0, torch.where(mine, local, self.local).reshape(-1).long(),
-            torch.ones(mine.numel(), dtype=torch.int32, device=dev))[:self.local]
-        # My token t comes back from rank r on slot (rows I send to ranks r' < r) + its position there.
-        sent_before = lay.tokens_per_rank.cumsum(0, dtype=torch.int32) - lay.tokens_per_rank
-        pairs = torch.where(kept >= 0, lay.rank_pos + sent_before, -1)
-        handle = HTHandle(self, pairs, back, rows)
-        return recv_x, recv_idx, recv_w, counts, handle
+        recv_idx = torch.empty((rows, self.k), dtype=self.idx_dtype, device=dev)
+        recv_w = torch.empty((rows, self.k), dtype=torch.float32, device=dev)
+        self.receive(*self.wait_fixed, a(table), self.words(recv_x), a(recv_idx), a(recv_w), a(counts),
+                     ws.ht_half_words, rows)
+        ws.raise_routing_error()  # with max_recv_tokens, under the interpreter: this call's row
+        return recv_x, recv_idx, recv_w, counts, HTHandle(self, rank_pos, table, rows, limit)
 
     def combine(self, y, handle):
-        ws, heap = self.ws, self.heap
+        ws, a = self.ws, self.address
+        ws.raise_routing_error()
         if y.data_ptr() % 16:
-            y = y.clone()  # the push was compiled for 16-byte aligned rows
-        self.push[self.hw](y.view(torch.int32), handle.back, ws.ht, ws.flags, ws.counter(3), heap, handle.rows,
-                           ws.ht_half_words)
+            y = y.clone()  # the push back was compiled for 16-byte aligned rows
+        self.push_back(self.words(y), a(handle.table), *self.push_fixed, handle.rows, ws.ht_half_words)
         out = torch.empty((self.tokens, self.hidden), dtype=self.dtype, device=y.device)
-        self.reduce(ws.ht, ws.flags, ws.counter(4), heap, handle.pairs, out.view(torch.int32), ws.ht_half_words,
-                    self.tokens)
+        self.reduce(*self.wait_fixed, a(handle.rank_pos), a(handle.table), self.words(out), ws.ht_half_words,
+                    self.tokens, handle.limit)
         return out
 
 
@@ -406,8 +581,13 @@ def ep_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     handle for ep_combine). Rows are ordered by source rank, then source token. Without max_recv_tokens R is
     exact (one host sync); with it (the same on every rank) R = max_recv_tokens (no sync, capturable): rows
     past the received ones have idx -1, weights 0 and x 0, and tokens beyond it are dropped (their combine
-    gets nothing from this rank). Checks topk_idx's values
-    (a host sync) except under CUDA-graph capture. Collective.
+    gets nothing from this rank). Collective.
+
+    topk_idx's values are checked on the device: a row naming an expert twice or one outside [0,
+    num_experts) (and not -1) raises a ValueError naming topk_idx. Without max_recv_tokens every rank
+    raises in this call, before anything is pushed (the sync sees every rank's check); with it, this rank
+    raises at its next EP op's call once the kernel has run, and until then the row does no harm (entries
+    outside the experts count as none, a repeated expert once).
     """
     world = world_or_raise()
     found = plan(world, lambda: ("ep", signature(x), signature(topk_idx), signature(topk_weights), num_experts,
@@ -434,7 +614,7 @@ def ep_combine(y: torch.Tensor, handle: HTHandle) -> torch.Tensor:
 
 @triton.jit
 def _experts_before(topk, t, e, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
-    """For each j: how many tokens t' < t name expert e[j] (0 where e[j] < 0)."""
+    """For each j: how many tokens t' < t name expert e[j] (0 where e[j] < 0), a token naming it twice once."""
     jj = tl.arange(0, BLOCK_K)
     pos = tl.zeros([BLOCK_K], tl.int32)
     for t0 in range(0, t, BLOCK_T):
@@ -442,14 +622,14 @@ def _experts_before(topk, t, e, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T:
         prev = tl.load(topk + tt[:, None] * K + jj[None, :], mask=(tt[:, None] < t) & (jj[None, :] < K),
                        other=-1).to(tl.int32)
         hit = (prev[None, :, :] == e[:, None, None]) & (e[:, None, None] >= 0)
-        pos += tl.sum(tl.sum(hit.to(tl.int32), axis=2), axis=1)
+        pos += tl.sum(tl.max(hit.to(tl.int32), axis=2), axis=1)  # tokens, not entries: a repeat counts once
     return pos
 
 
 @triton.jit
 def _expert_counts(topk, tokens, first, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
                    BLOCK_T: tl.constexpr):
-    """For each i < BLOCK_L: how many tokens name expert first + i."""
+    """For each i < BLOCK_L: how many tokens name expert first + i (a token naming it twice once)."""
     jj = tl.arange(0, BLOCK_K)
     ll = tl.arange(0, BLOCK_L)
     cnt = tl.zeros([BLOCK_L], tl.int32)
@@ -458,7 +638,7 @@ def _expert_counts(topk, tokens, first, K: tl.constexpr, BLOCK_K: tl.constexpr, 
         e = tl.load(topk + tt[:, None] * K + jj[None, :], mask=(tt[:, None] < tokens) & (jj[None, :] < K),
                     other=-1).to(tl.int32)
         hit = e[None, :, :] == (first + ll)[:, None, None]
-        cnt += tl.sum(tl.sum(hit.to(tl.int32), axis=2), axis=1)
+        cnt += tl.sum(tl.max(hit.to(tl.int32), axis=2), axis=1)
     return cnt
 
 
@@ -497,7 +677,7 @@ def _fp8_words(x, t, g0, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["tokens", "half_words"])
-def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, buf, counter, heap, tokens,
+def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, buf, counter, heap, err, tokens,
                           half_words, HW: tl.constexpr, K: tl.constexpr, LOCAL: tl.constexpr, MAX_T: tl.constexpr,
                           WORLD: tl.constexpr, PROGRAMS: tl.constexpr, FP8: tl.constexpr, GROUPS: tl.constexpr,
                           BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -509,6 +689,8 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
     then its token count) and slots [W][MAX_T][K + HW] (token t of sender s: K words local expert << 16 |
     position among s's tokens for that expert, or -1; then the token's words), all LL words.
     src_rows[s, t, j] = the flat recv row of expert j of token t of rank s, or -1; src_tokens[s] = s's tokens.
+    A bad row of topk is recorded in `err` (_check_rows) and travels harmlessly: its entries outside the
+    experts as none, an expert named twice to one row, which combine returns once per naming.
     """
     p = tl.program_id(0)
     me = wl.rank(heap)
@@ -523,7 +705,10 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
         head = tl.where(ll < LOCAL, _expert_counts(topk, tokens, r * LOCAL, K, BLOCK_K, BLOCK_L, BLOCK_T), tokens)
         tl.store(wl.symm_at(half + (me * PROGRAMS + p) * HEAD, r, heap) + ll, wl.pack_ll(head, epoch), mask=ll < HEAD)
     for t in range(p, tokens, PROGRAMS):
-        e = tl.load(topk + t * K + jj, mask=jj < K, other=-1).to(tl.int32)
+        live = (jj < K)[None, :]
+        e, _ = _check_rows(tl.load(topk + t * K + jj[None, :], mask=live, other=-1), tl.zeros([1], tl.int32) + t,
+                           err, live, LOCAL * WORLD, BLOCK_K)
+        e = tl.reshape(e, [BLOCK_K])
         pos = _experts_before(topk, t, e, K, BLOCK_K, BLOCK_T)
         dest = tl.where(e >= 0, e // LOCAL, -1)
         mine = slots + (me * MAX_T + t) * SLOT
@@ -621,7 +806,7 @@ def ep_combine_ll_kernel(y, topk, weights, out, src_rows, src_tokens, buf, count
     ww = tl.arange(0, BLOCK_W)
     wl.wait_ll(half + ww * PROGRAMS + p, ww < WORLD, epoch, heap=heap, op="ep_combine_ll ack")
     for t in range(p, tokens, PROGRAMS):
-        e = tl.load(topk + t * K + jj, mask=jj < K, other=-1).to(tl.int32)
+        e = _valid_experts(tl.load(topk + t * K + jj, mask=jj < K, other=-1), jj < K, LOCAL * WORLD)
         wt = tl.load(weights + t * K + jj, mask=jj < K, other=0.0)
         for start in range(0, HW, BLOCK):
             offs = start + tl.arange(0, BLOCK)
@@ -688,46 +873,52 @@ class _LLPlan:
         i32 = lambda *shape: torch.empty(shape, dtype=torch.int32, device=dev)  # noqa: E731
         self.dispatch_launch = Launch(
             ep_dispatch_ll_kernel, (self.programs,),
-            (self._sent(x), topk_idx, i32(1, sent_hw), i32(1), i32(self.local), self.src_rows(), self.src_tokens(),
-             ws.ll_dispatch, ws.counter(0), self.heap, x.shape[0], ws.ll_half_words),
+            (x if fp8 else x.view(torch.int32), topk_idx, i32(1, sent_hw), i32(1), i32(self.local), self.src_rows(),
+             self.src_tokens(), ws.ll_dispatch, ws.counter(0), self.heap, ws.error, x.shape[0], ws.ll_half_words),
             dict(HW=sent_hw, **common, FP8=fp8, GROUPS=self.groups, BLOCK=block, BLOCK_K=blk_k,
                  BLOCK_L=triton.next_power_of_2(self.local + 1),
                  BLOCK_T=16 if gpu else triton.next_power_of_2(max(1, min(max_tokens, 16))),
                  BLOCK_G=8 if gpu else 1), warps)
+        # Pointer arguments as the launch takes them (Launch.address): on GPUs addresses (no view made per
+        # call; the workspace's taken once here), under the interpreter tensors of the kernel's types.
+        address = self.dispatch_launch.address
+        self.words = (lambda t: t.view(torch.int32)) if self.dispatch_launch.kernel is None else address
+        self.sent = address if fp8 else self.words  # x: its elements (quantized on the way) or its words
+        self.dispatch_fixed = tuple(map(address, (ws.ll_dispatch, ws.counter(0), self.heap, ws.error)))
+        self.combine_fixed = tuple(map(address, (ws.ll_combine, ws.counter(1), self.heap)))
         self.combine_launches = {}
         self.block, self.warps, self.common, self.blk_k = block, warps, dict(HW=self.hw, **common), blk_k
 
-    def _sent(self, x):
-        """x as the kernel reads it: its elements (quantized on the way), or its rows' int32 words."""
-        return x if self.fp8 else x.view(torch.int32)
-
     def dispatch(self, x, topk_idx):
-        dev, ws = x.device, self.ws
-        if not capturing(dev):
-            check_routing_values(topk_idx, self.num_experts)
+        dev, ws, a = x.device, self.ws, self.dispatch_launch.address
+        ws.raise_routing_error()
         recv = torch.empty(self.recv_shape, dtype=self.recv_dtype, device=dev)
         scales = torch.empty(self.scales_shape, dtype=torch.float32, device=dev) if self.fp8 else None
         counts = torch.empty(self.local, dtype=torch.int32, device=dev)
         src_rows, src_tokens = self.src_rows(), self.src_tokens()
-        self.dispatch_launch(self._sent(x), topk_idx, recv.view(torch.int32),
-                             counts if scales is None else scales.view(torch.int32), counts, src_rows, src_tokens,
-                             ws.ll_dispatch, ws.counter(0), self.heap, x.shape[0], ws.ll_half_words)
+        self.dispatch_launch(self.sent(x), a(topk_idx), self.words(recv),
+                             a(counts) if scales is None else self.words(scales), a(counts), a(src_rows),
+                             a(src_tokens), *self.dispatch_fixed, x.shape[0], self.ws.ll_half_words)
+        ws.raise_routing_error()
         return recv, counts, scales, LLHandle(self, src_rows, src_tokens)
 
     def combine(self, y, topk_idx, topk_weights, handle):
-        ws, dev = self.ws, y.device
+        ws = self.ws
+        ws.raise_routing_error()
         tokens = topk_idx.shape[0]
         key = (signature(y), signature(topk_idx), signature(topk_weights))
         launch = self.combine_launches.get(key)
-        out = torch.empty((tokens, self.hidden), dtype=self.dtype, device=dev)
-        args = (y.view(torch.int32), topk_idx, topk_weights, out.view(torch.int32), handle.src_rows,
-                handle.src_tokens, ws.ll_combine, ws.counter(1), self.heap, tokens, ws.ll_half_words)
+        out = torch.empty((tokens, self.hidden), dtype=self.dtype, device=y.device)
         if launch is None:
             launch = self.combine_launches[key] = Launch(
-                ep_combine_ll_kernel, (self.programs,), args,
+                ep_combine_ll_kernel, (self.programs,),
+                (y.view(torch.int32), topk_idx, topk_weights, out.view(torch.int32), handle.src_rows,
+                 handle.src_tokens, ws.ll_combine, ws.counter(1), self.heap, tokens, ws.ll_half_words),
                 dict(**self.common, ELEM=_ELEM[self.dtype], BLOCK=self.block, BLOCK_K=self.blk_k,
                      BLOCK_W=triton.next_power_of_2(self.world.world_size)), self.warps)
-        launch(*args)
+        a = launch.address
+        launch(self.words(y), a(topk_idx), a(topk_weights), self.words(out), a(handle.src_rows),
+               a(handle.src_tokens), *self.combine_fixed, tokens, ws.ll_half_words)
         return out
 
 
@@ -740,8 +931,15 @@ def ep_dispatch_ll(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, ma
     local expert e, ordered by source rank then source token; counts (L,) int32; scales; handle for
     ep_combine_ll). fp8=False: recv has x's dtype and scales is None. fp8=True (hidden a multiple of 128):
     tokens travel as float8_e4m3fn, recv is float8_e4m3fn and scales (L, max_tokens_per_rank * W,
-    hidden / 128) fp32 holds one scale per 128 channels (x ~ recv * scale; scale = amax / 448). Checks topk_idx's values (a host sync) except under
-    CUDA-graph capture. Collective: every rank passes the same num_experts and max_tokens_per_rank.
+    hidden / 128) fp32 holds one scale per 128 channels (x ~ recv * scale; scale = amax / 448).
+    Collective: every rank passes the same num_experts and max_tokens_per_rank.
+
+    topk_idx's values are checked on the device, with no host sync: a row naming an expert twice or one outside
+    [0, num_experts) (and not -1) raises a ValueError naming topk_idx, the row and the expert at the next EP
+    op's call on this rank once the kernel has run (under the interpreter: this call, after the collective
+    launch, so every rank stays in step). Until then the row does no harm: entries outside the experts count
+    as none, and an expert named twice gets the token once (combine returns it once per naming). A raise on
+    entry skips that collective call on this rank while its peers wait in theirs: a bug to fix, not a path.
     """
     world = world_or_raise()
     found = plan(world, lambda: ("ep_ll", signature(x), signature(topk_idx), num_experts, max_tokens_per_rank, fp8),
@@ -952,24 +1150,34 @@ class _GroupedGemmPlan:
 
 # Signatures for the sm_90 compile check (weft.testing.compile).
 COMPILE_CASES = [
-    (ep_count_exchange_kernel, dict(sent="*i32", table="*i32", buf="*i64", counter="*i64", heap="*i64",
-                                    half_words="i32"), dict(WORLD=wd, BLOCK_W=wd), dict(num_warps=1))
-    for wd in (2, 8)
+    (ep_route_kernel, dict(topk=t, rank_pos="*i32", table="*i32", counts="*i32", info="*i32", buf="*i64",
+                           counter="*i64", heap="*i64", err="*i64", tokens="i32"),
+     dict(K=8, LOCAL=256 // wd, WORLD=wd, BLOCK_T=256, BLOCK_K=8, BLOCK_W=max(4, triton.next_power_of_2(wd + 1)),
+          BLOCK_L=256 // wd), dict(num_warps=8))
+    for t in ("*i64", "*i32") for wd in (2, 8)
 ] + [
-    (ep_push_kernel, dict(src="*i32", slots="*i32", region="*i32", flags="*i32", counter="*i64", heap="*i64",
-                          rows="i32", half_words="i32"),
-     dict(ROW=row, WORLD=8, PROGRAMS=128, BLOCK=1024, VEC=_vec(row)), dict(num_warps=8))
-    for row in (3600, 3585)
+    (ep_push_kernel, dict(x="*i32", topk=t, weights="*fp32", rank_pos="*i32", table="*i32", region="*i32",
+                          flags="*i32", counter="*i64", heap="*i64", tokens="i32", limit="i32", half_words="i32"),
+     dict(HW=hw, K=8, ROW=triton.cdiv(hw + 16, 4) * 4, LOCAL=32, WORLD=8, PROGRAMS=128, BLOCK=1024, VEC=_vec(hw),
+          BLOCK_K=8, BLOCK_W=8), dict(num_warps=8))
+    for t in ("*i64", "*i32") for hw in (3584, 3585)
+] + [
+    (ep_push_back_kernel, dict(y="*i32", table="*i32", region="*i32", flags="*i32", counter="*i64", heap="*i64",
+                               rows="i32", half_words="i32"),
+     dict(HW=3584, WORLD=8, PROGRAMS=128, BLOCK=1024, VEC=4, BLOCK_W=8), dict(num_warps=8)),
 ] + [
     (ep_receive_kernel, dict(region="*i32", flags="*i32", counter="*i64", heap="*i64", table="*i32", x_out="*i32",
-                             meta_out="*i32", half_words="i32", rows="i32"),
-     dict(HW=3584, META=16, ROW=3600, WORLD=8, PROGRAMS=128, BLOCK=1024, VEC=4, BLOCK_W=8), dict(num_warps=8)),
-    (ep_combine_reduce_kernel, dict(region="*i32", flags="*i32", counter="*i64", heap="*i64", pairs="*i32",
-                                    out="*i32", half_words="i32", tokens="i32"),
-     dict(HW=3584, ELEM=tl.bfloat16, WORLD=8, PROGRAMS=128, BLOCK=1024), dict(num_warps=8)),
+                             idx_out=t, w_out="*fp32", counts="*i32", half_words="i32", rows="i32"),
+     dict(HW=3584, K=8, ROW=3600, LOCAL=32, WORLD=8, PROGRAMS=128, BLOCK=1024, VEC=4, BLOCK_K=8, BLOCK_L=32,
+          BLOCK_W=8), dict(num_warps=8))
+    for t in ("*i64", "*i32")
+] + [
+    (ep_combine_reduce_kernel, dict(region="*i32", flags="*i32", counter="*i64", heap="*i64", rank_pos="*i32",
+                                    table="*i32", out="*i32", half_words="i32", tokens="i32", limit="i32"),
+     dict(HW=3584, ELEM=tl.bfloat16, WORLD=8, PROGRAMS=128, BLOCK=1024, BLOCK_W=8), dict(num_warps=8)),
 ] + [
     (ep_dispatch_ll_kernel, dict(x=xt, topk=t, recv="*i32", scales="*i32", counts="*i32", src_rows="*i32",
-                                 src_tokens="*i32", buf="*i64", counter="*i64", heap="*i64", tokens="i32",
+                                 src_tokens="*i32", buf="*i64", counter="*i64", heap="*i64", err="*i64", tokens="i32",
                                  half_words="i32"),
      dict(HW=3584 // (1 + fp8), K=8, LOCAL=local, MAX_T=128, WORLD=wd, PROGRAMS=64, FP8=fp8, GROUPS=56 * fp8,
           BLOCK=1024, BLOCK_K=8, BLOCK_L=triton.next_power_of_2(local + 1), BLOCK_T=16, BLOCK_G=8),

@@ -11,8 +11,8 @@ the experts' weights.
 EPMoE (expert parallel): rank r holds experts [r E / W, (r + 1) E / W) whole; each rank routes its own tokens.
 - decode (at most `decode_tokens` tokens on the rank): ep_dispatch_ll puts each token in a fixed-size row of
   each of its experts' receive buffers (L, W decode_tokens, hidden), weft's grouped_gemm runs gate/up and down
-  over the valid rows of every local expert, ep_combine_ll brings the k outputs back weighted. No host sync:
-  the step can be captured in a CUDA graph (check_routing_values skipped under capture).
+  over the valid rows of every local expert, ep_combine_ll brings the k outputs back weighted. No host sync
+  (topk_idx is checked on the device): the step can be captured in a CUDA graph.
 - prefill: ep_dispatch sends each token once to every rank that holds one of its experts; the (token, local
   expert) pairs are sorted by expert into a (L, most pairs of an expert, hidden) buffer (one host sync for that
   size), run through the same grouped GEMMs, summed per token with its weights, and ep_combine returns each

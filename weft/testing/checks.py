@@ -25,9 +25,10 @@ def rejects(fn, exc, word: str, guarded) -> None:
 
 def kept_tensors(world) -> list[torch.Tensor]:
     """The tensors that weft keeps between calls (reachable from its workspaces and plans) other than
-    symmetric-heap memory (this rank's or a peer's) and the heap's descriptor. It should be none: after a
-    first call under CUDA-graph trees (torch.compile's "reduce-overhead") such a tensor would be memory of
-    the graphs' pool that no output accounts for, or a caller's tensor kept alive.
+    symmetric-heap memory (this rank's or a peer's), the heap's descriptor and pinned host memory (a word
+    the kernels store to, such as the MoE workspace's error word). It should be none: after a first call
+    under CUDA-graph trees (torch.compile's "reduce-overhead") such a tensor would be memory of the graphs'
+    pool that no output accounts for, or a caller's tensor kept alive.
 
     Follows containers, closures (cells and defaults), bound methods and the attributes of weft's own
     objects, up to the world and its heap; the rest (Triton's compiled kernels, streams, numbers) holds no
@@ -49,7 +50,7 @@ def kept_tensors(world) -> list[torch.Tensor]:
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            if obj is not heap.descriptor and not in_heap(obj):
+            if obj is not heap.descriptor and not in_heap(obj) and not obj.is_pinned():
                 found.append(obj)
         elif isinstance(obj, dict):
             todo += [*obj.keys(), *obj.values()]
