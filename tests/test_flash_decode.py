@@ -5,7 +5,6 @@ uses), block tables hold out-of-range page numbers past a sequence's pages, and 
 the op (its outputs and its partials' workspace) is filled with NaN: a result that is right was computed
 from what it should be, and every element was written.
 """
-import contextlib
 import hashlib
 import math
 
@@ -14,7 +13,7 @@ import torch
 
 from weft.kernels import flash_decode as fd
 from weft.testing import run_ranks
-from weft.testing.checks import rejects
+from weft.testing.checks import nan_allocations, rejects
 
 ENV = {"WEFT_WAIT_TIMEOUT_S": "60"}  # a lost LL word fails with a message instead of hanging
 TIMEOUT = 150
@@ -75,22 +74,6 @@ def paged(k, v, page_size, seed):
             if k[b, rows.start:rows.stop, 0, 0].isnan().all():
                 table[b, j] = 1 << 30  # past the sequence: never looked up
     return k_pages, v_pages, table
-
-
-@contextlib.contextmanager
-def nan_allocations():
-    """Every torch.empty / empty_like in the block returns floating tensors full of NaN."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def poison(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    torch.empty = lambda *a, **kw: poison(empty(*a, **kw))
-    torch.empty_like = lambda *a, **kw: poison(empty_like(*a, **kw))
-    try:
-        yield
-    finally:
-        torch.empty, torch.empty_like = empty, empty_like
 
 
 def check(q, k, v, lens, got_out, got_lse=None, scale=None):

@@ -1,7 +1,5 @@
 """GPU checks of flash_decode and sp_flash_decode, run on every rank:
 `weft run -n N -m pytest tests/test_gpu_attention.py -m gpu` (N = 1 checks flash_decode alone)."""
-import contextlib
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,6 +7,7 @@ import torch.nn.functional as F
 
 import weft
 from weft.kernels.flash_decode import flash_decode, sp_flash_decode, sp_flash_decode_merge_only
+from weft.testing.checks import nan_allocations
 from weft.testing.graphs import capture
 
 pytestmark = pytest.mark.gpu
@@ -148,44 +147,17 @@ def test_sp_flash_decode_matches_reference(page_size):
 def test_sp_flash_decode_back_to_back_no_host_sync():
     """20 calls with changing lengths and no host synchronisation until the end (a rank late each time)."""
     w = weft.world()
-    cases = [_sp_case(20 + i, 512, empty_rank=i % w.world_size if i % 3 == 0 else None, batch=2) for i in range(20)]
-    outs = []
-    weft.barrier()
-    for i, (q, (k, v, lens, _), _) in enumerate(cases):
-        if i % w.world_size == w.rank:
-            torch.cuda._sleep(100_000)
-        outs.append(sp_flash_decode(q, k, v, lens))
-    torch.cuda.synchronize()
-    for i, (out, (_, _, ref_out)) in enumerate(zip(outs, cases)):
-        _check(out, None, ref_out, None, torch.bfloat16, f"call {i}")
-        _same_on_every_rank(out)
+    _back_to_back([_sp_case(20 + i, 512, empty_rank=i % w.world_size if i % 3 == 0 else None, batch=2)
+                   for i in range(20)])
 
 
-@contextlib.contextmanager
-def _nan_outputs():
-    """Every floating torch.empty / empty_like in the block comes filled with NaN (on the device, no sync)."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def poison(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    torch.empty = lambda *a, **kw: poison(empty(*a, **kw))
-    torch.empty_like = lambda *a, **kw: poison(empty_like(*a, **kw))
-    try:
-        yield
-    finally:
-        torch.empty, torch.empty_like = empty, empty_like
-
-
-def test_sp_flash_decode_alternating_grids_no_host_sync():
-    """Calls whose merge grids differ (32 rows: 32 programs; 256 rows: one per SM, several rows each; 64;
-    batch 40: two passes) in turn, outputs poisoned, no host sync until the end, a rank late each time: the
-    epoch counter must hold whatever each call's grid."""
+def _back_to_back(cases):
+    """sp_flash_decode of every case in turn, outputs poisoned, no host sync until the end, a different rank
+    late each call; then each output against its reference and the same on every rank."""
     w = weft.world()
-    cases = [_sp_case(60 + i, 256, batch=b) for i, b in enumerate([1, 8, 2, 40, 1, 8, 2])]
     outs = []
     weft.barrier()
-    with _nan_outputs():
+    with nan_allocations():
         for i, (q, (k, v, lens, _), _) in enumerate(cases):
             if i % w.world_size == w.rank:
                 torch.cuda._sleep(100_000)
@@ -194,6 +166,13 @@ def test_sp_flash_decode_alternating_grids_no_host_sync():
     for i, (out, (_, _, ref_out)) in enumerate(zip(outs, cases)):
         _check(out, None, ref_out, None, torch.bfloat16, f"call {i}")
         _same_on_every_rank(out)
+
+
+def test_sp_flash_decode_alternating_grids_no_host_sync():
+    """Calls whose merge grids differ (32 rows: 32 programs; 256 rows: one per SM, several rows each; 64;
+    batch 40: two passes) in turn, outputs poisoned, no host sync until the end, a rank late each time: the
+    epoch counter must hold whatever each call's grid."""
+    _back_to_back([_sp_case(60 + i, 256, batch=b) for i, b in enumerate([1, 8, 2, 40, 1, 8, 2])])
 
 
 def test_sp_merge_kernel_alone_in_a_graph():

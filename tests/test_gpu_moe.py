@@ -67,18 +67,25 @@ def test_ep_dispatch_combine(max_recv):
         me = w.rank
         cap = w.world_size * TOKENS if max_recv else None
         rx, ri, rw, counts, handle = weft.ops.ep_dispatch(x[me], idx[me], wts[me], EXPERTS, max_recv_tokens=cap)
-        ex, ei, ew, ec = _reference(x, idx, wts)
-        n = ex.shape[0]
-        assert torch.equal(rx[:n], ex) and torch.equal(ri[:n], ei) and torch.equal(rw[:n], ew)
-        assert torch.equal(counts, ec)
-        y = _weighted(rx, ri, rw, me * local)
-        out = weft.ops.ep_combine(y, handle)
-        acc = torch.zeros(TOKENS, HIDDEN, device=w.device)
-        for r in range(w.world_size):
-            on_r = idx[me] // local == r
-            part = _weighted(x[me], torch.where(on_r, idx[me] - r * local, -1), wts[me], r * local)
-            acc += torch.where(on_r.any(1, keepdim=True), part.float(), 0.0)
-        assert torch.equal(out, acc.to(torch.bfloat16)), seed
+        out = weft.ops.ep_combine(_weighted(rx, ri, rw, me * local), handle)
+        _check_ht(x, idx, wts, rx, ri, rw, counts, out, seed)
+
+
+def _check_ht(x, idx, wts, rx, ri, rw, counts, out, note):
+    """An HT dispatch's received rows, routing and counts bit-exact against the reference, and its combine
+    (of each rank's weighted local-expert outputs) against the sum over the token's ranks."""
+    w = weft.world()
+    me, local = w.rank, EXPERTS // w.world_size
+    ex, ei, ew, ec = _reference(x, idx, wts)
+    n = ex.shape[0]
+    assert torch.equal(rx[:n], ex) and torch.equal(ri[:n], ei) and torch.equal(rw[:n], ew), note
+    assert torch.equal(counts, ec), note
+    acc = torch.zeros(x.shape[1], HIDDEN, device=w.device)
+    for r in range(w.world_size):
+        on_r = idx[me] // local == r
+        part = _weighted(x[me], torch.where(on_r, idx[me] - r * local, -1), wts[me], r * local)
+        acc += torch.where(on_r.any(1, keepdim=True), part.float(), 0.0)
+    assert torch.equal(out, acc.to(torch.bfloat16)), note
 
 
 def _check_ll(x, idx, wts, recv, counts, out):
@@ -192,19 +199,9 @@ def test_eager_calls_changing_sizes():
         out = weft.ops.ep_combine_ll(_ll_expert_outputs(recv), idx[me], wts[me], handle)
         cap = w.world_size * tokens if seed % 2 else None
         rx, ri, rw, ht_counts, ht_handle = weft.ops.ep_dispatch(x[me], idx[me], wts[me], EXPERTS, max_recv_tokens=cap)
-        y = _weighted(rx, ri, rw, me * local)
-        ht_out = weft.ops.ep_combine(y, ht_handle)
+        ht_out = weft.ops.ep_combine(_weighted(rx, ri, rw, me * local), ht_handle)
         _check_ll(x, idx, wts, recv, counts, out)
-        ex, ei, ew, ec = _reference(x, idx, wts)
-        n = ex.shape[0]
-        assert torch.equal(rx[:n], ex) and torch.equal(ri[:n], ei) and torch.equal(rw[:n], ew), seed
-        assert torch.equal(ht_counts, ec), seed
-        acc = torch.zeros(tokens, HIDDEN, device=w.device)
-        for r in range(w.world_size):
-            on_r = idx[me] // local == r
-            part = _weighted(x[me], torch.where(on_r, idx[me] - r * local, -1), wts[me], r * local)
-            acc += torch.where(on_r.any(1, keepdim=True), part.float(), 0.0)
-        assert torch.equal(ht_out, acc.to(torch.bfloat16)), seed
+        _check_ht(x, idx, wts, rx, ri, rw, ht_counts, ht_out, seed)
         if used is None:
             used, barriers = w.heap.used, w.barriers
         assert (w.heap.used, w.barriers) == (used, barriers), seed

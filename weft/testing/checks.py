@@ -1,6 +1,8 @@
 """Checks shared by the multi-rank tests."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -68,3 +70,20 @@ def kept_tensors(world) -> list[torch.Tensor]:
         elif type(obj).__module__.startswith("weft.") and hasattr(obj, "__dict__"):
             todo += list(vars(obj).values())
     return found
+
+
+@contextlib.contextmanager
+def nan_allocations():
+    """Every torch.empty / empty_like in the block returns floating tensors full of NaN (on GPUs a fill
+    queued on the stream, no sync): outputs poisoned before an op writes them."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = lambda *a, **kw: poison(empty(*a, **kw))
+    torch.empty_like = lambda *a, **kw: poison(empty_like(*a, **kw))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = empty, empty_like
