@@ -424,6 +424,14 @@ def _check_out(world, out, shape, dtype) -> None:
 AUTO_OVERLAPS = {"ag_group_gemm": False, "group_gemm_rs": True}
 
 
+def _overlap_refusal(world, empty: bool, need: int, what: str) -> str | None:
+    """Why the overlap cannot take a call whose workspace data (`what`) takes `need` bytes, or None."""
+    if need > data_bytes(world):
+        return (f"{what} take {need} bytes, more than the workspace ({data_bytes(world)} bytes: raise "
+                "WEFT_WORKSPACE_BYTES)")
+    return "an empty dimension" if empty else None
+
+
 def _choose(op: str, method: str, refusal: str | None, world_size: int) -> str:
     """The method a plan runs: explicit, or for "auto" the overlap where it can take the call and is measured
     faster (AUTO_OVERLAPS), never on one rank (nothing to hide)."""
@@ -482,10 +490,7 @@ class _AgPlan:
         tokens_bytes = _aligned(ww * m * hidden * tokens.element_size())
         need = tokens_bytes + ww * width * 4
         self.empty = min(m, n, hidden) == 0
-        refusal = "an empty dimension" if self.empty else None
-        if need > data_bytes(world):
-            refusal = (f"the gathered tokens and layouts take {need} bytes, more than the workspace "
-                       f"({data_bytes(world)} bytes: raise WEFT_WORKSPACE_BYTES)")
+        refusal = _overlap_refusal(world, self.empty, need, "the gathered tokens and layouts")
         self.method = _choose("ag_group_gemm", method, refusal, ww)
         if self.empty:
             return
@@ -594,10 +599,7 @@ class _RsPlan:
         recv_bytes = _aligned(ww * m * hidden * h.element_size())
         need = recv_bytes + ww * m * k * 4
         self.empty = min(m, inter, hidden) == 0
-        refusal = "an empty dimension" if self.empty else None
-        if need > data_bytes(world):
-            refusal = (f"the partials and routing weights take {need} bytes, more than the workspace "
-                       f"({data_bytes(world)} bytes: raise WEFT_WORKSPACE_BYTES)")
+        refusal = _overlap_refusal(world, self.empty, need, "the partials and routing weights")
         self.method = _choose("group_gemm_rs", method, refusal, ww)
         if self.empty:
             return
