@@ -2,8 +2,8 @@
 
 Size = the message (bytes per rank, the same on every rank). weft reduces x (a plain tensor) into a
 separate output, and, as torch's two_shot_all_reduce_ does, in place in symmetric memory (weft.empty:
-the reduced slices are pushed straight into every rank's x). NCCL reduces in place on its own copies
-of the inputs; torch's one_shot_all_reduce reads its input straight from torch symmetric memory.
+the reduced slices are pushed straight into every rank's x), and auto in place on plain tensors. NCCL
+reduces in place on its own copies of the inputs; torch's one_shot_all_reduce reads its input straight from torch symmetric memory.
 Two views (--view): CUDA-graph replay of all of them, eager back-to-back calls of those on plain tensors
 (NCCL and weft into a plain output).
 """
@@ -50,6 +50,9 @@ def run(args) -> list:
         one_shot = size <= sweep.ONE_SHOT_MAX_BYTES
         for method in ("one_shot", "two_shot", "auto") if one_shot else ("two_shot", "auto"):
             impls[f"weft {method}"] = lambda i, method=method: weft.ops.all_reduce(xs[i], method=method, out=out)
+        # In place on a plain tensor, as the NCCL row runs (auto may hand it to NCCL with no copy).
+        weft_in_place = [x.clone() for x in xs]
+        impls["weft auto (in place)"] = lambda i: weft.ops.all_reduce(weft_in_place[i], out=weft_in_place[i])
         plain = set(impls)
         weft_symm = [weft.empty((n,), dtype).copy_(x) for x in xs]
         impls["weft two_shot (symmetric, in place)"] = lambda i: weft.ops.all_reduce(

@@ -110,10 +110,11 @@ def _bytes_sent(idx, experts, hidden, ll: bool) -> int:
 
 
 def _link_bandwidth(samples) -> float:
-    """Bytes per ms each rank sends in weft's all_gather of 64 MiB shards (64 KiB on the cpu backend)."""
+    """Bytes per ms each rank sends in weft's all_gather of 64 MiB shards (64 KiB on the cpu backend) into a
+    symmetric output: each rank pushes its shard straight into its peers' outputs, at what the links give."""
     w = weft.world()
     shard = torch.randn((32 << 20) if w.device.type == "cuda" else (32 << 10), device=w.device).to(torch.bfloat16)
-    out = torch.empty(w.world_size * shard.numel(), dtype=shard.dtype, device=w.device)
+    out = weft.empty((w.world_size * shard.numel(),), dtype=shard.dtype)
     ms = time_calls({"ag": lambda: weft.ops.all_gather(shard, out=out, method="push")}, calls=2,
                     samples=samples, graph=True)
     return (w.world_size - 1) * shard.numel() * 2 / next(iter(ms.values()))

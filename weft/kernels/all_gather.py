@@ -154,6 +154,11 @@ class AllGatherWorkspace:
 NCCL_ABOVE = {"plain": {2: 32 << 20}, "none": {2: 8 << 20}, "symmetric": {2: float("inf")}}
 # From this many bytes per shard "auto" pulls (below NCCL_ABOVE) into a plain output or none.
 PULL_FROM = 256 << 10
+# Shard sizes [lo, hi) that "auto" also hands to NCCL, by output kind, at the world sizes measured. 2 H200s,
+# 2026-11-23 (eighth session, `weft bench -n 2 allgather --view both`, plain output): pull's latency stays
+# at 16.5 / 17.7 / 17.9 us replayed (18.1 / 18.9 / 19.1 eager) for 256 KiB / 512 KiB / 1 MiB shards, where
+# NCCL took 13.9 / 12.4 / 17.7 (8.8 / 11.3 / 17.9 eager); pull leads again from 2 MiB (19.9 against 27.5).
+NCCL_BETWEEN = {"plain": {2: (256 << 10, 2 << 20)}}
 
 
 def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
@@ -163,8 +168,8 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "
     buffers (zero-copy when `out` is itself symmetric, from `weft.empty`;
     otherwise through the workspace and a local copy); "pull" reads peers'
     staged slices straight into `out`; "nccl" is the process group's own
-    all_gather; "auto" is push, or NCCL for large shards into a plain output
-    (where it is measured faster). Shards larger than the workspace go through
+    all_gather; "auto" is push, pull or NCCL by shard size and output kind
+    (NCCL where it is measured faster). Shards larger than the workspace go through
     in passes. Collective.
     """
     world = world_or_raise()
@@ -195,7 +200,8 @@ def _all_gather_plan(world, x, out, method):
     nbytes = x.numel() * x.element_size()
     if method == "auto":
         kind = "symmetric" if symmetric else "none" if out is None else "plain"
-        method = "nccl" if nbytes >= nccl_from(NCCL_ABOVE[kind], world) else \
+        lo, hi = NCCL_BETWEEN.get(kind, {}).get(w, (0, 0)) if world.device.type == "cuda" else (0, 0)
+        method = "nccl" if nbytes >= nccl_from(NCCL_ABOVE[kind], world) or lo <= nbytes < hi else \
             "pull" if kind != "symmetric" and nbytes >= PULL_FROM and world.device.type == "cuda" else "push"
 
     dtype, device = x.dtype, x.device  # not x itself: a plan keeps no caller tensor

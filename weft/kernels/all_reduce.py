@@ -120,7 +120,11 @@ LL_TWO_SHOT_SYMMETRIC_MAX_BYTES = 256 << 10
 # 2 GPUs, 2026-11-23 (`weft bench -n 2 allreduce --view both`, plain output): from 32 MiB weft's two-shot took
 # 135 / 259 / 488 / 986 us (graph) at 32 / 64 / 128 / 256 MiB where NCCL's call with its copy into the output
 # took 152 / 280 / 529 / 1015: at 2 ranks a plain output never goes to NCCL.
+# In place on a plain tensor NCCL needs no copy: 2 H200s, 2026-11-23 (eighth session), weft's two-shot into x
+# took 138.0 / 263.4 / 491.9 / 995.6 us (graph) at 32 / 64 / 128 / 256 MiB against NCCL's 136.5 / 247.8 /
+# 466.2 / 889.6 in place.
 NCCL_ABOVE = {
+    ("all_reduce", "in place"): {2: 32 << 20, 4: 32 << 20},
     ("all_reduce", False): {2: float("inf"), 4: 32 << 20},
     ("all_reduce", True): {4: float("inf")},
     ("reduce_scatter", False): {2: 16 << 20, 4: float("inf")},
@@ -163,17 +167,24 @@ def _sum_slots(slots, slot_len, offs, mask, MASKED: tl.constexpr, WORLD: tl.cons
 
 @triton.jit
 def _reduce(dst, slots, slot_len, lo, hi, heap, PUSH: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-            VEC: tl.constexpr):
+            VEC: tl.constexpr, own=None):
     """dst[i] = sum over q of slots[q * slot_len + i] for i in [lo, hi).
 
-    With PUSH, `dst` is symmetric and the result goes to every rank's `dst`."""
+    With PUSH, `dst` is symmetric and the result goes to every rank's `dst`; given `own` (a local tensor
+    indexed as dst), this rank's share goes there instead of into its own `dst`."""
+    me = wl.rank(heap)
     full = lo + (hi - lo) // BLOCK * BLOCK
     for start in range(lo, full, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         val = cast(_sum_slots(slots, slot_len, offs, None, False, WORLD, BLOCK, VEC), dst.dtype.element_ty)
         if PUSH:
             for q in tl.static_range(WORLD):
-                tl.store(at(wl.symm_at(dst, q, heap), offs, VEC), val)
+                if own is None:
+                    tl.store(at(wl.symm_at(dst, q, heap), offs, VEC), val)
+                elif q == me:
+                    tl.store(at(own, offs, VEC), val)
+                else:
+                    tl.store(at(wl.symm_at(dst, q, heap), offs, VEC), val)
         else:
             tl.store(at(dst, offs, VEC), val)
     offs = full + tl.arange(0, BLOCK)
@@ -181,7 +192,12 @@ def _reduce(dst, slots, slot_len, lo, hi, heap, PUSH: tl.constexpr, WORLD: tl.co
     val = cast(_sum_slots(slots, slot_len, offs, mask, True, WORLD, BLOCK, VEC), dst.dtype.element_ty)
     if PUSH:
         for q in tl.static_range(WORLD):
-            tl.store(wl.symm_at(dst, q, heap) + offs, val, mask=mask)
+            if own is None:
+                tl.store(wl.symm_at(dst, q, heap) + offs, val, mask=mask)
+            elif q == me:
+                tl.store(own + offs, val, mask=mask)
+            else:
+                tl.store(wl.symm_at(dst, q, heap) + offs, val, mask=mask)
     else:
         tl.store(dst + offs, val, mask=mask)
 
@@ -360,16 +376,19 @@ def all_reduce_two_shot_kernel(x, recv, gathered, out, flags, counter, heap, n, 
     lo, hi = _span(me, p, n, slice_len, chunk)
     base = me * slice_len
     if GATHER:
-        dst = gathered
         if COPY_OUT:
+            # My slice's sum goes straight into my out; only the peers' slices pass through `gathered`.
             dst = slots + WORLD * slice_len
-        _reduce(dst, mine - base, slice_len, lo, hi, heap, True, WORLD, BLOCK, VEC)
+            _reduce(dst, mine - base, slice_len, lo, hi, heap, True, WORLD, BLOCK, VEC, out)
+        else:
+            dst = gathered
+            _reduce(dst, mine - base, slice_len, lo, hi, heap, True, WORLD, BLOCK, VEC)
         wl.notify_all(reduced + me, heap, epoch)
         token = wl.wait(reduced, WORLD, epoch, wl.CMP_GE, heap=heap, op="all_reduce two-shot gather")
         if COPY_OUT:
             res = wl.consume_token(dst, token)
-            for s in range(WORLD):
-                lo, hi = _span(s, p, n, slice_len, chunk)
+            for k in range(1, WORLD):
+                lo, hi = _span((me + k) % WORLD, p, n, slice_len, chunk)
                 copy(out, res, lo, hi, BLOCK, VEC)
     else:
         _reduce(out - base, mine - base, slice_len, lo, hi, heap, False, WORLD, BLOCK, VEC)
@@ -621,7 +640,8 @@ def _all_reduce_plan(world, x, op, method, out):
     target = out if out is not None else x  # what the output's alignment follows
     symmetric = out is not None and out_contig and world.heap.contains(out)
     if method == "auto":
-        nccl = nbytes >= nccl_from(NCCL_ABOVE[("all_reduce", symmetric)], world)
+        table = NCCL_ABOVE[("all_reduce", "in place" if kind == "x" and not symmetric else symmetric)]
+        nccl = nbytes >= nccl_from(table, world)
         method = "nccl" if nccl else _auto_method(nbytes, w)
     check = (lambda x, out: _check_outside(x, out)) if kind in ("plain", "symmetric") else None
     if check:

@@ -488,7 +488,7 @@ class _HTPlan:
         self.heap = heap = world.heap.descriptor
         dev = world.device
         gpu = dev.type == "cuda"
-        block, warps = (1024, 8) if gpu else (256, 4)
+        block, warps = LL_BLOCK_WARPS if gpu else (256, 4)
         self.grid = 132 if gpu else 2  # programs that copy out / sum what arrived
         i32 = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=dev)  # noqa: E731
         blk_w, blk_k = triton.next_power_of_2(w), triton.next_power_of_2(k)
@@ -833,6 +833,12 @@ class LLHandle:
         self.plan, self.src_rows, self.src_tokens = plan, src_rows, src_tokens
 
 
+# The LL kernels' grid (at most one program per token) and each program's block of words and warps on GPUs
+# (scripts/probe_ep_ll.py sweeps them).
+LL_PROGRAMS = 64
+LL_BLOCK_WARPS = (1024, 8)
+
+
 class _LLPlan:
     def __init__(self, world, x, topk_idx, num_experts, max_tokens, fp8):
         _check_routing(world, x, topk_idx, num_experts)
@@ -853,7 +859,7 @@ class _LLPlan:
         self.groups = x.shape[1] // 128 if fp8 else 0
         sent_hw = x.shape[1] // 4 if fp8 else self.hw  # words of a dispatched row
         gpu = world.device.type == "cuda"
-        self.programs = min(max_tokens, 64) if gpu else min(max_tokens, 2)
+        self.programs = min(max_tokens, LL_PROGRAMS) if gpu else min(max_tokens, 2)
         self.ws = ws = _workspace(world)
         dispatch_words = w * self.programs * (self.local + 1) + w * max_tokens * (self.k + sent_hw + self.groups)
         combine_words = w * self.programs + max_tokens * self.k * self.hw
@@ -861,7 +867,7 @@ class _LLPlan:
             if words > ws.ll_half_words:
                 raise _too_big(f"{what} with max_tokens_per_rank={max_tokens}, hidden={self.hidden}, k={self.k}",
                                2 * words * 8, 2 * ws.ll_half_words * 8)
-        block, warps = (1024, 8) if gpu else (256, 4)
+        block, warps = LL_BLOCK_WARPS if gpu else (256, 4)
         common = dict(K=self.k, LOCAL=self.local, MAX_T=max_tokens, WORLD=w, PROGRAMS=self.programs)
         blk_k = triton.next_power_of_2(self.k)
         dev = world.device

@@ -43,15 +43,14 @@ def num_ranks(heap):
 def symm_at(ptr, peer, heap):
     """`ptr` (into my heap) translated to the same object on rank `peer`.
 
-    The arithmetic is done in bytes: Triton scales pointer offsets by the
-    element size, so go through an int8 pointer.
+    The heaps' bases lie a multiple of 256 bytes apart (the heap checks it), so the move is counted in
+    256-byte blocks: Triton then still sees `ptr`'s alignment in the result and keeps 16-byte vector
+    accesses through it (an opaque byte offset would make every access element-sized).
     """
     me = tl.load(heap)
-    my_base = tl.load(heap + 2 + me)
-    peer_base = tl.load(heap + 2 + peer)
-    offset = ptr.to(tl.int64, bitcast=True) - my_base
-    peer_bytes = peer_base.to(tl.pointer_type(tl.int8), bitcast=True) + offset
-    return peer_bytes.to(ptr.dtype, bitcast=True)
+    blocks = (tl.load(heap + 2 + peer) - tl.load(heap + 2 + me)) >> 8
+    ELEM: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
+    return ptr + blocks * (256 // ELEM)
 
 
 remote_ptr = symm_at

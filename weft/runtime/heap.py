@@ -30,6 +30,9 @@ class SymmetricHeap:
     def __init__(self, rank: int, world_size: int, size: int, device: torch.device,
                  local: torch.Tensor, bases: list[int], peer_block):
         self.rank, self.world_size, self.size, self.device = rank, world_size, size, device
+        if any((b - bases[rank]) % ALIGN for b in bases):
+            # symm_at moves a pointer by whole ALIGN blocks, which keeps its alignment visible to Triton.
+            raise RuntimeError(f"the heaps' bases {[hex(b) for b in bases]} are not {ALIGN} bytes apart")
         self.local = local  # uint8 tensor over this rank's block
         self.bases = bases
         self._peer_block = peer_block

@@ -1,0 +1,76 @@
+"""Sweep of the low-latency EP kernels' launch settings (weft/kernels/moe.py: LL_PROGRAMS, LL_BLOCK_WARPS).
+
+    python3 -m weft run -n 2 scripts/probe_ep_ll.py     # GPUs; JSON to $OUT/probe_ep_ll.json
+    python3 -m weft run -n 2 scripts/probe_ep_ll.py --hidden 256 --tokens 4 --experts 8   # cpu smoke run
+
+DeepSeek-V3 decode sizes by default (hidden 7168, top-8 of 256 experts, 1 / 32 / 128 tokens per rank). For
+each setting: ep_dispatch_ll (bf16 and fp8) and dispatch + combine, CUDA-graph replay, slowest rank's median;
+each setting's first call is checked against the torch routing (combine of y = recv with weights 1 gives each
+token k times itself).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import weft  # noqa: E402
+import weft.kernels.moe as moe  # noqa: E402
+from weft.bench.timing import time_calls  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--tokens", default="1,32,128")
+    ap.add_argument("--samples", type=int, default=15)
+    args = ap.parse_args()
+    weft.init()
+    w = weft.world()
+    gpu = w.device.type == "cuda"
+    programs = [32, 64, 128] if gpu else [2]
+    blocks = [(1024, 8), (2048, 8), (1024, 4), (512, 4)] if gpu else [(256, 4)]
+    results = []
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        g = torch.Generator(device=w.device).manual_seed(1234 + w.rank)
+        x = torch.randn(tokens, args.hidden, device=w.device, generator=g).to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(args.experts, device=w.device, generator=g)[:args.topk]
+                           for _ in range(tokens)]).to(torch.int64)
+        ones = torch.ones(idx.shape, dtype=torch.float32, device=w.device)
+        want = x.float() * args.topk
+        for prog, (block, warps) in itertools.product(programs, blocks):
+            moe.LL_PROGRAMS, moe.LL_BLOCK_WARPS = prog, (block, warps)
+            w.plans.clear()
+
+            def both():
+                recv, _, _, h = weft.ops.ep_dispatch_ll(x, idx, args.experts, tokens)
+                return weft.ops.ep_combine_ll(recv, idx, ones, h)
+
+            got = both()
+            ok = torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2)
+            fns = {"dispatch": lambda: weft.ops.ep_dispatch_ll(x, idx, args.experts, tokens),
+                   "dispatch fp8": lambda: weft.ops.ep_dispatch_ll(x, idx, args.experts, tokens, fp8=True),
+                   "dispatch+combine": both}
+            ms = time_calls(fns, calls=10, samples=args.samples, graph=gpu)
+            row = dict(tokens=tokens, programs=prog, block=block, warps=warps, ok=ok,
+                       **{k: round(v * 1e3, 1) for k, v in ms.items()})
+            results.append(row)
+            if w.rank == 0:
+                print(json.dumps(row), flush=True)
+    if w.rank == 0:
+        out = os.environ.get("OUT", ".")
+        with open(os.path.join(out, "probe_ep_ll.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    weft.finalize()
+
+
+if __name__ == "__main__":
+    main()
