@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU script: correctness on 2 and all GPUs, then the benchmark suites (on all GPUs; reductions on
 # 2, 4, 8; overhead on 2 and all), results under $OUT.
-#   usage (device machine, repo root): bash scripts/gpu_suite.sh [all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|ll|e2e ...]
+#   usage (device machine, repo root): bash scripts/gpu_suite.sh [all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e ...]
 #     all (default): everything (on 8 GPUs more than one device call allows: run the parts in turn)
 #     quick: GPU tests on 2 and all GPUs, tutorials;  reductions: allgather, allreduce, reducescatter to
 #     256 MiB, CUDA-graph and eager views;  gemm: the overlapped-GEMM suite;  overhead: host and eager µs
@@ -14,7 +14,8 @@
 #     moe: EP dispatch/combine, grouped GEMM, TP-MoE ops and MoE layers GPU tests on 2 and
 #     all GPUs, `weft bench moe` on all GPUs;  grouped: the grouped GEMM's config sweep on 1 GPU
 #     (scripts/probe_grouped_gemm.py: weft's configs against torch._grouped_mm, MoE shapes; not in all);
-#     ll: the low-latency EP kernels' launch-setting sweep on all GPUs (scripts/probe_ep_ll.py; not in all);
+#     tune: the launch/tile sweeps on all GPUs (scripts/probe_all_gather.py, probe_ep_ll.py, probe_moe_tp.py;
+#     not in all);
 #     e2e: the tensor-parallel decoder (weft.models): GPU tests on 2 and all GPUs (logits against transformers,
 #     graph-replayed decode), `weft demo`, `weft bench e2e` (Qwen3-8B and -32B, prefill and decode) on all GPUs
 # WEFT_COMMIT names the commit in the log where the tree was copied without its git history.
@@ -41,8 +42,8 @@ step() {  # step NAME CMD...: run, log, remember failure
 }
 PARTS=" ${*:-all} "
 for part in $PARTS; do
-  case "$part" in all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|ll|e2e) ;;
-    *) echo "usage: $0 [all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|ll|e2e ...]" >&2; exit 2 ;; esac
+  case "$part" in all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e) ;;
+    *) echo "usage: $0 [all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e ...]" >&2; exit 2 ;; esac
 done
 has() { [[ "$PARTS" == *" $1 "* || "$PARTS" == *" all "* ]]; }
 if has quick; then
@@ -104,8 +105,10 @@ fi
 if [[ "$PARTS" == *" grouped "* ]]; then  # a tuning sweep, not a benchmark of record: only when named
   step probe_grouped_gemm timeout 290 env OUT="$OUT/bench" CUDA_VISIBLE_DEVICES=0 python3 scripts/probe_grouped_gemm.py
 fi
-if [[ "$PARTS" == *" ll "* ]]; then  # a tuning sweep, like grouped
-  step probe_ep_ll timeout 300 env OUT="$OUT/bench" python3 -m weft run -n "$NGPU" scripts/probe_ep_ll.py
+if [[ "$PARTS" == *" tune "* ]]; then  # tuning sweeps, like grouped
+  for probe in all_gather ep_ll moe_tp; do
+    step "probe_$probe" timeout 240 env OUT="$OUT/bench" python3 -m weft run -n "$NGPU" "scripts/probe_$probe.py"
+  done
 fi
 if has e2e; then
   for n in $(printf '%s\n' 2 "$NGPU" | sort -nu); do

@@ -33,9 +33,10 @@ def main():
     ap.add_argument("--tokens", default="1,32,128")
     ap.add_argument("--samples", type=int, default=15)
     args = ap.parse_args()
-    weft.init()
+    gpu = torch.cuda.is_available()
+    # The LL buffers at 128 tokens of hidden 7168 need more than the default workspace.
+    weft.init(heap_size=(8 << 30) if gpu else None, workspace_bytes=(1 << 30) if gpu else None)
     w = weft.world()
-    gpu = w.device.type == "cuda"
     programs = [32, 64, 128] if gpu else [2]
     blocks = [(1024, 8), (2048, 8), (1024, 4), (512, 4)] if gpu else [(256, 4)]
     results = []

@@ -104,14 +104,21 @@ def all_gather_pull_kernel(x, stage, out, flags, counter, heap, n, chunk, out_st
         copy(out + q * out_stride, src, lo, hi, BLOCK, VEC)
 
 
+# Shard bytes per program and the most programs (per peer for push) on GPUs: one program moves its part
+# block after block, so a part too large makes the call as slow as one SM's stores (push) or its round
+# trips of remote loads (pull). scripts/probe_all_gather.py sweeps them.
+PUSH_PROGRAM_BYTES, PUSH_MAX_PROGRAMS = 256 << 10, 16
+PULL_PROGRAM_BYTES = 64 << 10
+
+
 def _launch_shape(method: str, nbytes: int, device: torch.device) -> tuple[int, int, int]:
     """(programs, BLOCK words, num_warps) for a shard of `nbytes`: grid rows of pull, or of push
     (which has one column per peer)."""
     if device.type != "cuda":
         return min(4, max(1, nbytes // 4096)), 1024, 4
     if method == "push":
-        return max(1, min(16, nbytes // (256 << 10))), 2048, 8
-    return max(1, min(64, nbytes // (64 << 10))), 2048, 8
+        return max(1, min(PUSH_MAX_PROGRAMS, nbytes // PUSH_PROGRAM_BYTES)), 2048, 8
+    return max(1, min(MAX_PROGRAMS, nbytes // PULL_PROGRAM_BYTES)), 2048, 8
 
 
 def _vector_width(n: int, stride: int, *tensors: torch.Tensor) -> int:

@@ -60,7 +60,7 @@ the same grouped GEMM kernel without waits; group_gemm_rs is the grouped GEMM of
 top-k sum in torch, and weft reduce_scatter. Every rank computes every chunk in both methods, with the same
 rounding: each expert output rounded to the dtype, each rank's weighted sum in fp32 rounded once, the ranks'
 partials summed in fp32 in rank order. "auto" overlaps where it can and where the overlap measured faster
-(AUTO_OVERLAPS: group_gemm_rs yes, ag_group_gemm not yet); the GEMM tiling follows the experts' average rows
+(AUTO_OVERLAPS: both ops); the GEMM tiling follows the experts' average rows
 per chunk (_gemm_config), not tuned on GPUs yet.
 
 Both ops are PyTorch operators too (torch.ops.weft.*, weft/torch_ops.py; inference only).
@@ -417,11 +417,11 @@ def _check_out(world, out, shape, dtype) -> None:
         raise TypeError(f"out has dtype {out.dtype}, expected {dtype}")
 
 
-# Where "auto" overlaps, by op: measured on 2 H200s (2026-11-23, `weft bench -n 2 moe`, Qwen3-30B-A3B, 8192
-# tokens, CUDA-graph replay): ag_group_gemm overlapped 1561.9 us against 868.2 for all_gather + the grouped
-# GEMM (the overlapped kernel loses: auto does not take it); group_gemm_rs overlapped 657.4 us against
-# 2481.5 for its baseline.
-AUTO_OVERLAPS = {"ag_group_gemm": False, "group_gemm_rs": True}
+# Where "auto" overlaps, by op: measured on 2 H200s (2026-11-23, eighth session, `weft bench -n 2 moe`,
+# Qwen3-30B-A3B, 8192 tokens, CUDA-graph replay): ag_group_gemm overlapped 778.1 us against 868.3 for
+# all_gather + the grouped GEMM (1561.9 before consume_token kept the gathered rows' alignment: their loads
+# were element-sized); group_gemm_rs overlapped 617.0 us against 2477.0 for its baseline.
+AUTO_OVERLAPS = {"ag_group_gemm": True, "group_gemm_rs": True}
 
 
 def _overlap_refusal(world, empty: bool, need: int, what: str) -> str | None:
@@ -561,7 +561,7 @@ def ag_group_gemm(tokens_shard: torch.Tensor, w_experts_shard: torch.Tensor, top
     inter into.
     method: "overlap" (copy-engine pushes of the tokens under a persistent grouped GEMM that takes each rank's
     chunk as it arrives; needs the gathered tokens and layouts to fit the workspace), "baseline" (weft
-    all_gather, then the grouped GEMM), "auto" (the baseline: the overlap measured slower, AUTO_OVERLAPS).
+    all_gather, then the grouped GEMM), "auto" (the overlap where it can take the call, else the baseline; AUTO_OVERLAPS).
     Checks topk_idx's values (a host sync) except under CUDA-graph capture. Collective: every rank passes the
     same shapes and method.
     """

@@ -1,0 +1,90 @@
+"""Tile sweep of the tensor-parallel MoE ops' grouped GEMM (weft/kernels/moe_tp.py: _gemm_config).
+
+    python3 -m weft run -n 2 scripts/probe_moe_tp.py            # GPUs; JSON to $OUT/probe_moe_tp.json
+    python3 -m weft run -n 2 scripts/probe_moe_tp.py --scale 64 # cpu smoke run (interpreter): shapes cut 64-fold
+
+Qwen3-30B-A3B (hidden 2048, 128 experts, top-8, moe inter 768) and Mixtral-8x7B (4096, 8, top-2, 14336), 8192
+tokens in all: ag_group_gemm (overlap) and group_gemm_rs (overlap) with every tiling, CUDA-graph replay, slowest
+rank's median (weft.bench.timing). Each tiling's first call is checked against the default tiling's output.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import weft  # noqa: E402
+import weft.kernels.moe_tp as moe_tp  # noqa: E402
+from weft.bench.moe import MODELS  # noqa: E402
+from weft.bench.timing import time_calls  # noqa: E402
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps)
+GPU_TILES = [(128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 128, 64, 4, 4),
+             (64, 256, 64, 3, 8), (128, 64, 64, 4, 4), (64, 128, 128, 3, 4)]
+CPU_TILES = [(16, 32, 32, 1, 4), (32, 32, 32, 1, 4)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="qwen3,mixtral")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--scale", type=int, default=1, help="divide hidden, inter and tokens by this (smoke runs)")
+    ap.add_argument("--samples", type=int, default=10)
+    args = ap.parse_args()
+    gpu = torch.cuda.is_available()
+    weft.init(heap_size=(8 << 30) if gpu else None, workspace_bytes=(1 << 30) if gpu else None)
+    w = weft.world()
+    dev, ws = w.device, w.world_size
+    default = moe_tp._gemm_config
+    results = []
+    for name in args.models.split(","):
+        model = MODELS[name]
+        m = args.tokens // ws // args.scale
+        hidden, experts, k, n = model["hidden"] // args.scale, model["experts"], model["k"], model["inter"] // ws // args.scale
+        g = torch.Generator(device=dev).manual_seed(7 + w.rank)
+        x = torch.randn(m, hidden, device=dev, generator=g).to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(experts, device=dev, generator=g)[:k] for _ in range(m)])
+        wts = torch.rand(m, k, device=dev, generator=g)
+        w_gu = (torch.randn(experts, hidden, 2 * n, device=dev, generator=g) / hidden ** 0.5).to(torch.bfloat16)
+        w_dn = (torch.randn(experts, n, hidden, device=dev, generator=g) / n ** 0.5).to(torch.bfloat16)
+        inter_ref, layout = weft.ops.ag_group_gemm(x, w_gu, idx, method="overlap")
+        h = inter_ref[:, :n].contiguous()
+        out_ref = weft.ops.group_gemm_rs(h, w_dn, idx, wts, layout, method="overlap")
+        for bm, bn, bk, stages, warps in GPU_TILES if gpu else CPU_TILES:
+            def config(world, *a, bm=bm, bn=bn, bk=bk, stages=stages, warps=warps):
+                tiles, even, _ = default(world, *a)
+                tiles.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages)
+                kdim, ncols = a[-1], a[-2]
+                return tiles, dict(EVEN_K=kdim % bk == 0, EVEN_N=ncols % bn == 0), warps
+            moe_tp._gemm_config = config
+            w.plans.clear()
+            try:
+                inter, lay = weft.ops.ag_group_gemm(x, w_gu, idx, method="overlap")
+                out = weft.ops.group_gemm_rs(h, w_dn, idx, wts, lay, method="overlap")
+                ok = bool(torch.allclose(inter.float(), inter_ref.float(), rtol=2e-2, atol=2e-2)) and \
+                    bool(torch.allclose(out.float(), out_ref.float(), rtol=2e-2, atol=2e-2))
+                ms = time_calls({"ag_group_gemm": lambda: weft.ops.ag_group_gemm(x, w_gu, idx, method="overlap"),
+                                 "group_gemm_rs": lambda: weft.ops.group_gemm_rs(h, w_dn, idx, wts, lay,
+                                                                                 method="overlap")},
+                                calls=3, samples=args.samples, graph=gpu)
+                row = dict(model=name, tile=[bm, bn, bk, stages, warps], ok=ok,
+                           **{op: round(v * 1e3, 1) for op, v in ms.items()})
+            except Exception as e:  # noqa: BLE001 - a tiling that does not compile or fit is reported
+                row = dict(model=name, tile=[bm, bn, bk, stages, warps], error=f"{type(e).__name__}: {e}"[:200])
+            results.append(row)
+            if w.rank == 0:
+                print(json.dumps(row), flush=True)
+        moe_tp._gemm_config = default
+    if w.rank == 0:
+        with open(os.path.join(os.environ.get("OUT", "."), "probe_moe_tp.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    weft.finalize()
+
+
+if __name__ == "__main__":
+    main()
