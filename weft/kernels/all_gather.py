@@ -106,9 +106,12 @@ def all_gather_pull_kernel(x, stage, out, flags, counter, heap, n, chunk, out_st
 
 # Shard bytes per program and the most programs (per peer for push) on GPUs: one program moves its part
 # block after block, so a part too large makes the call as slow as one SM's stores (push) or its round
-# trips of remote loads (pull). scripts/probe_all_gather.py sweeps them.
-PUSH_PROGRAM_BYTES, PUSH_MAX_PROGRAMS = 256 << 10, 16
-PULL_PROGRAM_BYTES = 64 << 10
+# trips of remote loads (pull). From `scripts/probe_all_gather.py` on 2 H200s (2026-11-23, eighth session,
+# plain output, graph replay, us at 64 KiB / 512 KiB / 2 MiB / 8 MiB shards): push 256 KiB per program, at
+# most 16: 8.6 / 20.2 / 20.8 / 57.4; 16 KiB, at most 64: 5.5 / 6.9 / 12.0 / 34.0; pull 64 KiB: 16.8 / 17.2 /
+# 18.3 / 42.1; 8 KiB: 6.9 / 8.2 / 14.2 / 42.0; NCCL 9.6 / 13.4 / 27.2 / 56.0.
+PUSH_PROGRAM_BYTES, PUSH_MAX_PROGRAMS = 16 << 10, 64
+PULL_PROGRAM_BYTES = 8 << 10
 
 
 def _launch_shape(method: str, nbytes: int, device: torch.device) -> tuple[int, int, int]:
@@ -151,21 +154,11 @@ class AllGatherWorkspace:
 
 # "auto" hands shards of at least this many bytes to the process group's all_gather (NCCL), by output kind
 # and world size (the nearest measured one): where NCCL measured faster. Into a plain output, 2 H200s,
-# 2026-11-23 (`weft bench -n 2 allgather --view both`): push ahead of NCCL to 128 KiB shards (1.4-2.6x
-# replayed); pull from 256 KiB to 16 MiB shards, 16.4 / 17.7 / 17.9 / 19.3 / 24.9 / 45.0 / 89.2 us against
-# NCCL's 17.9 / 15.1 / 20.6 / 30.0 / 43.3 / 59.6 / 95.8 replayed (behind at 512 KiB, where eager calls are
-# ahead: 19.0 us against 24.0) and ahead eagerly at every size; NCCL from 32 MiB (pull 180 us against 162).
-# With no output given, NCCL's call costs ~10 us more (its output, allocated per call, is recorded on NCCL's
-# stream; 2026-11-22: push 21.6 us against 36.3 at 1 MiB shards), so it takes over only from 8 MiB there.
-# Into a symmetric output push is ahead at every size.
-NCCL_ABOVE = {"plain": {2: 32 << 20}, "none": {2: 8 << 20}, "symmetric": {2: float("inf")}}
-# From this many bytes per shard "auto" pulls (below NCCL_ABOVE) into a plain output or none.
-PULL_FROM = 256 << 10
-# Shard sizes [lo, hi) that "auto" also hands to NCCL, by output kind, at the world sizes measured. 2 H200s,
-# 2026-11-23 (eighth session, `weft bench -n 2 allgather --view both`, plain output): pull's latency stays
-# at 16.5 / 17.7 / 17.9 us replayed (18.1 / 18.9 / 19.1 eager) for 256 KiB / 512 KiB / 1 MiB shards, where
-# NCCL took 13.9 / 12.4 / 17.7 (8.8 / 11.3 / 17.9 eager); pull leads again from 2 MiB (19.9 against 27.5).
-NCCL_BETWEEN = {"plain": {2: (256 << 10, 2 << 20)}}
+# 2026-11-23 (`weft bench -n 2 allgather --view both`): NCCL 1.00-1.01x weft's best from 32 MiB shards;
+# below that push (with the launch rule above) leads at every size (probe above). With no output given,
+# NCCL's call costs ~10 us more (its output, allocated per call, is recorded on NCCL's stream). Into a
+# symmetric output push is ahead at every size.
+NCCL_ABOVE = {"plain": {2: 32 << 20}, "none": {2: 32 << 20}, "symmetric": {2: float("inf")}}
 
 
 def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
@@ -175,8 +168,8 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "
     buffers (zero-copy when `out` is itself symmetric, from `weft.empty`;
     otherwise through the workspace and a local copy); "pull" reads peers'
     staged slices straight into `out`; "nccl" is the process group's own
-    all_gather; "auto" is push, pull or NCCL by shard size and output kind
-    (NCCL where it is measured faster). Shards larger than the workspace go through
+    all_gather; "auto" is push, or NCCL for large shards into a plain output
+    (where it is measured faster). Shards larger than the workspace go through
     in passes. Collective.
     """
     world = world_or_raise()
@@ -207,9 +200,7 @@ def _all_gather_plan(world, x, out, method):
     nbytes = x.numel() * x.element_size()
     if method == "auto":
         kind = "symmetric" if symmetric else "none" if out is None else "plain"
-        lo, hi = NCCL_BETWEEN.get(kind, {}).get(w, (0, 0)) if world.device.type == "cuda" else (0, 0)
-        method = "nccl" if nbytes >= nccl_from(NCCL_ABOVE[kind], world) or lo <= nbytes < hi else \
-            "pull" if kind != "symmetric" and nbytes >= PULL_FROM and world.device.type == "cuda" else "push"
+        method = "nccl" if nbytes >= nccl_from(NCCL_ABOVE[kind], world) else "push"
 
     dtype, device = x.dtype, x.device  # not x itself: a plan keeps no caller tensor
 

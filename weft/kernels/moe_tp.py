@@ -61,7 +61,7 @@ top-k sum in torch, and weft reduce_scatter. Every rank computes every chunk in 
 rounding: each expert output rounded to the dtype, each rank's weighted sum in fp32 rounded once, the ranks'
 partials summed in fp32 in rank order. "auto" overlaps where it can and where the overlap measured faster
 (AUTO_OVERLAPS: both ops); the GEMM tiling follows the experts' average rows
-per chunk (_gemm_config), not tuned on GPUs yet.
+per chunk (_gemm_config; scripts/probe_moe_tp.py sweeps it).
 
 Both ops are PyTorch operators too (torch.ops.weft.*, weft/torch_ops.py; inference only).
 """
@@ -370,12 +370,15 @@ def _workspace(world) -> MoeTPWorkspace:
 
 def _gemm_config(world, m: int, k: int, experts: int, n: int, kdim: int):
     """(tiles, even, warps): the grouped GEMM's tiling constexprs (BLOCK_M/N/K, BLOCK_E, NUM_STAGES), whether K
-    and N are whole blocks (EVEN_K, EVEN_N), and its warps. On GPUs 128-row tiles where the experts' segments
-    (m k / E rows on average per chunk) fill them, else 64 (provisional: not measured yet)."""
+    and N are whole blocks (EVEN_K, EVEN_N), and its warps. On GPUs 128 x 256 tiles where the experts'
+    segments (m k / E rows on average per chunk) fill 128 rows, else 64 x 128 (not measured yet).
+    `scripts/probe_moe_tp.py` on 2 H200s (2026-11-23, eighth session, Qwen3-30B-A3B, 8192 tokens, graph
+    replay, ag_group_gemm / group_gemm_rs us): 128x128x64 3 stages 8 warps 779.3 / 618.1, 4 stages 702.0 /
+    574.6, 128x256x64 3 stages 8 warps 623.8 / 458.0, 64x256x64 720.4 / 556.0, 64x128x64 772.3 / 709.3."""
     if world.device.type != "cuda":
         bm, bn, bk, stages, warps = 16, 32, 32, 1, 4
     elif m * k >= 128 * experts:
-        bm, bn, bk, stages, warps = 128, 128, 64, 3, 8
+        bm, bn, bk, stages, warps = 128, 256, 64, 3, 8
     else:
         bm, bn, bk, stages, warps = 64, 128, 64, 4, 4
     tiles = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(experts + 2),
@@ -721,7 +724,7 @@ def group_gemm_rs(h: torch.Tensor, w_down_shard: torch.Tensor, topk_idx: torch.T
 # ag_group_gemm (gather, wait) and group_gemm_rs baseline (no gather, no wait) forms; Qwen3-30B-A3B's 128
 # experts top-8 at 8 ranks and Mixtral's 8 top-2 at 2.
 def _chunks_case(t: str, big: bool, gather: bool, experts: int, k: int):
-    tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, NUM_STAGES=3) if big else \
+    tiles = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, NUM_STAGES=3) if big else \
         dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, NUM_STAGES=4)
     sig = dict(a=f"*{t}", meta="*i32", w=f"*{t}", out=f"*{t}", ready="*i32", bar="*i32", heap="*i64",
                mapping=wl.TileMapping("*i32", "constexpr", "constexpr", "constexpr", "constexpr"), m="i32", N="i32",
@@ -734,7 +737,7 @@ def _chunks_case(t: str, big: bool, gather: bool, experts: int, k: int):
 
 
 def _rs_case(t: str, big: bool, experts: int, k: int, world: int):
-    tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, NUM_STAGES=3) if big else \
+    tiles = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, NUM_STAGES=3) if big else \
         dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, NUM_STAGES=4)
     sig = dict(h=f"*{t}", meta="*i32", w=f"*{t}", y=f"*{t}", row_of_pair="*i32", weights="*fp32", recv=f"*{t}",
                out=f"*{t}", done="*i32", ready="*i32", pushed="*i32", bar="*i32", heap="*i64", m="i32", N="i32",
