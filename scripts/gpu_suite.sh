@@ -105,7 +105,7 @@ if [[ "$PARTS" == *" grouped "* ]]; then  # a tuning sweep, not a benchmark of r
   step probe_grouped_gemm timeout 290 env OUT="$OUT/bench" CUDA_VISIBLE_DEVICES=0 python3 scripts/probe_grouped_gemm.py
 fi
 if [[ "$PARTS" == *" ll "* ]]; then  # a tuning sweep, like grouped
-  step probe_ep_ll timeout 300 env OUT="$OUT/bench" python3 -m weft run -n "$NGPU" scripts/probe_ep_ll.py
+  step probe_ep_ll timeout 540 env OUT="$OUT/bench" python3 -m weft run -n "$NGPU" scripts/probe_ep_ll.py
 fi
 if has e2e; then
   for n in $(printf '%s\n' 2 "$NGPU" | sort -nu); do

@@ -29,11 +29,15 @@ sums each token's rows in rank order.
 Low-latency EP (decode), ep_dispatch_ll / ep_combine_ll: one launch each, no host sync, data and signal in
 the same LL words (`wl.pack_ll`: 4 bytes and the epoch per 8-byte store). Rank s writes token t into slot
 [s][t] of every destination rank; the slot's first k words say which of the receiver's experts take it and
-at which position among s's tokens for that expert; a header per (sender, program) carries s's token count
-and its per-expert counts, from which the receiver places every token at its final row of
+at which position among s's tokens for that expert; a header per sender (written by its program 0) carries
+s's token count and its per-expert counts, from which the receiver places every token at its final row of
 recv[expert] (rows ordered by source rank, then token): `counts[e]` rows of expert e are valid. Combine sends
 each expert output back to slot [t][j] of the token's rank, which sums the k outputs with the weights.
-Program p of every rank handles tokens t = p (mod P) and waits only on program p of its peers.
+Work is dealt out in units of (token, chunk of its row's words): program p handles chunk p % CHUNKS of tokens
+t = p // CHUNKS (mod LANES), sending and then receiving those units, so one token's row moves on CHUNKS
+programs at once; a program waits only on the same program of its peers (data, and in combine the acks) and
+on lower ones (the header, a token's meta words from its chunk-0 program), and issues all its sends first.
+Counts and positions come from histograms of each row's first namings: O(tokens x k) per program.
 
 Buffers are double-buffered by call parity, one epoch counter per kernel (each takes `wl.next_epoch` once
 per call): a sender writes half e % 2 of rank q in call e only after its own call e - 1 ended, in which it
@@ -163,7 +167,7 @@ class MoeWorkspace:
     def __init__(self, world):
         heap, w = world.heap, world.world_size
         total = world.workspace_bytes // 4096 * 4096
-        self.ll_half_words = total * 3 // 8 // 16
+        self.ll_half_words = total * 3 // 8 // 16  # a multiple of 32 words, as the LL kernels assume
         self.ll_dispatch = heap.empty((2 * self.ll_half_words,), torch.int64)
         self.ll_combine = heap.empty((2 * self.ll_half_words,), torch.int64)
         self.ht_half_words = total // 4 // 8
@@ -643,6 +647,7 @@ def _tokens_per_expert(topk, start, end, K: tl.constexpr, EXPERTS: tl.constexpr,
     return cnt
 
 
+@triton.jit
 def _e4m3_bits(v):
     """fp32 v (|v| <= 448) rounded to the nearest e4m3fn (ties to even), as int32 bits 0..255. By hand under
     the interpreter, whose fp8 conversion rounds some values to the wrong binade."""
@@ -699,12 +704,13 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
     c = p % CHUNKS
     me = wl.rank(heap)
     epoch = wl.next_epoch(counter)
-    half = buf + (epoch % 2) * half_words
+    # half_words is a multiple of 32 (MoeWorkspace): said so, Triton keeps 16-byte vectors through the halves.
+    half = buf + (epoch % 2) * (half_words // 32 * 32)
     EXPERTS: tl.constexpr = LOCAL * WORLD
     HEAD: tl.constexpr = EXPERTS + 1
     SLOT: tl.constexpr = K + HW + GROUPS * FP8
     G: tl.constexpr = CHUNK // 32  # fp8: 128-channel groups a chunk
-    slots = half + WORLD * HEAD
+    slots = half + (WORLD * HEAD + 1) // 2 * 2
     jj = tl.arange(0, BLOCK_K)
     ll = tl.arange(0, BLOCK_L)
     ee = tl.arange(0, BLOCK_E)
@@ -792,9 +798,9 @@ def ep_combine_ll_kernel(y, topk, weights, out, src_rows, src_tokens, buf, count
     c = p % CHUNKS
     me = wl.rank(heap)
     epoch = wl.next_epoch(counter)
-    half = buf + (epoch % 2) * half_words
+    half = buf + (epoch % 2) * (half_words // 32 * 32)
     PROGRAMS: tl.constexpr = LANES * CHUNKS
-    slots = half + WORLD * PROGRAMS
+    slots = half + (WORLD * PROGRAMS + 1) // 2 * 2
     jj = tl.arange(0, BLOCK_K)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     m = offs < HW
@@ -875,8 +881,8 @@ class _LLPlan:
         d_chunk, d_chunks, d_lanes = _ll_units(sent_hw, max_tokens, programs, chunk_words)
         c_chunk, c_chunks, c_lanes = _ll_units(self.hw, max_tokens, programs, chunk_words)
         self.ws = ws = _workspace(world)
-        dispatch_words = w * (num_experts + 1) + w * max_tokens * (self.k + sent_hw + self.groups)
-        combine_words = w * c_lanes * c_chunks + max_tokens * self.k * self.hw
+        dispatch_words = w * (num_experts + 1) + 1 + w * max_tokens * (self.k + sent_hw + self.groups)
+        combine_words = w * c_lanes * c_chunks + 1 + max_tokens * self.k * self.hw
         for what, words in (("ep_dispatch_ll", dispatch_words), ("ep_combine_ll", combine_words)):
             if words > ws.ll_half_words:
                 raise _too_big(f"{what} with max_tokens_per_rank={max_tokens}, hidden={self.hidden}, k={self.k}",
