@@ -182,7 +182,10 @@ def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens):
     torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2, msg=tag)
 
 
-def _many(kind, cases):
+def _many(kind, cases, units=None):
+    if units is not None:  # the LL kernels' cpu launch settings (programs, chunk words, warps), in this rank
+        import weft.kernels.moe as moe
+        moe.LL_CPU = units
     for case in cases:
         {"ht": _ht_case, "ll": _ll_case, "ll_fp8": _ll_fp8_case}[kind](*case)
     return True
@@ -231,13 +234,13 @@ def test_ep_ll(w):
 
 
 def test_ep_ll_multi_chunk():
-    """Rows over several of the kernels' (token, chunk) units, the last chunk ragged (the cpu backend's units:
-    32-word chunks, at most 4 programs): 80 words (3 chunks, one token lane), 48 words (2 chunks, 2 lanes);
-    fp8 rows of 160 words (5 chunks would need 5 programs: 3 of 64 words) and 32 words (one chunk, 4 lanes)."""
+    """Rows over several of the kernels' (token, chunk) units, the last chunk ragged, with 32-word chunks and at
+    most 4 programs: 80 words (3 chunks, one token lane), 48 words (2 chunks, 2 lanes); fp8 rows of 160 words
+    (5 chunks would need 5 programs: 3 of 64 words) and 32 words (one chunk, 4 lanes)."""
     cases = [(61, [5, 2], 8, 3, 160, "random", 6), (62, [3, 0], 8, 2, 96, "masked", 6)]
-    assert all(run_ranks(_many, 2, "ll", cases, timeout=TIMEOUT, env=ENV))
+    assert all(run_ranks(_many, 2, "ll", cases, (4, 32, 4), timeout=TIMEOUT, env=ENV))
     cases = [(63, [4, 3], 8, 3, 5, 640), (64, [2, 5], 8, 2, 5, 128)]
-    assert all(run_ranks(_many, 2, "ll_fp8", cases, timeout=TIMEOUT, env=ENV))
+    assert all(run_ranks(_many, 2, "ll_fp8", cases, (4, 32, 4), timeout=TIMEOUT, env=ENV))
 
 
 # -- grouped GEMM ---------------------------------------------------------------------------

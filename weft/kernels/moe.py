@@ -844,7 +844,7 @@ class LLHandle:
 LL_PROGRAMS = 132
 LL_CHUNK_WORDS = 512
 LL_WARPS = 8
-LL_CPU = (4, 32, 4)
+LL_CPU = (2, 32, 4)
 
 
 def _ll_units(row_words: int, max_tokens: int, programs: int, chunk_words: int) -> tuple[int, int, int]:
