@@ -107,7 +107,7 @@ if [[ "$PARTS" == *" grouped "* ]]; then  # a tuning sweep, not a benchmark of r
 fi
 if [[ "$PARTS" == *" tune "* ]]; then  # tuning sweeps, like grouped
   for probe in all_gather ep_ll moe_tp; do
-    step "probe_$probe" timeout 240 env OUT="$OUT/bench" python3 -m weft run -n "$NGPU" "scripts/probe_$probe.py"
+    step "probe_$probe" timeout 300 env OUT="$OUT/bench" python3 -m weft run -n "$NGPU" "scripts/probe_$probe.py"
   done
 fi
 if has e2e; then

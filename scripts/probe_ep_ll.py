@@ -1,10 +1,11 @@
-"""Sweep of the low-latency EP kernels' launch settings (weft/kernels/moe.py: LL_PROGRAMS, LL_BLOCK_WARPS).
+"""Sweep of the low-latency EP kernels' launch settings (weft/kernels/moe.py: LL_PROGRAMS, LL_CHUNK_WORDS, LL_WARPS).
 
     python3 -m weft run -n 2 scripts/probe_ep_ll.py     # GPUs; JSON to $OUT/probe_ep_ll.json
     python3 -m weft run -n 2 scripts/probe_ep_ll.py --hidden 256 --tokens 4 --experts 8   # cpu smoke run
 
-DeepSeek-V3 decode sizes by default (hidden 7168, top-8 of 256 experts, 1 / 32 / 128 tokens per rank). For
-each setting: ep_dispatch_ll (bf16 and fp8) and dispatch + combine, CUDA-graph replay, slowest rank's median;
+DeepSeek-V3 decode sizes by default (hidden 7168, top-8 of 256 experts, 1 / 32 / 128 tokens per rank). The
+kernels deal out (token, chunk of LL_CHUNK_WORDS words) units to at most LL_PROGRAMS programs (capped at the
+SM count). For each setting: ep_dispatch_ll (bf16 and fp8) and dispatch + combine, CUDA-graph replay, slowest rank's median;
 each setting's first call is checked against the torch routing (combine of y = recv with weights 1 gives each
 token k times itself).
 """
@@ -32,13 +33,18 @@ def main():
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--tokens", default="1,32,128")
     ap.add_argument("--samples", type=int, default=15)
+    ap.add_argument("--programs", default="64,132", help="LL_PROGRAMS values (GPUs)")
+    ap.add_argument("--chunks", default="256,512,1024", help="LL_CHUNK_WORDS values (GPUs)")
+    ap.add_argument("--warps", default="4,8", help="LL_WARPS values (GPUs)")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
     # The LL buffers at 128 tokens of hidden 7168 need more than the default workspace.
     weft.init(heap_size=(8 << 30) if gpu else None, workspace_bytes=(1 << 30) if gpu else None)
     w = weft.world()
-    programs = [32, 64, 128] if gpu else [2]
-    blocks = [(1024, 8), (2048, 8), (1024, 4), (512, 4)] if gpu else [(256, 4)]
+    ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
+    programs = ints(args.programs) if gpu else [moe.LL_CPU[0]]
+    chunks = ints(args.chunks) if gpu else [moe.LL_CPU[1]]
+    warps_swept = ints(args.warps) if gpu else [moe.LL_CPU[2]]
     results = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         g = torch.Generator(device=w.device).manual_seed(1234 + w.rank)
@@ -47,8 +53,8 @@ def main():
                            for _ in range(tokens)]).to(torch.int64)
         ones = torch.ones(idx.shape, dtype=torch.float32, device=w.device)
         want = x.float() * args.topk
-        for prog, (block, warps) in itertools.product(programs, blocks):
-            moe.LL_PROGRAMS, moe.LL_BLOCK_WARPS = prog, (block, warps)
+        for prog, chunk, warps in itertools.product(programs, chunks, warps_swept):
+            moe.LL_PROGRAMS, moe.LL_CHUNK_WORDS, moe.LL_WARPS = prog, chunk, warps
             w.plans.clear()
 
             def both():
@@ -61,7 +67,7 @@ def main():
                    "dispatch fp8": lambda: weft.ops.ep_dispatch_ll(x, idx, args.experts, tokens, fp8=True),
                    "dispatch+combine": both}
             ms = time_calls(fns, calls=10, samples=args.samples, graph=gpu)
-            row = dict(tokens=tokens, programs=prog, block=block, warps=warps, ok=ok,
+            row = dict(tokens=tokens, programs=prog, chunk_words=chunk, warps=warps, ok=ok,
                        **{k: round(v * 1e3, 1) for k, v in ms.items()})
             results.append(row)
             if w.rank == 0:

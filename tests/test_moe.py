@@ -125,17 +125,17 @@ def _quantized(x):
     return (g / scale[..., None]).to(torch.float8_e4m3fn).reshape(x.shape), scale
 
 
-def _ll_fp8_case(seed, tokens, experts, k, max_tokens):
+def _ll_fp8_case(seed, tokens, experts, k, max_tokens, hidden=256):
     import torch
 
     import weft
 
     me, w = weft.rank(), weft.world_size()
     local = experts // w
-    inputs = _routing(seed, w, tokens, experts, k, 256)
+    inputs = _routing(seed, w, tokens, experts, k, hidden)
     x, idx, wts = inputs[me]
     recv, counts, scales, handle = weft.ops.ep_dispatch_ll(x, idx, experts, max_tokens, fp8=True)
-    assert recv.dtype == torch.float8_e4m3fn and scales.shape == (local, w * max_tokens, 2)
+    assert recv.dtype == torch.float8_e4m3fn and scales.shape == (local, w * max_tokens, hidden // 128)
     ex, ei, _, ec = _ref_dispatch(inputs, me, experts, w)
     assert torch.equal(counts, ec)
     for e in range(local):
@@ -145,7 +145,8 @@ def _ll_fp8_case(seed, tokens, experts, k, max_tokens):
         assert torch.equal(recv[e, :n].view(torch.uint8), q.view(torch.uint8)), f"seed {seed} expert {e}"
         assert torch.equal(scales[e, :n], scale), f"seed {seed} expert {e}"
     # The combine of the dequantized rows, with the experts' scales.
-    deq = (recv.float().reshape(local, -1, 2, 128) * scales[..., None]).reshape(recv.shape).to(torch.bfloat16)
+    deq = (recv.float().reshape(local, -1, hidden // 128, 128) * scales[..., None]).reshape(recv.shape)
+    deq = deq.to(torch.bfloat16)
     y = torch.stack([_expert_out(deq[e], me * local + e) for e in range(local)])
     out = weft.ops.ep_combine_ll(y, idx, wts, handle)
     torch.testing.assert_close(out.float(), _weighted(x, idx, wts, 0).float(), rtol=0.15, atol=0.15)
@@ -181,9 +182,12 @@ def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens):
     torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2, msg=tag)
 
 
-def _many(kind, cases):
+def _many(kind, cases, units=None):
+    if units is not None:  # the LL kernels' cpu launch settings (programs, chunk words, warps), in this rank
+        import weft.kernels.moe as moe
+        moe.LL_CPU = units
     for case in cases:
-        (_ht_case if kind == "ht" else _ll_case)(*case)
+        {"ht": _ht_case, "ll": _ll_case, "ll_fp8": _ll_fp8_case}[kind](*case)
     return True
 
 
@@ -227,6 +231,16 @@ def test_ep_ll(w):
              (w * 10 + 3, 4, experts, 1, 32, "one", 8), (w * 10 + 4, 5, experts, 4, 32, "half", 8),
              (w * 10 + 5, 5, experts, 3, 32, "masked", 8)]
     assert all(run_ranks(_many, w, "ll", cases, timeout=TIMEOUT, env=ENV))
+
+
+def test_ep_ll_multi_chunk():
+    """Rows over several of the kernels' (token, chunk) units, the last chunk ragged, with 32-word chunks and at
+    most 4 programs: 80 words (3 chunks, one token lane), 48 words (2 chunks, 2 lanes); fp8 rows of 160 words
+    (5 chunks would need 5 programs: 3 of 64 words) and 32 words (one chunk, 4 lanes)."""
+    cases = [(61, [5, 2], 8, 3, 160, "random", 6), (62, [3, 0], 8, 2, 96, "masked", 6)]
+    assert all(run_ranks(_many, 2, "ll", cases, (4, 32, 4), timeout=TIMEOUT, env=ENV))
+    cases = [(63, [4, 3], 8, 3, 5, 640), (64, [2, 5], 8, 2, 5, 128)]
+    assert all(run_ranks(_many, 2, "ll_fp8", cases, (4, 32, 4), timeout=TIMEOUT, env=ENV))
 
 
 # -- grouped GEMM ---------------------------------------------------------------------------

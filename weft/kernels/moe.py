@@ -29,11 +29,15 @@ sums each token's rows in rank order.
 Low-latency EP (decode), ep_dispatch_ll / ep_combine_ll: one launch each, no host sync, data and signal in
 the same LL words (`wl.pack_ll`: 4 bytes and the epoch per 8-byte store). Rank s writes token t into slot
 [s][t] of every destination rank; the slot's first k words say which of the receiver's experts take it and
-at which position among s's tokens for that expert; a header per (sender, program) carries s's token count
-and its per-expert counts, from which the receiver places every token at its final row of
+at which position among s's tokens for that expert; a header per sender (written by its program 0) carries
+s's token count and its per-expert counts, from which the receiver places every token at its final row of
 recv[expert] (rows ordered by source rank, then token): `counts[e]` rows of expert e are valid. Combine sends
 each expert output back to slot [t][j] of the token's rank, which sums the k outputs with the weights.
-Program p of every rank handles tokens t = p (mod P) and waits only on program p of its peers.
+Work is dealt out in units of (token, chunk of its row's words): program p handles chunk p % CHUNKS of tokens
+t = p // CHUNKS (mod LANES), sending and then receiving those units, so one token's row moves on CHUNKS
+programs at once; a program waits only on the same program of its peers (data, and in combine the acks) and
+on lower ones (the header, a token's meta words from its chunk-0 program), and issues all its sends first.
+Counts and positions come from histograms of each row's first namings: O(tokens x k) per program.
 
 Buffers are double-buffered by call parity, one epoch counter per kernel (each takes `wl.next_epoch` once
 per call): a sender writes half e % 2 of rank q in call e only after its own call e - 1 ended, in which it
@@ -141,8 +145,10 @@ def check_routing_values(topk_idx: torch.Tensor, num_experts: int) -> None:
 
 # -- the family's workspace ---------------------------------------------------------
 
-# Programs of the high-throughput push (a fixed number: the receivers wait on the flags of each).
+# Programs of the high-throughput push (a fixed number: the receivers wait on the flags of each), and each
+# program's block of words and warps on GPUs.
 HT_PROGRAMS = {"cpu": 2, "cuda": 128}
+HT_BLOCK_WARPS = (1024, 8)
 
 
 class MoeWorkspace:
@@ -161,7 +167,7 @@ class MoeWorkspace:
     def __init__(self, world):
         heap, w = world.heap, world.world_size
         total = world.workspace_bytes // 4096 * 4096
-        self.ll_half_words = total * 3 // 8 // 16
+        self.ll_half_words = total * 3 // 8 // 16  # a multiple of 32 words, as the LL kernels assume
         self.ll_dispatch = heap.empty((2 * self.ll_half_words,), torch.int64)
         self.ll_combine = heap.empty((2 * self.ll_half_words,), torch.int64)
         self.ht_half_words = total // 4 // 8
@@ -488,7 +494,7 @@ class _HTPlan:
         self.heap = heap = world.heap.descriptor
         dev = world.device
         gpu = dev.type == "cuda"
-        block, warps = LL_BLOCK_WARPS if gpu else (256, 4)
+        block, warps = HT_BLOCK_WARPS if gpu else (256, 4)
         self.grid = 132 if gpu else 2  # programs that copy out / sum what arrived
         i32 = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=dev)  # noqa: E731
         blk_w, blk_k = triton.next_power_of_2(w), triton.next_power_of_2(k)
@@ -611,34 +617,33 @@ def ep_combine(y: torch.Tensor, handle: HTHandle) -> torch.Tensor:
 
 
 # -- low-latency kernels ------------------------------------------------------------
+# Work is dealt out in units of (token, chunk of its row): a row of HW words is CHUNKS chunks of CHUNK words
+# (a power of two, a multiple of 32 words, so fp8's 128-channel groups never straddle chunks; the last chunk
+# ragged). Program p takes chunk c = p % CHUNKS of tokens t = p // CHUNKS (mod LANES): a token's chunks travel
+# on CHUNKS programs at once, and chunk 0 of a token is on the lowest of them, which the interpreter needs (it
+# runs a grid's programs one after another, so a program may only wait for words of lower programs of peers).
 
 @triton.jit
-def _experts_before(topk, t, e, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
-    """For each j: how many tokens t' < t name expert e[j] (0 where e[j] < 0), a token naming it twice once."""
+def _first_naming(e, BLOCK_K: tl.constexpr):
+    """Entries of rows of experts e (R, BLOCK_K; -1: none) that are their row's first naming of the expert."""
     jj = tl.arange(0, BLOCK_K)
-    pos = tl.zeros([BLOCK_K], tl.int32)
-    for t0 in range(0, t, BLOCK_T):
-        tt = t0 + tl.arange(0, BLOCK_T)
-        prev = tl.load(topk + tt[:, None] * K + jj[None, :], mask=(tt[:, None] < t) & (jj[None, :] < K),
-                       other=-1).to(tl.int32)
-        hit = (prev[None, :, :] == e[:, None, None]) & (e[:, None, None] >= 0)
-        pos += tl.sum(tl.max(hit.to(tl.int32), axis=2), axis=1)  # tokens, not entries: a repeat counts once
-    return pos
+    earlier = (e[:, :, None] == e[:, None, :]) & (jj[None, None, :] < jj[None, :, None])
+    return (e >= 0) & (tl.max(earlier.to(tl.int32), axis=2) == 0)
 
 
 @triton.jit
-def _expert_counts(topk, tokens, first, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-                   BLOCK_T: tl.constexpr):
-    """For each i < BLOCK_L: how many tokens name expert first + i (a token naming it twice once)."""
+def _tokens_per_expert(topk, start, end, K: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+    """For each expert e < BLOCK_E: how many of tokens [start, end) name it (a token naming it twice once), as
+    a histogram of each row's first namings: O(tokens x k)."""
     jj = tl.arange(0, BLOCK_K)
-    ll = tl.arange(0, BLOCK_L)
-    cnt = tl.zeros([BLOCK_L], tl.int32)
-    for t0 in range(0, tokens, BLOCK_T):
+    cnt = tl.zeros([BLOCK_E], tl.int32)
+    for t0 in range(start, end, BLOCK_T):
         tt = t0 + tl.arange(0, BLOCK_T)
-        e = tl.load(topk + tt[:, None] * K + jj[None, :], mask=(tt[:, None] < tokens) & (jj[None, :] < K),
-                    other=-1).to(tl.int32)
-        hit = e[None, :, :] == (first + ll)[:, None, None]
-        cnt += tl.sum(tl.max(hit.to(tl.int32), axis=2), axis=1)
+        live = (tt[:, None] < end) & (jj[None, :] < K)
+        e = _valid_experts(tl.load(topk + tt[:, None] * K + jj[None, :], mask=live, other=-1), live, EXPERTS)
+        first = _first_naming(e, BLOCK_K)
+        cnt += tl.histogram(tl.reshape(e, [BLOCK_T * BLOCK_K]), BLOCK_E, mask=tl.reshape(first, [BLOCK_T * BLOCK_K]))
     return cnt
 
 
@@ -679,91 +684,96 @@ def _fp8_words(x, t, g0, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
 @triton.jit(do_not_specialize=["tokens", "half_words"])
 def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, buf, counter, heap, err, tokens,
                           half_words, HW: tl.constexpr, K: tl.constexpr, LOCAL: tl.constexpr, MAX_T: tl.constexpr,
-                          WORLD: tl.constexpr, PROGRAMS: tl.constexpr, FP8: tl.constexpr, GROUPS: tl.constexpr,
-                          BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
-                          BLOCK_G: tl.constexpr):
-    """Send my tokens t = p (mod PROGRAMS) to the ranks of their experts, then place the tokens program p of
-    every rank sent me into recv[local expert, row] (x and recv as int32 words, HW a row).
+                          WORLD: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, LANES: tl.constexpr,
+                          FP8: tl.constexpr, GROUPS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
+                          BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Send chunk c of my tokens t = lane (mod LANES) to the ranks of their experts, then place chunk c of the
+    tokens every rank sent me in that lane into recv[local expert, row] (x and recv as int32 words, HW a row).
 
-    A half of `buf` (epoch parity) holds headers [W][PROGRAMS][LOCAL + 1] (a sender's counts for my experts,
-    then its token count) and slots [W][MAX_T][K + HW] (token t of sender s: K words local expert << 16 |
-    position among s's tokens for that expert, or -1; then the token's words), all LL words.
+    A half of `buf` (epoch parity) holds headers [W][E + 1] (a sender's tokens per expert, then its token
+    count; program 0 of each rank writes its own to every rank, and every program of every rank awaits each)
+    and slots [W][MAX_T][K + HW (+ GROUPS)] (token t of sender s: K meta words, local expert << 16 | position
+    among s's tokens for that expert, or -1, written by the token's chunk-0 program; then the token's words,
+    each chunk by its program; in fp8 then the scales, each with the chunk of its group), all LL words.
     src_rows[s, t, j] = the flat recv row of expert j of token t of rank s, or -1; src_tokens[s] = s's tokens.
     A bad row of topk is recorded in `err` (_check_rows) and travels harmlessly: its entries outside the
     experts as none, an expert named twice to one row, which combine returns once per naming.
     """
     p = tl.program_id(0)
+    lane = p // CHUNKS
+    c = p % CHUNKS
     me = wl.rank(heap)
     epoch = wl.next_epoch(counter)
-    half = buf + (epoch % 2) * half_words
-    HEAD: tl.constexpr = LOCAL + 1
+    # half_words is a multiple of 32 (MoeWorkspace): said so, Triton keeps 16-byte vectors through the halves.
+    half = buf + (epoch % 2) * (half_words // 32 * 32)
+    EXPERTS: tl.constexpr = LOCAL * WORLD
+    HEAD: tl.constexpr = EXPERTS + 1
     SLOT: tl.constexpr = K + HW + GROUPS * FP8
-    slots = half + WORLD * PROGRAMS * HEAD
+    G: tl.constexpr = CHUNK // 32  # fp8: 128-channel groups a chunk
+    slots = half + (WORLD * HEAD + 1) // 2 * 2
     jj = tl.arange(0, BLOCK_K)
     ll = tl.arange(0, BLOCK_L)
-    for r in range(WORLD):
-        head = tl.where(ll < LOCAL, _expert_counts(topk, tokens, r * LOCAL, K, BLOCK_K, BLOCK_L, BLOCK_T), tokens)
-        tl.store(wl.symm_at(half + (me * PROGRAMS + p) * HEAD, r, heap) + ll, wl.pack_ll(head, epoch), mask=ll < HEAD)
-    for t in range(p, tokens, PROGRAMS):
+    ee = tl.arange(0, BLOCK_E)
+    if p == 0:
+        head = tl.where(ee < EXPERTS, _tokens_per_expert(topk, 0, tokens, K, EXPERTS, BLOCK_K, BLOCK_E, BLOCK_T),
+                        tokens)
+        for r in range(WORLD):
+            tl.store(wl.symm_at(half + me * HEAD, r, heap) + ee, wl.pack_ll(head, epoch), mask=ee < HEAD)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    m = offs < HW
+    gg = c * G + tl.arange(0, G)
+    seen = tl.zeros([BLOCK_E], tl.int32)  # chunk 0: tokens before `done` naming each expert
+    done = tokens * 0
+    for t in range(lane, tokens, LANES):
         live = (jj < K)[None, :]
-        e, _ = _check_rows(tl.load(topk + t * K + jj[None, :], mask=live, other=-1), tl.zeros([1], tl.int32) + t,
-                           err, live, LOCAL * WORLD, BLOCK_K)
-        e = tl.reshape(e, [BLOCK_K])
-        pos = _experts_before(topk, t, e, K, BLOCK_K, BLOCK_T)
+        raw = tl.load(topk + t * K + jj[None, :], mask=live, other=-1)
+        e = tl.reshape(_valid_experts(raw, live, EXPERTS), [BLOCK_K])
         dest = tl.where(e >= 0, e // LOCAL, -1)
         mine = slots + (me * MAX_T + t) * SLOT
-        for r in range(WORLD):
-            meta = tl.where(dest == r, ((e - r * LOCAL) << 16) | pos, -1)
-            tl.store(wl.symm_at(mine, r, heap) + jj, wl.pack_ll(meta, epoch), mask=jj < K)
+        if c == 0:  # the token's meta words, to every rank (the others' say -1)
+            _check_rows(raw, tl.zeros([1], tl.int32) + t, err, live, EXPERTS, BLOCK_K)
+            seen += _tokens_per_expert(topk, done, t, K, EXPERTS, BLOCK_K, BLOCK_E, BLOCK_T)
+            done = t
+            pos = tl.sum(tl.where(ee[None, :] == e[:, None], seen[None, :], 0), axis=1)
+            for r in range(WORLD):
+                meta = tl.where(dest == r, ((e - r * LOCAL) << 16) | pos, -1)
+                tl.store(wl.symm_at(mine, r, heap) + jj, wl.pack_ll(meta, epoch), mask=jj < K)
         if FP8:
-            for g0 in range(0, GROUPS, BLOCK_G):
-                words, scale = _fp8_words(x, t, g0, GROUPS, BLOCK_G)
-                offs = g0 * 32 + tl.arange(0, BLOCK_G * 32)
-                gg = g0 + tl.arange(0, BLOCK_G)
-                packed = wl.pack_ll(words, epoch)
-                packed_scale = wl.pack_ll(scale.to(tl.int32, bitcast=True), epoch)
-                for r in range(WORLD):
-                    if tl.sum(((dest == r) & (jj < K)).to(tl.int32), axis=0) > 0:
-                        tl.store(wl.symm_at(mine, r, heap) + K + offs, packed, mask=offs < HW)
-                        tl.store(wl.symm_at(mine, r, heap) + K + HW + gg, packed_scale, mask=gg < GROUPS)
+            words, scale = _fp8_words(x, t, c * G, GROUPS, G)
+            packed = wl.pack_ll(words, epoch)
+            packed_scale = wl.pack_ll(scale.to(tl.int32, bitcast=True), epoch)
         else:
-            for start in range(0, HW, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                m = offs < HW
-                packed = wl.pack_ll(tl.load(x + t * HW + offs, mask=m, other=0), epoch)
-                for r in range(WORLD):
-                    if tl.sum(((dest == r) & (jj < K)).to(tl.int32), axis=0) > 0:
-                        tl.store(wl.symm_at(mine, r, heap) + K + offs, packed, mask=m)
+            packed = wl.pack_ll(tl.load(x + t * HW + offs, mask=m, other=0), epoch)
+        for r in range(WORLD):
+            if tl.sum((dest == r).to(tl.int32), axis=0) > 0:
+                tl.store(wl.symm_at(mine, r, heap) + K + offs, packed, mask=m)
+                if FP8:
+                    tl.store(wl.symm_at(mine, r, heap) + K + HW + gg, packed_scale, mask=gg < GROUPS)
 
     base = tl.zeros([BLOCK_L], tl.int32)  # rows of each of my experts taken by senders before s
     for s in range(WORLD):
-        head = wl.wait_ll(half + (s * PROGRAMS + p) * HEAD + ll, ll < HEAD, epoch, heap=heap, peer=s,
-                          op="ep_dispatch_ll header")
+        head = wl.wait_ll(half + s * HEAD + tl.where(ll < LOCAL, me * LOCAL + ll, EXPERTS), ll <= LOCAL, epoch,
+                          heap=heap, peer=s, op="ep_dispatch_ll header")
         n_s = tl.sum(tl.where(ll == LOCAL, head, 0), axis=0)
-        for t in range(p, n_s, PROGRAMS):
+        for t in range(lane, n_s, LANES):
             slot = slots + (s * MAX_T + t) * SLOT
             meta = wl.wait_ll(slot + jj, jj < K, epoch, heap=heap, peer=s, op="ep_dispatch_ll token")
             taken = (meta >= 0) & (jj < K)
             lexp = tl.where(taken, meta >> 16, -1)
             row = tl.sum(tl.where(ll[None, :] == lexp[:, None], base[None, :], 0), axis=1) + (meta & 0xFFFF)
-            flat = tl.where(taken, lexp * (WORLD * MAX_T) + row, -1)
-            tl.store(src_rows + (s * MAX_T + t) * K + jj, flat, mask=jj < K)
+            flat = tl.where(taken, lexp * (WORLD * MAX_T) + row, -1).to(tl.int64)
+            if c == 0:
+                tl.store(src_rows + (s * MAX_T + t) * K + jj, flat.to(tl.int32), mask=jj < K)
             if tl.sum(taken.to(tl.int32), axis=0) > 0:
-                for start in range(0, HW, BLOCK):
-                    offs = start + tl.arange(0, BLOCK)
-                    m = offs < HW
-                    words = wl.wait_ll(slot + K + offs, m, epoch, heap=heap, peer=s, op="ep_dispatch_ll data")
-                    for j in tl.static_range(K):
-                        f = tl.sum(tl.where(jj == j, flat, 0), axis=0).to(tl.int64)
-                        tl.store(recv + f * HW + offs, words, mask=m & (f >= 0))
+                # The chunk to every row that takes it at once (a row named twice gets the same words twice).
+                words = wl.wait_ll(slot + K + offs, m, epoch, heap=heap, peer=s, op="ep_dispatch_ll data")
+                tl.store(recv + flat[:, None] * HW + offs[None, :], tl.broadcast_to(words[None, :], [BLOCK_K, CHUNK]),
+                         mask=(flat >= 0)[:, None] & m[None, :])
                 if FP8:
-                    for g0 in range(0, GROUPS, BLOCK):
-                        gg = g0 + tl.arange(0, BLOCK)
-                        words = wl.wait_ll(slot + K + HW + gg, gg < GROUPS, epoch, heap=heap, peer=s,
-                                           op="ep_dispatch_ll scales")
-                        for j in tl.static_range(K):
-                            f = tl.sum(tl.where(jj == j, flat, 0), axis=0).to(tl.int64)
-                            tl.store(scales + f * GROUPS + gg, words, mask=(gg < GROUPS) & (f >= 0))
+                    got = wl.wait_ll(slot + K + HW + gg, gg < GROUPS, epoch, heap=heap, peer=s,
+                                     op="ep_dispatch_ll scales")
+                    tl.store(scales + flat[:, None] * GROUPS + gg[None, :], tl.broadcast_to(got[None, :], [BLOCK_K, G]),
+                             mask=(flat >= 0)[:, None] & (gg < GROUPS)[None, :])
         base += tl.where(ll < LOCAL, head, 0)
         if p == 0:
             tl.store(src_tokens + s, n_s)
@@ -774,54 +784,48 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
 @triton.jit(do_not_specialize=["tokens", "half_words"])
 def ep_combine_ll_kernel(y, topk, weights, out, src_rows, src_tokens, buf, counter, heap, tokens, half_words,
                          HW: tl.constexpr, K: tl.constexpr, LOCAL: tl.constexpr, MAX_T: tl.constexpr,
-                         WORLD: tl.constexpr, PROGRAMS: tl.constexpr, ELEM: tl.constexpr, BLOCK: tl.constexpr,
-                         BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Send each expert output y[row] of the tokens program p received back to slot [t][j] of the token's rank,
-    then sum my tokens t = p (mod PROGRAMS): out[t] = sum_j weights[t, j] * (output of expert j), fp32.
+                         WORLD: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, LANES: tl.constexpr,
+                         ELEM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Send chunk c of each expert output y[row] of the tokens received in my lane back to slot [t][j] of the
+    token's rank, then sum chunk c of my tokens t = lane (mod LANES): out[t] = sum_j weights[t, j] * (output
+    of expert j), fp32.
 
-    A half of `buf` holds acks [W][PROGRAMS] (every program hears from every rank each call, which the
+    A half of `buf` holds acks [W][programs] (every program hears from every rank each call, which the
     halves' reuse relies on) and slots [MAX_T][K][HW], LL words.
     """
     p = tl.program_id(0)
+    lane = p // CHUNKS
+    c = p % CHUNKS
     me = wl.rank(heap)
     epoch = wl.next_epoch(counter)
-    half = buf + (epoch % 2) * half_words
-    slots = half + WORLD * PROGRAMS
+    half = buf + (epoch % 2) * (half_words // 32 * 32)
+    PROGRAMS: tl.constexpr = LANES * CHUNKS
+    slots = half + (WORLD * PROGRAMS + 1) // 2 * 2
     jj = tl.arange(0, BLOCK_K)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    m = offs < HW
     for s in range(WORLD):
         n_s = tl.load(src_tokens + s)
-        for t in range(p, n_s, PROGRAMS):
-            flat = tl.load(src_rows + (s * MAX_T + t) * K + jj, mask=jj < K, other=-1)
+        for t in range(lane, n_s, LANES):
+            flat = tl.load(src_rows + (s * MAX_T + t) * K + jj, mask=jj < K, other=-1).to(tl.int64)
+            back = (flat >= 0)[:, None] & m[None, :]
+            rows = tl.load(y + flat[:, None] * HW + offs[None, :], mask=back, other=0)
             dst = wl.symm_at(slots + t * K * HW, s, heap)
-            for j in tl.static_range(K):
-                f = tl.sum(tl.where(jj == j, flat, 0), axis=0).to(tl.int64)
-                if f >= 0:
-                    for start in range(0, HW, BLOCK):
-                        offs = start + tl.arange(0, BLOCK)
-                        m = offs < HW
-                        word = wl.pack_ll(tl.load(y + f * HW + offs, mask=m, other=0), epoch)
-                        tl.store(dst + j * HW + offs, word, mask=m)
+            tl.store(dst + jj[:, None] * HW + offs[None, :], wl.pack_ll(rows, epoch), mask=back)
         tl.store(wl.symm_at(half + me * PROGRAMS + p, s, heap), wl.pack_ll(p, epoch))
 
     ww = tl.arange(0, BLOCK_W)
     wl.wait_ll(half + ww * PROGRAMS + p, ww < WORLD, epoch, heap=heap, op="ep_combine_ll ack")
-    for t in range(p, tokens, PROGRAMS):
+    for t in range(lane, tokens, LANES):
         e = _valid_experts(tl.load(topk + t * K + jj, mask=jj < K, other=-1), jj < K, LOCAL * WORLD)
         wt = tl.load(weights + t * K + jj, mask=jj < K, other=0.0)
-        for start in range(0, HW, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            m = offs < HW
-            acc_lo = tl.zeros([BLOCK], tl.float32)
-            acc_hi = tl.zeros([BLOCK], tl.float32)
-            for j in tl.static_range(K):
-                e_j = tl.sum(tl.where(jj == j, e, 0), axis=0)
-                w_j = tl.sum(tl.where(jj == j, wt, 0.0), axis=0)
-                got = wl.wait_ll(slots + (t * K + j) * HW + offs, m & (e_j >= 0), epoch, heap=heap,
-                                 peer=e_j // LOCAL, op="ep_combine_ll")
-                a, b = _halves_of(got, ELEM)
-                acc_lo += w_j * a
-                acc_hi += w_j * b
-            tl.store(out + t * HW + offs, _word_of(acc_lo, acc_hi, ELEM), mask=m)
+        # The chunk of all k outputs at once: one round of polls, not k.
+        got = wl.wait_ll(slots + (t * K + jj[:, None]) * HW + offs[None, :], (e >= 0)[:, None] & m[None, :], epoch,
+                         heap=heap, op="ep_combine_ll")
+        a, b = _halves_of(got, ELEM)
+        acc_lo = tl.sum(wt[:, None] * a, axis=0)
+        acc_hi = tl.sum(wt[:, None] * b, axis=0)
+        tl.store(out + t * HW + offs, _word_of(acc_lo, acc_hi, ELEM), mask=m)
 
 
 # -- low-latency host side ----------------------------------------------------------
@@ -833,10 +837,23 @@ class LLHandle:
         self.plan, self.src_rows, self.src_tokens = plan, src_rows, src_tokens
 
 
-# The LL kernels' grid (at most one program per token) and each program's block of words and warps on GPUs
-# (scripts/probe_ep_ll.py sweeps them).
-LL_PROGRAMS = 64
-LL_BLOCK_WARPS = (1024, 8)
+# The LL kernels' launch settings on GPUs (scripts/probe_ep_ll.py sweeps them): at most LL_PROGRAMS programs
+# (and never more than the SMs: every program waits for its peers' programs, so all must be resident), chunks
+# of LL_CHUNK_WORDS words (a power of two >= 32), LL_WARPS warps. Under the interpreter LL_CPU (programs, chunk
+# words, warps): tiny chunks, so that the tests' small rows span several.
+LL_PROGRAMS = 132
+LL_CHUNK_WORDS = 512
+LL_WARPS = 8
+LL_CPU = (2, 32, 4)
+
+
+def _ll_units(row_words: int, max_tokens: int, programs: int, chunk_words: int) -> tuple[int, int, int]:
+    """(chunk words, chunks a row, token lanes) of an LL kernel over rows of `row_words` words: chunks of
+    `chunk_words` (larger where a row would need more than `programs` of them), as many lanes of tokens as fit
+    `programs` whole rows of chunks; the grid is lanes x chunks."""
+    chunk = max(chunk_words, triton.next_power_of_2(triton.cdiv(row_words, programs)))
+    chunks = triton.cdiv(row_words, chunk)
+    return chunk, chunks, min(max_tokens, programs // chunks)
 
 
 class _LLPlan:
@@ -859,16 +876,18 @@ class _LLPlan:
         self.groups = x.shape[1] // 128 if fp8 else 0
         sent_hw = x.shape[1] // 4 if fp8 else self.hw  # words of a dispatched row
         gpu = world.device.type == "cuda"
-        self.programs = min(max_tokens, LL_PROGRAMS) if gpu else min(max_tokens, 2)
+        programs, chunk_words, warps = ((min(LL_PROGRAMS, num_sms(world.device)), LL_CHUNK_WORDS, LL_WARPS) if gpu
+                                        else LL_CPU)
+        d_chunk, d_chunks, d_lanes = _ll_units(sent_hw, max_tokens, programs, chunk_words)
+        c_chunk, c_chunks, c_lanes = _ll_units(self.hw, max_tokens, programs, chunk_words)
         self.ws = ws = _workspace(world)
-        dispatch_words = w * self.programs * (self.local + 1) + w * max_tokens * (self.k + sent_hw + self.groups)
-        combine_words = w * self.programs + max_tokens * self.k * self.hw
+        dispatch_words = w * (num_experts + 1) + 1 + w * max_tokens * (self.k + sent_hw + self.groups)
+        combine_words = w * c_lanes * c_chunks + 1 + max_tokens * self.k * self.hw
         for what, words in (("ep_dispatch_ll", dispatch_words), ("ep_combine_ll", combine_words)):
             if words > ws.ll_half_words:
                 raise _too_big(f"{what} with max_tokens_per_rank={max_tokens}, hidden={self.hidden}, k={self.k}",
                                2 * words * 8, 2 * ws.ll_half_words * 8)
-        block, warps = LL_BLOCK_WARPS if gpu else (256, 4)
-        common = dict(K=self.k, LOCAL=self.local, MAX_T=max_tokens, WORLD=w, PROGRAMS=self.programs)
+        common = dict(K=self.k, LOCAL=self.local, MAX_T=max_tokens, WORLD=w)
         blk_k = triton.next_power_of_2(self.k)
         dev = world.device
         self.src_rows = lambda: torch.empty((w, max_tokens, self.k), dtype=torch.int32, device=dev)
@@ -878,13 +897,13 @@ class _LLPlan:
         self.scales_shape = (self.local, w * max_tokens, self.groups)
         i32 = lambda *shape: torch.empty(shape, dtype=torch.int32, device=dev)  # noqa: E731
         self.dispatch_launch = Launch(
-            ep_dispatch_ll_kernel, (self.programs,),
+            ep_dispatch_ll_kernel, (d_lanes * d_chunks,),
             (x if fp8 else x.view(torch.int32), topk_idx, i32(1, sent_hw), i32(1), i32(self.local), self.src_rows(),
              self.src_tokens(), ws.ll_dispatch, ws.counter(0), self.heap, ws.error, x.shape[0], ws.ll_half_words),
-            dict(HW=sent_hw, **common, FP8=fp8, GROUPS=self.groups, BLOCK=block, BLOCK_K=blk_k,
-                 BLOCK_L=triton.next_power_of_2(self.local + 1),
-                 BLOCK_T=16 if gpu else triton.next_power_of_2(max(1, min(max_tokens, 16))),
-                 BLOCK_G=8 if gpu else 1), warps)
+            dict(HW=sent_hw, **common, CHUNK=d_chunk, CHUNKS=d_chunks, LANES=d_lanes, FP8=fp8, GROUPS=self.groups,
+                 BLOCK_K=blk_k, BLOCK_L=triton.next_power_of_2(self.local + 1),
+                 BLOCK_E=triton.next_power_of_2(num_experts + 1),
+                 BLOCK_T=32 if gpu else triton.next_power_of_2(max(1, min(max_tokens, 16)))), warps)
         # Pointer arguments as the launch takes them (Launch.address): on GPUs addresses (no view made per
         # call; the workspace's taken once here), under the interpreter tensors of the kernel's types.
         address = self.dispatch_launch.address
@@ -893,7 +912,9 @@ class _LLPlan:
         self.dispatch_fixed = tuple(map(address, (ws.ll_dispatch, ws.counter(0), self.heap, ws.error)))
         self.combine_fixed = tuple(map(address, (ws.ll_combine, ws.counter(1), self.heap)))
         self.combine_launches = {}
-        self.block, self.warps, self.common, self.blk_k = block, warps, dict(HW=self.hw, **common), blk_k
+        self.combine_grid, self.warps = (c_lanes * c_chunks,), warps
+        self.combine_constexprs = dict(HW=self.hw, **common, CHUNK=c_chunk, CHUNKS=c_chunks, LANES=c_lanes,
+                                       ELEM=_ELEM[self.dtype], BLOCK_K=blk_k, BLOCK_W=triton.next_power_of_2(w))
 
     def dispatch(self, x, topk_idx):
         dev, ws, a = x.device, self.ws, self.dispatch_launch.address
@@ -917,11 +938,10 @@ class _LLPlan:
         out = torch.empty((tokens, self.hidden), dtype=self.dtype, device=y.device)
         if launch is None:
             launch = self.combine_launches[key] = Launch(
-                ep_combine_ll_kernel, (self.programs,),
+                ep_combine_ll_kernel, self.combine_grid,
                 (y.view(torch.int32), topk_idx, topk_weights, out.view(torch.int32), handle.src_rows,
                  handle.src_tokens, ws.ll_combine, ws.counter(1), self.heap, tokens, ws.ll_half_words),
-                dict(**self.common, ELEM=_ELEM[self.dtype], BLOCK=self.block, BLOCK_K=self.blk_k,
-                     BLOCK_W=triton.next_power_of_2(self.world.world_size)), self.warps)
+                self.combine_constexprs, self.warps)
         a = launch.address
         launch(self.words(y), a(topk_idx), a(topk_weights), self.words(out), a(handle.src_rows),
                a(handle.src_tokens), *self.combine_fixed, tokens, ws.ll_half_words)
@@ -1185,15 +1205,16 @@ COMPILE_CASES = [
     (ep_dispatch_ll_kernel, dict(x=xt, topk=t, recv="*i32", scales="*i32", counts="*i32", src_rows="*i32",
                                  src_tokens="*i32", buf="*i64", counter="*i64", heap="*i64", err="*i64", tokens="i32",
                                  half_words="i32"),
-     dict(HW=3584 // (1 + fp8), K=8, LOCAL=local, MAX_T=128, WORLD=wd, PROGRAMS=64, FP8=fp8, GROUPS=56 * fp8,
-          BLOCK=1024, BLOCK_K=8, BLOCK_L=triton.next_power_of_2(local + 1), BLOCK_T=16, BLOCK_G=8),
+     dict(HW=3584 // (1 + fp8), K=8, LOCAL=local, MAX_T=128, WORLD=wd, CHUNK=512, CHUNKS=4 if fp8 else 7,
+          LANES=33 if fp8 else 18, FP8=fp8, GROUPS=56 * fp8, BLOCK_K=8,
+          BLOCK_L=triton.next_power_of_2(local + 1), BLOCK_E=512, BLOCK_T=32),
      dict(num_warps=8, **({"min_arch": 89} if fp8 else {})))  # fp8 e4m3 needs sm_89 or later
     for t in ("*i64", "*i32") for wd, local in ((2, 128), (8, 32))
     for fp8, xt in ((False, "*i32"), (True, "*bf16"), (True, "*fp16"))
 ] + [
     (ep_combine_ll_kernel, dict(y="*i32", topk=t, weights="*fp32", out="*i32", src_rows="*i32", src_tokens="*i32",
                                 buf="*i64", counter="*i64", heap="*i64", tokens="i32", half_words="i32"),
-     dict(HW=3584, K=8, LOCAL=32, MAX_T=128, WORLD=8, PROGRAMS=64, ELEM=e, BLOCK=1024, BLOCK_K=8, BLOCK_W=8),
+     dict(HW=3584, K=8, LOCAL=32, MAX_T=128, WORLD=8, CHUNK=512, CHUNKS=7, LANES=18, ELEM=e, BLOCK_K=8, BLOCK_W=8),
      dict(num_warps=8))
     for t in ("*i64", "*i32") for e in (tl.bfloat16, tl.float16)
 ] + [

@@ -153,7 +153,7 @@ def pack_ll(payload, epoch):
 
 @triton.jit
 def wait_ll(ptrs, mask, epoch, heap=None, peer=-1, op: tl.constexpr = tl.constexpr("LL wait")):
-    """Spin until every LL word at `ptrs` (where `mask`) carries `epoch`; returns their int32 payloads.
+    """Spin until every LL word at `ptrs` (any shape; where `mask`) carries `epoch`; returns their int32 payloads.
 
     The words are polled with volatile loads (straight from L2, where peers' NVLink stores land).
     WEFT_WAIT_TIMEOUT_S applies as in `wait`; the report names the waiting rank (from `heap`), the op,
@@ -172,7 +172,7 @@ def wait_ll(ptrs, mask, epoch, heap=None, peer=-1, op: tl.constexpr = tl.constex
             start = ptx.global_timer()
         while arrived == 0:
             tags = (tl.load(ptrs, mask=mask, other=0, volatile=True) >> 32).to(tl.int32)
-            arrived = tl.min(((tags == epoch) | (mask == 0)).to(tl.int32), axis=0)
+            arrived = tl.min(((tags == epoch) | (mask == 0)).to(tl.int32))
             if WAIT_TIMEOUT_NS > 0:
                 if (arrived == 0) & (ptx.global_timer() - start > WAIT_TIMEOUT_NS):
                     me = -1
