@@ -624,6 +624,20 @@ def ep_combine(y: torch.Tensor, handle: HTHandle) -> torch.Tensor:
 # runs a grid's programs one after another, so a program may only wait for words of lower programs of peers).
 
 @triton.jit
+def _experts_before(topk, t, e, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
+    """For each j: how many tokens t' < t name expert e[j] (0 where e[j] < 0), a token naming it twice once."""
+    jj = tl.arange(0, BLOCK_K)
+    pos = tl.zeros([BLOCK_K], tl.int32)
+    for t0 in range(0, t, BLOCK_T):
+        tt = t0 + tl.arange(0, BLOCK_T)
+        prev = tl.load(topk + tt[:, None] * K + jj[None, :], mask=(tt[:, None] < t) & (jj[None, :] < K),
+                       other=-1).to(tl.int32)
+        hit = (prev[None, :, :] == e[:, None, None]) & (e[:, None, None] >= 0)
+        pos += tl.sum(tl.max(hit.to(tl.int32), axis=2), axis=1)  # tokens, not entries: a repeat counts once
+    return pos
+
+
+@triton.jit
 def _first_naming(e, BLOCK_K: tl.constexpr):
     """Entries of rows of experts e (R, BLOCK_K; -1: none) that are their row's first naming of the expert."""
     jj = tl.arange(0, BLOCK_K)
@@ -722,8 +736,6 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
     offs = c * CHUNK + tl.arange(0, CHUNK)
     m = offs < HW
     gg = c * G + tl.arange(0, G)
-    seen = tl.zeros([BLOCK_E], tl.int32)  # chunk 0: tokens before `done` naming each expert
-    done = tokens * 0
     for t in range(lane, tokens, LANES):
         live = (jj < K)[None, :]
         raw = tl.load(topk + t * K + jj[None, :], mask=live, other=-1)
@@ -732,9 +744,7 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
         mine = slots + (me * MAX_T + t) * SLOT
         if c == 0:  # the token's meta words, to every rank (the others' say -1)
             _check_rows(raw, tl.zeros([1], tl.int32) + t, err, live, EXPERTS, BLOCK_K)
-            seen += _tokens_per_expert(topk, done, t, K, EXPERTS, BLOCK_K, BLOCK_E, BLOCK_T)
-            done = t
-            pos = tl.sum(tl.where(ee[None, :] == e[:, None], seen[None, :], 0), axis=1)
+            pos = _experts_before(topk, t, e, K, BLOCK_K, BLOCK_T)
             for r in range(WORLD):
                 meta = tl.where(dest == r, ((e - r * LOCAL) << 16) | pos, -1)
                 tl.store(wl.symm_at(mine, r, heap) + jj, wl.pack_ll(meta, epoch), mask=jj < K)
@@ -840,9 +850,13 @@ class LLHandle:
 # The LL kernels' launch settings on GPUs (scripts/probe_ep_ll.py sweeps them): at most LL_PROGRAMS programs
 # (and never more than the SMs: every program waits for its peers' programs, so all must be resident), chunks
 # of LL_CHUNK_WORDS words (a power of two >= 32), LL_WARPS warps. Under the interpreter LL_CPU (programs, chunk
-# words, warps): tiny chunks, so that the tests' small rows span several.
+# words, warps): tiny chunks, so that the tests' small rows span several. Measured on 2 H200s (2026-11-23, eighth
+# session, hidden 7168 bf16, top-8 of 256, graph replay, dispatch / dispatch + combine us at 1, 32 and 128 tokens
+# per rank): 132 programs, 1024-word chunks 10.0 / 17.7, 10.6 / 27.4, 34.2 / 99.7; 512-word 9.1 / 16.2, 13.9 /
+# 34.2, 49.9 / 132.9; 256-word 9.4 / 15.8, 27.5 / 52.1, 126.8 / 227.3 (the kernels before the units: 29.1 / 68.4,
+# 37.3 / 87.1, 101.6 / 220.0).
 LL_PROGRAMS = 132
-LL_CHUNK_WORDS = 512
+LL_CHUNK_WORDS = 1024
 LL_WARPS = 8
 LL_CPU = (2, 32, 4)
 
