@@ -69,7 +69,8 @@ checks them on the device and records a bad row (an expert named twice, or one o
 in the family's error word (moe.RoutingErrorWord: pinned host memory on GPUs, shared with the EP ops' check
 blocks.check_rows). Each call of either op raises a recorded row on entry, before launching anything: a
 ValueError naming topk_idx, the row and the expert, on the rank whose row it was, at its next call of the
-family (after a CUDA-graph replay, at the next eager call); it looks again after its launches, which under
+family (after a CUDA-graph replay, at the next eager call; the other ranks' calls go on: a program that goes
+on must keep the ranks' calls in step); it looks again after its launches, which under
 the interpreter have run by then, so there the call that passed the row raises, its collective part done on
 every rank. Until raised, a bad row does no harm: chunk_layout sorts an entry outside the experts with the
 pairs without expert (a row of zeros, summed as nothing), and a repeated expert computes its pair twice.
