@@ -327,6 +327,66 @@ def test_moe_tp_cuda_graph():
         torch.testing.assert_close(res["out"].float(), want_out, rtol=3e-2, atol=3e-2)
 
 
+def test_moe_tp_bad_row_raises_at_the_next_call():
+    """A row naming an expert twice, on rank 0: ag_group_gemm checks it on the device with no sync, and rank 0's
+    call raises (once the check has run: that call's end, or its next call of the family, on entry, before
+    launching anything) naming topk_idx, the row and the expert; no other rank raises; valid calls work after."""
+    w = weft.world()
+    me = w.rank
+    x, idx, wts, w_gu, w_dn, h = _tp_case(45, 128)
+    bad = idx[me].clone()
+    bad[5, 3] = bad[5, 0]
+    want = f"topk_idx row 5 names expert {int(bad[5, 0])} twice"
+    raised = None
+    try:
+        weft.ops.ag_group_gemm(x[me], w_gu, bad if me == 0 else idx[me], method="overlap")
+        torch.cuda.synchronize()
+        if me == 0:
+            weft.ops.group_gemm_rs(h[me], w_dn[me], idx[me], wts[me], method="overlap")  # raises on entry
+    except ValueError as e:
+        raised = str(e)
+    assert (raised is not None) == (me == 0) and (raised is None or want in raised), raised
+    weft.barrier()  # every rank launched one call: in step
+    for method in ("overlap", "baseline"):
+        inter, layout = weft.ops.ag_group_gemm(x[me], w_gu, idx[me], method=method)
+        out = weft.ops.group_gemm_rs(h[me], w_dn[me], idx[me], wts[me], layout, method=method)
+        want_inter, want_out = _tp_reference(x, idx, wts, w_gu, w_dn, h, layout)
+        torch.testing.assert_close(inter[layout.row_of_pair.reshape(-1).long()].float(), want_inter.float(),
+                                   rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(out.float(), want_out, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("method", ["overlap", "baseline"])
+def test_moe_tp_eager_calls_queue_without_sync(method):
+    """Eager calls of both ops (group_gemm_rs with and without a layout) make no host sync: none that torch
+    sees (sync debug mode "error"), and they return while the GPU is still busy with work queued before them."""
+    w = weft.world()
+    me = w.rank
+    x, idx, wts, w_gu, w_dn, h = _tp_case(46, 256)
+    inter, layout = weft.ops.ag_group_gemm(x[me], w_gu, idx[me], method=method)  # plans made outside the check
+    weft.ops.group_gemm_rs(h[me], w_dn[me], idx[me], wts[me], layout, method=method)
+    weft.ops.group_gemm_rs(h[me], w_dn[me], idx[me], wts[me], method=method)
+    torch.cuda.synchronize()
+    weft.barrier()
+    torch.cuda._sleep(1 << 30)  # ~0.5 s of GPU time queued first: the calls must return before it ends
+    queued = torch.cuda.Event()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        inter, layout = weft.ops.ag_group_gemm(x[me], w_gu, idx[me], method=method)
+        out = weft.ops.group_gemm_rs(h[me], w_dn[me], idx[me], wts[me], layout, method=method)
+        again = weft.ops.group_gemm_rs(h[me], w_dn[me], idx[me], wts[me], method=method)
+        queued.record()
+        still_busy = not queued.query()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert still_busy, "the calls waited for the GPU"
+    want_inter, want_out = _tp_reference(x, idx, wts, w_gu, w_dn, h, layout)
+    torch.testing.assert_close(inter[layout.row_of_pair.reshape(-1).long()].float(), want_inter.float(), rtol=2e-2,
+                               atol=2e-2)
+    torch.testing.assert_close(out.float(), want_out, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(again.float(), want_out, rtol=3e-2, atol=3e-2)
+
+
 # -- layers ------------------------------------------------------------------------------------------------
 
 def _qwen3_block(seed):

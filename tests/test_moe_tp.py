@@ -33,16 +33,24 @@ def _routing(seed, w, m, experts, k, mode):
 
 
 def _expected_layout(idxs, experts):
-    """(starts (W, E + 2), pair_of_row (W, m k)) of every rank's pairs, by a plain stable sort."""
+    """(starts (W, E + 2), pair_of_row (W, m k), row_of_pair (W m, k)) of every rank's pairs, by a plain stable
+    sort; an entry outside [0, E) (-1, or a bad one not raised yet) is a pair without expert."""
     import torch
 
     starts, orders = [], []
     for idx in idxs:
-        keys = [experts if e < 0 else e for e in idx.reshape(-1).tolist()]
+        keys = [e if 0 <= e < experts else experts for e in idx.reshape(-1).tolist()]
         order = sorted(range(len(keys)), key=lambda p: keys[p])
         starts.append([sum(1 for key in keys if key < e) for e in range(experts + 2)])
         orders.append(order)
-    return torch.tensor(starts, dtype=torch.int32), torch.tensor(orders, dtype=torch.int32).reshape(len(idxs), -1)
+    m, k = idxs[0].shape
+    row_of_pair = torch.full((len(idxs) * m, k), -1, dtype=torch.int32)
+    for c, order in enumerate(orders):  # row_of_pair inverts pair_of_row, -1 where the pair has no expert
+        for i, p in enumerate(order):
+            if 0 <= idxs[c][p // k, p % k] < experts:
+                row_of_pair[c * m + p // k, p % k] = c * m * k + i
+    return (torch.tensor(starts, dtype=torch.int32), torch.tensor(orders, dtype=torch.int32).reshape(len(idxs), -1),
+            row_of_pair)
 
 
 def _inter_ref(tokens, idxs, w_up, pair_of_row, k):
@@ -53,7 +61,7 @@ def _inter_ref(tokens, idxs, w_up, pair_of_row, k):
     for c, (x, idx) in enumerate(zip(tokens, idxs)):
         for p in pair_of_row[c].tolist():
             e = int(idx[p // k, p % k])
-            rows.append(x[p // k].float() @ w_up[e].float() if e >= 0 else torch.zeros(w_up.shape[2]))
+            rows.append(x[p // k].float() @ w_up[e].float() if 0 <= e < len(w_up) else torch.zeros(w_up.shape[2]))
     return torch.stack(rows) if rows else torch.zeros(0, w_up.shape[2])
 
 
@@ -71,15 +79,22 @@ def _rs_ref(hs, w_downs, idxs, wts, pair_of_row, k, me, m, dtype):
         for t in range(m):
             for j in range(k):
                 e = int(idxs[me][t, j])
-                if e >= 0:
+                if 0 <= e < len(wd):
                     y = (h[row_of[t * k + j]].float() @ wd[e].float()).to(dtype)
                     part[t] += wts[me][t, j] * y.float()
         total += part.to(dtype).float()
     return total
 
 
-def _case(seed, m, hidden, n, experts, k, mode, method, dtype_name="bfloat16", with_layout=True):
-    """One ag_group_gemm + group_gemm_rs call checked against the references; returns the layout's meta."""
+def _case(seed, m, hidden, n, experts, k, mode, method, dtype_name="bfloat16", with_layout=True, bad=None):
+    """One ag_group_gemm + group_gemm_rs call checked against the references.
+
+    bad (rank, row, value): that rank's topk_idx[row, 1] is `value`, or with None its row's first expert
+    again. That rank's calls raise a ValueError naming topk_idx, the row and the expert (under the
+    interpreter: the same call, its collective part done); group_gemm_rs goes without a layout, so that it
+    reads topk_idx (and every rank takes the same path). The other ranks' results are right for the routing as
+    it was (an entry outside the experts counts as none, a repeat computes its pair twice): no harm done."""
+    import pytest
     import torch
 
     import weft
@@ -92,33 +107,46 @@ def _case(seed, m, hidden, n, experts, k, mode, method, dtype_name="bfloat16", w
     w_down = [(torch.randn(experts, n, hidden, generator=g) / n ** 0.5).to(dtype) for _ in range(w)]
     routing = _routing(seed, w, m, experts, k, mode)
     idxs, wts = [r[0] for r in routing], [r[1] for r in routing]
-    tag = f"seed {seed} m {m} hidden {hidden} n {n} E {experts} k {k} {mode} {method} {dtype_name}"
+    tag = f"seed {seed} m {m} hidden {hidden} n {n} E {experts} k {k} {mode} {method} {dtype_name} bad {bad}"
+    raises = None
+    if bad is not None:
+        rank, row, value = bad
+        idxs[rank][row, 1] = idxs[rank][row, 0] if value is None else value
+        raises = (rf"topk_idx row {row} names expert {int(idxs[rank][row, 0])} twice" if value is None else
+                  rf"topk_idx row {row} holds {value}: an expert outside") if me == rank else None
+        with_layout = False
+    starts, pair_of_row, row_of_pair = _expected_layout(idxs, experts)
 
     out = torch.full((w * m * k, n), float("nan"), dtype=dtype)
-    inter, layout = weft.ops.ag_group_gemm(tokens[me], w_up[me], idxs[me], method=method, out=out)
-    assert inter is out, tag
-    starts, pair_of_row = _expected_layout(idxs, experts)
-    assert torch.equal(layout.starts, starts), tag
-    assert torch.equal(layout.pair_of_row, pair_of_row), tag
-    for c in range(w):  # row_of_pair inverts pair_of_row, -1 where the pair has no expert
-        for i, p in enumerate(pair_of_row[c].tolist()):
-            want = c * m * k + i if idxs[c][p // k, p % k] >= 0 else -1
-            assert int(layout.row_of_pair[c * m + p // k, p % k]) == want, tag
-    torch.testing.assert_close(inter.float(), _inter_ref(tokens, idxs, w_up[me], pair_of_row, k), rtol=2e-2,
-                               atol=2e-2, msg=tag)
+    if raises:
+        with pytest.raises(ValueError, match=raises):
+            weft.ops.ag_group_gemm(tokens[me], w_up[me], idxs[me], method=method, out=out)
+    else:
+        inter, layout = weft.ops.ag_group_gemm(tokens[me], w_up[me], idxs[me], method=method, out=out)
+        assert inter is out, tag
+        assert torch.equal(layout.starts, starts), tag
+        assert torch.equal(layout.pair_of_row, pair_of_row), tag
+        assert torch.equal(layout.row_of_pair, row_of_pair), tag
+        torch.testing.assert_close(inter.float(), _inter_ref(tokens, idxs, w_up[me], pair_of_row, k), rtol=2e-2,
+                                   atol=2e-2, msg=tag)
 
     # Every rank's h: random, NaN in the rows of pairs without expert (never read).
     hs = []
     for c in range(w):
         h = torch.randn(w * m * k, n, generator=g).to(dtype)
-        routed = layout.row_of_pair.reshape(-1)
+        routed = row_of_pair.reshape(-1)
         mask = torch.ones(w * m * k, dtype=torch.bool)
         mask[routed[routed >= 0].long()] = False
         h[mask] = float("nan")
         hs.append(h)
     res = torch.full((m, hidden), float("nan"), dtype=dtype)
-    got = weft.ops.group_gemm_rs(hs[me], w_down[me], idxs[me], wts[me], layout if with_layout else None,
-                                 method=method, out=res)
+    rs = lambda: weft.ops.group_gemm_rs(hs[me], w_down[me], idxs[me], wts[me],  # noqa: E731
+                                        layout if with_layout else None, method=method, out=res)
+    if raises:
+        with pytest.raises(ValueError, match=raises):
+            rs()
+        return True
+    got = rs()
     assert got is res, tag
     want = _rs_ref(hs, w_down, idxs, wts, pair_of_row, k, me, m, dtype)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2, msg=tag)
@@ -200,6 +228,7 @@ def _rejects():
     rejects(lambda: ag(x, wu, idx.float()), TypeError, "topk_idx", guarded)
     dup = idx.clone()
     dup[1, 1] = dup[1, 0]
+    # Checked on the device: under the interpreter this call raises, its collective part done (test_bad_rows).
     rejects(lambda: ag(x, wu, dup), ValueError, "twice", guarded)
     rejects(lambda: ag(x, wu, idx + experts), ValueError, "outside", guarded)
     rejects(lambda: ag(x, wu, idx, method="fast"), ValueError, "method", guarded)
@@ -221,3 +250,38 @@ def _rejects():
 
 def test_bad_input_rejected_before_sending():
     assert all(run_ranks(_rejects, 2, timeout=TIMEOUT, env=ENV))
+
+
+# -- bad rows found on the device, no host sync ---------------------------------------------
+
+@pytest.mark.parametrize("w", [1, 2])
+def test_bad_rows_raise_and_the_next_call_works(w):
+    """A bad row raises on its rank (the call itself under the interpreter; on GPUs the family's next call,
+    tests/test_gpu_moe.py) and does no harm to the other ranks' results, with each method and where an op has
+    no workspace or no GEMM (a world of one, an empty dimension); the next calls work."""
+    last = w - 1
+    cases = [
+        (90, 4, 32, 16, 4, 2, "random", "overlap", "bfloat16", True, (0, 2, None)),  # expert named twice
+        (91, 4, 32, 16, 4, 2, "masked", "baseline", "bfloat16", True, (last, 0, 99)),  # outside the experts
+        (92, 3, 32, 0, 4, 2, "random", "auto", "bfloat16", True, (0, 1, -5)),  # n = 0: no GEMM
+        (93, 4, 32, 16, 4, 2, "random", "overlap" if w > 1 else "baseline"),
+    ]
+    assert all(run_ranks(_cases, w, cases, timeout=TIMEOUT, env=ENV))
+
+
+def _no_host_reads():
+    """Eager calls of both ops, each method, with and without a layout: weft reads no tensor value into
+    Python (on GPUs each such read is a host sync; tests/test_gpu_moe.py checks the GPU side)."""
+    from weft.testing.checks import host_reads
+
+    _case(95, 4, 32, 16, 4, 2, "random", "overlap")  # plans and workspaces made outside the check
+    _case(96, 4, 32, 16, 4, 2, "masked", "baseline", "bfloat16", False)
+    with host_reads() as found:
+        _case(97, 4, 32, 16, 4, 2, "masked", "overlap")
+        _case(98, 4, 32, 16, 4, 2, "random", "baseline", "bfloat16", False)
+    assert not found, found
+    return True
+
+
+def test_eager_calls_make_no_host_sync():
+    assert all(run_ranks(_no_host_reads, 2, timeout=TIMEOUT, env=ENV))

@@ -1,4 +1,5 @@
-"""Device building blocks shared by the kernel families: vector-friendly copies, rounding, a grouped GEMM tile."""
+"""Device building blocks shared by the kernel families: vector-friendly copies, rounding, a grouped GEMM tile,
+the MoE routing check."""
 import triton
 import triton.language as tl
 
@@ -80,3 +81,45 @@ def group_tile(a, pairs, w, out, a_row0, out_row0, row0, rows, e, k_end, pm, pn,
         b_ptrs += BLOCK_K * N
     dst = out + (out_row0 + row).to(tl.int64)[:, None] * N + cols[None, :]
     tl.store(dst, cast(acc, out.dtype.element_ty), mask=live[:, None] & (cols[None, :] < N))
+
+
+# -- the MoE routing check (moe's EP kernels, moe_tp's check kernel) ------------------------
+# A bad topk_idx row (an expert named twice, or one outside [0, E) and not -1) is recorded in an error word
+# that the host reads with no sync (moe.RoutingErrorWord, which decodes it into the ValueError).
+
+ERROR_SET = tl.constexpr(1 << 62)  # marks a recorded error: word = ERROR_SET | row << 33 | kind << 32 | expert
+
+
+@triton.jit
+def valid_experts(raw, live, EXPERTS: tl.constexpr):
+    """Entries of topk rows (any integer type) as int32 experts, -1 where none or outside [0, EXPERTS)."""
+    raw = raw.to(tl.int64)
+    return tl.where(live & (raw >= 0) & (raw < EXPERTS), raw, -1).to(tl.int32)
+
+
+@triton.jit
+def check_rows(raw, rows, err, live, EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A tile of topk rows (raw (R, BLOCK_K), row numbers `rows` (R,)) as valid_experts, and how many of its
+    entries are bad; the tile's first bad row is recorded in the error word `err`, with its first entry
+    outside [0, EXPERTS) (and not -1), else the expert it names twice. Any program or tile may record over
+    another: one 8-byte store of the whole word, so the host reads one bad row whole."""
+    e = valid_experts(raw, live, EXPERTS)
+    jj = tl.arange(0, BLOCK_K)
+    raw = raw.to(tl.int64)
+    outside = live & ((raw < -1) | (raw >= EXPERTS))
+    later = (e[:, :, None] == e[:, None, :]) & (jj[None, :, None] < jj[None, None, :]) & (e[:, :, None] >= 0)
+    twice = tl.max(later.to(tl.int32), axis=2) > 0
+    bad = tl.sum(tl.sum((outside | twice).to(tl.int32), axis=1), axis=0)
+    if bad > 0:
+        first_row = tl.min(tl.where(tl.max((outside | twice).to(tl.int32), axis=1) > 0, rows, 1 << 30), axis=0)
+        here = (rows == first_row)[:, None]
+        outside = outside & here
+        first = tl.min(tl.min(tl.where(outside, jj[None, :], BLOCK_K), axis=1), axis=0)
+        shown = tl.minimum(tl.maximum(raw, -(1 << 31)), (1 << 31) - 1)
+        named_twice = tl.max(tl.max(tl.where(twice & here, e, -1), axis=1), axis=0).to(tl.int64)
+        expert = tl.where(first < BLOCK_K,
+                          tl.sum(tl.sum(tl.where(outside & (jj[None, :] == first), shown, 0), axis=1), axis=0),
+                          named_twice)
+        kind = (first < BLOCK_K).to(tl.int64)
+        tl.store(err, ERROR_SET | (first_row.to(tl.int64) << 33) | (kind << 32) | (expert & 0xFFFFFFFF))
+    return e, bad

@@ -3,8 +3,9 @@
 Experts are split contiguously over ranks: rank r owns experts [r * L, (r + 1) * L), L = E / W.
 `topk_idx` (tokens x k) names each token's experts (-1: none); a row must not name an expert twice. The
 dispatch kernels check the rows on the device as they read them (no host sync): a bad row is recorded in the
-workspace's error word and raised as a ValueError by the next EP op on that rank (see _check_rows and
-MoeWorkspace); check_routing_values is the same check on the host, for other uses.
+workspace's error word and raised as a ValueError by the next EP op on that rank (see blocks.check_rows,
+RoutingErrorWord, which the tensor-parallel MoE ops share, and MoeWorkspace); check_routing_values is the same
+check on the host, for other uses.
 
 routing_layout: per-rank and per-expert token counts and each token's slot per destination rank, with torch
 ops on the device (no host sync).
@@ -61,7 +62,7 @@ import triton.language as tl
 import weft.language as wl
 
 from .all_reduce import _halves_of, _word_of
-from .blocks import cast, copy, group_tile
+from .blocks import cast, check_rows, copy, group_tile, valid_experts
 from .common import Launch, check_tensor, plan, signature, workspace, world_or_raise, zero_everywhere
 from .gemm import GemmConfig, descriptor, dot, num_sms, tile_of
 
@@ -132,8 +133,8 @@ def _check_routing(world, x, topk_idx, num_experts, topk_weights=None):
 
 def check_routing_values(topk_idx: torch.Tensor, num_experts: int) -> None:
     """ValueError unless every entry of topk_idx is -1 or an expert in [0, num_experts), and no row names an
-    expert twice. Reads the values: host syncs. (The EP dispatch ops check on the device instead; the
-    tensor-parallel MoE ops call this eagerly.)"""
+    expert twice. Reads the values: host syncs. (The EP and tensor-parallel MoE ops check on the device
+    instead, with no sync: blocks.check_rows.)"""
     if topk_idx.numel() == 0:
         return
     if bool(((topk_idx < -1) | (topk_idx >= num_experts)).any()):
@@ -151,18 +152,46 @@ HT_PROGRAMS = {"cpu": 2, "cuda": 128}
 HT_BLOCK_WARPS = (1024, 8)
 
 
+class RoutingErrorWord:
+    """An error word where kernels record a bad topk_idx row (blocks.check_rows), read by the host with no
+    sync: on GPUs pinned host memory, which the kernels store to through its address (unified addressing maps
+    it for the device), so a recorded row shows up once the kernel has run; on the cpu backend a word of this
+    rank's heap (made in the same order on every rank). Made zero. `tensor`: what the kernels take."""
+
+    def __init__(self, world):
+        if world.device.type == "cuda":
+            self.tensor = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        else:
+            self.tensor = world.heap.empty((1,), torch.int64).zero_()
+        self.host = self.tensor.numpy()  # the host's view: a read is a load, no torch op
+
+    def raise_recorded(self) -> None:
+        """The ValueError naming topk_idx, the row and the expert for a bad row recorded since the last one
+        raised, if any. The word is cleared as it is raised: the next valid call works."""
+        word = int(self.host[0])
+        if word:
+            self.host[0] = 0
+            raise _routing_error(word)
+
+
+def _routing_error(word: int) -> ValueError:
+    """The ValueError of a recorded error word (blocks.ERROR_SET | row << 33 | kind << 32 | expert)."""
+    row, outside, expert = (word >> 33) & ((1 << 28) - 1), (word >> 32) & 1, word & 0xFFFFFFFF
+    expert -= (expert >> 31) << 32
+    if outside:
+        return ValueError(f"topk_idx row {row} holds {expert}: an expert outside [0, num_experts) (and not -1)")
+    return ValueError(f"topk_idx row {row} names expert {expert} twice: each token's experts must differ")
+
+
 class MoeWorkspace:
     """The MoE family's symmetric workspace, made once whatever the call sizes: the LL dispatch and LL combine
     regions (int64 LL words, zeroed: epoch 0 is never awaited; 3/8 of workspace_bytes each), the
     high-throughput receive region (1/4), each in two halves; the count table's LL words, the push flags
     [program][rank], and one epoch counter per kernel.
 
-    And the error word, where the kernels record a bad topk_idx row (_check_rows). The host reads it with no
-    sync: on GPUs it is pinned host memory, which the kernels store to through its address (unified
-    addressing maps it for the device), so a recorded error shows up once the kernel has run, and every EP op
-    raises it on entry (and dispatches again after their launches: under the interpreter, kernels have run by
-    then, so the call that passed the row raises). The word is cleared as it is raised: the next valid call
-    works. On the cpu backend it is a word of this rank's heap."""
+    And the error word (a RoutingErrorWord), where the kernels record a bad topk_idx row (check_rows): every
+    EP op raises it on entry (and dispatches again after their launches: under the interpreter, kernels have
+    run by then, so the call that passed the row raises)."""
 
     def __init__(self, world):
         heap, w = world.heap, world.world_size
@@ -176,19 +205,12 @@ class MoeWorkspace:
         self.programs = HT_PROGRAMS[world.device.type]
         self.flags = heap.empty((self.programs * w,), torch.int32)
         self.counters = heap.empty((5,), torch.int64)  # ll dispatch, ll combine, count exchange, push, wait
-        if world.device.type == "cuda":
-            self.error = torch.zeros(1, dtype=torch.int64, pin_memory=True)
-        else:
-            self.error = heap.empty((1,), torch.int64)
-        self.error_word = self.error.numpy()  # the host's view: a read is a load, no torch op
-        zero_everywhere(world, self.ll_dispatch, self.ll_combine, self.table, self.flags, self.counters, self.error)
+        self.errors = RoutingErrorWord(world)
+        self.error = self.errors.tensor
+        zero_everywhere(world, self.ll_dispatch, self.ll_combine, self.table, self.flags, self.counters)
 
     def raise_routing_error(self) -> None:
-        """The ValueError for a bad topk_idx row a kernel has recorded since the last one raised, if any."""
-        word = int(self.error_word[0])
-        if word:
-            self.error_word[0] = 0
-            raise _routing_error(word)
+        self.errors.raise_recorded()
 
     def counter(self, i: int) -> torch.Tensor:
         return self.counters[i:i + 1]
@@ -196,14 +218,6 @@ class MoeWorkspace:
 
 def _workspace(world) -> MoeWorkspace:
     return workspace(world, "moe", MoeWorkspace)
-
-
-def _routing_error(word: int) -> ValueError:
-    row, outside, expert = (word >> 33) & ((1 << 28) - 1), (word >> 32) & 1, word & 0xFFFFFFFF
-    expert -= (expert >> 31) << 32
-    if outside:
-        return ValueError(f"topk_idx row {row} holds {expert}: an expert outside [0, num_experts) (and not -1)")
-    return ValueError(f"topk_idx row {row} names expert {expert} twice: each token's experts must differ")
 
 
 def _too_big(what: str, need: int, have: int) -> ValueError:
@@ -215,45 +229,7 @@ def _too_big(what: str, need: int, have: int) -> ValueError:
 # A bad topk_idx row (an expert named twice, or outside [0, E) and not -1) is found by the kernels that read
 # the rows, not by a host sync: they read an entry outside [0, E) as -1 (no expert), count a token once per
 # expert or rank however often its row names it (so a repeat lands on one row and never past a buffer), and
-# record the row in the workspace's error word, which the host reads with no sync (MoeWorkspace).
-
-ERROR_SET = tl.constexpr(1 << 62)  # marks a recorded error: word = ERROR_SET | row << 33 | kind << 32 | expert
-
-
-@triton.jit
-def _valid_experts(raw, live, EXPERTS: tl.constexpr):
-    """Entries of topk rows (any integer type) as int32 experts, -1 where none or outside [0, EXPERTS)."""
-    raw = raw.to(tl.int64)
-    return tl.where(live & (raw >= 0) & (raw < EXPERTS), raw, -1).to(tl.int32)
-
-
-@triton.jit
-def _check_rows(raw, rows, err, live, EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A tile of topk rows (raw (R, BLOCK_K), row numbers `rows` (R,)) as _valid_experts, and how many of its
-    entries are bad; the tile's first bad row is recorded in the error word `err`, with its first entry
-    outside [0, EXPERTS) (and not -1), else the expert it names twice. Any program or tile may record over
-    another: one 8-byte store of the whole word, so the host reads one bad row whole."""
-    e = _valid_experts(raw, live, EXPERTS)
-    jj = tl.arange(0, BLOCK_K)
-    raw = raw.to(tl.int64)
-    outside = live & ((raw < -1) | (raw >= EXPERTS))
-    later = (e[:, :, None] == e[:, None, :]) & (jj[None, :, None] < jj[None, None, :]) & (e[:, :, None] >= 0)
-    twice = tl.max(later.to(tl.int32), axis=2) > 0
-    bad = tl.sum(tl.sum((outside | twice).to(tl.int32), axis=1), axis=0)
-    if bad > 0:
-        first_row = tl.min(tl.where(tl.max((outside | twice).to(tl.int32), axis=1) > 0, rows, 1 << 30), axis=0)
-        here = (rows == first_row)[:, None]
-        outside = outside & here
-        first = tl.min(tl.min(tl.where(outside, jj[None, :], BLOCK_K), axis=1), axis=0)
-        shown = tl.minimum(tl.maximum(raw, -(1 << 31)), (1 << 31) - 1)
-        named_twice = tl.max(tl.max(tl.where(twice & here, e, -1), axis=1), axis=0).to(tl.int64)
-        expert = tl.where(first < BLOCK_K,
-                          tl.sum(tl.sum(tl.where(outside & (jj[None, :] == first), shown, 0), axis=1), axis=0),
-                          named_twice)
-        kind = (first < BLOCK_K).to(tl.int64)
-        tl.store(err, ERROR_SET | (first_row.to(tl.int64) << 33) | (kind << 32) | (expert & 0xFFFFFFFF))
-    return e, bad
-
+# record the row in the workspace's error word (blocks.check_rows; RoutingErrorWord).
 
 # -- high-throughput kernels --------------------------------------------------------
 
@@ -267,7 +243,7 @@ def ep_route_kernel(topk, rank_pos, table, counts, info, buf, counter, heap, err
                     LOCAL: tl.constexpr, WORLD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_W: tl.constexpr, BLOCK_L: tl.constexpr):
     """Where my tokens go, in one program: rank_pos[t, r] = token t's position among my tokens to rank r (-1:
-    not there), its rows checked (_check_rows); then every rank's [tokens to each rank | bad rows] to every
+    not there), its rows checked (check_rows); then every rank's [tokens to each rank | bad rows] to every
     rank as LL words, so each holds table[s, r] = tokens rank s sends to rank r with no host round trip, and
     info = [most rows any rank receives, rows I receive, bad rows anywhere]. Zeroes counts (ep_receive_kernel
     counts into them)."""
@@ -284,7 +260,7 @@ def ep_route_kernel(topk, rank_pos, table, counts, info, buf, counter, heap, err
         tt = t0 + tl.arange(0, BLOCK_T)
         live = (tt[:, None] < tokens) & (jj[None, :] < K)
         raw = tl.load(topk + tt[:, None] * K + jj[None, :], mask=live, other=-1)
-        e, n_bad = _check_rows(raw, tt, err, live, LOCAL * WORLD, BLOCK_K)
+        e, n_bad = check_rows(raw, tt, err, live, LOCAL * WORLD, BLOCK_K)
         bad += n_bad
         # The ranks each token goes to as bits (a token naming two experts of a rank goes there once).
         ranks = tl.reduce(tl.where(e >= 0, tl.full([1, 1], 1, tl.int64) << (e // LOCAL).to(tl.int64), 0), 1, _or)
@@ -335,7 +311,7 @@ def ep_push_kernel(x, topk, weights, rank_pos, table, region, flags, counter, he
     for i in range(p, tokens, PROGRAMS):
         pos = tl.load(rank_pos + i * WORLD + ww, mask=ww < WORLD, other=-1)
         slots = tl.where((pos >= 0) & (pos + start < limit), pos + start, -1)
-        e = _valid_experts(tl.load(topk + i * K + jj, mask=jj < K, other=-1), jj < K, LOCAL * WORLD)
+        e = valid_experts(tl.load(topk + i * K + jj, mask=jj < K, other=-1), jj < K, LOCAL * WORLD)
         wbits = tl.load(weights + i * K + jj, mask=jj < K, other=0.0).to(tl.int32, bitcast=True)
         for r in range(WORLD):
             slot = tl.sum(tl.where(ww == r, slots, 0), axis=0).to(tl.int64)
@@ -655,7 +631,7 @@ def _tokens_per_expert(topk, start, end, K: tl.constexpr, EXPERTS: tl.constexpr,
     for t0 in range(start, end, BLOCK_T):
         tt = t0 + tl.arange(0, BLOCK_T)
         live = (tt[:, None] < end) & (jj[None, :] < K)
-        e = _valid_experts(tl.load(topk + tt[:, None] * K + jj[None, :], mask=live, other=-1), live, EXPERTS)
+        e = valid_experts(tl.load(topk + tt[:, None] * K + jj[None, :], mask=live, other=-1), live, EXPERTS)
         first = _first_naming(e, BLOCK_K)
         cnt += tl.histogram(tl.reshape(e, [BLOCK_T * BLOCK_K]), BLOCK_E, mask=tl.reshape(first, [BLOCK_T * BLOCK_K]))
     return cnt
@@ -710,7 +686,7 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
     among s's tokens for that expert, or -1, written by the token's chunk-0 program; then the token's words,
     each chunk by its program; in fp8 then the scales, each with the chunk of its group), all LL words.
     src_rows[s, t, j] = the flat recv row of expert j of token t of rank s, or -1; src_tokens[s] = s's tokens.
-    A bad row of topk is recorded in `err` (_check_rows) and travels harmlessly: its entries outside the
+    A bad row of topk is recorded in `err` (check_rows) and travels harmlessly: its entries outside the
     experts as none, an expert named twice to one row, which combine returns once per naming.
     """
     p = tl.program_id(0)
@@ -739,11 +715,11 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
     for t in range(lane, tokens, LANES):
         live = (jj < K)[None, :]
         raw = tl.load(topk + t * K + jj[None, :], mask=live, other=-1)
-        e = tl.reshape(_valid_experts(raw, live, EXPERTS), [BLOCK_K])
+        e = tl.reshape(valid_experts(raw, live, EXPERTS), [BLOCK_K])
         dest = tl.where(e >= 0, e // LOCAL, -1)
         mine = slots + (me * MAX_T + t) * SLOT
         if c == 0:  # the token's meta words, to every rank (the others' say -1)
-            _check_rows(raw, tl.zeros([1], tl.int32) + t, err, live, EXPERTS, BLOCK_K)
+            check_rows(raw, tl.zeros([1], tl.int32) + t, err, live, EXPERTS, BLOCK_K)
             pos = _experts_before(topk, t, e, K, BLOCK_K, BLOCK_T)
             for r in range(WORLD):
                 meta = tl.where(dest == r, ((e - r * LOCAL) << 16) | pos, -1)
@@ -827,7 +803,7 @@ def ep_combine_ll_kernel(y, topk, weights, out, src_rows, src_tokens, buf, count
     ww = tl.arange(0, BLOCK_W)
     wl.wait_ll(half + ww * PROGRAMS + p, ww < WORLD, epoch, heap=heap, op="ep_combine_ll ack")
     for t in range(lane, tokens, LANES):
-        e = _valid_experts(tl.load(topk + t * K + jj, mask=jj < K, other=-1), jj < K, LOCAL * WORLD)
+        e = valid_experts(tl.load(topk + t * K + jj, mask=jj < K, other=-1), jj < K, LOCAL * WORLD)
         wt = tl.load(weights + t * K + jj, mask=jj < K, other=0.0)
         # The chunk of all k outputs at once: one round of polls, not k.
         got = wl.wait_ll(slots + (t * K + jj[:, None]) * HW + offs[None, :], (e >= 0)[:, None] & m[None, :], epoch,

@@ -63,6 +63,19 @@ partials summed in fp32 in rank order. "auto" overlaps where it can and where th
 (AUTO_OVERLAPS: both ops); the GEMM tiling follows the experts' average rows
 per chunk (_gemm_config; scripts/probe_moe_tp.py sweeps it).
 
+Routing checks, with no host sync (the host queues call after call ahead of the GPU): where an op reads
+topk_idx's values (ag_group_gemm; group_gemm_rs without a layout), its first launch, `moe_tp_check_kernel`,
+checks them on the device and records a bad row (an expert named twice, or one outside [0, E) and not -1)
+in the family's error word (moe.RoutingErrorWord: pinned host memory on GPUs, shared with the EP ops' check
+blocks.check_rows). Each call of either op raises a recorded row on entry, before launching anything: a
+ValueError naming topk_idx, the row and the expert, on the rank whose row it was, at its next call of the
+family (after a CUDA-graph replay, at the next eager call; the other ranks' calls go on: a program that goes
+on must keep the ranks' calls in step); it looks again after its launches, which under
+the interpreter have run by then, so there the call that passed the row raises, its collective part done on
+every rank. Until raised, a bad row does no harm: chunk_layout sorts an entry outside the experts with the
+pairs without expert (a row of zeros, summed as nothing), and a repeated expert computes its pair twice.
+check_routing_values (weft.ops) is the same check on the host, with a sync.
+
 Both ops are PyTorch operators too (torch.ops.weft.*, weft/torch_ops.py; inference only).
 """
 from __future__ import annotations
@@ -76,11 +89,10 @@ import weft.language as wl
 from ..runtime.streams import StreamSet, device_copy
 from .all_gather import all_gather
 from .all_reduce import reduce_scatter
-from .blocks import cast, group_tile
-from .common import (Launch, capturing, check_method, check_tensor, plan, signature, workspace, world_or_raise,
-                     zero_everywhere)
+from .blocks import cast, check_rows, group_tile
+from .common import Launch, check_method, check_tensor, plan, signature, workspace, world_or_raise, zero_everywhere
 from .gemm import num_sms
-from .moe import INDEX_DTYPES, check_routing_values
+from .moe import INDEX_DTYPES, RoutingErrorWord
 
 METHODS = ("auto", "overlap", "baseline")
 DTYPES = (torch.bfloat16, torch.float16)
@@ -93,7 +105,7 @@ MAX_TOKEN_BLOCKS = 4096
 def chunk_layout(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     """One rank's chunk of a GroupLayout, from its topk_idx (m, k), on the device with no host sync:
     (E + 2 + m k,) int32 = [starts (E + 2) | pair_of_row (m k)] (see GroupLayout). An entry outside [0, E)
-    (-1, or an unchecked bad value under CUDA-graph capture) is a pair without expert."""
+    (-1, or a bad value not raised yet: module doc) is a pair without expert."""
     m, k = topk_idx.shape
     dev = topk_idx.device
     flat = topk_idx.reshape(-1).long()
@@ -222,6 +234,18 @@ def moe_tp_start_kernel(bar, heap):
     """Start of a call: every rank's previous kernels, the last readers of its workspace, are done.
     bar[0] = the call's epoch."""
     wl.barrier_all(bar, heap)
+
+
+@triton.jit
+def moe_tp_check_kernel(topk, err, tokens, K: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """Check BLOCK_T rows of topk (tokens, K) per program: a bad row is recorded in the error word `err`
+    (blocks.check_rows)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    jj = tl.arange(0, BLOCK_K)
+    live = (rows[:, None] < tokens) & (jj[None, :] < K)
+    check_rows(tl.load(topk + rows[:, None] * K + jj[None, :], mask=live, other=-1), rows, err, live, EXPERTS,
+               BLOCK_K)
 
 
 @triton.jit
@@ -473,6 +497,32 @@ def _join(ws) -> None:
         ws.streams.wait(ws.streams.current(), ws.streams.sides[0])
 
 
+class _RoutingCheck:
+    """topk_idx's values checked on the device, with no host sync (moe_tp_check_kernel): a bad row is recorded
+    in the family's error word (a RoutingErrorWord, made with the family's first call whatever its method), and
+    raise_recorded raises it."""
+
+    def __init__(self, world, topk_idx, num_experts: int):
+        self.errors = workspace(world, "moe_tp_errors", RoutingErrorWord)
+        m, k = topk_idx.shape
+        self.m, self.launch = m, None
+        if m == 0:
+            return
+        block_k = triton.next_power_of_2(k)
+        # check_rows compares every pair of a row's entries: BLOCK_T x BLOCK_K^2 at once, at most 4096.
+        block_t = min(64, triton.next_power_of_2(m), max(1, 4096 // block_k ** 2))
+        self.launch = Launch(moe_tp_check_kernel, (triton.cdiv(m, block_t),), (topk_idx, self.errors.tensor, m),
+                             dict(K=k, EXPERTS=num_experts, BLOCK_T=block_t, BLOCK_K=block_k))
+        self.err = self.launch.address(self.errors.tensor)  # on GPUs the pinned word's address, taken once
+
+    def __call__(self, topk_idx) -> None:
+        if self.launch is not None:
+            self.launch(self.launch.address(topk_idx), self.err, self.m)
+
+    def raise_recorded(self) -> None:
+        self.errors.raise_recorded()
+
+
 class _AgPlan:
     """ag_group_gemm of one call signature: checks, method, launches, workspace views."""
 
@@ -495,6 +545,7 @@ class _AgPlan:
         self.empty = min(m, n, hidden) == 0
         refusal = _overlap_refusal(world, self.empty, need, "the gathered tokens and layouts")
         self.method = _choose("ag_group_gemm", method, refusal, ww)
+        self.routing = _RoutingCheck(world, topk_idx, e)
         if self.empty:
             return
         tiles, even, warps = _gemm_config(world, m, k, e, n, hidden)
@@ -529,6 +580,7 @@ class _AgPlan:
                 gathered.shape[1], self.width)
 
     def __call__(self, tokens, w, topk_idx, out):
+        self.routing(topk_idx)
         meta = chunk_layout(topk_idx, self.e)
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.dev)
@@ -564,17 +616,19 @@ def ag_group_gemm(tokens_shard: torch.Tensor, w_experts_shard: torch.Tensor, top
     inter into.
     method: "overlap" (copy-engine pushes of the tokens under a persistent grouped GEMM that takes each rank's
     chunk as it arrives; needs the gathered tokens and layouts to fit the workspace), "baseline" (weft
-    all_gather, then the grouped GEMM), "auto" (the overlap where it can take the call, else the baseline; AUTO_OVERLAPS).
-    Checks topk_idx's values (a host sync) except under CUDA-graph capture. Collective: every rank passes the
-    same shapes and method.
+    all_gather, then the grouped GEMM), "auto" (the overlap where it can take the call, else the baseline;
+    AUTO_OVERLAPS). topk_idx's values are checked on the device, with no host sync: a bad row raises a ValueError
+    naming topk_idx, the row and the expert at this rank's next call of the family (module doc). Collective:
+    every rank passes the same shapes and method.
     """
     world = world_or_raise()
     found = plan(world, lambda: ("ag_group_gemm", signature(tokens_shard), signature(w_experts_shard),
                                  signature(topk_idx), method, None if out is None else signature(out)),
                  lambda: _AgPlan(world, tokens_shard, w_experts_shard, topk_idx, method, out))
-    if not capturing(world.device):
-        check_routing_values(topk_idx, found.e)
-    return found(tokens_shard, w_experts_shard, topk_idx, out)
+    found.routing.raise_recorded()  # a bad row an earlier call of the family recorded: nothing launched
+    result = found(tokens_shard, w_experts_shard, topk_idx, out)
+    found.routing.raise_recorded()  # this call's, where its check has run (always under the interpreter)
+    return result
 
 
 class _RsPlan:
@@ -604,6 +658,7 @@ class _RsPlan:
         self.empty = min(m, inter, hidden) == 0
         refusal = _overlap_refusal(world, self.empty, need, "the partials and routing weights")
         self.method = _choose("group_gemm_rs", method, refusal, ww)
+        self.routing = _RoutingCheck(world, topk_idx, e)
         if self.empty:
             return
         tiles, even, warps = _gemm_config(world, m, k, e, hidden, inter)
@@ -661,6 +716,8 @@ class _RsPlan:
                              f"{layout.meta.device}, but this call has {want} on {self.dev}")
 
     def __call__(self, h, w_down, topk_idx, topk_weights, layout, out):
+        if layout is None:  # topk_idx's values are read only to make the layout again
+            self.routing(topk_idx)
         if out is None:
             out = torch.empty((self.m, self.hidden), dtype=self.dtype, device=self.dev)
         if self.empty:
@@ -698,7 +755,7 @@ def group_gemm_rs(h: torch.Tensor, w_down_shard: torch.Tensor, topk_idx: torch.T
     activation); w_down_shard (E, N', hidden) of that dtype: every expert's slice of the down projection on
     this rank; topk_idx (m, k) int64/int32 and topk_weights (m, k) fp32: this rank's routing, as given to
     ag_group_gemm; layout: what ag_group_gemm returned (None: made again from every rank's topk_idx, an
-    all_gather, and topk_idx's values checked, a host sync, except under CUDA-graph capture). Contiguous.
+    all_gather, and topk_idx's values checked on the device as ag_group_gemm checks them). Contiguous.
     Returns (m, hidden): for each of my tokens, sum over ranks q in rank order of q's partial, sum over j of
     topk_weights[t, j] * (h[row of (t, j)] @ w_down_shard[expert] on rank q, rounded to the dtype), in fp32
     and rounded once per rank; pairs with topk_idx -1 add nothing. `out`: a contiguous (m, hidden) tensor to
@@ -715,9 +772,10 @@ def group_gemm_rs(h: torch.Tensor, w_down_shard: torch.Tensor, topk_idx: torch.T
                                  None if out is None else signature(out)),
                  lambda: _RsPlan(world, h, w_down_shard, topk_idx, topk_weights, method, out))
     found.check_layout(layout)
-    if layout is None and not capturing(world.device):
-        check_routing_values(topk_idx, found.e)
-    return found(h, w_down_shard, topk_idx, topk_weights, layout, out)
+    found.routing.raise_recorded()  # a bad row an earlier call of the family recorded: nothing launched
+    result = found(h, w_down_shard, topk_idx, topk_weights, layout, out)
+    found.routing.raise_recorded()  # this call's, where its check has run (always under the interpreter)
+    return result
 
 
 # Signatures for the sm_90 compile check (weft.testing.compile): both GPU tilings, bf16 and fp16, the
@@ -749,6 +807,10 @@ def _rs_case(t: str, big: bool, experts: int, k: int, world: int):
 
 
 COMPILE_CASES = [(moe_tp_start_kernel, dict(bar="*i32", heap="*i64"), {}, dict(num_warps=1))] + [
+    (moe_tp_check_kernel, dict(topk=t, err="*i64", tokens="i32"),
+     dict(K=k, EXPERTS=experts, BLOCK_T=64, BLOCK_K=triton.next_power_of_2(k)), dict(num_warps=4))
+    for t in ("*i64", "*i32") for experts, k in ((128, 8), (8, 2))
+] + [
     _chunks_case(t, big, gather, experts, k) for t in ("bf16", "fp16") for big in (True, False)
     for gather in (True, False) for experts, k in ((128, 8), (8, 2))
 ] + [

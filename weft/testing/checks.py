@@ -87,3 +87,35 @@ def nan_allocations():
         yield
     finally:
         torch.empty, torch.empty_like = empty, empty_like
+
+
+@contextlib.contextmanager
+def host_reads():
+    """Yields a list that records, as "file:line name", every read of a tensor's values into Python made by
+    weft's own code (not its tests' helpers) in the block: Tensor.item, tolist, numpy, cpu, bool, int, float,
+    index. On GPUs each is a host sync (the host waits for the device), so an op that makes none on the cpu
+    backend queues its work on GPUs without waiting."""
+    import os
+    import sys
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    helpers = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    found = []
+    names = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+
+    def watched(name, fn):
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code
+            if caller.co_filename.startswith(package) and not caller.co_filename.startswith(helpers):
+                found.append(f"{caller.co_filename}:{sys._getframe(1).f_lineno} {name}")
+            return fn(self, *args, **kwargs)
+        return read
+
+    for name, fn in saved.items():
+        setattr(torch.Tensor, name, watched(name, fn))
+    try:
+        yield found
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
