@@ -154,11 +154,12 @@ class AllGatherWorkspace:
 
 # "auto" hands shards of at least this many bytes to the process group's all_gather (NCCL), by output kind
 # and world size (the nearest measured one): where NCCL measured faster. Into a plain output, 2 H200s,
-# 2026-11-23 (`weft bench -n 2 allgather --view both`): NCCL 1.00-1.01x weft's best from 32 MiB shards;
-# below that push (with the launch rule above) leads at every size (probe above). With no output given,
-# NCCL's call costs ~10 us more (its output, allocated per call, is recorded on NCCL's stream). Into a
-# symmetric output push is ahead at every size.
-NCCL_ABOVE = {"plain": {2: 32 << 20}, "none": {2: 32 << 20}, "symmetric": {2: float("inf")}}
+# 2026-11-23 (eighth session, `weft bench -n 2 allgather --view both`, the launch rule above): push 140.1 /
+# 279.5 / 556.9 us replayed at 32 / 64 / 128 MiB shards against NCCL's 162.7 / 295.7 / 553.6 (eager 141.4 /
+# 282.7 / 563.4 against 158.7 / 290.2 / 550.5), and ahead by 1.2-2.7x below. With no output given, NCCL's
+# call costs ~10 us more (its output, allocated per call, is recorded on NCCL's stream). Into a symmetric
+# output push is ahead at every size.
+NCCL_ABOVE = {"plain": {2: 128 << 20}, "none": {2: 128 << 20}, "symmetric": {2: float("inf")}}
 
 
 def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
