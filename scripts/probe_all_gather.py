@@ -10,7 +10,6 @@ rank's median (weft.bench.timing); every setting's first call is checked bit-exa
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -21,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import weft  # noqa: E402
 import weft.kernels.all_gather as ag  # noqa: E402
+from weft.bench.report import ProbeLog  # noqa: E402
 from weft.bench.timing import time_calls  # noqa: E402
 
 PUSH = [(256 << 10, 16), (64 << 10, 32), (16 << 10, 64)]
@@ -35,7 +35,7 @@ def main():
     gpu = torch.cuda.is_available()
     weft.init(heap_size=(4 << 30) if gpu else None)
     w = weft.world()
-    results = []
+    log = ProbeLog("probe_all_gather", w.rank)
     kib = 64 if gpu else 4
     while kib <= args.max_kib:
         n = (kib << 10) // 2
@@ -56,13 +56,9 @@ def main():
                 fns[label] = lambda found=list(w.plans.values())[-1]: found(x, out)
         ms = time_calls(fns, calls=10, samples=args.samples, graph=gpu)
         row = dict(shard_kib=kib, ok=bool(ok), **{k: round(v * 1e3, 1) for k, v in ms.items()})
-        results.append(row)
-        if w.rank == 0:
-            print(json.dumps(row), flush=True)
+        log.add(row)
         kib *= 2
-    if w.rank == 0:
-        with open(os.path.join(os.environ.get("OUT", "."), "probe_all_gather.json"), "w") as f:
-            json.dump(results, f, indent=1)
+    log.save()
     weft.finalize()
 
 

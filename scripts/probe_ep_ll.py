@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 
@@ -23,6 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import weft  # noqa: E402
 import weft.kernels.moe as moe  # noqa: E402
+from weft.bench.report import ProbeLog  # noqa: E402
 from weft.bench.timing import time_calls  # noqa: E402
 
 
@@ -45,7 +45,7 @@ def main():
     programs = ints(args.programs) if gpu else [moe.LL_CPU[0]]
     chunks = ints(args.chunks) if gpu else [moe.LL_CPU[1]]
     warps_swept = ints(args.warps) if gpu else [moe.LL_CPU[2]]
-    results = []
+    log = ProbeLog("probe_ep_ll", w.rank)
     for tokens in [int(t) for t in args.tokens.split(",")]:
         g = torch.Generator(device=w.device).manual_seed(1234 + w.rank)
         x = torch.randn(tokens, args.hidden, device=w.device, generator=g).to(torch.bfloat16)
@@ -69,13 +69,8 @@ def main():
             ms = time_calls(fns, calls=10, samples=args.samples, graph=gpu)
             row = dict(tokens=tokens, programs=prog, chunk_words=chunk, warps=warps, ok=ok,
                        **{k: round(v * 1e3, 1) for k, v in ms.items()})
-            results.append(row)
-            if w.rank == 0:
-                print(json.dumps(row), flush=True)
-    if w.rank == 0:
-        out = os.environ.get("OUT", ".")
-        with open(os.path.join(out, "probe_ep_ll.json"), "w") as f:
-            json.dump(results, f, indent=1)
+            log.add(row)
+    log.save()
     weft.finalize()
 
 

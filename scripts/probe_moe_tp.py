@@ -10,7 +10,6 @@ rank's median (weft.bench.timing). Each tiling's first call is checked against t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -21,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import weft  # noqa: E402
 import weft.kernels.moe_tp as moe_tp  # noqa: E402
 from weft.bench.moe import MODELS  # noqa: E402
+from weft.bench.report import ProbeLog  # noqa: E402
 from weft.bench.timing import time_calls  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps)
@@ -41,7 +41,7 @@ def main():
     w = weft.world()
     dev, ws = w.device, w.world_size
     default = moe_tp._gemm_config
-    results = []
+    log = ProbeLog("probe_moe_tp", w.rank)
     for name in args.models.split(","):
         model = MODELS[name]
         m = args.tokens // ws // args.scale
@@ -76,13 +76,9 @@ def main():
                            **{op: round(v * 1e3, 1) for op, v in ms.items()})
             except Exception as e:  # noqa: BLE001 - a tiling that does not compile or fit is reported
                 row = dict(model=name, tile=[bm, bn, bk, stages, warps], error=f"{type(e).__name__}: {e}"[:200])
-            results.append(row)
-            if w.rank == 0:
-                print(json.dumps(row), flush=True)
+            log.add(row)
         moe_tp._gemm_config = default
-    if w.rank == 0:
-        with open(os.path.join(os.environ.get("OUT", "."), "probe_moe_tp.json"), "w") as f:
-            json.dump(results, f, indent=1)
+    log.save()
     weft.finalize()
 
 

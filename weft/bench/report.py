@@ -157,3 +157,21 @@ def write(rows: list[Row], out_dir: str, name: str, title: str, baseline: str | 
         f.write(f"## {title}\n\n{run}cells: {cells}\n\n{table}\n")
     plot(rows, os.path.join(out_dir, f"{name}.png"), title, bandwidth)
     return table
+
+
+class ProbeLog:
+    """A tuning probe's rows (scripts/probe_*.py): each printed as JSON by rank 0 as it comes, and all of them
+    saved by rank 0 to $OUT/<name>.json (the working directory without $OUT)."""
+
+    def __init__(self, name: str, rank: int):
+        self.name, self.rank, self.rows = name, rank, []
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        if self.rank == 0:
+            print(json.dumps(row), flush=True)
+
+    def save(self) -> None:
+        if self.rank == 0:
+            with open(os.path.join(os.environ.get("OUT", "."), f"{self.name}.json"), "w") as f:
+                json.dump(self.rows, f, indent=1)
