@@ -70,7 +70,8 @@ def test_bench_harness_writes_json_table_and_plot(tmp_path):
 
 
 @pytest.mark.parametrize("suite, impls", [
-    ("allreduce", {"gloo", "weft one_shot", "weft two_shot", "weft auto", "weft two_shot (symmetric, in place)"}),
+    ("allreduce", {"gloo", "weft one_shot", "weft two_shot", "weft auto", "weft auto (in place)",
+                   "weft two_shot (symmetric, in place)"}),
     ("reducescatter", {"gloo", "weft"}),
 ])
 def test_bench_reduction_suites(tmp_path, suite, impls):
