@@ -23,7 +23,7 @@ from weft.bench.moe import MODELS  # noqa: E402
 from weft.bench.report import ProbeLog  # noqa: E402
 from weft.bench.timing import time_calls  # noqa: E402
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps)
+# (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps), as moe_tp.TILES holds them
 GPU_TILES = [(128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 128, 64, 4, 4),
              (64, 256, 64, 3, 8), (128, 64, 64, 4, 4), (64, 128, 128, 3, 4)]
 CPU_TILES = [(16, 32, 32, 1, 4), (32, 32, 32, 1, 4)]
@@ -40,7 +40,8 @@ def main():
     weft.init(heap_size=(8 << 30) if gpu else None, workspace_bytes=(1 << 30) if gpu else None)
     w = weft.world()
     dev, ws = w.device, w.world_size
-    default = moe_tp._gemm_config
+    kind = "large" if gpu else "cpu"  # the entry of TILES these shapes take (their experts' segments fill 128 rows)
+    default = moe_tp.TILES[kind]
     log = ProbeLog("probe_moe_tp", w.rank)
     for name in args.models.split(","):
         model = MODELS[name]
@@ -55,13 +56,8 @@ def main():
         inter_ref, layout = weft.ops.ag_group_gemm(x, w_gu, idx, method="overlap")
         h = inter_ref[:, :n].contiguous()
         out_ref = weft.ops.group_gemm_rs(h, w_dn, idx, wts, layout, method="overlap")
-        for bm, bn, bk, stages, warps in GPU_TILES if gpu else CPU_TILES:
-            def config(world, *a, bm=bm, bn=bn, bk=bk, stages=stages, warps=warps):
-                tiles, even, _ = default(world, *a)
-                tiles.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages)
-                kdim, ncols = a[-1], a[-2]
-                return tiles, dict(EVEN_K=kdim % bk == 0, EVEN_N=ncols % bn == 0), warps
-            moe_tp._gemm_config = config
+        for tile in GPU_TILES if gpu else CPU_TILES:
+            moe_tp.TILES[kind] = tile
             w.plans.clear()
             try:
                 inter, lay = weft.ops.ag_group_gemm(x, w_gu, idx, method="overlap")
@@ -72,12 +68,12 @@ def main():
                                  "group_gemm_rs": lambda: weft.ops.group_gemm_rs(h, w_dn, idx, wts, lay,
                                                                                  method="overlap")},
                                 calls=3, samples=args.samples, graph=gpu)
-                row = dict(model=name, tile=[bm, bn, bk, stages, warps], ok=ok,
+                row = dict(model=name, tile=list(tile), ok=ok,
                            **{op: round(v * 1e3, 1) for op, v in ms.items()})
             except Exception as e:  # noqa: BLE001 - a tiling that does not compile or fit is reported
-                row = dict(model=name, tile=[bm, bn, bk, stages, warps], error=f"{type(e).__name__}: {e}"[:200])
+                row = dict(model=name, tile=list(tile), error=f"{type(e).__name__}: {e}"[:200])
             log.add(row)
-        moe_tp._gemm_config = default
+        moe_tp.TILES[kind] = default
     log.save()
     weft.finalize()
 

@@ -166,6 +166,16 @@ def _sum_slots(slots, slot_len, offs, mask, MASKED: tl.constexpr, WORLD: tl.cons
 
 
 @triton.jit
+def _target(dst, own, q, me, heap):
+    """Where rank q's copy of a pushed sum goes: rank q's `dst`, or for this rank `own` where given."""
+    target = wl.symm_at(dst, q, heap)
+    if own is not None:
+        if q == me:
+            target = own
+    return target
+
+
+@triton.jit
 def _reduce(dst, slots, slot_len, lo, hi, heap, PUSH: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
             VEC: tl.constexpr, own=None):
     """dst[i] = sum over q of slots[q * slot_len + i] for i in [lo, hi).
@@ -179,12 +189,7 @@ def _reduce(dst, slots, slot_len, lo, hi, heap, PUSH: tl.constexpr, WORLD: tl.co
         val = cast(_sum_slots(slots, slot_len, offs, None, False, WORLD, BLOCK, VEC), dst.dtype.element_ty)
         if PUSH:
             for q in tl.static_range(WORLD):
-                if own is None:
-                    tl.store(at(wl.symm_at(dst, q, heap), offs, VEC), val)
-                elif q == me:
-                    tl.store(at(own, offs, VEC), val)
-                else:
-                    tl.store(at(wl.symm_at(dst, q, heap), offs, VEC), val)
+                tl.store(at(_target(dst, own, q, me, heap), offs, VEC), val)
         else:
             tl.store(at(dst, offs, VEC), val)
     offs = full + tl.arange(0, BLOCK)
@@ -192,12 +197,7 @@ def _reduce(dst, slots, slot_len, lo, hi, heap, PUSH: tl.constexpr, WORLD: tl.co
     val = cast(_sum_slots(slots, slot_len, offs, mask, True, WORLD, BLOCK, VEC), dst.dtype.element_ty)
     if PUSH:
         for q in tl.static_range(WORLD):
-            if own is None:
-                tl.store(wl.symm_at(dst, q, heap) + offs, val, mask=mask)
-            elif q == me:
-                tl.store(own + offs, val, mask=mask)
-            else:
-                tl.store(wl.symm_at(dst, q, heap) + offs, val, mask=mask)
+            tl.store(_target(dst, own, q, me, heap) + offs, val, mask=mask)
     else:
         tl.store(dst + offs, val, mask=mask)
 

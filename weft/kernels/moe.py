@@ -38,7 +38,8 @@ Work is dealt out in units of (token, chunk of its row's words): program p handl
 t = p // CHUNKS (mod LANES), sending and then receiving those units, so one token's row moves on CHUNKS
 programs at once; a program waits only on the same program of its peers (data, and in combine the acks) and
 on lower ones (the header, a token's meta words from its chunk-0 program), and issues all its sends first.
-Counts and positions come from histograms of each row's first namings: O(tokens x k) per program.
+The header's counts come from a histogram of each row's first namings (O(tokens x k), program 0); a token's
+position among its sender's tokens for an expert from a scan of the tokens before it (its chunk-0 program).
 
 Buffers are double-buffered by call parity, one epoch counter per kernel (each takes `wl.next_epoch` once
 per call): a sender writes half e % 2 of rank q in call e only after its own call e - 1 ended, in which it
@@ -622,15 +623,15 @@ def _first_naming(e, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _tokens_per_expert(topk, start, end, K: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr,
+def _tokens_per_expert(topk, tokens, K: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
-    """For each expert e < BLOCK_E: how many of tokens [start, end) name it (a token naming it twice once), as
-    a histogram of each row's first namings: O(tokens x k)."""
+    """For each expert e < BLOCK_E: how many of the tokens name it (a token naming it twice once), as a
+    histogram of each row's first namings: O(tokens x k)."""
     jj = tl.arange(0, BLOCK_K)
     cnt = tl.zeros([BLOCK_E], tl.int32)
-    for t0 in range(start, end, BLOCK_T):
+    for t0 in range(0, tokens, BLOCK_T):
         tt = t0 + tl.arange(0, BLOCK_T)
-        live = (tt[:, None] < end) & (jj[None, :] < K)
+        live = (tt[:, None] < tokens) & (jj[None, :] < K)
         e = valid_experts(tl.load(topk + tt[:, None] * K + jj[None, :], mask=live, other=-1), live, EXPERTS)
         first = _first_naming(e, BLOCK_K)
         cnt += tl.histogram(tl.reshape(e, [BLOCK_T * BLOCK_K]), BLOCK_E, mask=tl.reshape(first, [BLOCK_T * BLOCK_K]))
@@ -705,7 +706,7 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
     ll = tl.arange(0, BLOCK_L)
     ee = tl.arange(0, BLOCK_E)
     if p == 0:
-        head = tl.where(ee < EXPERTS, _tokens_per_expert(topk, 0, tokens, K, EXPERTS, BLOCK_K, BLOCK_E, BLOCK_T),
+        head = tl.where(ee < EXPERTS, _tokens_per_expert(topk, tokens, K, EXPERTS, BLOCK_K, BLOCK_E, BLOCK_T),
                         tokens)
         for r in range(WORLD):
             tl.store(wl.symm_at(half + me * HEAD, r, heap) + ee, wl.pack_ll(head, epoch), mask=ee < HEAD)

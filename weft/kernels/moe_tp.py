@@ -392,19 +392,19 @@ def _workspace(world) -> MoeTPWorkspace:
 
 # -- host side --------------------------------------------------------------------------
 
+# The grouped GEMM's tiles, (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps): on GPUs "large" where the experts'
+# segments (m k / E rows on average per chunk) fill 128 rows, else "small" (not measured yet); `scripts/
+# probe_moe_tp.py` sweeps "large". On 2 H200s (2026-11-23, eighth session, Qwen3-30B-A3B, 8192 tokens, graph
+# replay, ag_group_gemm / group_gemm_rs us): 128x128x64 3 stages 8 warps 779.3 / 618.1, 4 stages 702.0 / 574.6,
+# 128x256x64 3 stages 8 warps 623.8 / 458.0, 64x256x64 720.4 / 556.0, 64x128x64 772.3 / 709.3.
+TILES = {"large": (128, 256, 64, 3, 8), "small": (64, 128, 64, 4, 4), "cpu": (16, 32, 32, 1, 4)}
+
+
 def _gemm_config(world, m: int, k: int, experts: int, n: int, kdim: int):
     """(tiles, even, warps): the grouped GEMM's tiling constexprs (BLOCK_M/N/K, BLOCK_E, NUM_STAGES), whether K
-    and N are whole blocks (EVEN_K, EVEN_N), and its warps. On GPUs 128 x 256 tiles where the experts'
-    segments (m k / E rows on average per chunk) fill 128 rows, else 64 x 128 (not measured yet).
-    `scripts/probe_moe_tp.py` on 2 H200s (2026-11-23, eighth session, Qwen3-30B-A3B, 8192 tokens, graph
-    replay, ag_group_gemm / group_gemm_rs us): 128x128x64 3 stages 8 warps 779.3 / 618.1, 4 stages 702.0 /
-    574.6, 128x256x64 3 stages 8 warps 623.8 / 458.0, 64x256x64 720.4 / 556.0, 64x128x64 772.3 / 709.3."""
-    if world.device.type != "cuda":
-        bm, bn, bk, stages, warps = 16, 32, 32, 1, 4
-    elif m * k >= 128 * experts:
-        bm, bn, bk, stages, warps = 128, 256, 64, 3, 8
-    else:
-        bm, bn, bk, stages, warps = 64, 128, 64, 4, 4
+    and N are whole blocks (EVEN_K, EVEN_N), and its warps, from TILES."""
+    kind = "cpu" if world.device.type != "cuda" else "large" if m * k >= 128 * experts else "small"
+    bm, bn, bk, stages, warps = TILES[kind]
     tiles = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(experts + 2),
                  NUM_STAGES=stages)
     return tiles, dict(EVEN_K=kdim % bk == 0, EVEN_N=n % bn == 0), warps
@@ -781,9 +781,13 @@ def group_gemm_rs(h: torch.Tensor, w_down_shard: torch.Tensor, topk_idx: torch.T
 # Signatures for the sm_90 compile check (weft.testing.compile): both GPU tilings, bf16 and fp16, the
 # ag_group_gemm (gather, wait) and group_gemm_rs baseline (no gather, no wait) forms; Qwen3-30B-A3B's 128
 # experts top-8 at 8 ranks and Mixtral's 8 top-2 at 2.
+def _compile_tiles(big: bool):
+    bm, bn, bk, stages, warps = TILES["large" if big else "small"]
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages), warps
+
+
 def _chunks_case(t: str, big: bool, gather: bool, experts: int, k: int):
-    tiles = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, NUM_STAGES=3) if big else \
-        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, NUM_STAGES=4)
+    tiles, warps = _compile_tiles(big)
     sig = dict(a=f"*{t}", meta="*i32", w=f"*{t}", out=f"*{t}", ready="*i32", bar="*i32", heap="*i64",
                mapping=wl.TileMapping("*i32", "constexpr", "constexpr", "constexpr", "constexpr"), m="i32", N="i32",
                K="i32", meta_stride="i32")
@@ -791,19 +795,18 @@ def _chunks_case(t: str, big: bool, gather: bool, experts: int, k: int):
     consts |= dict(E=experts, TOP_K=k, GATHER=gather, WAIT=gather, BLOCK_M=tiles["BLOCK_M"],
                    BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"], BLOCK_E=triton.next_power_of_2(experts + 2),
                    NUM_STAGES=tiles["NUM_STAGES"], NUM_PROGRAMS=132, EVEN_K=True, EVEN_N=big)
-    return group_gemm_chunks_kernel, sig, consts, dict(num_warps=8 if big else 4)
+    return group_gemm_chunks_kernel, sig, consts, dict(num_warps=warps)
 
 
 def _rs_case(t: str, big: bool, experts: int, k: int, world: int):
-    tiles = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, NUM_STAGES=3) if big else \
-        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, NUM_STAGES=4)
+    tiles, warps = _compile_tiles(big)
     sig = dict(h=f"*{t}", meta="*i32", w=f"*{t}", y=f"*{t}", row_of_pair="*i32", weights="*fp32", recv=f"*{t}",
                out=f"*{t}", done="*i32", ready="*i32", pushed="*i32", bar="*i32", heap="*i64", m="i32", N="i32",
                K="i32", meta_stride="i32")
     consts = dict(E=experts, TOP_K=k, WORLD=world, **tiles, BLOCK_E=triton.next_power_of_2(experts + 2),
                   NUM_PROGRAMS=132, EVEN_K=big, EVEN_N=True, BLOCK_T=16, BLOCK_H=256)
     consts = {name: consts[name] for name in group_gemm_rs_kernel.arg_names if name in consts}
-    return group_gemm_rs_kernel, sig, consts, dict(num_warps=8 if big else 4)
+    return group_gemm_rs_kernel, sig, consts, dict(num_warps=warps)
 
 
 COMPILE_CASES = [(moe_tp_start_kernel, dict(bar="*i32", heap="*i64"), {}, dict(num_warps=1))] + [

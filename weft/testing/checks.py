@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 
 import torch
 
@@ -95,9 +97,6 @@ def host_reads():
     weft's own code (not its tests' helpers) in the block: Tensor.item, tolist, numpy, cpu, bool, int, float,
     index. On GPUs each is a host sync (the host waits for the device), so an op that makes none on the cpu
     backend queues its work on GPUs without waiting."""
-    import os
-    import sys
-
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
     helpers = os.path.dirname(os.path.abspath(__file__)) + os.sep
     found = []
