@@ -24,6 +24,7 @@ from weft.bench.overhead import ten_args_kernel  # noqa: E402
 from weft.bench.report import ProbeLog  # noqa: E402
 from weft.bench.timing import issue_times  # noqa: E402
 from weft.kernels.common import Launch, out_kind, signature  # noqa: E402
+from weft.bench.gemm import local_shape  # noqa: E402
 from weft.runtime import streams  # noqa: E402
 
 
@@ -77,7 +78,7 @@ def main():
         fns["Launch (10 args, compiled)"] = lambda: bare(p, p, p, p, p, 1, 2, 3, 4, 5)
         fns["raw stream"] = lambda: torch._C._cuda_getCurrentRawStream(idx)
         fns["torch.cuda.current_stream()"] = torch.cuda.current_stream
-        drv = streams._driver
+        from cuda.bindings import driver as drv
         flag = torch.zeros(1, dtype=torch.int32, device=dev)
         one = torch.ones(1, dtype=torch.int32, device=dev)
         fp, op = flag.data_ptr(), one.data_ptr()
@@ -91,10 +92,89 @@ def main():
         fns["StreamSet.wait (record + wait)"] = lambda: side.wait(side.sides[0], main)
         fns["StreamSet.run_on (set stream x2)"] = lambda: side.run_on(side.sides[0], main, int)
     ms = issue_times(fns, calls=args.calls, samples=args.samples)
+    if gpu:
+        ms.update(_gemm_pieces(w, args))
+        ms.update(_capture_write_value(w))
     for name, v in ms.items():
         log.add(dict(piece=name, host_us=round(v * 1e3, 2)))
     log.save()
     weft.finalize()
+
+
+def _gemm_pieces(w, args) -> dict:
+    """ag_gemm 4096x14336x4096 and gemm_rs 4096x4096x14336 (overlap) whole, then their plans' pieces.
+
+    The GEMM launch is timed alone after whole calls, when every flag is already up (it does not wait); the
+    start kernels last, since they lower the flags."""
+    from cuda.bindings import driver
+
+    dev = w.device
+    m, n, k = local_shape("ag", 4096, 14336, 4096, w.world_size)
+    a = torch.randn(m, k, device=dev).to(torch.bfloat16)
+    b = torch.randn(k, n, device=dev).to(torch.bfloat16)
+    rm, rn, rk = local_shape("rs", 4096, 4096, 14336, w.world_size)
+    ra = torch.randn(rm, rk, device=dev).to(torch.bfloat16)
+    rb = torch.randn(rk, rn, device=dev).to(torch.bfloat16)
+    whole = {"ag_gemm whole": lambda: weft.ops.ag_gemm(a, b, method="overlap"),
+             "gemm_rs whole": lambda: weft.ops.gemm_rs(ra, rb, method="overlap")}
+    for f in whole.values():
+        f()
+    ag = _cells(list(p for key, p in w.plans.items() if key[0] == "ag_gemm")[-1])
+    rs = _cells(list(p for key, p in w.plans.items() if key[0] == "gemm_rs")[-1])
+    res = ag["result"](None)
+    out = rs["result"](None)
+    peer = (w.rank + 1) % w.world_size
+    scratch = weft.zeros((64,), torch.int32)
+    peer_word = w.heap.peer(scratch, peer)[0:1].data_ptr()
+    one = torch.ones(1, dtype=torch.int32, device=dev)
+    s = torch.cuda.current_stream().cuda_stream
+    rows = w.heap.peer(ag["gathered"], peer)[w.rank * m:(w.rank + 1) * m]  # a peer's chunk of G
+    wm, wn, wk = ag["m"], ag["n"], ag["k"]
+
+    def ag_launch():
+        ag["launch"](ag["a_desc"], ag["b_desc"].on(b), ag["c_desc"].on(res), ag["ws"].ready, ag["heap"], wm, wn, wk)
+
+    def ag_pushes():
+        for push in ag["pushes"]:
+            push(a)
+
+    pieces = {
+        "ag_gemm GEMM launch (3 descriptors)": ag_launch,
+        "ag_gemm pushes (CopyEnginePush: data, flag)": ag_pushes,
+        "device_copy (a_shard to a peer)": lambda: streams.device_copy(rows, a),
+        "cuMemcpyDtoDAsync 4 B to a peer": lambda: driver.cuMemcpyDtoDAsync(peer_word, one.data_ptr(), 4, s),
+        "cuStreamWriteValue32 to a peer": lambda: driver.cuStreamWriteValue32(s, peer_word, 1, 0),
+        "torch.empty (ag_gemm's out)": lambda: ag["result"](None),
+        "gemm_rs result alloc": lambda: rs["result"](None),
+    }
+    times = issue_times(whole, calls=max(1, args.calls // 10), samples=args.samples)
+    times.update(issue_times(pieces, calls=max(1, args.calls // 10), samples=args.samples))
+    a_at = ag["start"].address(a)
+    times.update(issue_times({"ag_gemm start (copy, barrier)": lambda: ag["start"](a_at, *ag["start_fixed"],
+                                                                                   ag["elements"], ag["chunk"]),
+                              "gemm_rs start barrier": lambda: rs["start"](rs["ws"].bar, rs["ws"].ready, rs["heap"])},
+                             calls=max(1, args.calls // 10), samples=args.samples))
+    torch.cuda.synchronize()
+    return times
+
+
+def _capture_write_value(w) -> dict:
+    """Whether cuStreamWriteValue32 can be captured in a CUDA graph (1.0) or not (0.0), and its replay works."""
+    from cuda.bindings import driver
+
+    word = torch.zeros(1, dtype=torch.int32, device=w.device)
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g):
+            s = torch.cuda.current_stream().cuda_stream
+            err = driver.cuStreamWriteValue32(s, word.data_ptr(), 7, 0)[0]
+        g.replay()
+        torch.cuda.synchronize()
+        ok = err == driver.CUresult.CUDA_SUCCESS and int(word.item()) == 7
+    except Exception as e:  # noqa: BLE001 - the probe reports it
+        print(f"capture of cuStreamWriteValue32 failed: {e}", flush=True)
+        ok = False
+    return {"cuStreamWriteValue32 captured and replayed (1 = yes)": 1e-3 * ok}
 
 
 if __name__ == "__main__":

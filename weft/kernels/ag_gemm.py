@@ -6,17 +6,17 @@ tensor parallelism, with the activations sharded on tokens).
 
 How the overlap works (one call on rank `me`):
 
-    main stream:  barrier ─ copy a_shard → G[me] ─────── GEMM (tiles of chunk me, me+1, ..., me-1) ─ join
-    copy stream:          └─ for s = 1 .. W-1: push a_shard → G[me] of rank me-s, then its flag ─┘
+    main stream:  start (copy a_shard → G[me], barrier) ─ GEMM (tiles of chunk me, me+1, ..., me-1) ─ join
+    copy stream:                                └─ for s = 1 .. W-1: push a_shard → G[me] of rank me-s, then its flag ─┘
 
 - G is this context's gathered buffer (W * m, K) in the symmetric heap, a
   tile map in its dense form (`wl.ShardMapping`): chunk q, rank q's shard, is
   one producer tile, and its flag is `ready[q]`. Rank q writes chunk q of
   everybody's G. The pushes are copy-engine transfers (cudaMemcpyAsync to the
   peer's memory through NVLink): they take no SM away from the GEMM. Each is
-  followed, on the same stream, by a 4-byte copy of the call's epoch into the
-  peer's flag of the tile: stream order puts the flag after the data
-  (`wl.copy_engine_push`, the copy engine's `tile_push`).
+  followed, on the same stream, by a stream memory operation that writes 1
+  into the peer's flag of the tile: stream order puts the flag after the data
+  (`wl.CopyEnginePush`, the copy engine's `tile_push`, two driver calls).
 - At step s rank q pushes to rank q - s, so rank d receives chunk d + s at
   step s, and at every step the W pushes go to W different ranks.
 - The GEMM is the persistent TMA GEMM of gemm.py with its tiles ordered by
@@ -24,12 +24,17 @@ How the overlap works (one call on rank `me`):
   Before the K loop of its first GEMM tile of chunk c a program waits for
   tile c (`tile_wait_tiles`: an acquire on ready[c], then the async-proxy
   fence that makes its TMA loads see the pushed data).
-- A device barrier starts each call: a rank pushes into a peer's G only after
-  that peer's previous GEMM has finished reading it. The barrier's epoch word
-  is the call's epoch, on the device, so the whole call can be captured in a
-  CUDA graph and replayed with no reset. The barrier stays `barrier_all`: it
-  orders calls, not tiles (the tile primitives leave buffer reuse between
-  epochs to the caller).
+- `ag_gemm_start_kernel` starts each call: its programs copy a_shard into
+  G[me] (a kernel, not a copy-engine call: one launch instead of two driver
+  calls of host time), and its program 0 lowers my W flags to 0 and then
+  joins a device barrier. So a rank pushes into a peer's G (and raises its
+  flag) only after that peer's previous GEMM has finished reading G and its
+  flags have been lowered: a flag at 1 means "this call's chunk is here",
+  and the value the pushes write is a constant, which a CUDA-graph replay
+  writes again. The barrier's words hold the call's epoch on the device, so
+  the whole call can be captured and replayed with no reset. The barrier
+  stays `barrier_all`: it orders calls, not tiles (the tile primitives leave
+  buffer reuse between epochs to the caller).
 
 On the cpu backend there are no streams: the pushes run on the host between
 the barrier and the GEMM kernel, and the GEMM's waits see peers' pushes
@@ -51,9 +56,10 @@ import triton.language as tl
 
 import weft.language as wl
 
-from ..runtime.streams import StreamSet, device_copy
+from ..runtime.streams import StreamSet
 from . import gemm
 from .all_gather import all_gather
+from .blocks import copy
 from .common import (Launch, check_method, check_out, out_kind, plan, signature, workspace, world_or_raise,
                      zero_everywhere)
 
@@ -61,18 +67,31 @@ METHODS = ("auto", "overlap", "baseline")
 # "auto" overlaps from this many gathered rows (see auto_method); provisional between the 128 and 4096
 # measured.
 OVERLAP_MIN_ROWS = 1024
+# The start kernel's copy of a_shard into the gathered buffer: (elements a block, most programs) per backend,
+# and the bytes a program copies (16 MiB, a 4096-row shard of K = 4096 at 2 ranks, on 64 SMs).
+START_SHAPE = {"cuda": (2048, 132), "cpu": (256, 2)}
+START_PROGRAM_BYTES = 256 << 10
 
 
 # -- kernels --------------------------------------------------------------------
 
-@triton.jit
-def ag_gemm_barrier_kernel(bar, heap):
-    """Start of a call: every rank's previous GEMM is done reading its gathered buffer. bar[0] = the epoch."""
-    wl.barrier_all(bar, heap)
+@triton.jit(do_not_specialize=["n", "chunk"])
+def ag_gemm_start_kernel(a_shard, local, bar, ready, heap, n, chunk, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """Start of a call. Program p copies elements [p * chunk, (p + 1) * chunk) of a_shard (n elements) into
+    `local`, my own chunk of the gathered buffer; program 0 then lowers my flags ready[0..W), which this
+    call's pushes raise to 1, and joins the barrier (bar[0] = the epoch), which no rank passes before every
+    rank's previous GEMM is done reading its gathered buffer and its flags."""
+    p = tl.program_id(0)
+    lo = p * chunk
+    copy(local, a_shard, lo, tl.maximum(tl.minimum(lo + chunk, n), lo), BLOCK, VEC)
+    if p == 0:
+        for q in range(wl.num_ranks(heap)):
+            tl.store(ready + q, 0)
+        wl.barrier_all(bar, heap)
 
 
 @triton.jit
-def ag_gemm_kernel(a_desc, b_desc, c_desc, bar, ready, heap, m, N, K, RAGGED: tl.constexpr,
+def ag_gemm_kernel(a_desc, b_desc, c_desc, ready, heap, m, N, K, RAGGED: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                    NUM_STAGES: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     """c = G @ b, chunk by chunk in arrival order: me, me + 1, ..., me - 1 (mod W).
@@ -94,7 +113,6 @@ def ag_gemm_kernel(a_desc, b_desc, c_desc, bar, ready, heap, m, N, K, RAGGED: tl
     me = wl.rank(heap)
     world = wl.num_ranks(heap)
     chunks = wl.ShardMapping(world, m, K)
-    epoch = tl.load(bar)
     num_m = tl.cdiv(m, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_chunk = num_m * num_n
@@ -104,7 +122,7 @@ def ag_gemm_kernel(a_desc, b_desc, c_desc, bar, ready, heap, m, N, K, RAGGED: tl
         base = step * per_chunk  # global number of the chunk's first tile
         row0 = 0
         if step > 0:  # my own chunk is in place before the launch
-            row0 = wl.consume_token(0, wl.tile_wait_tiles(chunks, ready, c, 1, epoch, tma=True))
+            row0 = wl.consume_token(0, wl.tile_wait_tiles(chunks, ready, c, 1, 1, tma=True))
         first = base + (pid - base % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS  # my first tile here
         for tile in tl.range(first, base + per_chunk, NUM_PROGRAMS):
             pid_m, pid_n = gemm.tile_of(tile - base, num_m, num_n, GROUP_M)
@@ -222,11 +240,11 @@ def _ag_gemm_plan(world, a_shard, b, method, out, return_gathered, config):
     ws = workspace(world, "ag_gemm", AgGemmWorkspace)
     me = world.rank
     gathered = ws.gathered[:w * m * k * a_shard.element_size()].view(a_shard.dtype).view(w * m, k)
-    # Step s pushes tile me (my chunk) into rank me - s: its G rows [me * m, (me + 1) * m), then its flag ready[me].
-    pushes = [(world.heap.peer(gathered, (me - s) % w)[me * m:(me + 1) * m],
-               world.heap.peer(ws.ready, (me - s) % w)[me:me + 1]) for s in range(1, w)]
+    # Step s pushes tile me (my chunk) into rank me - s: its G rows [me * m, (me + 1) * m), then 1 into its flag
+    # ready[me].
+    pushes = [wl.CopyEnginePush(world.heap.peer(gathered, (me - s) % w)[me * m:(me + 1) * m],
+                                world.heap.peer(ws.ready, (me - s) % w)[me:me + 1], 1) for s in range(1, w)]
     local = gathered[me * m:(me + 1) * m]
-    epoch = ws.bar[0:1]
     heap = world.heap.descriptor
     cfg = config or gemm.config_for(shape[0], n, k, world.device)
     ragged = m % cfg.block_m != 0
@@ -240,27 +258,29 @@ def _ag_gemm_plan(world, a_shard, b, method, out, return_gathered, config):
     b_desc = gemm.descriptor(b, (cfg.block_k, cfg.block_n))
     tiles = w * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     programs = min(gemm.num_sms(world.device), tiles)
-    barrier = Launch(ag_gemm_barrier_kernel, (1,), (ws.bar, heap), {}, num_warps=1)
-    launch = Launch(ag_gemm_kernel, (programs,), (a_desc, b_desc, c_desc, ws.bar, ws.ready, heap, m, n, k),
+    elements, (block, start_programs) = m * k, START_SHAPE[world.device.type]
+    wanted = min(start_programs, triton.cdiv(elements * a_shard.element_size(), START_PROGRAM_BYTES))
+    chunk = triton.cdiv(triton.cdiv(elements, wanted), block) * block
+    start = Launch(ag_gemm_start_kernel, (triton.cdiv(elements, chunk),),
+                   (a_shard, local, ws.bar, ws.ready, heap, elements, chunk),
+                   dict(BLOCK=block, VEC=16 // a_shard.element_size()), num_warps=4)
+    start_fixed = tuple(map(start.address, (local, ws.bar, ws.ready, heap)))
+    launch = Launch(ag_gemm_kernel, (programs,), (a_desc, b_desc, c_desc, ws.ready, heap, m, n, k),
                     dict(RAGGED=ragged, **cfg.constexprs(), NUM_PROGRAMS=programs), cfg.num_warps)
     streams = ws.streams
 
-    def push(a_shard):
-        for rows, flag in pushes:
-            wl.copy_engine_push(rows, a_shard, flag, epoch)
-
     def run(a_shard, b, out):
         res = result(out)
-        barrier(ws.bar, heap)
-        device_copy(local, a_shard)
+        start(start.address(a_shard), *start_fixed, elements, chunk)
         if streams is None:
-            push(a_shard)
+            for push in pushes:
+                push(a_shard)
         else:
             main, side = streams.current(), streams.sides[0]
             streams.wait(side, main)
-            streams.run_on(side, main, push, a_shard)
-        launch(a_desc, b_desc.on(b), c_desc.on(res.view(w, m, n) if ragged else res), ws.bar, ws.ready, heap,
-               m, n, k)
+            for push in pushes:
+                push(a_shard, side[0])
+        launch(a_desc, b_desc.on(b), c_desc.on(res.view(w, m, n) if ragged else res), ws.ready, heap, m, n, k)
         b_desc.off()  # the plan keeps no caller tensor (gemm.Descriptor)
         c_desc.off()
         if streams is not None:
@@ -273,12 +293,16 @@ def _case(t: str, c: gemm.GemmConfig, ragged: bool):
     lead = "1, " if ragged else ""  # 3-D descriptors (W, m, ·) for a ragged m
     sig = dict(a_desc=f"tensordesc<{t}[{lead}{c.block_m}, {c.block_k}]>",
                b_desc=f"tensordesc<{t}[{c.block_k}, {c.block_n}]>",
-               c_desc=f"tensordesc<{t}[{lead}{c.block_m}, {c.block_n}]>", bar="*i32", ready="*i32", heap="*i64",
+               c_desc=f"tensordesc<{t}[{lead}{c.block_m}, {c.block_n}]>", ready="*i32", heap="*i64",
                m="i32", N="i32", K="i32")
     return (ag_gemm_kernel, sig, dict(RAGGED=ragged, NUM_PROGRAMS=132, **c.constexprs()),
             dict(num_warps=c.num_warps, min_arch=90))
 
 
-COMPILE_CASES = [(ag_gemm_barrier_kernel, dict(bar="*i32", heap="*i64"), {})] + [
+COMPILE_CASES = [
+    (ag_gemm_start_kernel, dict(a_shard=t, local=t, bar="*i32", ready="*i32", heap="*i64", n="i32", chunk="i32"),
+     dict(BLOCK=2048, VEC=16 // size), dict(num_warps=4))
+    for t, size in (("*bf16", 2), ("*fp16", 2), ("*fp32", 4))
+] + [
     _case(t, c, ragged) for t in ("bf16", "fp16") for c in gemm.GPU_CONFIGS.values() for ragged in (False, True)
 ]

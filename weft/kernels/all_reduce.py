@@ -83,7 +83,7 @@ import triton.language as tl
 import weft.language as wl
 
 from ..runtime import backend
-from .blocks import at, cast, copy
+from .blocks import at, cast, copy, halves_of, word_of
 from .common import (Launch, as_words, check_method, check_out, check_tensor, nccl_from, nccl_reduce_scatter, out_kind,
                      overlaps, plan, signature, workspace, world_or_raise, zero_everywhere)
 
@@ -233,22 +233,6 @@ def all_reduce_one_shot_kernel(x, recv, out, flags, counter, heap, n, chunk, slo
 
 
 @triton.jit
-def _halves_of(words, ELEM: tl.constexpr):
-    """The two 16-bit elements packed in each int32 word (little-endian: element 2j low), as fp32."""
-    lo = (words & 0xFFFF).to(tl.int16).to(ELEM, bitcast=True)
-    hi = ((words >> 16) & 0xFFFF).to(tl.int16).to(ELEM, bitcast=True)
-    return lo.to(tl.float32), hi.to(tl.float32)
-
-
-@triton.jit
-def _word_of(lo, hi, ELEM: tl.constexpr):
-    """fp32 `lo`, `hi` rounded to ELEM and packed back into one int32 word."""
-    lo_bits = cast(lo, ELEM).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    hi_bits = cast(hi, ELEM).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return lo_bits | (hi_bits << 16)
-
-
-@triton.jit
 def _ll_sum(slots, slot_len, offs, mask, epoch, heap, ELEM: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
     """The int32 words of the sum over q = 0..WORLD-1 (rank order, fp32) of the LL words at
     slots[q * slot_len + offs], each awaited until it carries `epoch`. A 16-bit ELEM packs two elements
@@ -260,13 +244,13 @@ def _ll_sum(slots, slot_len, offs, mask, epoch, heap, ELEM: tl.constexpr, WORLD:
         if ELEM == tl.float32:
             acc_lo += got.to(tl.float32, bitcast=True)
         else:
-            a, b = _halves_of(got, ELEM)
+            a, b = halves_of(got, ELEM)
             acc_lo += a
             acc_hi += b
     if ELEM == tl.float32:
         word = cast(acc_lo, tl.float32).to(tl.int32, bitcast=True)
     else:
-        word = _word_of(acc_lo, acc_hi, ELEM)
+        word = word_of(acc_lo, acc_hi, ELEM)
     return word
 
 

@@ -1,5 +1,5 @@
-"""Device building blocks shared by the kernel families: vector-friendly copies, rounding, a grouped GEMM tile,
-the MoE routing check."""
+"""Device building blocks shared by the kernel families: vector-friendly copies, rounding, 16-bit elements packed in
+int32 words (the LL paths), a grouped GEMM tile, the MoE routing check."""
 import triton
 import triton.language as tl
 
@@ -43,6 +43,22 @@ def cast(acc, dtype: tl.constexpr):
             bits = bits + 0x7FFF + ((bits >> 16) & 1)
             return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
     return acc.to(dtype)
+
+
+@triton.jit
+def halves_of(words, ELEM: tl.constexpr):
+    """The two 16-bit elements packed in each int32 word (little-endian: element 2j low), as fp32."""
+    lo = (words & 0xFFFF).to(tl.int16).to(ELEM, bitcast=True)
+    hi = ((words >> 16) & 0xFFFF).to(tl.int16).to(ELEM, bitcast=True)
+    return lo.to(tl.float32), hi.to(tl.float32)
+
+
+@triton.jit
+def word_of(lo, hi, ELEM: tl.constexpr):
+    """fp32 `lo`, `hi` rounded to ELEM and packed back into one int32 word."""
+    lo_bits = cast(lo, ELEM).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi_bits = cast(hi, ELEM).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return lo_bits | (hi_bits << 16)
 
 
 @triton.jit

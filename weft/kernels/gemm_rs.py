@@ -17,20 +17,20 @@ How the overlap works (one call on rank `me`, W ranks):
   (`wl.ShardMapping`): tile q is rank q's partial, and its flag is ready[q].
   The map names tiles and flags only: the received tiles sit in `recv` in
   rotated slots (below), my own stays in registers.
-- `gemm_rs_start_kernel` (1 program) is a device barrier across the ranks:
-  it ends only when every rank's previous call has finished its final GEMM,
-  the last reader of its receive buffer. It leaves the call's epoch e in
-  bar[0] and raises my own tile's flag, ready[me] = e (a plain store: the
-  final GEMM comes after it in stream order).
+- `gemm_rs_start_kernel` (1 program) lowers the flags of the peers' tiles
+  to 0 and raises my own, ready[me] = 1 (plain stores: the final GEMM comes
+  after them in stream order), then joins a device barrier across the
+  ranks: it ends only when every rank's previous call has finished its final
+  GEMM, the last reader of its receive buffer and of its flags.
 - Steps s = 1 .. W - 1, chunk c = me + s (mod W): the partial P_c =
   a[c * m:(c + 1) * m] @ b_shard goes into a send slot (gemm.matmul,
   the persistent TMA GEMM, or cuBLAS where no tiling of the chunk fills the
   GPU well: CUBLAS_CHUNKS_BELOW_FILL), and the copy stream, after waiting for it, pushes
   it into slot (me - c - 1) mod W of rank c's symmetric `recv` (a copy-engine
-  transfer through NVLink: no SM is taken from the GEMMs), then copies the
-  4-byte epoch bar[0] into rank c's flag of tile me, ready[me]: stream order
-  puts the flag after the data (`wl.copy_engine_push`, the copy engine's
-  `tile_push`). At every step the W ranks send to W different ranks.
+  transfer through NVLink: no SM is taken from the GEMMs), then writes 1
+  into rank c's flag of tile me, ready[me], by a stream memory operation:
+  stream order puts the flag after the data (`wl.CopyEnginePush`, the copy
+  engine's `tile_push`, two driver calls). At every step the W ranks send to W different ranks.
   The chunk GEMMs alternate between the main and a side stream, so the
   programs of the next one start on the SMs that this one's last, partial
   wave leaves idle (a chunk has 1/W of the tiles: its last wave is often
@@ -64,10 +64,12 @@ double buffer cannot follow a device-side epoch parity. Hence one buffer and
 the start barrier: a peer writes my `recv` in epoch e only after its start
 kernel of epoch e, which waited for my start kernel of epoch e, which comes
 after (stream order) my final GEMM of epoch e - 1, the buffer's last reader.
-The flags count epochs, never reset, and ready[q] cannot move past e while my
-final GEMM of epoch e runs (q's pushes of epoch e + 1 come after the barrier
-that waits for this GEMM), so "ready >= e" means exactly "epoch e's data is
-here". The send slots are read by my own copy engine only: a call's chunk
+The flags hold 0 or 1: my start kernel of epoch e lowers them before it joins
+the barrier, and q's push of epoch e raises ready[q] after the barrier, so
+while my final GEMM of epoch e runs "ready[q] = 1" means exactly "epoch e's
+data is here" (q's pushes of epoch e + 1 come after the barrier that waits
+for this GEMM). The value a push writes is a constant, which a CUDA-graph
+replay writes again. The send slots are read by my own copy engine only: a call's chunk
 GEMMs rewrite them only after the previous call's main stream joined the copy
 stream, that is after the previous pushes read them.
 
@@ -180,14 +182,17 @@ def _reduce_tile(acc, recv, out, me, row0, col0, m, N, FULL: tl.constexpr, OUT_T
 
 @triton.jit
 def gemm_rs_start_kernel(bar, ready, heap):
-    """Start of a call: a barrier (every rank's previous final GEMM is done reading its `recv`), which
-    leaves the epoch in bar[0]; my own partial needs no transfer, so ready[me] = the epoch."""
+    """Start of a call: the peers' flags down to 0 (their pushes of this call raise them), mine up to 1 (my own
+    partial needs no transfer), then a barrier: every rank's previous final GEMM is done reading its `recv`
+    and its flags. bar[0] = the epoch."""
+    me = wl.rank(heap)
+    for q in range(wl.num_ranks(heap)):
+        tl.store(ready + q, (q == me).to(tl.int32))
     wl.barrier_all(bar, heap)
-    tl.store(ready + wl.rank(heap), tl.load(bar))
 
 
 @triton.jit
-def gemm_rs_kernel(a_desc, b_desc, recv, out, bar, ready, heap, m, N, K, OUT_TMA: tl.constexpr,
+def gemm_rs_kernel(a_desc, b_desc, recv, out, ready, heap, m, N, K, OUT_TMA: tl.constexpr,
                    WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     """out = my chunk of a (a_desc, m rows) @ b_shard + the partials of my chunk that the peers pushed.
@@ -199,7 +204,6 @@ def gemm_rs_kernel(a_desc, b_desc, recv, out, bar, ready, heap, m, N, K, OUT_TMA
     pid = tl.program_id(0)
     me = wl.rank(heap)
     partials = wl.ShardMapping(WORLD, m, N)  # of my chunk: tile q = rank q's, flag ready[q]
-    epoch = tl.load(bar)
     num_m = tl.cdiv(m, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -210,7 +214,7 @@ def gemm_rs_kernel(a_desc, b_desc, recv, out, bar, ready, heap, m, N, K, OUT_TMA
         col0 = pid_n * BLOCK_N
         acc = gemm.mma(a_desc, b_desc, row0, col0, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
         if tile == pid:
-            arrived = wl.consume_token(0, wl.tile_wait_tiles(partials, ready, 0, WORLD, epoch))
+            arrived = wl.consume_token(0, wl.tile_wait_tiles(partials, ready, 0, WORLD, 1))
         row0 += arrived
         if (row0 + BLOCK_M <= m) & (col0 + BLOCK_N <= N):
             _reduce_tile(acc, recv, out, me, row0, col0, m, N, True, OUT_TMA, WORLD, BLOCK_M, BLOCK_N)
@@ -346,13 +350,13 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
     ws = workspace(world, "gemm_rs", GemmRSWorkspace)
     recv = ws.recv[:(w - 1) * m * n * a.element_size()].view(a.dtype).view(w - 1, m, n)  # slot i: rank me + 1 + i
     send = ws.send[:(w - 1) * m * n * a.element_size()].view(a.dtype).view(w - 1, m, n)
-    # Step s: chunk c = me + s goes into slot (me - c - 1) mod W = W - 1 - s of rank c's recv, then the
-    # epoch into its flag of tile me, ready[me].
+    # Step s: chunk c = me + s goes into slot (me - c - 1) mod W = W - 1 - s of rank c's recv, then 1 into its
+    # flag of tile me, ready[me].
     steps = []
     for s in range(1, w):
         c = (me + s) % w
-        steps.append((c, send[s - 1], world.heap.peer(recv, c)[w - 1 - s], world.heap.peer(ws.ready, c)[me:me + 1]))
-    epoch = ws.bar[0:1]
+        steps.append((c, send[s - 1], wl.CopyEnginePush(world.heap.peer(recv, c)[w - 1 - s],
+                                                         world.heap.peer(ws.ready, c)[me:me + 1], 1)))
     heap = world.heap.descriptor
     start = Launch(gemm_rs_start_kernel, (1,), (ws.bar, ws.ready, heap), {}, num_warps=1)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
@@ -364,13 +368,13 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
     b_desc = gemm.descriptor(b_shard, (cfg.block_k, cfg.block_n))
     out_desc = gemm.descriptor(sample, (cfg.block_m, quarter)) if out_tma else None
     final = Launch(gemm_rs_kernel, (programs,),
-                   (a_desc, b_desc, recv, out_desc if out_tma else sample, ws.bar, ws.ready, heap, m, n, k),
+                   (a_desc, b_desc, recv, out_desc if out_tma else sample, ws.ready, heap, m, n, k),
                    dict(OUT_TMA=out_tma, WORLD=w, **cfg.constexprs(), NUM_PROGRAMS=programs), cfg.num_warps)
 
     # The chunk GEMMs' launches, made once: a descriptor per send slot (fixed), one for a's rows (swapped
     # to this call's a chunk by chunk) and b's (shared with the final GEMM).
     chunk_a = gemm.descriptor(a[:m], (cfg.block_m, cfg.block_k))
-    chunk_out = {c: gemm.descriptor(src, (cfg.block_m, cfg.block_n)) for c, src, _, _ in steps}
+    chunk_out = {c: gemm.descriptor(src, (cfg.block_m, cfg.block_n)) for c, src, _ in steps}
     swapped = (a_desc, b_desc, chunk_a) + ((out_desc,) if out_tma else ())
     chunk_launch = None if cublas_chunks or w == 1 else Launch(
         gemm.matmul_kernel, (programs,), (chunk_a, b_desc, chunk_out[steps[0][0]], m, n, k),
@@ -389,26 +393,26 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
         res = result(out)
         start(ws.bar, ws.ready, heap)
         if streams is None:
-            for c, src, dst, flag in steps:
+            for c, src, push in steps:
                 chunk_gemm(a, b_shard, c, src)
-                wl.copy_engine_push(dst, src, flag, epoch)
+                push(src)
         else:
             # Chunk GEMMs alternate between two streams, so the next one's programs take the SMs that this
             # one's last, partial wave leaves idle.
             main = streams.current()
             pushes, side = streams.sides
             streams.wait(side, main)
-            for i, (c, src, dst, flag) in enumerate(steps):
+            for i, (c, src, push) in enumerate(steps):
                 compute = (main, side)[i % 2]
                 if compute is main:
                     chunk_gemm(a, b_shard, c, src)
                 else:
                     streams.run_on(compute, main, chunk_gemm, a, b_shard, c, src)
                 streams.wait(pushes, compute)
-                streams.run_on(pushes, main, wl.copy_engine_push, dst, src, flag, epoch)
+                push(src, pushes[0])
             streams.wait(main, side)  # the final GEMM starts after every chunk GEMM (no deadlock: see above)
         final(a_desc.on(a[me * m:(me + 1) * m]), b_desc.on(b_shard), recv, out_desc.on(res) if out_tma else res,
-              ws.bar, ws.ready, heap, m, n, k)
+              ws.ready, heap, m, n, k)
         for desc in swapped:  # the plan keeps no caller tensor (gemm.Descriptor)
             desc.off()
         if streams is not None:
@@ -422,7 +426,7 @@ def _case(t: str, c: gemm.GemmConfig, world: int, out_tma: bool):
     sig = dict(a_desc=f"tensordesc<{t}[{c.block_m}, {c.block_k}]>", b_desc=f"tensordesc<{t}[{c.block_k}, {c.block_n}]>",
                recv=f"*{t}",
                out=f"tensordesc<{t}[{c.block_m}, {quarter}]>" if out_tma else f"*{t}",
-               bar="*i32", ready="*i32", heap="*i64", m="i32", N="i32", K="i32")
+               ready="*i32", heap="*i64", m="i32", N="i32", K="i32")
     return (gemm_rs_kernel, sig, dict(OUT_TMA=out_tma, WORLD=world, NUM_PROGRAMS=132, **c.constexprs()),
             dict(num_warps=c.num_warps, min_arch=90))
 

@@ -62,8 +62,7 @@ import triton.language as tl
 
 import weft.language as wl
 
-from .all_reduce import _halves_of, _word_of
-from .blocks import cast, check_rows, copy, group_tile, valid_experts
+from .blocks import cast, check_rows, copy, group_tile, halves_of, valid_experts, word_of
 from .common import Launch, check_tensor, plan, signature, workspace, world_or_raise, zero_everywhere
 from .gemm import GemmConfig, descriptor, dot, num_sms, tile_of
 
@@ -415,10 +414,10 @@ def ep_combine_reduce_kernel(region, flags, counter, heap, rank_pos, table, out,
             acc_hi = tl.zeros([BLOCK], tl.float32)
             for r in range(WORLD):
                 slot = tl.sum(tl.where(ww == r, back, 0), axis=0).to(tl.int64)
-                a, b = _halves_of(tl.load(half + slot * HW + offs, mask=m & (slot >= 0), other=0), ELEM)
+                a, b = halves_of(tl.load(half + slot * HW + offs, mask=m & (slot >= 0), other=0), ELEM)
                 acc_lo += a
                 acc_hi += b
-            tl.store(out + t * HW + offs, _word_of(acc_lo, acc_hi, ELEM), mask=m)
+            tl.store(out + t * HW + offs, word_of(acc_lo, acc_hi, ELEM), mask=m)
 
 
 # -- high-throughput host side ------------------------------------------------------
@@ -809,10 +808,10 @@ def ep_combine_ll_kernel(y, topk, weights, out, src_rows, src_tokens, buf, count
         # The chunk of all k outputs at once: one round of polls, not k.
         got = wl.wait_ll(slots + (t * K + jj[:, None]) * HW + offs[None, :], (e >= 0)[:, None] & m[None, :], epoch,
                          heap=heap, op="ep_combine_ll")
-        a, b = _halves_of(got, ELEM)
+        a, b = halves_of(got, ELEM)
         acc_lo = tl.sum(wt[:, None] * a, axis=0)
         acc_hi = tl.sum(wt[:, None] * b, axis=0)
-        tl.store(out + t * HW + offs, _word_of(acc_lo, acc_hi, ELEM), mask=m)
+        tl.store(out + t * HW + offs, word_of(acc_lo, acc_hi, ELEM), mask=m)
 
 
 # -- low-latency host side ----------------------------------------------------------

@@ -202,18 +202,45 @@ class TileMap:
 
 # -- host: the copy engine as a tile's producer -------------------------------------
 
-def copy_engine_push(dst: torch.Tensor, src: torch.Tensor, flag: torch.Tensor, value: torch.Tensor) -> None:
+def copy_engine_push(dst: torch.Tensor, src: torch.Tensor, flag: torch.Tensor, value) -> None:
     """Host code, the copy engine's `tile_push`: copy tile `src` into `dst`, its place in a peer's buffer
     (a `heap.peer` view), then `value` into `flag`, that peer's flag of the tile; both on the current
-    stream, taking no SM. `value` is a one-element device tensor (the call's epoch, kept on the device
-    so that a CUDA-graph replay sends the replay's).
+    stream, taking no SM. `value`: an int, written by a stream memory operation (the cheapest to issue,
+    and a CUDA-graph replay writes it again: for flags that the consumer's side lowers between calls), or
+    a one-element device tensor, copied (a device-side epoch, which a replay sends anew).
 
-    Memory ordering: stream order starts the flag's copy only once the data's has completed, so a rank
-    that acquires the flag (`tile_wait`, `tile_wait_tiles`) sees the tile. On the cpu backend both are
+    Memory ordering: stream order starts the flag's write only once the data's copy has completed, so a
+    rank that acquires the flag (`tile_wait`, `tile_wait_tiles`) sees the tile. On the cpu backend both are
     plain copies, in that order.
     """
     streams.device_copy(dst, src)
-    streams.device_copy(flag, value)
+    if isinstance(value, torch.Tensor):
+        streams.device_copy(flag, value)
+    else:
+        streams.write_word(flag, value)
+
+
+class CopyEnginePush:
+    """`copy_engine_push(dst, src, flag, value)` with its destination, flag and int value fixed, as an op's
+    plan keeps it: a call names only the source (contiguous, dst's size and dtype) and issues two driver
+    operations on the current stream, addresses taken once."""
+
+    def __init__(self, dst: torch.Tensor, flag: torch.Tensor, value: int):
+        self.dst, self.flag, self.value = dst, flag, int(value)
+        self.gpu = dst.is_cuda and streams.has_driver()
+        if self.gpu:
+            self.dst_at, self.flag_at = dst.data_ptr(), flag.data_ptr()
+            self.nbytes, self.device = dst.numel() * dst.element_size(), dst.device.index
+
+    def __call__(self, src: torch.Tensor, stream: int | None = None) -> None:
+        """On `stream` (a raw handle; default the current stream)."""
+        if self.gpu:
+            if stream is None:
+                stream = streams.raw_stream(self.device)
+            streams.copy_bytes(self.dst_at, src.data_ptr(), self.nbytes, stream)
+            streams.write_word_at(self.flag_at, self.value, stream)
+        else:
+            copy_engine_push(self.dst, src, self.flag, self.value)
 
 
 # -- device: a tile's place --------------------------------------------------------

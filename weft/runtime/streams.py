@@ -4,8 +4,9 @@ An overlapped op forks work onto side streams and joins it back on every call, s
 cost is the op's. Measured on an H200 host (2026-11-23, host µs per call): torch.cuda.current_stream() 3.4,
 event.record + stream.wait_event 5.2, torch.cuda.set_stream there and back 4.6, a tensor's copy_ 6.8;
 through the driver (cuda-python's cuEventRecord + cuStreamWaitEvent on raw handles) 1.5, torch's C stream
-setters there and back 0.8, cuMemcpyDtoDAsync 5.1. This module is that cheaper path; without cuda-python
-(it comes with torch's CUDA wheels) it falls back to torch's API.
+setters there and back 0.8, cuMemcpyDtoDAsync 5.1; cuStreamWriteValue32 of a 4-byte word 1.5 against 4.5 for its
+cuMemcpyDtoDAsync (scripts/probe_host.py, 2026-11-23; capturable in a CUDA graph). This module is that cheaper
+path; without cuda-python (it comes with torch's CUDA wheels) it falls back to torch's API.
 
 A stream is named by a pair (raw CUstream handle, torch's (stream_id, device_index, device_type)): the
 first for the driver, the second for making it torch's current stream.
@@ -66,8 +67,37 @@ def device_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     cuMemcpyDtoDAsync (peer memory included: a copy-engine transfer over NVLink)."""
     if (_driver is not None and dst.is_cuda and dst.dtype == src.dtype and dst.shape == src.shape
             and dst.is_contiguous() and src.is_contiguous() and src.is_cuda):
-        stream = torch._C._cuda_getCurrentRawStream(dst.device.index)
-        _check(_driver.cuMemcpyDtoDAsync(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(), stream),
-               "cuMemcpyDtoDAsync")
+        copy_bytes(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(), raw_stream(dst.device.index))
     else:
         dst.copy_(src)
+
+
+def raw_stream(device_index: int) -> int:
+    """The current CUDA stream's raw handle."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+def copy_bytes(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """`nbytes` from device address `src` to `dst` (either may be a peer's: a copy-engine transfer) on `stream`,
+    addresses taken by the caller (no tensor checks: the cheapest copy there is)."""
+    _check(_driver.cuMemcpyDtoDAsync(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
+
+
+def write_word(flag: torch.Tensor, value: int) -> None:
+    """flag[0] = value (int32) on the current stream once the work queued before it has completed, with a
+    memory fence before the write (cuStreamWriteValue32: a stream memory operation, no kernel, no copy);
+    `flag` may be a peer's word (a `heap.peer` view)."""
+    if _driver is not None and flag.is_cuda:
+        write_word_at(flag.data_ptr(), value, raw_stream(flag.device.index))
+    else:
+        flag.fill_(value)
+
+
+def write_word_at(address: int, value: int, stream: int) -> None:
+    """write_word to an address the caller took."""
+    _check(_driver.cuStreamWriteValue32(stream, address, value, 0), "cuStreamWriteValue32")
+
+
+def has_driver() -> bool:
+    """Whether the driver's API (cuda-python) is here for the raw-address operations above."""
+    return _driver is not None
