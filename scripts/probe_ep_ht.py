@@ -5,7 +5,7 @@
 
 DeepSeek-V3 prefill sizes by default (4096 tokens per rank, hidden 7168, top-8 of 256 experts). For each
 (block words, warps): ep_dispatch + ep_combine (max_recv_tokens), the dispatch alone, the combine alone (one
-dispatch's handle, combined again and again), and the route kernel alone (the one-program count exchange),
+dispatch's handle, combined again and again), and the routing alone (the count, route and position kernels),
 CUDA-graph replay, slowest rank's median µs. Every setting's combine is checked bit-exact against the first
 setting's (the same sums in the same order).
 """
@@ -59,7 +59,14 @@ def main():
         table = torch.empty((w.world_size, w.world_size), dtype=torch.int32, device=dev)
         counts = torch.empty(ht.local, dtype=torch.int32, device=dev)
         info = torch.empty(3, dtype=torch.int32, device=dev)
+        block_counts = torch.empty((ht.blocks, w.world_size + 1), dtype=torch.int32, device=dev)
+        block_start = torch.empty((ht.blocks, w.world_size), dtype=torch.int32, device=dev)
         a = ht.address
+
+        def route():
+            ht.count(a(idx), a(block_counts), ht.error_at, ht.tokens)
+            ht.route(a(block_counts), a(block_start), a(table), a(counts), a(info), *ht.route_fixed, ht.blocks)
+            ht.position(a(idx), a(block_start), a(rank_pos), ht.tokens)
 
         def both():
             r, _, _, _, h = weft.ops.ep_dispatch(x, idx, wts, args.experts, max_recv_tokens=cap)
@@ -68,8 +75,7 @@ def main():
         fns = {"dispatch+combine": both,
                "dispatch": lambda: weft.ops.ep_dispatch(x, idx, wts, args.experts, max_recv_tokens=cap),
                "combine": lambda: weft.ops.ep_combine(rx, handle),
-               "route": lambda: ht.route(a(idx), a(rank_pos), a(table), a(counts), a(info), *ht.route_fixed,
-                                         ht.tokens)}
+               "route (count, route, position)": route}
         ms = time_calls(fns, calls=2, samples=args.samples, graph=gpu)
         log.add(dict(block_words=block, warps=warps, ok=ok, **{k: round(v * 1e3, 1) for k, v in ms.items()}))
     log.save()

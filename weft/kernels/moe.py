@@ -11,12 +11,14 @@ routing_layout: per-rank and per-expert token counts and each token's slot per d
 ops on the device (no host sync).
 
 High-throughput EP (prefill), ep_dispatch / ep_combine: each token goes once to every rank that holds one of
-its experts, pushed straight into that rank's receive region, in three launches and no torch op between:
-  1. ep_route_kernel (one program): each token's position among my tokens to each rank, its row checked;
-     then every rank writes its row of tokens-per-destination (and whether it saw a bad row) to every rank
-     as LL words, so each holds the whole W x W table: a sender knows where its rows go on rank r (after
-     the rows of ranks s' < me) and a receiver how many rows it gets, with no host round trip. Without
-     max_recv_tokens the host reads [most rows received, my rows, bad rows anywhere] here: the op's one sync;
+its experts, pushed straight into that rank's receive region, in five launches and no torch op between:
+  1. ep_count_kernel (a program per block of tokens): the block's tokens to each rank, its rows checked;
+     ep_route_kernel (one program): where each block's tokens start among my tokens to each rank (a scan of
+     the blocks' counts); then every rank writes its row of tokens-per-destination (and whether it saw a bad
+     row) to every rank as LL words, so each holds the whole W x W table: a sender knows where its rows go on
+     rank r (after the rows of ranks s' < me) and a receiver how many rows it gets, with no host round trip.
+     Without max_recv_tokens the host reads [most rows received, my rows, bad rows anywhere] here: the op's
+     one sync; ep_position_kernel (a program per block): each token's position among my tokens to each rank;
   2. ep_push_kernel: the rows ([x | the receiver's local topk_idx | topk_weights] as int32 words, read from
      the caller's tensors as they are) into the destinations' regions (half epoch % 2), then a flag per
      program to every rank;
@@ -149,7 +151,13 @@ def check_routing_values(topk_idx: torch.Tensor, num_experts: int) -> None:
 # Programs of the high-throughput push (a fixed number: the receivers wait on the flags of each), and each
 # program's block of words and warps on GPUs.
 HT_PROGRAMS = {"cpu": 2, "cuda": 128}
-HT_BLOCK_WARPS = (1024, 8)
+# Measured (scripts/probe_ep_ht.py, 2 H200s, 2026-11-23, 4096 tokens of 7168, top-8 of 256, graph replay):
+# dispatch + combine 839.7 / 737.1 / 695.3 / 750.7 / 747.4 us with blocks of 1024 / 2048 / 4096 / 4096 / 2048
+# words and 8 / 8 / 8 / 16 / 4 warps.
+HT_BLOCK_WARPS = (4096, 8)
+# Tokens a program of the count and position kernels takes (the route kernel, one program, then only scans
+# the blocks' counts: over all 4096 tokens itself it took 79 us of a 400 us dispatch).
+HT_ROUTE_TOKENS = {"cpu": 16, "cuda": 64}
 
 
 class RoutingErrorWord:
@@ -238,38 +246,55 @@ def _or(a, b):
     return a | b
 
 
+@triton.jit
+def _ranks_of(e, LOCAL: tl.constexpr, BLOCK_W: tl.constexpr):
+    """(T, BLOCK_W) int32: whether each token of a tile of experts `e` (T, BLOCK_K; -1: none) goes to rank r
+    (a token naming two experts of a rank goes there once)."""
+    ww = tl.arange(0, BLOCK_W)
+    ranks = tl.reduce(tl.where(e >= 0, tl.full([1, 1], 1, tl.int64) << (e // LOCAL).to(tl.int64), 0), 1, _or)
+    return ((ranks[:, None] >> ww[None, :].to(tl.int64)) & 1).to(tl.int32)
+
+
 @triton.jit(do_not_specialize=["tokens"])
-def ep_route_kernel(topk, rank_pos, table, counts, info, buf, counter, heap, err, tokens, K: tl.constexpr,
-                    LOCAL: tl.constexpr, WORLD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BLOCK_W: tl.constexpr, BLOCK_L: tl.constexpr):
-    """Where my tokens go, in one program: rank_pos[t, r] = token t's position among my tokens to rank r (-1:
-    not there), its rows checked (check_rows); then every rank's [tokens to each rank | bad rows] to every
-    rank as LL words, so each holds table[s, r] = tokens rank s sends to rank r with no host round trip, and
-    info = [most rows any rank receives, rows I receive, bad rows anywhere]. Zeroes counts (ep_receive_kernel
-    counts into them)."""
+def ep_count_kernel(topk, block_counts, err, tokens, K: tl.constexpr, LOCAL: tl.constexpr, WORLD: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Token block b (BLOCK_T tokens), its rows checked (check_rows): block_counts[b] = [its tokens to each
+    rank | its bad entries]."""
+    b = tl.program_id(0)
+    tt = b * BLOCK_T + tl.arange(0, BLOCK_T)
+    jj = tl.arange(0, BLOCK_K)
+    ww = tl.arange(0, BLOCK_W)
+    live = (tt[:, None] < tokens) & (jj[None, :] < K)
+    raw = tl.load(topk + tt[:, None] * K + jj[None, :], mask=live, other=-1)
+    e, bad = check_rows(raw, tt, err, live, LOCAL * WORLD, BLOCK_K)
+    sent = tl.sum(_ranks_of(e, LOCAL, BLOCK_W), axis=0)
+    tl.store(block_counts + b * (WORLD + 1) + ww, tl.where(ww < WORLD, sent, bad), mask=ww <= WORLD)
+
+
+@triton.jit
+def ep_route_kernel(block_counts, block_start, table, counts, info, buf, counter, heap, blocks,
+                    LOCAL: tl.constexpr, WORLD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr,
+                    BLOCK_L: tl.constexpr):
+    """In one program, from the token blocks' counts (ep_count_kernel): block_start[b, r] = the position of
+    block b's first token to rank r among my tokens to r; then every rank's [tokens to each rank | bad rows]
+    to every rank as LL words, so each holds table[s, r] = tokens rank s sends to rank r with no host round
+    trip, and info = [most rows any rank receives, rows I receive, bad rows anywhere]. Zeroes counts
+    (ep_receive_kernel counts into them)."""
     me = wl.rank(heap)
     epoch = wl.next_epoch(counter)
     half = buf + (epoch % 2) * (WORLD * (WORLD + 1))
-    jj = tl.arange(0, BLOCK_K)
     ww = tl.arange(0, BLOCK_W)
     ll = tl.arange(0, BLOCK_L)
     tl.store(counts + ll, tl.zeros([BLOCK_L], tl.int32), mask=ll < LOCAL)
-    sent = tl.zeros([BLOCK_W], tl.int32)
-    bad = tokens * 0
-    for t0 in range(0, tokens, BLOCK_T):
-        tt = t0 + tl.arange(0, BLOCK_T)
-        live = (tt[:, None] < tokens) & (jj[None, :] < K)
-        raw = tl.load(topk + tt[:, None] * K + jj[None, :], mask=live, other=-1)
-        e, n_bad = check_rows(raw, tt, err, live, LOCAL * WORLD, BLOCK_K)
-        bad += n_bad
-        # The ranks each token goes to as bits (a token naming two experts of a rank goes there once).
-        ranks = tl.reduce(tl.where(e >= 0, tl.full([1, 1], 1, tl.int64) << (e // LOCAL).to(tl.int64), 0), 1, _or)
-        to_rank = ((ranks[:, None] >> ww[None, :].to(tl.int64)) & 1).to(tl.int32)  # (BLOCK_T, BLOCK_W)
-        pos = sent[None, :] + tl.cumsum(to_rank, axis=0) - to_rank
-        tl.store(rank_pos + tt[:, None] * WORLD + ww[None, :], tl.where(to_rank > 0, pos, -1),
-                 mask=(tt[:, None] < tokens) & (ww[None, :] < WORLD))
-        sent += tl.sum(to_rank, axis=0)
-    row = wl.pack_ll(tl.where(ww < WORLD, sent, (bad > 0).to(tl.int32)), epoch)
+    sent = tl.zeros([BLOCK_W], tl.int32)  # [tokens to each rank so far | bad entries]
+    for b0 in range(0, blocks, BLOCK_B):
+        bb = b0 + tl.arange(0, BLOCK_B)
+        c = tl.load(block_counts + bb[:, None] * (WORLD + 1) + ww[None, :],
+                    mask=(bb[:, None] < blocks) & (ww[None, :] <= WORLD), other=0)
+        tl.store(block_start + bb[:, None] * WORLD + ww[None, :], sent[None, :] + tl.cumsum(c, axis=0) - c,
+                 mask=(bb[:, None] < blocks) & (ww[None, :] < WORLD))
+        sent += tl.sum(c, axis=0)
+    row = wl.pack_ll(tl.where(ww < WORLD, sent, (sent > 0).to(tl.int32)), epoch)
     for q in range(WORLD):
         tl.store(wl.symm_at(half + me * (WORLD + 1), q, heap) + ww, row, mask=ww <= WORLD)
     total = tl.zeros([BLOCK_W], tl.int32)
@@ -282,6 +307,24 @@ def ep_route_kernel(topk, rank_pos, table, counts, info, buf, counter, heap, err
     mine = tl.sum(tl.where(ww == me, total, 0), axis=0)
     anywhere = tl.sum(tl.where(ww == WORLD, total, 0), axis=0)
     tl.store(info + ww, tl.where(ww == 0, most, tl.where(ww == 1, mine, anywhere)), mask=ww < 3)
+
+
+@triton.jit(do_not_specialize=["tokens"])
+def ep_position_kernel(topk, block_start, rank_pos, tokens, K: tl.constexpr, LOCAL: tl.constexpr,
+                       WORLD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Token block b: rank_pos[t, r] = token t's position among my tokens to rank r (-1: not there), from
+    where the block starts (ep_route_kernel) and a scan of the block."""
+    b = tl.program_id(0)
+    tt = b * BLOCK_T + tl.arange(0, BLOCK_T)
+    jj = tl.arange(0, BLOCK_K)
+    ww = tl.arange(0, BLOCK_W)
+    live = (tt[:, None] < tokens) & (jj[None, :] < K)
+    e = valid_experts(tl.load(topk + tt[:, None] * K + jj[None, :], mask=live, other=-1), live, LOCAL * WORLD)
+    to_rank = _ranks_of(e, LOCAL, BLOCK_W)
+    start = tl.load(block_start + b * WORLD + ww, mask=ww < WORLD, other=0)
+    pos = start[None, :] + tl.cumsum(to_rank, axis=0) - to_rank
+    tl.store(rank_pos + tt[:, None] * WORLD + ww[None, :], tl.where(to_rank > 0, pos, -1),
+             mask=(tt[:, None] < tokens) & (ww[None, :] < WORLD))
 
 
 @triton.jit
@@ -432,7 +475,8 @@ def _vec(words: int, *tensors) -> int:
 
 class HTHandle:
     """What ep_combine needs of an ep_dispatch: its plan, and on the device rank_pos (T, W) and table (W, W)
-    (ep_route_kernel's), from which each row's way back is computed; rows received (R) and the row limit."""
+    (ep_position_kernel's and ep_route_kernel's), from which each row's way back is computed; rows received (R)
+    and the row limit."""
 
     def __init__(self, plan, rank_pos, table, rows, limit):
         self.plan, self.rank_pos, self.table, self.rows, self.limit = plan, rank_pos, table, rows, limit
@@ -441,8 +485,8 @@ class HTHandle:
 class _HTPlan:
     """ep_dispatch / ep_combine of one call signature: the launches, the region's rows, the checks done.
 
-    A dispatch is three launches: route (with the count exchange), push, receive; without max_recv_tokens, one
-    host sync between route and push reads info (the exact row count, and whether any rank's topk_idx was
+    A dispatch is five launches: count, route (with the count exchange), position, push, receive; without
+    max_recv_tokens, one host sync between route and push reads info (the exact row count, and whether any rank's topk_idx was
     bad: then every rank raises before anything is pushed)."""
 
     def __init__(self, world, x, topk_idx, topk_weights, num_experts, max_recv_tokens):
@@ -474,12 +518,21 @@ class _HTPlan:
         self.grid = 132 if gpu else 2  # programs that copy out / sum what arrived
         i32 = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=dev)  # noqa: E731
         blk_w, blk_k = triton.next_power_of_2(w), triton.next_power_of_2(k)
+        blk_t = HT_ROUTE_TOKENS[dev.type]
+        self.blocks = max(1, triton.cdiv(t, blk_t))  # token blocks of the count and position kernels
+        blk_b = min(1024, triton.next_power_of_2(self.blocks))
+        blk_wide = max(4, triton.next_power_of_2(w + 1))  # [ranks | bad entries]
+        self.count = Launch(ep_count_kernel, (self.blocks,), (topk_idx, i32(self.blocks, w + 1), ws.error, t),
+                            dict(K=k, LOCAL=self.local, WORLD=w, BLOCK_T=blk_t, BLOCK_K=blk_k, BLOCK_W=blk_wide), 4)
         self.route = Launch(ep_route_kernel, (1,),
-                            (topk_idx, i32(max(t, 1), w), i32(w, w), i32(self.local), i32(3), ws.table, ws.counter(2),
-                             heap, ws.error, t),
-                            dict(K=k, LOCAL=self.local, WORLD=w, BLOCK_T=256 if gpu else 16, BLOCK_K=blk_k,
-                                 BLOCK_W=max(4, triton.next_power_of_2(w + 1)),
-                                 BLOCK_L=triton.next_power_of_2(self.local)), warps)
+                            (i32(self.blocks, w + 1), i32(self.blocks, w), i32(w, w), i32(self.local), i32(3),
+                             ws.table, ws.counter(2), heap, self.blocks),
+                            dict(LOCAL=self.local, WORLD=w, BLOCK_B=blk_b, BLOCK_W=blk_wide,
+                                 BLOCK_L=triton.next_power_of_2(self.local)), 4)
+        self.position = Launch(ep_position_kernel, (self.blocks,),
+                               (topk_idx, i32(self.blocks, w), i32(max(t, 1), w), t),
+                               dict(K=k, LOCAL=self.local, WORLD=w, BLOCK_T=blk_t, BLOCK_K=blk_k, BLOCK_W=blk_wide),
+                               4)
         self.push = Launch(ep_push_kernel, (ws.programs,),
                            (x.view(torch.int32), topk_idx, topk_weights, i32(max(t, 1), w), i32(w, w), ws.ht, ws.flags,
                             ws.counter(3), heap, t, 1, ws.ht_half_words),
@@ -507,7 +560,8 @@ class _HTPlan:
         # taken once here, no view made per call), under the interpreter tensors of the kernels' types.
         a = self.address = self.route.address
         self.words = (lambda t: t.view(torch.int32)) if self.route.kernel is None else a
-        self.route_fixed = tuple(map(a, (ws.table, ws.counter(2), heap, ws.error)))
+        self.route_fixed = tuple(map(a, (ws.table, ws.counter(2), heap)))
+        self.error_at = a(ws.error)
         self.push_fixed = tuple(map(a, (ws.ht, ws.flags, ws.counter(3), heap)))
         self.wait_fixed = tuple(map(a, (ws.ht, ws.flags, ws.counter(4), heap)))
 
@@ -518,7 +572,11 @@ class _HTPlan:
         table = torch.empty((w, w), dtype=torch.int32, device=dev)
         counts = torch.empty(self.local, dtype=torch.int32, device=dev)
         info = torch.empty(3, dtype=torch.int32, device=dev)
-        self.route(a(topk_idx), a(rank_pos), a(table), a(counts), a(info), *self.route_fixed, self.tokens)
+        block_counts = torch.empty((self.blocks, w + 1), dtype=torch.int32, device=dev)
+        block_start = torch.empty((self.blocks, w), dtype=torch.int32, device=dev)
+        self.count(a(topk_idx), a(block_counts), self.error_at, self.tokens)
+        self.route(a(block_counts), a(block_start), a(table), a(counts), a(info), *self.route_fixed, self.blocks)
+        self.position(a(topk_idx), a(block_start), a(rank_pos), self.tokens)
         if self.max_recv is None:
             most, rows, bad = info.tolist()  # the one host sync: the same table on every rank, so all raise or none
             if bad:
@@ -1166,31 +1224,41 @@ class _GroupedGemmPlan:
 
 # Signatures for the sm_90 compile check (weft.testing.compile).
 COMPILE_CASES = [
-    (ep_route_kernel, dict(topk=t, rank_pos="*i32", table="*i32", counts="*i32", info="*i32", buf="*i64",
-                           counter="*i64", heap="*i64", err="*i64", tokens="i32"),
-     dict(K=8, LOCAL=256 // wd, WORLD=wd, BLOCK_T=256, BLOCK_K=8, BLOCK_W=max(4, triton.next_power_of_2(wd + 1)),
-          BLOCK_L=256 // wd), dict(num_warps=8))
+    (ep_count_kernel, dict(topk=t, block_counts="*i32", err="*i64", tokens="i32"),
+     dict(K=8, LOCAL=256 // wd, WORLD=wd, BLOCK_T=64, BLOCK_K=8, BLOCK_W=max(4, triton.next_power_of_2(wd + 1))),
+     dict(num_warps=4))
+    for t in ("*i64", "*i32") for wd in (2, 8)
+] + [
+    (ep_route_kernel, dict(block_counts="*i32", block_start="*i32", table="*i32", counts="*i32", info="*i32",
+                           buf="*i64", counter="*i64", heap="*i64", blocks="i32"),
+     dict(LOCAL=256 // wd, WORLD=wd, BLOCK_B=64, BLOCK_W=max(4, triton.next_power_of_2(wd + 1)), BLOCK_L=256 // wd),
+     dict(num_warps=4))
+    for wd in (2, 8)
+] + [
+    (ep_position_kernel, dict(topk=t, block_start="*i32", rank_pos="*i32", tokens="i32"),
+     dict(K=8, LOCAL=256 // wd, WORLD=wd, BLOCK_T=64, BLOCK_K=8, BLOCK_W=max(4, triton.next_power_of_2(wd + 1))),
+     dict(num_warps=4))
     for t in ("*i64", "*i32") for wd in (2, 8)
 ] + [
     (ep_push_kernel, dict(x="*i32", topk=t, weights="*fp32", rank_pos="*i32", table="*i32", region="*i32",
                           flags="*i32", counter="*i64", heap="*i64", tokens="i32", limit="i32", half_words="i32"),
-     dict(HW=hw, K=8, ROW=triton.cdiv(hw + 16, 4) * 4, LOCAL=32, WORLD=8, PROGRAMS=128, BLOCK=1024, VEC=_vec(hw),
+     dict(HW=hw, K=8, ROW=triton.cdiv(hw + 16, 4) * 4, LOCAL=32, WORLD=8, PROGRAMS=128, BLOCK=HT_BLOCK_WARPS[0], VEC=_vec(hw),
           BLOCK_K=8, BLOCK_W=8), dict(num_warps=8))
     for t in ("*i64", "*i32") for hw in (3584, 3585)
 ] + [
     (ep_push_back_kernel, dict(y="*i32", table="*i32", region="*i32", flags="*i32", counter="*i64", heap="*i64",
                                rows="i32", half_words="i32"),
-     dict(HW=3584, WORLD=8, PROGRAMS=128, BLOCK=1024, VEC=4, BLOCK_W=8), dict(num_warps=8)),
+     dict(HW=3584, WORLD=8, PROGRAMS=128, BLOCK=HT_BLOCK_WARPS[0], VEC=4, BLOCK_W=8), dict(num_warps=8)),
 ] + [
     (ep_receive_kernel, dict(region="*i32", flags="*i32", counter="*i64", heap="*i64", table="*i32", x_out="*i32",
                              idx_out=t, w_out="*fp32", counts="*i32", half_words="i32", rows="i32"),
-     dict(HW=3584, K=8, ROW=3600, LOCAL=32, WORLD=8, PROGRAMS=128, BLOCK=1024, VEC=4, BLOCK_K=8, BLOCK_L=32,
+     dict(HW=3584, K=8, ROW=3600, LOCAL=32, WORLD=8, PROGRAMS=128, BLOCK=HT_BLOCK_WARPS[0], VEC=4, BLOCK_K=8, BLOCK_L=32,
           BLOCK_W=8), dict(num_warps=8))
     for t in ("*i64", "*i32")
 ] + [
     (ep_combine_reduce_kernel, dict(region="*i32", flags="*i32", counter="*i64", heap="*i64", rank_pos="*i32",
                                     table="*i32", out="*i32", half_words="i32", tokens="i32", limit="i32"),
-     dict(HW=3584, ELEM=tl.bfloat16, WORLD=8, PROGRAMS=128, BLOCK=1024, BLOCK_W=8), dict(num_warps=8)),
+     dict(HW=3584, ELEM=tl.bfloat16, WORLD=8, PROGRAMS=128, BLOCK=HT_BLOCK_WARPS[0], BLOCK_W=8), dict(num_warps=8)),
 ] + [
     (ep_dispatch_ll_kernel, dict(x=xt, topk=t, recv="*i32", scales="*i32", counts="*i32", src_rows="*i32",
                                  src_tokens="*i32", buf="*i64", counter="*i64", heap="*i64", err="*i64", tokens="i32",
