@@ -26,8 +26,8 @@ its experts, pushed straight into that rank's receive region, in five launches a
      recv_topk_weights, and count the rows per local expert.
 Push and receive are separate launches: the receiver needs every program of every sender, and the
 interpreter runs a grid's programs one after another. Combine: ep_push_back_kernel pushes each received row
-back to its source, into the slot the source numbers it by (from the table), and ep_combine_reduce_kernel
-sums each token's rows in rank order.
+of another rank's token back to its source, into the slot the source numbers it by (from the table), and
+ep_combine_reduce_kernel sums each token's rows in rank order, reading the row of its own rank from y.
 
 Low-latency EP (decode), ep_dispatch_ll / ep_combine_ll: one launch each, no host sync, data and signal in
 the same LL words (`wl.pack_ll`: 4 bytes and the epoch per 8-byte store). Rank s writes token t into slot
@@ -371,7 +371,8 @@ def ep_push_back_kernel(y, table, region, flags, counter, heap, rows, half_words
                         WORLD: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
                         BLOCK_W: tl.constexpr):
     """Received row i of y (HW int32 words) back to its source s, at the row s numbered it by (its rows for
-    ranks r < me, then its position among those it sent me), in s's region; then flag [p][me] on every rank."""
+    ranks r < me, then its position among those it sent me), in s's region; then flag [p][me] on every rank.
+    Rows of my own tokens stay in y, where ep_combine_reduce_kernel reads them."""
     p = tl.program_id(0)
     me = wl.rank(heap)
     epoch = wl.next_epoch(counter)
@@ -385,8 +386,9 @@ def ep_push_back_kernel(y, table, region, flags, counter, heap, rows, half_words
     n = tl.minimum(tl.sum(got, axis=0), rows)
     for i in range(p, n, PROGRAMS):
         src = tl.sum((ends <= i).to(tl.int32), axis=0)
-        slot = tl.sum(tl.where(s == src, sent_before + i - (ends - got), 0), axis=0).to(tl.int64)
-        copy(wl.symm_at(half + slot * HW, src, heap), y + i * HW, 0, HW, BLOCK, VEC)
+        if src != me:
+            slot = tl.sum(tl.where(s == src, sent_before + i - (ends - got), 0), axis=0).to(tl.int64)
+            copy(wl.symm_at(half + slot * HW, src, heap), y + i * HW, 0, HW, BLOCK, VEC)
     wl.notify_all(flags + p * WORLD + me, heap, epoch)
 
 
@@ -435,11 +437,12 @@ def ep_receive_kernel(region, flags, counter, heap, table, x_out, idx_out, w_out
 
 
 @triton.jit(do_not_specialize=["half_words", "tokens", "limit"])
-def ep_combine_reduce_kernel(region, flags, counter, heap, rank_pos, table, out, half_words, tokens, limit,
+def ep_combine_reduce_kernel(region, flags, counter, heap, rank_pos, table, y, out, half_words, tokens, limit,
                              HW: tl.constexpr, ELEM: tl.constexpr, WORLD: tl.constexpr, PROGRAMS: tl.constexpr,
                              BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
     """After the pushes back: out[t] = sum in rank order r of the row token t came back on from r (fp32): my
-    rows for ranks r' < r, then its position among them; none where the dispatch did not send or dropped it."""
+    rows for ranks r' < r, then its position among them; none where the dispatch did not send or dropped it.
+    The row from me is read from y (my received rows: those of ranks s < me, then mine), never pushed."""
     p = tl.program_id(0)
     me = wl.rank(heap)
     half = _wait_pushes(region, flags, counter, heap, half_words, WORLD, PROGRAMS)
@@ -450,6 +453,7 @@ def ep_combine_reduce_kernel(region, flags, counter, heap, rank_pos, table, out,
     for t in range(p, tokens, tl.num_programs(0)):
         pos = tl.load(rank_pos + t * WORLD + ww, mask=ww < WORLD, other=-1)
         back = tl.where((pos >= 0) & (pos + start < limit), pos + back_start, -1)
+        own = tl.sum(tl.where(ww == me, pos + start, 0), axis=0).to(tl.int64)  # its row in y
         for c in range(0, HW, BLOCK):
             offs = c + tl.arange(0, BLOCK)
             m = offs < HW
@@ -457,7 +461,10 @@ def ep_combine_reduce_kernel(region, flags, counter, heap, rank_pos, table, out,
             acc_hi = tl.zeros([BLOCK], tl.float32)
             for r in range(WORLD):
                 slot = tl.sum(tl.where(ww == r, back, 0), axis=0).to(tl.int64)
-                a, b = halves_of(tl.load(half + slot * HW + offs, mask=m & (slot >= 0), other=0), ELEM)
+                row = half + slot * HW
+                if r == me:
+                    row = y + own * HW
+                a, b = halves_of(tl.load(row + offs, mask=m & (slot >= 0), other=0), ELEM)
                 acc_lo += a
                 acc_hi += b
             tl.store(out + t * HW + offs, word_of(acc_lo, acc_hi, ELEM), mask=m)
@@ -553,7 +560,7 @@ class _HTPlan:
                                      BLOCK_W=blk_w), warps)
         self.reduce = Launch(ep_combine_reduce_kernel, (self.grid,),
                              (ws.ht, ws.flags, ws.counter(4), heap, i32(max(t, 1), w), i32(w, w), i32(1, self.hw),
-                              ws.ht_half_words, t, 1),
+                              i32(1, self.hw), ws.ht_half_words, t, 1),
                              dict(HW=self.hw, ELEM=_ELEM[x.dtype], WORLD=w, PROGRAMS=ws.programs, BLOCK=block,
                                   BLOCK_W=blk_w), warps)
         # Pointer arguments as the launches take them (Launch.address): on GPUs addresses (the workspace's
@@ -606,8 +613,8 @@ class _HTPlan:
             y = y.clone()  # the push back was compiled for 16-byte aligned rows
         self.push_back(self.words(y), a(handle.table), *self.push_fixed, handle.rows, ws.ht_half_words)
         out = torch.empty((self.tokens, self.hidden), dtype=self.dtype, device=y.device)
-        self.reduce(*self.wait_fixed, a(handle.rank_pos), a(handle.table), self.words(out), ws.ht_half_words,
-                    self.tokens, handle.limit)
+        self.reduce(*self.wait_fixed, a(handle.rank_pos), a(handle.table), self.words(y), self.words(out),
+                    ws.ht_half_words, self.tokens, handle.limit)
         return out
 
 
@@ -1257,7 +1264,7 @@ COMPILE_CASES = [
     for t in ("*i64", "*i32")
 ] + [
     (ep_combine_reduce_kernel, dict(region="*i32", flags="*i32", counter="*i64", heap="*i64", rank_pos="*i32",
-                                    table="*i32", out="*i32", half_words="i32", tokens="i32", limit="i32"),
+                                    table="*i32", y="*i32", out="*i32", half_words="i32", tokens="i32", limit="i32"),
      dict(HW=3584, ELEM=tl.bfloat16, WORLD=8, PROGRAMS=128, BLOCK=HT_BLOCK_WARPS[0], BLOCK_W=8), dict(num_warps=8)),
 ] + [
     (ep_dispatch_ll_kernel, dict(x=xt, topk=t, recv="*i32", scales="*i32", counts="*i32", src_rows="*i32",
