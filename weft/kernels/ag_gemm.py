@@ -6,8 +6,8 @@ tensor parallelism, with the activations sharded on tokens).
 
 How the overlap works (one call on rank `me`):
 
-    main stream:  start (copy a_shard → G[me], barrier) ─ GEMM (tiles of chunk me, me+1, ..., me-1) ─ join
-    copy stream:                                └─ for s = 1 .. W-1: push a_shard → G[me] of rank me-s, then its flag ─┘
+    main stream:  start (a_shard → G[me], barrier) ─ GEMM (chunk me, me+1, ..., me-1) ─ join
+    copy stream:                    └─ for s = 1 .. W-1: a_shard → G[me] of rank me-s, then its flag ─┘
 
 - G is this context's gathered buffer (W * m, K) in the symmetric heap, a
   tile map in its dense form (`wl.ShardMapping`): chunk q, rank q's shard, is

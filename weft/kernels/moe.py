@@ -21,7 +21,7 @@ its experts, pushed straight into that rank's receive region, in five launches a
      one sync; ep_position_kernel (a program per block): each token's position among my tokens to each rank;
   2. ep_push_kernel: the rows ([x | the receiver's local topk_idx | topk_weights] as int32 words, read from
      the caller's tensors as they are) into the destinations' regions (half epoch % 2), then a flag per
-     program to every rank;
+     program to every rank; the rows of my own tokens straight into recv_x, recv_topk_idx, recv_topk_weights;
   3. ep_receive_kernel: wait for every rank's flags, copy the region out into recv_x, recv_topk_idx and
      recv_topk_weights, and count the rows per local expert.
 Push and receive are separate launches: the receiver needs every program of every sender, and the
@@ -336,14 +336,16 @@ def _rows_before_mine(table, me, WORLD: tl.constexpr, BLOCK_W: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["tokens", "limit", "half_words"])
-def ep_push_kernel(x, topk, weights, rank_pos, table, region, flags, counter, heap, tokens, limit, half_words,
+def ep_push_kernel(x, topk, weights, rank_pos, table, region, x_out, idx_out, w_out, flags, counter, heap, tokens,
+                   limit, half_words,
                    HW: tl.constexpr, K: tl.constexpr, ROW: tl.constexpr, LOCAL: tl.constexpr, WORLD: tl.constexpr,
                    PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_W: tl.constexpr):
     """Token i of x (HW int32 words a row) to every rank r it goes to, at row rank_pos[i, r] + (rows of ranks
     s < me) of r's region (half epoch % 2), rows from `limit` on dropped: [x | its experts as r's local
     indices (-1: not r's) | topk weights' bits], ROW words; then flag [p][me] on every rank. Program p pushes
-    tokens p, p + PROGRAMS, ..."""
+    tokens p, p + PROGRAMS, ... A token to myself goes straight to its row of x_out, idx_out and w_out (what
+    ep_receive_kernel makes of the region's rows), not through my region."""
     p = tl.program_id(0)
     me = wl.rank(heap)
     epoch = wl.next_epoch(counter)
@@ -358,11 +360,17 @@ def ep_push_kernel(x, topk, weights, rank_pos, table, region, flags, counter, he
         wbits = tl.load(weights + i * K + jj, mask=jj < K, other=0.0).to(tl.int32, bitcast=True)
         for r in range(WORLD):
             slot = tl.sum(tl.where(ww == r, slots, 0), axis=0).to(tl.int64)
+            local = tl.where((e >= 0) & (e // LOCAL == r), e - r * LOCAL, -1)
             if slot >= 0:
-                dst = wl.symm_at(half + slot * ROW, r, heap)
-                copy(dst, x + i * HW, 0, HW, BLOCK, VEC)
-                tl.store(dst + HW + jj, tl.where((e >= 0) & (e // LOCAL == r), e - r * LOCAL, -1), mask=jj < K)
-                tl.store(dst + HW + K + jj, wbits, mask=jj < K)
+                if r == me:
+                    copy(x_out + slot * HW, x + i * HW, 0, HW, BLOCK, VEC)
+                    tl.store(idx_out + slot * K + jj, local.to(idx_out.dtype.element_ty), mask=jj < K)
+                    tl.store(w_out + slot * K + jj, wbits.to(tl.float32, bitcast=True), mask=jj < K)
+                else:
+                    dst = wl.symm_at(half + slot * ROW, r, heap)
+                    copy(dst, x + i * HW, 0, HW, BLOCK, VEC)
+                    tl.store(dst + HW + jj, local, mask=jj < K)
+                    tl.store(dst + HW + K + jj, wbits, mask=jj < K)
     wl.notify_all(flags + p * WORLD + me, heap, epoch)
 
 
@@ -408,19 +416,26 @@ def ep_receive_kernel(region, flags, counter, heap, table, x_out, idx_out, w_out
                       PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr):
     """After the pushes: rows [0, n) of the region (n: what the table says I receive, at most `rows`) split
-    into x_out (HW words a row), idx_out and w_out (K a row); rows [n, rows) zero, -1 and 0. counts[e] +=
-    the rows naming my expert e (each program adds its own)."""
+    into x_out (HW words a row), idx_out and w_out (K a row), but for the rows of my own tokens, which the
+    push wrote there itself; rows [n, rows) zero, -1 and 0. counts[e] += the rows naming my expert e (each
+    program adds its own)."""
     p = tl.program_id(0)
     me = wl.rank(heap)
     half = _wait_pushes(region, flags, counter, heap, half_words, WORLD, PROGRAMS)
     s = tl.arange(0, BLOCK_W)
-    n = tl.minimum(tl.sum(tl.load(table + s * WORLD + me, mask=s < WORLD, other=0), axis=0), rows)
+    got = tl.load(table + s * WORLD + me, mask=s < WORLD, other=0)  # rows from each source, in source order
+    n = tl.minimum(tl.sum(got, axis=0), rows)
+    own_lo = tl.sum(tl.where(s < me, got, 0), axis=0)
+    own_hi = own_lo + tl.sum(tl.where(s == me, got, 0), axis=0)
     jj = tl.arange(0, BLOCK_K)
     ll = tl.arange(0, BLOCK_L)
     named = tl.zeros([BLOCK_L], tl.int32)
     for i in range(p, rows, tl.num_programs(0)):
         src = half + i * ROW
-        if i < n:
+        if (i >= own_lo) & (i < tl.minimum(own_hi, n)):
+            idx = tl.load(idx_out + i * K + jj, mask=jj < K, other=-1).to(tl.int32)
+            named += tl.sum((idx[:, None] == ll[None, :]).to(tl.int32), axis=0)
+        elif i < n:
             copy(x_out + i * HW, src, 0, HW, BLOCK, VEC)
             idx = tl.load(src + HW + jj, mask=jj < K, other=-1)
             tl.store(idx_out + i * K + jj, idx, mask=jj < K)
@@ -493,8 +508,8 @@ class _HTPlan:
     """ep_dispatch / ep_combine of one call signature: the launches, the region's rows, the checks done.
 
     A dispatch is five launches: count, route (with the count exchange), position, push, receive; without
-    max_recv_tokens, one host sync between route and push reads info (the exact row count, and whether any rank's topk_idx was
-    bad: then every rank raises before anything is pushed)."""
+    max_recv_tokens, one host sync between route and push reads info (the exact row count, and whether any rank's
+    topk_idx was bad: then every rank raises before anything is pushed)."""
 
     def __init__(self, world, x, topk_idx, topk_weights, num_experts, max_recv_tokens):
         _check_routing(world, x, topk_idx, num_experts, topk_weights)
@@ -541,8 +556,9 @@ class _HTPlan:
                                dict(K=k, LOCAL=self.local, WORLD=w, BLOCK_T=blk_t, BLOCK_K=blk_k, BLOCK_W=blk_wide),
                                4)
         self.push = Launch(ep_push_kernel, (ws.programs,),
-                           (x.view(torch.int32), topk_idx, topk_weights, i32(max(t, 1), w), i32(w, w), ws.ht, ws.flags,
-                            ws.counter(3), heap, t, 1, ws.ht_half_words),
+                           (x.view(torch.int32), topk_idx, topk_weights, i32(max(t, 1), w), i32(w, w), ws.ht,
+                            i32(1, self.hw), torch.zeros((1, k), dtype=topk_idx.dtype, device=dev),
+                            torch.zeros((1, k), device=dev), ws.flags, ws.counter(3), heap, t, 1, ws.ht_half_words),
                            dict(HW=self.hw, K=k, ROW=self.row, LOCAL=self.local, WORLD=w, PROGRAMS=ws.programs,
                                 BLOCK=block, VEC=_vec(self.hw, x), BLOCK_K=blk_k, BLOCK_W=blk_w), warps)
         self.receive = Launch(ep_receive_kernel, (self.grid,),
@@ -570,6 +586,7 @@ class _HTPlan:
         self.route_fixed = tuple(map(a, (ws.table, ws.counter(2), heap)))
         self.error_at = a(ws.error)
         self.push_fixed = tuple(map(a, (ws.ht, ws.flags, ws.counter(3), heap)))
+        self.region_at, self.signal_fixed = self.push_fixed[0], self.push_fixed[1:]
         self.wait_fixed = tuple(map(a, (ws.ht, ws.flags, ws.counter(4), heap)))
 
     def dispatch(self, x, topk_idx, topk_weights):
@@ -596,11 +613,11 @@ class _HTPlan:
             limit = self.cap
         else:
             rows = limit = self.max_recv  # rows past it are dropped
-        self.push(self.words(x), a(topk_idx), a(topk_weights), a(rank_pos), a(table), *self.push_fixed, self.tokens,
-                  limit, ws.ht_half_words)
         recv_x = torch.empty((rows, self.hidden), dtype=self.dtype, device=dev)
         recv_idx = torch.empty((rows, self.k), dtype=self.idx_dtype, device=dev)
         recv_w = torch.empty((rows, self.k), dtype=torch.float32, device=dev)
+        self.push(self.words(x), a(topk_idx), a(topk_weights), a(rank_pos), a(table), self.region_at,
+                  self.words(recv_x), a(recv_idx), a(recv_w), *self.signal_fixed, self.tokens, limit, ws.ht_half_words)
         self.receive(*self.wait_fixed, a(table), self.words(recv_x), a(recv_idx), a(recv_w), a(counts),
                      ws.ht_half_words, rows)
         ws.raise_routing_error()  # with max_recv_tokens, under the interpreter: this call's row
@@ -1248,9 +1265,10 @@ COMPILE_CASES = [
     for t in ("*i64", "*i32") for wd in (2, 8)
 ] + [
     (ep_push_kernel, dict(x="*i32", topk=t, weights="*fp32", rank_pos="*i32", table="*i32", region="*i32",
-                          flags="*i32", counter="*i64", heap="*i64", tokens="i32", limit="i32", half_words="i32"),
-     dict(HW=hw, K=8, ROW=triton.cdiv(hw + 16, 4) * 4, LOCAL=32, WORLD=8, PROGRAMS=128, BLOCK=HT_BLOCK_WARPS[0], VEC=_vec(hw),
-          BLOCK_K=8, BLOCK_W=8), dict(num_warps=8))
+                          x_out="*i32", idx_out=t, w_out="*fp32", flags="*i32", counter="*i64", heap="*i64",
+                          tokens="i32", limit="i32", half_words="i32"),
+     dict(HW=hw, K=8, ROW=triton.cdiv(hw + 16, 4) * 4, LOCAL=32, WORLD=8, PROGRAMS=128, BLOCK=HT_BLOCK_WARPS[0],
+          VEC=_vec(hw), BLOCK_K=8, BLOCK_W=8), dict(num_warps=8))
     for t in ("*i64", "*i32") for hw in (3584, 3585)
 ] + [
     (ep_push_back_kernel, dict(y="*i32", table="*i32", region="*i32", flags="*i32", counter="*i64", heap="*i64",
@@ -1259,8 +1277,8 @@ COMPILE_CASES = [
 ] + [
     (ep_receive_kernel, dict(region="*i32", flags="*i32", counter="*i64", heap="*i64", table="*i32", x_out="*i32",
                              idx_out=t, w_out="*fp32", counts="*i32", half_words="i32", rows="i32"),
-     dict(HW=3584, K=8, ROW=3600, LOCAL=32, WORLD=8, PROGRAMS=128, BLOCK=HT_BLOCK_WARPS[0], VEC=4, BLOCK_K=8, BLOCK_L=32,
-          BLOCK_W=8), dict(num_warps=8))
+     dict(HW=3584, K=8, ROW=3600, LOCAL=32, WORLD=8, PROGRAMS=128, BLOCK=HT_BLOCK_WARPS[0], VEC=4, BLOCK_K=8,
+          BLOCK_L=32, BLOCK_W=8), dict(num_warps=8))
     for t in ("*i64", "*i32")
 ] + [
     (ep_combine_reduce_kernel, dict(region="*i32", flags="*i32", counter="*i64", heap="*i64", rank_pos="*i32",

@@ -8,8 +8,8 @@ from .shmem import getmem_block, putmem_block, putmem_nbi_block, putmem_signal_b
 from .signals import (barrier_all, consume_token, fence, next_epoch, notify, notify_all, pack_ll, quiet, signal_op,
                       signal_wait_until, wait, wait_ll)
 from .tile import (ALL_RANKS, CopyEnginePush, ShardMapping, TileMap, TileMapping, copy_engine_push, tile_count,
-                   tile_flag, tile_notify, tile_offset, tile_offsets, tile_owner, tile_pull, tile_push, tile_rect, tile_wait,
-                   tile_wait_tiles)
+                   tile_flag, tile_notify, tile_offset, tile_offsets, tile_owner, tile_pull, tile_push, tile_rect,
+                   tile_wait, tile_wait_tiles)
 
 __all__ = [
     "rank", "num_ranks", "symm_at", "remote_ptr", "notify", "notify_all", "wait", "next_epoch", "pack_ll", "wait_ll", "consume_token", "fence", "quiet",
