@@ -18,10 +18,12 @@ to its owner:
     main stream:  start ─ GEMM chunk me+1 ─ GEMM chunk me+2 ─ ... ─ final GEMM: chunk me + what arrived
     copy stream:                     └ push to me+1 ─┘  └ push to me+2 ─┘ ...
 
-- The pushes are copy-engine transfers (`copy_` into the peer's symmetric
-  receive buffer through NVLink), each followed on the same stream by a
-  4-byte copy of the call's epoch into the peer's ready flag: the flag lands
-  after the data. They take no SM from the GEMMs.
+- The pushes are copy-engine transfers (into the peer's symmetric receive
+  buffer through NVLink), each followed on the same stream by a stream
+  memory operation that writes 1 into the peer's ready flag: the flag lands
+  after the data. They take no SM from the GEMMs. Each call's start kernel
+  lowers my flags to 0 before the barrier below, so a 1 means "this call's
+  tile is here", and a CUDA-graph replay writes the same constant again.
 - Chunk order me + 1, me + 2, ...: at each step the W ranks send to W
   different ranks, so no rank's links are the hot spot.
 - The last GEMM computes my own chunk. After its first tile's K loop each
@@ -34,8 +36,8 @@ to its owner:
   only after my previous final GEMM has read it. (The copy engine's
   destinations are fixed when the call is issued, or captured in a CUDA
   graph, so the buffer cannot alternate by a device-side epoch parity.)
-  Flags count epochs instead of being reset, so calls run back to back and
-  replay inside CUDA graphs.
+  The flags are lowered on the device, never by the host, so calls run back
+  to back and replay inside CUDA graphs.
 
 Measured on 4 x H200, bf16, 2026-11-21 (`weft bench -n 4 gemm --ops rs`), GEMM-RS
 8192 x 4096 x 11008 (per rank 8192 x 4096 x 2752): weft 299 us vs cuBLAS + NCCL

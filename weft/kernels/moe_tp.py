@@ -23,9 +23,9 @@ ag_group_gemm, method "overlap" (one call on rank `me`):
     main stream:  layout ─ start barrier ─ copy my chunk → G[me] ─ GEMM (chunks me, me+1, ..., me-1) ─ join
     copy stream:                       └─ for s = 1 .. W-1: push tokens + layout → G[me] of rank me-s, flag ─┘
 
-as ag_gemm: the pushes are copy-engine transfers into the peers' gathered buffer G (the workspace), each
-followed by a 4-byte copy of the call's epoch into the peer's ready[me] (stream order puts the flag after
-the data). `group_gemm_chunks_kernel` is persistent: its tiles are numbered chunk after chunk in arrival
+as in ag_gemm, but for the flags: the pushes are copy-engine transfers into the peers' gathered buffer G (the
+workspace), each followed by a 4-byte copy of the call's epoch into the peer's ready[me] (stream order puts the
+flag after the data). `group_gemm_chunks_kernel` is persistent: its tiles are numbered chunk after chunk in arrival
 order, and a program waits for a chunk (`tile_wait` on the TileMap of the gathered tokens: one producer
 tile per rank) once, before its first tile there. A tile is BLOCK_M rows of one expert's segment of a chunk
 times BLOCK_N columns; its A rows are gathered by token index from G, its B is the expert's weight slice.
