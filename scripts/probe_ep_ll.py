@@ -5,9 +5,11 @@
 
 DeepSeek-V3 decode sizes by default (hidden 7168, top-8 of 256 experts, 1 / 32 / 128 tokens per rank). The
 kernels deal out (token, chunk of LL_CHUNK_WORDS words) units to at most LL_PROGRAMS programs (capped at the
-SM count). For each setting: ep_dispatch_ll (bf16 and fp8) and dispatch + combine, CUDA-graph replay, slowest rank's median;
-each setting's first call is checked against the torch routing (combine of y = recv with weights 1 gives each
-token k times itself).
+SM count). For each setting: ep_dispatch_ll (bf16 and fp8), dispatch + combine (bf16 and fp8 dispatch), and
+fp8 dispatch + combine with a GEMM after each op's send, the ops in one launch or split (return_recv_hook: the
+GEMM between send and receive, so the transfer hides under it); CUDA-graph replay, slowest rank's median. Each
+setting's first call is checked against the torch routing (combine of y = recv with weights 1 gives each token
+k times itself).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ def main():
     ap.add_argument("--programs", default="64,132", help="LL_PROGRAMS values (GPUs)")
     ap.add_argument("--chunks", default="256,512,1024", help="LL_CHUNK_WORDS values (GPUs)")
     ap.add_argument("--warps", default="4,8", help="LL_WARPS values (GPUs)")
+    ap.add_argument("--gemm", type=int, default=2048, help="size of the square GEMM run between send and receive")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
     # The LL buffers at 128 tokens of hidden 7168 need more than the default workspace.
@@ -53,6 +56,9 @@ def main():
                            for _ in range(tokens)]).to(torch.int64)
         ones = torch.ones(idx.shape, dtype=torch.float32, device=w.device)
         want = x.float() * args.topk
+        y = x.new_empty((args.experts // w.world_size, w.world_size * tokens, args.hidden)).normal_()
+        n = args.gemm if gpu else 64  # a GEMM for the hooks to hide the transfers under
+        a, c = (torch.randn(n, n, device=w.device).to(torch.bfloat16) for _ in range(2))
         for prog, chunk, warps in itertools.product(programs, chunks, warps_swept):
             moe.LL_PROGRAMS, moe.LL_CHUNK_WORDS, moe.LL_WARPS = prog, chunk, warps
             w.plans.clear()
@@ -63,9 +69,30 @@ def main():
 
             got = both()
             ok = torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2)
+            def fp8_both():
+                _, _, _, h = weft.ops.ep_dispatch_ll(x, idx, args.experts, tokens, fp8=True)
+                return weft.ops.ep_combine_ll(y, idx, ones, h)
+
+            def gemm_between(hook):  # a GEMM after each op's send: before its receive (hook) or after it
+                if not hook:
+                    _, _, _, h = weft.ops.ep_dispatch_ll(x, idx, args.experts, tokens, fp8=True)
+                    torch.mm(a, a, out=c)
+                    weft.ops.ep_combine_ll(y, idx, ones, h)
+                    return torch.mm(a, a, out=c)
+                _, _, _, h, receive = weft.ops.ep_dispatch_ll(x, idx, args.experts, tokens, fp8=True,
+                                                               return_recv_hook=True)
+                torch.mm(a, a, out=c)
+                receive()
+                _, receive = weft.ops.ep_combine_ll(y, idx, ones, h, return_recv_hook=True)
+                torch.mm(a, a, out=c)
+                receive()
+
             fns = {"dispatch": lambda: weft.ops.ep_dispatch_ll(x, idx, args.experts, tokens),
                    "dispatch fp8": lambda: weft.ops.ep_dispatch_ll(x, idx, args.experts, tokens, fp8=True),
-                   "dispatch+combine": both}
+                   "dispatch+combine": both, "dispatch fp8+combine": fp8_both,
+                   "gemm": lambda: torch.mm(a, a, out=c),
+                   "fp8 d+c with gemms": lambda: gemm_between(False),
+                   "fp8 d+c with gemms (hooks)": lambda: gemm_between(True)}
             ms = time_calls(fns, calls=10, samples=args.samples, graph=gpu)
             row = dict(tokens=tokens, programs=prog, chunk_words=chunk, warps=warps, ok=ok,
                        **{k: round(v * 1e3, 1) for k, v in ms.items()})

@@ -159,7 +159,9 @@ def test_ep_ll_fp8():
         assert all(run_ranks(_ll_fp8_case, w, 7, [3, 0, 4][:w], experts, 3, 4, timeout=TIMEOUT, env=ENV))
 
 
-def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens):
+def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens, hook=False):
+    """One LL dispatch + combine against the reference; hook=True: both split (return_recv_hook), with other
+    work queued and the outputs poisoned between send and receive."""
     import torch
 
     import weft
@@ -168,8 +170,15 @@ def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens):
     local = experts // w
     inputs = _routing(seed, w, tokens, experts, k, hidden, mode)
     x, idx, wts = inputs[me]
-    recv, counts, scales, handle = weft.ops.ep_dispatch_ll(x, idx, experts, max_tokens)
-    tag = f"seed {seed} mode {mode} k {k}"
+    if hook:
+        recv, counts, scales, handle, receive = weft.ops.ep_dispatch_ll(x, idx, experts, max_tokens,
+                                                                        return_recv_hook=True)
+        recv.fill_(float("nan"))
+        counts.fill_(-7)
+        receive()
+    else:
+        recv, counts, scales, handle = weft.ops.ep_dispatch_ll(x, idx, experts, max_tokens)
+    tag = f"seed {seed} mode {mode} k {k} hook {hook}"
     assert scales is None and recv.shape == (local, w * max_tokens, hidden), tag
     ex, ei, _, ec = _ref_dispatch(inputs, me, experts, w)
     assert torch.equal(counts, ec), tag
@@ -177,7 +186,12 @@ def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens):
         want = ex[(ei == e).any(1)]
         assert torch.equal(recv[e, :want.shape[0]].view(torch.int16), want.view(torch.int16)), f"{tag} expert {e}"
     y = torch.stack([_expert_out(recv[e], me * local + e) for e in range(local)])
-    out = weft.ops.ep_combine_ll(y, idx, wts, handle)
+    if hook:
+        out, receive = weft.ops.ep_combine_ll(y, idx, wts, handle, return_recv_hook=True)
+        out.fill_(float("nan"))
+        receive()
+    else:
+        out = weft.ops.ep_combine_ll(y, idx, wts, handle)
     want = _weighted(x, idx, wts, 0)
     torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2, msg=tag)
 
@@ -231,6 +245,47 @@ def test_ep_ll(w):
              (w * 10 + 3, 4, experts, 1, 32, "one", 8), (w * 10 + 4, 5, experts, 4, 32, "half", 8),
              (w * 10 + 5, 5, experts, 3, 32, "masked", 8)]
     assert all(run_ranks(_many, w, "ll", cases, timeout=TIMEOUT, env=ENV))
+
+
+def _ll_hooks(cases):
+    """Split calls among one-launch calls, then the misuses of the hooks, each refused before anything is
+    launched (the calls after see the epochs they expect)."""
+    import pytest
+    import torch
+
+    import weft
+
+    w = weft.world_size()
+    experts = 4 * w
+    for i, case in enumerate(cases):
+        _ll_case(*case, hook=i % 3 != 1)
+    x, idx, wts = _routing(9, w, 3, experts, 2, 32)[weft.rank()]
+    _, _, _, handle, receive = weft.ops.ep_dispatch_ll(x, idx, experts, 4, return_recv_hook=True)
+    with pytest.raises(RuntimeError, match="receive hook"):
+        weft.ops.ep_dispatch_ll(x, idx, experts, 4)
+    y = torch.zeros(handle.plan.recv_shape, dtype=x.dtype)
+    with pytest.raises(RuntimeError, match="not received"):
+        weft.ops.ep_combine_ll(y, idx, wts, handle)
+    receive()
+    with pytest.raises(RuntimeError, match="run already"):
+        receive()
+    with pytest.raises(TypeError, match="return_recv_hook"):
+        weft.ops.ep_combine_ll(y, idx, wts, handle, return_recv_hook=1)
+    _, receive = weft.ops.ep_combine_ll(y, idx, wts, handle, return_recv_hook=True)
+    with pytest.raises(RuntimeError, match="receive hook"):
+        weft.ops.ep_combine_ll(y, idx, wts, handle)
+    receive()
+    _ll_case(10, 4, experts, 2, 32, "masked", 4)
+    _ll_case(11, [2, 0, 3][:w], experts, 3, 32, "random", 4, hook=True)
+    return True
+
+
+@pytest.mark.parametrize("w", [2, 3])
+def test_ep_ll_recv_hook(w):
+    """return_recv_hook: send and receive as two launches, outputs poisoned in between, at 2 and 3 ranks."""
+    experts = 12 if w == 3 else 8
+    cases = [(70 + s, [4, 1, 3][:w], experts, 3, 32, ("random", "masked", "one")[s % 3], 6) for s in range(4)]
+    assert all(run_ranks(_ll_hooks, w, cases, timeout=TIMEOUT, env=ENV))
 
 
 def test_ep_ll_multi_chunk():

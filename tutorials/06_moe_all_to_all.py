@@ -14,9 +14,12 @@ high throughput (prefill)  `ep_dispatch` sends each token once to every rank hol
 
 low latency (decode)  `ep_dispatch_ll` is one kernel launch: every word travels as an LL word (4 bytes and
     the call's epoch in one 8-byte store), so the data is its own signal, and each receiver places every
-    token straight at its row in `recv[local expert]`. `ep_combine_ll` sends each expert's output back,
-    where the token's rank sums them with the routing weights. No host sync (the kernel checks topk_idx
-    itself; a bad row raises at the next EP call): a decode step can be captured in a CUDA graph.
+    token straight at its row in `recv[local expert]`. `ep_combine_ll` first sends the routing weights to
+    the experts' ranks; each rank sums its experts' weighted outputs per token and sends that one row
+    back, where the token's rank adds them. No host sync (the kernel checks topk_idx itself; a bad row
+    raises at the next EP call): a decode step can be captured in a CUDA graph. With
+    `return_recv_hook=True` either op launches only its sends and returns a hook that launches the
+    receive: work queued in between (here, the shared expert) runs while the rows travel.
 
 Between the two, `grouped_gemm` runs every local expert on its rows, reading the per-expert counts on
 the device. This tutorial runs a small MoE layer (one linear map per expert) both ways and checks it
@@ -52,6 +55,18 @@ def main():
     recv, counts, _, handle = weft.ops.ep_dispatch_ll(x, idx, EXPERTS, max_tokens_per_rank=TOKENS)
     y = weft.ops.grouped_gemm(recv, mine, counts)
     out_ll = weft.ops.ep_combine_ll(y, idx, wt, handle)
+
+    # The same, split: a dense "shared expert" (any work) computed while the tokens travel each way.
+    shared_w = experts[0].to(dev)
+    recv, counts, _, handle, receive = weft.ops.ep_dispatch_ll(x, idx, EXPERTS, TOKENS, return_recv_hook=True)
+    shared = x @ shared_w  # queued between the send and the receive
+    receive()  # recv and counts are valid from here on
+    out, receive = weft.ops.ep_combine_ll(weft.ops.grouped_gemm(recv, mine, counts), idx, wt, handle,
+                                          return_recv_hook=True)
+    shared = shared.float() * 0.5
+    receive()
+    torch.testing.assert_close(out, out_ll, rtol=0, atol=0, msg="split calls differ from one-launch calls")
+    torch.testing.assert_close(shared, (x @ shared_w).float() * 0.5, rtol=0, atol=0)
 
     # High throughput: each token once per rank; that rank sums its local experts' outputs per token.
     rx, ridx, rw, counts_ht, handle = weft.ops.ep_dispatch(x, idx, wt, EXPERTS)

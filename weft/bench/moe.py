@@ -2,15 +2,16 @@
 unpermute around it, and the NVLink bound (DeepSeek-V3 sizes: hidden 7168, top-8 of 256 experts); the
 tensor-parallel MoE ops and the MoE layers against the same work on torch collectives; in one run.
 
-- LL (decode), 1 / 32 / 128 tokens per rank: weft ep_dispatch_ll + ep_combine_ll (one launch each), and
-  the dispatch alone, bf16 and fp8;
+- LL (decode), 1 / 32 / 128 tokens per rank: weft ep_dispatch_ll + ep_combine_ll (one launch each), bf16
+  and fp8 dispatch (the DeepSeek-V3 case: fp8 dispatch, bf16 combine), and the dispatch alone, bf16 and fp8;
 - HT (prefill), 4096 tokens per rank: weft ep_dispatch + ep_combine, exact-size (one host sync) and with
   max_recv_tokens (capturable);
 - baseline: the routing layout, all_to_all_single of the counts (the splits go to the host), permute,
   all_to_all_single of the rows and of their topk ids and weights, all_to_all_single back, unpermute
   (index_add): what a torch MoE layer does around its experts (no expert compute in any of them: y = recv);
-- NVLink bound: the bf16 bytes each rank sends to other ranks (dispatch + combine, slowest rank) over the
-  per-rank bandwidth that weft's all_gather reaches in the same run.
+- NVLink bound: the bf16 bytes each rank sends to other ranks (dispatch + combine, slowest rank: each token
+  once to every other rank of its experts and one row back from each) over the per-rank bandwidth that
+  weft's all_gather reaches in the same run.
 - grouped GEMM (experts 32, capacity 256, 7168 -> 2048, random counts): weft grouped_gemm against a loop of
   torch.matmul over the experts' rows and, where it runs, torch._grouped_mm over the same rows packed.
 - TP-MoE ops (Qwen3-30B-A3B: hidden 2048, 128 experts, top-8, moe inter 768; Mixtral-8x7B: hidden 4096, 8
@@ -96,15 +97,15 @@ def _all_to_all(x, idx, wts, experts):
     return recv, out.to(x.dtype)
 
 
-def _bytes_sent(idx, experts, hidden, ll: bool) -> int:
-    """bf16 bytes this rank sends to other ranks in a dispatch + combine, the most of any rank."""
+def _bytes_sent(idx, experts, hidden) -> int:
+    """bf16 bytes this rank sends to other ranks in a dispatch + combine, the most of any rank: each token
+    once to every other rank of its experts, and one row back from each (LL and HT combines both send a
+    rank's weighted sum of its experts' outputs; one row per (token, expert), as DeepEP's LL combine sends,
+    would be ~k / (ranks a token reaches) times the combine's bytes)."""
     w = weft.world()
-    local = experts // w.world_size
-    other = (idx // local) != w.rank
     lay = routing_layout(idx, experts, w.world_size)
     rows = int(lay.to_rank.sum()) - int(lay.to_rank[:, w.rank].sum())  # token copies to other ranks
-    back = int(other.sum()) if ll else rows  # LL returns one row per (token, expert); HT one per rank
-    t = torch.tensor([(rows + back) * hidden * 2], dtype=torch.float64, device=idx.device)
+    t = torch.tensor([2 * rows * hidden * 2], dtype=torch.float64, device=idx.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=w.group)
     return int(t.item())
 
@@ -159,10 +160,17 @@ def run(args) -> list[Row]:
         if fp8:
             impls["weft LL dispatch (fp8)"] = lambda x=x, idx=idx, tokens=tokens: weft.ops.ep_dispatch_ll(
                 x, idx, experts, tokens, fp8=True)
+            y = torch.randn(recv.shape, device=dev).to(recv.dtype)  # the experts' bf16 outputs
+
+            def ll_fp8(x=x, idx=idx, ones=ones, tokens=tokens, y=y):
+                _, _, _, handle = weft.ops.ep_dispatch_ll(x, idx, experts, tokens, fp8=True)
+                return weft.ops.ep_combine_ll(y, idx, ones, handle)
+
+            impls["weft LL dispatch (fp8)+combine"] = ll_fp8
         impls |= {
                  BASELINE: lambda x=x, idx=idx, wts=wts: _all_to_all(x, idx, wts, experts)}
         weft.ops.check_routing_values(idx, experts)
-        nbytes = _bytes_sent(idx, experts, hidden, True)
+        nbytes = _bytes_sent(idx, experts, hidden)
         rows += _timed(f"LL {tokens} tok/rank", impls, {n for n in impls if n.startswith("weft")}, nbytes,
                        bandwidth, 10, args.samples)
     for tokens in [int(t) for t in args.ht_tokens.split(",") if t]:
@@ -181,7 +189,7 @@ def run(args) -> list[Row]:
         impls = {"weft HT dispatch+combine": ht,
                  "weft HT dispatch+combine (max_recv_tokens)": lambda: ht(cap=cap),
                  BASELINE: lambda x=x, idx=idx, wts=wts: _all_to_all(x, idx, wts, experts)}
-        nbytes = _bytes_sent(idx, experts, hidden, False)
+        nbytes = _bytes_sent(idx, experts, hidden)
         rows += _timed(f"HT {tokens} tok/rank", impls, {"weft HT dispatch+combine (max_recv_tokens)"}, nbytes,
                        bandwidth, 2, args.samples)
     if args.gemm:

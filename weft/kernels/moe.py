@@ -34,14 +34,20 @@ the same LL words (`wl.pack_ll`: 4 bytes and the epoch per 8-byte store). Rank s
 [s][t] of every destination rank; the slot's first k words say which of the receiver's experts take it and
 at which position among s's tokens for that expert; a header per sender (written by its program 0) carries
 s's token count and its per-expert counts, from which the receiver places every token at its final row of
-recv[expert] (rows ordered by source rank, then token): `counts[e]` rows of expert e are valid. Combine sends
-each expert output back to slot [t][j] of the token's rank, which sums the k outputs with the weights.
+recv[expert] (rows ordered by source rank, then token): `counts[e]` rows of expert e are valid. Combine: each
+rank first sends its tokens' weights to the ranks of their experts; a rank sums the weighted outputs of its
+experts for each token it received and sends that one row back to slot [t][rank] of the token's rank, which
+adds the rows of the ranks (one row per token and rank crosses the links, not one per expert).
 Work is dealt out in units of (token, chunk of its row's words): program p handles chunk p % CHUNKS of tokens
 t = p // CHUNKS (mod LANES), sending and then receiving those units, so one token's row moves on CHUNKS
 programs at once; a program waits only on the same program of its peers (data, and in combine the acks) and
 on lower ones (the header, a token's meta words from its chunk-0 program), and issues all its sends first.
 The header's counts come from a histogram of each row's first namings (O(tokens x k), program 0); a token's
 position among its sender's tokens for an expert from a scan of the tokens before it (its chunk-0 program).
+
+With return_recv_hook=True a call launches its sends only (the same kernel, SEND without RECV) and returns a
+RecvHook that launches the receive (RECV alone, the send's epoch read back with `wl.last_epoch`), so the
+caller's work runs while the rows travel.
 
 Buffers are double-buffered by call parity, one epoch counter per kernel (each takes `wl.next_epoch` once
 per call): a sender writes half e % 2 of rank q in call e only after its own call e - 1 ended, in which it
@@ -195,7 +201,7 @@ class MoeWorkspace:
     """The MoE family's symmetric workspace, made once whatever the call sizes: the LL dispatch and LL combine
     regions (int64 LL words, zeroed: epoch 0 is never awaited; 3/8 of workspace_bytes each), the
     high-throughput receive region (1/4), each in two halves; the count table's LL words, the push flags
-    [program][rank], and one epoch counter per kernel.
+    [program][rank], and one epoch counter per kernel; the LL ops' receive hooks not yet run.
 
     And the error word (a RoutingErrorWord), where the kernels record a bad topk_idx row (check_rows): every
     EP op raises it on entry (and dispatches again after their launches: under the interpreter, kernels have
@@ -213,6 +219,7 @@ class MoeWorkspace:
         self.programs = HT_PROGRAMS[world.device.type]
         self.flags = heap.empty((self.programs * w,), torch.int32)
         self.counters = heap.empty((5,), torch.int64)  # ll dispatch, ll combine, count exchange, push, wait
+        self.ll_pending = {}  # LL op -> its RecvHook not yet run
         self.errors = RoutingErrorWord(world)
         self.error = self.errors.tensor
         zero_everywhere(world, self.ll_dispatch, self.ll_combine, self.table, self.flags, self.counters)
@@ -758,7 +765,7 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
                           half_words, HW: tl.constexpr, K: tl.constexpr, LOCAL: tl.constexpr, MAX_T: tl.constexpr,
                           WORLD: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, LANES: tl.constexpr,
                           FP8: tl.constexpr, GROUPS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-                          BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+                          BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, SEND: tl.constexpr, RECV: tl.constexpr):
     """Send chunk c of my tokens t = lane (mod LANES) to the ranks of their experts, then place chunk c of the
     tokens every rank sent me in that lane into recv[local expert, row] (x and recv as int32 words, HW a row).
 
@@ -770,30 +777,49 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
     src_rows[s, t, j] = the flat recv row of expert j of token t of rank s, or -1; src_tokens[s] = s's tokens.
     A bad row of topk is recorded in `err` (check_rows) and travels harmlessly: its entries outside the
     experts as none, an expert named twice to one row, which combine returns once per naming.
+    SEND / RECV: which halves of the call this launch runs (both: one launch; else the receive is a second
+    launch of the same grid, which takes the send's epoch).
     """
     p = tl.program_id(0)
     lane = p // CHUNKS
     c = p % CHUNKS
     me = wl.rank(heap)
-    epoch = wl.next_epoch(counter)
+    if SEND:
+        epoch = wl.next_epoch(counter)
+    else:
+        epoch = wl.last_epoch(counter)
     # half_words is a multiple of 32 (MoeWorkspace): said so, Triton keeps 16-byte vectors through the halves.
     half = buf + (epoch % 2) * (half_words // 32 * 32)
+    slots = half + (WORLD * (LOCAL * WORLD + 1) + 1) // 2 * 2
+    G: tl.constexpr = CHUNK // 32  # fp8: 128-channel groups a chunk
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    m = offs < HW
+    gg = c * G + tl.arange(0, G)
+    if SEND:
+        _dispatch_ll_send(x, topk, err, half, slots, heap, me, epoch, tokens, lane, c, offs, m, gg, HW, K, LOCAL,
+                          MAX_T, WORLD, CHUNK, LANES, FP8, GROUPS, BLOCK_K, BLOCK_E, BLOCK_T)
+    if RECV:
+        _dispatch_ll_receive(recv, scales, counts, src_rows, src_tokens, half, slots, heap, me, epoch, lane, c,
+                             offs, m, gg, HW, K, LOCAL, MAX_T, WORLD, CHUNK, LANES, FP8, GROUPS, BLOCK_K, BLOCK_L)
+
+
+@triton.jit
+def _dispatch_ll_send(x, topk, err, half, slots, heap, me, epoch, tokens, lane, c, offs, m, gg, HW: tl.constexpr,
+                      K: tl.constexpr, LOCAL: tl.constexpr, MAX_T: tl.constexpr, WORLD: tl.constexpr,
+                      CHUNK: tl.constexpr, LANES: tl.constexpr, FP8: tl.constexpr, GROUPS: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+    """ep_dispatch_ll_kernel's send: the header (program 0), then chunk c of my tokens in this lane."""
     EXPERTS: tl.constexpr = LOCAL * WORLD
     HEAD: tl.constexpr = EXPERTS + 1
     SLOT: tl.constexpr = K + HW + GROUPS * FP8
-    G: tl.constexpr = CHUNK // 32  # fp8: 128-channel groups a chunk
-    slots = half + (WORLD * HEAD + 1) // 2 * 2
+    G: tl.constexpr = CHUNK // 32
     jj = tl.arange(0, BLOCK_K)
-    ll = tl.arange(0, BLOCK_L)
     ee = tl.arange(0, BLOCK_E)
-    if p == 0:
+    if (lane == 0) & (c == 0):
         head = tl.where(ee < EXPERTS, _tokens_per_expert(topk, tokens, K, EXPERTS, BLOCK_K, BLOCK_E, BLOCK_T),
                         tokens)
         for r in range(WORLD):
             tl.store(wl.symm_at(half + me * HEAD, r, heap) + ee, wl.pack_ll(head, epoch), mask=ee < HEAD)
-    offs = c * CHUNK + tl.arange(0, CHUNK)
-    m = offs < HW
-    gg = c * G + tl.arange(0, G)
     for t in range(lane, tokens, LANES):
         live = (jj < K)[None, :]
         raw = tl.load(topk + t * K + jj[None, :], mask=live, other=-1)
@@ -818,6 +844,20 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
                 if FP8:
                     tl.store(wl.symm_at(mine, r, heap) + K + HW + gg, packed_scale, mask=gg < GROUPS)
 
+
+@triton.jit
+def _dispatch_ll_receive(recv, scales, counts, src_rows, src_tokens, half, slots, heap, me, epoch, lane, c, offs, m,
+                         gg, HW: tl.constexpr, K: tl.constexpr, LOCAL: tl.constexpr, MAX_T: tl.constexpr,
+                         WORLD: tl.constexpr, CHUNK: tl.constexpr, LANES: tl.constexpr, FP8: tl.constexpr,
+                         GROUPS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr):
+    """ep_dispatch_ll_kernel's receive: chunk c of every rank's tokens in this lane into their recv rows."""
+    EXPERTS: tl.constexpr = LOCAL * WORLD
+    HEAD: tl.constexpr = EXPERTS + 1
+    SLOT: tl.constexpr = K + HW + GROUPS * FP8
+    G: tl.constexpr = CHUNK // 32
+    jj = tl.arange(0, BLOCK_K)
+    ll = tl.arange(0, BLOCK_L)
+    first = (lane == 0) & (c == 0)
     base = tl.zeros([BLOCK_L], tl.int32)  # rows of each of my experts taken by senders before s
     for s in range(WORLD):
         head = wl.wait_ll(half + s * HEAD + tl.where(ll < LOCAL, me * LOCAL + ll, EXPERTS), ll <= LOCAL, epoch,
@@ -843,9 +883,9 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
                     tl.store(scales + flat[:, None] * GROUPS + gg[None, :], tl.broadcast_to(got[None, :], [BLOCK_K, G]),
                              mask=(flat >= 0)[:, None] & (gg < GROUPS)[None, :])
         base += tl.where(ll < LOCAL, head, 0)
-        if p == 0:
+        if first:
             tl.store(src_tokens + s, n_s)
-    if p == 0:
+    if first:
         tl.store(counts + ll, base, mask=ll < LOCAL)
 
 
@@ -853,56 +893,104 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
 def ep_combine_ll_kernel(y, topk, weights, out, src_rows, src_tokens, buf, counter, heap, tokens, half_words,
                          HW: tl.constexpr, K: tl.constexpr, LOCAL: tl.constexpr, MAX_T: tl.constexpr,
                          WORLD: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, LANES: tl.constexpr,
-                         ELEM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Send chunk c of each expert output y[row] of the tokens received in my lane back to slot [t][j] of the
-    token's rank, then sum chunk c of my tokens t = lane (mod LANES): out[t] = sum_j weights[t, j] * (output
-    of expert j), fp32.
+                         ELEM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, SEND: tl.constexpr,
+                         RECV: tl.constexpr):
+    """out[t] = sum_j weights[t, j] * (output of expert j for token t), each rank's share summed where its
+    experts are: my tokens' weights go to the ranks of their experts; each rank sends back, per token it
+    received, chunk c of the weighted sum of its experts' rows of y (one row per token and rank, not per
+    expert: at 2 ranks and top-8 a quarter of the bytes); the token's rank adds those (fp32 sums, rounded to
+    y's dtype on each rank and at the end).
 
-    A half of `buf` holds acks [W][programs] (every program hears from every rank each call, which the
-    halves' reuse relies on) and slots [MAX_T][K][HW], LL words.
+    A half of `buf` (epoch parity) holds acks [W][programs] (every program hears from every rank each call,
+    which the halves' reuse relies on), weights [W][MAX_T][K] (of sender s's token t, written by the token's
+    chunk-0 program) and partial sums [MAX_T][W][HW] (of my token t from rank r), all LL words. A program
+    waits only on the same program of its peers (partial sums, acks) and on lower ones (weights, chunk 0).
+    SEND: the weights, then the partial sums and the acks (it waits for its peers' weights); RECV: the sums.
     """
     p = tl.program_id(0)
     lane = p // CHUNKS
     c = p % CHUNKS
     me = wl.rank(heap)
-    epoch = wl.next_epoch(counter)
+    if SEND:
+        epoch = wl.next_epoch(counter)
+    else:
+        epoch = wl.last_epoch(counter)
     half = buf + (epoch % 2) * (half_words // 32 * 32)
     PROGRAMS: tl.constexpr = LANES * CHUNKS
-    slots = half + (WORLD * PROGRAMS + 1) // 2 * 2
+    EXPERTS: tl.constexpr = LOCAL * WORLD
+    wslots = half + (WORLD * PROGRAMS + 1) // 2 * 2
+    pslots = wslots + (WORLD * MAX_T * K + 1) // 2 * 2
     jj = tl.arange(0, BLOCK_K)
+    ww = tl.arange(0, BLOCK_W)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     m = offs < HW
-    for s in range(WORLD):
-        n_s = tl.load(src_tokens + s)
-        for t in range(lane, n_s, LANES):
-            flat = tl.load(src_rows + (s * MAX_T + t) * K + jj, mask=jj < K, other=-1).to(tl.int64)
-            back = (flat >= 0)[:, None] & m[None, :]
-            rows = tl.load(y + flat[:, None] * HW + offs[None, :], mask=back, other=0)
-            dst = wl.symm_at(slots + t * K * HW, s, heap)
-            tl.store(dst + jj[:, None] * HW + offs[None, :], wl.pack_ll(rows, epoch), mask=back)
-        tl.store(wl.symm_at(half + me * PROGRAMS + p, s, heap), wl.pack_ll(p, epoch))
-
-    ww = tl.arange(0, BLOCK_W)
-    wl.wait_ll(half + ww * PROGRAMS + p, ww < WORLD, epoch, heap=heap, op="ep_combine_ll ack")
-    for t in range(lane, tokens, LANES):
-        e = valid_experts(tl.load(topk + t * K + jj, mask=jj < K, other=-1), jj < K, LOCAL * WORLD)
-        wt = tl.load(weights + t * K + jj, mask=jj < K, other=0.0)
-        # The chunk of all k outputs at once: one round of polls, not k.
-        got = wl.wait_ll(slots + (t * K + jj[:, None]) * HW + offs[None, :], (e >= 0)[:, None] & m[None, :], epoch,
-                         heap=heap, op="ep_combine_ll")
-        a, b = halves_of(got, ELEM)
-        acc_lo = tl.sum(wt[:, None] * a, axis=0)
-        acc_hi = tl.sum(wt[:, None] * b, axis=0)
-        tl.store(out + t * HW + offs, word_of(acc_lo, acc_hi, ELEM), mask=m)
+    if SEND:
+        if c == 0:  # my tokens' weights, to the ranks of their experts
+            for t in range(lane, tokens, LANES):
+                e = valid_experts(tl.load(topk + t * K + jj, mask=jj < K, other=-1), jj < K, EXPERTS)
+                dest = tl.where(e >= 0, e // LOCAL, -1)
+                wt = wl.pack_ll(tl.load(weights + t * K + jj, mask=jj < K, other=0.0).to(tl.int32, bitcast=True),
+                                epoch)
+                for r in range(WORLD):
+                    if tl.sum((dest == r).to(tl.int32), axis=0) > 0:
+                        tl.store(wl.symm_at(wslots + (me * MAX_T + t) * K, r, heap) + jj, wt, mask=jj < K)
+        for s in range(WORLD):
+            n_s = tl.load(src_tokens + s)
+            for t in range(lane, n_s, LANES):
+                flat = tl.load(src_rows + (s * MAX_T + t) * K + jj, mask=jj < K, other=-1).to(tl.int64)
+                if tl.sum((flat >= 0).to(tl.int32), axis=0) > 0:
+                    wt = wl.wait_ll(wslots + (s * MAX_T + t) * K + jj, flat >= 0, epoch, heap=heap, peer=s,
+                                    op="ep_combine_ll weights").to(tl.float32, bitcast=True)
+                    rows = tl.load(y + flat[:, None] * HW + offs[None, :], mask=(flat >= 0)[:, None] & m[None, :],
+                                   other=0)
+                    a, b = halves_of(rows, ELEM)
+                    part = word_of(tl.sum(wt[:, None] * a, axis=0), tl.sum(wt[:, None] * b, axis=0), ELEM)
+                    tl.store(wl.symm_at(pslots + (t * WORLD + me) * HW, s, heap) + offs, wl.pack_ll(part, epoch),
+                             mask=m)
+            tl.store(wl.symm_at(half + me * PROGRAMS + p, s, heap), wl.pack_ll(p, epoch))
+    if RECV:
+        wl.wait_ll(half + ww * PROGRAMS + p, ww < WORLD, epoch, heap=heap, op="ep_combine_ll ack")
+        for t in range(lane, tokens, LANES):
+            e = valid_experts(tl.load(topk + t * K + jj, mask=jj < K, other=-1), jj < K, EXPERTS)
+            holds = tl.max(((e[None, :] >= 0) & (e[None, :] // LOCAL == ww[:, None])).to(tl.int32), axis=1) > 0
+            # The chunk of every rank's partial sum at once: one round of polls, not one per rank.
+            got = wl.wait_ll(pslots + (t * WORLD + ww[:, None]) * HW + offs[None, :], holds[:, None] & m[None, :],
+                             epoch, heap=heap, op="ep_combine_ll")
+            a, b = halves_of(got, ELEM)
+            tl.store(out + t * HW + offs, word_of(tl.sum(a, axis=0), tl.sum(b, axis=0), ELEM), mask=m)
 
 
 # -- low-latency host side ----------------------------------------------------------
 
 class LLHandle:
-    """What ep_combine_ll needs of an ep_dispatch_ll: its plan, src_rows (W, max_tokens, k) and src_tokens (W,)."""
+    """What ep_combine_ll needs of an ep_dispatch_ll: its plan, src_rows (W, max_tokens, k) and src_tokens (W,),
+    filled by the dispatch's receive (`received`: launched)."""
 
-    def __init__(self, plan, src_rows, src_tokens):
-        self.plan, self.src_rows, self.src_tokens = plan, src_rows, src_tokens
+    def __init__(self, plan, src_rows, src_tokens, received=True):
+        self.plan, self.src_rows, self.src_tokens, self.received = plan, src_rows, src_tokens, received
+
+
+class RecvHook:
+    """The receive half of an LL call made with return_recv_hook=True: the send was launched, and calling the
+    hook launches the receive (on the current stream: the send's, or one ordered after it). Call it once,
+    before the next call of the same op; what the op returned is valid once it has run."""
+
+    def __init__(self, op: str, pending: dict, receive):
+        self.op, self.pending, self.receive, self.done = op, pending, receive, False
+        pending[op] = self
+
+    def __call__(self) -> None:
+        if self.done:
+            raise RuntimeError(f"this {self.op} receive hook has run already")
+        self.done = True
+        del self.pending[self.op]
+        self.receive()
+
+
+def _no_pending_hook(ws, op: str) -> None:
+    if op in ws.ll_pending:
+        raise RuntimeError(f"{op}: the receive hook of the previous call (return_recv_hook=True) has not run; call "
+                           "it first (the two calls would share the buffers it reads)")
 
 
 # The LL kernels' launch settings on GPUs (scripts/probe_ep_ll.py sweeps them): at most LL_PROGRAMS programs
@@ -954,7 +1042,8 @@ class _LLPlan:
         c_chunk, c_chunks, c_lanes = _ll_units(self.hw, max_tokens, programs, chunk_words)
         self.ws = ws = _workspace(world)
         dispatch_words = w * (num_experts + 1) + 1 + w * max_tokens * (self.k + sent_hw + self.groups)
-        combine_words = w * c_lanes * c_chunks + 1 + max_tokens * self.k * self.hw
+        even = lambda n: (n + 1) // 2 * 2  # noqa: E731
+        combine_words = even(w * c_lanes * c_chunks) + even(w * max_tokens * self.k) + max_tokens * w * self.hw
         for what, words in (("ep_dispatch_ll", dispatch_words), ("ep_combine_ll", combine_words)):
             if words > ws.ll_half_words:
                 raise _too_big(f"{what} with max_tokens_per_rank={max_tokens}, hidden={self.hidden}, k={self.k}",
@@ -968,60 +1057,97 @@ class _LLPlan:
         self.recv_dtype = torch.float8_e4m3fn if fp8 else x.dtype
         self.scales_shape = (self.local, w * max_tokens, self.groups)
         i32 = lambda *shape: torch.empty(shape, dtype=torch.int32, device=dev)  # noqa: E731
-        self.dispatch_launch = Launch(
-            ep_dispatch_ll_kernel, (d_lanes * d_chunks,),
-            (x if fp8 else x.view(torch.int32), topk_idx, i32(1, sent_hw), i32(1), i32(self.local), self.src_rows(),
-             self.src_tokens(), ws.ll_dispatch, ws.counter(0), self.heap, ws.error, x.shape[0], ws.ll_half_words),
-            dict(HW=sent_hw, **common, CHUNK=d_chunk, CHUNKS=d_chunks, LANES=d_lanes, FP8=fp8, GROUPS=self.groups,
-                 BLOCK_K=blk_k, BLOCK_L=triton.next_power_of_2(self.local + 1),
-                 BLOCK_E=triton.next_power_of_2(num_experts + 1),
-                 BLOCK_T=32 if gpu else triton.next_power_of_2(max(1, min(max_tokens, 16)))), warps)
+        self.warps = warps
+        # The launches by (send, receive): both (one launch) made here, the split halves when first asked for.
+        self.dispatch_grid = (d_lanes * d_chunks,)
+        # A launch's first arguments (compiled for their specialisation): the call's x and topk_idx, new outputs.
+        self.dispatch_args = lambda x, topk_idx: (  # noqa: E731
+            x if fp8 else x.view(torch.int32), topk_idx, i32(1, sent_hw), i32(1), i32(self.local), self.src_rows(),
+            self.src_tokens(), ws.ll_dispatch, ws.counter(0), self.heap, ws.error, x.shape[0], ws.ll_half_words)
+        self.dispatch_constexprs = dict(
+            HW=sent_hw, **common, CHUNK=d_chunk, CHUNKS=d_chunks, LANES=d_lanes, FP8=fp8, GROUPS=self.groups,
+            BLOCK_K=blk_k, BLOCK_L=triton.next_power_of_2(self.local + 1),
+            BLOCK_E=triton.next_power_of_2(num_experts + 1),
+            BLOCK_T=32 if gpu else triton.next_power_of_2(max(1, min(max_tokens, 16))))
+        self.dispatch_launches = {}
+        both = self._dispatch_launch(True, True, x, topk_idx)
         # Pointer arguments as the launch takes them (Launch.address): on GPUs addresses (no view made per
         # call; the workspace's taken once here), under the interpreter tensors of the kernel's types.
-        address = self.dispatch_launch.address
-        self.words = (lambda t: t.view(torch.int32)) if self.dispatch_launch.kernel is None else address
+        self.address = address = both.address
+        self.words = (lambda t: t.view(torch.int32)) if both.kernel is None else address
         self.sent = address if fp8 else self.words  # x: its elements (quantized on the way) or its words
         self.dispatch_fixed = tuple(map(address, (ws.ll_dispatch, ws.counter(0), self.heap, ws.error)))
         self.combine_fixed = tuple(map(address, (ws.ll_combine, ws.counter(1), self.heap)))
         self.combine_launches = {}
-        self.combine_grid, self.warps = (c_lanes * c_chunks,), warps
+        self.combine_grid = (c_lanes * c_chunks,)
         self.combine_constexprs = dict(HW=self.hw, **common, CHUNK=c_chunk, CHUNKS=c_chunks, LANES=c_lanes,
                                        ELEM=_ELEM[self.dtype], BLOCK_K=blk_k, BLOCK_W=triton.next_power_of_2(w))
 
-    def dispatch(self, x, topk_idx):
-        dev, ws, a = x.device, self.ws, self.dispatch_launch.address
+    def _dispatch_launch(self, send: bool, receive: bool, x, topk_idx) -> Launch:
+        launch = self.dispatch_launches.get((send, receive))
+        if launch is None:
+            launch = self.dispatch_launches[send, receive] = Launch(
+                ep_dispatch_ll_kernel, self.dispatch_grid, self.dispatch_args(x, topk_idx),
+                dict(self.dispatch_constexprs, SEND=send, RECV=receive), self.warps)
+        return launch
+
+    def _combine_launch(self, key, send: bool, receive: bool, args) -> Launch:
+        launch = self.combine_launches.get((key, send, receive))
+        if launch is None:
+            launch = self.combine_launches[key, send, receive] = Launch(
+                ep_combine_ll_kernel, self.combine_grid, args,
+                dict(self.combine_constexprs, SEND=send, RECV=receive), self.warps)
+        return launch
+
+    def dispatch(self, x, topk_idx, hook: bool):
+        dev, ws, a = x.device, self.ws, self.address
         ws.raise_routing_error()
+        _no_pending_hook(ws, "ep_dispatch_ll")
         recv = torch.empty(self.recv_shape, dtype=self.recv_dtype, device=dev)
         scales = torch.empty(self.scales_shape, dtype=torch.float32, device=dev) if self.fp8 else None
         counts = torch.empty(self.local, dtype=torch.int32, device=dev)
         src_rows, src_tokens = self.src_rows(), self.src_tokens()
-        self.dispatch_launch(self.sent(x), a(topk_idx), self.words(recv),
-                             a(counts) if scales is None else self.words(scales), a(counts), a(src_rows),
-                             a(src_tokens), *self.dispatch_fixed, x.shape[0], self.ws.ll_half_words)
-        ws.raise_routing_error()
-        return recv, counts, scales, LLHandle(self, src_rows, src_tokens)
+        args = (self.sent(x), a(topk_idx), self.words(recv), a(counts) if scales is None else self.words(scales),
+                a(counts), a(src_rows), a(src_tokens), *self.dispatch_fixed, x.shape[0], self.ws.ll_half_words)
+        if not hook:
+            self._dispatch_launch(True, True, x, topk_idx)(*args)
+            ws.raise_routing_error()
+            return recv, counts, scales, LLHandle(self, src_rows, src_tokens)
+        self._dispatch_launch(True, False, x, topk_idx)(*args)
+        handle = LLHandle(self, src_rows, src_tokens, received=False)
+        receive_launch = self._dispatch_launch(False, True, x, topk_idx)
 
-    def combine(self, y, topk_idx, topk_weights, handle):
+        def receive():
+            receive_launch(*args)
+            handle.received = True
+            ws.raise_routing_error()
+
+        return recv, counts, scales, handle, RecvHook("ep_dispatch_ll", ws.ll_pending, receive)
+
+    def combine(self, y, topk_idx, topk_weights, handle, hook: bool):
         ws = self.ws
         ws.raise_routing_error()
+        _no_pending_hook(ws, "ep_combine_ll")
+        if not handle.received:
+            raise RuntimeError("ep_combine_ll: the handle's dispatch has not received yet (run its receive hook)")
         tokens = topk_idx.shape[0]
         key = (signature(y), signature(topk_idx), signature(topk_weights))
-        launch = self.combine_launches.get(key)
         out = torch.empty((tokens, self.hidden), dtype=self.dtype, device=y.device)
-        if launch is None:
-            launch = self.combine_launches[key] = Launch(
-                ep_combine_ll_kernel, self.combine_grid,
-                (y.view(torch.int32), topk_idx, topk_weights, out.view(torch.int32), handle.src_rows,
-                 handle.src_tokens, ws.ll_combine, ws.counter(1), self.heap, tokens, ws.ll_half_words),
-                self.combine_constexprs, self.warps)
-        a = launch.address
-        launch(self.words(y), a(topk_idx), a(topk_weights), self.words(out), a(handle.src_rows),
-               a(handle.src_tokens), *self.combine_fixed, tokens, ws.ll_half_words)
-        return out
+        first = (y.view(torch.int32), topk_idx, topk_weights, out.view(torch.int32), handle.src_rows,
+                 handle.src_tokens, ws.ll_combine, ws.counter(1), self.heap, tokens, ws.ll_half_words)
+        a = self.address
+        args = (self.words(y), a(topk_idx), a(topk_weights), self.words(out), a(handle.src_rows),
+                a(handle.src_tokens), *self.combine_fixed, tokens, ws.ll_half_words)
+        if not hook:
+            self._combine_launch(key, True, True, first)(*args)
+            return out
+        self._combine_launch(key, True, False, first)(*args)
+        receive = self._combine_launch(key, False, True, first)
+        return out, RecvHook("ep_combine_ll", ws.ll_pending, lambda: receive(*args))
 
 
 def ep_dispatch_ll(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int,
-                   fp8: bool = False):
+                   fp8: bool = False, return_recv_hook: bool = False):
     """Low-latency dispatch (decode): one launch, no host sync, capturable in a CUDA graph.
 
     x (T, hidden) bf16/fp16 with T <= max_tokens_per_rank; topk_idx (T, k) (-1: no expert).
@@ -1038,18 +1164,32 @@ def ep_dispatch_ll(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, ma
     launch, so every rank stays in step). Until then the row does no harm: entries outside the experts count
     as none, and an expert named twice gets the token once (combine returns it once per naming). A raise on
     entry skips that collective call on this rank while its peers wait in theirs: a bug to fix, not a path.
+
+    return_recv_hook=True: the call launches only the send (which waits for nothing) and returns a fifth
+    value, a RecvHook; calling it launches the receive, after which the outputs hold the tokens. Work queued
+    between the two runs while the tokens travel. Run the hook once, before the next ep_dispatch_ll.
     """
     world = world_or_raise()
+    if not isinstance(return_recv_hook, bool):
+        raise TypeError(f"return_recv_hook must be a bool, got {type(return_recv_hook).__name__}")
     found = plan(world, lambda: ("ep_ll", signature(x), signature(topk_idx), num_experts, max_tokens_per_rank, fp8),
                  lambda: _LLPlan(world, x, topk_idx, num_experts, max_tokens_per_rank, fp8))
-    return found.dispatch(x, topk_idx)
+    return found.dispatch(x, topk_idx, return_recv_hook)
 
 
-def ep_combine_ll(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LLHandle):
+def ep_combine_ll(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LLHandle,
+                  return_recv_hook: bool = False):
     """Low-latency combine: out (T, hidden) = sum_j topk_weights[t, j] * (expert topk_idx[t, j]'s output for
-    token t), fp32, where y (L, max_tokens_per_rank * W, hidden) holds each rank's expert outputs in recv's
-    rows. One launch, no host sync. Collective."""
+    token t), where y (L, max_tokens_per_rank * W, hidden) holds each rank's expert outputs in recv's rows:
+    each rank sums its experts' weighted outputs of a token (fp32, rounded to y's dtype) and sends that one
+    row back, where the ranks' rows are summed (fp32). One launch, no host sync. Collective.
+
+    return_recv_hook=True: returns (out, hook); the call launches the send (which waits only for its peers'
+    weights, sent first thing by their calls), the hook the receive, after which out holds the sums. Run the
+    hook once, before the next ep_combine_ll."""
     world = world_or_raise()
+    if not isinstance(return_recv_hook, bool):
+        raise TypeError(f"return_recv_hook must be a bool, got {type(return_recv_hook).__name__}")
     if not isinstance(handle, LLHandle):
         raise TypeError(f"handle must be what ep_dispatch_ll returned, got {type(handle).__name__}")
     p = handle.plan
@@ -1062,7 +1202,7 @@ def ep_combine_ll(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
         raise ValueError(f"topk_idx must be (tokens <= {p.max_tokens}, {p.k}), got {tuple(topk_idx.shape)}")
     if topk_weights.shape != topk_idx.shape:
         raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}, expected {tuple(topk_idx.shape)}")
-    return p.combine(y, topk_idx, topk_weights, handle)
+    return p.combine(y, topk_idx, topk_weights, handle, return_recv_hook)
 
 
 # -- grouped GEMM -------------------------------------------------------------------
@@ -1290,16 +1430,18 @@ COMPILE_CASES = [
                                  half_words="i32"),
      dict(HW=3584 // (1 + fp8), K=8, LOCAL=local, MAX_T=128, WORLD=wd, CHUNK=512, CHUNKS=4 if fp8 else 7,
           LANES=33 if fp8 else 18, FP8=fp8, GROUPS=56 * fp8, BLOCK_K=8,
-          BLOCK_L=triton.next_power_of_2(local + 1), BLOCK_E=512, BLOCK_T=32),
+          BLOCK_L=triton.next_power_of_2(local + 1), BLOCK_E=512, BLOCK_T=32, SEND=send, RECV=receive),
      dict(num_warps=8, **({"min_arch": 89} if fp8 else {})))  # fp8 e4m3 needs sm_89 or later
     for t in ("*i64", "*i32") for wd, local in ((2, 128), (8, 32))
     for fp8, xt in ((False, "*i32"), (True, "*bf16"), (True, "*fp16"))
+    for send, receive in (((True, True), (True, False), (False, True)) if t == "*i64" and wd == 8 else ((True, True),))
 ] + [
     (ep_combine_ll_kernel, dict(y="*i32", topk=t, weights="*fp32", out="*i32", src_rows="*i32", src_tokens="*i32",
                                 buf="*i64", counter="*i64", heap="*i64", tokens="i32", half_words="i32"),
-     dict(HW=3584, K=8, LOCAL=32, MAX_T=128, WORLD=8, CHUNK=512, CHUNKS=7, LANES=18, ELEM=e, BLOCK_K=8, BLOCK_W=8),
-     dict(num_warps=8))
+     dict(HW=3584, K=8, LOCAL=32, MAX_T=128, WORLD=8, CHUNK=512, CHUNKS=7, LANES=18, ELEM=e, BLOCK_K=8, BLOCK_W=8,
+          SEND=send, RECV=receive), dict(num_warps=8))
     for t in ("*i64", "*i32") for e in (tl.bfloat16, tl.float16)
+    for send, receive in (((True, True), (True, False), (False, True)) if t == "*i64" else ((True, True),))
 ] + [
     (grouped_gemm_kernel, dict(x=t, w=t, out=t, counts="*i32", experts="i32", capacity="i32", N="i32", K="i32"),
      dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, BLOCK_E=32, NUM_STAGES=4, PROGRAMS=132, EVEN_K=even,

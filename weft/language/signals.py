@@ -141,6 +141,14 @@ def next_epoch(counter):
 
 
 @triton.jit
+def last_epoch(counter):
+    """The epoch the last launch on `counter` took with `next_epoch`, for a later kernel of the same call
+    (a receive half launched after its send half): that launch has ended (stream order), and its last
+    program left [epoch | 0] in the word."""
+    return (tl.load(counter, volatile=True) >> 32).to(tl.int32)
+
+
+@triton.jit
 def pack_ll(payload, epoch):
     """Low-latency (LL) words: int32 `payload` in the low half of an int64, `epoch` in the high half.
 
