@@ -38,6 +38,7 @@ def main():
     ap.add_argument("--programs", default="64,132", help="LL_PROGRAMS values (GPUs)")
     ap.add_argument("--chunks", default="256,512,1024", help="LL_CHUNK_WORDS values (GPUs)")
     ap.add_argument("--warps", default="4,8", help="LL_WARPS values (GPUs)")
+    ap.add_argument("--per-sm", type=int, default=4, help="LL_PER_SM while sweeping (programs resident per SM)")
     ap.add_argument("--gemm", type=int, default=2048, help="size of the square GEMM run between send and receive")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
@@ -61,6 +62,7 @@ def main():
         a, c = (torch.randn(n, n, device=w.device).to(torch.bfloat16) for _ in range(2))
         for prog, chunk, warps in itertools.product(programs, chunks, warps_swept):
             moe.LL_PROGRAMS, moe.LL_CHUNK_WORDS, moe.LL_WARPS = prog, chunk, warps
+            moe.LL_PER_SM = args.per_sm
             w.plans.clear()
 
             def both():
