@@ -1001,9 +1001,11 @@ def _no_pending_hook(ws, op: str) -> None:
 # several. Measured on 2 H200s (2026-11-23, eighth session, hidden 7168 bf16, top-8 of 256, graph replay,
 # dispatch / dispatch + combine us at 1, 32 and 128 tokens per rank): 132 programs, 1024-word chunks 10.0 /
 # 17.7, 10.6 / 27.4, 34.2 / 99.7; 512-word 9.1 / 16.2, 13.9 / 34.2, 49.9 / 132.9; 256-word 9.4 / 15.8, 27.5 /
-# 52.1, 126.8 / 227.3 (the kernels before the units: 29.1 / 68.4, 37.3 / 87.1, 101.6 / 220.0).
-LL_PROGRAMS = 132
-LL_PER_SM = 1
+# 52.1, 126.8 / 227.3 (the kernels before the units: 29.1 / 68.4, 37.3 / 87.1, 101.6 / 220.0). Tenth session
+# (combine one row per token and rank; fp8 dispatch + combine at 32 / 128 tokens): 132 programs 21.5 / 53.0,
+# 264 (2 per SM) 21.8 / 39.8, 528 21.6 / 41.0, all with 1024-word chunks and 8 warps (4 warps: 23.9 / 42.4).
+LL_PROGRAMS = 264
+LL_PER_SM = 2
 LL_CHUNK_WORDS = 1024
 LL_WARPS = 8
 LL_CPU = (2, 32, 4)
