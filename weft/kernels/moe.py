@@ -963,11 +963,13 @@ def ep_combine_ll_kernel(y, topk, weights, out, src_rows, src_tokens, buf, count
 # -- low-latency host side ----------------------------------------------------------
 
 class LLHandle:
-    """What ep_combine_ll needs of an ep_dispatch_ll: its plan, src_rows (W, max_tokens, k) and src_tokens (W,),
-    filled by the dispatch's receive (`received`: launched)."""
+    """What ep_combine_ll needs of an ep_dispatch_ll: its plan and its routes (one int32 tensor: counts, then
+    src_tokens (W,), then src_rows (W, max_tokens, k), each from a 16-byte boundary; the launches take the
+    last two as `src` (addresses on GPUs, views under the interpreter)), filled by the dispatch's receive
+    (`received`: launched)."""
 
-    def __init__(self, plan, src_rows, src_tokens, received=True):
-        self.plan, self.src_rows, self.src_tokens, self.received = plan, src_rows, src_tokens, received
+    def __init__(self, plan, routes, src, received=True):
+        self.plan, self.routes, self.src, self.received = plan, routes, src, received
 
 
 class RecvHook:
@@ -1056,8 +1058,9 @@ class _LLPlan:
         common = dict(K=self.k, LOCAL=self.local, MAX_T=max_tokens, WORLD=w)
         blk_k = triton.next_power_of_2(self.k)
         dev = world.device
-        self.src_rows = lambda: torch.empty((w, max_tokens, self.k), dtype=torch.int32, device=dev)
-        self.src_tokens = lambda: torch.empty(w, dtype=torch.int32, device=dev)
+        # A call's routes in one allocation (LLHandle): counts, src_tokens, src_rows, 16-byte aligned.
+        self.route_at = (0, -(-self.local // 4) * 4, -(-self.local // 4) * 4 + -(-w // 4) * 4)
+        self.route_words = self.route_at[2] + w * max_tokens * self.k
         self.recv_shape = (self.local, w * max_tokens, self.hidden)
         self.recv_dtype = torch.float8_e4m3fn if fp8 else x.dtype
         self.scales_shape = (self.local, w * max_tokens, self.groups)
@@ -1067,8 +1070,8 @@ class _LLPlan:
         self.dispatch_grid = (d_lanes * d_chunks,)
         # A launch's first arguments (compiled for their specialisation): the call's x and topk_idx, new outputs.
         self.dispatch_args = lambda x, topk_idx: (  # noqa: E731
-            x if fp8 else x.view(torch.int32), topk_idx, i32(1, sent_hw), i32(1), i32(self.local), self.src_rows(),
-            self.src_tokens(), ws.ll_dispatch, ws.counter(0), self.heap, ws.error, x.shape[0], ws.ll_half_words)
+            x if fp8 else x.view(torch.int32), topk_idx, i32(1, sent_hw), i32(1), i32(self.local),
+            i32(w, max_tokens, self.k), i32(w), ws.ll_dispatch, ws.counter(0), self.heap, ws.error, x.shape[0], ws.ll_half_words)
         self.dispatch_constexprs = dict(
             HW=sent_hw, **common, CHUNK=d_chunk, CHUNKS=d_chunks, LANES=d_lanes, FP8=fp8, GROUPS=self.groups,
             BLOCK_K=blk_k, BLOCK_L=triton.next_power_of_2(self.local + 1),
@@ -1079,7 +1082,8 @@ class _LLPlan:
         # Pointer arguments as the launch takes them (Launch.address): on GPUs addresses (no view made per
         # call; the workspace's taken once here), under the interpreter tensors of the kernel's types.
         self.address = address = both.address
-        self.words = (lambda t: t.view(torch.int32)) if both.kernel is None else address
+        self.interpreted = both.kernel is None
+        self.words = (lambda t: t.view(torch.int32)) if self.interpreted else address
         self.sent = address if fp8 else self.words  # x: its elements (quantized on the way) or its words
         self.dispatch_fixed = tuple(map(address, (ws.ll_dispatch, ws.counter(0), self.heap, ws.error)))
         self.combine_fixed = tuple(map(address, (ws.ll_combine, ws.counter(1), self.heap)))
@@ -1100,7 +1104,7 @@ class _LLPlan:
         launch = self.combine_launches.get((key, send, receive))
         if launch is None:
             launch = self.combine_launches[key, send, receive] = Launch(
-                ep_combine_ll_kernel, self.combine_grid, args,
+                ep_combine_ll_kernel, self.combine_grid, args(),
                 dict(self.combine_constexprs, SEND=send, RECV=receive), self.warps)
         return launch
 
@@ -1110,16 +1114,17 @@ class _LLPlan:
         _no_pending_hook(ws, "ep_dispatch_ll")
         recv = torch.empty(self.recv_shape, dtype=self.recv_dtype, device=dev)
         scales = torch.empty(self.scales_shape, dtype=torch.float32, device=dev) if self.fp8 else None
-        counts = torch.empty(self.local, dtype=torch.int32, device=dev)
-        src_rows, src_tokens = self.src_rows(), self.src_tokens()
+        routes = torch.empty(self.route_words, dtype=torch.int32, device=dev)
+        counts = routes[:self.local]
+        src = self._src(routes)
         args = (self.sent(x), a(topk_idx), self.words(recv), a(counts) if scales is None else self.words(scales),
-                a(counts), a(src_rows), a(src_tokens), *self.dispatch_fixed, x.shape[0], self.ws.ll_half_words)
+                a(counts), *src, *self.dispatch_fixed, x.shape[0], self.ws.ll_half_words)
         if not hook:
             self._dispatch_launch(True, True, x, topk_idx)(*args)
             ws.raise_routing_error()
-            return recv, counts, scales, LLHandle(self, src_rows, src_tokens)
+            return recv, counts, scales, LLHandle(self, routes, src)
         self._dispatch_launch(True, False, x, topk_idx)(*args)
-        handle = LLHandle(self, src_rows, src_tokens, received=False)
+        handle = LLHandle(self, routes, src, received=False)
         receive_launch = self._dispatch_launch(False, True, x, topk_idx)
 
         def receive():
@@ -1128,6 +1133,15 @@ class _LLPlan:
             ws.raise_routing_error()
 
         return recv, counts, scales, handle, RecvHook("ep_dispatch_ll", ws.ll_pending, receive)
+
+    def _src(self, routes, views: bool = False) -> tuple:
+        """(src_rows, src_tokens) of a routes tensor as the launches take them (views when asked)."""
+        _, tok, rows = self.route_at
+        if views or self.interpreted:
+            w = self.world.world_size
+            return routes[rows:].view(w, self.max_tokens, self.k), routes[tok:tok + w]
+        base = routes.data_ptr()
+        return base + 4 * rows, base + 4 * tok
 
     def combine(self, y, topk_idx, topk_weights, handle, hook: bool):
         ws = self.ws
@@ -1138,11 +1152,13 @@ class _LLPlan:
         tokens = topk_idx.shape[0]
         key = (signature(y), signature(topk_idx), signature(topk_weights))
         out = torch.empty((tokens, self.hidden), dtype=self.dtype, device=y.device)
-        first = (y.view(torch.int32), topk_idx, topk_weights, out.view(torch.int32), handle.src_rows,
-                 handle.src_tokens, ws.ll_combine, ws.counter(1), self.heap, tokens, ws.ll_half_words)
+        # A new launch's first arguments (compiled for their specialisation), made only then.
+        first = lambda: (y.view(torch.int32), topk_idx, topk_weights, out.view(torch.int32),  # noqa: E731
+                         *self._src(handle.routes, views=True), ws.ll_combine, ws.counter(1), self.heap, tokens,
+                         ws.ll_half_words)
         a = self.address
-        args = (self.words(y), a(topk_idx), a(topk_weights), self.words(out), a(handle.src_rows),
-                a(handle.src_tokens), *self.combine_fixed, tokens, ws.ll_half_words)
+        args = (self.words(y), a(topk_idx), a(topk_weights), self.words(out), *handle.src, *self.combine_fixed,
+                tokens, ws.ll_half_words)
         if not hook:
             self._combine_launch(key, True, True, first)(*args)
             return out
