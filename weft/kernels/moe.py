@@ -790,17 +790,51 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
         epoch = wl.last_epoch(counter)
     # half_words is a multiple of 32 (MoeWorkspace): said so, Triton keeps 16-byte vectors through the halves.
     half = buf + (epoch % 2) * (half_words // 32 * 32)
-    slots = half + (WORLD * (LOCAL * WORLD + 1) + 1) // 2 * 2
+    EXPERTS: tl.constexpr = LOCAL * WORLD
+    HEAD: tl.constexpr = EXPERTS + 1
+    SLOT: tl.constexpr = K + HW + GROUPS * FP8
     G: tl.constexpr = CHUNK // 32  # fp8: 128-channel groups a chunk
+    slots = half + (WORLD * HEAD + 1) // 2 * 2
+    jj = tl.arange(0, BLOCK_K)
+    ll = tl.arange(0, BLOCK_L)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     m = offs < HW
     gg = c * G + tl.arange(0, G)
     if SEND:
         _dispatch_ll_send(x, topk, err, half, slots, heap, me, epoch, tokens, lane, c, offs, m, gg, HW, K, LOCAL,
                           MAX_T, WORLD, CHUNK, LANES, FP8, GROUPS, BLOCK_K, BLOCK_E, BLOCK_T)
-    if RECV:
-        _dispatch_ll_receive(recv, scales, counts, src_rows, src_tokens, half, slots, heap, me, epoch, lane, c,
-                             offs, m, gg, HW, K, LOCAL, MAX_T, WORLD, CHUNK, LANES, FP8, GROUPS, BLOCK_K, BLOCK_L)
+    if RECV:  # chunk c of every rank's tokens in this lane into their recv rows
+        first = (lane == 0) & (c == 0)
+        base = tl.zeros([BLOCK_L], tl.int32)  # rows of each of my experts taken by senders before s
+        for s in range(WORLD):
+            head = wl.wait_ll(half + s * HEAD + tl.where(ll < LOCAL, me * LOCAL + ll, EXPERTS), ll <= LOCAL, epoch,
+                              heap=heap, peer=s, op="ep_dispatch_ll header")
+            n_s = tl.sum(tl.where(ll == LOCAL, head, 0), axis=0)
+            for t in range(lane, n_s, LANES):
+                slot = slots + (s * MAX_T + t) * SLOT
+                meta = wl.wait_ll(slot + jj, jj < K, epoch, heap=heap, peer=s, op="ep_dispatch_ll token")
+                taken = (meta >= 0) & (jj < K)
+                lexp = tl.where(taken, meta >> 16, -1)
+                row = tl.sum(tl.where(ll[None, :] == lexp[:, None], base[None, :], 0), axis=1) + (meta & 0xFFFF)
+                flat = tl.where(taken, lexp * (WORLD * MAX_T) + row, -1).to(tl.int64)
+                if c == 0:
+                    tl.store(src_rows + (s * MAX_T + t) * K + jj, flat.to(tl.int32), mask=jj < K)
+                if tl.sum(taken.to(tl.int32), axis=0) > 0:
+                    # The chunk to every row that takes it at once (a row named twice gets the same words twice).
+                    words = wl.wait_ll(slot + K + offs, m, epoch, heap=heap, peer=s, op="ep_dispatch_ll data")
+                    tl.store(recv + flat[:, None] * HW + offs[None, :],
+                             tl.broadcast_to(words[None, :], [BLOCK_K, CHUNK]), mask=(flat >= 0)[:, None] & m[None, :])
+                    if FP8:
+                        got = wl.wait_ll(slot + K + HW + gg, gg < GROUPS, epoch, heap=heap, peer=s,
+                                         op="ep_dispatch_ll scales")
+                        tl.store(scales + flat[:, None] * GROUPS + gg[None, :],
+                                 tl.broadcast_to(got[None, :], [BLOCK_K, G]),
+                                 mask=(flat >= 0)[:, None] & (gg < GROUPS)[None, :])
+            base += tl.where(ll < LOCAL, head, 0)
+            if first:
+                tl.store(src_tokens + s, n_s)
+        if first:
+            tl.store(counts + ll, base, mask=ll < LOCAL)
 
 
 @triton.jit
@@ -843,50 +877,6 @@ def _dispatch_ll_send(x, topk, err, half, slots, heap, me, epoch, tokens, lane, 
                 tl.store(wl.symm_at(mine, r, heap) + K + offs, packed, mask=m)
                 if FP8:
                     tl.store(wl.symm_at(mine, r, heap) + K + HW + gg, packed_scale, mask=gg < GROUPS)
-
-
-@triton.jit
-def _dispatch_ll_receive(recv, scales, counts, src_rows, src_tokens, half, slots, heap, me, epoch, lane, c, offs, m,
-                         gg, HW: tl.constexpr, K: tl.constexpr, LOCAL: tl.constexpr, MAX_T: tl.constexpr,
-                         WORLD: tl.constexpr, CHUNK: tl.constexpr, LANES: tl.constexpr, FP8: tl.constexpr,
-                         GROUPS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr):
-    """ep_dispatch_ll_kernel's receive: chunk c of every rank's tokens in this lane into their recv rows."""
-    EXPERTS: tl.constexpr = LOCAL * WORLD
-    HEAD: tl.constexpr = EXPERTS + 1
-    SLOT: tl.constexpr = K + HW + GROUPS * FP8
-    G: tl.constexpr = CHUNK // 32
-    jj = tl.arange(0, BLOCK_K)
-    ll = tl.arange(0, BLOCK_L)
-    first = (lane == 0) & (c == 0)
-    base = tl.zeros([BLOCK_L], tl.int32)  # rows of each of my experts taken by senders before s
-    for s in range(WORLD):
-        head = wl.wait_ll(half + s * HEAD + tl.where(ll < LOCAL, me * LOCAL + ll, EXPERTS), ll <= LOCAL, epoch,
-                          heap=heap, peer=s, op="ep_dispatch_ll header")
-        n_s = tl.sum(tl.where(ll == LOCAL, head, 0), axis=0)
-        for t in range(lane, n_s, LANES):
-            slot = slots + (s * MAX_T + t) * SLOT
-            meta = wl.wait_ll(slot + jj, jj < K, epoch, heap=heap, peer=s, op="ep_dispatch_ll token")
-            taken = (meta >= 0) & (jj < K)
-            lexp = tl.where(taken, meta >> 16, -1)
-            row = tl.sum(tl.where(ll[None, :] == lexp[:, None], base[None, :], 0), axis=1) + (meta & 0xFFFF)
-            flat = tl.where(taken, lexp * (WORLD * MAX_T) + row, -1).to(tl.int64)
-            if c == 0:
-                tl.store(src_rows + (s * MAX_T + t) * K + jj, flat.to(tl.int32), mask=jj < K)
-            if tl.sum(taken.to(tl.int32), axis=0) > 0:
-                # The chunk to every row that takes it at once (a row named twice gets the same words twice).
-                words = wl.wait_ll(slot + K + offs, m, epoch, heap=heap, peer=s, op="ep_dispatch_ll data")
-                tl.store(recv + flat[:, None] * HW + offs[None, :], tl.broadcast_to(words[None, :], [BLOCK_K, CHUNK]),
-                         mask=(flat >= 0)[:, None] & m[None, :])
-                if FP8:
-                    got = wl.wait_ll(slot + K + HW + gg, gg < GROUPS, epoch, heap=heap, peer=s,
-                                     op="ep_dispatch_ll scales")
-                    tl.store(scales + flat[:, None] * GROUPS + gg[None, :], tl.broadcast_to(got[None, :], [BLOCK_K, G]),
-                             mask=(flat >= 0)[:, None] & (gg < GROUPS)[None, :])
-        base += tl.where(ll < LOCAL, head, 0)
-        if first:
-            tl.store(src_tokens + s, n_s)
-    if first:
-        tl.store(counts + ll, base, mask=ll < LOCAL)
 
 
 @triton.jit(do_not_specialize=["tokens", "half_words"])
@@ -1071,7 +1061,8 @@ class _LLPlan:
         # A launch's first arguments (compiled for their specialisation): the call's x and topk_idx, new outputs.
         self.dispatch_args = lambda x, topk_idx: (  # noqa: E731
             x if fp8 else x.view(torch.int32), topk_idx, i32(1, sent_hw), i32(1), i32(self.local),
-            i32(w, max_tokens, self.k), i32(w), ws.ll_dispatch, ws.counter(0), self.heap, ws.error, x.shape[0], ws.ll_half_words)
+            i32(w, max_tokens, self.k), i32(w), ws.ll_dispatch, ws.counter(0), self.heap, ws.error, x.shape[0],
+            ws.ll_half_words)
         self.dispatch_constexprs = dict(
             HW=sent_hw, **common, CHUNK=d_chunk, CHUNKS=d_chunks, LANES=d_lanes, FP8=fp8, GROUPS=self.groups,
             BLOCK_K=blk_k, BLOCK_L=triton.next_power_of_2(self.local + 1),
