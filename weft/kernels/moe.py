@@ -800,9 +800,36 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
     offs = c * CHUNK + tl.arange(0, CHUNK)
     m = offs < HW
     gg = c * G + tl.arange(0, G)
-    if SEND:
-        _dispatch_ll_send(x, topk, err, half, slots, heap, me, epoch, tokens, lane, c, offs, m, gg, HW, K, LOCAL,
-                          MAX_T, WORLD, CHUNK, LANES, FP8, GROUPS, BLOCK_K, BLOCK_E, BLOCK_T)
+    if SEND:  # the header (program 0), then chunk c of my tokens in this lane
+        ee = tl.arange(0, BLOCK_E)
+        if (lane == 0) & (c == 0):
+            head = tl.where(ee < EXPERTS, _tokens_per_expert(topk, tokens, K, EXPERTS, BLOCK_K, BLOCK_E, BLOCK_T),
+                            tokens)
+            for r in range(WORLD):
+                tl.store(wl.symm_at(half + me * HEAD, r, heap) + ee, wl.pack_ll(head, epoch), mask=ee < HEAD)
+        for t in range(lane, tokens, LANES):
+            live = (jj < K)[None, :]
+            raw = tl.load(topk + t * K + jj[None, :], mask=live, other=-1)
+            e = tl.reshape(valid_experts(raw, live, EXPERTS), [BLOCK_K])
+            dest = tl.where(e >= 0, e // LOCAL, -1)
+            mine = slots + (me * MAX_T + t) * SLOT
+            if c == 0:  # the token's meta words, to every rank (the others' say -1)
+                check_rows(raw, tl.zeros([1], tl.int32) + t, err, live, EXPERTS, BLOCK_K)
+                pos = _experts_before(topk, t, e, K, BLOCK_K, BLOCK_T)
+                for r in range(WORLD):
+                    meta = tl.where(dest == r, ((e - r * LOCAL) << 16) | pos, -1)
+                    tl.store(wl.symm_at(mine, r, heap) + jj, wl.pack_ll(meta, epoch), mask=jj < K)
+            if FP8:
+                words, scale = _fp8_words(x, t, c * G, GROUPS, G)
+                packed = wl.pack_ll(words, epoch)
+                packed_scale = wl.pack_ll(scale.to(tl.int32, bitcast=True), epoch)
+            else:
+                packed = wl.pack_ll(tl.load(x + t * HW + offs, mask=m, other=0), epoch)
+            for r in range(WORLD):
+                if tl.sum((dest == r).to(tl.int32), axis=0) > 0:
+                    tl.store(wl.symm_at(mine, r, heap) + K + offs, packed, mask=m)
+                    if FP8:
+                        tl.store(wl.symm_at(mine, r, heap) + K + HW + gg, packed_scale, mask=gg < GROUPS)
     if RECV:  # chunk c of every rank's tokens in this lane into their recv rows
         first = (lane == 0) & (c == 0)
         base = tl.zeros([BLOCK_L], tl.int32)  # rows of each of my experts taken by senders before s
@@ -835,48 +862,6 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
                 tl.store(src_tokens + s, n_s)
         if first:
             tl.store(counts + ll, base, mask=ll < LOCAL)
-
-
-@triton.jit
-def _dispatch_ll_send(x, topk, err, half, slots, heap, me, epoch, tokens, lane, c, offs, m, gg, HW: tl.constexpr,
-                      K: tl.constexpr, LOCAL: tl.constexpr, MAX_T: tl.constexpr, WORLD: tl.constexpr,
-                      CHUNK: tl.constexpr, LANES: tl.constexpr, FP8: tl.constexpr, GROUPS: tl.constexpr,
-                      BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
-    """ep_dispatch_ll_kernel's send: the header (program 0), then chunk c of my tokens in this lane."""
-    EXPERTS: tl.constexpr = LOCAL * WORLD
-    HEAD: tl.constexpr = EXPERTS + 1
-    SLOT: tl.constexpr = K + HW + GROUPS * FP8
-    G: tl.constexpr = CHUNK // 32
-    jj = tl.arange(0, BLOCK_K)
-    ee = tl.arange(0, BLOCK_E)
-    if (lane == 0) & (c == 0):
-        head = tl.where(ee < EXPERTS, _tokens_per_expert(topk, tokens, K, EXPERTS, BLOCK_K, BLOCK_E, BLOCK_T),
-                        tokens)
-        for r in range(WORLD):
-            tl.store(wl.symm_at(half + me * HEAD, r, heap) + ee, wl.pack_ll(head, epoch), mask=ee < HEAD)
-    for t in range(lane, tokens, LANES):
-        live = (jj < K)[None, :]
-        raw = tl.load(topk + t * K + jj[None, :], mask=live, other=-1)
-        e = tl.reshape(valid_experts(raw, live, EXPERTS), [BLOCK_K])
-        dest = tl.where(e >= 0, e // LOCAL, -1)
-        mine = slots + (me * MAX_T + t) * SLOT
-        if c == 0:  # the token's meta words, to every rank (the others' say -1)
-            check_rows(raw, tl.zeros([1], tl.int32) + t, err, live, EXPERTS, BLOCK_K)
-            pos = _experts_before(topk, t, e, K, BLOCK_K, BLOCK_T)
-            for r in range(WORLD):
-                meta = tl.where(dest == r, ((e - r * LOCAL) << 16) | pos, -1)
-                tl.store(wl.symm_at(mine, r, heap) + jj, wl.pack_ll(meta, epoch), mask=jj < K)
-        if FP8:
-            words, scale = _fp8_words(x, t, c * G, GROUPS, G)
-            packed = wl.pack_ll(words, epoch)
-            packed_scale = wl.pack_ll(scale.to(tl.int32, bitcast=True), epoch)
-        else:
-            packed = wl.pack_ll(tl.load(x + t * HW + offs, mask=m, other=0), epoch)
-        for r in range(WORLD):
-            if tl.sum((dest == r).to(tl.int32), axis=0) > 0:
-                tl.store(wl.symm_at(mine, r, heap) + K + offs, packed, mask=m)
-                if FP8:
-                    tl.store(wl.symm_at(mine, r, heap) + K + HW + gg, packed_scale, mask=gg < GROUPS)
 
 
 @triton.jit(do_not_specialize=["tokens", "half_words"])
@@ -1049,7 +1034,8 @@ class _LLPlan:
         blk_k = triton.next_power_of_2(self.k)
         dev = world.device
         # A call's routes in one allocation (LLHandle): counts, src_tokens, src_rows, 16-byte aligned.
-        self.route_at = (0, -(-self.local // 4) * 4, -(-self.local // 4) * 4 + -(-w // 4) * 4)
+        tok_at = triton.cdiv(self.local, 4) * 4
+        self.route_at = (0, tok_at, tok_at + triton.cdiv(w, 4) * 4)
         self.route_words = self.route_at[2] + w * max_tokens * self.k
         self.recv_shape = (self.local, w * max_tokens, self.hidden)
         self.recv_dtype = torch.float8_e4m3fn if fp8 else x.dtype
@@ -1083,21 +1069,22 @@ class _LLPlan:
         self.combine_constexprs = dict(HW=self.hw, **common, CHUNK=c_chunk, CHUNKS=c_chunks, LANES=c_lanes,
                                        ELEM=_ELEM[self.dtype], BLOCK_K=blk_k, BLOCK_W=triton.next_power_of_2(w))
 
-    def _dispatch_launch(self, send: bool, receive: bool, x, topk_idx) -> Launch:
-        launch = self.dispatch_launches.get((send, receive))
+    def _launch(self, launches: dict, kernel, grid, constexprs: dict, key, first) -> Launch:
+        """The launch of `kernel` cached in `launches` under key = (..., send, receive), made (compiled for the
+        specialisation of `first()`, the arguments of its first call) when missing."""
+        launch = launches.get(key)
         if launch is None:
-            launch = self.dispatch_launches[send, receive] = Launch(
-                ep_dispatch_ll_kernel, self.dispatch_grid, self.dispatch_args(x, topk_idx),
-                dict(self.dispatch_constexprs, SEND=send, RECV=receive), self.warps)
+            launch = launches[key] = Launch(kernel, grid, first(), dict(constexprs, SEND=key[-2], RECV=key[-1]),
+                                            self.warps)
         return launch
 
-    def _combine_launch(self, key, send: bool, receive: bool, args) -> Launch:
-        launch = self.combine_launches.get((key, send, receive))
-        if launch is None:
-            launch = self.combine_launches[key, send, receive] = Launch(
-                ep_combine_ll_kernel, self.combine_grid, args(),
-                dict(self.combine_constexprs, SEND=send, RECV=receive), self.warps)
-        return launch
+    def _dispatch_launch(self, send: bool, receive: bool, x, topk_idx) -> Launch:
+        return self._launch(self.dispatch_launches, ep_dispatch_ll_kernel, self.dispatch_grid,
+                            self.dispatch_constexprs, (send, receive), lambda: self.dispatch_args(x, topk_idx))
+
+    def _combine_launch(self, key, send: bool, receive: bool, first) -> Launch:
+        return self._launch(self.combine_launches, ep_combine_ll_kernel, self.combine_grid, self.combine_constexprs,
+                            (key, send, receive), first)
 
     def dispatch(self, x, topk_idx, hook: bool):
         dev, ws, a = x.device, self.ws, self.address
