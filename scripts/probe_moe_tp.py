@@ -4,8 +4,9 @@
     python3 -m weft run -n 2 scripts/probe_moe_tp.py --scale 64 # cpu smoke run (interpreter): shapes cut 64-fold
 
 Qwen3-30B-A3B (hidden 2048, 128 experts, top-8, moe inter 768) and Mixtral-8x7B (4096, 8, top-2, 14336), 8192
-tokens in all: ag_group_gemm (overlap) and group_gemm_rs (overlap) with every tiling, CUDA-graph replay, slowest
-rank's median (weft.bench.timing). Each tiling's first call is checked against the default tiling's output.
+tokens in all: ag_group_gemm (overlap) and group_gemm_rs (overlap) with every tiling, operands by TMA and by
+pointers (moe_tp.TMA_OPERANDS), CUDA-graph replay, slowest rank's median (weft.bench.timing). Each setting's first
+call is checked against the default's output.
 """
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ from weft.bench.moe import MODELS  # noqa: E402
 from weft.bench.report import ProbeLog  # noqa: E402
 from weft.bench.timing import time_calls  # noqa: E402
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps), as moe_tp.TILES holds them
-GPU_TILES = [(128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 128, 64, 4, 4),
-             (64, 256, 64, 3, 8), (128, 64, 64, 4, 4), (64, 128, 128, 3, 4)]
-CPU_TILES = [(16, 32, 32, 1, 4), (32, 32, 32, 1, 4)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, flatten), as moe_tp.TILES holds them
+GPU_TILES = [(128, 128, 64, 4, 8, True), (128, 256, 64, 3, 8, True), (128, 256, 64, 3, 8, False),
+             (128, 256, 64, 4, 8, True), (64, 256, 64, 3, 8, True), (64, 128, 64, 4, 4, True)]
+CPU_TILES = [(16, 32, 32, 1, 4, False), (32, 32, 32, 1, 4, False)]
 
 
 def main():
@@ -35,6 +36,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--scale", type=int, default=1, help="divide hidden, inter and tokens by this (smoke runs)")
     ap.add_argument("--samples", type=int, default=10)
+    ap.add_argument("--tiles", default="", help="BMxBNxBKxSTAGESxWARPSxFLATTEN,... (default: the list above)")
+    ap.add_argument("--tma", default="1,0", help="operands by TMA (1) and by pointers (0)")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
     weft.init(heap_size=(8 << 30) if gpu else None, workspace_bytes=(1 << 30) if gpu else None)
@@ -56,8 +59,10 @@ def main():
         inter_ref, layout = weft.ops.ag_group_gemm(x, w_gu, idx, method="overlap")
         h = inter_ref[:, :n].contiguous()
         out_ref = weft.ops.group_gemm_rs(h, w_dn, idx, wts, layout, method="overlap")
-        for tile in GPU_TILES if gpu else CPU_TILES:
-            moe_tp.TILES[kind] = tile
+        tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")] if args.tiles else \
+            GPU_TILES if gpu else CPU_TILES
+        for tile, tma in ((t, bool(int(a))) for t in tiles for a in args.tma.split(",")):
+            moe_tp.TILES[kind], moe_tp.TMA_OPERANDS = tile, tma
             w.plans.clear()
             try:
                 inter, lay = weft.ops.ag_group_gemm(x, w_gu, idx, method="overlap")
@@ -68,12 +73,12 @@ def main():
                                  "group_gemm_rs": lambda: weft.ops.group_gemm_rs(h, w_dn, idx, wts, lay,
                                                                                  method="overlap")},
                                 calls=3, samples=args.samples, graph=gpu)
-                row = dict(model=name, tile=list(tile), ok=ok,
+                row = dict(model=name, tile=list(tile), tma=tma, ok=ok,
                            **{op: round(v * 1e3, 1) for op, v in ms.items()})
             except Exception as e:  # noqa: BLE001 - a tiling that does not compile or fit is reported
-                row = dict(model=name, tile=list(tile), error=f"{type(e).__name__}: {e}"[:200])
+                row = dict(model=name, tile=list(tile), tma=tma, error=f"{type(e).__name__}: {e}"[:200])
             log.add(row)
-        moe_tp.TILES[kind] = default
+        moe_tp.TILES[kind], moe_tp.TMA_OPERANDS = default, True
     log.save()
     weft.finalize()
 

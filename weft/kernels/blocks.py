@@ -62,39 +62,54 @@ def word_of(lo, hi, ELEM: tl.constexpr):
 
 
 @triton.jit
-def group_tile(a, pairs, w, out, a_row0, out_row0, row0, rows, e, k_end, pm, pn, N, K,
+def group_tile(a, pairs, w, out, a_row0, out_row0, row0, rows, e, pm, pn, N, K,
                GATHER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+               BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+               A_TMA: tl.constexpr = False, W_TMA: tl.constexpr = False):
     """One tile of a grouped GEMM: row block pm x column block pn of a segment of rows (rows [row0, row0 + rows),
-    all of expert e): out[out_row0 + row, cols] = (A row) @ w[e][:k_end, cols], fp32 accumulation rounded to
-    out's dtype (k_end 0: a block of zeros). A row: row a_row0 + pairs[row] // TOP_K of `a` (GATHER: a token
+    all of expert e): out[out_row0 + row, cols] = (A row) @ w[e][:, cols], fp32 accumulation rounded to
+    out's dtype. A row: row a_row0 + pairs[row] // TOP_K of `a` (GATHER: a token
     picked by a (token, expert) pair index), else row a_row0 + row. a (·, K), w (E, K, N), out (·, N) row-major.
-    Rows past the segment are neither read (they read its first row) nor stored. Pipelined NUM_STAGES deep;
-    EVEN_K / EVEN_N: K / N are whole blocks (no masks)."""
+    Rows past the segment are not stored. Pipelined NUM_STAGES deep; EVEN_K / EVEN_N: K / N are whole blocks
+    (no masks).
+
+    W_TMA: w is a TMA descriptor of the weights as (E K, N), blocks (BLOCK_K, BLOCK_N) (K whole BLOCK_Ks, so a
+    K block never reaches into w[e + 1]; columns past N read as zeros). A_TMA (not with GATHER): a is a TMA
+    descriptor of a, blocks (BLOCK_M, BLOCK_K); the block's rows past the segment read the rows that follow
+    (another segment's, or zeros past the end), which change only rows that are not stored. The TMA loads
+    leave the pointer tensors of their operand out of the registers, where the accumulator needs them."""
     i = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     live = i < rows
     row = row0 + tl.where(live, i, 0)  # dead rows read the segment's first row: in bounds, never stored
-    if GATHER:
-        src = a_row0 + tl.load(pairs + row) // TOP_K
-    else:
-        src = a_row0 + row
     cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
-    a_ptrs = a + src.to(tl.int64)[:, None] * K + kk[None, :]
-    b_ptrs = w + e.to(tl.int64) * K * N + kk[:, None] * N + cols[None, :]
+    if not A_TMA:
+        if GATHER:
+            src = a_row0 + tl.load(pairs + row) // TOP_K
+        else:
+            src = a_row0 + row
+        a_ptrs = a + src.to(tl.int64)[:, None] * K + kk[None, :]
+    if not W_TMA:
+        b_ptrs = w + e.to(tl.int64) * K * N + kk[:, None] * N + cols[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in tl.range(0, k_end, BLOCK_K, num_stages=NUM_STAGES):
-        if EVEN_K:
-            x = tl.load(a_ptrs)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        if A_TMA:
+            x = a.load([a_row0 + row0 + pm * BLOCK_M, k0])
         else:
-            x = tl.load(a_ptrs, mask=(k0 + kk)[None, :] < K, other=0.0)
-        if EVEN_K and EVEN_N:
-            b = tl.load(b_ptrs)
+            if EVEN_K:
+                x = tl.load(a_ptrs)
+            else:
+                x = tl.load(a_ptrs, mask=(k0 + kk)[None, :] < K, other=0.0)
+            a_ptrs += BLOCK_K
+        if W_TMA:
+            b = w.load([e * K + k0, pn * BLOCK_N])
         else:
-            b = tl.load(b_ptrs, mask=((k0 + kk)[:, None] < K) & (cols[None, :] < N), other=0.0)
+            if EVEN_K and EVEN_N:
+                b = tl.load(b_ptrs)
+            else:
+                b = tl.load(b_ptrs, mask=((k0 + kk)[:, None] < K) & (cols[None, :] < N), other=0.0)
+            b_ptrs += BLOCK_K * N
         acc = dot(x, b, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * N
     dst = out + (out_row0 + row).to(tl.int64)[:, None] * N + cols[None, :]
     tl.store(dst, cast(acc, out.dtype.element_ty), mask=live[:, None] & (cols[None, :] < N))
 

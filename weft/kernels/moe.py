@@ -1269,7 +1269,7 @@ def grouped_gemm_kernel(x, w, out, counts, experts, capacity, N, K, BLOCK_M: tl.
     rows, blocks, first_tile, tiles = _expert_tiles(counts, experts, capacity, N, BLOCK_M, BLOCK_N, BLOCK_E)
     for tile in range(tl.program_id(0), tiles, PROGRAMS):
         e, n, pm, pn = _tile_of_expert(tile, experts, rows, blocks, first_tile, N, BLOCK_N, BLOCK_E, GROUP_M)
-        group_tile(x, x, w, out, 0, 0, e * capacity, n, e, K, pm, pn, N, K, False, 1, BLOCK_M, BLOCK_N, BLOCK_K,
+        group_tile(x, x, w, out, 0, 0, e * capacity, n, e, pm, pn, N, K, False, 1, BLOCK_M, BLOCK_N, BLOCK_K,
                    NUM_STAGES, EVEN_K, EVEN_N)
 
 

@@ -91,7 +91,7 @@ from .all_gather import all_gather
 from .all_reduce import reduce_scatter
 from .blocks import cast, check_rows, group_tile
 from .common import Launch, check_method, check_tensor, plan, signature, workspace, world_or_raise, zero_everywhere
-from .gemm import num_sms
+from .gemm import descriptor, num_sms
 from .moe import INDEX_DTYPES, RoutingErrorWord
 
 METHODS = ("auto", "overlap", "baseline")
@@ -177,32 +177,49 @@ def _segments(starts, NUM_SEGMENTS, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr
 def _chunk_tiles(a, meta_c, w, out, done_c, heap, a_row0, out_row0, base, N, K, E: tl.constexpr,
                  TOP_K: tl.constexpr, GATHER: tl.constexpr, COUNT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, NUM_STAGES: tl.constexpr,
-                 NUM_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+                 NUM_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, A_TMA: tl.constexpr,
+                 W_TMA: tl.constexpr, FLATTEN: tl.constexpr):
     """This program's tiles of one chunk, numbered from `base` (the work items before it); returns the next
-    base. Tiles go segment after segment, row blocks fastest (consecutive programs share w[e]'s column
-    block). GATHER (ag_group_gemm) also writes the unrouted pairs' rows (zeros); COUNT adds each finished
-    tile to done_c (release)."""
+    base. Tiles go expert after expert, row blocks fastest (consecutive programs share w[e]'s column
+    block); with GATHER (ag_group_gemm) the unrouted pairs' rows (zeros) follow. COUNT adds the program's
+    tiles to done_c once they are all stored (release). A_TMA / W_TMA: a / w are TMA descriptors
+    (blocks.group_tile). FLATTEN: the tile loop and the K loop run as one pipelined loop (every tile has the
+    same K blocks), so the next tile's loads start under this tile's last products and store; Triton fuses
+    a loop nest only from its outermost loop, so the callers unroll their chunk loops (static_range), and
+    the loop holds no flag update (which would keep it from being pipelined)."""
     pid = tl.program_id(0)
-    segments = E + 1 if GATHER else E
-    first, rows, blocks, first_block, total = _segments(meta_c, segments, BLOCK_M, BLOCK_E)
+    first, rows, blocks, first_block, total = _segments(meta_c, E, BLOCK_M, BLOCK_E)
     tiles_n = tl.cdiv(N, BLOCK_N)
     first_tile = first_block * tiles_n
     s = tl.arange(0, BLOCK_E)
-    live = s < segments
+    live = s < E
     mine = base + (pid - base % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
-    for tile in range(mine, base + total * tiles_n, NUM_PROGRAMS):
+    for tile in tl.range(mine, base + total * tiles_n, NUM_PROGRAMS, flatten=FLATTEN):
         local = tile - base
-        e = tl.sum(((first_tile <= local) & live).to(tl.int32), axis=0) - 1  # empty segments share a start
+        e = tl.sum(((first_tile <= local) & live).to(tl.int32), axis=0) - 1  # empty experts share a start
         this = s == e
         nb = tl.sum(tl.where(this, blocks, 0), axis=0)
         within = local - tl.sum(tl.where(this, first_tile, 0), axis=0)
         group_tile(a, meta_c + E + 2, w, out, a_row0, out_row0, tl.sum(tl.where(this, first, 0), axis=0),
-                    tl.sum(tl.where(this, rows, 0), axis=0), tl.minimum(e, E - 1), tl.where(e < E, K, 0),
-                    within % nb, within // nb, N, K, GATHER, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
-                    EVEN_K, EVEN_N)
-        if COUNT:
-            wl.notify(done_c, wl.rank(heap), heap, 1, wl.SIGNAL_ADD, wl.SCOPE_GPU)
-    return base + total * tiles_n
+                   tl.sum(tl.where(this, rows, 0), axis=0), e, within % nb, within // nb, N, K, GATHER, TOP_K,
+                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, EVEN_N, A_TMA, W_TMA)
+    if COUNT:
+        wl.notify(done_c, wl.rank(heap), heap, tl.maximum(base + total * tiles_n - mine + NUM_PROGRAMS - 1, 0)
+                  // NUM_PROGRAMS, wl.SIGNAL_ADD, wl.SCOPE_GPU)
+    base += total * tiles_n
+    if GATHER:  # rows [starts[E], starts[E + 1]) of the chunk: the pairs without expert, zeros
+        lo = tl.load(meta_c + E)
+        hi = tl.load(meta_c + E + 1)
+        mine = base + (pid - base % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
+        for blk in range(mine, base + tl.cdiv(hi - lo, BLOCK_M), NUM_PROGRAMS):
+            r = lo + (blk - base) * BLOCK_M + tl.arange(0, BLOCK_M)
+            for n0 in range(0, N, BLOCK_N):
+                cols = n0 + tl.arange(0, BLOCK_N)
+                tl.store(out + (out_row0 + r).to(tl.int64)[:, None] * N + cols[None, :],
+                         tl.zeros([BLOCK_M, BLOCK_N], out.dtype.element_ty),
+                         mask=(r < hi)[:, None] & (cols < N)[None, :])
+        base += tl.cdiv(hi - lo, BLOCK_M)
+    return base
 
 
 @triton.jit
@@ -250,24 +267,26 @@ def moe_tp_check_kernel(topk, err, tokens, K: tl.constexpr, EXPERTS: tl.constexp
 
 @triton.jit
 def group_gemm_chunks_kernel(a, meta, w, out, ready, bar, heap, mapping, m, N, K, meta_stride, E: tl.constexpr,
-                             TOP_K: tl.constexpr, GATHER: tl.constexpr, WAIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                             TOP_K: tl.constexpr, WORLD: tl.constexpr, GATHER: tl.constexpr, WAIT: tl.constexpr,
+                             BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
                              NUM_STAGES: tl.constexpr, NUM_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr,
-                             EVEN_N: tl.constexpr):
+                             EVEN_N: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr,
+                             FLATTEN: tl.constexpr):
     """out = the grouped GEMM of every chunk, chunks in arrival order me, me + 1, ..., me - 1.
 
     GATHER (ag_group_gemm): a is the gathered tokens (W m, K) and row i of chunk c computes token
     pair_of_row[c, i] // TOP_K of rank c; else (group_gemm_rs's baseline) a has the W m k rows of `out`.
     WAIT: before its first tile of chunk c != me, a program waits for the chunk (and its layout) to arrive:
     ready[c] >= the epoch, as `tile_wait` on `mapping` (the gathered tokens, one tile per rank) says it.
-    ready, bar and mapping are read only with WAIT.
+    ready, bar and mapping are read only with WAIT. A_TMA (not with GATHER or WAIT) / W_TMA: a / w are TMA
+    descriptors (blocks.group_tile); FLATTEN as in _chunk_tiles.
     """
     me = wl.rank(heap)
-    world = wl.num_ranks(heap)
     pairs = m * TOP_K
     base = tl.program_id(0) * 0
-    for step in range(world):
-        c = (me + step) % world
+    for step in tl.static_range(WORLD):
+        c = (me + step) % WORLD
         a_c = a
         meta_c = meta + c * meta_stride
         if WAIT:
@@ -277,7 +296,7 @@ def group_gemm_chunks_kernel(a, meta, w, out, ready, bar, heap, mapping, m, N, K
                 meta_c = wl.consume_token(meta_c, token)
         base = _chunk_tiles(a_c, meta_c, w, out, ready, heap, c * (m if GATHER else pairs), c * pairs, base, N, K,
                             E, TOP_K, GATHER, False, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, NUM_STAGES, NUM_PROGRAMS,
-                            EVEN_K, EVEN_N)
+                            EVEN_K, EVEN_N, A_TMA, W_TMA, FLATTEN)
 
 
 @triton.jit
@@ -285,11 +304,13 @@ def group_gemm_rs_kernel(h, meta, w, y, row_of_pair, weights, recv, out, done, r
                          meta_stride, E: tl.constexpr, TOP_K: tl.constexpr, WORLD: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
                          NUM_STAGES: tl.constexpr, NUM_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr,
-                         EVEN_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                         EVEN_N: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr, FLATTEN: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """out (m, N) = rows of my tokens of sum over ranks of (top-k weighted sum of (h @ w_down[expert])), as
     GEMM(me+1) GEMM(me+2) RS(me+1) ... GEMM(me) RS(me-1) FINAL (module doc). y (W m k, N): the expert
     outputs; weights (W m, k): every rank's routing weights; recv (W, m, N): the partials rank q pushed
-    into slot q; done (W,) local tile counters; pushed (MAX_TOKEN_BLOCKS, W) flags."""
+    into slot q; done (W,) local tile counters; pushed (MAX_TOKEN_BLOCKS, W) flags. A_TMA / W_TMA: h / w are
+    TMA descriptors (blocks.group_tile); FLATTEN as in _chunk_tiles."""
     pid = tl.program_id(0)
     me = wl.rank(heap)
     epoch = tl.load(bar)
@@ -298,11 +319,11 @@ def group_gemm_rs_kernel(h, meta, w, y, row_of_pair, weights, recv, out, done, r
     t_in = tl.arange(0, BLOCK_T)
     hh = tl.arange(0, BLOCK_H)
     base = pid * 0
-    for step in range(WORLD):
+    for step in tl.static_range(WORLD):
         c = (me + 1 + step) % WORLD
         base = _chunk_tiles(h, meta + c * meta_stride, w, y, done + c, heap, c * pairs, c * pairs, base, N, K, E,
                             TOP_K, False, True, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, NUM_STAGES, NUM_PROGRAMS,
-                            EVEN_K, EVEN_N)
+                            EVEN_K, EVEN_N, A_TMA, W_TMA, FLATTEN)
         if step > 0:  # RS of the chunk before: my partial of rank p's tokens into its recv slot [me]
             p = (me + step) % WORLD
             tiles = _tile_count(meta + p * meta_stride, N, E, BLOCK_M, BLOCK_N, BLOCK_E)
@@ -397,17 +418,43 @@ def _workspace(world) -> MoeTPWorkspace:
 # probe_moe_tp.py` sweeps "large". On 2 H200s (2026-11-23, eighth session, Qwen3-30B-A3B, 8192 tokens, graph
 # replay, ag_group_gemm / group_gemm_rs us): 128x128x64 3 stages 8 warps 779.3 / 618.1, 4 stages 702.0 / 574.6,
 # 128x256x64 3 stages 8 warps 623.8 / 458.0, 64x256x64 720.4 / 556.0, 64x128x64 772.3 / 709.3.
-TILES = {"large": (128, 256, 64, 3, 8), "small": (64, 128, 64, 4, 4), "cpu": (16, 32, 32, 1, 4)}
+TILES = {"large": (128, 256, 64, 3, 8, True), "small": (64, 128, 64, 4, 4, True), "cpu": (16, 32, 32, 1, 4, False)}
+# Whether the grouped GEMM takes its weights (and group_gemm_rs its h) by TMA where they allow it (_Operand);
+# scripts/probe_moe_tp.py --tma compares.
+TMA_OPERANDS = True
 
 
 def _gemm_config(world, m: int, k: int, experts: int, n: int, kdim: int):
-    """(tiles, even, warps): the grouped GEMM's tiling constexprs (BLOCK_M/N/K, BLOCK_E, NUM_STAGES), whether K
-    and N are whole blocks (EVEN_K, EVEN_N), and its warps, from TILES."""
+    """(tiles, even, warps, flatten): the grouped GEMM's tiling constexprs (BLOCK_M/N/K, BLOCK_E, NUM_STAGES),
+    whether K and N are whole blocks (EVEN_K, EVEN_N), its warps and whether its tile loop is flattened
+    (FLATTEN), from TILES."""
     kind = "cpu" if world.device.type != "cuda" else "large" if m * k >= 128 * experts else "small"
-    bm, bn, bk, stages, warps = TILES[kind]
+    bm, bn, bk, stages, warps, flatten = TILES[kind]
     tiles = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(experts + 2),
                  NUM_STAGES=stages)
-    return tiles, dict(EVEN_K=kdim % bk == 0, EVEN_N=n % bn == 0), warps
+    return tiles, dict(EVEN_K=kdim % bk == 0, EVEN_N=n % bn == 0), warps, flatten
+
+
+class _Operand:
+    """A grouped GEMM operand as the kernels take it: a TMA descriptor of the tensor viewed as `shape` (rows,
+    cols), blocks `block` (gemm.Descriptor, its base swapped per call), where blocks.group_tile's TMA loads can
+    take it (`tma`: 16-byte aligned, rows of whole 16 bytes, and the K dimension `k` whole `block_k`s, so a K
+    block never reaches into the next expert); else the tensor itself (pointer loads)."""
+
+    def __init__(self, t: torch.Tensor, shape, block, k: int, block_k: int):
+        self.shape = tuple(shape)
+        self.tma = (TMA_OPERANDS and t.data_ptr() % 16 == 0 and shape[1] * t.element_size() % 16 == 0
+                    and k % block_k == 0)
+        self.desc = descriptor(t.view(self.shape), block) if self.tma else None
+        self.off()
+
+    def __call__(self, t: torch.Tensor):
+        return self.desc.on(t.view(self.shape)) if self.tma else t
+
+    def off(self) -> None:
+        """After the launch: the plan keeps no caller tensor (gemm.Descriptor)."""
+        if self.tma:
+            self.desc.off()
 
 
 def _programs(world) -> int:
@@ -548,13 +595,15 @@ class _AgPlan:
         self.routing = _RoutingCheck(world, topk_idx, e)
         if self.empty:
             return
-        tiles, even, warps = _gemm_config(world, m, k, e, n, hidden)
+        tiles, even, warps, flatten = _gemm_config(world, m, k, e, n, hidden)
         programs = _programs(world)
         self.heap = heap = world.heap.descriptor
         block = (triton.next_power_of_2(m), triton.next_power_of_2(hidden))
         self.mapping = wl.TileMap((ww * m, hidden), ww, block, device=world.device).arg  # a tile per rank
         overlap = self.method == "overlap"
-        consts = dict(E=e, TOP_K=k, GATHER=True, WAIT=overlap, **tiles, NUM_PROGRAMS=programs, **even)
+        self.w_op = _Operand(w, (e * hidden, n), (tiles["BLOCK_K"], tiles["BLOCK_N"]), hidden, tiles["BLOCK_K"])
+        consts = dict(E=e, TOP_K=k, WORLD=ww, GATHER=True, WAIT=overlap, **tiles, NUM_PROGRAMS=programs, **even, A_TMA=False,
+                      W_TMA=self.w_op.tma, FLATTEN=flatten)
         if out is None:  # the launch is compiled for the alignment of the caller's out, or a fresh one's
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.dev)
         if overlap:
@@ -574,9 +623,10 @@ class _AgPlan:
             ready = bar = metas  # read only with WAIT
         self.gathered, self.metas, self.ready, self.bar = gathered, metas, ready, bar
         self.launch = Launch(group_gemm_chunks_kernel, (programs,), self._args(gathered, metas, w, out), consts, warps)
+        self.w_op.off()
 
     def _args(self, gathered, metas, w, out):
-        return (gathered, metas, w, out, self.ready, self.bar, self.heap, self.mapping, self.m, self.n,
+        return (gathered, metas, self.w_op(w), out, self.ready, self.bar, self.heap, self.mapping, self.m, self.n,
                 gathered.shape[1], self.width)
 
     def __call__(self, tokens, w, topk_idx, out):
@@ -589,6 +639,7 @@ class _AgPlan:
         if self.method == "baseline":
             metas = all_gather(meta[None])
             self.launch(*self._args(all_gather(tokens), metas, w, out))
+            self.w_op.off()
             return out, GroupLayout(metas, self.e, self.k, self.m)
         ws = self.ws
         self.start(ws.bar, self.heap)
@@ -598,6 +649,7 @@ class _AgPlan:
         _push(ws, [pair for rows, layout, flag in self.peers
                    for pair in ((rows, tokens), (layout, meta), (flag, epoch))])
         self.launch(*self._args(self.gathered, self.metas, w, out))
+        self.w_op.off()
         _join(ws)
         return out, GroupLayout(self.metas.clone(), self.e, self.k, self.m)
 
@@ -661,7 +713,11 @@ class _RsPlan:
         self.routing = _RoutingCheck(world, topk_idx, e)
         if self.empty:
             return
-        tiles, even, warps = _gemm_config(world, m, k, e, hidden, inter)
+        tiles, even, warps, flatten = _gemm_config(world, m, k, e, hidden, inter)
+        bm, bn, bk = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
+        self.h_op = _Operand(h, h.shape, (bm, bk), inter, bk)
+        self.w_op = _Operand(w_down, (e * inter, hidden), (bk, bn), inter, bk)
+        tma = dict(A_TMA=self.h_op.tma, W_TMA=self.w_op.tma, FLATTEN=flatten)
         self.heap = heap = world.heap.descriptor
         width = e + 2 + m * k
         y = torch.empty((ww * m * k, hidden), dtype=self.dtype, device=self.dev)
@@ -671,11 +727,12 @@ class _RsPlan:
             mapping = wl.TileMap((ww * m, inter), ww, (triton.next_power_of_2(m), triton.next_power_of_2(inter)),
                                  device=world.device).arg
             # ready, bar and mapping are read only with WAIT
-            self.gemm_args = lambda h, metas, w_down, y: (h, metas, w_down, y, metas, metas, heap, mapping, m, hidden,
-                                                          inter, width)
+            self.gemm_args = lambda h, metas, w_down, y: (self.h_op(h), metas, self.w_op(w_down), y, metas, metas,
+                                                          heap, mapping, m, hidden, inter, width)
             self.launch = Launch(group_gemm_chunks_kernel, (_programs(world),), self.gemm_args(h, metas, w_down, y),
-                                 dict(E=e, TOP_K=k, GATHER=False, WAIT=False, **tiles,
-                                      NUM_PROGRAMS=_programs(world), **even), warps)
+                                 dict(E=e, TOP_K=k, WORLD=ww, GATHER=False, WAIT=False, **tiles,
+                                      NUM_PROGRAMS=_programs(world), **even, **tma), warps)
+            self._off()
             return
         self.ws = ws = _workspace(world)
         self.recv = ws.view(0, (ww, m, hidden), self.dtype)
@@ -695,13 +752,18 @@ class _RsPlan:
             out = torch.empty((m, hidden), dtype=self.dtype, device=self.dev)
         self.launch = Launch(group_gemm_rs_kernel, (programs,),
                              self._args(h, metas, w_down, y, rows, out),
-                             dict(E=e, TOP_K=k, WORLD=ww, **tiles, NUM_PROGRAMS=programs, **even, BLOCK_T=block_t,
-                                  BLOCK_H=256 if gpu else 32), warps)
+                             dict(E=e, TOP_K=k, WORLD=ww, **tiles, NUM_PROGRAMS=programs, **even, **tma,
+                                  BLOCK_T=block_t, BLOCK_H=256 if gpu else 32), warps)
+        self._off()
 
     def _args(self, h, metas, w_down, y, row_of_pair, out):
         ws = self.ws
-        return (h, metas, w_down, y, row_of_pair, self.weights, self.recv, out, self.done, ws.ready, ws.pushed, ws.bar,
-                self.heap, self.m, self.hidden, h.shape[1], metas.shape[1])
+        return (self.h_op(h), metas, self.w_op(w_down), y, row_of_pair, self.weights, self.recv, out, self.done,
+                ws.ready, ws.pushed, ws.bar, self.heap, self.m, self.hidden, h.shape[1], metas.shape[1])
+
+    def _off(self) -> None:
+        self.h_op.off()
+        self.w_op.off()
 
     def check_layout(self, layout) -> None:
         if layout is None:
@@ -727,6 +789,7 @@ class _RsPlan:
         if self.method == "baseline":
             y = torch.empty((h.shape[0], self.hidden), dtype=self.dtype, device=self.dev)
             self.launch(*self.gemm_args(h, layout.meta, w_down, y))
+            self._off()
             weights = all_gather(topk_weights)
             acc = torch.zeros((weights.shape[0], self.hidden), dtype=torch.float32, device=self.dev)
             for j in range(self.k):  # fp32, in j order, as the overlapped kernel sums
@@ -741,6 +804,7 @@ class _RsPlan:
         epoch = ws.bar[0:1]
         _push(ws, [pair for weights, flag in self.peers for pair in ((weights, topk_weights), (flag, epoch))])
         self.launch(*self._args(h, layout.meta, w_down, y, layout.row_of_pair, out))
+        self._off()
         _join(ws)
         return out
 
@@ -780,33 +844,44 @@ def group_gemm_rs(h: torch.Tensor, w_down_shard: torch.Tensor, topk_idx: torch.T
 
 # Signatures for the sm_90 compile check (weft.testing.compile): both GPU tilings, bf16 and fp16, the
 # ag_group_gemm (gather, wait) and group_gemm_rs baseline (no gather, no wait) forms; Qwen3-30B-A3B's 128
-# experts top-8 at 8 ranks and Mixtral's 8 top-2 at 2.
+# experts top-8 at 8 ranks and Mixtral's 8 top-2 at 2; operands by TMA (both, or the weights alone with the
+# gather) and by pointers.
 def _compile_tiles(big: bool):
-    bm, bn, bk, stages, warps = TILES["large" if big else "small"]
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages), warps
+    bm, bn, bk, stages, warps, flatten = TILES["large" if big else "small"]
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages), warps, flatten
 
 
-def _chunks_case(t: str, big: bool, gather: bool, experts: int, k: int):
-    tiles, warps = _compile_tiles(big)
-    sig = dict(a=f"*{t}", meta="*i32", w=f"*{t}", out=f"*{t}", ready="*i32", bar="*i32", heap="*i64",
-               mapping=wl.TileMapping("*i32", "constexpr", "constexpr", "constexpr", "constexpr"), m="i32", N="i32",
-               K="i32", meta_stride="i32")
+def _operands(t: str, tiles: dict, a_tma: bool, w_tma: bool, a: str = "a") -> dict:
+    bm, bn, bk = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
+    return {a: f"tensordesc<{t}[{bm}, {bk}]>" if a_tma else f"*{t}",
+            "w": f"tensordesc<{t}[{bk}, {bn}]>" if w_tma else f"*{t}"}
+
+
+def _chunks_case(t: str, big: bool, gather: bool, experts: int, k: int, world: int, tma: bool):
+    tiles, warps, flatten = _compile_tiles(big)
+    sig = dict(**_operands(t, tiles, tma and not gather, tma), meta="*i32", out=f"*{t}", ready="*i32", bar="*i32",
+               heap="*i64", mapping=wl.TileMapping("*i32", "constexpr", "constexpr", "constexpr", "constexpr"),
+               m="i32", N="i32", K="i32", meta_stride="i32")
+    sig = {name: sig[name] for name in group_gemm_chunks_kernel.arg_names if name in sig}
     consts = {("mapping", 1): 1024, ("mapping", 2): 2048, ("mapping", 3): 0, ("mapping", 4): 8}
-    consts |= dict(E=experts, TOP_K=k, GATHER=gather, WAIT=gather, BLOCK_M=tiles["BLOCK_M"],
+    consts |= dict(E=experts, TOP_K=k, WORLD=world, GATHER=gather, WAIT=gather, BLOCK_M=tiles["BLOCK_M"],
                    BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"], BLOCK_E=triton.next_power_of_2(experts + 2),
-                   NUM_STAGES=tiles["NUM_STAGES"], NUM_PROGRAMS=132, EVEN_K=True, EVEN_N=big)
-    return group_gemm_chunks_kernel, sig, consts, dict(num_warps=warps)
+                   NUM_STAGES=tiles["NUM_STAGES"], NUM_PROGRAMS=132, EVEN_K=True, EVEN_N=big,
+                   A_TMA=tma and not gather, W_TMA=tma, FLATTEN=flatten)
+    return group_gemm_chunks_kernel, sig, consts, dict(num_warps=warps, min_arch=90 if tma else 0)
 
 
-def _rs_case(t: str, big: bool, experts: int, k: int, world: int):
-    tiles, warps = _compile_tiles(big)
-    sig = dict(h=f"*{t}", meta="*i32", w=f"*{t}", y=f"*{t}", row_of_pair="*i32", weights="*fp32", recv=f"*{t}",
-               out=f"*{t}", done="*i32", ready="*i32", pushed="*i32", bar="*i32", heap="*i64", m="i32", N="i32",
-               K="i32", meta_stride="i32")
+def _rs_case(t: str, big: bool, experts: int, k: int, world: int, tma: bool):
+    tiles, warps, flatten = _compile_tiles(big)
+    sig = dict(**_operands(t, tiles, tma, tma, "h"), meta="*i32", y=f"*{t}", row_of_pair="*i32", weights="*fp32",
+               recv=f"*{t}", out=f"*{t}", done="*i32", ready="*i32", pushed="*i32", bar="*i32", heap="*i64",
+               m="i32", N="i32", K="i32", meta_stride="i32")
+    sig = {name: sig[name] for name in group_gemm_rs_kernel.arg_names if name in sig}
     consts = dict(E=experts, TOP_K=k, WORLD=world, **tiles, BLOCK_E=triton.next_power_of_2(experts + 2),
-                  NUM_PROGRAMS=132, EVEN_K=big, EVEN_N=True, BLOCK_T=16, BLOCK_H=256)
+                  NUM_PROGRAMS=132, EVEN_K=big, EVEN_N=True, A_TMA=tma, W_TMA=tma, FLATTEN=flatten, BLOCK_T=16,
+                  BLOCK_H=256)
     consts = {name: consts[name] for name in group_gemm_rs_kernel.arg_names if name in consts}
-    return group_gemm_rs_kernel, sig, consts, dict(num_warps=warps)
+    return group_gemm_rs_kernel, sig, consts, dict(num_warps=warps, min_arch=90 if tma else 0)
 
 
 COMPILE_CASES = [(moe_tp_start_kernel, dict(bar="*i32", heap="*i64"), {}, dict(num_warps=1))] + [
@@ -814,9 +889,9 @@ COMPILE_CASES = [(moe_tp_start_kernel, dict(bar="*i32", heap="*i64"), {}, dict(n
      dict(K=k, EXPERTS=experts, BLOCK_T=64, BLOCK_K=triton.next_power_of_2(k)), dict(num_warps=4))
     for t in ("*i64", "*i32") for experts, k in ((128, 8), (8, 2))
 ] + [
-    _chunks_case(t, big, gather, experts, k) for t in ("bf16", "fp16") for big in (True, False)
-    for gather in (True, False) for experts, k in ((128, 8), (8, 2))
+    _chunks_case(t, big, gather, experts, k, world, tma) for t in ("bf16", "fp16") for big in (True, False)
+    for gather in (True, False) for experts, k, world in ((128, 8, 8), (8, 2, 2)) for tma in (True, False)
 ] + [
-    _rs_case(t, big, experts, k, world) for t in ("bf16", "fp16") for big in (True, False)
-    for experts, k, world in ((128, 8, 8), (8, 2, 2))
+    _rs_case(t, big, experts, k, world, tma) for t in ("bf16", "fp16") for big in (True, False)
+    for experts, k, world in ((128, 8, 8), (8, 2, 2)) for tma in (True, False)
 ]
