@@ -99,6 +99,16 @@ def never_signalled_kernel(flag, heap):
 
 
 @triton.jit
+def never_flagged_program_kernel(flags, heap):
+    """Rank 1 waits for 3 programs' flags of 2 ranks, laid out [program][rank]: every flag is set but
+    program 1's from rank 0 (flag 2)."""
+    if wl.rank(heap) == 1:
+        offs = tl.arange(0, 8)
+        tl.store(flags + offs, tl.full([8], 1, tl.int32), mask=(offs < 6) & (offs != 2))
+        wl.wait(flags, 6, 1, wl.CMP_EQ, ranks=2)
+
+
+@triton.jit
 def never_arriving_ll_kernel(words, heap):
     """Rank 1 waits for 8 LL words of epoch 1 that nobody writes."""
     if wl.rank(heap) == 1:

@@ -151,6 +151,7 @@ def _timeout(kernel_name, numel, dtype_name):
 @pytest.mark.parametrize("kernel, numel, dtype, parts", [
     ("never_signalled_kernel", 1, "int32", ("flag 0 of 1", "expected flag == 1", "seen 0")),
     ("never_arriving_ll_kernel", 8, "int64", ("LL words of", "word 0 of a block", "expected epoch 1", "seen 0")),
+    ("never_flagged_program_kernel", 6, "int32", ("signal of rank 0 (flag 2 of 6", "expected flag == 1", "seen 0")),
 ])
 def test_wait_timeout_names_rank_and_flag(kernel, numel, dtype, parts):
     msgs = run_ranks(_timeout, 2, kernel, numel, dtype, timeout=60, env={"WEFT_WAIT_TIMEOUT_S": "1"})

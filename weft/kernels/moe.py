@@ -157,6 +157,7 @@ def check_routing_values(topk_idx: torch.Tensor, num_experts: int) -> None:
 # Programs of the high-throughput push (a fixed number: the receivers wait on the flags of each), and each
 # program's block of words and warps on GPUs.
 HT_PROGRAMS = {"cpu": 2, "cuda": 128}
+HT_MAX_PROGRAMS = 1024  # the workspace's push flags: [program][rank] (scripts/probe_ep_ht.py sweeps HT_PROGRAMS)
 # Measured (scripts/probe_ep_ht.py, 2 H200s, 2026-11-23, 4096 tokens of 7168, top-8 of 256, graph replay):
 # dispatch + combine 839.7 / 737.1 / 695.3 / 750.7 / 747.4 us with blocks of 1024 / 2048 / 4096 / 4096 / 2048
 # words and 8 / 8 / 8 / 16 / 4 warps.
@@ -216,8 +217,7 @@ class MoeWorkspace:
         self.ht_half_words = total // 4 // 8
         self.ht = heap.empty((2 * self.ht_half_words,), torch.int32)
         self.table = heap.empty((2 * w * (w + 1),), torch.int64)  # [sender][tokens to each rank | bad rows]
-        self.programs = HT_PROGRAMS[world.device.type]
-        self.flags = heap.empty((self.programs * w,), torch.int32)
+        self.flags = heap.empty((HT_MAX_PROGRAMS * w,), torch.int32)
         self.counters = heap.empty((5,), torch.int64)  # ll dispatch, ll combine, count exchange, push, wait
         self.ll_pending = {}  # LL op -> its RecvHook not yet run
         self.errors = RoutingErrorWord(world)
@@ -411,9 +411,9 @@ def ep_push_back_kernel(y, table, region, flags, counter, heap, rows, half_words
 def _wait_pushes(region, flags, counter, heap, half_words, WORLD: tl.constexpr, PROGRAMS: tl.constexpr):
     """The half of `region` this call's push wrote, once every program of every rank has flagged me."""
     epoch = wl.next_epoch(counter)
-    token = epoch * 0
-    for q in range(PROGRAMS):
-        token = wl.wait(flags + q * WORLD, WORLD, epoch, wl.CMP_GE, heap=heap, op="ep_dispatch/ep_combine push")
+    # All PROGRAMS x WORLD flags in one wait: 32 a round trip, where a wait per program took one each.
+    token = wl.wait(flags, PROGRAMS * WORLD, epoch, wl.CMP_GE, heap=heap, op="ep_dispatch/ep_combine push",
+                    ranks=WORLD)
     return wl.consume_token(region + (epoch % 2) * half_words, token)
 
 
@@ -544,6 +544,9 @@ class _HTPlan:
         dev = world.device
         gpu = dev.type == "cuda"
         block, warps = HT_BLOCK_WARPS if gpu else (256, 4)
+        programs = HT_PROGRAMS[dev.type]  # push programs: the receivers wait on the flag of each
+        if programs > HT_MAX_PROGRAMS:
+            raise ValueError(f"HT_PROGRAMS = {programs} is more than the workspace's flags ({HT_MAX_PROGRAMS})")
         self.grid = 132 if gpu else 2  # programs that copy out / sum what arrived
         i32 = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=dev)  # noqa: E731
         blk_w, blk_k = triton.next_power_of_2(w), triton.next_power_of_2(k)
@@ -562,29 +565,29 @@ class _HTPlan:
                                (topk_idx, i32(self.blocks, w), i32(max(t, 1), w), t),
                                dict(K=k, LOCAL=self.local, WORLD=w, BLOCK_T=blk_t, BLOCK_K=blk_k, BLOCK_W=blk_wide),
                                4)
-        self.push = Launch(ep_push_kernel, (ws.programs,),
+        self.push = Launch(ep_push_kernel, (programs,),
                            (x.view(torch.int32), topk_idx, topk_weights, i32(max(t, 1), w), i32(w, w), ws.ht,
                             i32(1, self.hw), torch.zeros((1, k), dtype=topk_idx.dtype, device=dev),
                             torch.zeros((1, k), device=dev), ws.flags, ws.counter(3), heap, t, 1, ws.ht_half_words),
-                           dict(HW=self.hw, K=k, ROW=self.row, LOCAL=self.local, WORLD=w, PROGRAMS=ws.programs,
+                           dict(HW=self.hw, K=k, ROW=self.row, LOCAL=self.local, WORLD=w, PROGRAMS=programs,
                                 BLOCK=block, VEC=_vec(self.hw, x), BLOCK_K=blk_k, BLOCK_W=blk_w), warps)
         self.receive = Launch(ep_receive_kernel, (self.grid,),
                               (ws.ht, ws.flags, ws.counter(4), heap, i32(w, w), i32(1, self.hw),
                                torch.zeros((1, k), dtype=topk_idx.dtype, device=dev),
                                torch.zeros((1, k), device=dev), i32(self.local), ws.ht_half_words, 1),
-                              dict(HW=self.hw, K=k, ROW=self.row, LOCAL=self.local, WORLD=w, PROGRAMS=ws.programs,
+                              dict(HW=self.hw, K=k, ROW=self.row, LOCAL=self.local, WORLD=w, PROGRAMS=programs,
                                    BLOCK=block, VEC=_vec(self.hw), BLOCK_K=blk_k,
                                    BLOCK_L=triton.next_power_of_2(self.local), BLOCK_W=blk_w), warps)
         # y's rows go back 16-byte vectors at a time: the combine takes y at that alignment (else a copy).
-        self.push_back = Launch(ep_push_back_kernel, (ws.programs,),
+        self.push_back = Launch(ep_push_back_kernel, (programs,),
                                 (i32(1, self.hw), i32(w, w), ws.ht, ws.flags, ws.counter(3), heap, 1,
                                  ws.ht_half_words),
-                                dict(HW=self.hw, WORLD=w, PROGRAMS=ws.programs, BLOCK=block, VEC=_vec(self.hw),
+                                dict(HW=self.hw, WORLD=w, PROGRAMS=programs, BLOCK=block, VEC=_vec(self.hw),
                                      BLOCK_W=blk_w), warps)
         self.reduce = Launch(ep_combine_reduce_kernel, (self.grid,),
                              (ws.ht, ws.flags, ws.counter(4), heap, i32(max(t, 1), w), i32(w, w), i32(1, self.hw),
                               i32(1, self.hw), ws.ht_half_words, t, 1),
-                             dict(HW=self.hw, ELEM=_ELEM[x.dtype], WORLD=w, PROGRAMS=ws.programs, BLOCK=block,
+                             dict(HW=self.hw, ELEM=_ELEM[x.dtype], WORLD=w, PROGRAMS=programs, BLOCK=block,
                                   BLOCK_W=blk_w), warps)
         # Pointer arguments as the launches take them (Launch.address): on GPUs addresses (the workspace's
         # taken once here, no view made per call), under the interpreter tensors of the kernels' types.

@@ -42,10 +42,10 @@ def _who(me, peer, op) -> str:
 
 
 @interpreter_only
-def spin_wait(flag_ptr, count, value, cmp, me=-1, peer=0, op="wait"):
+def spin_wait(flag_ptr, count, value, cmp, me=-1, peer=0, op="wait", ranks=0):
     """Acquire-poll `count` consecutive flags until each satisfies `flag <cmp> value` (flag i is raised by
-    rank `peer + i`)."""
-    count, value, cmp = int(_scalar(count)), _scalar(value), int(_scalar(cmp))
+    rank `peer + i`, or with ranks > 0 by rank i % ranks)."""
+    count, value, cmp, ranks = int(_scalar(count)), _scalar(value), int(_scalar(cmp)), int(_scalar(ranks))
     symbol, ok = _CMP[cmp]
     timeout = float(os.environ.get("WEFT_WAIT_TIMEOUT_S", "0") or 0)
     start = time.monotonic()
@@ -60,7 +60,8 @@ def spin_wait(flag_ptr, count, value, cmp, me=-1, peer=0, op="wait"):
             if timeout > 0 and time.monotonic() - start > timeout:
                 who, _ = _who(me, peer, op)
                 raise WaitTimeout(
-                    f"{who} timed out after {timeout:g} s waiting for the signal of rank {int(_scalar(peer)) + i} "
+                    f"{who} timed out after {timeout:g} s waiting for the signal of rank "
+                    f"{i % ranks if ranks else int(_scalar(peer)) + i} "
                     f"(flag {i} of {count} at address 0x{_scalar(ptr):x}): expected flag {symbol} {value}, "
                     f"seen {seen}")
             # Ranks share few cores: back off so the rank we wait for can run.

@@ -75,22 +75,23 @@ def _holds(seen, value, cmp: tl.constexpr):
 
 @triton.jit
 def wait(flag_ptr, count, value, cmp: tl.constexpr = CMP_EQ, scope: tl.constexpr = SCOPE_SYS, heap=None, peer=0,
-         op: tl.constexpr = tl.constexpr("wait")):
+         op: tl.constexpr = tl.constexpr("wait"), ranks: tl.constexpr = 0):
     """Spin (acquire) until the `count` flags from `flag_ptr` on satisfy `flag <cmp> value`.
 
     Every thread of the program polls for itself, so each thread's later loads
     are ordered after its own acquire. Returns a token for `consume_token`.
     With WEFT_WAIT_TIMEOUT_S set, gives up after that long with a report naming
     the waiting rank (from `heap`, when given), the op (`op`), the rank whose
-    signal is missing (flag i is raised by rank `peer + i`), the expected and
-    the seen value: an error on the cpu backend; a printed report and a trap on
+    signal is missing (flag i is raised by rank `peer + i`; with `ranks` > 0,
+    flags laid out [program][rank], by rank i % ranks), the expected and the
+    seen value: an error on the cpu backend; a printed report and a trap on
     the GPU.
     """
     if INTERPRET:
         me = -1
         if heap is not None:
             me = rank(heap)
-        return interpreter.spin_wait(flag_ptr, count, value, cmp, me, peer, op)
+        return interpreter.spin_wait(flag_ptr, count, value, cmp, me, peer, op, ranks)
     else:
         # Lane i of every warp polls flag base + i: up to 32 flags in one round trip. A CTA barrier
         # after the loop orders every thread's later loads after the acquires (barrier + acquire).
@@ -109,8 +110,11 @@ def wait(flag_ptr, count, value, cmp: tl.constexpr = CMP_EQ, scope: tl.constexpr
                         me = -1
                         if heap is not None:
                             me = rank(heap)
+                        whom = peer + i
+                        if ranks > 0:
+                            whom = i % ranks
                         tl.device_print("weft " + op + " wait timed out: rank, waits for rank, flag index, "
-                                        "address, expected, seen ", me, peer + i, i,
+                                        "address, expected, seen ", me, whom, i,
                                         (flag_ptr + i).to(tl.int64, bitcast=True), value,
                                         tl.min(tl.where(base + lanes == i, seen, value), axis=0))
                         ptx.trap()
