@@ -160,7 +160,9 @@ HT_PROGRAMS = {"cpu": 2, "cuda": 128}
 HT_MAX_PROGRAMS = 1024  # the workspace's push flags: [program][rank] (scripts/probe_ep_ht.py sweeps HT_PROGRAMS)
 # Measured (scripts/probe_ep_ht.py, 2 H200s, 2026-11-23, 4096 tokens of 7168, top-8 of 256, graph replay):
 # dispatch + combine 839.7 / 737.1 / 695.3 / 750.7 / 747.4 us with blocks of 1024 / 2048 / 4096 / 4096 / 2048
-# words and 8 / 8 / 8 / 16 / 4 warps.
+# words and 8 / 8 / 8 / 16 / 4 warps (128 push programs); since the receivers wait on all flags at once
+# (eleventh session) 489.3 us with 4096 words, 8 warps, 128 programs; 494.5 with 264 programs, 503.4 with 2048
+# words and 264, 483.6 with 16 warps and 132, 526.7 with 2048 words, 4 warps, 528 programs.
 HT_BLOCK_WARPS = (4096, 8)
 # Tokens a program of the count and position kernels takes (the route kernel, one program, then only scans
 # the blocks' counts: over all 4096 tokens itself it took 79 us of a 400 us dispatch).

@@ -413,11 +413,14 @@ def _workspace(world) -> MoeTPWorkspace:
 
 # -- host side --------------------------------------------------------------------------
 
-# The grouped GEMM's tiles, (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps): on GPUs "large" where the experts'
-# segments (m k / E rows on average per chunk) fill 128 rows, else "small" (not measured yet); `scripts/
-# probe_moe_tp.py` sweeps "large". On 2 H200s (2026-11-23, eighth session, Qwen3-30B-A3B, 8192 tokens, graph
-# replay, ag_group_gemm / group_gemm_rs us): 128x128x64 3 stages 8 warps 779.3 / 618.1, 4 stages 702.0 / 574.6,
-# 128x256x64 3 stages 8 warps 623.8 / 458.0, 64x256x64 720.4 / 556.0, 64x128x64 772.3 / 709.3.
+# The grouped GEMM's tiles, (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, flatten): on GPUs "large" where the
+# experts' segments (m k / E rows on average per chunk) fill 128 rows, else "small" (not measured yet);
+# `scripts/probe_moe_tp.py` sweeps them. On 2 H200s (2026-11-23, Qwen3-30B-A3B, 8192 tokens, graph replay,
+# ag_group_gemm / group_gemm_rs us), eighth session, pointer loads, unflattened: 128x128x64 3 stages 8 warps
+# 779.3 / 618.1, 4 stages 702.0 / 574.6, 128x256x64 3 stages 8 warps 623.8 / 458.0, 64x256x64 720.4 / 556.0,
+# 64x128x64 772.3 / 709.3; eleventh session, weights (and h) by TMA: 128x256x64 3 stages 575.1 / 426.8 against
+# 631.6 / 457.2 by pointers, and flattened 551.2 / 378.5 (128x128x64 4 stages 705.1 / 437.3, 64x256x64 635.7 /
+# 441.4); 4 stages no longer fit in shared memory with the flattened loop's epilogue.
 TILES = {"large": (128, 256, 64, 3, 8, True), "small": (64, 128, 64, 4, 4, True), "cpu": (16, 32, 32, 1, 4, False)}
 # Whether the grouped GEMM takes its weights (and group_gemm_rs its h) by TMA where they allow it (_Operand);
 # scripts/probe_moe_tp.py --tma compares.
