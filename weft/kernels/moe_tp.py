@@ -35,8 +35,8 @@ work items round-robin in this order:
 
     GEMM(me+1)  GEMM(me+2) RS(me+1)  GEMM(me+3) RS(me+2)  ...  GEMM(me) RS(me-1)  FINAL
 
-- GEMM(c): the tiles of chunk c, y[pair rows of c] = h[rows] @ w_down_shard[expert]; each counts itself
-  done in done[c] (a local counter, zeroed per call);
+- GEMM(c): the tiles of chunk c, y[pair rows of c] = h[rows] @ w_down_shard[expert]; a program adds the
+  tiles it computed to done[c] (a local counter, zeroed per call) once it has stored them all;
 - RS(c): per block of BLOCK_T tokens of rank c, once done[c] has every tile of chunk c and rank c's routing
   weights have arrived: the top-k weighted sum of each token's k rows of y (fp32, in j order, rounded once
   to the dtype: this rank's partial), stored straight into rank c's symmetric `recv` slot [me] through
