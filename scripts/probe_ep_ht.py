@@ -81,7 +81,8 @@ def main():
                "combine": lambda: weft.ops.ep_combine(rx, handle),
                "route (count, route, position)": route}
         ms = time_calls(fns, calls=2, samples=args.samples, graph=gpu)
-        log.add(dict(block_words=block, warps=warps, programs=programs, ok=ok, **{k: round(v * 1e3, 1) for k, v in ms.items()}))
+        log.add(dict(block_words=block, warps=warps, programs=programs, ok=ok,
+                     **{k: round(v * 1e3, 1) for k, v in ms.items()}))
     log.save()
     weft.finalize()
 

@@ -59,7 +59,7 @@ import weft.language as wl
 from ..runtime.streams import StreamSet
 from . import gemm
 from .all_gather import all_gather
-from .blocks import copy
+from .blocks import copy, first_item
 from .common import (Launch, check_method, check_out, out_kind, plan, signature, workspace, world_or_raise,
                      zero_everywhere)
 
@@ -109,7 +109,6 @@ def ag_gemm_kernel(a_desc, b_desc, c_desc, ready, heap, m, N, K, RAGGED: tl.cons
     3-D (W, m, ·), which zero-fills loads and clips stores at the chunk's
     edge; otherwise they are 2-D (W * m, ·).
     """
-    pid = tl.program_id(0)
     me = wl.rank(heap)
     world = wl.num_ranks(heap)
     chunks = wl.ShardMapping(world, m, K)
@@ -123,7 +122,7 @@ def ag_gemm_kernel(a_desc, b_desc, c_desc, ready, heap, m, N, K, RAGGED: tl.cons
         row0 = 0
         if step > 0:  # my own chunk is in place before the launch
             row0 = wl.consume_token(0, wl.tile_wait_tiles(chunks, ready, c, 1, 1, tma=True))
-        first = base + (pid - base % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS  # my first tile here
+        first = first_item(base, NUM_PROGRAMS)  # my first tile here
         for tile in tl.range(first, base + per_chunk, NUM_PROGRAMS):
             pid_m, pid_n = gemm.tile_of(tile - base, num_m, num_n, GROUP_M)
             row = row0 + pid_m * BLOCK_M

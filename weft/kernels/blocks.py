@@ -46,6 +46,13 @@ def cast(acc, dtype: tl.constexpr):
 
 
 @triton.jit
+def first_item(base, NUM_PROGRAMS: tl.constexpr):
+    """This program's first work item from `base` on, in a persistent grid that deals items round-robin
+    (item i to program i % NUM_PROGRAMS); its next ones follow NUM_PROGRAMS apart."""
+    return base + (tl.program_id(0) - base % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
+
+
+@triton.jit
 def halves_of(words, ELEM: tl.constexpr):
     """The two 16-bit elements packed in each int32 word (little-endian: element 2j low), as fp32."""
     lo = (words & 0xFFFF).to(tl.int16).to(ELEM, bitcast=True)

@@ -89,7 +89,7 @@ import weft.language as wl
 from ..runtime.streams import StreamSet, device_copy
 from .all_gather import all_gather
 from .all_reduce import reduce_scatter
-from .blocks import cast, check_rows, group_tile
+from .blocks import cast, check_rows, first_item, group_tile
 from .common import Launch, check_method, check_tensor, plan, signature, workspace, world_or_raise, zero_everywhere
 from .gemm import descriptor, num_sms
 from .moe import INDEX_DTYPES, RoutingErrorWord
@@ -187,13 +187,12 @@ def _chunk_tiles(a, meta_c, w, out, done_c, heap, a_row0, out_row0, base, N, K, 
     same K blocks), so the next tile's loads start under this tile's last products and store; Triton fuses
     a loop nest only from its outermost loop, so the callers unroll their chunk loops (static_range), and
     the loop holds no flag update (which would keep it from being pipelined)."""
-    pid = tl.program_id(0)
     first, rows, blocks, first_block, total = _segments(meta_c, E, BLOCK_M, BLOCK_E)
     tiles_n = tl.cdiv(N, BLOCK_N)
     first_tile = first_block * tiles_n
     s = tl.arange(0, BLOCK_E)
     live = s < E
-    mine = base + (pid - base % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
+    mine = first_item(base, NUM_PROGRAMS)
     for tile in tl.range(mine, base + total * tiles_n, NUM_PROGRAMS, flatten=FLATTEN):
         local = tile - base
         e = tl.sum(((first_tile <= local) & live).to(tl.int32), axis=0) - 1  # empty experts share a start
@@ -210,7 +209,7 @@ def _chunk_tiles(a, meta_c, w, out, done_c, heap, a_row0, out_row0, base, N, K, 
     if GATHER:  # rows [starts[E], starts[E + 1]) of the chunk: the pairs without expert, zeros
         lo = tl.load(meta_c + E)
         hi = tl.load(meta_c + E + 1)
-        mine = base + (pid - base % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
+        mine = first_item(base, NUM_PROGRAMS)
         for blk in range(mine, base + tl.cdiv(hi - lo, BLOCK_M), NUM_PROGRAMS):
             r = lo + (blk - base) * BLOCK_M + tl.arange(0, BLOCK_M)
             for n0 in range(0, N, BLOCK_N):
@@ -327,7 +326,7 @@ def group_gemm_rs_kernel(h, meta, w, y, row_of_pair, weights, recv, out, done, r
         if step > 0:  # RS of the chunk before: my partial of rank p's tokens into its recv slot [me]
             p = (me + step) % WORLD
             tiles = _tile_count(meta + p * meta_stride, N, E, BLOCK_M, BLOCK_N, BLOCK_E)
-            mine = base + (pid - base % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
+            mine = first_item(base, NUM_PROGRAMS)
             for item in range(mine, base + blocks_t, NUM_PROGRAMS):
                 blk = item - base
                 computed = wl.wait(done + p, 1, tiles, wl.CMP_GE, wl.SCOPE_GPU, heap=heap, peer=me,
@@ -348,7 +347,7 @@ def group_gemm_rs_kernel(h, meta, w, y, row_of_pair, weights, recv, out, done, r
             base += blocks_t
     # FINAL: my tokens, my partial and the pushed ones summed in rank order.
     tiles = _tile_count(meta + me * meta_stride, N, E, BLOCK_M, BLOCK_N, BLOCK_E)
-    mine = base + (pid - base % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
+    mine = first_item(base, NUM_PROGRAMS)
     for item in range(mine, base + blocks_t, NUM_PROGRAMS):
         blk = item - base
         computed = wl.wait(done + me, 1, tiles, wl.CMP_GE, wl.SCOPE_GPU, heap=heap, peer=me,
@@ -605,8 +604,8 @@ class _AgPlan:
         self.mapping = wl.TileMap((ww * m, hidden), ww, block, device=world.device).arg  # a tile per rank
         overlap = self.method == "overlap"
         self.w_op = _Operand(w, (e * hidden, n), (tiles["BLOCK_K"], tiles["BLOCK_N"]), hidden, tiles["BLOCK_K"])
-        consts = dict(E=e, TOP_K=k, WORLD=ww, GATHER=True, WAIT=overlap, **tiles, NUM_PROGRAMS=programs, **even, A_TMA=False,
-                      W_TMA=self.w_op.tma, FLATTEN=flatten)
+        consts = dict(E=e, TOP_K=k, WORLD=ww, GATHER=True, WAIT=overlap, **tiles, NUM_PROGRAMS=programs, **even,
+                      A_TMA=False, W_TMA=self.w_op.tma, FLATTEN=flatten)
         if out is None:  # the launch is compiled for the alignment of the caller's out, or a fresh one's
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.dev)
         if overlap:
@@ -889,7 +888,8 @@ def _rs_case(t: str, big: bool, experts: int, k: int, world: int, tma: bool):
 
 # (dtype, large tiles, experts, k, world): the kernels unroll their chunk loop, so a case at W ranks compiles W
 # mainloops (~17 s at 8 ranks on a CI core): Qwen3-30B-A3B's experts at 4 ranks, fp16 and the small tiles at 2.
-_COMPILE_SHAPES = [("bf16", True, 128, 8, 4), ("bf16", True, 8, 2, 2), ("bf16", False, 8, 2, 2), ("fp16", True, 8, 2, 2)]
+_COMPILE_SHAPES = [("bf16", True, 128, 8, 4), ("bf16", True, 8, 2, 2), ("bf16", False, 8, 2, 2),
+                   ("fp16", True, 8, 2, 2)]
 
 COMPILE_CASES = [(moe_tp_start_kernel, dict(bar="*i32", heap="*i64"), {}, dict(num_warps=1))] + [
     (moe_tp_check_kernel, dict(topk=t, err="*i64", tokens="i32"),
