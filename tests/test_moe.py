@@ -154,9 +154,8 @@ def _ll_fp8_case(seed, tokens, experts, k, max_tokens, hidden=256):
 
 
 def test_ep_ll_fp8():
-    for w in (1, 3):
-        experts = 12 if w == 3 else 8
-        assert all(run_ranks(_ll_fp8_case, w, 7, [3, 0, 4][:w], experts, 3, 4, timeout=TIMEOUT, env=ENV))
+    for w in (1, 3, 8):
+        assert all(run_ranks(_ll_fp8_case, w, 7, UNEVEN_TOKENS[:w], EXPERTS[w], 3, 8, timeout=TIMEOUT, env=ENV))
 
 
 def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens, hook=False):
@@ -222,10 +221,15 @@ def test_routing_layout():
 
 # -- high-throughput ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("w", [1, 2, 3, 4])
+# The experts of a world size (a multiple of it), and tokens per rank with ranks that have none.
+EXPERTS = {1: 8, 2: 8, 3: 12, 4: 8, 8: 16}
+UNEVEN_TOKENS = [5, 0, 3, 4, 0, 7, 1, 2]
+
+
+@pytest.mark.parametrize("w", [1, 2, 3, 4, 8])
 def test_ep_dispatch_combine(w):
-    experts = 12 if w == 3 else 8
-    cases = [(w * 10 + 1, 6, experts, 2, 32, "random"), (w * 10 + 2, [5, 0, 3, 4][:w], experts, 3, 32, "random"),
+    experts = EXPERTS[w]
+    cases = [(w * 10 + 1, 6, experts, 2, 32, "random"), (w * 10 + 2, UNEVEN_TOKENS[:w], experts, 3, 32, "random"),
              (w * 10 + 3, 4, experts, 1, 32, "one"), (w * 10 + 4, 5, experts, 4, 32, "half"),
              (w * 10 + 5, 5, experts, 3, 32, "masked")]
     assert all(run_ranks(_many, w, "ht", cases, timeout=TIMEOUT, env=ENV))
@@ -238,13 +242,29 @@ def test_ep_dispatch_fixed_size():
 
 # -- low-latency ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("w", [1, 2, 3, 4])
+@pytest.mark.parametrize("w", [1, 2, 3, 4, 8])
 def test_ep_ll(w):
-    experts = 12 if w == 3 else 8
-    cases = [(w * 10 + 1, 6, experts, 2, 32, "random", 8), (w * 10 + 2, [5, 0, 3, 8][:w], experts, 3, 32, "random", 8),
+    experts = EXPERTS[w]
+    cases = [(w * 10 + 1, 6, experts, 2, 32, "random", 8),
+             (w * 10 + 2, [8] + UNEVEN_TOKENS[1:w], experts, 3, 32, "random", 8),  # a rank at max_tokens
              (w * 10 + 3, 4, experts, 1, 32, "one", 8), (w * 10 + 4, 5, experts, 4, 32, "half", 8),
              (w * 10 + 5, 5, experts, 3, 32, "masked", 8)]
     assert all(run_ranks(_many, w, "ll", cases, timeout=TIMEOUT, env=ENV))
+
+
+def _every_k(experts):
+    """k = 1 ... 8 (k = experts: every token to every expert), HT and LL, with and without empty slots."""
+    for k in range(1, 9):
+        mode = ("random", "masked")[k % 2]
+        _ht_case(500 + k, [4, 3], experts, k, 32, mode)
+        _ll_case(600 + k, [3, 4], experts, k, 32, mode, 4)
+    _ht_case(509, [3, 2], 8, 8, 32, "random")
+    _ll_case(609, [2, 3], 8, 8, 32, "random", 4)
+    return True
+
+
+def test_ep_every_k():
+    assert all(run_ranks(_every_k, 2, 16, timeout=TIMEOUT, env=ENV))
 
 
 def _ll_hooks(cases):
@@ -337,7 +357,7 @@ def _grouped_gemm(seed):
     return True
 
 
-@pytest.mark.parametrize("w", [1, 2])
+@pytest.mark.parametrize("w", [1, 2, 4])
 def test_grouped_gemm(w):
     assert all(run_ranks(_grouped_gemm, w, 7, timeout=TIMEOUT))
 

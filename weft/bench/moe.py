@@ -138,6 +138,7 @@ def _timed(case, impls, capturable, nbytes, bandwidth, calls, samples):
 def run(args) -> list[Row]:
     w = weft.world()
     dev = w.device
+    torch.manual_seed(1 + w.rank)  # the same inputs run after run (routing, the grouped GEMM's counts)
     hidden, experts, k = args.hidden, args.experts, args.topk
     bandwidth = _link_bandwidth(args.samples) if w.world_size > 1 else 0.0
     rows = []
