@@ -2,12 +2,16 @@
 
     python3 scripts/probe_grouped_gemm.py            # 1 GPU, under 5 minutes; JSON to $OUT/probe_grouped_gemm.json
     python3 scripts/probe_grouped_gemm.py --scale 32 # cpu smoke run (interpreter): shapes cut 32-fold
+    python3 scripts/probe_grouped_gemm.py --fp8      # the fp8 kernel (block scales) and its configs
 
 For each shape (experts x rows per expert, K -> N, bf16) every config is first checked against torch.bmm on
 the rows under the counts (the rows past them hold NaN, which must not leak), then the configs that pass are
 timed together with the torch baselines by weft.bench.timing (CUDA-graph replay, samples round-robin).
 A config that does not compile or fit shared memory is reported as such. "default" is what the plan picks
-with no config (weft/kernels/moe.py: grouped_config); TFLOP/s count the rows under the counts only.
+with no config (weft/kernels/grouped_gemm.py: grouped_config); TFLOP/s count the rows under the counts only.
+--fp8: the same values quantized as DeepSeek-V3 does (rows per 128 channels, weights per 128 x 128 block:
+fp8_rows / fp8_blocks), checked against the product of the dequantized values, and timed with the fp8 configs
+against torch._grouped_mm on the bf16 values and torch._scaled_grouped_mm (rowwise fp8) where it runs.
 """
 from __future__ import annotations
 
@@ -22,10 +26,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import weft  # noqa: E402
-from weft.bench.moe import TorchGrouped  # noqa: E402
+from weft.bench.moe import TorchGrouped, torch_scaled_grouped  # noqa: E402
 from weft.bench.timing import time_calls  # noqa: E402
 from weft.kernels.gemm import GemmConfig  # noqa: E402
-from weft.kernels.moe import CPU_CONFIG, grouped_config  # noqa: E402
+from weft.kernels.grouped_gemm import CPU_CONFIG, grouped_config  # noqa: E402
 
 # (name, experts, rows per expert, K, N, counts): "full" gives every expert its rows, "uneven" random counts
 # in [0, rows] with two empty experts, "few" 16 to 48 of them (EPMoE's decode buffers: W * 128 rows, ~32 used).
@@ -51,6 +55,15 @@ GPU_SWEEP = [
     GemmConfig(128, 256, 64, 8, 3, 8, False), GemmConfig(128, 256, 64, 8, 3, 8, True),
 ]
 CPU_SWEEP = [CPU_CONFIG, GemmConfig(32, 32, 32, 1, 1, 4, False)]
+# fp8: K slices of 128 (a scale block) or 64, 128 columns (a weight scale block; 256 would hold two fp32
+# accumulators of 128x256 in registers), 3/4 stages.
+FP8_SWEEP = [
+    GemmConfig(128, 128, 128, 8, 3, 8, False), GemmConfig(128, 128, 128, 8, 4, 8, False),
+    GemmConfig(128, 128, 128, 8, 4, 8, True), GemmConfig(64, 128, 128, 8, 4, 4, False),
+    GemmConfig(64, 128, 128, 8, 3, 4, False), GemmConfig(128, 128, 64, 8, 4, 8, False),
+    GemmConfig(128, 64, 128, 8, 4, 4, False),
+]
+CPU_FP8_SWEEP = [CPU_CONFIG, GemmConfig(16, 32, 128, 1, 1, 4, False)]
 SMEM_BYTES = 232448  # an H100 / H200 block's shared memory
 
 
@@ -59,9 +72,10 @@ def label(cfg: GemmConfig) -> str:
             + (" flat" if cfg.flatten else "") + (" ws" if cfg.warp_specialize else ""))
 
 
-def smem(cfg: GemmConfig) -> int:
-    """Shared memory of the TMA kernel (bf16): the stages of x and w tiles, and the output tile."""
-    return 2 * (cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k + cfg.block_m * cfg.block_n)
+def smem(cfg: GemmConfig, size: int = 2) -> int:
+    """Shared memory of the TMA kernel: the stages of x and w tiles (`size` bytes an element), the bf16 output
+    tile."""
+    return size * cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k + 2 * cfg.block_m * cfg.block_n
 
 
 def make_case(experts, rows, k, n, kind, dev, gen):
@@ -90,7 +104,16 @@ def probe(name, experts, rows, k, n, kind, sweep, args, dev, gen, deadline) -> l
     x, w, counts, ref, live = make_case(experts, rows, k, n, kind, dev, gen)
     sizes = counts.tolist()
     flops = 2.0 * sum(sizes) * k * n
-    default = grouped_config(rows, x.dtype, dev, True)
+    scales = {}
+    if args.fp8:  # the operands quantized; the reference from their dequantized values
+        xq, xs = weft.ops.fp8_rows(x)
+        wq, ws = weft.ops.fp8_blocks(w)
+        scales = dict(x_scales=xs, w_scales=ws)
+        wd = (wq.float() * ws.repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :, :n]).to(torch.bfloat16)
+        ref = torch.bmm(torch.where(live[..., None], xq.float() * xs.repeat_interleave(128, -1), 0)
+                        .to(torch.bfloat16), wd)
+    a, b = (xq, wq) if args.fp8 else (x, w)
+    default = grouped_config(rows, a.dtype, dev, True)
     results, impls = [], {}
     configs = [("default", None)] + [(label(c), c) for c in sweep if c != default]
     for cname, cfg in configs:
@@ -98,11 +121,12 @@ def probe(name, experts, rows, k, n, kind, sweep, args, dev, gen, deadline) -> l
         if dev.type == "cuda" and time.monotonic() > deadline and cfg is not None:
             results.append(dict(row, status="skipped (time)"))
             continue
-        if dev.type == "cuda" and cfg is not None and smem(cfg) > SMEM_BYTES:
-            results.append(dict(row, status=f"skipped ({smem(cfg) >> 10} KiB of shared memory)"))
+        need = smem(cfg, a.element_size()) if cfg is not None else 0
+        if dev.type == "cuda" and need > SMEM_BYTES:
+            results.append(dict(row, status=f"skipped ({need >> 10} KiB of shared memory)"))
             continue
         try:
-            out = weft.ops.grouped_gemm(x, w, counts, config=cfg)
+            out = weft.ops.grouped_gemm(a, b, counts, config=cfg, **scales)
             err = max_error(out, ref, live)
         except Exception as e:  # noqa: BLE001 - a config that does not compile or launch: reported, not fatal
             results.append(dict(row, status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:80]}"))
@@ -110,13 +134,17 @@ def probe(name, experts, rows, k, n, kind, sweep, args, dev, gen, deadline) -> l
         ok = err <= 5e-2  # outputs ~N(0, 1): bf16 rounding of the product stays well under this
         results.append(dict(row, status="ok" if ok else f"WRONG (max error {err:.3g})", max_error=err))
         if ok:
-            impls[row["config"]] = lambda cfg=cfg: weft.ops.grouped_gemm(x, w, counts, config=cfg)
+            impls[row["config"]] = lambda cfg=cfg: weft.ops.grouped_gemm(a, b, counts, config=cfg, **scales)
     grouped = TorchGrouped(dev)
+    packed = torch.cat([x[e, :m] for e, m in enumerate(sizes)])
+    ends = counts.cumsum(0, dtype=torch.int32)
     if grouped.grouped:
-        packed = torch.cat([x[e, :m] for e, m in enumerate(sizes)])
-        ends = counts.cumsum(0, dtype=torch.int32)
         impls["torch._grouped_mm"] = lambda: grouped(packed, w, ends)
     out = torch.empty_like(ref)
+    if args.fp8:
+        scaled = torch_scaled_grouped(packed, w, ends, torch.bmm(torch.where(live[..., None], x, 0), w), sizes)
+        if scaled is not None:
+            impls["torch._scaled_grouped_mm (rowwise fp8)"] = scaled
 
     def loop():
         for e, m in enumerate(sizes):
@@ -155,6 +183,7 @@ def main() -> int:
     p.add_argument("--scale", type=int, default=1, help="divide rows, K and N by this (cpu smoke runs)")
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--fp8", action="store_true", help="the fp8 kernel (block scales) and its configs")
     p.add_argument("--budget-s", type=float, default=200.0,
                    help="after this many seconds only the default config and the torch baselines are timed")
     args = p.parse_args()
@@ -162,14 +191,15 @@ def main() -> int:
     dev = world.device
     if dev.type == "cuda":
         print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}", flush=True)
-    sweep = GPU_SWEEP if dev.type == "cuda" else CPU_SWEEP
+    sweep = {(True, False): GPU_SWEEP, (False, False): CPU_SWEEP, (True, True): FP8_SWEEP,
+             (False, True): CPU_FP8_SWEEP}[dev.type == "cuda", args.fp8]
     gen = torch.Generator(device=dev).manual_seed(0)
     deadline = time.monotonic() + args.budget_s
     results = []
     for name, experts, rows, k, n, kind in SHAPES:
         if args.scale > 1:
-            cut = lambda v: max(16, v // args.scale // 16 * 16)  # noqa: E731
-            experts, rows, k, n = max(2, experts // args.scale), cut(rows), cut(k), cut(n)
+            cut = lambda v, step=16: max(step, v // args.scale // step * step)  # noqa: E731
+            experts, rows, k, n = max(2, experts // args.scale), cut(rows), cut(k, 128 if args.fp8 else 16), cut(n)
             name = f"{name} /{args.scale}"
         t0 = time.monotonic()
         found = probe(name, experts, rows, k, n, kind, sweep, args, dev, gen, deadline)
@@ -185,7 +215,7 @@ def main() -> int:
         vs = f", {base / r['ms']:.2f}x torch._grouped_mm" if base else ""
         print(f"{shape}: {r['config']} {r['ms'] * 1e3:.1f} us{vs}")
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "probe_grouped_gemm.json"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], f"probe_grouped_gemm{'_fp8' if args.fp8 else ''}.json"), "w") as f:
             json.dump(results, f, indent=1)
     weft.finalize()
     return 1 if any(r["status"].startswith("WRONG") for r in results) else 0

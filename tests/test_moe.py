@@ -1,4 +1,4 @@
-"""MoE on cpu ranks: routing layout, high-throughput and low-latency dispatch / combine, grouped GEMM.
+"""MoE on cpu ranks: routing layout, high-throughput and low-latency dispatch / combine.
 
 Every rank builds every rank's routing from a shared seed and checks its own results against a torch
 reference of the routing: dispatch bit for bit, combine against the weighted sum. Calls follow each other
@@ -318,70 +318,6 @@ def test_ep_ll_multi_chunk():
     assert all(run_ranks(_many, 2, "ll_fp8", cases, (4, 32, 4), timeout=TIMEOUT, env=ENV))
 
 
-# -- grouped GEMM ---------------------------------------------------------------------------
-
-def _check_grouped(x, wt, counts, out, dtype):
-    import torch
-
-    for e in range(x.shape[0]):
-        n = int(counts[e])
-        ref = (x[e, :n].float() @ wt[e].float()).to(dtype)
-        torch.testing.assert_close(out[e, :n], ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-4, atol=1e-2)
-
-
-def _grouped_gemm(seed):
-    """Both kernels on fresh inputs, two calls per plan: the TMA kernel (experts of 37 rows: row blocks of 16
-    reach into the next expert; empty, partial and full experts; NaN in the rows past each count, which must
-    not leak), and the pointer kernel where TMA cannot take the shape (K not whole BLOCK_Ks, N rows not whole
-    16 bytes, x not 16-byte aligned)."""
-    import torch
-
-    import weft
-    from weft.kernels.moe import CPU_CONFIG, tma_refusal
-
-    g = torch.Generator().manual_seed(seed + weft.rank())
-    cases = [(torch.bfloat16, 5, 37, 64, 40, True, 0), (torch.float32, 3, 20, 32, 36, True, 0),
-             (torch.bfloat16, 4, 37, 48, 40, False, 0), (torch.bfloat16, 3, 9, 32, 37, False, 0),
-             (torch.float32, 2, 8, 32, 16, False, 1)]
-    for dtype, experts, cap, k, n, tma, shift in cases:
-        for call in range(2):
-            buf = torch.randn(experts * cap * k + shift, generator=g).to(dtype)
-            x = buf[shift:].view(experts, cap, k)
-            wt = torch.randn(experts, k, n, generator=g).to(dtype)
-            counts = torch.randint(0, cap + 1, (experts,), generator=g, dtype=torch.int32)
-            counts[0], counts[-1] = (0, cap) if call == 0 else (cap, 1)
-            for e in range(experts):
-                x[e, int(counts[e]):] = float("nan")
-            assert (tma_refusal(x, wt, CPU_CONFIG.block_k) is None) == tma
-            _check_grouped(x, wt, counts, weft.ops.grouped_gemm(x, wt, counts), dtype)
-    return True
-
-
-@pytest.mark.parametrize("w", [1, 2, 4])
-def test_grouped_gemm(w):
-    assert all(run_ranks(_grouped_gemm, w, 7, timeout=TIMEOUT))
-
-
-def _grouped_gemm_configs():
-    """The TMA kernel under other tilings: one row block per group, and a block of rows larger than an expert."""
-    import torch
-
-    import weft
-    from weft.kernels.gemm import GemmConfig
-
-    g = torch.Generator().manual_seed(11)
-    x = torch.randn(3, 24, 64, generator=g).to(torch.bfloat16)
-    wt = torch.randn(3, 64, 48, generator=g).to(torch.bfloat16)
-    counts = torch.tensor([24, 0, 7], dtype=torch.int32)
-    for cfg in (GemmConfig(16, 16, 16, 1, 1, 4, False), GemmConfig(32, 32, 32, 4, 1, 4, False)):
-        _check_grouped(x, wt, counts, weft.ops.grouped_gemm(x, wt, counts, config=cfg), torch.bfloat16)
-    return True
-
-
-def test_grouped_gemm_configs():
-    assert run_ranks(_grouped_gemm_configs, 1, timeout=TIMEOUT)[0]
-
-
 # -- many calls, bad input -------------------------------------------------------------------
 
 def _mixed(calls):
@@ -405,8 +341,6 @@ def test_many_calls_mixed():
 
 
 def _rejects():
-    import torch
-
     import weft
     from weft.testing.checks import rejects
 
@@ -425,11 +359,6 @@ def _rejects():
     rejects(lambda: weft.ops.ep_dispatch(x, idx, wts.double(), 8), TypeError, "topk_weights", guarded)
     rejects(lambda: weft.ops.ep_dispatch(x, idx, wts, 8, max_recv_tokens=1 << 30), ValueError, "workspace",
             guarded)
-    wt = x.t().contiguous()[None]
-    rejects(lambda: weft.ops.grouped_gemm(x[None], wt, torch.zeros(2, dtype=torch.int32)), ValueError, "counts",
-            guarded)
-    rejects(lambda: weft.ops.grouped_gemm(x[None], wt, torch.ones(1, dtype=torch.int32), config=(64, 128)),
-            TypeError, "config", guarded)
     # Nothing was sent: the next calls see the epochs they expect.
     _ht_case(5, 4, 8, 2, 32, "random")
     _ll_case(5, 4, 8, 2, 32, "random", 4)

@@ -12,7 +12,7 @@ TIMEOUT = 240
 HIDDEN, INTER = 32, 16
 
 
-def _block(kind: str, experts: int, k: int, seed: int):
+def _block(kind: str, experts: int, k: int, seed: int, hidden: int = HIDDEN, inter: int = INTER):
     """A transformers sparse MoE block with seeded weights, bf16."""
     import torch
 
@@ -20,13 +20,13 @@ def _block(kind: str, experts: int, k: int, seed: int):
         from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-        block = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER,
+        block = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter,
                                                       num_experts=experts, num_experts_per_tok=k, norm_topk_prob=True))
     else:
         from transformers.models.mixtral.configuration_mixtral import MixtralConfig
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-        block = MixtralSparseMoeBlock(MixtralConfig(hidden_size=HIDDEN, intermediate_size=INTER,
+        block = MixtralSparseMoeBlock(MixtralConfig(hidden_size=hidden, intermediate_size=inter,
                                                     num_local_experts=experts, num_experts_per_tok=k))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -79,6 +79,93 @@ def test_ep_moe_matches_dense_block(w):
     # 3 tokens: decode (LL) on its own (mode None) and forced through the prefill (HT) path; 6 tokens: HT.
     cases = [("ep", "qwen3", 8, 2, 3, 3, (None, "ht")), ("ep", "mixtral", 8, 2, 6, 4, (None,))]
     assert all(run_ranks(_layer_cases, w, cases[:1] if w == 4 else cases, timeout=TIMEOUT, env=ENV))
+
+
+def _fp8_reference(block, x, idx, weights):
+    """EPMoE(fp8=True)'s math in torch on the dequantized values: the weights quantized per 128 x 128 block, the
+    rows and the activations before the down GEMM per row and 128 channels, each GEMM rounded to bf16."""
+    import torch
+    import torch.nn.functional as F
+
+    import weft
+    from weft.layers.moe import dense_weights
+
+    _, gate, up, down, _, _ = dense_weights(block)
+    inter = gate.shape[1]
+
+    def blocks(w):  # quantized per 128 x 128 block, back in fp64
+        q, scales = weft.ops.fp8_blocks(w)
+        return q.double() * scales.double().repeat_interleave(128, 1).repeat_interleave(128, 2)
+
+    def rows(h):  # quantized per row and 128 channels, back in fp64
+        q, scales = weft.ops.fp8_rows(h)
+        return q.double() * scales.double().repeat_interleave(128, -1)
+
+    w_gu = blocks(torch.cat([gate, up], dim=1).transpose(1, 2))
+    w_dn = blocks(down.transpose(1, 2))
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        xd = rows(x[t:t + 1])
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            gu = (xd @ w_gu[e]).to(torch.bfloat16)
+            y = (rows(F.silu(gu[:, :inter]) * gu[:, inter:]) @ w_dn[e]).to(torch.bfloat16)
+            out[t] += weights[t, j] * y[0].float()
+    return out.to(torch.bfloat16)
+
+
+def _fp8_case(kind, experts, k, tokens, seed, modes):
+    """EPMoE(fp8=True) against _fp8_reference (decode: the fp8 dispatch's rows and scales straight into the
+    gate/up GEMM; prefill: the rows quantized in the layer) and, loosely, against the dense bf16 block."""
+    import torch
+
+    import weft
+    from weft.layers import EPMoE
+
+    me, w = weft.rank(), weft.world_size()
+    block = _block(kind, experts, k, seed, 128, 128)
+    layer = EPMoE.from_dense(block, rank=me, world_size=w, decode_tokens=4, fp8=True)
+    assert layer.w_gate_up.dtype == torch.float8_e4m3fn and layer.w_gate_up.shape == (experts // w, 128, 256)
+    g = torch.Generator().manual_seed(seed + 1)
+    xs = [torch.randn(tokens, 128, generator=g).to(torch.bfloat16) for _ in range(w)]
+    idx, weights = layer.route(xs[me])
+    want = _fp8_reference(block, xs[me], idx, weights).float()
+    with torch.no_grad():
+        dense = block(xs[me][None])
+    dense = (dense[0] if isinstance(dense, tuple) else dense)[0].float()
+    for mode in modes:
+        out = layer(xs[me], mode=mode)
+        assert out.shape == xs[me].shape and out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2, msg=f"fp8 {kind} {mode}")
+        err = (out.float() - dense).norm() / dense.norm()
+        assert err < 0.1, f"fp8 {kind} {mode}: relative error {float(err)} against the bf16 block"
+    return True
+
+
+def _fp8_cases(cases):
+    for case in cases:
+        _fp8_case(*case)
+    return True
+
+
+@pytest.mark.parametrize("w", [1, 2, 4])
+def test_ep_moe_fp8(w):
+    cases = [("qwen3", 8, 2, 3, 5, (None, "ht")), ("mixtral", 8, 2, 6, 6, (None,))]
+    assert all(run_ranks(_fp8_cases, w, cases[:1] if w == 4 else cases, timeout=TIMEOUT, env=ENV))
+
+
+def _fp8_rejected():
+    import pytest
+
+    from weft.layers import EPMoE
+
+    with pytest.raises(ValueError, match="multiples of 128"):
+        EPMoE.from_dense(_block("qwen3", 4, 2, 1), rank=0, world_size=1, fp8=True)
+    return True
+
+
+def test_ep_moe_fp8_needs_blocks_of_128():
+    assert run_ranks(_fp8_rejected, 1, timeout=TIMEOUT)[0]
 
 
 def _compiled_and_opchecks():

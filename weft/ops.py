@@ -17,7 +17,8 @@ from .kernels import gemm_ar as _gemm_ar
 from .kernels import gemm_rs as _gemm_rs
 from .kernels.barrier import device_barrier
 from .kernels.common import world_or_raise
-from .kernels.moe import (check_routing_values, ep_combine, ep_combine_ll, ep_dispatch, ep_dispatch_ll, grouped_gemm,
+from .kernels.grouped_gemm import fp8_blocks, fp8_rows, grouped_gemm
+from .kernels.moe import (check_routing_values, ep_combine, ep_combine_ll, ep_dispatch, ep_dispatch_ll,
                           routing_layout)
 from .kernels import moe_tp as _moe_tp
 from .kernels.moe_tp import GroupLayout
@@ -26,7 +27,7 @@ from .kernels.ulysses import all_to_all_o_proj, qkv_all_to_all, ulysses_all_to_a
 __all__ = ["ag_gemm", "all_gather", "all_reduce", "reduce_scatter", "broadcast", "device_barrier", "gemm_rs", "gemm_ar",
            "flash_decode", "sp_flash_decode", "ulysses_all_to_all", "qkv_all_to_all", "all_to_all_o_proj",
            "routing_layout", "check_routing_values", "ep_dispatch", "ep_combine", "ep_dispatch_ll", "ep_combine_ll",
-           "grouped_gemm", "ag_group_gemm", "group_gemm_rs", "GroupLayout"]
+           "grouped_gemm", "fp8_rows", "fp8_blocks", "ag_group_gemm", "group_gemm_rs", "GroupLayout"]
 
 _traced = _t.traced
 

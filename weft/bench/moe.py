@@ -13,7 +13,10 @@ tensor-parallel MoE ops and the MoE layers against the same work on torch collec
   once to every other rank of its experts and one row back from each) over the per-rank bandwidth that
   weft's all_gather reaches in the same run.
 - grouped GEMM (experts 32, capacity 256, 7168 -> 2048, random counts): weft grouped_gemm against a loop of
-  torch.matmul over the experts' rows and, where it runs, torch._grouped_mm over the same rows packed.
+  torch.matmul over the experts' rows and, where it runs, torch._grouped_mm over the same rows packed; and
+  weft's fp8 grouped_gemm (the rows per 128 channels, the weights per 128 x 128 block: DeepSeek-V3's scales)
+  against torch._scaled_grouped_mm where it runs (fp8 with one scale per row of x and per column of w: coarser
+  scales, the same bytes and MMA), both on the bf16 case's values quantized.
 - TP-MoE ops (Qwen3-30B-A3B: hidden 2048, 128 experts, top-8, moe inter 768; Mixtral-8x7B: hidden 4096, 8
   experts, top-2, inter 14336; 8192 tokens in all, sequence parallel): ag_group_gemm (gate and up side by
   side, 2 inter / W columns per rank) and group_gemm_rs (inter / W -> hidden), "weft overlap" (method
@@ -22,8 +25,9 @@ tensor-parallel MoE ops and the MoE layers against the same work on torch collec
   the routing, a sort by expert, torch's grouped GEMM (torch._grouped_mm where it runs, else a loop of
   torch.matmul); torch's grouped GEMM, the weighted sum (index_add), NCCL reduce_scatter.
 - layers (Qwen3-30B-A3B's MoE block; random weights): EPMoE at 128 tokens per rank (decode: LL) and 4096
-  (prefill: HT), TPMoE at 8192 tokens in all (Qwen3 and Mixtral), against the same layer on torch
-  collectives (EP: all_to_all_single both ways around torch's grouped GEMMs; TP: the torch paths above).
+  (prefill: HT), also with fp8 experts (EPMoE(fp8=True): fp8 dispatch in decode), TPMoE at 8192 tokens in all
+  (Qwen3 and Mixtral), against the same (bf16) layer on torch collectives (EP: all_to_all_single both ways
+  around torch's grouped GEMMs; TP: the torch paths above).
 Two views: every impl eagerly (host cost included), and the capturable ones (weft LL, weft HT with
 max_recv_tokens, the TP-MoE ops both ways, TPMoE, EPMoE in decode; the TP torch paths where torch's grouped
 GEMM runs) replayed from CUDA graphs (the EP baselines' splits go through the host: they cannot be
@@ -225,10 +229,22 @@ def _grouped_gemm(experts, cap, k, n, samples) -> list[Row]:
             raise RuntimeError(f"grouped_gemm mismatch against torch.matmul (expert {e})")
     impls = {"weft grouped_gemm": lambda: weft.ops.grouped_gemm(x, wt, counts), "torch.matmul loop": loop}
     grouped = TorchGrouped(w.device)
-    if grouped.grouped:  # torch's grouped GEMM on the same rows, packed (the packing untimed)
-        packed = torch.cat([x[e, :m] for e, m in enumerate(sizes)])
-        ends = counts.cumsum(0, dtype=torch.int32)
+    packed = torch.cat([x[e, :m] for e, m in enumerate(sizes)])  # the rows packed by expert (untimed)
+    ends = counts.cumsum(0, dtype=torch.int32)
+    if grouped.grouped:
         impls["torch._grouped_mm"] = lambda: grouped(packed, wt, ends)
+    if k % 128 == 0:  # fp8 e4m3 with block scales, checked against the bf16 product
+        xq, xs = weft.ops.fp8_rows(x)
+        wq, ws = weft.ops.fp8_blocks(wt)
+        got = weft.ops.grouped_gemm(xq, wq, counts, x_scales=xs, w_scales=ws)
+        for e, m in enumerate(sizes):
+            err = (got[e, :m].float() - out[e, :m].float()).norm() / out[e, :m].float().norm().clamp(min=1e-6)
+            if err > 0.1:
+                raise RuntimeError(f"fp8 grouped_gemm off the bf16 product by {float(err):.3f} (expert {e})")
+        impls["weft grouped_gemm (fp8)"] = lambda: weft.ops.grouped_gemm(xq, wq, counts, x_scales=xs, w_scales=ws)
+        scaled = torch_scaled_grouped(packed, wt, ends, out, sizes)
+        if scaled is not None:
+            impls["torch._scaled_grouped_mm (fp8 rowwise)"] = scaled
     case = f"grouped GEMM {experts}x{cap}x{k}x{n}"
     return [Row(SUITE, case, name, ms, 0.0, 0, w.world_size, view)
             for view, graph in (("eager", False), ("graph", True))
@@ -239,6 +255,30 @@ def _grouped_gemm(experts, cap, k, n, samples) -> list[Row]:
 
 MODELS = {"qwen3": dict(name="Qwen3-30B-A3B", hidden=2048, experts=128, k=8, inter=768),
           "mixtral": dict(name="Mixtral-8x7B", hidden=4096, experts=8, k=2, inter=14336)}
+
+
+def torch_scaled_grouped(packed, wt, ends, want, sizes):
+    """torch's fp8 grouped GEMM on rows packed by expert, as a call, where it runs and agrees with the bf16
+    product `want` (E, C, N): x per row and w per column quantized to e4m3 (what torch._scaled_grouped_mm scales
+    by), w column-major; else None."""
+    if not hasattr(torch, "_scaled_grouped_mm") or packed.device.type != "cuda":
+        return None
+    fp8 = torch.float8_e4m3fn
+    xs = packed.float().abs().amax(1).clamp(min=1e-4) / 448
+    ws = wt.float().abs().amax(1).clamp(min=1e-4) / 448  # (E, N): per column
+    xq = (packed.float() / xs[:, None]).to(fp8)
+    wq = (wt.float() / ws[:, None, :]).to(fp8).transpose(1, 2).contiguous().transpose(1, 2)
+    try:
+        got = torch._scaled_grouped_mm(xq, wq, xs, ws, offs=ends, out_dtype=torch.bfloat16)
+    except Exception:  # noqa: BLE001 - not on this GPU / torch
+        return None
+    lo = 0
+    for e, m in enumerate(sizes):
+        err = (got[lo:lo + m].float() - want[e, :m].float()).norm() / want[e, :m].float().norm().clamp(min=1e-6)
+        if err > 0.1:
+            return None
+        lo += m
+    return lambda: torch._scaled_grouped_mm(xq, wq, xs, ws, offs=ends, out_dtype=torch.bfloat16)
 
 
 class TorchGrouped:
@@ -419,6 +459,11 @@ def _layer_rows(case, impls, capturable, samples) -> list[Row]:
     got = impls["weft layer"]()
     if not torch.allclose(got.float(), want.float(), rtol=5e-2, atol=5e-2):
         raise RuntimeError(f"{case}: weft layer mismatch against {BASELINE}")
+    if "weft layer (fp8)" in impls:  # quantized: near the bf16 result, not equal to it
+        got = impls["weft layer (fp8)"]()
+        err = (got.float() - want.float()).norm() / want.float().norm()
+        if err > 0.1:
+            raise RuntimeError(f"{case}: the fp8 weft layer is off {BASELINE} by {float(err):.3f}")
     return [Row(SUITE, case, name, ms, 0.0, 0, w.world_size, view)
             for view, graph in (("eager", False), ("graph", True))
             for name, ms in time_calls({n: f for n, f in impls.items() if not graph or n in capturable},
@@ -428,12 +473,15 @@ def _layer_rows(case, impls, capturable, samples) -> list[Row]:
 def _ep_layer(model, tokens, samples) -> list[Row]:
     w = weft.world()
     grouped = TorchGrouped(w.device)
-    layer = EPMoE(*_dense(model, w.device), model["k"], True, decode_tokens=128)
+    dense = _dense(model, w.device)
+    layer = EPMoE(*dense, model["k"], True, decode_tokens=128)
+    layer_fp8 = EPMoE(*dense, model["k"], True, decode_tokens=128, fp8=True)
     x = torch.randn(tokens, model["hidden"], device=w.device).to(torch.bfloat16)
     mode = "LL" if tokens <= layer.decode_tokens else "HT"
-    impls = {"weft layer": lambda: layer(x), BASELINE: lambda: _torch_ep_layer(layer, x, grouped)}
+    impls = {"weft layer": lambda: layer(x), "weft layer (fp8)": lambda: layer_fp8(x),
+             BASELINE: lambda: _torch_ep_layer(layer, x, grouped)}
     return _layer_rows(f"EPMoE {model['name']} {tokens} tok/rank ({mode})", impls,
-                       {"weft layer"} if mode == "LL" else set(), samples)
+                       {"weft layer", "weft layer (fp8)"} if mode == "LL" else set(), samples)
 
 
 def _tp_layer(model, total, samples) -> list[Row]:

@@ -1,4 +1,4 @@
-"""Mixture-of-experts through the symmetric heap: routing layout, expert-parallel dispatch and combine, grouped GEMM.
+"""Mixture-of-experts through the symmetric heap: routing layout, expert-parallel dispatch and combine.
 
 Experts are split contiguously over ranks: rank r owns experts [r * L, (r + 1) * L), L = E / W.
 `topk_idx` (tokens x k) names each token's experts (-1: none); a row must not name an expert twice. The
@@ -54,13 +54,7 @@ per call): a sender writes half e % 2 of rank q in call e only after its own cal
 waited for a word every program of q wrote in q's call e - 1, after q's call e - 2 (the last reader of the
 half) had ended. LL regions are only ever written with LL words, so a stale word carries an older epoch.
 
-grouped_gemm: out[e, :counts[e]] = x[e, :counts[e]] @ w[e], a persistent kernel over the tiles under each
-expert's count (read on the device), in grouped order within an expert so that the weights are read once.
-grouped_gemm_tma_kernel runs the dense GEMM's mainloop (gemm.py: TMA loads from one host descriptor per
-operand, x as (E C, K) and w as (E K, N), pipelined; the output's 3-D descriptor clips each expert's tile at
-its capacity); where TMA cannot take the operands (rows not whole 16 bytes, K not whole BLOCK_Ks, unaligned),
-the plan takes grouped_gemm_kernel, pointer loads through blocks.group_tile (the tile moe_tp's grouped GEMMs
-use, whose rows are gathered by token). scripts/probe_grouped_gemm.py sweeps the TMA kernel's configs.
+The grouped GEMM that runs the experts between dispatch and combine is weft/kernels/grouped_gemm.py.
 """
 from __future__ import annotations
 
@@ -70,9 +64,9 @@ import triton.language as tl
 
 import weft.language as wl
 
-from .blocks import cast, check_rows, copy, group_tile, halves_of, valid_experts, word_of
+from .blocks import check_rows, copy, halves_of, valid_experts, word_of
 from .common import Launch, check_tensor, plan, signature, workspace, world_or_raise, zero_everywhere
-from .gemm import GemmConfig, descriptor, dot, num_sms, tile_of
+from .gemm import num_sms
 
 DTYPES = (torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int64, torch.int32)
@@ -1209,187 +1203,6 @@ def ep_combine_ll(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
     return p.combine(y, topk_idx, topk_weights, handle, return_recv_hook)
 
 
-# -- grouped GEMM -------------------------------------------------------------------
-
-@triton.jit
-def _expert_tiles(counts, experts, capacity, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_E: tl.constexpr):
-    """The tiles under each expert's count, numbered expert after expert: per expert (a BLOCK_E vector) its
-    rows, row blocks and first tile; and the tiles in all."""
-    s = tl.arange(0, BLOCK_E)
-    rows = tl.minimum(tl.maximum(tl.load(counts + s, mask=s < experts, other=0), 0), capacity)
-    blocks = (rows + BLOCK_M - 1) // BLOCK_M
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    first_tile = (tl.cumsum(blocks, axis=0) - blocks) * tiles_n
-    return rows, blocks, first_tile, tl.sum(blocks, axis=0) * tiles_n
-
-
-@triton.jit
-def _tile_of_expert(tile, experts, rows, blocks, first_tile, N, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                    GROUP_M: tl.constexpr):
-    """(expert, its rows, row block, column block) of the tile-th tile: within an expert, GROUP_M row blocks
-    are walked column by column (gemm.tile_of), so the programs at work at once share w[e]'s column blocks
-    (read from memory once, then from L2) and an expert's rows stay in L2 across its column blocks."""
-    s = tl.arange(0, BLOCK_E)
-    e = tl.sum(((first_tile <= tile) & (s < experts)).to(tl.int32), axis=0) - 1  # empty experts share a start
-    this = s == e
-    pm, pn = tile_of(tile - tl.sum(tl.where(this, first_tile, 0), axis=0), tl.sum(tl.where(this, blocks, 0), axis=0),
-                     tl.cdiv(N, BLOCK_N), GROUP_M)
-    return e, tl.sum(tl.where(this, rows, 0), axis=0), pm, pn
-
-
-@triton.jit
-def grouped_gemm_tma_kernel(x_desc, w_desc, out_desc, counts, experts, capacity, N, K, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                            BLOCK_E: tl.constexpr, NUM_STAGES: tl.constexpr, PROGRAMS: tl.constexpr,
-                            FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    """out[e, m] = x[e, m] @ w[e] for m < counts[e], the dense GEMM's mainloop (gemm.py) on grouped tiles.
-
-    Only the tiles under each expert's count are dealt out, round-robin to a persistent grid. Operands
-    arrive by TMA: x as (E C, K) at row e C + m, w as (E K, N) at row e K + k (K is whole BLOCK_Ks, so a
-    K block never reaches into w[e + 1]); out is (E, C, N), whose descriptor clips a tile's stores at the
-    expert's capacity. A tile's rows past counts[e] read whatever follows (the next expert's rows, or
-    zeros past the end): a row of the product depends only on the same row of x, so they change only rows
-    past the count, which are left undefined. FLATTEN / WARP_SPECIALIZE as in gemm.matmul_kernel.
-    """
-    rows, blocks, first_tile, tiles = _expert_tiles(counts, experts, capacity, N, BLOCK_M, BLOCK_N, BLOCK_E)
-    k_tiles = K // BLOCK_K
-    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
-        e, _, pm, pn = _tile_of_expert(tile, experts, rows, blocks, first_tile, N, BLOCK_N, BLOCK_E, GROUP_M)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k in tl.range(k_tiles, num_stages=NUM_STAGES):
-            a = x_desc.load([e * capacity + pm * BLOCK_M, k * BLOCK_K])
-            b = w_desc.load([e * K + k * BLOCK_K, pn * BLOCK_N])
-            acc = dot(a, b, acc)
-        out_desc.store([e, pm * BLOCK_M, pn * BLOCK_N], cast(acc, out_desc.dtype).reshape(1, BLOCK_M, BLOCK_N))
-
-
-@triton.jit
-def grouped_gemm_kernel(x, w, out, counts, experts, capacity, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                        NUM_STAGES: tl.constexpr, PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr,
-                        EVEN_N: tl.constexpr):
-    """grouped_gemm_tma_kernel's product with pointer loads (blocks.group_tile), for the shapes TMA cannot
-    take: rows not whole 16 bytes, K not whole BLOCK_Ks, operands not 16-byte aligned."""
-    rows, blocks, first_tile, tiles = _expert_tiles(counts, experts, capacity, N, BLOCK_M, BLOCK_N, BLOCK_E)
-    for tile in range(tl.program_id(0), tiles, PROGRAMS):
-        e, n, pm, pn = _tile_of_expert(tile, experts, rows, blocks, first_tile, N, BLOCK_N, BLOCK_E, GROUP_M)
-        group_tile(x, x, w, out, 0, 0, e * capacity, n, e, pm, pn, N, K, False, 1, BLOCK_M, BLOCK_N, BLOCK_K,
-                   NUM_STAGES, EVEN_K, EVEN_N)
-
-
-GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-# GPU configs of the TMA kernel (gemm.GemmConfig; flatten and warp_specialize apply to it alone). "large": the
-# dense GEMM's 128x256x64 tiles, flattened loop: on an H200 (2026-11-23, `python3 scripts/probe_grouped_gemm.py`,
-# bf16, CUDA-graph replay) 1.01-1.05x torch._grouped_mm on 32 x 256 rows 7168 <-> 2048, Qwen3-30B-A3B's 128 x 512
-# rows (2048 -> 1536, 768 -> 2048) and Mixtral's 8 x 2048 rows (4096 -> 14336), 1.02x on 14336 -> 4096 (where
-# 64x256x64 s4 w4 reached 1.09x) and 1.00x with uneven counts; the unflattened loop was 0.96-0.97x on three of
-# them. Experts of at most 128 rows (decode, fine-grained experts) take 64-row blocks, which waste less of a
-# block on a partial count (not probed). fp32 (tf32) takes small tiles, whose stages and output tile fit in
-# shared memory.
-GPU_CONFIGS = {
-    "large": GemmConfig(128, 256, 64, 8, 3, 8, True),
-    "skinny": GemmConfig(64, 128, 64, 8, 4, 4, False),
-    "fp32": GemmConfig(64, 128, 32, 8, 4, 4, False),
-}
-# The pointer kernel's (before the TMA kernel, all shapes took it: 480.7 us on 32 experts x 256 rows, 7168 -> 2048,
-# on an H200, against torch._grouped_mm's 323.2 us).
-POINTER_CONFIG = GemmConfig(64, 128, 64, 8, 4, 4, False)
-CPU_CONFIG = GemmConfig(16, 32, 32, 2, 1, 4, False)
-
-
-def grouped_config(capacity: int, dtype: torch.dtype, device: torch.device, tma: bool) -> GemmConfig:
-    """The default config of a grouped GEMM of experts of `capacity` rows on `device`."""
-    if device.type != "cuda":
-        return CPU_CONFIG
-    if not tma:
-        return POINTER_CONFIG
-    if dtype == torch.float32:
-        return GPU_CONFIGS["fp32"]
-    return GPU_CONFIGS["skinny" if capacity <= 128 else "large"]
-
-
-def tma_refusal(x: torch.Tensor, w: torch.Tensor, block_k: int) -> str | None:
-    """Why the TMA kernel cannot take x (E, C, K) and w (E, K, N) (contiguous, one dtype), or None."""
-    size = x.element_size()
-    for name, t in (("x", x), ("w", w)):
-        if t.data_ptr() % 16:
-            return f"{name} does not start 16-byte aligned"
-    for name, cols in (("K", x.shape[2]), ("N", w.shape[2])):
-        if cols * size % 16:
-            return f"{name} = {cols} is not a multiple of 16 bytes"
-    if x.shape[2] % block_k:
-        return f"K = {x.shape[2]} is not a multiple of BLOCK_K = {block_k} (a K block would reach the next expert)"
-    return None
-
-
-def grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
-                 config: GemmConfig | None = None) -> torch.Tensor:
-    """out (E, C, N) with out[e, :counts[e]] = x[e, :counts[e]] @ w[e] (fp32 accumulation); rows past
-    counts[e] are left undefined. x (E, C, K), w (E, K, N) of one dtype, contiguous; counts (E,) int32 on the
-    device (read there: no host sync). Local (not collective). The TMA kernel where the operands allow it
-    (16-byte aligned, K and N rows of whole 16 bytes, K a multiple of BLOCK_K), else pointer loads; `config`
-    (a gemm.GemmConfig) overrides the default tiling (for tuning)."""
-    world = world_or_raise()
-    found = plan(world, lambda: ("grouped_gemm", signature(x), signature(w), signature(counts), config),
-                 lambda: _GroupedGemmPlan(world, x, w, counts, config))
-    return found(x, w, counts)
-
-
-class _GroupedGemmPlan:
-    def __init__(self, world, x, w, counts, config):
-        check_tensor("x", x, world, dtypes=GEMM_DTYPES)
-        check_tensor("w", w, world, dtypes=GEMM_DTYPES)
-        check_tensor("counts", counts, world, dtypes=(torch.int32,))
-        if x.dim() != 3 or w.dim() != 3 or x.shape[0] != w.shape[0] or x.shape[2] != w.shape[1]:
-            raise ValueError(f"x must be (E, C, K) and w (E, K, N), got {tuple(x.shape)} and {tuple(w.shape)}")
-        if x.dtype != w.dtype:
-            raise TypeError(f"x and w must have the same dtype, got {x.dtype} and {w.dtype}")
-        if tuple(counts.shape) != (x.shape[0],):
-            raise ValueError(f"counts must be ({x.shape[0]},), got {tuple(counts.shape)}")
-        if config is not None and not isinstance(config, GemmConfig):
-            raise TypeError(f"config must be a weft.kernels.gemm.GemmConfig, got {type(config).__name__}")
-        self.e, self.c, self.k = e, c, k = x.shape
-        self.n = n = w.shape[2]
-        self.out_shape = (e, c, n)
-        self.empty = e == 0 or c == 0 or n == 0
-        block_k = (config or grouped_config(c, x.dtype, world.device, True)).block_k
-        self.tma = not self.empty and k > 0 and tma_refusal(x, w, block_k) is None
-        cfg = self.config = config or grouped_config(c, x.dtype, world.device, self.tma)
-        tiles = e * triton.cdiv(c, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-        self.programs = max(1, min(num_sms(world.device), tiles))
-        common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                      BLOCK_E=triton.next_power_of_2(max(e, 1)), NUM_STAGES=cfg.num_stages, PROGRAMS=self.programs)
-        out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
-        self.launch = None
-        if self.tma:
-            # One descriptor per operand, its base swapped per call (gemm.Descriptor).
-            self.x_desc = descriptor(x.view(e * c, k), (cfg.block_m, cfg.block_k))
-            self.w_desc = descriptor(w.view(e * k, n), (cfg.block_k, cfg.block_n))
-            self.out_desc = descriptor(out, (1, cfg.block_m, cfg.block_n))
-            self.launch = Launch(grouped_gemm_tma_kernel, (self.programs,),
-                                 (self.x_desc, self.w_desc, self.out_desc, counts, e, c, n, k),
-                                 dict(**common, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize),
-                                 cfg.num_warps)
-            self.x_desc.off(), self.w_desc.off(), self.out_desc.off()
-        elif not self.empty:
-            self.launch = Launch(grouped_gemm_kernel, (self.programs,), (x, w, out, counts, e, c, n, k),
-                                 dict(**common, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0),
-                                 cfg.num_warps)
-
-    def __call__(self, x, w, counts):
-        e, c, n, k = self.e, self.c, self.n, self.k
-        out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
-        if self.tma:
-            self.launch(self.x_desc.on(x.view(e * c, k)), self.w_desc.on(w.view(e * k, n)), self.out_desc.on(out),
-                        counts, e, c, n, k)
-            self.x_desc.off(), self.w_desc.off(), self.out_desc.off()  # the plan keeps no caller tensor
-        elif self.launch is not None:
-            self.launch(x, w, out, counts, e, c, n, k)
-        return out
-
-
 # Signatures for the sm_90 compile check (weft.testing.compile).
 COMPILE_CASES = [
     (ep_count_kernel, dict(topk=t, block_counts="*i32", err="*i64", tokens="i32"),
@@ -1446,18 +1259,4 @@ COMPILE_CASES = [
           SEND=send, RECV=receive), dict(num_warps=8))
     for t in ("*i64", "*i32") for e in (tl.bfloat16, tl.float16)
     for send, receive in (((True, True), (True, False), (False, True)) if t == "*i64" else ((True, True),))
-] + [
-    (grouped_gemm_kernel, dict(x=t, w=t, out=t, counts="*i32", experts="i32", capacity="i32", N="i32", K="i32"),
-     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, BLOCK_E=32, NUM_STAGES=4, PROGRAMS=132, EVEN_K=even,
-          EVEN_N=even), dict(num_warps=4))
-    for t in ("*bf16", "*fp16", "*fp32") for even in (True, False)
-] + [
-    (grouped_gemm_tma_kernel,
-     dict(x_desc=f"tensordesc<{t}[{c.block_m}, {c.block_k}]>", w_desc=f"tensordesc<{t}[{c.block_k}, {c.block_n}]>",
-          out_desc=f"tensordesc<{t}[1, {c.block_m}, {c.block_n}]>", counts="*i32", experts="i32", capacity="i32",
-          N="i32", K="i32"),
-     dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, BLOCK_E=128,
-          NUM_STAGES=c.num_stages, PROGRAMS=132, FLATTEN=c.flatten, WARP_SPECIALIZE=c.warp_specialize),
-     dict(num_warps=c.num_warps, min_arch=90))
-    for name, c in GPU_CONFIGS.items() for t in (("fp32",) if name == "fp32" else ("bf16", "fp16"))
 ]

@@ -19,6 +19,10 @@ EPMoE (expert parallel): rank r holds experts [r E / W, (r + 1) E / W) whole; ea
   rank's sum to the token's rank.
 Every rank must take the same path in a call: keep every rank's token count on the same side of
 `decode_tokens` (true when ranks run the same batch shape), or pass `mode`.
+With fp8=True the experts run in fp8 e4m3 with block scales (DeepSeek-V3's recipe): the weights are quantized per
+128 x 128 block when the layer is made (half the memory), the decode dispatch sends fp8 rows with their per-128-
+channel scales (half the bytes) straight into the gate/up GEMM, and the activations before the down GEMM (and the
+prefill rows) are quantized per row and 128 channels with fp8_rows; hidden and inter must be multiples of 128.
 
 TPMoE (tensor parallel, sequence parallel activations): every rank holds every expert's gate/up/down sliced
 along the intermediate dimension (inter / W columns each) and its own m tokens (all ranks the same m).
@@ -107,25 +111,46 @@ class EPMoE(_MoE):
     """Expert-parallel MoE MLP (module doc). forward(x, mode=None): x (..., hidden), this rank's tokens; returns
     the same shape. mode: "ll" (decode path), "ht" (prefill path), None (ll for at most decode_tokens tokens).
 
-    Stored: w_gate_up (L, hidden, 2 inter) and w_down (L, inter, hidden) of this rank's L = E / W experts.
+    Stored: w_gate_up (L, hidden, 2 inter) and w_down (L, inter, hidden) of this rank's L = E / W experts; with
+    fp8, as e4m3 with their K dimension contiguous (grouped_gemm's fp8 layout) and the block scales
+    w_gate_up_scales (L, hidden / 128, 2 inter / 128), w_down_scales (L, inter / 128, hidden / 128).
     """
 
     def __init__(self, router_weight, gate_proj, up_proj, down_proj, top_k: int, norm_topk_prob: bool = True, *,
-                 rank: int | None = None, world_size: int | None = None, decode_tokens: int = 128):
+                 rank: int | None = None, world_size: int | None = None, decode_tokens: int = 128,
+                 fp8: bool = False):
         super().__init__(router_weight, gate_proj, up_proj, down_proj, top_k, norm_topk_prob)
         rank, world_size = _world(rank, world_size)
         if self.num_experts % world_size:
             raise ValueError(f"{self.num_experts} experts do not split over {world_size} ranks")
-        self.rank, self.world_size, self.decode_tokens = rank, world_size, decode_tokens
+        if fp8 and (self.hidden % 128 or self.inter % 128):
+            raise ValueError(f"fp8 experts need hidden and inter multiples of 128 (a scale per 128 channels), got "
+                             f"{self.hidden} and {self.inter}")
+        self.rank, self.world_size, self.decode_tokens, self.fp8 = rank, world_size, decode_tokens, fp8
         self.local = self.num_experts // world_size
         mine = slice(rank * self.local, (rank + 1) * self.local)
-        self.w_gate_up = _param(torch.cat([gate_proj[mine], up_proj[mine]], dim=1).transpose(1, 2))
-        self.w_down = _param(down_proj[mine].transpose(1, 2))
+        gate_up = torch.cat([gate_proj[mine], up_proj[mine]], dim=1).transpose(1, 2)
+        down = down_proj[mine].transpose(1, 2)
+        if fp8:  # the weights as (L, K, N) views of K-major storage, and their 128 x 128 block scales
+            (w_gu, s_gu), (w_dn, s_dn) = weft.ops.fp8_blocks(gate_up), weft.ops.fp8_blocks(down)
+            self.w_gate_up = nn.Parameter(w_gu, requires_grad=False)
+            self.w_down = nn.Parameter(w_dn, requires_grad=False)
+            self.w_gate_up_scales, self.w_down_scales = _param(s_gu), _param(s_dn)
+        else:
+            self.w_gate_up, self.w_down = _param(gate_up), _param(down)
 
-    def _experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Each local expert's MLP on rows [0, counts[e]) of x (L, C, hidden); rows past them undefined."""
-        h = _silu_mul(weft.ops.grouped_gemm(x, self.w_gate_up, counts), self.inter)
-        return weft.ops.grouped_gemm(h, self.w_down, counts)
+    def _experts(self, x: torch.Tensor, counts: torch.Tensor, x_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """Each local expert's MLP on rows [0, counts[e]) of x (L, C, hidden); rows past them undefined. fp8: x
+        as fp8 rows with their scales (the LL dispatch's), or bf16 rows, quantized here."""
+        if not self.fp8:
+            h = _silu_mul(weft.ops.grouped_gemm(x, self.w_gate_up, counts), self.inter)
+            return weft.ops.grouped_gemm(h, self.w_down, counts)
+        if x_scales is None:
+            x, x_scales = weft.ops.fp8_rows(x)
+        gate_up = weft.ops.grouped_gemm(x, self.w_gate_up, counts, x_scales=x_scales,
+                                        w_scales=self.w_gate_up_scales)
+        h, h_scales = weft.ops.fp8_rows(_silu_mul(gate_up, self.inter))
+        return weft.ops.grouped_gemm(h, self.w_down, counts, x_scales=h_scales, w_scales=self.w_down_scales)
 
     def _received(self, rx, ridx, rw, counts) -> torch.Tensor:
         """ep_dispatch's rows (R, hidden) -> each row's weighted sum of its local experts' outputs (R, hidden):
@@ -152,8 +177,10 @@ class EPMoE(_MoE):
         if mode is None:
             mode = "ll" if tokens.shape[0] <= self.decode_tokens else "ht"
         if mode == "ll":
-            recv, counts, _, handle = weft.ops.ep_dispatch_ll(tokens, idx, self.num_experts, self.decode_tokens)
-            out = weft.ops.ep_combine_ll(self._experts(recv, counts), idx, weights, handle)
+            recv, counts, scales, handle = weft.ops.ep_dispatch_ll(tokens, idx, self.num_experts, self.decode_tokens,
+                                                                   fp8=self.fp8)
+            y = self._experts(recv, counts, scales).to(tokens.dtype)  # fp8 experts give bf16
+            out = weft.ops.ep_combine_ll(y, idx, weights, handle)
         elif mode == "ht":
             rx, ridx, rw, counts, handle = weft.ops.ep_dispatch(tokens, idx, weights, self.num_experts)
             out = weft.ops.ep_combine(self._received(rx, ridx, rw, counts), handle)
