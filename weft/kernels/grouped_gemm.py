@@ -103,7 +103,7 @@ def grouped_gemm_kernel(x, w, out, counts, experts, capacity, N, K, BLOCK_M: tl.
 def grouped_gemm_fp8_kernel(x_desc, w_desc, out, x_scales, w_scales, counts, experts, capacity, N, K,
                             ws_e, ws_k, ws_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, NUM_STAGES: tl.constexpr,
-                            PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr):
+                            PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, OUT_TMA: tl.constexpr):
     """out[e, m, n] = sum over 128-channel blocks b of (x[e, m, b] @ w[e, b, n]) * x_scales[e, m, b] *
     w_scales[e, b, n // 128] for m < counts[e] (fp8 e4m3 operands, fp32 accumulation, out rounded to its dtype).
 
@@ -113,7 +113,9 @@ def grouped_gemm_fp8_kernel(x_desc, w_desc, out, x_scales, w_scales, counts, exp
     divides 128): its product goes to the accumulator scaled by that block's scales, a full-precision add per
     slice. x_scales (E, C, K / 128) contiguous; w_scales (E, K / 128, cdiv(N, 128)) with strides ws_e, ws_k,
     ws_n.
-    Rows past counts[e] are neither scaled nor stored.
+    Rows past counts[e] are not scaled (NaN there stays in its row). OUT_TMA: out is a descriptor of (E, C, N),
+    which clips a tile at the expert's capacity, as in grouped_gemm_tma_kernel (else a pointer, for N rows not
+    whole 16 bytes: a tile of int64 addresses costs the registers the two fp32 accumulators need, and spills).
     """
     rows, blocks, first_tile, tiles = _expert_tiles(counts, experts, capacity, N, BLOCK_M, BLOCK_N, BLOCK_E)
     k_tiles = K // BLOCK_K
@@ -133,8 +135,13 @@ def grouped_gemm_fp8_kernel(x_desc, w_desc, out, x_scales, w_scales, counts, exp
             sa = tl.load(row_scales + g, mask=rm < n_rows, other=0.0)
             sb = tl.load(col_scales + g * ws_k, mask=rn < N, other=0.0)
             acc += dot(a, b.T, tl.zeros([BLOCK_M, BLOCK_N], tl.float32)) * (sa[:, None] * sb[None, :])
-        dst = out + ((e * capacity + rm).to(tl.int64) * N)[:, None] + rn[None, :]
-        tl.store(dst, cast(acc, out.dtype.element_ty), mask=(rm < n_rows)[:, None] & (rn < N)[None, :])
+        if OUT_TMA:
+            out.store([e, pm * BLOCK_M, pn * BLOCK_N], cast(acc, out.dtype).reshape(1, BLOCK_M, BLOCK_N))
+        else:
+            # A scalar base and int32 offsets within the tile: a tile of int64 addresses would spill.
+            tile = out + (e * capacity + pm * BLOCK_M).to(tl.int64) * N + pn * BLOCK_N
+            offs = tl.arange(0, BLOCK_M)[:, None] * N + tl.arange(0, BLOCK_N)[None, :]
+            tl.store(tile + offs, cast(acc, out.dtype.element_ty), mask=(rm < n_rows)[:, None] & (rn < N)[None, :])
 
 
 GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8)
@@ -293,16 +300,19 @@ class _GroupedGemmPlan:
         common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       BLOCK_E=triton.next_power_of_2(max(e, 1)), NUM_STAGES=cfg.num_stages, PROGRAMS=self.programs)
         out = torch.empty(self.out_shape, dtype=self.out_dtype, device=x.device)
-        self.launch = None
+        self.launch = self.x_desc = self.w_desc = self.out_desc = None
         if self.fp8 and self.tma:
             self.realign = x.data_ptr() % 16 != 0, w.data_ptr() % 16 != 0
             x, w = self._aligned(x, w)
             self.x_desc = descriptor(x.view(e * c, k), (cfg.block_m, cfg.block_k))
             self.w_desc = descriptor(w.transpose(1, 2).reshape(e * n, k), (cfg.block_n, cfg.block_k))
+            out_tma = n * out.element_size() % 16 == 0
+            self.out_desc = descriptor(out, (1, cfg.block_m, cfg.block_n)) if out_tma else None
             self.launch = Launch(grouped_gemm_fp8_kernel, (self.programs,),
-                                 (self.x_desc, self.w_desc, out, x_scales, w_scales, counts, e, c, n, k,
-                                  *w_scales.stride()), dict(**common, FLATTEN=cfg.flatten), cfg.num_warps)
-            self.x_desc.off(), self.w_desc.off()
+                                 (self.x_desc, self.w_desc, self._out(out), x_scales, w_scales, counts, e, c, n, k,
+                                  *w_scales.stride()), dict(**common, FLATTEN=cfg.flatten, OUT_TMA=out_tma),
+                                 cfg.num_warps)
+            self._off()
         elif self.tma:
             # One descriptor per operand, its base swapped per call (gemm.Descriptor).
             self.x_desc = descriptor(x.view(e * c, k), (cfg.block_m, cfg.block_k))
@@ -312,11 +322,21 @@ class _GroupedGemmPlan:
                                  (self.x_desc, self.w_desc, self.out_desc, counts, e, c, n, k),
                                  dict(**common, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize),
                                  cfg.num_warps)
-            self.x_desc.off(), self.w_desc.off(), self.out_desc.off()
+            self._off()
         elif not self.empty:
             self.launch = Launch(grouped_gemm_kernel, (self.programs,), (x, w, out, counts, e, c, n, k),
                                  dict(**common, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0),
                                  cfg.num_warps)
+
+    def _out(self, out):
+        """The output as the kernel takes it: the plan's descriptor on it, or the tensor."""
+        return out if self.out_desc is None else self.out_desc.on(out)
+
+    def _off(self) -> None:
+        """Let go of the call's tensors (gemm.Descriptor): the plan keeps none between calls."""
+        for d in (self.x_desc, self.w_desc, self.out_desc):
+            if d is not None:
+                d.off()
 
     def _aligned(self, x, w):
         """fp8 x and w as TMA takes them: a copy of an operand that does not start 16-byte aligned."""
@@ -331,13 +351,13 @@ class _GroupedGemmPlan:
         out = torch.empty(self.out_shape, dtype=self.out_dtype, device=x.device)
         if self.fp8 and self.tma:
             x, w = self._aligned(x, w)
-            self.launch(self.x_desc.on(x.view(e * c, k)), self.w_desc.on(w.transpose(1, 2).reshape(e * n, k)), out,
-                        x_scales, w_scales, counts, e, c, n, k, *w_scales.stride())
-            self.x_desc.off(), self.w_desc.off()
+            self.launch(self.x_desc.on(x.view(e * c, k)), self.w_desc.on(w.transpose(1, 2).reshape(e * n, k)),
+                        self._out(out), x_scales, w_scales, counts, e, c, n, k, *w_scales.stride())
+            self._off()
         elif self.tma:
             self.launch(self.x_desc.on(x.view(e * c, k)), self.w_desc.on(w.view(e * k, n)), self.out_desc.on(out),
                         counts, e, c, n, k)
-            self.x_desc.off(), self.w_desc.off(), self.out_desc.off()  # the plan keeps no caller tensor
+            self._off()
         elif self.launch is not None:
             self.launch(x, w, out, counts, e, c, n, k)
         elif self.fp8 and not self.empty:  # K = 0: nothing to add up
@@ -364,9 +384,12 @@ COMPILE_CASES = [
 ] + [
     (grouped_gemm_fp8_kernel,
      dict(x_desc=f"tensordesc<fp8e4nv[{c.block_m}, {c.block_k}]>",
-          w_desc=f"tensordesc<fp8e4nv[{c.block_n}, {c.block_k}]>", out="*bf16", x_scales="*fp32", w_scales="*fp32",
-          counts="*i32", experts="i32", capacity="i32", N="i32", K="i32", ws_e="i32", ws_k="i32", ws_n="i32"),
+          w_desc=f"tensordesc<fp8e4nv[{c.block_n}, {c.block_k}]>",
+          out=f"tensordesc<bf16[1, {c.block_m}, {c.block_n}]>" if out_tma else "*bf16", x_scales="*fp32",
+          w_scales="*fp32", counts="*i32", experts="i32", capacity="i32", N="i32", K="i32", ws_e="i32", ws_k="i32",
+          ws_n="i32"),
      dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, BLOCK_E=128,
-          NUM_STAGES=c.num_stages, PROGRAMS=132, FLATTEN=c.flatten), dict(num_warps=c.num_warps, min_arch=90))
-    for name, c in GPU_CONFIGS.items() if name.startswith("fp8")
+          NUM_STAGES=c.num_stages, PROGRAMS=132, FLATTEN=c.flatten, OUT_TMA=out_tma),
+     dict(num_warps=c.num_warps, min_arch=90))
+    for name, c in GPU_CONFIGS.items() if name.startswith("fp8") for out_tma in (True, False)
 ]
