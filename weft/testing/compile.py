@@ -6,12 +6,19 @@ that `triton.compile` cannot take. CI runs `python -m weft.testing.compile`
 in a subprocess; it compiles every `*_kernel` in `weft.kernels` with the
 cases each module lists in `COMPILE_CASES`: (kernel, signature, constexprs[, options]); a kernel
 with no case fails.
+
+`python -m weft.testing.compile 90 --registers [module ...]` also assembles each case's PTX with
+Triton's bundled ptxas and prints its registers and spilled bytes: register spills in a GEMM's
+accumulator are a slowdown that shows without a GPU (a report, not a check: some kernels spill).
 """
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
+import subprocess
 import sys
+import tempfile
 
 
 def compile_kernel(fn, signature: dict, constexprs: dict | None = None, arch: int = 90, num_warps: int = 4):
@@ -30,18 +37,36 @@ def compile_kernel(fn, signature: dict, constexprs: dict | None = None, arch: in
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
 
 
-def kernel_modules():
+def kernel_modules(names=None):
     import weft.kernels
 
     for info in pkgutil.iter_modules(weft.kernels.__path__):
-        yield importlib.import_module(f"weft.kernels.{info.name}")
+        if names is None or info.name in names:
+            yield importlib.import_module(f"weft.kernels.{info.name}")
 
 
-def main(arch: int = 90) -> int:
+def registers(compiled, arch: int) -> str:
+    """ptxas's account of a compiled kernel: "N registers, M bytes spilled" (Triton's bundled ptxas, -v)."""
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        res = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}{'a' if arch == 90 else ''}", ptx, "-o",
+                              os.path.join(d, "kernel.cubin")], capture_output=True, text=True)
+    regs = next((line.split("Used ")[1].split(",")[0] for line in res.stderr.splitlines() if "Used " in line), "?")
+    spill = next((line.split(",")[1].split(" spill")[0].strip() for line in res.stderr.splitlines()
+                  if "spill stores" in line), "?")
+    return f"{regs}, {spill} spilled"
+
+
+def main(arch: int = 90, report: bool = False, names=None) -> int:
     import triton
 
     failures, count = [], 0
-    for mod in kernel_modules():
+    for mod in kernel_modules(names):
         kernels = {name for name, obj in vars(mod).items()
                    if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel")}
         cases = getattr(mod, "COMPILE_CASES", [])
@@ -54,14 +79,22 @@ def main(arch: int = 90) -> int:
                 continue  # e.g. TMA descriptors need sm_90
             count += 1
             try:
-                compile_kernel(fn, signature, constexprs, arch, **options)
+                compiled = compile_kernel(fn, signature, constexprs, arch, **options)
             except Exception as e:  # noqa: BLE001
                 failures.append(f"{mod.__name__}.{fn.__name__} {constexprs}: {type(e).__name__}: {e}")
+                continue
+            if report:
+                consts = {k: v for k, v in constexprs.items() if isinstance(k, str) and isinstance(v, (bool, int))}
+                print(f"{mod.__name__}.{fn.__name__} {options.get('num_warps', 4)} warps {consts}: "
+                      f"{registers(compiled, arch)}", flush=True)
     for f in failures:
         print("FAIL", f)
-    print(f"compiled {count - len([f for f in failures if 'COMPILE_CASES' not in f])} of {count} kernel cases for sm_{arch}")
+    compiled = count - len([f for f in failures if "COMPILE_CASES" not in f])
+    print(f"compiled {compiled} of {count} kernel cases for sm_{arch}")
     return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 90))
+    args = [a for a in sys.argv[1:] if a != "--registers"]
+    arch = int(args[0]) if args else 90
+    sys.exit(main(arch, "--registers" in sys.argv, set(args[1:]) or None))
