@@ -238,9 +238,9 @@ def _grouped_gemm(experts, cap, k, n, samples) -> list[Row]:
         wq, ws = weft.ops.fp8_blocks(wt)
         got = weft.ops.grouped_gemm(xq, wq, counts, x_scales=xs, w_scales=ws)
         for e, m in enumerate(sizes):
-            err = (got[e, :m].float() - out[e, :m].float()).norm() / out[e, :m].float().norm().clamp(min=1e-6)
+            err = _relative_error(got[e, :m], out[e, :m])
             if err > 0.1:
-                raise RuntimeError(f"fp8 grouped_gemm off the bf16 product by {float(err):.3f} (expert {e})")
+                raise RuntimeError(f"fp8 grouped_gemm off the bf16 product by {err:.3f} (expert {e})")
         impls["weft grouped_gemm (fp8)"] = lambda: weft.ops.grouped_gemm(xq, wq, counts, x_scales=xs, w_scales=ws)
         scaled = torch_scaled_grouped(packed, wt, ends, out, sizes)
         if scaled is not None:
@@ -255,6 +255,11 @@ def _grouped_gemm(experts, cap, k, n, samples) -> list[Row]:
 
 MODELS = {"qwen3": dict(name="Qwen3-30B-A3B", hidden=2048, experts=128, k=8, inter=768),
           "mixtral": dict(name="Mixtral-8x7B", hidden=4096, experts=8, k=2, inter=14336)}
+
+
+def _relative_error(got, want) -> float:
+    """|got - want| / |want| (Frobenius norms, fp32): how far a quantized result is from the bf16 one."""
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-6))
 
 
 def torch_scaled_grouped(packed, wt, ends, want, sizes):
@@ -274,8 +279,7 @@ def torch_scaled_grouped(packed, wt, ends, want, sizes):
         return None
     lo = 0
     for e, m in enumerate(sizes):
-        err = (got[lo:lo + m].float() - want[e, :m].float()).norm() / want[e, :m].float().norm().clamp(min=1e-6)
-        if err > 0.1:
+        if _relative_error(got[lo:lo + m], want[e, :m]) > 0.1:
             return None
         lo += m
     return lambda: torch._scaled_grouped_mm(xq, wq, xs, ws, offs=ends, out_dtype=torch.bfloat16)
@@ -460,10 +464,9 @@ def _layer_rows(case, impls, capturable, samples) -> list[Row]:
     if not torch.allclose(got.float(), want.float(), rtol=5e-2, atol=5e-2):
         raise RuntimeError(f"{case}: weft layer mismatch against {BASELINE}")
     if "weft layer (fp8)" in impls:  # quantized: near the bf16 result, not equal to it
-        got = impls["weft layer (fp8)"]()
-        err = (got.float() - want.float()).norm() / want.float().norm()
+        err = _relative_error(impls["weft layer (fp8)"](), want)
         if err > 0.1:
-            raise RuntimeError(f"{case}: the fp8 weft layer is off {BASELINE} by {float(err):.3f}")
+            raise RuntimeError(f"{case}: the fp8 weft layer is off {BASELINE} by {err:.3f}")
     return [Row(SUITE, case, name, ms, 0.0, 0, w.world_size, view)
             for view, graph in (("eager", False), ("graph", True))
             for name, ms in time_calls({n: f for n, f in impls.items() if not graph or n in capturable},
