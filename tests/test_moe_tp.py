@@ -187,6 +187,53 @@ def test_moe_tp_many_calls():
     assert all(run_ranks(_cases, 2, cases, True, timeout=TIMEOUT, env=ENV))
 
 
+# The layout sort alone, in process: pairs over many blocks (the GEMM tests' shapes fit one), every key.
+LAYOUT_SHAPES = [  # (world, tokens, k, experts, index dtype, routing)
+    (1, 0, 2, 4, "int64", "random"),       # no pairs
+    (3, 1, 1, 1, "int32", "random"),       # one pair per rank
+    (2, 37, 3, 5, "int64", "masked"),      # pairs without expert, ragged blocks
+    (4, 100, 8, 16, "int32", "random"),    # k = 8
+    (2, 70, 2, 130, "int64", "one"),       # every pair to one expert; more experts than a block of pairs
+    (2, 53, 4, 8, "int64", "bad"),         # entries outside the experts, not raised yet: no expert
+]
+
+
+@pytest.mark.parametrize("block", [32, 64, 256])
+def test_layout_sort_matches_a_stable_sort(block):
+    import torch
+
+    from weft.kernels.moe_tp import LayoutLaunches
+
+    g = torch.Generator().manual_seed(block)
+    for world, m, k, experts, dtype, mode in LAYOUT_SHAPES:
+        idxs = [torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(m)]) if m else
+                torch.empty(0, k, dtype=torch.int64) for _ in range(world)]
+        for idx in idxs:
+            if mode == "masked":
+                idx[torch.rand(idx.shape, generator=g) < 0.3] = -1
+            elif mode == "one":
+                idx[:, 0] = experts - 1
+            elif mode == "bad":
+                idx[torch.rand(idx.shape, generator=g) < 0.2] = experts + 3
+                idx[torch.rand(idx.shape, generator=g) < 0.1] = -5
+        idxs = [idx.to(getattr(torch, dtype)) for idx in idxs]
+        tag = f"block {block} world {world} m {m} k {k} E {experts} {dtype} {mode}"
+        for copy in (False, True):
+            for _ in range(2):  # a plan's launches called again
+                launches = LayoutLaunches(idxs[0], experts, world, copy=copy, block=block)
+                width = experts + 2 + m * k
+                metas = torch.stack([launches.chunk(idx, torch.full((width,), -7, dtype=torch.int32))
+                                     for idx in idxs])
+                layout = launches.gathered(metas)
+                starts, pair_of_row, row_of_pair = _expected_layout([idx.long() for idx in idxs], experts)
+                assert torch.equal(layout.starts, starts), tag
+                assert torch.equal(layout.pair_of_row, pair_of_row), tag
+                assert torch.equal(layout.row_of_pair, row_of_pair), tag
+                assert (layout.meta is not metas) == copy, tag
+                metas.fill_(-7)  # the workspace, overwritten by the next call: a copy keeps the layout
+                assert torch.equal(layout.starts, starts) == copy, tag
+
+
 def test_moe_tp_workspace_fallback():
     """A call larger than the workspace: "auto" takes the baseline, "overlap" says why it cannot."""
     env = dict(ENV, WEFT_WORKSPACE_BYTES="4096")

@@ -15,12 +15,12 @@ The grouped layout (`GroupLayout`). A (token, expert) *pair* is one entry of top
 one row per pair of every rank's tokens, W m k rows, in rank chunks: chunk c (rows [c m k, (c + 1) m k))
 holds rank c's pairs sorted by expert (stably: by token t, then slot j, pair index t k + j); the pairs
 whose topk_idx is -1 come last in the chunk, as rows of zeros. A chunk depends only on its rank's topk_idx,
-so each rank sorts its own pairs (`chunk_layout`, torch on the device, no host sync) and sends the result
+so each rank sorts its own pairs (`LayoutLaunches.chunk`: two launches, no host sync) and sends the result
 along with its tokens: the consumer of a chunk needs nothing else.
 
 ag_group_gemm, method "overlap" (one call on rank `me`):
 
-    main stream:  layout ─ start barrier ─ copy my chunk → G[me] ─ GEMM (chunks me, me+1, ..., me-1) ─ join
+    main stream:  barrier ─ tokens, layout → G[me] ─ GEMM (chunks me, me+1, ..., me-1) ─ join ─ row_of_pair
     copy stream:                       └─ for s = 1 .. W-1: push tokens + layout → G[me] of rank me-s, flag ─┘
 
 as in ag_gemm, but for the flags: the pushes are copy-engine transfers into the peers' gathered buffer G (the
@@ -72,7 +72,7 @@ ValueError naming topk_idx, the row and the expert, on the rank whose row it was
 family (after a CUDA-graph replay, at the next eager call; the other ranks' calls go on: a program that goes
 on must keep the ranks' calls in step); it looks again after its launches, which under
 the interpreter have run by then, so there the call that passed the row raises, its collective part done on
-every rank. Until raised, a bad row does no harm: chunk_layout sorts an entry outside the experts with the
+every rank. Until raised, a bad row does no harm: the layout sorts an entry outside the experts with the
 pairs without expert (a row of zeros, summed as nothing), and a repeated expert computes its pair twice.
 check_routing_values (weft.ops) is the same check on the host, with a sync.
 
@@ -102,53 +102,25 @@ MAX_TOKEN_BLOCKS = 4096
 
 # -- the grouped layout -----------------------------------------------------------
 
-def chunk_layout(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """One rank's chunk of a GroupLayout, from its topk_idx (m, k), on the device with no host sync:
-    (E + 2 + m k,) int32 = [starts (E + 2) | pair_of_row (m k)] (see GroupLayout). An entry outside [0, E)
-    (-1, or a bad value not raised yet: module doc) is a pair without expert."""
-    m, k = topk_idx.shape
-    dev = topk_idx.device
-    flat = topk_idx.reshape(-1).long()
-    key = torch.where((flat < 0) | (flat >= num_experts), num_experts, flat)  # no expert: after every expert
-    sorted_key, order = torch.sort(key, stable=True)
-    meta = torch.empty(num_experts + 2 + m * k, dtype=torch.int32, device=dev)
-    meta[:num_experts + 2] = torch.searchsorted(sorted_key, torch.arange(num_experts + 2, dtype=sorted_key.dtype,
-                                                                          device=dev))
-    meta[num_experts + 2:] = order
-    return meta
-
-
 class GroupLayout:
     """Where ag_group_gemm put every rank's (token, expert) pairs, and what group_gemm_rs needs to bring them back.
 
     The grouped intermediate has W m k rows in rank chunks: chunk c (rows [c m k, (c + 1) m k)) holds the pairs
     of rank c's m tokens, sorted by expert, then by pair index t k + j; the pairs with topk_idx -1 come last.
     On the device:
-    - meta (W, E + 2 + m k) int32: row c is rank c's chunk_layout: `starts[c]` (E + 2: rows [starts[c, e],
-      starts[c, e + 1]) of the chunk are expert e's, rows from starts[c, E] on have no expert, starts[c, E + 1]
-      = m k) and `pair_of_row[c]` (m k: the pair t k + j of rank c that row i of the chunk holds);
+    - meta (W, E + 2 + m k) int32: row c is rank c's chunk (LayoutLaunches.chunk): `starts[c]` (E + 2: rows
+      [starts[c, e], starts[c, e + 1]) of the chunk are expert e's, rows from starts[c, E] on have no expert,
+      starts[c, E + 1] = m k) and `pair_of_row[c]` (m k: the pair t k + j of rank c that row i of the chunk holds);
     - row_of_pair (W m, k) int32: the global row of the j-th pair of gathered token g (token t of rank c is
       g = c m + t), -1 where topk_idx is -1.
-    Fields world_size, num_experts, top_k, tokens_per_rank (m). Made from meta; row_of_pair is computed from it
-    unless given (an operator's output: weft.torch_ops).
+    Fields world_size, num_experts, top_k, tokens_per_rank (m). LayoutLaunches.gathered makes one from the
+    gathered chunks.
     """
 
     def __init__(self, meta: torch.Tensor, num_experts: int, top_k: int, tokens_per_rank: int,
-                 row_of_pair: torch.Tensor | None = None):
-        w = meta.shape[0]
-        e, k, m = num_experts, top_k, tokens_per_rank
-        self.meta, self.world_size, self.num_experts, self.top_k, self.tokens_per_rank = meta, w, e, k, m
-        self.row_of_pair = row_of_pair
-        if row_of_pair is not None:
-            return
-        pairs = m * k
-        dev = meta.device
-        local = torch.arange(pairs, dtype=torch.int32, device=dev)
-        rows = torch.arange(w, dtype=torch.int32, device=dev)[:, None] * pairs + local
-        routed = local[None, :] < meta[:, e:e + 1]
-        dest = (rows - local + meta[:, e + 2:]).long().reshape(-1)  # the row's pair, as a global pair index
-        self.row_of_pair = torch.empty(w * pairs, dtype=torch.int32, device=dev).scatter_(
-            0, dest, torch.where(routed, rows, -1).reshape(-1)).view(w * m, k)
+                 row_of_pair: torch.Tensor):
+        self.meta, self.world_size, self.num_experts = meta, meta.shape[0], num_experts
+        self.top_k, self.tokens_per_rank, self.row_of_pair = top_k, tokens_per_rank, row_of_pair
 
     @property
     def starts(self) -> torch.Tensor:
@@ -157,6 +129,128 @@ class GroupLayout:
     @property
     def pair_of_row(self) -> torch.Tensor:
         return self.meta[:, self.num_experts + 2:]
+
+
+# A stable counting sort of one rank's pairs by expert, in BLOCK-pair blocks: pair_counts_kernel counts each
+# block's pairs per expert; pair_place_kernel puts each pair of its block at its expert's start + the expert's
+# pairs in earlier blocks + the expert's pairs before it in the block. Two launches, where torch takes ~10 small
+# kernels (where, sort, searchsorted, copies) and as many ~5 us host calls.
+
+@triton.jit
+def _expert_of(topk, i, pairs, E: tl.constexpr):
+    """The sort key of pairs i: the expert, E for none (-1, or a bad entry not raised yet), E + 1 past the end."""
+    v = tl.load(topk + i, mask=i < pairs, other=-1)
+    return tl.where(i < pairs, tl.where((v >= 0) & (v < E), v, E), E + 1).to(tl.int32)
+
+
+@triton.jit
+def pair_counts_kernel(topk, counts, pairs, E: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """counts[p, e] = the pairs of block p (pairs [p BLOCK, (p + 1) BLOCK)) with key e, for e <= E (0 beyond)."""
+    p = tl.program_id(0)
+    bins = tl.arange(0, BLOCK_E)
+    hist = tl.histogram(_expert_of(topk, p * BLOCK + tl.arange(0, BLOCK), pairs, E), BLOCK_E)
+    tl.store(counts + p * BLOCK_E + bins, tl.where(bins <= E, hist, 0))
+
+
+@triton.jit
+def pair_place_kernel(topk, counts, meta, pairs, blocks, E: tl.constexpr, BLOCK: tl.constexpr,
+                      BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr):
+    """meta = [starts (E + 2) | pair_of_row (pairs)] (GroupLayout) from every block's counts: block p places its
+    pairs; program 0 writes starts."""
+    p = tl.program_id(0)
+    bins = tl.arange(0, BLOCK_E)
+    total = tl.zeros([BLOCK_E], tl.int32)
+    before = tl.zeros([BLOCK_E], tl.int32)  # each expert's pairs in the blocks before p
+    for q0 in range(0, blocks, BLOCK_P):
+        q = q0 + tl.arange(0, BLOCK_P)
+        c = tl.load(counts + q[:, None] * BLOCK_E + bins[None, :], mask=(q < blocks)[:, None], other=0)
+        total += tl.sum(c, axis=0)
+        before += tl.sum(tl.where((q < p)[:, None], c, 0), axis=0)
+    starts = tl.cumsum(total, axis=0) - total  # starts[E + 1] = pairs: keys above E are never counted
+    if p == 0:
+        tl.store(meta + bins, starts, mask=bins < E + 2)
+    i = tl.arange(0, BLOCK)
+    key = _expert_of(topk, p * BLOCK + i, pairs, E)
+    same = tl.zeros([BLOCK], tl.int32)  # pairs of the block before pair i with its key: a stable sort
+    for j0 in range(0, BLOCK, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        earlier = (_expert_of(topk, p * BLOCK + j, pairs, E)[None, :] == key[:, None]) & (j[None, :] < i[:, None])
+        same += tl.sum(earlier.to(tl.int32), axis=1)
+    row = tl.gather(starts + before, key, 0) + same
+    tl.store(meta + E + 2 + row, p * BLOCK + i, mask=key <= E)
+
+
+@triton.jit
+def row_of_pair_kernel(metas, meta_copy, row_of_pair, pairs, width, E: tl.constexpr, BLOCK: tl.constexpr,
+                       BLOCK_E: tl.constexpr, COPY: tl.constexpr):
+    """row_of_pair (W m k,) of every rank's chunk in metas (W, width): the inverse of pair_of_row, -1 for the
+    rows from starts[E] on; COPY: metas copied into meta_copy as well (metas is the workspace, which the next
+    call overwrites)."""
+    c = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = i < pairs
+    chunk = metas + c * width
+    pair = tl.load(chunk + E + 2 + i, mask=live)
+    tl.store(row_of_pair + c * pairs + pair, tl.where(i < tl.load(chunk + E), c * pairs + i, -1), mask=live)
+    if COPY:
+        tl.store(meta_copy + c * width + E + 2 + i, pair, mask=live)
+        if tl.program_id(1) == 0:
+            s = tl.arange(0, BLOCK_E)
+            tl.store(meta_copy + c * width + s, tl.load(chunk + s, mask=s < E + 2), mask=s < E + 2)
+
+
+class LayoutLaunches:
+    """The launches that make GroupLayouts for one topk_idx signature (a plan's): `chunk` sorts this rank's pairs
+    by expert, `gathered` makes the GroupLayout of every rank's chunks. `block`: pairs per program of the sort
+    (the tests make it small, to run several blocks). copy: `gathered` copies the chunks out of its argument
+    (the workspace) into the layout's own meta."""
+
+    def __init__(self, topk_idx: torch.Tensor, num_experts: int, world_size: int, copy: bool, block: int = 256):
+        m, k = topk_idx.shape
+        e, dev = num_experts, topk_idx.device
+        self.e, self.k, self.m, self.world_size, self.copy = e, k, m, world_size, copy
+        self.pairs = pairs = m * k
+        self.width = width = e + 2 + pairs
+        block = min(block, max(32, triton.next_power_of_2(pairs)))
+        self.blocks = blocks = triton.cdiv(pairs, block)
+        block_e = triton.next_power_of_2(e + 2)
+        self.counts = torch.empty((max(blocks, 1), block_e), dtype=torch.int32, device=dev)  # the sort's scratch
+        self.meta = meta = torch.empty(width, dtype=torch.int32, device=dev)  # `all_gathered`'s chunk
+        sort = dict(E=e, BLOCK=block, BLOCK_E=block_e)
+        self.count = Launch(pair_counts_kernel, (blocks,), (topk_idx, self.counts, pairs), sort) if blocks else None
+        block_p = max(1, min(triton.next_power_of_2(blocks), 8192 // block_e))
+        self.place = Launch(pair_place_kernel, (max(blocks, 1),), (topk_idx, self.counts, meta, pairs, blocks),
+                            dict(**sort, BLOCK_P=block_p, BLOCK_J=32))
+        metas = torch.empty((world_size, width), dtype=torch.int32, device=dev)
+        rows = torch.empty(world_size * pairs, dtype=torch.int32, device=dev)
+        self.invert = Launch(row_of_pair_kernel, (world_size, blocks), (metas, metas, rows, pairs, width),
+                             dict(E=e, BLOCK=block, BLOCK_E=block_e, COPY=copy)) if blocks else None
+        self.address = self.place.address
+
+    def chunk(self, topk_idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out (E + 2 + m k,) int32 = this rank's chunk of a GroupLayout, from its topk_idx (m, k): starts and
+        pair_of_row. An entry outside [0, E) (-1, or a bad value not raised yet: module doc) is a pair without
+        expert."""
+        a = self.address
+        if self.count is not None:
+            self.count(a(topk_idx), a(self.counts), self.pairs)
+        self.place(a(topk_idx), a(self.counts), a(out), self.pairs, self.blocks)
+        return out
+
+    def gathered(self, metas: torch.Tensor) -> GroupLayout:
+        """The GroupLayout of every rank's chunk, metas (W, E + 2 + m k)."""
+        meta = torch.empty_like(metas) if self.copy else metas
+        rows = torch.empty((self.world_size * self.m, self.k), dtype=torch.int32, device=metas.device)
+        if self.invert is not None:
+            a = self.address
+            self.invert(a(metas), a(meta), a(rows), self.pairs, self.width)
+        elif self.copy:
+            meta.copy_(metas)
+        return GroupLayout(meta, self.e, self.k, self.m, rows)
+
+    def all_gathered(self, topk_idx: torch.Tensor) -> GroupLayout:
+        """The GroupLayout of every rank's topk_idx: each rank's chunk, all-gathered (weft all_gather)."""
+        return self.gathered(all_gather(self.chunk(topk_idx, self.meta)[None]))
 
 
 # -- device helpers -----------------------------------------------------------------
@@ -518,12 +612,6 @@ def _choose(op: str, method: str, refusal: str | None, world_size: int) -> str:
     return method
 
 
-def _gathered_layout(topk_idx, num_experts: int) -> GroupLayout:
-    """The GroupLayout of every rank's topk_idx: each rank's chunk_layout, all-gathered (weft all_gather)."""
-    m, k = topk_idx.shape
-    return GroupLayout(all_gather(chunk_layout(topk_idx, num_experts)[None]), num_experts, k, m)
-
-
 def _push(ws, copies) -> None:
     """copies [(dst, src), ...] in order on the copy stream, after the main stream's work so far (inline on cpu)."""
     if ws.streams is None:
@@ -595,6 +683,8 @@ class _AgPlan:
         refusal = _overlap_refusal(world, self.empty, need, "the gathered tokens and layouts")
         self.method = _choose("ag_group_gemm", method, refusal, ww)
         self.routing = _RoutingCheck(world, topk_idx, e)
+        overlap = self.method == "overlap"
+        self.layouts = LayoutLaunches(topk_idx, e, ww, copy=overlap)  # overlap: the chunks are in the workspace
         if self.empty:
             return
         tiles, even, warps, flatten = _gemm_config(world, m, k, e, n, hidden)
@@ -602,7 +692,6 @@ class _AgPlan:
         self.heap = heap = world.heap.descriptor
         block = (triton.next_power_of_2(m), triton.next_power_of_2(hidden))
         self.mapping = wl.TileMap((ww * m, hidden), ww, block, device=world.device).arg  # a tile per rank
-        overlap = self.method == "overlap"
         self.w_op = _Operand(w, (e * hidden, n), (tiles["BLOCK_K"], tiles["BLOCK_N"]), hidden, tiles["BLOCK_K"])
         consts = dict(E=e, TOP_K=k, WORLD=ww, GATHER=True, WAIT=overlap, **tiles, NUM_PROGRAMS=programs, **even,
                       A_TMA=False, W_TMA=self.w_op.tma, FLATTEN=flatten)
@@ -633,27 +722,26 @@ class _AgPlan:
 
     def __call__(self, tokens, w, topk_idx, out):
         self.routing(topk_idx)
-        meta = chunk_layout(topk_idx, self.e)
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.dev)
         if self.empty:
-            return out.zero_(), GroupLayout(all_gather(meta[None]), self.e, self.k, self.m)
+            return out.zero_(), self.layouts.all_gathered(topk_idx)
         if self.method == "baseline":
-            metas = all_gather(meta[None])
-            self.launch(*self._args(all_gather(tokens), metas, w, out))
+            layout = self.layouts.all_gathered(topk_idx)
+            self.launch(*self._args(all_gather(tokens), layout.meta, w, out))
             self.w_op.off()
-            return out, GroupLayout(metas, self.e, self.k, self.m)
-        ws = self.ws
+            return out, layout
+        ws, chunk = self.ws, self.mine[1]
         self.start(ws.bar, self.heap)
         self.mine[0].copy_(tokens)
-        self.mine[1].copy_(meta)
+        self.layouts.chunk(topk_idx, chunk)  # into the workspace, after the barrier: its last readers are done
         epoch = ws.bar[0:1]
         _push(ws, [pair for rows, layout, flag in self.peers
-                   for pair in ((rows, tokens), (layout, meta), (flag, epoch))])
+                   for pair in ((rows, tokens), (layout, chunk), (flag, epoch))])
         self.launch(*self._args(self.gathered, self.metas, w, out))
         self.w_op.off()
         _join(ws)
-        return out, GroupLayout(self.metas.clone(), self.e, self.k, self.m)
+        return out, self.layouts.gathered(self.metas)  # after the GEMM, which waited for every chunk
 
 
 def ag_group_gemm(tokens_shard: torch.Tensor, w_experts_shard: torch.Tensor, topk_idx: torch.Tensor,
@@ -688,7 +776,7 @@ def ag_group_gemm(tokens_shard: torch.Tensor, w_experts_shard: torch.Tensor, top
 class _RsPlan:
     """group_gemm_rs of one call signature: checks, method, launches, workspace views."""
 
-    def __init__(self, world, h, w_down, topk_idx, topk_weights, method, out):
+    def __init__(self, world, h, w_down, topk_idx, topk_weights, method, out, make_layout: bool):
         check_method(method, METHODS)
         check_tensor("h", h, world, dtypes=DTYPES)
         if h.dim() != 2:
@@ -713,6 +801,7 @@ class _RsPlan:
         refusal = _overlap_refusal(world, self.empty, need, "the partials and routing weights")
         self.method = _choose("group_gemm_rs", method, refusal, ww)
         self.routing = _RoutingCheck(world, topk_idx, e)
+        self.layouts = LayoutLaunches(topk_idx, e, ww, copy=False) if make_layout else None  # calls without one
         if self.empty:
             return
         tiles, even, warps, flatten = _gemm_config(world, m, k, e, hidden, inter)
@@ -787,7 +876,7 @@ class _RsPlan:
         if self.empty:
             return out.zero_()
         if layout is None:
-            layout = _gathered_layout(topk_idx, self.e)
+            layout = self.layouts.all_gathered(topk_idx)
         if self.method == "baseline":
             y = torch.empty((h.shape[0], self.hidden), dtype=self.dtype, device=self.dev)
             self.launch(*self.gemm_args(h, layout.meta, w_down, y))
@@ -836,7 +925,7 @@ def group_gemm_rs(h: torch.Tensor, w_down_shard: torch.Tensor, topk_idx: torch.T
     found = plan(world, lambda: ("group_gemm_rs", signature(h), signature(w_down_shard), signature(topk_idx),
                                  signature(topk_weights), layout is None, method,
                                  None if out is None else signature(out)),
-                 lambda: _RsPlan(world, h, w_down_shard, topk_idx, topk_weights, method, out))
+                 lambda: _RsPlan(world, h, w_down_shard, topk_idx, topk_weights, method, out, layout is None))
     found.check_layout(layout)
     found.routing.raise_recorded()  # a bad row an earlier call of the family recorded: nothing launched
     result = found(h, w_down_shard, topk_idx, topk_weights, layout, out)
@@ -892,6 +981,16 @@ _COMPILE_SHAPES = [("bf16", True, 128, 8, 4), ("bf16", True, 8, 2, 2), ("bf16", 
                    ("fp16", True, 8, 2, 2)]
 
 COMPILE_CASES = [(moe_tp_start_kernel, dict(bar="*i32", heap="*i64"), {}, dict(num_warps=1))] + [
+    case for t in ("*i64", "*i32") for experts in (128, 8) for case in (
+        (pair_counts_kernel, dict(topk=t, counts="*i32", pairs="i32"),
+         dict(E=experts, BLOCK=256, BLOCK_E=triton.next_power_of_2(experts + 2)), dict(num_warps=4)),
+        (pair_place_kernel, dict(topk=t, counts="*i32", meta="*i32", pairs="i32", blocks="i32"),
+         dict(E=experts, BLOCK=256, BLOCK_E=triton.next_power_of_2(experts + 2), BLOCK_P=32, BLOCK_J=32),
+         dict(num_warps=4)))
+] + [
+    (row_of_pair_kernel, dict(metas="*i32", meta_copy="*i32", row_of_pair="*i32", pairs="i32", width="i32"),
+     dict(E=128, BLOCK=256, BLOCK_E=256, COPY=copy), dict(num_warps=4)) for copy in (True, False)
+] + [
     (moe_tp_check_kernel, dict(topk=t, err="*i64", tokens="i32"),
      dict(K=k, EXPERTS=experts, BLOCK_T=64, BLOCK_K=triton.next_power_of_2(k)), dict(num_warps=4))
     for t in ("*i64", "*i32") for experts, k in ((128, 8), (8, 2))
