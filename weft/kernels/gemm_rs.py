@@ -427,8 +427,10 @@ def _case(t: str, c: gemm.GemmConfig, world: int, out_tma: bool):
                recv=f"*{t}",
                out=f"tensordesc<{t}[{c.block_m}, {quarter}]>" if out_tma else f"*{t}",
                ready="*i32", heap="*i64", m="i32", N="i32", K="i32")
+    # The JIT's specialisation of a real call: N and K whole 16s (a TMA operand's rows), m too where aligned.
     return (gemm_rs_kernel, sig, dict(OUT_TMA=out_tma, WORLD=world, NUM_PROGRAMS=132, **c.constexprs()),
-            dict(num_warps=c.num_warps, min_arch=90))
+            dict(num_warps=c.num_warps, min_arch=90, divisible=("m", "N", "K") if out_tma else ("K",),
+                 unaligned=() if out_tma else ("out",)))
 
 
 # Signatures for the sm_90 compile check (weft.testing.compile): every GPU config, bf16/fp16, 8 ranks with a

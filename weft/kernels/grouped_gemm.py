@@ -369,7 +369,7 @@ class _GroupedGemmPlan:
 COMPILE_CASES = [
     (grouped_gemm_kernel, dict(x=t, w=t, out=t, counts="*i32", experts="i32", capacity="i32", N="i32", K="i32"),
      dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, BLOCK_E=32, NUM_STAGES=4, PROGRAMS=132, EVEN_K=even,
-          EVEN_N=even), dict(num_warps=4))
+          EVEN_N=even), dict(num_warps=4, divisible=("capacity", "N", "K") if even else ()))  # the JIT's view
     for t in ("*bf16", "*fp16", "*fp32") for even in (True, False)
 ] + [
     (grouped_gemm_tma_kernel,
@@ -390,6 +390,6 @@ COMPILE_CASES = [
           ws_n="i32"),
      dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, BLOCK_E=128,
           NUM_STAGES=c.num_stages, PROGRAMS=132, FLATTEN=c.flatten, OUT_TMA=out_tma),
-     dict(num_warps=c.num_warps, min_arch=90))
+     dict(num_warps=c.num_warps, min_arch=90, divisible=("N", "K") if out_tma else ("K",)))
     for name, c in GPU_CONFIGS.items() if name.startswith("fp8") for out_tma in (True, False)
 ]

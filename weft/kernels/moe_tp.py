@@ -959,7 +959,7 @@ def _chunks_case(t: str, big: bool, gather: bool, experts: int, k: int, world: i
                    BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"], BLOCK_E=triton.next_power_of_2(experts + 2),
                    NUM_STAGES=tiles["NUM_STAGES"], NUM_PROGRAMS=132, EVEN_K=True, EVEN_N=big,
                    A_TMA=tma and not gather, W_TMA=tma, FLATTEN=flatten)
-    return group_gemm_chunks_kernel, sig, consts, dict(num_warps=warps, min_arch=90 if tma else 0)
+    return group_gemm_chunks_kernel, sig, consts, dict(num_warps=warps, min_arch=90 if tma else 0, divisible=("N", "K"))
 
 
 def _rs_case(t: str, big: bool, experts: int, k: int, world: int, tma: bool):
@@ -972,7 +972,7 @@ def _rs_case(t: str, big: bool, experts: int, k: int, world: int, tma: bool):
                   NUM_PROGRAMS=132, EVEN_K=big, EVEN_N=True, A_TMA=tma, W_TMA=tma, FLATTEN=flatten, BLOCK_T=16,
                   BLOCK_H=256)
     consts = {name: consts[name] for name in group_gemm_rs_kernel.arg_names if name in consts}
-    return group_gemm_rs_kernel, sig, consts, dict(num_warps=warps, min_arch=90 if tma else 0)
+    return group_gemm_rs_kernel, sig, consts, dict(num_warps=warps, min_arch=90 if tma else 0, divisible=("N", "K"))
 
 
 # (dtype, large tiles, experts, k, world): the kernels unroll their chunk loop, so a case at W ranks compiles W

@@ -620,10 +620,10 @@ COMPILE_CASES = [
     for t, r, v in [("*i64", 8, 2), ("*i32", 4, 4), ("*i16", 1, 1), ("*i8", 2, 1)]
 ] + [
     (qkv_all_to_all_kernel, {**_QKV_SIG, "x": t, "w": t, "out": t, "buf": t}, dict(BM=128, BN=bn, BK=64),
-     dict(num_warps=8))
+     dict(num_warps=8, divisible=("K", "N", "hd", "lhd", "sx0", "sw0")))  # a model's sizes, as the JIT sees them
     for t, bn in [("*bf16", 128), ("*fp16", 64), ("*fp32", 128)]
 ] + [
     (all_to_all_o_proj_kernel, {**_O_SIG, "attn": t, "w": t, "out": t, "buf": t},
-     dict(BM=128, BN=128, BK=64, ROWS=4096 // c, COLS=c), dict(num_warps=8))
+     dict(BM=128, BN=128, BK=64, ROWS=4096 // c, COLS=c), dict(num_warps=8, divisible=("N", "lhd", "sw0")))
     for t, c in [("*bf16", 512), ("*fp16", 1024), ("*fp32", 512)]
 ]

@@ -21,7 +21,12 @@ import sys
 import tempfile
 
 
-def compile_kernel(fn, signature: dict, constexprs: dict | None = None, arch: int = 90, num_warps: int = 4):
+def compile_kernel(fn, signature: dict, constexprs: dict | None = None, arch: int = 90, num_warps: int = 4,
+                   divisible=(), unaligned=()):
+    """Compile `fn` for sm_`arch` as the JIT would for a launch whose pointers are 16-byte aligned (torch's
+    allocations: the JIT specialises them, and the vector loads and stores follow from it) but those named in
+    `unaligned`, and whose integer arguments named in `divisible` are multiples of 16 (a row stride of a
+    hidden size: the JIT specialises those too)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -33,7 +38,14 @@ def compile_kernel(fn, signature: dict, constexprs: dict | None = None, arch: in
             paths[(fn.arg_names.index(key),)] = value
         else:  # (argument, index, ...): a constexpr inside a tuple argument (its signature says "constexpr" there)
             paths[(fn.arg_names.index(key[0]),) + tuple(key[1:])] = value
-    src = ASTSource(fn=fn, signature=sig, constexprs=paths)
+    attrs = {}
+    for name, kind in sig.items():
+        index = fn.arg_names.index(name)
+        parts = [((), kind)] if isinstance(kind, str) else [((i,), k) for i, k in enumerate(kind)]
+        for sub, k in parts:  # a tuple argument's pointers too (wl.TileMapping)
+            if (k.startswith("*") and name not in unaligned) or (name in divisible and k[0] in "iu"):
+                attrs[(index,) + sub] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=paths, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
 
 
