@@ -36,7 +36,7 @@ work items round-robin in this order:
     GEMM(me+1)  GEMM(me+2) RS(me+1)  GEMM(me+3) RS(me+2)  ...  GEMM(me) RS(me-1)  FINAL
 
 - GEMM(c): the tiles of chunk c, y[pair rows of c] = h[rows] @ w_down_shard[expert]; a program adds the
-  tiles it computed to done[c] (a local counter, zeroed per call) once it has stored them all;
+  tiles it computed to done[c] (a local counter, zeroed by the call's start kernel) once it has stored them all;
 - RS(c): per block of BLOCK_T tokens of rank c, once done[c] has every tile of chunk c and rank c's routing
   weights have arrived: the top-k weighted sum of each token's k rows of y (fp32, in j order, rounded once
   to the dtype: this rank's partial), stored straight into rank c's symmetric `recv` slot [me] through
@@ -340,9 +340,13 @@ def _tile_count(meta_c, N, E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
 # -- kernels --------------------------------------------------------------------------
 
 @triton.jit
-def moe_tp_start_kernel(bar, heap):
+def moe_tp_start_kernel(bar, heap, done, DONE: tl.constexpr, BLOCK_D: tl.constexpr):
     """Start of a call: every rank's previous kernels, the last readers of its workspace, are done.
-    bar[0] = the call's epoch."""
+    bar[0] = the call's epoch. group_gemm_rs's DONE per-chunk tile counters `done` are zeroed here too (local
+    counters: one launch fewer than a zero_)."""
+    if DONE > 0:
+        d = tl.arange(0, BLOCK_D)
+        tl.store(done + d, tl.zeros([BLOCK_D], tl.int32), mask=d < DONE)
     wl.barrier_all(bar, heap)
 
 
@@ -706,7 +710,7 @@ class _AgPlan:
             peer = world.heap.peer
             self.peers = [(peer(gathered, (me - s) % ww)[me * m:(me + 1) * m], peer(metas, (me - s) % ww)[me],
                            peer(ws.ready, (me - s) % ww)[me:me + 1]) for s in range(1, ww)]
-            self.start = Launch(moe_tp_start_kernel, (1,), (ws.bar, heap), {}, 1)
+            self.start = Launch(moe_tp_start_kernel, (1,), (ws.bar, heap, ws.bar), dict(DONE=0, BLOCK_D=1), 1)
             ready, bar = ws.ready, ws.bar
         else:
             gathered = torch.empty((ww * m, hidden), dtype=self.dtype, device=self.dev)
@@ -732,7 +736,7 @@ class _AgPlan:
             self.w_op.off()
             return out, layout
         ws, chunk = self.ws, self.mine[1]
-        self.start(ws.bar, self.heap)
+        self.start(ws.bar, self.heap, ws.bar)
         self.mine[0].copy_(tokens)
         self.layouts.chunk(topk_idx, chunk)  # into the workspace, after the barrier: its last readers are done
         epoch = ws.bar[0:1]
@@ -832,8 +836,9 @@ class _RsPlan:
         peer = world.heap.peer
         self.peers = [(peer(self.weights, q)[me * m:(me + 1) * m], peer(ws.ready, q)[me:me + 1])
                       for q in range(ww) if q != me]
-        self.done = torch.zeros(ww, dtype=torch.int32, device=self.dev)
-        self.start = Launch(moe_tp_start_kernel, (1,), (ws.bar, heap), {}, 1)
+        self.done = torch.zeros(ww, dtype=torch.int32, device=self.dev)  # zeroed by each call's start
+        self.start = Launch(moe_tp_start_kernel, (1,), (ws.bar, heap, self.done),
+                            dict(DONE=ww, BLOCK_D=triton.next_power_of_2(ww)), 1)
         gpu = world.device.type == "cuda"
         # One program under the interpreter, which runs programs one after another: a later program's GEMM
         # tile may be what an earlier one's reduction waits for (module doc).
@@ -889,8 +894,7 @@ class _RsPlan:
             return reduce_scatter(acc.to(self.dtype), out=out)
         ws = self.ws
         y = torch.empty((h.shape[0], self.hidden), dtype=self.dtype, device=self.dev)
-        self.done.zero_()
-        self.start(ws.bar, self.heap)
+        self.start(ws.bar, self.heap, self.done)
         self.mine.copy_(topk_weights)
         epoch = ws.bar[0:1]
         _push(ws, [pair for weights, flag in self.peers for pair in ((weights, topk_weights), (flag, epoch))])
@@ -980,7 +984,8 @@ def _rs_case(t: str, big: bool, experts: int, k: int, world: int, tma: bool):
 _COMPILE_SHAPES = [("bf16", True, 128, 8, 4), ("bf16", True, 8, 2, 2), ("bf16", False, 8, 2, 2),
                    ("fp16", True, 8, 2, 2)]
 
-COMPILE_CASES = [(moe_tp_start_kernel, dict(bar="*i32", heap="*i64"), {}, dict(num_warps=1))] + [
+COMPILE_CASES = [(moe_tp_start_kernel, dict(bar="*i32", heap="*i64", done="*i32"), dict(DONE=d, BLOCK_D=b),
+                  dict(num_warps=1)) for d, b in ((0, 1), (3, 4))] + [
     case for t in ("*i64", "*i32") for experts in (128, 8) for case in (
         (pair_counts_kernel, dict(topk=t, counts="*i32", pairs="i32"),
          dict(E=experts, BLOCK=256, BLOCK_E=triton.next_power_of_2(experts + 2)), dict(num_warps=4)),
