@@ -153,13 +153,16 @@ GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8)
 # 64x256x64 s4 w4 reached 1.09x) and 1.00x with uneven counts; the unflattened loop was 0.96-0.97x on three of
 # them. Experts of at most 128 rows (decode, fine-grained experts) take 64-row blocks, which waste less of a
 # block on a partial count (not probed). fp32 (tf32) takes small tiles, whose stages and output tile fit in
-# shared memory. fp8: 128-channel K slices (one scale each), 128 columns (one weight scale block); not yet
-# measured (the 2026-11-23 twelfth session had no GPU): 128x128x128 over 4 stages is 128 KiB of shared memory.
+# shared memory. fp8: 128-channel K slices (one scale each), 128 columns (one weight scale block); on an H200
+# (2026-11-23, thirteenth session, `python3 scripts/probe_grouped_gemm.py --fp8`) 128x128x128 over 4 stages,
+# flattened, was the fastest or within 7 % of it on 5 of the 7 shapes (442.0 us on 32 x 256 rows 7168 -> 2048,
+# 541.7 on Qwen3's down projection; 128x64x128 s4 w4 won Mixtral's wide ones by 9-14 %), and 64x128x128 s4 w4
+# on experts of ~32 rows (179.2 us against 220.4).
 GPU_CONFIGS = {
     "large": GemmConfig(128, 256, 64, 8, 3, 8, True),
     "skinny": GemmConfig(64, 128, 64, 8, 4, 4, False),
     "fp32": GemmConfig(64, 128, 32, 8, 4, 4, False),
-    "fp8": GemmConfig(128, 128, 128, 8, 4, 8, False),
+    "fp8": GemmConfig(128, 128, 128, 8, 4, 8, True),
     "fp8 skinny": GemmConfig(64, 128, 128, 8, 4, 4, False),
 }
 # The pointer kernel's (before the TMA kernel, all shapes took it: 480.7 us on 32 experts x 256 rows, 7168 -> 2048,
