@@ -46,22 +46,24 @@ SHAPES = [
 
 # BLOCK_M 64/128, BLOCK_N 128/256, BLOCK_K 64, 3/4 stages, 4/8 warps: the combinations whose accumulator fits
 # the registers of their warps (128x256 needs 8) and whose stages fit shared memory; the dense GEMM's H200
-# config also with its tile and K loops fused.
+# config also with its tile and K loops fused; the smallest tile also 2 programs per SM.
 GPU_SWEEP = [
     GemmConfig(64, 128, 64, 8, 3, 4, False), GemmConfig(64, 128, 64, 8, 4, 4, False),
     GemmConfig(64, 256, 64, 8, 3, 4, False), GemmConfig(64, 256, 64, 8, 4, 4, False),
     GemmConfig(128, 128, 64, 8, 3, 8, False), GemmConfig(128, 128, 64, 8, 4, 8, False),
-    GemmConfig(128, 128, 64, 8, 4, 4, False),
+    GemmConfig(128, 128, 64, 8, 4, 4, False), GemmConfig(64, 128, 64, 8, 4, 4, False, 2),
     GemmConfig(128, 256, 64, 8, 3, 8, False), GemmConfig(128, 256, 64, 8, 3, 8, True),
 ]
 CPU_SWEEP = [CPU_CONFIG, GemmConfig(32, 32, 32, 1, 1, 4, False)]
-# fp8: K slices of 128 (a scale block) or 64, 128 columns (a weight scale block; 256 would hold two fp32
-# accumulators of 128x256 in registers), 3/4 stages.
+# fp8: K slices of 128 (a scale block) or 64, 128 or 64 columns (within a weight scale block; 256 would hold two
+# fp32 accumulators of 128x256 in registers), 3/4 stages; tiles of 4 warps also 2 programs per SM (their
+# registers and stages fit twice: one program's MMAs then run under the other's scaling FMAs).
 FP8_SWEEP = [
-    GemmConfig(128, 128, 128, 8, 3, 8, False), GemmConfig(128, 128, 128, 8, 4, 8, False),
-    GemmConfig(128, 128, 128, 8, 4, 8, True), GemmConfig(64, 128, 128, 8, 4, 4, False),
-    GemmConfig(64, 128, 128, 8, 3, 4, False), GemmConfig(128, 128, 64, 8, 4, 8, False),
-    GemmConfig(128, 64, 128, 8, 4, 4, False),
+    GemmConfig(128, 128, 128, 8, 3, 8, False), GemmConfig(128, 128, 128, 8, 4, 8, True),
+    GemmConfig(64, 128, 128, 8, 4, 4, False), GemmConfig(64, 128, 128, 8, 3, 4, False, 2),
+    GemmConfig(64, 128, 128, 8, 4, 4, False, 2), GemmConfig(64, 128, 128, 8, 3, 4, True, 2),
+    GemmConfig(128, 64, 128, 8, 4, 4, False), GemmConfig(128, 64, 128, 8, 3, 4, False, 2),
+    GemmConfig(128, 64, 128, 8, 4, 4, True, 2),
 ]
 CPU_FP8_SWEEP = [CPU_CONFIG, GemmConfig(16, 32, 128, 1, 1, 4, False)]
 SMEM_BYTES = 232448  # an H100 / H200 block's shared memory
@@ -69,12 +71,12 @@ SMEM_BYTES = 232448  # an H100 / H200 block's shared memory
 
 def label(cfg: GemmConfig) -> str:
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} g{cfg.group_m} s{cfg.num_stages} w{cfg.num_warps}"
-            + (" flat" if cfg.flatten else "") + (" ws" if cfg.warp_specialize else ""))
+            + (" flat" if cfg.flatten else "") + (f" {cfg.programs_per_sm}/SM" if cfg.programs_per_sm > 1 else ""))
 
 
 def smem(cfg: GemmConfig, size: int = 2) -> int:
-    """Shared memory of the TMA kernel: the stages of x and w tiles (`size` bytes an element), the bf16 output
-    tile."""
+    """Shared memory of a program of the TMA kernel: the stages of x and w tiles (`size` bytes an element), the
+    bf16 output tile."""
     return size * cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k + 2 * cfg.block_m * cfg.block_n
 
 
@@ -121,9 +123,9 @@ def probe(name, experts, rows, k, n, kind, sweep, args, dev, gen, deadline) -> l
         if dev.type == "cuda" and time.monotonic() > deadline and cfg is not None:
             results.append(dict(row, status="skipped (time)"))
             continue
-        need = smem(cfg, a.element_size()) if cfg is not None else 0
+        need = smem(cfg, a.element_size()) * cfg.programs_per_sm if cfg is not None else 0
         if dev.type == "cuda" and need > SMEM_BYTES:
-            results.append(dict(row, status=f"skipped ({need >> 10} KiB of shared memory)"))
+            results.append(dict(row, status=f"skipped ({need >> 10} KiB of shared memory an SM)"))
             continue
         try:
             out = weft.ops.grouped_gemm(a, b, counts, config=cfg, **scales)

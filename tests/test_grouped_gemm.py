@@ -97,7 +97,7 @@ def _fp8_grouped_gemm(seed):
     g = torch.Generator().manual_seed(seed + weft.rank())
     cases = [(3, 20, 256, 136, 0, None, False), (4, 9, 128, 40, 1, None, True),
              (2, 33, 384, 64, 0, GemmConfig(16, 32, 128, 1, 1, 4, False), False),
-             (1, 5, 128, 300, 0, GemmConfig(32, 64, 64, 2, 1, 4, False), True)]
+             (1, 5, 128, 300, 0, GemmConfig(32, 64, 64, 2, 1, 4, False, 2), True)]
     for experts, cap, k, n, shift, cfg, transposed_scales in cases:
         for call in range(2):
             xb = torch.randn(experts, cap, k, generator=g).to(torch.bfloat16) * 3
@@ -171,6 +171,8 @@ def _rejects():
             guarded)
     rejects(lambda: weft.ops.grouped_gemm(q, w8, ones, GemmConfig(16, 32, 48, 1, 1, 4, False), sx, sw), ValueError,
             "block_k", guarded)
+    rejects(lambda: weft.ops.grouped_gemm(q, w8, ones, GemmConfig(16, 48, 32, 1, 1, 4, False), sx, sw), ValueError,
+            "block_n", guarded)
     q64 = q[:, :, :64].contiguous()
     rejects(lambda: weft.ops.grouped_gemm(q64, w8[:, :64], ones, x_scales=sx[..., :1].contiguous(), w_scales=sw),
             ValueError, "multiple of 128", [q64])

@@ -16,17 +16,16 @@ from .timing import time_calls
 
 SUITE = "matmul"
 
-CANDIDATES = [  # block_m, block_n, block_k, group_m, num_stages, num_warps, flatten, warp_specialize
-    gemm.GemmConfig(128, 256, 64, 8, 3, 8, False, False),
-    gemm.GemmConfig(128, 256, 64, 8, 3, 8, True, False),
-    gemm.GemmConfig(128, 256, 64, 8, 3, 8, False, True),
-    gemm.GemmConfig(256, 128, 64, 8, 3, 8, False, False),
-    gemm.GemmConfig(256, 128, 64, 8, 3, 8, True, False),
-    gemm.GemmConfig(128, 128, 64, 8, 4, 4, False, False),
-    gemm.GemmConfig(128, 128, 64, 8, 4, 8, True, False),
-    gemm.GemmConfig(128, 128, 64, 8, 5, 8, False, True),
-    gemm.GemmConfig(128, 256, 64, 16, 3, 8, True, False),
-    gemm.GemmConfig(64, 256, 64, 8, 4, 4, False, False),
+CANDIDATES = [  # block_m, block_n, block_k, group_m, num_stages, num_warps, flatten
+    gemm.GemmConfig(128, 256, 64, 8, 3, 8, False),
+    gemm.GemmConfig(128, 256, 64, 8, 3, 8, True),
+    gemm.GemmConfig(256, 128, 64, 8, 3, 8, False),
+    gemm.GemmConfig(256, 128, 64, 8, 3, 8, True),
+    gemm.GemmConfig(128, 128, 64, 8, 4, 4, False),
+    gemm.GemmConfig(128, 128, 64, 8, 4, 8, True),
+    gemm.GemmConfig(128, 128, 64, 8, 5, 8, False),
+    gemm.GemmConfig(128, 256, 64, 16, 3, 8, True),
+    gemm.GemmConfig(64, 256, 64, 8, 4, 4, False),
 ]
 
 
@@ -45,7 +44,7 @@ def add_arguments(p) -> None:
 
 def _label(c: gemm.GemmConfig) -> str:
     return (f"weft {c.block_m}x{c.block_n}x{c.block_k} g{c.group_m} s{c.num_stages} w{c.num_warps}"
-            f"{' flat' if c.flatten else ''}{' ws' if c.warp_specialize else ''}")
+            f"{' flat' if c.flatten else ''}{f' {c.programs_per_sm}/SM' if c.programs_per_sm > 1 else ''}")
 
 
 def run(args) -> list[Row]:

@@ -72,19 +72,17 @@ def mma(a_desc, b_desc, off_m, off_n, k_tiles, BLOCK_M: tl.constexpr, BLOCK_N: t
 @triton.jit
 def matmul_kernel(a_desc, b_desc, c_desc, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr,
-                  NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                  NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr):
     """c = a @ b. Program p computes tiles p, p + NUM_PROGRAMS, ... in grouped order.
 
     FLATTEN fuses the tile and K loops into one pipelined loop, so the next
-    tile's first loads overlap this tile's epilogue; WARP_SPECIALIZE lets the
-    compiler split loads and MMAs over warp groups. Which pays is measured
+    tile's first loads overlap this tile's epilogue. Which pays is measured
     per shape class (GPU_CONFIGS).
     """
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN,
-                         warp_specialize=WARP_SPECIALIZE):
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         pid_m, pid_n = tile_of(tile, num_m, num_n, GROUP_M)
         acc = mma(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
         c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
@@ -101,7 +99,10 @@ class GemmConfig:
     num_stages: int = 3
     num_warps: int = 8
     flatten: bool = True
-    warp_specialize: bool = False
+    # Persistent programs per SM (matmul and grouped_gemm): 2 lets one program's MMAs run while the other
+    # scales or stores, where two fit an SM's registers and shared memory. (Triton 3.6's warp specialisation
+    # is not here: on sm_90 it leaves a loop of 8 warps as it is and fails to compile one of 4.)
+    programs_per_sm: int = 1
 
     def constexprs(self) -> dict:
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=self.group_m,
@@ -211,11 +212,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     if k == 0:
         return out.zero_()
     cfg = config or config_for(m, n, k, device)
-    programs = min(num_sms(device), triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n))
+    programs = min(num_sms(device) * cfg.programs_per_sm, triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n))
     matmul_kernel[(programs,)](
         descriptor(a, (cfg.block_m, cfg.block_k)), descriptor(b, (cfg.block_k, cfg.block_n)),
         descriptor(out, (cfg.block_m, cfg.block_n)), m, n, k, NUM_PROGRAMS=programs, FLATTEN=cfg.flatten,
-        WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, **cfg.constexprs())
     return out
 
@@ -225,6 +225,6 @@ COMPILE_CASES = [
     (matmul_kernel,
      dict(a_desc=f"tensordesc<{t}[{c.block_m}, {c.block_k}]>", b_desc=f"tensordesc<{t}[{c.block_k}, {c.block_n}]>",
           c_desc=f"tensordesc<{t}[{c.block_m}, {c.block_n}]>", M="i32", N="i32", K="i32"),
-     dict(NUM_PROGRAMS=132, FLATTEN=c.flatten, WARP_SPECIALIZE=c.warp_specialize, **c.constexprs()), dict(num_warps=c.num_warps, min_arch=90))
+     dict(NUM_PROGRAMS=132, FLATTEN=c.flatten, **c.constexprs()), dict(num_warps=c.num_warps, min_arch=90))
     for t in ("bf16", "fp16") for c in GPU_CONFIGS.values()
 ]

@@ -378,7 +378,7 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
     swapped = (a_desc, b_desc, chunk_a) + ((out_desc,) if out_tma else ())
     chunk_launch = None if cublas_chunks or w == 1 else Launch(
         gemm.matmul_kernel, (programs,), (chunk_a, b_desc, chunk_out[steps[0][0]], m, n, k),
-        dict(**cfg.constexprs(), NUM_PROGRAMS=programs, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize),
+        dict(**cfg.constexprs(), NUM_PROGRAMS=programs, FLATTEN=cfg.flatten),
         cfg.num_warps)
 
     def chunk_gemm(a, b_shard, c, dst):

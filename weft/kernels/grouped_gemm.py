@@ -64,18 +64,18 @@ def _tile_of_expert(tile, experts, rows, blocks, first_tile, N, BLOCK_N: tl.cons
 def grouped_gemm_tma_kernel(x_desc, w_desc, out_desc, counts, experts, capacity, N, K, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                             BLOCK_E: tl.constexpr, NUM_STAGES: tl.constexpr, PROGRAMS: tl.constexpr,
-                            FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                            FLATTEN: tl.constexpr):
     """out[e, m] = x[e, m] @ w[e] for m < counts[e], the dense GEMM's mainloop (gemm.py) on grouped tiles.
 
     Operands arrive by TMA: x as (E C, K) at row e C + m, w as (E K, N) at row e K + k (K is whole BLOCK_Ks,
     so a K block never reaches into w[e + 1]); out is (E, C, N), whose descriptor clips a tile's stores at the
     expert's capacity. A tile's rows past counts[e] read whatever follows (the next expert's rows, or zeros
     past the end): a row of the product depends only on the same row of x, so they change only rows past the
-    count, which are left undefined. FLATTEN / WARP_SPECIALIZE as in gemm.matmul_kernel.
+    count, which are left undefined. FLATTEN as in gemm.matmul_kernel.
     """
     rows, blocks, first_tile, tiles = _expert_tiles(counts, experts, capacity, N, BLOCK_M, BLOCK_N, BLOCK_E)
     k_tiles = K // BLOCK_K
-    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=FLATTEN):
         e, _, pm, pn = _tile_of_expert(tile, experts, rows, blocks, first_tile, N, BLOCK_N, BLOCK_E, GROUP_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k in tl.range(k_tiles, num_stages=NUM_STAGES):
@@ -111,8 +111,10 @@ def grouped_gemm_fp8_kernel(x_desc, w_desc, out, x_scales, w_scales, counts, exp
     Hopper's fp8 MMA's second operand): a block of columns past N reads the next expert's (or zeros), which
     only changes columns past N, never stored. A BLOCK_K slice lies within one 128-channel block (BLOCK_K
     divides 128): its product goes to the accumulator scaled by that block's scales, a full-precision add per
-    slice. x_scales (E, C, K / 128) contiguous; w_scales (E, K / 128, cdiv(N, 128)) with strides ws_e, ws_k,
-    ws_n.
+    slice. BLOCK_N divides 128 too, so a tile's columns share one weight scale: a slice's scale is a vector over
+    the rows, one FMA per accumulator element (the product of a row and a column vector of scales took a
+    multiply more per element, and 241 registers against 181 at 128x128). x_scales (E, C, K / 128) contiguous;
+    w_scales (E, K / 128, cdiv(N, 128)) with strides ws_e, ws_k, ws_n.
     Rows past counts[e] are not scaled (NaN there stays in its row). OUT_TMA: out is a descriptor of (E, C, N),
     which clips a tile at the expert's capacity, as in grouped_gemm_tma_kernel (else a pointer, for N rows not
     whole 16 bytes: its tile of addresses spills 40-532 bytes at the GPU configs, ptxas says; the TMA store none).
@@ -126,15 +128,15 @@ def grouped_gemm_fp8_kernel(x_desc, w_desc, out, x_scales, w_scales, counts, exp
         rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         # int64: E C K/128 scales may pass 2^31 words
         row_scales = x_scales + (e * capacity + rm).to(tl.int64) * groups
-        col_scales = w_scales + e.to(tl.int64) * ws_e + (rn // 128) * ws_n
+        col_scale = w_scales + e.to(tl.int64) * ws_e + (pn * BLOCK_N // 128) * ws_n
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k in tl.range(k_tiles, num_stages=NUM_STAGES):
             a = x_desc.load([e * capacity + pm * BLOCK_M, k * BLOCK_K])
             b = w_desc.load([e * N + pn * BLOCK_N, k * BLOCK_K])
             g = k * BLOCK_K // 128
             sa = tl.load(row_scales + g, mask=rm < n_rows, other=0.0)
-            sb = tl.load(col_scales + g * ws_k, mask=rn < N, other=0.0)
-            acc += dot(a, b.T, tl.zeros([BLOCK_M, BLOCK_N], tl.float32)) * (sa[:, None] * sb[None, :])
+            sb = tl.load(col_scale + g * ws_k)
+            acc += dot(a, b.T, tl.zeros([BLOCK_M, BLOCK_N], tl.float32)) * (sa * sb)[:, None]
         if OUT_TMA:
             out.store([e, pm * BLOCK_M, pn * BLOCK_N], cast(acc, out.dtype).reshape(1, BLOCK_M, BLOCK_N))
         else:
@@ -144,7 +146,7 @@ def grouped_gemm_fp8_kernel(x_desc, w_desc, out, x_scales, w_scales, counts, exp
 
 GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8)
 
-# GPU configs of the TMA kernel (gemm.GemmConfig; flatten and warp_specialize apply to it alone). "large": the
+# GPU configs of the TMA kernels (gemm.GemmConfig; flatten applies to them alone). "large": the
 # dense GEMM's 128x256x64 tiles, flattened loop: on an H200 (2026-11-23, `python3 scripts/probe_grouped_gemm.py`,
 # bf16, CUDA-graph replay) 1.01-1.05x torch._grouped_mm on 32 x 256 rows 7168 <-> 2048, Qwen3-30B-A3B's 128 x 512
 # rows (2048 -> 1536, 768 -> 2048) and Mixtral's 8 x 2048 rows (4096 -> 14336), 1.02x on 14336 -> 4096 (where
@@ -264,9 +266,11 @@ def _check_fp8(world, x, w, x_scales, w_scales, config) -> None:
         check_tensor(name, s, world, dtypes=(torch.float32,), contiguous=contiguous)
         if tuple(s.shape) != shape:
             raise ValueError(f"{name} must be {shape}, got {tuple(s.shape)}")
-    if config is not None and FP8_BLOCK % config.block_k:
-        raise ValueError(f"config.block_k must divide {FP8_BLOCK} for fp8 (a K slice within one scale block), "
-                         f"got {config.block_k}")
+    if config is not None:
+        for name, block, what in (("block_k", config.block_k, "a K slice"), ("block_n", config.block_n, "a tile")):
+            if FP8_BLOCK % block:
+                raise ValueError(f"config.{name} must divide {FP8_BLOCK} for fp8 ({what} within one scale block), "
+                                 f"got {block}")
 
 
 class _GroupedGemmPlan:
@@ -297,7 +301,7 @@ class _GroupedGemmPlan:
         self.tma = not self.empty and k > 0 and (self.fp8 or tma_refusal(x, w, block_k) is None)
         cfg = self.config = config or grouped_config(c, x.dtype, world.device, self.tma)
         tiles = e * triton.cdiv(c, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-        self.programs = max(1, min(num_sms(world.device), tiles))
+        self.programs = max(1, min(num_sms(world.device) * cfg.programs_per_sm, tiles))
         common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       BLOCK_E=triton.next_power_of_2(max(e, 1)), NUM_STAGES=cfg.num_stages, PROGRAMS=self.programs)
         out = torch.empty(self.out_shape, dtype=self.out_dtype, device=x.device)
@@ -321,7 +325,7 @@ class _GroupedGemmPlan:
             self.out_desc = descriptor(out, (1, cfg.block_m, cfg.block_n))
             self.launch = Launch(grouped_gemm_tma_kernel, (self.programs,),
                                  (self.x_desc, self.w_desc, self.out_desc, counts, e, c, n, k),
-                                 dict(**common, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize),
+                                 dict(**common, FLATTEN=cfg.flatten),
                                  cfg.num_warps)
             self._off()
         elif not self.empty:
@@ -378,7 +382,7 @@ COMPILE_CASES = [
           out_desc=f"tensordesc<{t}[1, {c.block_m}, {c.block_n}]>", counts="*i32", experts="i32", capacity="i32",
           N="i32", K="i32"),
      dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, BLOCK_E=128,
-          NUM_STAGES=c.num_stages, PROGRAMS=132, FLATTEN=c.flatten, WARP_SPECIALIZE=c.warp_specialize),
+          NUM_STAGES=c.num_stages, PROGRAMS=132, FLATTEN=c.flatten),
      dict(num_warps=c.num_warps, min_arch=90))
     for name, c in GPU_CONFIGS.items() if not name.startswith("fp8")
     for t in (("fp32",) if name == "fp32" else ("bf16", "fp16"))
