@@ -283,12 +283,12 @@ def test_grouped_gemm_against_matmul(experts, cap, k, n, dtype, tma):
 
 
 @pytest.mark.parametrize("experts,cap,k,n,config", [
-    (32, 256, HIDDEN, 2048, None),  # the bench shape ("fp8" tiles)
+    (32, 256, HIDDEN, 2048, None),  # the bench shape
     (6, 200, 768, 2048, None),  # row blocks that reach into the next expert
-    (8, 96, 2048, 200, None),  # "fp8 skinny" tiles; N past one scale block and not whole tiles
+    (8, 96, 2048, 200, None),  # N past one scale block and not whole tiles
     (5, 100, 512, 384, (128, 128, 64, 8, 4, 8, False)),  # two K slices per scale block
     (4, 64, 256, 300, None),  # output rows not whole 16 bytes: pointer stores
-    (7, 300, 1024, 640, (64, 128, 128, 8, 3, 4, False, 2)),  # 2 programs per SM
+    (7, 300, 1024, 640, (128, 128, 128, 8, 4, 8, True)),  # 8 warps, flattened, a program per SM
 ])
 def test_fp8_grouped_gemm_against_dequantized(experts, cap, k, n, config):
     """fp8 with block scales against the product of the dequantized operands, NaN past the counts, the weight

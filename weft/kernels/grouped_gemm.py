@@ -153,17 +153,18 @@ GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8)
 # 64x256x64 s4 w4 reached 1.09x) and 1.00x with uneven counts; the unflattened loop was 0.96-0.97x on three of
 # them. Experts of at most 128 rows (decode, fine-grained experts) take 64-row blocks, which waste less of a
 # block on a partial count (not probed). fp32 (tf32) takes small tiles, whose stages and output tile fit in
-# shared memory. fp8: 128-channel K slices (one scale each), 128 columns (one weight scale block); on an H200
-# (2026-11-23, thirteenth session, `python3 scripts/probe_grouped_gemm.py --fp8`) 128x128x128 over 4 stages,
-# flattened, was the fastest or within 7 % of it on 5 of the 7 shapes (442.0 us on 32 x 256 rows 7168 -> 2048,
-# 541.7 on Qwen3's down projection; 128x64x128 s4 w4 won Mixtral's wide ones by 9-14 %), and 64x128x128 s4 w4
-# on experts of ~32 rows (179.2 us against 220.4).
+# shared memory. fp8: 128-channel K slices (one scale each), 64-row x 128-column tiles (one weight scale block)
+# of one warp group, 2 programs per SM, so that one program's MMAs run while the other scales its last slice
+# (Triton waits for each slice's MMA before its scaling FMAs). On an H200 (2026-11-23, fourteenth session,
+# `python3 scripts/probe_grouped_gemm.py --fp8`) it was the fastest or within 4 % of it on 7 of the 8 shapes
+# (9 % behind 64x128x128 s3 flat 2/SM on Qwen3's down projection, 768 -> 2048): 285.6 us on 32 x 256 rows
+# 7168 -> 2048 (one program per SM of 128x128x128: 318.3), 2208.8 on Mixtral's 4096 -> 14336 (2824.4), 121.5
+# on experts of ~32 rows (149.6).
 GPU_CONFIGS = {
     "large": GemmConfig(128, 256, 64, 8, 3, 8, True),
     "skinny": GemmConfig(64, 128, 64, 8, 4, 4, False),
     "fp32": GemmConfig(64, 128, 32, 8, 4, 4, False),
-    "fp8": GemmConfig(128, 128, 128, 8, 4, 8, True),
-    "fp8 skinny": GemmConfig(64, 128, 128, 8, 4, 4, False),
+    "fp8": GemmConfig(64, 128, 128, 8, 4, 4, False, 2),
 }
 # The pointer kernel's (before the TMA kernel, all shapes took it: 480.7 us on 32 experts x 256 rows, 7168 -> 2048,
 # on an H200, against torch._grouped_mm's 323.2 us).
@@ -176,7 +177,7 @@ def grouped_config(capacity: int, dtype: torch.dtype, device: torch.device, tma:
     if device.type != "cuda":
         return CPU_CONFIG
     if dtype == FP8:
-        return GPU_CONFIGS["fp8 skinny" if capacity <= 128 else "fp8"]
+        return GPU_CONFIGS["fp8"]
     if not tma:
         return POINTER_CONFIG
     if dtype == torch.float32:
