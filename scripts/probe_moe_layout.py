@@ -1,5 +1,5 @@
-"""TP-MoE's grouped layout on one GPU: weft's LayoutLaunches (a counting sort and the row_of_pair inversion, three
-launches) against the same layout made by torch ops (stable sort, searchsorted, scatter), eager and graph-replayed.
+"""TP-MoE's grouped layout on one GPU: weft's LayoutLaunches (a counting sort in three launches and the row_of_pair
+inversion) against the same layout made by torch ops (stable sort, searchsorted, scatter), eager and graph-replayed.
 
     python3 scripts/probe_moe_layout.py [--blocks 256,512]      # on the device machine; JSON to $OUT
 """

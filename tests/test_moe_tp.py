@@ -195,6 +195,7 @@ LAYOUT_SHAPES = [  # (world, tokens, k, experts, index dtype, routing)
     (4, 100, 8, 16, "int32", "random"),    # k = 8
     (2, 70, 2, 130, "int64", "one"),       # every pair to one expert; more experts than a block of pairs
     (2, 53, 4, 8, "int64", "bad"),         # entries outside the experts, not raised yet: no expert
+    (2, 300, 8, 12, "int32", "masked"),    # more blocks than a step of the counts' scan (at 32-pair blocks)
 ]
 
 

@@ -132,9 +132,10 @@ class GroupLayout:
 
 
 # A stable counting sort of one rank's pairs by expert, in BLOCK-pair blocks: pair_counts_kernel counts each
-# block's pairs per expert; pair_place_kernel puts each pair of its block at its expert's start + the expert's
-# pairs in earlier blocks + the expert's pairs before it in the block. Two launches, where torch takes ~10 small
-# kernels (where, sort, searchsorted, copies) and as many ~5 us host calls.
+# block's pairs per expert; pair_scan_kernel turns the counts into each expert's pairs in earlier blocks (a scan
+# down each expert's column, linear in the blocks); pair_place_kernel puts each pair of its block at its expert's
+# start + the expert's pairs in earlier blocks + the expert's pairs before it in the block. Three launches, where
+# torch takes ~10 small kernels (where, sort, searchsorted, copies) and as many ~5 us host calls.
 
 @triton.jit
 def _expert_of(topk, i, pairs, E: tl.constexpr):
@@ -153,19 +154,30 @@ def pair_counts_kernel(topk, counts, pairs, E: tl.constexpr, BLOCK: tl.constexpr
 
 
 @triton.jit
+def pair_scan_kernel(counts, blocks, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
+    """counts (blocks + 1, BLOCK_E), in place: row p < blocks becomes, per key, the pairs of the blocks before p,
+    and row `blocks` the pairs in all; program s scans keys [s BLOCK_S, (s + 1) BLOCK_S), BLOCK_P blocks a step."""
+    keys = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    carry = tl.zeros([BLOCK_S], tl.int32)
+    for q0 in range(0, blocks, BLOCK_P):
+        q = q0 + tl.arange(0, BLOCK_P)
+        at = counts + q[:, None] * BLOCK_E + keys[None, :]
+        live = (q < blocks)[:, None]
+        c = tl.load(at, mask=live, other=0)
+        tl.store(at, tl.cumsum(c, axis=0) - c + carry[None, :], mask=live)
+        carry += tl.sum(c, axis=0)
+    tl.store(counts + blocks * BLOCK_E + keys, carry)
+
+
+@triton.jit
 def pair_place_kernel(topk, counts, meta, pairs, blocks, E: tl.constexpr, BLOCK: tl.constexpr,
-                      BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr):
-    """meta = [starts (E + 2) | pair_of_row (pairs)] (GroupLayout) from every block's counts: block p places its
+                      BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr):
+    """meta = [starts (E + 2) | pair_of_row (pairs)] (GroupLayout) from the scanned counts: block p places its
     pairs; program 0 writes starts."""
     p = tl.program_id(0)
     bins = tl.arange(0, BLOCK_E)
-    total = tl.zeros([BLOCK_E], tl.int32)
-    before = tl.zeros([BLOCK_E], tl.int32)  # each expert's pairs in the blocks before p
-    for q0 in range(0, blocks, BLOCK_P):
-        q = q0 + tl.arange(0, BLOCK_P)
-        c = tl.load(counts + q[:, None] * BLOCK_E + bins[None, :], mask=(q < blocks)[:, None], other=0)
-        total += tl.sum(c, axis=0)
-        before += tl.sum(tl.where((q < p)[:, None], c, 0), axis=0)
+    before = tl.load(counts + p * BLOCK_E + bins)  # each expert's pairs in the blocks before p
+    total = tl.load(counts + blocks * BLOCK_E + bins)
     starts = tl.cumsum(total, axis=0) - total  # starts[E + 1] = pairs: keys above E are never counted
     if p == 0:
         tl.store(meta + bins, starts, mask=bins < E + 2)
@@ -214,13 +226,18 @@ class LayoutLaunches:
         block = min(block, max(32, triton.next_power_of_2(pairs)))
         self.blocks = blocks = triton.cdiv(pairs, block)
         block_e = triton.next_power_of_2(e + 2)
-        self.counts = torch.empty((max(blocks, 1), block_e), dtype=torch.int32, device=dev)  # the sort's scratch
+        # The sort's scratch: per block and key, its pairs, then (scanned) those before it; a last row of totals
+        # (zeros when there are no pairs: no launch writes it then).
+        self.counts = torch.zeros((blocks + 1, block_e), dtype=torch.int32, device=dev)
         self.meta = meta = torch.empty(width, dtype=torch.int32, device=dev)  # `all_gathered`'s chunk
         sort = dict(E=e, BLOCK=block, BLOCK_E=block_e)
         self.count = Launch(pair_counts_kernel, (blocks,), (topk_idx, self.counts, pairs), sort) if blocks else None
-        block_p = max(1, min(triton.next_power_of_2(blocks), 8192 // block_e))
+        block_s = min(block_e, 32)
+        self.scan = Launch(pair_scan_kernel, (block_e // block_s,), (self.counts, blocks),
+                           dict(BLOCK_E=block_e, BLOCK_P=max(1, min(triton.next_power_of_2(blocks), 64)),
+                                BLOCK_S=block_s)) if blocks else None
         self.place = Launch(pair_place_kernel, (max(blocks, 1),), (topk_idx, self.counts, meta, pairs, blocks),
-                            dict(**sort, BLOCK_P=block_p, BLOCK_J=32))
+                            dict(**sort, BLOCK_J=32))
         metas = torch.empty((world_size, width), dtype=torch.int32, device=dev)
         rows = torch.empty(world_size * pairs, dtype=torch.int32, device=dev)
         self.invert = Launch(row_of_pair_kernel, (world_size, blocks), (metas, metas, rows, pairs, width),
@@ -234,6 +251,7 @@ class LayoutLaunches:
         a = self.address
         if self.count is not None:
             self.count(a(topk_idx), a(self.counts), self.pairs)
+            self.scan(a(self.counts), self.blocks)
         self.place(a(topk_idx), a(self.counts), a(out), self.pairs, self.blocks)
         return out
 
@@ -990,8 +1008,11 @@ COMPILE_CASES = [(moe_tp_start_kernel, dict(bar="*i32", heap="*i64", done="*i32"
         (pair_counts_kernel, dict(topk=t, counts="*i32", pairs="i32"),
          dict(E=experts, BLOCK=256, BLOCK_E=triton.next_power_of_2(experts + 2)), dict(num_warps=4)),
         (pair_place_kernel, dict(topk=t, counts="*i32", meta="*i32", pairs="i32", blocks="i32"),
-         dict(E=experts, BLOCK=256, BLOCK_E=triton.next_power_of_2(experts + 2), BLOCK_P=32, BLOCK_J=32),
+         dict(E=experts, BLOCK=256, BLOCK_E=triton.next_power_of_2(experts + 2), BLOCK_J=32),
          dict(num_warps=4)))
+] + [
+    (pair_scan_kernel, dict(counts="*i32", blocks="i32"), dict(BLOCK_E=block_e, BLOCK_P=64, BLOCK_S=min(block_e, 32)),
+     dict(num_warps=4)) for block_e in (16, 512)
 ] + [
     (row_of_pair_kernel, dict(metas="*i32", meta_copy="*i32", row_of_pair="*i32", pairs="i32", width="i32"),
      dict(E=128, BLOCK=256, BLOCK_E=256, COPY=copy), dict(num_warps=4)) for copy in (True, False)
