@@ -2,6 +2,7 @@
 inversion) against the same layout made by torch ops (stable sort, searchsorted, scatter), eager and graph-replayed.
 
     python3 scripts/probe_moe_layout.py [--blocks 256,512]      # on the device machine; JSON to $OUT
+    python3 scripts/probe_moe_layout.py --profile               # also each kernel's GPU µs (torch.profiler)
 """
 import argparse
 import json
@@ -60,10 +61,22 @@ def timed(fn, calls=200):
     return eager, start.elapsed_time(end) * 1000 / calls
 
 
+def kernel_times(fn, calls=20) -> dict:
+    """{kernel name: GPU µs per call} of fn's launches, from torch.profiler."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {ev.key: round(ev.device_time_total / calls, 2) for ev in prof.key_averages() if ev.device_time_total > 0}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--blocks", default="256", help="pairs per program of the sort, comma-separated")
     p.add_argument("--world", type=int, default=2, help="ranks whose chunks the layout holds")
+    p.add_argument("--profile", action="store_true", help="each kernel's GPU time per layout (first block size)")
     args = p.parse_args()
     rows = []
     for m, k, e in SHAPES:
@@ -82,6 +95,8 @@ def main():
             row["weft_eager_us"], row["weft_graph_us"] = timed(weft_layout)
             if i == 0:
                 row["torch_eager_us"], row["torch_graph_us"] = timed(lambda: torch_layout(idx, e, args.world))
+            if i == 0 and args.profile:
+                row["kernels_us"] = kernel_times(weft_layout)
             print(row, flush=True)
             rows.append(row)
     out = os.environ.get("OUT", ".")
