@@ -145,6 +145,26 @@ def _expert_of(topk, i, pairs, E: tl.constexpr):
 
 
 @triton.jit
+def _sort_distinct(x, N_DIMS: tl.constexpr):
+    """x (2^N_DIMS distinct ints) in ascending order: tl.sort's bitonic network over x as a hypercube, with each
+    compare-and-swap's partner found by a sum over its axis of 2 (a + b - a, exact in wrapping integers) where
+    tl.sort takes an xor-sum, which the interpreter runs element by element in Python (~300x slower on cpu).
+    No nested jit calls: each costs the interpreter ~1 ms."""
+    h = tl.reshape(x, [2] * N_DIMS)
+    two = tl.arange(0, 2)
+    for stage in tl.static_range(1, N_DIMS + 1):
+        if stage < N_DIMS:  # alternate directions in blocks of 2^stage; ascending at the last stage
+            flip = tl.reshape(two, [1] * (N_DIMS - stage - 1) + [2] + [1] * stage)
+        else:
+            flip = 0
+        for i in tl.static_range(stage):  # the pairs differ in the (stage - 1 - i)-th innermost axis
+            right = tl.reshape(two, [1] * (N_DIMS - stage + i) + [2] + [1] * (stage - 1 - i))
+            partner = tl.sum(h, N_DIMS - stage + i, keep_dims=True) - h
+            h = tl.where((h > partner) != (flip ^ right), partner, h)
+    return tl.reshape(h, [2 ** N_DIMS])
+
+
+@triton.jit
 def pair_counts_kernel(topk, counts, pairs, E: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
     """counts[p, e] = the pairs of block p (pairs [p BLOCK, (p + 1) BLOCK)) with key e, for e <= E (0 beyond)."""
     p = tl.program_id(0)
@@ -171,7 +191,7 @@ def pair_scan_kernel(counts, blocks, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexp
 
 @triton.jit
 def pair_place_kernel(topk, counts, meta, pairs, blocks, E: tl.constexpr, BLOCK: tl.constexpr,
-                      BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr):
+                      BLOCK_E: tl.constexpr, LOG_BLOCK: tl.constexpr):
     """meta = [starts (E + 2) | pair_of_row (pairs)] (GroupLayout) from the scanned counts: block p places its
     pairs; program 0 writes starts."""
     p = tl.program_id(0)
@@ -183,13 +203,15 @@ def pair_place_kernel(topk, counts, meta, pairs, blocks, E: tl.constexpr, BLOCK:
         tl.store(meta + bins, starts, mask=bins < E + 2)
     i = tl.arange(0, BLOCK)
     key = _expert_of(topk, p * BLOCK + i, pairs, E)
-    same = tl.zeros([BLOCK], tl.int32)  # pairs of the block before pair i with its key: a stable sort
-    for j0 in range(0, BLOCK, BLOCK_J):
-        j = j0 + tl.arange(0, BLOCK_J)
-        earlier = (_expert_of(topk, p * BLOCK + j, pairs, E)[None, :] == key[:, None]) & (j[None, :] < i[:, None])
-        same += tl.sum(earlier.to(tl.int32), axis=1)
-    row = tl.gather(starts + before, key, 0) + same
-    tl.store(meta + E + 2 + row, p * BLOCK + i, mask=key <= E)
+    # The block's pairs stably sorted by key (sorting key BLOCK + index, in registers): the r-th of that order
+    # is the (r - first[key])-th of its key in the block. (Comparing each pair with the block's earlier ones, a
+    # loop that reloaded the keys, took ~9 us a program on an H200 whatever the block count.)
+    order = _sort_distinct(key * BLOCK + i, LOG_BLOCK)
+    sorted_key = order // BLOCK
+    hist = tl.histogram(key, BLOCK_E)
+    first = tl.cumsum(hist, axis=0) - hist
+    row = tl.gather(starts + before - first, sorted_key, 0) + i
+    tl.store(meta + E + 2 + row, p * BLOCK + order % BLOCK, mask=sorted_key <= E)
 
 
 @triton.jit
@@ -237,7 +259,7 @@ class LayoutLaunches:
                            dict(BLOCK_E=block_e, BLOCK_P=max(1, min(triton.next_power_of_2(blocks), 64)),
                                 BLOCK_S=block_s)) if blocks else None
         self.place = Launch(pair_place_kernel, (max(blocks, 1),), (topk_idx, self.counts, meta, pairs, blocks),
-                            dict(**sort, BLOCK_J=32))
+                            dict(**sort, LOG_BLOCK=block.bit_length() - 1))
         metas = torch.empty((world_size, width), dtype=torch.int32, device=dev)
         rows = torch.empty(world_size * pairs, dtype=torch.int32, device=dev)
         self.invert = Launch(row_of_pair_kernel, (world_size, blocks), (metas, metas, rows, pairs, width),
@@ -1008,7 +1030,7 @@ COMPILE_CASES = [(moe_tp_start_kernel, dict(bar="*i32", heap="*i64", done="*i32"
         (pair_counts_kernel, dict(topk=t, counts="*i32", pairs="i32"),
          dict(E=experts, BLOCK=256, BLOCK_E=triton.next_power_of_2(experts + 2)), dict(num_warps=4)),
         (pair_place_kernel, dict(topk=t, counts="*i32", meta="*i32", pairs="i32", blocks="i32"),
-         dict(E=experts, BLOCK=256, BLOCK_E=triton.next_power_of_2(experts + 2), BLOCK_J=32),
+         dict(E=experts, BLOCK=256, BLOCK_E=triton.next_power_of_2(experts + 2), LOG_BLOCK=8),
          dict(num_warps=4)))
 ] + [
     (pair_scan_kernel, dict(counts="*i32", blocks="i32"), dict(BLOCK_E=block_e, BLOCK_P=64, BLOCK_S=min(block_e, 32)),
