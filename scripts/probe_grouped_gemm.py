@@ -69,11 +69,6 @@ CPU_FP8_SWEEP = [CPU_CONFIG, GemmConfig(16, 32, 128, 1, 1, 4, False)]
 SMEM_BYTES = 232448  # an H100 / H200 block's shared memory
 
 
-def label(cfg: GemmConfig) -> str:
-    return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} g{cfg.group_m} s{cfg.num_stages} w{cfg.num_warps}"
-            + (" flat" if cfg.flatten else "") + (f" {cfg.programs_per_sm}/SM" if cfg.programs_per_sm > 1 else ""))
-
-
 def smem(cfg: GemmConfig, size: int = 2) -> int:
     """Shared memory of a program of the TMA kernel: the stages of x and w tiles (`size` bytes an element), the
     bf16 output tile."""
@@ -117,9 +112,9 @@ def probe(name, experts, rows, k, n, kind, sweep, args, dev, gen, deadline) -> l
     a, b = (xq, wq) if args.fp8 else (x, w)
     default = grouped_config(rows, a.dtype, dev, True)
     results, impls = [], {}
-    configs = [("default", None)] + [(label(c), c) for c in sweep if c != default]
+    configs = [("default", None)] + [(c.label(), c) for c in sweep if c != default]
     for cname, cfg in configs:
-        row = dict(shape=name, impl="weft", config=cname if cfg is not None else f"default ({label(default)})")
+        row = dict(shape=name, impl="weft", config=cname if cfg is not None else f"default ({default.label()})")
         if dev.type == "cuda" and time.monotonic() > deadline and cfg is not None:
             results.append(dict(row, status="skipped (time)"))
             continue

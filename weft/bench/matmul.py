@@ -43,8 +43,7 @@ def add_arguments(p) -> None:
 
 
 def _label(c: gemm.GemmConfig) -> str:
-    return (f"weft {c.block_m}x{c.block_n}x{c.block_k} g{c.group_m} s{c.num_stages} w{c.num_warps}"
-            f"{' flat' if c.flatten else ''}{f' {c.programs_per_sm}/SM' if c.programs_per_sm > 1 else ''}")
+    return f"weft {c.label()}"
 
 
 def run(args) -> list[Row]:

@@ -104,6 +104,12 @@ class GemmConfig:
     # is not here: on sm_90 it leaves a loop of 8 warps as it is and fails to compile one of 4.)
     programs_per_sm: int = 1
 
+    def label(self) -> str:
+        """The config in one line, as the sweeps print it: "128x256x64 g8 s3 w8 flat"."""
+        per_sm = f" {self.programs_per_sm}/SM" if self.programs_per_sm > 1 else ""
+        return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} s{self.num_stages} w{self.num_warps}"
+                + (" flat" if self.flatten else "") + per_sm)
+
     def constexprs(self) -> dict:
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=self.group_m,
                     NUM_STAGES=self.num_stages)

@@ -117,7 +117,7 @@ def grouped_gemm_fp8_kernel(x_desc, w_desc, out, x_scales, w_scales, counts, exp
     w_scales (E, K / 128, cdiv(N, 128)) with strides ws_e, ws_k, ws_n.
     Rows past counts[e] are not scaled (NaN there stays in its row). OUT_TMA: out is a descriptor of (E, C, N),
     which clips a tile at the expert's capacity, as in grouped_gemm_tma_kernel (else a pointer, for N rows not
-    whole 16 bytes: its tile of addresses spills 40-532 bytes at the GPU configs, ptxas says; the TMA store none).
+    whole 16 bytes: its tile of addresses spills 292 bytes at the GPU config, ptxas says; the TMA store none).
     """
     rows, blocks, first_tile, tiles = _expert_tiles(counts, experts, capacity, N, BLOCK_M, BLOCK_N, BLOCK_E)
     k_tiles = K // BLOCK_K

@@ -15,7 +15,7 @@ The grouped layout (`GroupLayout`). A (token, expert) *pair* is one entry of top
 one row per pair of every rank's tokens, W m k rows, in rank chunks: chunk c (rows [c m k, (c + 1) m k))
 holds rank c's pairs sorted by expert (stably: by token t, then slot j, pair index t k + j); the pairs
 whose topk_idx is -1 come last in the chunk, as rows of zeros. A chunk depends only on its rank's topk_idx,
-so each rank sorts its own pairs (`LayoutLaunches.chunk`: two launches, no host sync) and sends the result
+so each rank sorts its own pairs (`LayoutLaunches.chunk`: three launches, no host sync) and sends the result
 along with its tokens: the consumer of a chunk needs nothing else.
 
 ag_group_gemm, method "overlap" (one call on rank `me`):
