@@ -118,6 +118,8 @@ def test_ep_ll():
 
 
 def test_ep_ll_fp8():
+    from weft.testing.reference import fp8_rows_ref
+
     w = weft.world()
     local = EXPERTS // w.world_size
     for seed in range(2):
@@ -128,9 +130,7 @@ def test_ep_ll_fp8():
         assert torch.equal(counts, ec)
         for e in range(local):
             want = ex[(ei == e).any(1)]
-            g = want.float().reshape(want.shape[0], HIDDEN // 128, 128)
-            scale = g.abs().amax(-1).clamp(min=1e-4) / 448
-            q = (g / scale[..., None]).to(torch.float8_e4m3fn).reshape(want.shape)
+            q, scale = fp8_rows_ref(want)  # the same quantization, bit for bit
             n = want.shape[0]
             assert torch.equal(scales[e, :n], scale), e
             assert torch.equal(recv[e, :n].view(torch.uint8), q.view(torch.uint8)), e
@@ -323,6 +323,45 @@ def test_fp8_grouped_gemm_against_dequantized(experts, cap, k, n, config):
             out = res["out"]
         for e, m in enumerate(counts.tolist()):
             torch.testing.assert_close(out[e, :m].float(), xd[e, :m] @ wd[e], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_mul_and_fp8_rows_match_torch(dtype):
+    """silu_mul (whole, over each expert's counts, fused with fp8) and fp8_rows against their torch forms (the fp8
+    conversions bit for bit), at EPMoE's decode buffer (experts x W 128 rows x 2 inter); rows past the counts
+    hold NaN, which must not reach a valid row; one call replayed from a CUDA graph on new values."""
+    from weft.kernels.pointwise import fp8_rows_torch, silu_mul_torch
+
+    w = weft.world()
+    g = torch.Generator(device=w.device).manual_seed(40)
+    e, cap, n = 64, 128 * w.world_size, 768
+    res = {}
+    for call in range(3):
+        h = (torch.randn(e, cap, 2 * n, device=w.device, generator=g) * 3).to(dtype)
+        counts = torch.randint(0, 40, (e,), device=w.device, dtype=torch.int32, generator=g)
+        counts[0], counts[1] = 0, cap
+        for i, m in enumerate(counts.tolist()):
+            h[i, m:] = float("nan")
+        if call < 2:
+            got = (weft.ops.silu_mul(h, counts), *weft.ops.silu_mul(h, counts, fp8=True), *weft.ops.fp8_rows(h, counts))
+        else:
+            sh, sc = h.clone(), counts.clone()
+            graph = capture(lambda: res.update(got=(weft.ops.silu_mul(sh, sc), *weft.ops.silu_mul(sh, sc, fp8=True),
+                                                    *weft.ops.fp8_rows(sh, sc))))
+            sh.copy_(h)
+            sc.copy_(counts)
+            graph.replay()
+            got = res["got"]
+        whole = weft.ops.silu_mul(h)
+        for i, m in enumerate(counts.tolist()):
+            # SiLU's exp differs from torch's in the last bits of fp32: close; the quantization bit for bit.
+            torch.testing.assert_close(whole[i, :m], silu_mul_torch(h[i, :m]), rtol=1e-5 if dtype == torch.float32
+                                       else 1e-2, atol=1e-5 if dtype == torch.float32 else 1e-2)
+            want = (whole[i, :m], *fp8_rows_torch(whole[i, :m]), *fp8_rows_torch(h[i, :m]))
+            for a, b in zip(got, want):
+                a = a[i, :m]
+                assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                                   b.view(torch.uint8) if b.element_size() == 1 else b), (call, i)
 
 
 def test_ep_ll_fp8_into_grouped_gemm():

@@ -118,55 +118,6 @@ def _layers_match_dense():
     return True
 
 
-def test_pointwise_kernels_round_as_torch():
-    """The fused kernels (weft/kernels/pointwise.py) under the interpreter against the torch code they replace
-    (transformers' formulas), fp32 and bf16, with rows that leave a program's block ragged."""
-    import torch
-    import torch.nn.functional as F
-
-    from weft.kernels.pointwise import qk_norm_rope, rms_norm, silu_mul
-
-    g = torch.Generator().manual_seed(0)
-    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
-        def randn(*shape):
-            return torch.randn(*shape, generator=g).to(dtype)
-
-        def hf_norm(x, w, eps=1e-6):  # LlamaRMSNorm.forward
-            h = x.float()
-            return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-
-        x, res, w = randn(19, 48), randn(19, 48), randn(48)
-        out, stream = rms_norm(x, w, 1e-6, res)
-        assert torch.equal(stream, x + res), dtype
-        torch.testing.assert_close(out, hf_norm(x + res, w), rtol=tol, atol=tol)
-        torch.testing.assert_close(rms_norm(x, w, 1e-6), hf_norm(x, w), rtol=tol, atol=tol)
-        h = randn(19, 2, 40)  # (..., 2 n): rows of [gate | up]
-        gate, up = h.reshape(19, 80).chunk(2, dim=-1)
-        torch.testing.assert_close(silu_mul(h.reshape(19, 80)), F.silu(gate) * up, rtol=tol, atol=tol)
-
-        heads, kv, d, tokens = 3, 1, 16, 5
-        qkv = randn(tokens + 2, (heads + 2 * kv) * d)  # rows past `tokens` are not read
-        inv_freq = 1.0 / 100.0 ** (torch.arange(0, d, 2).float() / d)
-        rows, positions = torch.tensor([1, 1, 0, 2, 2]), torch.tensor([3, 4, 0, 7, 8])
-        qw, kw = randn(d), randn(d)
-        k_cache, v_cache = torch.zeros(3, 9, kv, d, dtype=dtype), torch.zeros(3, 9, kv, d, dtype=dtype)
-        q = qk_norm_rope(qkv, tokens, heads, kv, inv_freq, rows, positions, k_cache, v_cache, qw, kw)
-        angles = positions[:, None].float() * inv_freq
-        cos, sin = (f(torch.cat([angles, angles], -1)).to(dtype)[:, None] for f in (torch.cos, torch.sin))
-
-        def rotate(t):  # transformers' apply_rotary_pos_emb
-            return t * cos + torch.cat([-t[..., d // 2:], t[..., :d // 2]], -1) * sin
-
-        q_ref, k_ref, v_ref = qkv[:tokens].split([heads * d, kv * d, kv * d], -1)
-        torch.testing.assert_close(q, rotate(hf_norm(q_ref.view(tokens, heads, d), qw)), rtol=tol, atol=tol)
-        torch.testing.assert_close(k_cache[rows, positions], rotate(hf_norm(k_ref.view(tokens, kv, d), kw)),
-                                   rtol=tol, atol=tol)
-        assert torch.equal(v_cache[rows, positions], v_ref.view(tokens, kv, d))
-        assert k_cache.count_nonzero() == tokens * kv * d  # nothing written elsewhere
-        q = qk_norm_rope(qkv, tokens, heads, kv, inv_freq, rows, positions, k_cache, v_cache)  # no q/k norm
-        torch.testing.assert_close(q, rotate(q_ref.view(tokens, heads, d)), rtol=tol, atol=tol)
-
-
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_layers_match_dense(world_size):
     run_ranks(_layers_match_dense, world_size, timeout=TIMEOUT, env=ENV)

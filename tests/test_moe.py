@@ -116,19 +116,12 @@ def _ht_case(seed, tokens, experts, k, hidden, mode, max_recv=None):
     assert torch.equal(out.view(torch.int16), acc.to(torch.bfloat16).view(torch.int16)), tag
 
 
-def _quantized(x):
-    """x (n, hidden) as e4m3 with one fp32 scale per 128 channels (amax / 448), as the kernel does it."""
-    import torch
-
-    g = x.float().reshape(x.shape[0], x.shape[1] // 128, 128)
-    scale = g.abs().amax(-1).clamp(min=1e-4) / 448
-    return (g / scale[..., None]).to(torch.float8_e4m3fn).reshape(x.shape), scale
-
-
 def _ll_fp8_case(seed, tokens, experts, k, max_tokens, hidden=256):
+    """The fp8 dispatch's rows and scales bit for bit those of fp8_rows (the same quantization)."""
     import torch
 
     import weft
+    from weft.testing.reference import fp8_rows_ref
 
     me, w = weft.rank(), weft.world_size()
     local = experts // w
@@ -141,7 +134,7 @@ def _ll_fp8_case(seed, tokens, experts, k, max_tokens, hidden=256):
     for e in range(local):
         want = ex[(ei == e).any(1)]
         n = want.shape[0]
-        q, scale = _quantized(want)
+        q, scale = fp8_rows_ref(want)
         assert torch.equal(recv[e, :n].view(torch.uint8), q.view(torch.uint8)), f"seed {seed} expert {e}"
         assert torch.equal(scales[e, :n], scale), f"seed {seed} expert {e}"
     # The combine of the dequantized rows, with the experts' scales.

@@ -17,17 +17,18 @@ from .kernels import gemm_ar as _gemm_ar
 from .kernels import gemm_rs as _gemm_rs
 from .kernels.barrier import device_barrier
 from .kernels.common import world_or_raise
-from .kernels.grouped_gemm import fp8_blocks, fp8_rows, grouped_gemm
+from .kernels.grouped_gemm import fp8_blocks, grouped_gemm
 from .kernels.moe import (check_routing_values, ep_combine, ep_combine_ll, ep_dispatch, ep_dispatch_ll,
                           routing_layout)
 from .kernels import moe_tp as _moe_tp
 from .kernels.moe_tp import GroupLayout
+from .kernels import pointwise as _pointwise
 from .kernels.ulysses import all_to_all_o_proj, qkv_all_to_all, ulysses_all_to_all
 
 __all__ = ["ag_gemm", "all_gather", "all_reduce", "reduce_scatter", "broadcast", "device_barrier", "gemm_rs", "gemm_ar",
            "flash_decode", "sp_flash_decode", "ulysses_all_to_all", "qkv_all_to_all", "all_to_all_o_proj",
            "routing_layout", "check_routing_values", "ep_dispatch", "ep_combine", "ep_dispatch_ll", "ep_combine_ll",
-           "grouped_gemm", "fp8_rows", "fp8_blocks", "ag_group_gemm", "group_gemm_rs", "GroupLayout"]
+           "grouped_gemm", "fp8_rows", "fp8_blocks", "silu_mul", "ag_group_gemm", "group_gemm_rs", "GroupLayout"]
 
 _traced = _t.traced
 
@@ -129,6 +130,20 @@ def sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table=
         return _flash_decode.sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table, scale)
     return torch.ops.weft.sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard,
                                           world_or_raise().world_size, block_table, scale)
+
+
+@_doc(_pointwise.silu_mul)
+def silu_mul(h, counts=None, fp8=False):
+    if not _traced(h):
+        return _pointwise.silu_mul(h, counts, fp8)
+    return _pointwise.silu_mul_torch(h, fp8)  # torch's own ops: traced and differentiated as they are
+
+
+@_doc(_pointwise.fp8_rows)
+def fp8_rows(x, counts=None):
+    if not _traced(x):
+        return _pointwise.fp8_rows(x, counts)
+    return _pointwise.fp8_rows_torch(x)
 
 
 @_doc(_moe_tp.ag_group_gemm)

@@ -21,7 +21,7 @@ tensor-parallel MoE ops and the MoE layers against the same work on torch collec
   experts, top-2, inter 14336; 8192 tokens in all, sequence parallel): ag_group_gemm (gate and up side by
   side, 2 inter / W columns per rank) and group_gemm_rs (inter / W -> hidden), "weft overlap" (method
   overlap) and "weft no overlap" (method baseline: weft all_gather + the same grouped GEMM; the grouped GEMM,
-  the weighted sum in torch, weft reduce_scatter) against the torch path: NCCL all_gather of the tokens and
+  the weighted sum by a kernel, weft reduce_scatter) against the torch path: NCCL all_gather of the tokens and
   the routing, a sort by expert, torch's grouped GEMM (torch._grouped_mm where it runs, else a loop of
   torch.matmul); torch's grouped GEMM, the weighted sum (index_add), NCCL reduce_scatter.
 - layers (Qwen3-30B-A3B's MoE block; random weights): EPMoE at 128 tokens per rank (decode: LL) and 4096
@@ -407,7 +407,7 @@ def _tp_ops(model, total, samples) -> list[Row]:
 
 # -- layers ----------------------------------------------------------------------------------------
 
-def _dense(model, dev):
+def random_moe_weights(model, dev):
     """Random dense weights of a model's MoE block, nn.Linear layout: router, gate, up, down."""
     e, hidden, inter = model["experts"], model["hidden"], model["inter"]
     scale = lambda t, fan_in: (t / fan_in ** 0.5).to(torch.bfloat16)  # noqa: E731
@@ -476,7 +476,7 @@ def _layer_rows(case, impls, capturable, samples) -> list[Row]:
 def _ep_layer(model, tokens, samples) -> list[Row]:
     w = weft.world()
     grouped = TorchGrouped(w.device)
-    dense = _dense(model, w.device)
+    dense = random_moe_weights(model, w.device)
     layer = EPMoE(*dense, model["k"], True, decode_tokens=128)
     layer_fp8 = EPMoE(*dense, model["k"], True, decode_tokens=128, fp8=True)
     x = torch.randn(tokens, model["hidden"], device=w.device).to(torch.bfloat16)
@@ -490,7 +490,7 @@ def _ep_layer(model, tokens, samples) -> list[Row]:
 def _tp_layer(model, total, samples) -> list[Row]:
     w = weft.world()
     grouped = TorchGrouped(w.device)
-    layer = TPMoE(*_dense(model, w.device), model["k"], True)
+    layer = TPMoE(*random_moe_weights(model, w.device), model["k"], True)
     x = torch.randn(total // w.world_size, model["hidden"], device=w.device).to(torch.bfloat16)
     impls = {"weft layer": lambda: layer(x), BASELINE: lambda: _torch_tp_layer(layer, x, grouped)}
     return _layer_rows(f"TPMoE {model['name']} {total} tok", impls,

@@ -1,5 +1,5 @@
-"""Device building blocks shared by the kernel families: vector-friendly copies, rounding, 16-bit elements packed in
-int32 words (the LL paths), a grouped GEMM tile, the MoE routing check."""
+"""Device building blocks shared by the kernel families: vector-friendly copies, rounding (to bf16, to fp8 e4m3),
+16-bit elements packed in int32 words (the LL paths), a grouped GEMM tile, the MoE routing check."""
 import triton
 import triton.language as tl
 
@@ -43,6 +43,37 @@ def cast(acc, dtype: tl.constexpr):
             bits = bits + 0x7FFF + ((bits >> 16) & 1)
             return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
     return acc.to(dtype)
+
+
+@triton.jit
+def e4m3_bits(v):
+    """fp32 v (|v| <= 448) rounded to the nearest e4m3fn (ties to even), as int32 bits 0..255. By hand under
+    the interpreter, whose fp8 conversion rounds some values to the wrong binade."""
+    if wl.INTERPRET:
+        bits = v.to(tl.int32, bitcast=True)
+        a = tl.abs(v)
+        e = (a.to(tl.int32, bitcast=True) >> 23) - 127
+        m = a.to(tl.int32, bitcast=True) & 0x7FFFFF
+        keep = m >> 20
+        rem = m & 0xFFFFF
+        up = (rem > 0x80000) | ((rem == 0x80000) & ((keep & 1) == 1))
+        normal = ((e + 7) << 3) + keep + up.to(tl.int32)
+        s = a * 512.0  # below 2^-6: whole units of 2^-9
+        fl = tl.floor(s)
+        fi = fl.to(tl.int32)
+        sub = fi + (((s - fl) > 0.5) | (((s - fl) == 0.5) & ((fi & 1) == 1))).to(tl.int32)
+        return ((bits >> 24) & 0x80) | tl.where(e < -6, sub, normal)
+    return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+
+
+@triton.jit
+def fp8_quantize(v):
+    """Rows v (R, 128) fp32 quantized to e4m3 as weft.ops.fp8_rows does: (int32 bits (R, 128), scales (R,)),
+    scale = max(amax, 1e-4) / 448 and v / scale to nearest even, both divisions IEEE (div_rn: the bits of
+    pointwise.fp8_rows_torch)."""
+    amax = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4)
+    scale = tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0)
+    return e4m3_bits(tl.math.div_rn(v, scale[:, None])), scale
 
 
 @triton.jit

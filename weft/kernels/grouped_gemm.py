@@ -14,7 +14,8 @@ expert GROUP_M row blocks are walked column by column, so that the weights are r
   scale per row and 128 channels, w with one per 128 x 128 block, stored K-major (the nn.Linear layout, which
   Hopper's fp8 MMA takes for its second operand). grouped_gemm_fp8_kernel multiplies a 128-channel slice at
   a time in fp8 and adds it to the fp32 accumulator scaled by both operands' scales, so every slice is
-  promoted to full precision. fp8_rows / fp8_blocks quantize as the dispatch does (amax / 448 per block).
+  promoted to full precision. fp8_blocks quantizes the weights, pointwise.fp8_rows the activations, as the
+  dispatch does (amax / 448 per block).
 
 scripts/probe_grouped_gemm.py sweeps the configs against torch._grouped_mm.
 """
@@ -197,17 +198,6 @@ def tma_refusal(x: torch.Tensor, w: torch.Tensor, block_k: int) -> str | None:
     if x.shape[2] % block_k:
         return f"K = {x.shape[2]} is not a multiple of BLOCK_K = {block_k} (a K block would reach the next expert)"
     return None
-
-
-def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., K) quantized to fp8 e4m3 per row and 128 channels, as ep_dispatch_ll(fp8=True) does it: (q (..., K)
-    e4m3, scales (..., K / 128) fp32), scale = max(amax, 1e-4) / 448 and q = x / scale, so x ~ q * scale."""
-    if x.shape[-1] % FP8_BLOCK:
-        raise ValueError(f"x's last dimension ({x.shape[-1]}) must be a multiple of {FP8_BLOCK} to quantize per "
-                         f"{FP8_BLOCK} channels")
-    g = x.float().reshape(*x.shape[:-1], x.shape[-1] // FP8_BLOCK, FP8_BLOCK)
-    scales = g.abs().amax(-1).clamp(min=1e-4) / FP8_MAX
-    return (g / scales[..., None]).to(FP8).reshape(x.shape), scales
 
 
 def fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

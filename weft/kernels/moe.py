@@ -64,7 +64,7 @@ import triton.language as tl
 
 import weft.language as wl
 
-from .blocks import check_rows, copy, halves_of, valid_experts, word_of
+from .blocks import check_rows, copy, fp8_quantize, halves_of, valid_experts, word_of
 from .common import Launch, check_tensor, plan, signature, workspace, world_or_raise, zero_everywhere
 from .gemm import num_sms
 
@@ -726,36 +726,14 @@ def _tokens_per_expert(topk, tokens, K: tl.constexpr, EXPERTS: tl.constexpr, BLO
 
 
 @triton.jit
-def _e4m3_bits(v):
-    """fp32 v (|v| <= 448) rounded to the nearest e4m3fn (ties to even), as int32 bits 0..255. By hand under
-    the interpreter, whose fp8 conversion rounds some values to the wrong binade."""
-    if wl.INTERPRET:
-        bits = v.to(tl.int32, bitcast=True)
-        a = tl.abs(v)
-        e = (a.to(tl.int32, bitcast=True) >> 23) - 127
-        m = a.to(tl.int32, bitcast=True) & 0x7FFFFF
-        keep = m >> 20
-        rem = m & 0xFFFFF
-        up = (rem > 0x80000) | ((rem == 0x80000) & ((keep & 1) == 1))
-        normal = ((e + 7) << 3) + keep + up.to(tl.int32)
-        s = a * 512.0  # below 2^-6: whole units of 2^-9
-        fl = tl.floor(s)
-        fi = fl.to(tl.int32)
-        sub = fi + (((s - fl) > 0.5) | (((s - fl) == 0.5) & ((fi & 1) == 1))).to(tl.int32)
-        return ((bits >> 24) & 0x80) | tl.where(e < -6, sub, normal)
-    return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-
-
-@triton.jit
 def _fp8_words(x, t, g0, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
     """Channel groups [g0, g0 + BLOCK_G) of token t of x (128 channels each): e4m3 words (4 channels per int32,
-    little-endian) and the groups' fp32 scales (amax / 448)."""
+    little-endian) and the groups' fp32 scales, the bits of fp8_rows (blocks.fp8_quantize)."""
     gg = g0 + tl.arange(0, BLOCK_G)
     c = tl.arange(0, 128)
     v = tl.load(x + (t * GROUPS + gg[:, None]) * 128 + c[None, :], mask=gg[:, None] < GROUPS, other=0.0)
-    v = v.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4) / 448.0
-    b = tl.reshape(_e4m3_bits(v / scale[:, None]), [BLOCK_G * 32, 4])
+    b, scale = fp8_quantize(v.to(tl.float32))
+    b = tl.reshape(b, [BLOCK_G * 32, 4])
     return tl.sum(b << (tl.arange(0, 4) * 8)[None, :], axis=1), scale
 
 

@@ -2,7 +2,9 @@
 
 - rms_norm(x, weight, eps, residual): the residual add and the RMSNorm after it (transformers' order of
   roundings: the sum rounded to x's dtype, the norm in fp32, rounded before the weight multiplies it);
-- silu_mul(h): silu(gate) * up of the fused gate/up projection's output [gate | up];
+- silu_mul(h, counts, fp8): silu(gate) * up of the fused gate/up projection's output [gate | up], optionally
+  only the valid rows of each expert (a grouped GEMM's output) and quantized to fp8 per 128 channels;
+- fp8_rows(x, counts): rows quantized to fp8 e4m3 per 128 channels (DeepSeek-V3's activations; the same kernel);
 - qk_norm_rope(qkv, ...): from the fused QKV projection's output, per token: q and k heads RMS-normed over
   head_dim (Qwen3), rotated by the rotary embedding of the token's position (cos and sin rounded to the
   dtype as transformers does), q written out, k and v written straight into their KV-cache slots.
@@ -15,14 +17,17 @@ not per element.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .blocks import cast
+from .blocks import cast, fp8_quantize
+from .common import Launch, plan, signature, world_or_raise
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Columns per program of silu_mul on GPUs.
-SILU_BLOCK = 1024
+# Rows x columns a program of silu_mul / fp8_rows takes on GPUs.
+SILU_BLOCK = (4, 1024)
+FP8_BLOCK = 128  # channels an fp8 scale covers
 # Rows (tokens) per program under the interpreter.
 CPU_ROWS = 16
 
@@ -49,15 +54,41 @@ def rms_norm_kernel(x, residual, weight, out, res_out, rows, cols, eps, HAS_RESI
 
 
 @triton.jit
-def silu_mul_kernel(h, out, rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """out[r, c] = silu(h[r, c]) * h[r, cols + c] (each rounded as torch rounds F.silu(gate) * up)."""
-    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None].to(tl.int64)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-    mask = (r < rows) & (c < cols)
-    gate = tl.load(h + r * 2 * cols + c, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(h + r * 2 * cols + cols + c, mask=mask, other=0.0).to(tl.float32)
-    act = cast(gate / (1.0 + tl.exp(-gate)), out.dtype.element_ty).to(tl.float32)
-    tl.store(out + r * cols + c, cast(act * up, out.dtype.element_ty), mask=mask)
+def silu_mul_kernel(h, out, scales, counts, capacity, blocks, cols, GATED: tl.constexpr, FP8: tl.constexpr,
+                    COUNTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows [b BLOCK_R, +BLOCK_R) of group g's `capacity` rows (g, b = divmod(pid0, blocks)), columns
+    [pid1 BLOCK_C, +BLOCK_C) of out: GATED, silu(gate) * up of h's rows [gate | up] (each rounded to h's dtype, as
+    torch rounds F.silu(gate) * up), else h's rows themselves; FP8, quantized per 128 channels as fp8_rows does
+    (blocks.fp8_quantize: the bits of fp8_rows_torch), the scales into scales (rows, cols / 128). COUNTS: the groups are experts and only their first
+    counts[g] rows are computed (a block past them ends at once: a decode step's experts hold a few valid rows
+    of a large buffer)."""
+    pid = tl.program_id(0)
+    g = pid // blocks
+    first = (pid % blocks) * BLOCK_R
+    n = capacity
+    if COUNTS:
+        n = tl.minimum(tl.load(counts + g), capacity)
+    if first < n:
+        i = first + tl.arange(0, BLOCK_R)
+        r = (g.to(tl.int64) * capacity + i)[:, None]
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+        mask = (i[:, None] < n) & (c < cols)
+        dt = h.dtype.element_ty
+        if GATED:
+            gate = tl.load(h + r * 2 * cols + c, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(h + r * 2 * cols + cols + c, mask=mask, other=0.0).to(tl.float32)
+            y = cast(cast(gate / (1.0 + tl.exp(-gate)), dt).to(tl.float32) * up, dt)
+        else:
+            y = tl.load(h + r * cols + c, mask=mask, other=0.0)
+        if FP8:
+            G: tl.constexpr = BLOCK_C // 128
+            q, scale = fp8_quantize(tl.reshape(y.to(tl.float32), [BLOCK_R * G, 128]))
+            tl.store(out + r * cols + c, tl.reshape(q, [BLOCK_R, BLOCK_C]).to(tl.uint8), mask=mask)
+            gg = tl.program_id(1) * G + tl.arange(0, G)[None, :]
+            tl.store(scales + r * (cols // 128) + gg, tl.reshape(scale, [BLOCK_R, G]),
+                     mask=(i[:, None] < n) & (gg < cols // 128))
+        else:
+            tl.store(out + r * cols + c, y, mask=mask)
 
 
 @triton.jit
@@ -171,21 +202,118 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out if residual is None else (out, res_out)
 
 
-def silu_mul(h: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of h (..., 2 n) = [gate | up]: (..., n)."""
-    _check("h", h)
-    if h.shape[-1] % 2:
-        raise ValueError(f"h's last dimension ({h.shape[-1]}) must be even: [gate | up]")
-    cols = h.shape[-1] // 2
-    rows = h.numel() // max(2 * cols, 1)
-    h = h.contiguous()
-    out = torch.empty((*h.shape[:-1], cols), dtype=h.dtype, device=h.device)
-    if out.numel():
-        block_r = _rows_per_program(rows, h.device)
-        block_c = SILU_BLOCK if h.device.type == "cuda" else triton.next_power_of_2(cols)
-        silu_mul_kernel[(triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))](
-            h, out, rows, cols, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
-    return out
+def silu_mul(h: torch.Tensor, counts: torch.Tensor | None = None, fp8: bool = False):
+    """silu(gate) * up of h (..., 2 n) = [gate | up]: (..., n) of h's dtype (bf16, fp16, fp32), rounded as torch
+    rounds F.silu(gate) * up.
+
+    counts (E,) int32 on the device: h is (E, C, 2 n), each expert's rows (what grouped_gemm gives), and only
+    rows [0, counts[e]) of expert e are computed; the others are left undefined (no host sync; a decode step's
+    few valid rows of a large buffer cost only themselves). fp8=True (n a multiple of 128): returns
+    fp8_rows(silu_mul(h)) in one pass: (q (..., n) float8_e4m3fn, scales (..., n / 128) fp32), bit for bit."""
+    return _rows_op("h", h, counts, fp8, gated=True)
+
+
+def fp8_rows(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., K) quantized to fp8 e4m3 per row and 128 channels, as ep_dispatch_ll(fp8=True) does it: (q (..., K)
+    e4m3, scales (..., K / 128) fp32), scale = max(amax, 1e-4) / 448 and q = x / scale rounded to nearest even,
+    so x ~ q * scale (fp8_rows_torch: the same bits in torch's ops). counts as in silu_mul."""
+    return _rows_op("x", x, counts, True, gated=False)
+
+
+def silu_mul_torch(h: torch.Tensor, fp8: bool = False):
+    """silu_mul in torch's own ops (every row: those past counts are left undefined anyway), for calls that torch
+    traces or differentiates (weft.ops)."""
+    gate, up = h.chunk(2, dim=-1)
+    y = F.silu(gate) * up
+    return fp8_rows_torch(y) if fp8 else y
+
+
+def fp8_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_rows in torch's own ops (the same bits): x (..., K) per row and 128 channels, scale = max(amax, 1e-4) /
+    448, q = (x / scale) in float8_e4m3fn, both divisions IEEE."""
+    g = x.float().reshape(*x.shape[:-1], x.shape[-1] // FP8_BLOCK, FP8_BLOCK)
+    amax = g.abs().amax(-1).clamp(min=1e-4)
+    # Divided by a tensor, not the number 448: on GPUs torch divides by a number as a product with its rounded
+    # reciprocal, 1 ulp off the IEEE quotient that the kernels (and torch on the CPU) compute.
+    scales = amax / torch.full_like(amax, 448.0)
+    return (g / scales[..., None]).to(torch.float8_e4m3fn).reshape(x.shape), scales
+
+
+def _rows_op(name, x, counts, fp8, gated):
+    world = world_or_raise()
+    found = plan(world, lambda: ("rows", gated, signature(x), None if counts is None else signature(counts), fp8),
+                 lambda: _RowsPlan(world, name, x, counts, fp8, gated))
+    return found(x, counts)
+
+
+class _RowsPlan:
+    """silu_mul / fp8_rows of one call signature: the checks, the grid, the compiled launch."""
+
+    def __init__(self, world, name, x, counts, fp8, gated):
+        _check(name, x)
+        if x.device != world.device:
+            raise ValueError(f"{name} is on {x.device}, but this rank's device is {world.device}")
+        if not isinstance(fp8, bool):
+            raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
+        if x.dim() == 0:
+            raise ValueError(f"{name} must have at least one dimension")
+        cols = x.shape[-1]
+        if gated:
+            if cols % 2:
+                raise ValueError(f"{name}'s last dimension ({cols}) must be even: [gate | up]")
+            cols //= 2
+        if fp8 and cols % FP8_BLOCK:
+            what = "silu_mul(fp8=True) needs n" if gated else f"{name}'s last dimension"
+            raise ValueError(f"{what} ({cols}) must be a multiple of {FP8_BLOCK} to quantize per {FP8_BLOCK} channels")
+        if counts is not None:
+            _check("counts", counts, torch.int32, 1)
+            if counts.device != x.device:
+                raise ValueError(f"counts is on {counts.device}, {name} on {x.device}")
+            if x.dim() != 3 or counts.shape[0] != x.shape[0]:
+                raise ValueError(f"with counts, {name} must be (E, C, columns) and counts (E,), got {tuple(x.shape)} "
+                                 f"and {tuple(counts.shape)}")
+        self.shape = (*x.shape[:-1], cols)
+        self.fp8, self.dtype = fp8, x.dtype
+        self.contiguous = x.is_contiguous()
+        rows = x.numel() // max(x.shape[-1], 1)
+        groups, capacity = (x.shape[0], x.shape[1]) if counts is not None else (1, rows)
+        gpu = x.device.type == "cuda"
+        block_r, block_c = SILU_BLOCK if gpu else (min(CPU_ROWS, triton.next_power_of_2(max(capacity, 1))),
+                                                   triton.next_power_of_2(max(cols, 1)))
+        block_c = min(block_c, triton.next_power_of_2(max(cols, 1)))
+        if fp8:
+            block_c = max(block_c, FP8_BLOCK)
+        self.blocks = triton.cdiv(capacity, block_r)
+        self.args = (capacity, self.blocks, cols)
+        self.launch = None
+        if min(rows, cols) > 0:
+            x = x if self.contiguous else x.contiguous()
+            out, scales = self._outputs(x.device)
+            self.launch = Launch(silu_mul_kernel, (groups * self.blocks, triton.cdiv(cols, block_c)),
+                                 (x, out, scales, x if counts is None else counts, *self.args),
+                                 dict(GATED=gated, FP8=fp8, COUNTS=counts is not None, BLOCK_R=block_r,
+                                      BLOCK_C=block_c), 4)
+            self.counts_arg = counts is not None
+
+    def _outputs(self, dev):
+        """(out as the kernel takes it, scales), new: out's bytes (fp8 bits as uint8)."""
+        if not self.fp8:
+            out = torch.empty(self.shape, dtype=self.dtype, device=dev)
+            return out, out
+        q = torch.empty(self.shape, dtype=torch.float8_e4m3fn, device=dev)
+        scales = torch.empty((*self.shape[:-1], self.shape[-1] // FP8_BLOCK), dtype=torch.float32, device=dev)
+        return q.view(torch.uint8), scales
+
+    def __call__(self, x, counts):
+        out, scales = self._outputs(x.device)
+        if self.launch is not None:
+            a = self.launch.address
+            if not self.contiguous:
+                x = x.contiguous()
+            self.launch(a(x), a(out), a(scales), a(counts if self.counts_arg else x), *self.args)
+        if self.fp8:
+            return out.view(torch.float8_e4m3fn), scales
+        return out
 
 
 def qk_norm_rope(qkv: torch.Tensor, tokens: int, heads: int, kv_heads: int, inv_freq: torch.Tensor,
@@ -243,7 +371,11 @@ def _compile_cases():
                     dict(num_warps=8)))
         out.append((rms_norm_kernel, dict(x=t, residual=t, weight=t, out=t, res_out=t, rows="i32", cols="i32",
                                           eps="fp32"), dict(HAS_RESIDUAL=False, BLOCK_R=1, BLOCK_C=128)))
-        out.append((silu_mul_kernel, dict(h=t, out=t, rows="i32", cols="i32"), dict(BLOCK_R=1, BLOCK_C=SILU_BLOCK)))
+        for gated, fp8, counts in ((True, False, False), (True, False, True), (True, True, True), (False, True, False)):
+            out.append((silu_mul_kernel, dict(h=t, out="*u8" if fp8 else t, scales="*fp32", counts="*i32",
+                                              capacity="i32", blocks="i32", cols="i32"),
+                        dict(GATED=gated, FP8=fp8, COUNTS=counts, BLOCK_R=SILU_BLOCK[0], BLOCK_C=SILU_BLOCK[1]),
+                        dict(num_warps=4, divisible=("cols",), **({"min_arch": 89} if fp8 else {}))))
         for heads, kv, half, norm in ((16, 4, 64, True), (64, 8, 64, True), (3, 1, 40, False)):
             out.append((qk_norm_rope_kernel,
                         dict(qkv=t, q_out=t, k_dst=t, v_dst=t, rows="*i64", positions="*i64", inv_freq="*fp32",

@@ -21,8 +21,9 @@ Every rank must take the same path in a call: keep every rank's token count on t
 `decode_tokens` (true when ranks run the same batch shape), or pass `mode`.
 With fp8=True the experts run in fp8 e4m3 with block scales (DeepSeek-V3's recipe): the weights are quantized per
 128 x 128 block when the layer is made (half the memory), the decode dispatch sends fp8 rows with their per-128-
-channel scales (half the bytes) straight into the gate/up GEMM, and the activations before the down GEMM (and the
-prefill rows) are quantized per row and 128 channels with fp8_rows; hidden and inter must be multiples of 128.
+channel scales (half the bytes) straight into the gate/up GEMM, and the activations before the down GEMM (in the
+same pass as the SiLU: silu_mul(fp8=True)) and the prefill rows (fp8_rows) are quantized per row and 128 channels;
+hidden and inter must be multiples of 128.
 
 TPMoE (tensor parallel, sequence parallel activations): every rank holds every expert's gate/up/down sliced
 along the intermediate dimension (inter / W columns each) and its own m tokens (all ranks the same m).
@@ -102,11 +103,6 @@ class _MoE(nn.Module):
         return cls(router, gate, up, down, top_k, norm, **kwargs)
 
 
-def _silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-    """SiLU(gate) * up of [gate | up] rows."""
-    return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
-
-
 class EPMoE(_MoE):
     """Expert-parallel MoE MLP (module doc). forward(x, mode=None): x (..., hidden), this rank's tokens; returns
     the same shape. mode: "ll" (decode path), "ht" (prefill path), None (ll for at most decode_tokens tokens).
@@ -140,16 +136,18 @@ class EPMoE(_MoE):
             self.w_gate_up, self.w_down = _param(gate_up), _param(down)
 
     def _experts(self, x: torch.Tensor, counts: torch.Tensor, x_scales: torch.Tensor | None = None) -> torch.Tensor:
-        """Each local expert's MLP on rows [0, counts[e]) of x (L, C, hidden); rows past them undefined. fp8: x
-        as fp8 rows with their scales (the LL dispatch's), or bf16 rows, quantized here."""
+        """Each local expert's MLP on rows [0, counts[e]) of x (L, C, hidden); rows past them undefined and never
+        computed but inside a GEMM's last row block (silu_mul and fp8_rows take the counts: a decode step's
+        buffer holds a few valid rows per expert). fp8: x as fp8 rows with their scales (the LL dispatch's), or
+        bf16 rows, quantized here."""
         if not self.fp8:
-            h = _silu_mul(weft.ops.grouped_gemm(x, self.w_gate_up, counts), self.inter)
+            h = weft.ops.silu_mul(weft.ops.grouped_gemm(x, self.w_gate_up, counts), counts)
             return weft.ops.grouped_gemm(h, self.w_down, counts)
         if x_scales is None:
-            x, x_scales = weft.ops.fp8_rows(x)
+            x, x_scales = weft.ops.fp8_rows(x, counts)
         gate_up = weft.ops.grouped_gemm(x, self.w_gate_up, counts, x_scales=x_scales,
                                         w_scales=self.w_gate_up_scales)
-        h, h_scales = weft.ops.fp8_rows(_silu_mul(gate_up, self.inter))
+        h, h_scales = weft.ops.silu_mul(gate_up, counts, fp8=True)
         return weft.ops.grouped_gemm(h, self.w_down, counts, x_scales=h_scales, w_scales=self.w_down_scales)
 
     def _received(self, rx, ridx, rw, counts) -> torch.Tensor:
@@ -213,5 +211,5 @@ class TPMoE(_MoE):
         tokens = x.reshape(-1, self.hidden).contiguous()
         idx, weights = self.route(tokens)
         inter, layout = weft.ops.ag_group_gemm(tokens, self.w_gate_up, idx, method=self.method)
-        h = _silu_mul(inter, self.slice)
+        h = weft.ops.silu_mul(inter)
         return weft.ops.group_gemm_rs(h, self.w_down, idx, weights, layout, method=self.method).reshape(x.shape)
