@@ -32,7 +32,9 @@ from weft.kernels.gemm import GemmConfig  # noqa: E402
 from weft.kernels.grouped_gemm import CPU_CONFIG, grouped_config  # noqa: E402
 
 # (name, experts, rows per expert, K, N, counts): "full" gives every expert its rows, "uneven" random counts
-# in [0, rows] with two empty experts, "few" 16 to 48 of them (EPMoE's decode buffers: W * 128 rows, ~32 used).
+# in [0, rows] with two empty experts, "few" 16 to 48 of them (EPMoE's decode buffers: W * 128 rows, ~32 used),
+# "decode" 2 to 14 (Qwen3-30B-A3B's 128 experts at 128 tokens per rank, top-8: ~8 rows an expert; the weights'
+# bytes are the whole cost).
 SHAPES = [
     ("DeepSeek-ish gate 32x256 7168->2048", 32, 256, 7168, 2048, "full"),
     ("DeepSeek-ish down 32x256 2048->7168", 32, 256, 2048, 7168, "full"),
@@ -42,17 +44,23 @@ SHAPES = [
     ("Mixtral w2 8x2048 14336->4096", 8, 2048, 14336, 4096, "full"),
     ("uneven 32x<=512 7168->2048", 32, 512, 7168, 2048, "uneven"),
     ("EP decode-like 32x~32 of 1024 7168->2048", 32, 1024, 7168, 2048, "few"),
+    ("Qwen3 EP decode gate_up 128x~8 of 256 2048->1536", 128, 256, 2048, 1536, "decode"),
+    ("Qwen3 EP decode down 128x~8 of 256 768->2048", 128, 256, 768, 2048, "decode"),
 ]
 
 # BLOCK_M 64/128, BLOCK_N 128/256, BLOCK_K 64, 3/4 stages, 4/8 warps: the combinations whose accumulator fits
 # the registers of their warps (128x256 needs 8) and whose stages fit shared memory; the dense GEMM's H200
-# config also with its tile and K loops fused; the smallest tile also 2 programs per SM.
+# config also with its tile and K loops fused; the smallest tile also 2 programs per SM; for the weight-bound
+# decode shapes, 64-row tiles with their loops fused, deeper K blocks or more stages (more bytes in flight).
 GPU_SWEEP = [
     GemmConfig(64, 128, 64, 8, 3, 4, False), GemmConfig(64, 128, 64, 8, 4, 4, False),
     GemmConfig(64, 256, 64, 8, 3, 4, False), GemmConfig(64, 256, 64, 8, 4, 4, False),
     GemmConfig(128, 128, 64, 8, 3, 8, False), GemmConfig(128, 128, 64, 8, 4, 8, False),
     GemmConfig(128, 128, 64, 8, 4, 4, False), GemmConfig(64, 128, 64, 8, 4, 4, False, 2),
     GemmConfig(128, 256, 64, 8, 3, 8, False), GemmConfig(128, 256, 64, 8, 3, 8, True),
+    GemmConfig(64, 128, 64, 8, 4, 4, True), GemmConfig(64, 128, 128, 8, 3, 4, False),
+    GemmConfig(64, 128, 128, 8, 4, 4, True), GemmConfig(64, 256, 64, 8, 4, 4, True),
+    GemmConfig(64, 128, 64, 8, 6, 4, True),
 ]
 CPU_SWEEP = [CPU_CONFIG, GemmConfig(32, 32, 32, 1, 1, 4, False)]
 # fp8: K slices of 128 (a scale block) or 64, 128 or 64 columns (within a weight scale block; 256 would hold two
@@ -81,8 +89,9 @@ def make_case(experts, rows, k, n, kind, dev, gen):
     w = (torch.randn(experts, k, n, device=dev, generator=gen) / k ** 0.5).to(torch.bfloat16)
     if kind == "full":
         counts = torch.full((experts,), rows, dtype=torch.int32, device=dev)
-    elif kind == "few":
-        counts = torch.randint(min(16, rows), min(48, rows) + 1, (experts,), device=dev, dtype=torch.int32,
+    elif kind in ("few", "decode"):
+        lo, hi = (16, 48) if kind == "few" else (2, 14)
+        counts = torch.randint(min(lo, rows), min(hi, rows) + 1, (experts,), device=dev, dtype=torch.int32,
                                generator=gen)
     else:
         counts = torch.randint(0, rows + 1, (experts,), device=dev, dtype=torch.int32, generator=gen)
@@ -181,6 +190,7 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--fp8", action="store_true", help="the fp8 kernel (block scales) and its configs")
+    p.add_argument("--shapes", default="", help="only the shapes whose name holds one of these comma-separated words")
     p.add_argument("--budget-s", type=float, default=200.0,
                    help="after this many seconds only the default config and the torch baselines are timed")
     args = p.parse_args()
@@ -193,7 +203,10 @@ def main() -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     deadline = time.monotonic() + args.budget_s
     results = []
+    words = [w for w in args.shapes.split(",") if w]
     for name, experts, rows, k, n, kind in SHAPES:
+        if words and not any(w in name for w in words):
+            continue
         if args.scale > 1:
             cut = lambda v, step=16: max(step, v // args.scale // step * step)  # noqa: E731
             experts, rows, k, n = max(2, experts // args.scale), cut(rows), cut(k, 128 if args.fp8 else 16), cut(n)

@@ -14,15 +14,15 @@ TIMEOUT = 120
 
 # -- helpers run on the ranks ----------------------------------------------------
 
-def _routing(seed, w, tokens, experts, k, hidden, mode="random"):
-    """Per rank: (x bf16 (T, hidden), topk_idx int64 (T, k), topk_weights fp32 (T, k))."""
+def _routing(seed, w, tokens, experts, k, hidden, mode="random", dtype="bfloat16"):
+    """Per rank: (x (T, hidden) of dtype, topk_idx int64 (T, k), topk_weights fp32 (T, k))."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     out = []
     for r in range(w):
         t = tokens[r] if isinstance(tokens, (list, tuple)) else tokens
-        x = torch.randn(t, hidden, generator=g).to(torch.bfloat16)
+        x = torch.randn(t, hidden, generator=g).to(getattr(torch, dtype))
         if mode == "one":  # every token to expert 0 (and k - 1 others next to it)
             idx = torch.arange(k).repeat(t, 1)
         elif mode == "half":  # only experts of the first half: the rest receive nothing
@@ -55,7 +55,7 @@ def _ref_dispatch(inputs, me, experts, w):
                 ws.append(wts[t])
     hidden = inputs[0][0].shape[1]
     k = inputs[0][1].shape[1]
-    rx = torch.stack(xs) if xs else torch.empty(0, hidden, dtype=torch.bfloat16)
+    rx = torch.stack(xs) if xs else torch.empty(0, hidden, dtype=inputs[0][0].dtype)
     ri = torch.stack(idxs) if idxs else torch.empty(0, k, dtype=torch.int64)
     rw = torch.stack(ws) if ws else torch.empty(0, k)
     counts = torch.tensor([int((ri == e).sum()) for e in range(local)], dtype=torch.int32)
@@ -63,14 +63,12 @@ def _ref_dispatch(inputs, me, experts, w):
 
 
 def _expert_out(x, e):
-    """What expert e (global) makes of bf16 rows x: a scale, so that any row gives the same bits alone."""
-    import torch
-
-    return (x.float() * ((e + 1) / 8)).to(torch.bfloat16)
+    """What expert e (global) makes of rows x: a scale, so that any row gives the same bits alone."""
+    return (x.float() * ((e + 1) / 8)).to(x.dtype)
 
 
 def _weighted(rows_x, rows_idx, rows_w, first):
-    """sum_j w_j * expert(first + idx_j)(x) over idx_j >= 0, fp32 in j order, rounded to bf16."""
+    """sum_j w_j * expert(first + idx_j)(x) over idx_j >= 0, fp32 in j order, rounded to x's dtype."""
     import torch
 
     acc = torch.zeros(rows_x.shape, dtype=torch.float32)
@@ -80,40 +78,61 @@ def _weighted(rows_x, rows_idx, rows_w, first):
                 continue
             sel = rows_idx[:, j] == e
             acc[sel] += rows_w[sel, j:j + 1] * _expert_out(rows_x[sel], first + e).float()
-    return acc.to(torch.bfloat16)
+    return acc.to(rows_x.dtype)
 
 
-def _ht_case(seed, tokens, experts, k, hidden, mode, max_recv=None):
+def _bits(t):
+    """t's elements as integers of their size (bit-exact comparisons, NaN included)."""
+    import torch
+
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _strided(x, idx, wts):
+    """The same values in layouts that are not contiguous: x a column slice of a wider (and odd-offset) buffer,
+    topk_idx and topk_weights transposes of (k, T) tensors."""
+    import torch
+
+    wide = torch.zeros(x.shape[0], x.shape[1] + 3, dtype=x.dtype)
+    wide[:, 1:x.shape[1] + 1] = x
+    return wide[:, 1:x.shape[1] + 1], idx.t().contiguous().t(), wts.t().contiguous().t()
+
+
+def _ht_case(seed, tokens, experts, k, hidden, mode, max_recv=None, dtype="bfloat16", strided=False):
     import torch
 
     import weft
 
     me, w = weft.rank(), weft.world_size()
     local = experts // w
-    inputs = _routing(seed, w, tokens, experts, k, hidden, mode)
+    inputs = _routing(seed, w, tokens, experts, k, hidden, mode, dtype)
     x, idx, wts = inputs[me]
+    if strided:
+        x, idx, wts = _strided(x, idx, wts)
     rx, ri, rw, counts, handle = weft.ops.ep_dispatch(x, idx, wts, experts, max_recv_tokens=max_recv)
     ex, ei, ew, ec = _ref_dispatch(inputs, me, experts, w)
     n = ex.shape[0]
-    tag = f"seed {seed} mode {mode} k {k} max_recv {max_recv}"
+    tag = f"seed {seed} mode {mode} k {k} max_recv {max_recv} {dtype} hidden {hidden} strided {strided}"
     if max_recv is None:
         assert rx.shape[0] == n, tag
     else:
         assert rx.shape[0] == max_recv and n <= max_recv, tag
         assert (ri[n:] == -1).all() and (rw[n:] == 0).all() and (rx[n:] == 0).all(), tag
-    assert torch.equal(rx[:n].view(torch.int16), ex.view(torch.int16)), tag
+    assert torch.equal(_bits(rx[:n]), _bits(ex)), tag
     assert torch.equal(ri[:n], ei) and ri.dtype == idx.dtype, tag
     assert torch.equal(rw[:n], ew), tag
     assert torch.equal(counts, ec), tag
     # Each rank's weighted sum over its local experts; back at the source, summed over ranks in rank order.
     y = _weighted(rx, ri, rw, me * local)
+    if strided:
+        y = _strided(y, idx, wts)[0]
     out = weft.ops.ep_combine(y, handle)
     acc = torch.zeros(x.shape, dtype=torch.float32)
     for r in range(w):
         mine = (idx >= 0) & (idx // local == r)
         part = _weighted(x, torch.where(mine, idx - r * local, -1), wts, r * local)
         acc += torch.where(mine.any(1, keepdim=True), part.float(), 0.0)
-    assert torch.equal(out.view(torch.int16), acc.to(torch.bfloat16).view(torch.int16)), tag
+    assert torch.equal(_bits(out), _bits(acc.to(x.dtype))), tag
 
 
 def _ll_fp8_case(seed, tokens, experts, k, max_tokens, hidden=256):
@@ -151,7 +170,7 @@ def test_ep_ll_fp8():
         assert all(run_ranks(_ll_fp8_case, w, 7, UNEVEN_TOKENS[:w], EXPERTS[w], 3, 8, timeout=TIMEOUT, env=ENV))
 
 
-def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens, hook=False):
+def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens, hook=False, dtype="bfloat16", strided=False):
     """One LL dispatch + combine against the reference; hook=True: both split (return_recv_hook), with other
     work queued and the outputs poisoned between send and receive."""
     import torch
@@ -160,8 +179,10 @@ def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens, hook=False):
 
     me, w = weft.rank(), weft.world_size()
     local = experts // w
-    inputs = _routing(seed, w, tokens, experts, k, hidden, mode)
+    inputs = _routing(seed, w, tokens, experts, k, hidden, mode, dtype)
     x, idx, wts = inputs[me]
+    if strided:
+        x, idx, wts = _strided(x, idx, wts)
     if hook:
         recv, counts, scales, handle, receive = weft.ops.ep_dispatch_ll(x, idx, experts, max_tokens,
                                                                         return_recv_hook=True)
@@ -170,14 +191,16 @@ def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens, hook=False):
         receive()
     else:
         recv, counts, scales, handle = weft.ops.ep_dispatch_ll(x, idx, experts, max_tokens)
-    tag = f"seed {seed} mode {mode} k {k} hook {hook}"
+    tag = f"seed {seed} mode {mode} k {k} hook {hook} {dtype} hidden {hidden} strided {strided}"
     assert scales is None and recv.shape == (local, w * max_tokens, hidden), tag
     ex, ei, _, ec = _ref_dispatch(inputs, me, experts, w)
     assert torch.equal(counts, ec), tag
     for e in range(local):
         want = ex[(ei == e).any(1)]
-        assert torch.equal(recv[e, :want.shape[0]].view(torch.int16), want.view(torch.int16)), f"{tag} expert {e}"
+        assert torch.equal(_bits(recv[e, :want.shape[0]]), _bits(want)), f"{tag} expert {e}"
     y = torch.stack([_expert_out(recv[e], me * local + e) for e in range(local)])
+    if strided:  # y as a slice of wider rows
+        y = torch.cat([y, y[..., :2]], -1)[..., :hidden]
     if hook:
         out, receive = weft.ops.ep_combine_ll(y, idx, wts, handle, return_recv_hook=True)
         out.fill_(float("nan"))
@@ -331,6 +354,30 @@ def _mixed(calls):
 
 def test_many_calls_mixed():
     assert all(run_ranks(_mixed, 2, 4, timeout=TIMEOUT, env=ENV))
+
+
+def _any_layout(units):
+    """What torch takes, the EP ops take: fp32 and fp16 rows, 16-bit rows of an odd length (whole 4-byte words
+    only with a zero column more), x, topk_idx, topk_weights and y in layouts that are not contiguous (x at an
+    odd element offset); each call after calls of other signatures, bit for bit as always."""
+    import weft
+    import weft.kernels.moe as moe
+
+    moe.LL_CPU = units
+    w = weft.world_size()
+    experts = EXPERTS[w]
+    for i, (dtype, hidden, strided) in enumerate((("float32", 24, False), ("bfloat16", 37, False),
+                                                   ("float16", 40, True), ("bfloat16", 33, True),
+                                                   ("float32", 7, True))):
+        _ht_case(300 + i, UNEVEN_TOKENS[:w], experts, 3, hidden, "masked", None, dtype, strided)
+        _ht_case(310 + i, 4, experts, 2, hidden, "random", 16, dtype, strided)
+        _ll_case(320 + i, [3, 4, 0, 2][:w], experts, 3, hidden, "random", 4, i % 2 == 1, dtype, strided)
+    return True
+
+
+@pytest.mark.parametrize("w", [1, 2, 3])
+def test_ep_any_layout(w):
+    assert all(run_ranks(_any_layout, w, (4, 32, 4), timeout=TIMEOUT, env=ENV))
 
 
 def _rejects():

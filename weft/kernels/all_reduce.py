@@ -236,22 +236,15 @@ def all_reduce_one_shot_kernel(x, recv, out, flags, counter, heap, n, chunk, slo
 def _ll_sum(slots, slot_len, offs, mask, epoch, heap, ELEM: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
     """The int32 words of the sum over q = 0..WORLD-1 (rank order, fp32) of the LL words at
     slots[q * slot_len + offs], each awaited until it carries `epoch`. A 16-bit ELEM packs two elements
-    per word, summed separately."""
+    per word, summed separately (blocks.halves_of)."""
     acc_lo = tl.zeros([BLOCK], tl.float32)
     acc_hi = tl.zeros([BLOCK], tl.float32)
     for q in tl.static_range(WORLD):
         got = wl.wait_ll(slots + q * slot_len + offs, mask, epoch, heap=heap, peer=q, op="all_reduce LL")
-        if ELEM == tl.float32:
-            acc_lo += got.to(tl.float32, bitcast=True)
-        else:
-            a, b = halves_of(got, ELEM)
-            acc_lo += a
-            acc_hi += b
-    if ELEM == tl.float32:
-        word = cast(acc_lo, tl.float32).to(tl.int32, bitcast=True)
-    else:
-        word = word_of(acc_lo, acc_hi, ELEM)
-    return word
+        a, b = halves_of(got, ELEM)
+        acc_lo += a
+        acc_hi += b
+    return word_of(acc_lo, acc_hi, ELEM)
 
 
 @triton.jit(do_not_specialize=["words", "chunk", "half_words"])

@@ -85,18 +85,28 @@ def first_item(base, NUM_PROGRAMS: tl.constexpr):
 
 @triton.jit
 def halves_of(words, ELEM: tl.constexpr):
-    """The two 16-bit elements packed in each int32 word (little-endian: element 2j low), as fp32."""
-    lo = (words & 0xFFFF).to(tl.int16).to(ELEM, bitcast=True)
-    hi = ((words >> 16) & 0xFFFF).to(tl.int16).to(ELEM, bitcast=True)
-    return lo.to(tl.float32), hi.to(tl.float32)
+    """The two 16-bit elements packed in each int32 word (little-endian: element 2j low), as fp32; for an fp32
+    ELEM the word's one element and zeros."""
+    if ELEM == tl.float32:
+        lo = words.to(tl.float32, bitcast=True)
+        hi = tl.zeros_like(lo)
+    else:
+        lo = (words & 0xFFFF).to(tl.int16).to(ELEM, bitcast=True).to(tl.float32)
+        hi = ((words >> 16) & 0xFFFF).to(tl.int16).to(ELEM, bitcast=True).to(tl.float32)
+    return lo, hi
 
 
 @triton.jit
 def word_of(lo, hi, ELEM: tl.constexpr):
-    """fp32 `lo`, `hi` rounded to ELEM and packed back into one int32 word."""
-    lo_bits = cast(lo, ELEM).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    hi_bits = cast(hi, ELEM).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return lo_bits | (hi_bits << 16)
+    """fp32 `lo`, `hi` rounded to ELEM and packed back into one int32 word (halves_of's inverse: for an fp32 ELEM,
+    `lo` alone)."""
+    if ELEM == tl.float32:
+        word = lo.to(tl.int32, bitcast=True)
+    else:
+        lo_bits = cast(lo, ELEM).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hi_bits = cast(hi, ELEM).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        word = lo_bits | (hi_bits << 16)
+    return word
 
 
 @triton.jit

@@ -152,8 +152,12 @@ GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8)
 # bf16, CUDA-graph replay) 1.01-1.05x torch._grouped_mm on 32 x 256 rows 7168 <-> 2048, Qwen3-30B-A3B's 128 x 512
 # rows (2048 -> 1536, 768 -> 2048) and Mixtral's 8 x 2048 rows (4096 -> 14336), 1.02x on 14336 -> 4096 (where
 # 64x256x64 s4 w4 reached 1.09x) and 1.00x with uneven counts; the unflattened loop was 0.96-0.97x on three of
-# them. Experts of at most 128 rows (decode, fine-grained experts) take 64-row blocks, which waste less of a
-# block on a partial count (not probed). fp32 (tf32) takes small tiles, whose stages and output tile fit in
+# them. Experts of at most 128 rows (decode, fine-grained experts), and the callers that know their experts hold
+# a few rows of a larger buffer (few_rows_config: EPMoE's decode), take 64-row blocks with the tile and K loops
+# fused: on an H200 (2026-11-24, `python3 scripts/probe_grouped_gemm.py --shapes "EP decode"`, 2-14 rows of 256 an
+# expert, Qwen3-30B-A3B's 128 experts) 204.0 / 108.6 us on 2048 -> 1536 / 768 -> 2048, the weights at 3.9 / 3.7
+# TB/s, against 213.7 / 123.1 unfused and 222.6 / 124.9 with the large tiles; 226.0 against 235.8 (large) on 32
+# experts of ~32 rows 7168 -> 2048, where 64x256x64 s3 (223.6) was within 1 %. fp32 (tf32) takes small tiles, whose stages and output tile fit in
 # shared memory. fp8: 128-channel K slices (one scale each), 64-row x 128-column tiles (one weight scale block)
 # of one warp group, 2 programs per SM, so that one program's MMAs run while the other scales its last slice
 # (Triton waits for each slice's MMA before its scaling FMAs). On an H200 (2026-11-23, fourteenth session,
@@ -163,7 +167,7 @@ GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8)
 # on experts of ~32 rows (149.6).
 GPU_CONFIGS = {
     "large": GemmConfig(128, 256, 64, 8, 3, 8, True),
-    "skinny": GemmConfig(64, 128, 64, 8, 4, 4, False),
+    "skinny": GemmConfig(64, 128, 64, 8, 4, 4, True),
     "fp32": GemmConfig(64, 128, 32, 8, 4, 4, False),
     "fp8": GemmConfig(64, 128, 128, 8, 4, 4, False, 2),
 }
@@ -184,6 +188,14 @@ def grouped_config(capacity: int, dtype: torch.dtype, device: torch.device, tma:
     if dtype == torch.float32:
         return GPU_CONFIGS["fp32"]
     return GPU_CONFIGS["skinny" if capacity <= 128 else "large"]
+
+
+def few_rows_config(dtype: torch.dtype, device: torch.device) -> GemmConfig | None:
+    """The config for experts that hold a few rows of a larger buffer (an EP decode step's receive buffers:
+    ~8-32 valid rows of W x 128), whatever the capacity, where it is not the default anyway (None there)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return GPU_CONFIGS["skinny"]
 
 
 def tma_refusal(x: torch.Tensor, w: torch.Tensor, block_k: int) -> str | None:

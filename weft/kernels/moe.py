@@ -68,7 +68,7 @@ from .blocks import check_rows, copy, fp8_quantize, halves_of, valid_experts, wo
 from .common import Launch, check_tensor, plan, signature, workspace, world_or_raise, zero_everywhere
 from .gemm import num_sms
 
-DTYPES = (torch.bfloat16, torch.float16)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int64, torch.int32)
 
 
@@ -115,19 +115,18 @@ def _check_experts(num_experts, world_size: int) -> None:
 
 
 def _check_routing(world, x, topk_idx, num_experts, topk_weights=None):
-    """Shapes and dtypes of a dispatch's arguments (no values: those need a host sync)."""
-    check_tensor("x", x, world, dtypes=DTYPES)
-    check_tensor("topk_idx", topk_idx, world, dtypes=INDEX_DTYPES)
+    """Shapes and dtypes of a dispatch's arguments (no values: those need a host sync). Any layout: the plans copy
+    what the kernels cannot take as it is (_rows)."""
+    check_tensor("x", x, world, dtypes=DTYPES, contiguous=False)
+    check_tensor("topk_idx", topk_idx, world, dtypes=INDEX_DTYPES, contiguous=False)
     _check_experts(num_experts, world.world_size)
     if x.dim() != 2:
         raise ValueError(f"x must be (tokens, hidden), got shape {tuple(x.shape)}")
     if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0] or not 1 <= topk_idx.shape[1] <= num_experts:
         raise ValueError(f"topk_idx must be (tokens, k) with tokens = {x.shape[0]} and 1 <= k <= num_experts, "
                          f"got shape {tuple(topk_idx.shape)}")
-    if (x.shape[1] * x.element_size()) % 4:
-        raise ValueError(f"x has {x.shape[1]} columns: rows must be whole 4-byte words (an even hidden size)")
     if topk_weights is not None:
-        check_tensor("topk_weights", topk_weights, world, dtypes=(torch.float32,))
+        check_tensor("topk_weights", topk_weights, world, dtypes=(torch.float32,), contiguous=False)
         if topk_weights.shape != topk_idx.shape:
             raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}, expected "
                              f"{tuple(topk_idx.shape)} (that of topk_idx)")
@@ -144,6 +143,29 @@ def check_routing_values(topk_idx: torch.Tensor, num_experts: int) -> None:
     srt = topk_idx.sort(dim=1).values
     if bool(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()):
         raise ValueError("topk_idx names the same expert twice in a row: each token's experts must differ")
+
+
+def _word_columns(t: torch.Tensor) -> int:
+    """Columns of t's rows as the kernels move them, in whole 4-byte words: 16-bit rows of an odd length get one
+    more (a zero column, cut off again in what the ops return)."""
+    return t.shape[-1] + (t.shape[-1] * t.element_size()) % 4 // 2
+
+
+def _rows_ready(sig: tuple, cols: int) -> bool:
+    """Whether a tensor of signature `sig` (common.signature) goes to the kernels as it is: contiguous, 4-byte
+    aligned (its rows are int32 words), `cols` columns."""
+    shape, _, _, contiguous, misalign = sig
+    # An empty view says nothing of its offset in data_ptr (a copy of nothing is free).
+    return contiguous and misalign % 4 == 0 and shape[-1] == cols and shape.numel() > 0
+
+
+def _rows(t: torch.Tensor, cols: int) -> torch.Tensor:
+    """t as the kernels take it (see _rows_ready): a contiguous copy, with a zero column where `cols` has one more."""
+    if cols == t.shape[-1]:
+        return t.clone(memory_format=torch.contiguous_format)
+    out = t.new_zeros((*t.shape[:-1], cols))
+    out[..., :t.shape[-1]] = t
+    return out
 
 
 # -- the family's workspace ---------------------------------------------------------
@@ -490,7 +512,7 @@ def ep_combine_reduce_kernel(region, flags, counter, heap, rank_pos, table, y, o
 
 # -- high-throughput host side ------------------------------------------------------
 
-_ELEM = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_ELEM = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def _vec(words: int, *tensors) -> int:
@@ -526,7 +548,12 @@ class _HTPlan:
         self.tokens, self.k, self.hidden, self.dtype, self.idx_dtype = t, k, x.shape[1], x.dtype, topk_idx.dtype
         self.num_experts, self.local = num_experts, num_experts // w
         self.max_recv = max_recv_tokens
-        self.hw = x.shape[1] * x.element_size() // 4
+        # What the kernels cannot take as it is gets copied per call (_rows): x, the routing if not contiguous.
+        self.cols = _word_columns(x)
+        self.ready = (_rows_ready(signature(x), self.cols) and topk_idx.is_contiguous()
+                      and topk_weights.is_contiguous())
+        x, topk_idx, topk_weights = self._prepared(x, topk_idx, topk_weights)
+        self.hw = self.cols * x.element_size() // 4
         self.row = triton.cdiv(self.hw + 2 * k, 4) * 4  # [x | local topk_idx | topk_weights], 16-byte rows
         self.ws = ws = _workspace(world)
         self.cap = ws.ht_half_words // self.row  # dispatched rows a half holds
@@ -595,9 +622,17 @@ class _HTPlan:
         self.region_at, self.signal_fixed = self.push_fixed[0], self.push_fixed[1:]
         self.wait_fixed = tuple(map(a, (ws.ht, ws.flags, ws.counter(4), heap)))
 
+    def _prepared(self, x, topk_idx, topk_weights):
+        """The call's tensors as the kernels take them (contiguous; x in whole words, aligned to them)."""
+        if self.ready:
+            return x, topk_idx, topk_weights
+        return (x if _rows_ready(signature(x), self.cols) else _rows(x, self.cols), topk_idx.contiguous(),
+                topk_weights.contiguous())
+
     def dispatch(self, x, topk_idx, topk_weights):
         ws, w, dev, a = self.ws, self.world.world_size, x.device, self.address
         ws.raise_routing_error()
+        x, topk_idx, topk_weights = self._prepared(x, topk_idx, topk_weights)
         rank_pos = torch.empty((self.tokens, w), dtype=torch.int32, device=dev)
         table = torch.empty((w, w), dtype=torch.int32, device=dev)
         counts = torch.empty(self.local, dtype=torch.int32, device=dev)
@@ -619,7 +654,7 @@ class _HTPlan:
             limit = self.cap
         else:
             rows = limit = self.max_recv  # rows past it are dropped
-        recv_x = torch.empty((rows, self.hidden), dtype=self.dtype, device=dev)
+        recv_x = torch.empty((rows, self.cols), dtype=self.dtype, device=dev)
         recv_idx = torch.empty((rows, self.k), dtype=self.idx_dtype, device=dev)
         recv_w = torch.empty((rows, self.k), dtype=torch.float32, device=dev)
         self.push(self.words(x), a(topk_idx), a(topk_weights), a(rank_pos), a(table), self.region_at,
@@ -627,25 +662,26 @@ class _HTPlan:
         self.receive(*self.wait_fixed, a(table), self.words(recv_x), a(recv_idx), a(recv_w), a(counts),
                      ws.ht_half_words, rows)
         ws.raise_routing_error()  # with max_recv_tokens, under the interpreter: this call's row
-        return recv_x, recv_idx, recv_w, counts, HTHandle(self, rank_pos, table, rows, limit)
+        return recv_x[:, :self.hidden], recv_idx, recv_w, counts, HTHandle(self, rank_pos, table, rows, limit)
 
     def combine(self, y, handle):
         ws, a = self.ws, self.address
         ws.raise_routing_error()
-        if y.data_ptr() % 16:
-            y = y.clone()  # the push back was compiled for 16-byte aligned rows
+        if y.data_ptr() % 16 or not _rows_ready(signature(y), self.cols):
+            y = _rows(y, self.cols)  # the push back was compiled for 16-byte aligned rows of whole words
         self.push_back(self.words(y), a(handle.table), *self.push_fixed, handle.rows, ws.ht_half_words)
-        out = torch.empty((self.tokens, self.hidden), dtype=self.dtype, device=y.device)
+        out = torch.empty((self.tokens, self.cols), dtype=self.dtype, device=y.device)
         self.reduce(*self.wait_fixed, a(handle.rank_pos), a(handle.table), self.words(y), self.words(out),
                     ws.ht_half_words, self.tokens, handle.limit)
-        return out
+        return out if self.cols == self.hidden else out[:, :self.hidden].contiguous()
 
 
 def ep_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
                 max_recv_tokens: int | None = None):
     """Send each token once to every rank that holds one of its experts (high throughput, prefill).
 
-    x (T, hidden) bf16/fp16; topk_idx (T, k) int64/int32 (-1: no expert); topk_weights (T, k) fp32.
+    x (T, hidden) bf16/fp16/fp32; topk_idx (T, k) int64/int32 (-1: no expert); topk_weights (T, k) fp32; any
+    layout and hidden size (a 16-bit row of odd length travels with a zero column more: recv_x is then a view).
     Returns (recv_x (R, hidden), recv_topk_idx (R, k): the row's experts as local indices on this rank, -1
     for experts elsewhere; recv_topk_weights (R, k); counts (L,) int32: received tokens per local expert;
     handle for ep_combine). Rows are ordered by source rank, then source token. Without max_recv_tokens R is
@@ -674,7 +710,7 @@ def ep_combine(y: torch.Tensor, handle: HTHandle) -> torch.Tensor:
     if not isinstance(handle, HTHandle):
         raise TypeError(f"handle must be what ep_dispatch returned, got {type(handle).__name__}")
     p = handle.plan
-    check_tensor("y", y, world, dtypes=(p.dtype,))
+    check_tensor("y", y, world, dtypes=(p.dtype,), contiguous=False)
     if tuple(y.shape) != (handle.rows, p.hidden):
         raise ValueError(f"y has shape {tuple(y.shape)}, expected {(handle.rows, p.hidden)} (recv_x's)")
     return p.combine(y, handle)
@@ -990,7 +1026,13 @@ class _LLPlan:
         self.world, self.heap, self.fp8 = world, world.heap.descriptor, fp8
         self.k, self.hidden, self.dtype, self.max_tokens = topk_idx.shape[1], x.shape[1], x.dtype, max_tokens
         self.num_experts, self.local = num_experts, num_experts // w
-        self.hw = x.shape[1] * x.element_size() // 4  # words of a bf16/fp16 row (combine)
+        # What the kernels cannot take as it is gets copied per call (_rows): x, topk_idx if not contiguous (fp8
+        # reads x's elements: any alignment).
+        self.cols = _word_columns(x)
+        self.x_ready = (x.is_contiguous() if fp8 else _rows_ready(signature(x), self.cols))
+        self.ready = self.x_ready and topk_idx.is_contiguous()
+        x, topk_idx = self._prepared(x, topk_idx)
+        self.hw = self.cols * x.element_size() // 4  # words of a row (combine)
         self.groups = x.shape[1] // 128 if fp8 else 0
         sent_hw = x.shape[1] // 4 if fp8 else self.hw  # words of a dispatched row
         gpu = world.device.type == "cuda"
@@ -1015,6 +1057,7 @@ class _LLPlan:
         self.route_at = (0, tok_at, tok_at + triton.cdiv(w, 4) * 4)
         self.route_words = self.route_at[2] + w * max_tokens * self.k
         self.recv_shape = (self.local, w * max_tokens, self.hidden)
+        self.recv_cols = (self.local, w * max_tokens, self.cols)  # as the kernels fill it
         self.recv_dtype = torch.float8_e4m3fn if fp8 else x.dtype
         self.scales_shape = (self.local, w * max_tokens, self.groups)
         i32 = lambda *shape: torch.empty(shape, dtype=torch.int32, device=dev)  # noqa: E731
@@ -1063,17 +1106,26 @@ class _LLPlan:
         return self._launch(self.combine_launches, ep_combine_ll_kernel, self.combine_grid, self.combine_constexprs,
                             (key, send, receive), first)
 
+    def _prepared(self, x, topk_idx):
+        """The call's x and topk_idx as the kernels take them (_rows_ready; contiguous)."""
+        if self.ready:
+            return x, topk_idx
+        return (x if self.x_ready else (x.contiguous() if self.fp8 else _rows(x, self.cols))), topk_idx.contiguous()
+
     def dispatch(self, x, topk_idx, hook: bool):
         dev, ws, a = x.device, self.ws, self.address
         ws.raise_routing_error()
         _no_pending_hook(ws, "ep_dispatch_ll")
-        recv = torch.empty(self.recv_shape, dtype=self.recv_dtype, device=dev)
+        x, topk_idx = self._prepared(x, topk_idx)
+        recv = torch.empty(self.recv_cols, dtype=self.recv_dtype, device=dev)
         scales = torch.empty(self.scales_shape, dtype=torch.float32, device=dev) if self.fp8 else None
         routes = torch.empty(self.route_words, dtype=torch.int32, device=dev)
         counts = routes[:self.local]
         src = self._src(routes)
         args = (self.sent(x), a(topk_idx), self.words(recv), a(counts) if scales is None else self.words(scales),
                 a(counts), *src, *self.dispatch_fixed, x.shape[0], self.ws.ll_half_words)
+        if self.cols != self.hidden:
+            recv = recv[..., :self.hidden]  # rows of an odd length travelled with one more column
         if not hook:
             self._dispatch_launch(True, True, x, topk_idx)(*args)
             ws.raise_routing_error()
@@ -1106,7 +1158,11 @@ class _LLPlan:
             raise RuntimeError("ep_combine_ll: the handle's dispatch has not received yet (run its receive hook)")
         tokens = topk_idx.shape[0]
         key = (signature(y), signature(topk_idx), signature(topk_weights))
-        out = torch.empty((tokens, self.hidden), dtype=self.dtype, device=y.device)
+        if not _rows_ready(key[0], self.cols):  # y's rows in whole words, aligned to them
+            y = _rows(y, self.cols)
+        if not (key[1][3] and key[2][3]):
+            topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
+        out = torch.empty((tokens, self.cols), dtype=self.dtype, device=y.device)
         # A new launch's first arguments (compiled for their specialisation), made only then.
         first = lambda: (y.view(torch.int32), topk_idx, topk_weights, out.view(torch.int32),  # noqa: E731
                          *self._src(handle.routes, views=True), ws.ll_combine, ws.counter(1), self.heap, tokens,
@@ -1114,19 +1170,22 @@ class _LLPlan:
         a = self.address
         args = (self.words(y), a(topk_idx), a(topk_weights), self.words(out), *handle.src, *self.combine_fixed,
                 tokens, ws.ll_half_words)
+        # rows of an odd length travelled with one more column
+        result = out if self.cols == self.hidden else out[:, :self.hidden]
         if not hook:
             self._combine_launch(key, True, True, first)(*args)
-            return out
+            return result
         self._combine_launch(key, True, False, first)(*args)
         receive = self._combine_launch(key, False, True, first)
-        return out, RecvHook("ep_combine_ll", ws.ll_pending, lambda: receive(*args))
+        return result, RecvHook("ep_combine_ll", ws.ll_pending, lambda: receive(*args))
 
 
 def ep_dispatch_ll(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int,
                    fp8: bool = False, return_recv_hook: bool = False):
     """Low-latency dispatch (decode): one launch, no host sync, capturable in a CUDA graph.
 
-    x (T, hidden) bf16/fp16 with T <= max_tokens_per_rank; topk_idx (T, k) (-1: no expert).
+    x (T, hidden) bf16/fp16/fp32 with T <= max_tokens_per_rank; topk_idx (T, k) (-1: no expert); any layout and
+    hidden size (a 16-bit row of odd length travels with a zero column more: recv is then a view).
     Returns (recv (L, max_tokens_per_rank * W, hidden): rows [0, counts[e]) of recv[e] are the tokens of
     local expert e, ordered by source rank then source token; counts (L,) int32; scales; handle for
     ep_combine_ll). fp8=False: recv has x's dtype and scales is None. fp8=True (hidden a multiple of 128):
@@ -1169,11 +1228,11 @@ def ep_combine_ll(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
     if not isinstance(handle, LLHandle):
         raise TypeError(f"handle must be what ep_dispatch_ll returned, got {type(handle).__name__}")
     p = handle.plan
-    check_tensor("y", y, world, dtypes=(p.dtype,))
+    check_tensor("y", y, world, dtypes=(p.dtype,), contiguous=False)
     if tuple(y.shape) != p.recv_shape:
         raise ValueError(f"y has shape {tuple(y.shape)}, expected {p.recv_shape} (recv's)")
-    check_tensor("topk_idx", topk_idx, world, dtypes=INDEX_DTYPES)
-    check_tensor("topk_weights", topk_weights, world, dtypes=(torch.float32,))
+    check_tensor("topk_idx", topk_idx, world, dtypes=INDEX_DTYPES, contiguous=False)
+    check_tensor("topk_weights", topk_weights, world, dtypes=(torch.float32,), contiguous=False)
     if topk_idx.dim() != 2 or topk_idx.shape[1] != p.k or topk_idx.shape[0] > p.max_tokens:
         raise ValueError(f"topk_idx must be (tokens <= {p.max_tokens}, {p.k}), got {tuple(topk_idx.shape)}")
     if topk_weights.shape != topk_idx.shape:
@@ -1218,7 +1277,8 @@ COMPILE_CASES = [
 ] + [
     (ep_combine_reduce_kernel, dict(region="*i32", flags="*i32", counter="*i64", heap="*i64", rank_pos="*i32",
                                     table="*i32", y="*i32", out="*i32", half_words="i32", tokens="i32", limit="i32"),
-     dict(HW=3584, ELEM=tl.bfloat16, WORLD=8, PROGRAMS=128, BLOCK=HT_BLOCK_WARPS[0], BLOCK_W=8), dict(num_warps=8)),
+     dict(HW=3584, ELEM=e, WORLD=8, PROGRAMS=128, BLOCK=HT_BLOCK_WARPS[0], BLOCK_W=8), dict(num_warps=8))
+    for e in (tl.bfloat16, tl.float32)
 ] + [
     (ep_dispatch_ll_kernel, dict(x=xt, topk=t, recv="*i32", scales="*i32", counts="*i32", src_rows="*i32",
                                  src_tokens="*i32", buf="*i64", counter="*i64", heap="*i64", err="*i64", tokens="i32",
@@ -1235,6 +1295,7 @@ COMPILE_CASES = [
                                 buf="*i64", counter="*i64", heap="*i64", tokens="i32", half_words="i32"),
      dict(HW=3584, K=8, LOCAL=32, MAX_T=128, WORLD=8, CHUNK=512, CHUNKS=7, LANES=18, ELEM=e, BLOCK_K=8, BLOCK_W=8,
           SEND=send, RECV=receive), dict(num_warps=8))
-    for t in ("*i64", "*i32") for e in (tl.bfloat16, tl.float16)
-    for send, receive in (((True, True), (True, False), (False, True)) if t == "*i64" else ((True, True),))
+    for t in ("*i64", "*i32") for e in (tl.bfloat16, tl.float16, tl.float32)
+    for send, receive in (((True, True), (True, False), (False, True)) if t == "*i64" and e != tl.float32
+                          else ((True, True),))
 ]

@@ -41,6 +41,7 @@ from torch import nn
 
 import weft
 import weft.ops
+from weft.kernels.grouped_gemm import few_rows_config
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
@@ -135,14 +136,15 @@ class EPMoE(_MoE):
         else:
             self.w_gate_up, self.w_down = _param(gate_up), _param(down)
 
-    def _experts(self, x: torch.Tensor, counts: torch.Tensor, x_scales: torch.Tensor | None = None) -> torch.Tensor:
+    def _experts(self, x: torch.Tensor, counts: torch.Tensor, x_scales: torch.Tensor | None = None,
+                 config=None) -> torch.Tensor:
         """Each local expert's MLP on rows [0, counts[e]) of x (L, C, hidden); rows past them undefined and never
         computed but inside a GEMM's last row block (silu_mul and fp8_rows take the counts: a decode step's
         buffer holds a few valid rows per expert). fp8: x as fp8 rows with their scales (the LL dispatch's), or
         bf16 rows, quantized here."""
         if not self.fp8:
-            h = weft.ops.silu_mul(weft.ops.grouped_gemm(x, self.w_gate_up, counts), counts)
-            return weft.ops.grouped_gemm(h, self.w_down, counts)
+            h = weft.ops.silu_mul(weft.ops.grouped_gemm(x, self.w_gate_up, counts, config), counts)
+            return weft.ops.grouped_gemm(h, self.w_down, counts, config)
         if x_scales is None:
             x, x_scales = weft.ops.fp8_rows(x, counts)
         gate_up = weft.ops.grouped_gemm(x, self.w_gate_up, counts, x_scales=x_scales,
@@ -177,7 +179,9 @@ class EPMoE(_MoE):
         if mode == "ll":
             recv, counts, scales, handle = weft.ops.ep_dispatch_ll(tokens, idx, self.num_experts, self.decode_tokens,
                                                                    fp8=self.fp8)
-            y = self._experts(recv, counts, scales).to(tokens.dtype)  # fp8 experts give bf16
+            # A few rows of each expert's buffer are valid: the grouped GEMM's tiles for that (few_rows_config).
+            config = few_rows_config(recv.dtype, recv.device)
+            y = self._experts(recv, counts, scales, config).to(tokens.dtype)  # fp8 experts give bf16
             out = weft.ops.ep_combine_ll(y, idx, weights, handle)
         elif mode == "ht":
             rx, ridx, rw, counts, handle = weft.ops.ep_dispatch(tokens, idx, weights, self.num_experts)
