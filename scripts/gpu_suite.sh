@@ -14,7 +14,8 @@
 #     moe: EP dispatch/combine, grouped GEMM, TP-MoE ops and MoE layers GPU tests on 2 and
 #     all GPUs, `weft bench moe` on all GPUs;  grouped: the grouped GEMM's config sweeps on 1 GPU
 #     (scripts/probe_grouped_gemm.py, bf16 and --fp8: weft's configs against torch._grouped_mm, MoE shapes;
-#     scripts/probe_moe_layout.py: TP-MoE's layout kernels against torch ops; not in all);
+#     scripts/probe_moe_layout.py: TP-MoE's layout kernels against torch ops; scripts/probe_moe_layers.py: the MoE
+#     layers' time kernel by kernel on 1 GPU; not in all);
 #     tune: the launch/tile sweeps on all GPUs (scripts/probe_all_gather.py, probe_ep_ll.py, probe_moe_tp.py;
 #     not in all);
 #     e2e: the tensor-parallel decoder (weft.models): GPU tests on 2 and all GPUs (logits against transformers,
@@ -107,6 +108,8 @@ if [[ "$PARTS" == *" grouped "* ]]; then  # a tuning sweep, not a benchmark of r
   step probe_grouped_gemm timeout 280 env OUT="$OUT/bench" CUDA_VISIBLE_DEVICES=0 python3 scripts/probe_grouped_gemm.py --budget-s 150
   step probe_grouped_gemm_fp8 timeout 280 env OUT="$OUT/bench" CUDA_VISIBLE_DEVICES=0 python3 scripts/probe_grouped_gemm.py --fp8 --budget-s 150
   step probe_moe_layout timeout 120 env OUT="$OUT/bench" CUDA_VISIBLE_DEVICES=0 python3 scripts/probe_moe_layout.py
+  step probe_moe_layers timeout 240 env OUT="$OUT/bench" python3 -m weft run -n 1 scripts/probe_moe_layers.py \
+    --layers ep,ep-fp8,tp,tp-overlap,tp-baseline
 fi
 if [[ "$PARTS" == *" tune "* ]]; then  # tuning sweeps, like grouped
   for probe in all_gather ep_ll moe_tp; do

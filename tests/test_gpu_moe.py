@@ -355,6 +355,29 @@ def test_fp8_grouped_gemm_against_dequantized(experts, cap, k, n, config):
             torch.testing.assert_close(out[e, :m].float(), xd[e, :m] @ wd[e], rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("tokens, experts, k", [(128, 128, 8), (8192, 128, 8), (4096, 256, 8), (333, 8, 2)])
+def test_router_topk_matches_torch(tokens, experts, k):
+    """router_topk against torch's softmax, topk and division: fp32 logits the same experts in the same order;
+    bf16 logits (which tie) the same weights in order; one call replayed from a CUDA graph."""
+    from weft.kernels.moe import router_topk_torch
+
+    w = weft.world()
+    g = torch.Generator(device=w.device).manual_seed(41)
+    logits = torch.randn(tokens, experts, device=w.device, generator=g) * 2
+    idx, wts = weft.ops.router_topk(logits, k)
+    ref_idx, ref_wts = router_topk_torch(logits, k)
+    assert torch.equal(idx, ref_idx)
+    torch.testing.assert_close(wts, ref_wts, rtol=1e-5, atol=1e-6)
+    half = logits.to(torch.bfloat16)
+    res = {}
+    graph = capture(lambda: res.update(got=weft.ops.router_topk(half, k, False)))
+    half.copy_((logits * 1.5).to(torch.bfloat16))
+    graph.replay()
+    ref_idx, ref_wts = router_topk_torch(half, k, False)
+    torch.testing.assert_close(res["got"][1], ref_wts, rtol=1e-5, atol=1e-6)
+    assert torch.equal(torch.gather(half.float(), 1, res["got"][0]), torch.gather(half.float(), 1, ref_idx))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_silu_mul_and_fp8_rows_match_torch(dtype):
     """silu_mul (whole, over each expert's counts, fused with fp8) and fp8_rows against their torch forms (the fp8

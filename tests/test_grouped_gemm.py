@@ -74,8 +74,6 @@ def test_grouped_gemm_configs():
 
 def _fp8_reference(x, sx, w, sw, counts):
     """out[e, :n] = (x * its row scales) @ (w * its block scales), in fp64 from the fp8 values."""
-    import torch
-
     e, _, k = x.shape
     n = w.shape[2]
     xd = x.double() * sx.double().repeat_interleave(128, dim=2)

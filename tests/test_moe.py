@@ -485,3 +485,46 @@ def _eager_calls(rounds):
 
 def test_many_eager_calls_changing_sizes_bounded_memory():
     assert all(run_ranks(_eager_calls, 2, 6, timeout=TIMEOUT, env=ENV))
+
+
+# -- the router ----------------------------------------------------------------------------------
+
+def _router():
+    """router_topk against torch's softmax, topk and division: the same experts in the same order, the weights
+    within float rounding; fp32 and bf16 logits (bf16 rows of distinct values: torch.topk orders ties as it
+    likes), k from 1 to 8, token counts off the kernel's blocks, an empty batch, logits not contiguous; bad
+    arguments refused."""
+    import torch
+
+    import weft
+    from weft.kernels.moe import router_topk_torch
+    from weft.testing.checks import rejects
+
+    g = torch.Generator().manual_seed(21)
+    for experts, tokens, k, norm in ((8, 5, 2, True), (16, 37, 8, True), (12, 3, 1, False), (128, 19, 8, True),
+                                     (8, 0, 3, True)):
+        for dtype in (torch.float32, torch.bfloat16):
+            for call in range(2):
+                if dtype == torch.bfloat16:  # distinct values per row
+                    logits = (torch.rand(tokens, experts, generator=g).argsort(-1).float() / 8 - 4).to(dtype)
+                else:
+                    logits = torch.randn(tokens, experts, generator=g) * 3
+                if call:
+                    logits = logits.t().contiguous().t()
+                idx, wts = weft.ops.router_topk(logits, k, norm)
+                ref_idx, ref_wts = router_topk_torch(logits, k, norm)
+                tag = f"{experts} experts, {tokens} tokens, k {k}, {dtype}"
+                assert idx.dtype == torch.int64 and wts.dtype == torch.float32 and idx.shape == (tokens, k), tag
+                assert torch.equal(idx, ref_idx), tag
+                torch.testing.assert_close(wts, ref_wts, rtol=1e-5, atol=1e-6, msg=tag)
+    logits = torch.randn(4, 8)
+    rejects(lambda: weft.ops.router_topk(logits, 0), ValueError, "k", [logits])
+    rejects(lambda: weft.ops.router_topk(logits, 9), ValueError, "k", [logits])
+    rejects(lambda: weft.ops.router_topk(logits, 2, 1), TypeError, "renormalize", [logits])
+    rejects(lambda: weft.ops.router_topk(logits[None], 2), ValueError, "logits", [logits])
+    rejects(lambda: weft.ops.router_topk(logits.int(), 2), TypeError, "logits", [logits])
+    return True
+
+
+def test_router_topk():
+    assert run_ranks(_router, 1, timeout=TIMEOUT)[0]

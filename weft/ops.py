@@ -18,6 +18,7 @@ from .kernels import gemm_rs as _gemm_rs
 from .kernels.barrier import device_barrier
 from .kernels.common import world_or_raise
 from .kernels.grouped_gemm import fp8_blocks, grouped_gemm
+from .kernels import moe as _moe
 from .kernels.moe import (check_routing_values, ep_combine, ep_combine_ll, ep_dispatch, ep_dispatch_ll,
                           routing_layout)
 from .kernels import moe_tp as _moe_tp
@@ -27,8 +28,9 @@ from .kernels.ulysses import all_to_all_o_proj, qkv_all_to_all, ulysses_all_to_a
 
 __all__ = ["ag_gemm", "all_gather", "all_reduce", "reduce_scatter", "broadcast", "device_barrier", "gemm_rs", "gemm_ar",
            "flash_decode", "sp_flash_decode", "ulysses_all_to_all", "qkv_all_to_all", "all_to_all_o_proj",
-           "routing_layout", "check_routing_values", "ep_dispatch", "ep_combine", "ep_dispatch_ll", "ep_combine_ll",
-           "grouped_gemm", "fp8_rows", "fp8_blocks", "silu_mul", "ag_group_gemm", "group_gemm_rs", "GroupLayout"]
+           "router_topk", "routing_layout", "check_routing_values", "ep_dispatch", "ep_combine", "ep_dispatch_ll",
+           "ep_combine_ll", "grouped_gemm", "fp8_rows", "fp8_blocks", "silu_mul", "ag_group_gemm", "group_gemm_rs",
+           "GroupLayout"]
 
 _traced = _t.traced
 
@@ -130,6 +132,13 @@ def sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table=
         return _flash_decode.sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table, scale)
     return torch.ops.weft.sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard,
                                           world_or_raise().world_size, block_table, scale)
+
+
+@_doc(_moe.router_topk)
+def router_topk(logits, k, renormalize=True):
+    if not _traced(logits):
+        return _moe.router_topk(logits, k, renormalize)
+    return _moe.router_topk_torch(logits, k, renormalize)
 
 
 @_doc(_pointwise.silu_mul)

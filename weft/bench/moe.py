@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import weft
-from weft.kernels.moe import routing_layout
+from weft.kernels.moe import router_topk_torch, routing_layout
 from weft.layers import EPMoE, TPMoE
 from weft.testing.reference import all_gather_ref, reduce_scatter_ref
 
@@ -416,12 +416,17 @@ def random_moe_weights(model, dev):
             scale(torch.randn(e, hidden, inter, device=dev), inter))
 
 
+def _torch_route(layer, x):
+    """The layer's router in torch's own ops (softmax, topk, division): the baselines' routing."""
+    return router_topk_torch(F.linear(x, layer.router_weight), layer.top_k, layer.norm_topk_prob)
+
+
 def _torch_ep_layer(layer: EPMoE, x, grouped):
     """EPMoE's forward on torch collectives: all_to_all_single of the tokens and their routing to the ranks of
     their experts, torch's grouped GEMMs over the (token, local expert) pairs, all_to_all_single back, sum."""
     w = weft.world()
     k, local = layer.top_k, layer.local
-    idx, wts = layer.route(x)
+    idx, wts = _torch_route(layer, x)
     lay = routing_layout(idx, layer.num_experts, w.world_size)
     tok, dest = lay.to_rank.nonzero(as_tuple=True)
     tok = tok[torch.argsort(dest, stable=True)]  # my rows, by destination rank
@@ -451,7 +456,7 @@ def _torch_ep_layer(layer: EPMoE, x, grouped):
 
 def _torch_tp_layer(layer: TPMoE, x, grouped):
     """TPMoE's forward on torch collectives: the torch paths of ag_group_gemm and group_gemm_rs."""
-    idx, wts = layer.route(x)
+    idx, wts = _torch_route(layer, x)
     gate_up, order, ends = _torch_ag(x, layer.w_gate_up, idx, grouped)
     h = F.silu(gate_up[:, :layer.slice]) * gate_up[:, layer.slice:]
     return _torch_rs(h, layer.w_down, wts, order, ends, grouped)

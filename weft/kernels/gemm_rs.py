@@ -415,7 +415,7 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
               ws.ready, heap, m, n, k)
         for desc in swapped:  # the plan keeps no caller tensor (gemm.Descriptor)
             desc.off()
-        if streams is not None:
+        if streams is not None and steps:  # on one rank nothing was pushed: the push stream never forked
             streams.wait(main, pushes)
         return res
     return run

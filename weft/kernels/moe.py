@@ -104,6 +104,89 @@ def routing_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int | N
     return Layout(topk_idx, num_experts, world_size)
 
 
+# -- the router ---------------------------------------------------------------------
+
+@triton.jit
+def router_topk_kernel(logits, idx, weights, tokens, experts, K: tl.constexpr, NORM: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """For BLOCK_T tokens' rows of logits: the K largest softmax probabilities (fp32) and their experts, largest
+    first, chosen on the logits themselves (softmax keeps their order: the same experts as torch.topk of the
+    probabilities, a tie to the lower index); NORM: the K weights divided by their sum. One pass where torch
+    runs softmax, topk (with its sort) and the division: ~20 us at decode and ~70 at 8192 tokens on an H200."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)
+    jj = tl.arange(0, BLOCK_K)
+    live = (t[:, None] < tokens) & (e[None, :] < experts)
+    x = tl.load(logits + t.to(tl.int64)[:, None] * experts + e[None, :], mask=live, other=float("-inf"))
+    x = tl.where(live, x.to(tl.float32), float("-inf"))
+    top = tl.max(x, axis=1)
+    total = tl.sum(tl.where(live, tl.exp(x - top[:, None]), 0.0), axis=1)
+    chosen = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
+    probs = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+    for j in tl.static_range(K):
+        best = tl.max(x, axis=1)
+        pick = tl.min(tl.where(x == best[:, None], e[None, :], BLOCK_E), axis=1)
+        chosen = tl.where(jj[None, :] == j, pick[:, None], chosen)
+        probs = tl.where(jj[None, :] == j, (tl.exp(best - top) / total)[:, None], probs)
+        x = tl.where(e[None, :] == pick[:, None], float("-inf"), x)
+    if NORM:
+        probs = probs / tl.sum(probs, axis=1)[:, None]
+    out = t.to(tl.int64)[:, None] * K + jj[None, :]
+    mask = (t[:, None] < tokens) & (jj[None, :] < K)
+    tl.store(idx + out, chosen.to(tl.int64), mask=mask)
+    tl.store(weights + out, probs, mask=mask)
+
+
+def router_topk(logits: torch.Tensor, k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MoE router's choice from its logits (T, E) (bf16 / fp16 / fp32): (topk_idx (T, k) int64, topk_weights
+    (T, k) fp32), the k largest of softmax(logits) in fp32, largest first, divided by their sum when
+    `renormalize` (Qwen3-MoE's norm_topk_prob; Mixtral's always) -- what torch's softmax, topk and division give
+    (router_topk_torch), the experts the same, the weights within a few ulps (exp differs), in one launch."""
+    world = world_or_raise()
+    found = plan(world, lambda: ("router_topk", signature(logits), k, renormalize),
+                 lambda: _RouterPlan(world, logits, k, renormalize))
+    return found(logits)
+
+
+def router_topk_torch(logits: torch.Tensor, k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_topk in torch's own ops (for traced calls, and the baselines)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, idx = torch.topk(probs, k, dim=-1)
+    return idx, (weights / weights.sum(dim=-1, keepdim=True) if renormalize else weights)
+
+
+class _RouterPlan:
+    def __init__(self, world, logits, k, renormalize):
+        check_tensor("logits", logits, world, dtypes=DTYPES, contiguous=False)
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be (tokens, experts), got shape {tuple(logits.shape)}")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= logits.shape[1]:
+            raise ValueError(f"k must be an int in [1, {logits.shape[1]}] (the experts), got {k!r}")
+        if not isinstance(renormalize, bool):
+            raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
+        self.tokens, self.experts, self.k = logits.shape[0], logits.shape[1], k
+        self.contiguous = logits.is_contiguous()
+        block_e = triton.next_power_of_2(self.experts)
+        block_t = max(1, min(triton.next_power_of_2(max(self.tokens, 1)), 2048 // block_e))
+        idx, weights = self._outputs(logits.device)
+        self.launch = None if self.tokens == 0 else Launch(
+            router_topk_kernel, (triton.cdiv(self.tokens, block_t),),
+            (logits.contiguous(), idx, weights, self.tokens, self.experts),
+            dict(K=k, NORM=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k)), 4)
+
+    def _outputs(self, dev):
+        return (torch.empty((self.tokens, self.k), dtype=torch.int64, device=dev),
+                torch.empty((self.tokens, self.k), dtype=torch.float32, device=dev))
+
+    def __call__(self, logits):
+        idx, weights = self._outputs(logits.device)
+        if self.launch is not None:
+            a = self.launch.address
+            self.launch(a(logits if self.contiguous else logits.contiguous()), a(idx), a(weights), self.tokens,
+                        self.experts)
+        return idx, weights
+
+
 # -- checks -------------------------------------------------------------------------
 
 def _check_experts(num_experts, world_size: int) -> None:
@@ -1242,6 +1325,10 @@ def ep_combine_ll(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
 
 # Signatures for the sm_90 compile check (weft.testing.compile).
 COMPILE_CASES = [
+    (router_topk_kernel, dict(logits=t, idx="*i64", weights="*fp32", tokens="i32", experts="i32"),
+     dict(K=k, NORM=norm, BLOCK_T=2048 // e, BLOCK_E=e, BLOCK_K=k), dict(num_warps=4))
+    for t in ("*bf16", "*fp32") for k, e, norm in ((8, 128, True), (2, 8, False), (8, 256, True))
+] + [
     (ep_count_kernel, dict(topk=t, block_counts="*i32", err="*i64", tokens="i32"),
      dict(K=8, LOCAL=256 // wd, WORLD=wd, BLOCK_T=64, BLOCK_K=8, BLOCK_W=max(4, triton.next_power_of_2(wd + 1))),
      dict(num_warps=4))

@@ -90,12 +90,9 @@ class _MoE(nn.Module):
         self.router_weight = _param(router_weight)
 
     def route(self, x: torch.Tensor):
-        """(topk_idx (T, k) int64, topk_weights (T, k) fp32) of tokens x (T, hidden)."""
-        probs = F.softmax(F.linear(x, self.router_weight), dim=-1, dtype=torch.float32)
-        weights, idx = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return idx, weights
+        """(topk_idx (T, k) int64, topk_weights (T, k) fp32) of tokens x (T, hidden): softmax of the router's
+        logits in fp32, top-k, renormalised if norm_topk_prob (weft.ops.router_topk: one launch)."""
+        return weft.ops.router_topk(F.linear(x, self.router_weight), self.top_k, self.norm_topk_prob)
 
     @classmethod
     def from_dense(cls, block: nn.Module, **kwargs):
