@@ -108,8 +108,8 @@ if [[ "$PARTS" == *" grouped "* ]]; then  # a tuning sweep, not a benchmark of r
   step probe_grouped_gemm timeout 280 env OUT="$OUT/bench" CUDA_VISIBLE_DEVICES=0 python3 scripts/probe_grouped_gemm.py --budget-s 150
   step probe_grouped_gemm_fp8 timeout 280 env OUT="$OUT/bench" CUDA_VISIBLE_DEVICES=0 python3 scripts/probe_grouped_gemm.py --fp8 --budget-s 150
   step probe_moe_layout timeout 120 env OUT="$OUT/bench" CUDA_VISIBLE_DEVICES=0 python3 scripts/probe_moe_layout.py
-  step probe_moe_layers timeout 240 env OUT="$OUT/bench" python3 -m weft run -n 1 scripts/probe_moe_layers.py \
-    --layers ep,ep-fp8,tp,tp-overlap,tp-baseline
+  step probe_moe_layers timeout 300 env OUT="$OUT/bench" python3 -m weft run -n 1 scripts/probe_moe_layers.py \
+    --layers ep,ep-fp8,ep-ht,ep-ht-fp8,tp,tp-overlap,tp-baseline
 fi
 if [[ "$PARTS" == *" tune "* ]]; then  # tuning sweeps, like grouped
   for probe in all_gather ep_ll moe_tp; do

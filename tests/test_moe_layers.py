@@ -35,7 +35,8 @@ def _block(kind: str, experts: int, k: int, seed: int, hidden: int = HIDDEN, int
     return block.to(torch.bfloat16).eval()
 
 
-def _layer_case(layer_name, kind, experts, k, tokens, seed, modes=()):
+def _layer_case(layer_name, kind, experts, k, tokens, seed, modes=(), bounded=False):
+    """bounded: EPMoE's prefill with max_recv_tokens (every rank's tokens: no row dropped)."""
     import torch
 
     import weft
@@ -53,7 +54,8 @@ def _layer_case(layer_name, kind, experts, k, tokens, seed, modes=()):
         assert layer.w_gate_up.shape == (experts, HIDDEN, 2 * INTER // w)
         got = {"tp": layer(xs[me])}
     else:
-        layer = EPMoE.from_dense(block, rank=me, world_size=w, decode_tokens=4)
+        layer = EPMoE.from_dense(block, rank=me, world_size=w, decode_tokens=4,
+                                 max_recv_tokens=w * tokens if bounded else None)
         assert layer.w_gate_up.shape == (experts // w, HIDDEN, 2 * INTER)
         got = {mode: layer(xs[me], mode=mode) for mode in modes}
     for mode, out in got.items():
@@ -76,9 +78,11 @@ def test_tp_moe_matches_dense_block(w):
 
 @pytest.mark.parametrize("w", [1, 2, 4])
 def test_ep_moe_matches_dense_block(w):
-    # 3 tokens: decode (LL) on its own (mode None) and forced through the prefill (HT) path; 6 tokens: HT.
-    cases = [("ep", "qwen3", 8, 2, 3, 3, (None, "ht")), ("ep", "mixtral", 8, 2, 6, 4, (None,))]
-    assert all(run_ranks(_layer_cases, w, cases[:1] if w == 4 else cases, timeout=TIMEOUT, env=ENV))
+    # 3 tokens: decode (LL) on its own (mode None) and forced through the prefill (HT) path; 6 tokens: HT; HT
+    # with a bound on the rows received and k = 4, more than a rank's experts at 4 ranks.
+    cases = [("ep", "qwen3", 8, 2, 3, 3, (None, "ht")), ("ep", "mixtral", 8, 2, 6, 4, (None,)),
+             ("ep", "qwen3", 8, 4, 5, 5, ("ht",), True)]
+    assert all(run_ranks(_layer_cases, w, cases[::2] if w == 4 else cases, timeout=TIMEOUT, env=ENV))
 
 
 def _fp8_reference(block, x, idx, weights):

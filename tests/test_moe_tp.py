@@ -318,18 +318,93 @@ def test_bad_rows_raise_and_the_next_call_works(w):
 
 
 def _no_host_reads():
-    """Eager calls of both ops, each method, with and without a layout: weft reads no tensor value into
-    Python (on GPUs each such read is a host sync; tests/test_gpu_moe.py checks the GPU side)."""
+    """Eager calls of both ops, each method, with and without a layout, and of the local routed ops: weft reads
+    no tensor value into Python (on GPUs each such read is a host sync; tests/test_gpu_moe.py checks the GPU
+    side)."""
     from weft.testing.checks import host_reads
 
     _case(95, 4, 32, 16, 4, 2, "random", "overlap")  # plans and workspaces made outside the check
     _case(96, 4, 32, 16, 4, 2, "masked", "baseline", "bfloat16", False)
+    _routed_case(95, 4, 32, 16, 2, 4, "local", False)
     with host_reads() as found:
         _case(97, 4, 32, 16, 4, 2, "masked", "overlap")
         _case(98, 4, 32, 16, 4, 2, "random", "baseline", "bfloat16", False)
+        _routed_case(96, 4, 32, 16, 2, 4, "local", False)
     assert not found, found
     return True
 
 
 def test_eager_calls_make_no_host_sync():
     assert all(run_ranks(_no_host_reads, 2, timeout=TIMEOUT, env=ENV))
+
+
+# -- the local ops: routed_gemm, routed_gemm_sum ----------------------------------------------
+
+def _routed_case(seed, m, hidden, n, experts, k, mode, with_layout=True):
+    """routed_gemm + routed_gemm_sum on this rank's own rows (m + rank of them: the ranks differ) against the
+    one-rank references; k may pass the experts (mode "local": an EP rank's rows, -1 for the experts
+    elsewhere)."""
+    import torch
+
+    import weft
+
+    me = weft.rank()
+    m += me
+    g = torch.Generator().manual_seed(seed * 10 + me)
+    x = torch.randn(m, hidden, generator=g).to(torch.bfloat16)
+    w_up = (torch.randn(experts, hidden, n, generator=g) / hidden ** 0.5).to(torch.bfloat16)
+    w_down = (torch.randn(experts, n, hidden, generator=g) / n ** 0.5).to(torch.bfloat16)
+    if mode == "local":  # k of 2 E experts, this rank's E first; those of other ranks -1
+        idx = torch.stack([torch.randperm(2 * experts, generator=g)[:k] for _ in range(m)]) if m else \
+            torch.empty(0, k, dtype=torch.int64)
+        idx = torch.where(idx < experts, idx, -1)
+        wts = torch.rand(m, k, generator=g)
+    else:
+        idx, wts = _routing(seed * 10 + me, 1, m, experts, k, mode)[0]
+    tag = f"seed {seed} m {m} E {experts} k {k} {mode} layout {with_layout}"
+    starts, pair_of_row, row_of_pair = _expected_layout([idx], experts)
+    out = torch.full((m * k, n), float("nan"), dtype=torch.bfloat16)
+    inter, layout = weft.ops.routed_gemm(x, w_up, idx, out=out)
+    assert inter is out, tag
+    assert torch.equal(layout.starts, starts) and torch.equal(layout.pair_of_row, pair_of_row), tag
+    assert torch.equal(layout.row_of_pair, row_of_pair), tag
+    torch.testing.assert_close(inter.float(), _inter_ref([x], [idx], w_up, pair_of_row, k), rtol=2e-2, atol=2e-2,
+                               msg=tag)
+    h = torch.randn(m * k, n, generator=g).to(torch.bfloat16)
+    h[~torch.isin(torch.arange(m * k), row_of_pair[row_of_pair >= 0].long())] = float("nan")  # read by nothing
+    res = torch.full((m, hidden), float("nan"), dtype=torch.bfloat16)
+    got = weft.ops.routed_gemm_sum(h, w_down, idx, wts, layout if with_layout else None, out=res)
+    assert got is res, tag
+    want = _rs_ref([h], [w_down], [idx], [wts], pair_of_row, k, 0, m, torch.bfloat16)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2, msg=tag)
+    return True
+
+
+def _routed_cases(cases):
+    import torch
+
+    import weft
+    from weft.testing.checks import rejects
+
+    for case in cases:
+        _routed_case(*case)
+    x, wu = torch.randn(4, 32).to(torch.bfloat16), torch.randn(4, 32, 16).to(torch.bfloat16)
+    idx = torch.tensor([[0, 1], [2, -1], [3, 0], [1, 2]])
+    guarded = [x, wu, idx]
+    rejects(lambda: weft.ops.routed_gemm(x.float(), wu, idx), TypeError, "tokens", guarded)
+    rejects(lambda: weft.ops.routed_gemm(x, wu[:, :8].contiguous(), idx), ValueError, "w_experts", guarded)
+    inter, layout = weft.ops.routed_gemm(x, wu, idx)
+    rejects(lambda: weft.ops.routed_gemm_sum(inter[:-1], wu.transpose(1, 2).contiguous(), idx, torch.rand(4, 2),
+                                             layout), ValueError, "h", guarded)
+    return True
+
+
+@pytest.mark.parametrize("w", [1, 2])
+def test_routed_gemm_matches_reference(w):
+    """Local: each rank its own rows (a different count), no collective; a rank with no rows at 2 ranks."""
+    cases = [
+        (1, 5, 40, 24, 4, 3, "random"),        # ragged
+        (2, 0 if w == 2 else 1, 32, 16, 4, 2, "masked"),  # rank 0 without rows at 2 ranks
+        (3, 6, 32, 16, 2, 4, "local", False),  # k = 4 > 2 experts; no layout: made again
+    ]
+    assert all(run_ranks(_routed_cases, w, cases, timeout=TIMEOUT, env=ENV))

@@ -22,7 +22,7 @@ from .kernels import moe as _moe
 from .kernels.moe import (check_routing_values, ep_combine, ep_combine_ll, ep_dispatch, ep_dispatch_ll,
                           routing_layout)
 from .kernels import moe_tp as _moe_tp
-from .kernels.moe_tp import GroupLayout
+from .kernels.moe_tp import GroupLayout, routed_gemm, routed_gemm_sum
 from .kernels import pointwise as _pointwise
 from .kernels.ulysses import all_to_all_o_proj, qkv_all_to_all, ulysses_all_to_all
 
@@ -30,7 +30,7 @@ __all__ = ["ag_gemm", "all_gather", "all_reduce", "reduce_scatter", "broadcast",
            "flash_decode", "sp_flash_decode", "ulysses_all_to_all", "qkv_all_to_all", "all_to_all_o_proj",
            "router_topk", "routing_layout", "check_routing_values", "ep_dispatch", "ep_combine", "ep_dispatch_ll",
            "ep_combine_ll", "grouped_gemm", "fp8_rows", "fp8_blocks", "silu_mul", "ag_group_gemm", "group_gemm_rs",
-           "GroupLayout"]
+           "routed_gemm", "routed_gemm_sum", "GroupLayout"]
 
 _traced = _t.traced
 

@@ -25,11 +25,12 @@ tensor-parallel MoE ops and the MoE layers against the same work on torch collec
   the routing, a sort by expert, torch's grouped GEMM (torch._grouped_mm where it runs, else a loop of
   torch.matmul); torch's grouped GEMM, the weighted sum (index_add), NCCL reduce_scatter.
 - layers (Qwen3-30B-A3B's MoE block; random weights): EPMoE at 128 tokens per rank (decode: LL) and 4096
-  (prefill: HT), also with fp8 experts (EPMoE(fp8=True): fp8 dispatch in decode), TPMoE at 8192 tokens in all
+  (prefill: HT; also with max_recv_tokens, captured), also with fp8 experts (EPMoE(fp8=True): fp8 dispatch in
+  decode), TPMoE at 8192 tokens in all
   (Qwen3 and Mixtral), against the same (bf16) layer on torch collectives (EP: all_to_all_single both ways
   around torch's grouped GEMMs; TP: the torch paths above).
 Two views: every impl eagerly (host cost included), and the capturable ones (weft LL, weft HT with
-max_recv_tokens, the TP-MoE ops both ways, TPMoE, EPMoE in decode; the TP torch paths where torch's grouped
+max_recv_tokens, the TP-MoE ops both ways, TPMoE, EPMoE in decode and with max_recv_tokens; the TP torch paths where torch's grouped
 GEMM runs) replayed from CUDA graphs (the EP baselines' splits go through the host: they cannot be
 captured). Every weft result is checked against the baseline's before timing.
 """
@@ -488,8 +489,12 @@ def _ep_layer(model, tokens, samples) -> list[Row]:
     mode = "LL" if tokens <= layer.decode_tokens else "HT"
     impls = {"weft layer": lambda: layer(x), "weft layer (fp8)": lambda: layer_fp8(x),
              BASELINE: lambda: _torch_ep_layer(layer, x, grouped)}
+    if mode == "HT":  # the rows received bounded by every rank's tokens: no host sync, captured
+        bounded = EPMoE(*dense, model["k"], True, decode_tokens=128, max_recv_tokens=tokens * w.world_size)
+        impls["weft layer (max_recv_tokens)"] = lambda: bounded(x)
     return _layer_rows(f"EPMoE {model['name']} {tokens} tok/rank ({mode})", impls,
-                       {"weft layer", "weft layer (fp8)"} if mode == "LL" else set(), samples)
+                       {"weft layer", "weft layer (fp8)"} if mode == "LL" else {"weft layer (max_recv_tokens)"},
+                       samples)
 
 
 def _tp_layer(model, total, samples) -> list[Row]:

@@ -76,7 +76,12 @@ every rank. Until raised, a bad row does no harm: the layout sorts an entry outs
 pairs without expert (a row of zeros, summed as nothing), and a repeated expert computes its pair twice.
 check_routing_values (weft.ops) is the same check on the host, with a sync.
 
-Both ops are PyTorch operators too (torch.ops.weft.*, weft/torch_ops.py; inference only).
+routed_gemm and routed_gemm_sum are the two ops' one-rank baseline as local ops (not collective; each rank
+its own token count, and k may pass E): the grouped MLP of rows routed to this rank's experts, as an EP rank
+computes it on what ep_dispatch received (EPMoE's prefill): the layout sort, the same grouped GEMM kernel, the
+weighted top-k sum, with no host sync and no torch indexing.
+
+ag_group_gemm and group_gemm_rs are PyTorch operators too (torch.ops.weft.*, weft/torch_ops.py; inference only).
 """
 from __future__ import annotations
 
@@ -289,7 +294,10 @@ class LayoutLaunches:
         return GroupLayout(meta, self.e, self.k, self.m, rows)
 
     def all_gathered(self, topk_idx: torch.Tensor) -> GroupLayout:
-        """The GroupLayout of every rank's topk_idx: each rank's chunk, all-gathered (weft all_gather)."""
+        """The GroupLayout of every rank's topk_idx: each rank's chunk, all-gathered (weft all_gather); of one
+        rank's (world_size 1), the chunk in a new tensor (the layout outlives the call)."""
+        if self.world_size == 1:
+            return self.gathered(self.chunk(topk_idx, torch.empty_like(self.meta))[None])
         return self.gathered(all_gather(self.chunk(topk_idx, self.meta)[None]))
 
 
@@ -624,10 +632,11 @@ def _check_weights(name, w, world, dtype, rows: int, rows_name: str):
 
 
 def _check_topk(world, topk_idx, m: int, num_experts: int, topk_weights=None):
+    """k may pass the experts (routed_gemm: an EP rank's rows name its local experts, -1 for the others)."""
     check_tensor("topk_idx", topk_idx, world, dtypes=INDEX_DTYPES)
-    if topk_idx.dim() != 2 or topk_idx.shape[0] != m or not 1 <= topk_idx.shape[1] <= num_experts:
-        raise ValueError(f"topk_idx must be (tokens, k) with tokens = {m} and 1 <= k <= {num_experts} (the experts), "
-                         f"got shape {tuple(topk_idx.shape)}")
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != m or topk_idx.shape[1] < 1:
+        raise ValueError(f"topk_idx must be (tokens, k) with tokens = {m} and k >= 1, got shape "
+                         f"{tuple(topk_idx.shape)}")
     if topk_weights is not None:
         check_tensor("topk_weights", topk_weights, world, dtypes=(torch.float32,))
         if topk_weights.shape != topk_idx.shape:
@@ -719,18 +728,20 @@ class _RoutingCheck:
 
 
 class _AgPlan:
-    """ag_group_gemm of one call signature: checks, method, launches, workspace views."""
+    """ag_group_gemm of one call signature: checks, method, launches, workspace views. local: routed_gemm (this
+    rank's tokens alone, as ag_group_gemm's baseline on one rank)."""
 
-    def __init__(self, world, tokens, w, topk_idx, method, out):
+    def __init__(self, world, tokens, w, topk_idx, method, out, local: bool = False):
         check_method(method, METHODS)
-        check_tensor("tokens_shard", tokens, world, dtypes=DTYPES)
+        x_name, w_name = ("tokens", "w_experts") if local else ("tokens_shard", "w_experts_shard")
+        check_tensor(x_name, tokens, world, dtypes=DTYPES)
         if tokens.dim() != 2:
-            raise ValueError(f"tokens_shard must be (tokens, hidden), got shape {tuple(tokens.shape)}")
+            raise ValueError(f"{x_name} must be (tokens, hidden), got shape {tuple(tokens.shape)}")
         m, hidden = tokens.shape
-        _check_weights("w_experts_shard", w, world, tokens.dtype, hidden, "hidden")
+        _check_weights(w_name, w, world, tokens.dtype, hidden, "hidden")
         e, _, n = w.shape
         _check_topk(world, topk_idx, m, e)
-        ww, me, k = world.world_size, world.rank, topk_idx.shape[1]
+        ww, me, k = (1, 0, topk_idx.shape[1]) if local else (world.world_size, world.rank, topk_idx.shape[1])
         self.world_size, self.m, self.k, self.e, self.n = ww, m, k, e, n
         self.dtype, self.dev = tokens.dtype, tokens.device
         self.out_shape = (ww * m * k, n)
@@ -827,32 +838,39 @@ def ag_group_gemm(tokens_shard: torch.Tensor, w_experts_shard: torch.Tensor, top
     found = plan(world, lambda: ("ag_group_gemm", signature(tokens_shard), signature(w_experts_shard),
                                  signature(topk_idx), method, None if out is None else signature(out)),
                  lambda: _AgPlan(world, tokens_shard, w_experts_shard, topk_idx, method, out))
-    found.routing.raise_recorded()  # a bad row an earlier call of the family recorded: nothing launched
-    result = found(tokens_shard, w_experts_shard, topk_idx, out)
-    found.routing.raise_recorded()  # this call's, where its check has run (always under the interpreter)
+    return _checked(found, tokens_shard, w_experts_shard, topk_idx, out)
+
+
+def _checked(found, *args):
+    """found(*args) between the routing checks' raises: a bad row an earlier call of the family recorded
+    (nothing launched), then this call's, where its check has run (always under the interpreter)."""
+    found.routing.raise_recorded()
+    result = found(*args)
+    found.routing.raise_recorded()
     return result
 
 
 class _RsPlan:
     """group_gemm_rs of one call signature: checks, method, launches, workspace views."""
 
-    def __init__(self, world, h, w_down, topk_idx, topk_weights, method, out, make_layout: bool):
+    def __init__(self, world, h, w_down, topk_idx, topk_weights, method, out, make_layout: bool, local: bool = False):
         check_method(method, METHODS)
         check_tensor("h", h, world, dtypes=DTYPES)
         if h.dim() != 2:
             raise ValueError(f"h must be (pairs, N), got shape {tuple(h.shape)}")
-        _check_weights("w_down_shard", w_down, world, h.dtype, h.shape[1], "h's columns")
+        _check_weights("w_down" if local else "w_down_shard", w_down, world, h.dtype, h.shape[1], "h's columns")
         e, inter, hidden = w_down.shape
         check_tensor("topk_idx", topk_idx, world, dtypes=INDEX_DTYPES)
         if topk_idx.dim() != 2:
             raise ValueError(f"topk_idx must be (tokens, k), got shape {tuple(topk_idx.shape)}")
         m, k = topk_idx.shape
         _check_topk(world, topk_idx, m, e, topk_weights)
-        ww, me = world.world_size, world.rank
+        ww, me = (1, 0) if local else (world.world_size, world.rank)
         if h.shape[0] != ww * m * k:
-            raise ValueError(f"h has {h.shape[0]} rows, expected world size x tokens x k = {ww * m * k} (one per pair "
-                             "of every rank's tokens, as ag_group_gemm returns them)")
-        self.world, self.m, self.k, self.e, self.hidden = world, m, k, e, hidden
+            raise ValueError(f"h has {h.shape[0]} rows, expected {'' if local else 'world size x '}tokens x k = "
+                             f"{ww * m * k} (one per pair of {'the' if local else 'every rank'}'s tokens, as "
+                             f"{'routed_gemm' if local else 'ag_group_gemm'} returns them)")
+        self.world_size, self.m, self.k, self.e, self.hidden = ww, m, k, e, hidden
         self.dtype, self.dev = h.dtype, h.device
         _check_out(world, out, (m, hidden), h.dtype)
         recv_bytes = _aligned(ww * m * hidden * h.element_size())
@@ -932,7 +950,7 @@ class _RsPlan:
         if not isinstance(layout, GroupLayout):
             raise TypeError(f"layout must be a GroupLayout (what ag_group_gemm returned) or None, got "
                             f"{type(layout).__name__}")
-        want = (self.world.world_size, self.e, self.k, self.m)
+        want = (self.world_size, self.e, self.k, self.m)
         have = (layout.world_size, layout.num_experts, layout.top_k, layout.tokens_per_rank)
         if have != want or layout.meta.device != self.dev:
             raise ValueError(f"layout is for (world size, experts, k, tokens per rank) = {have} on "
@@ -951,7 +969,7 @@ class _RsPlan:
             y = torch.empty((h.shape[0], self.hidden), dtype=self.dtype, device=self.dev)
             self.launch(*self.gemm_args(h, layout.meta, w_down, y))
             self._off()
-            one = self.world.world_size == 1
+            one = self.world_size == 1
             weights = topk_weights if one else all_gather(topk_weights)
             sums = out if one else torch.empty((weights.shape[0], self.hidden), dtype=self.dtype, device=self.dev)
             a = self.sums.address
@@ -996,10 +1014,47 @@ def group_gemm_rs(h: torch.Tensor, w_down_shard: torch.Tensor, topk_idx: torch.T
                                  None if out is None else signature(out)),
                  lambda: _RsPlan(world, h, w_down_shard, topk_idx, topk_weights, method, out, layout is None))
     found.check_layout(layout)
-    found.routing.raise_recorded()  # a bad row an earlier call of the family recorded: nothing launched
-    result = found(h, w_down_shard, topk_idx, topk_weights, layout, out)
-    found.routing.raise_recorded()  # this call's, where its check has run (always under the interpreter)
-    return result
+    return _checked(found, h, w_down_shard, topk_idx, topk_weights, layout, out)
+
+
+def routed_gemm(tokens: torch.Tensor, w_experts: torch.Tensor, topk_idx: torch.Tensor,
+                out: torch.Tensor | None = None):
+    """Multiply every (token, expert) pair of this rank's routed tokens by its expert's weights: ag_group_gemm
+    without the all-gather. Local, not collective: each rank its own token count (an EP rank's received rows:
+    EPMoE's prefill).
+
+    tokens (m, hidden) bf16/fp16; w_experts (E, hidden, N) of that dtype; topk_idx (m, k) int64/int32: each
+    token's experts in [0, E), -1 for none (k may pass E: -1 for the experts held elsewhere; a row must not name
+    an expert twice). Contiguous. Returns (inter (m k, N), layout): inter's rows are the pairs sorted by expert
+    (GroupLayout, one chunk), inter[row] = token @ w_experts[expert] (fp32 accumulation, rounded to the dtype),
+    zeros for the pairs without expert; pass `layout` on to routed_gemm_sum. `out`: a contiguous (m k, N)
+    tensor to write inter into. topk_idx's values are checked on the device, as ag_group_gemm checks them.
+    """
+    world = world_or_raise()
+    found = plan(world, lambda: ("routed_gemm", signature(tokens), signature(w_experts), signature(topk_idx),
+                                 None if out is None else signature(out)),
+                 lambda: _AgPlan(world, tokens, w_experts, topk_idx, "baseline", out, local=True))
+    return _checked(found, tokens, w_experts, topk_idx, out)
+
+
+def routed_gemm_sum(h: torch.Tensor, w_down: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                    layout: GroupLayout | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Multiply every pair's row of h by its expert's down projection and sum each token's k results with its
+    routing weights: group_gemm_rs without the reduce-scatter. Local, not collective.
+
+    h (m k, N') bf16/fp16 in the order of routed_gemm's layout (its output after the activation); w_down (E, N',
+    hidden) of that dtype; topk_idx (m, k) and topk_weights (m, k) fp32: the routing given to routed_gemm;
+    layout: what routed_gemm returned (None: made again from topk_idx). Contiguous. Returns (m, hidden): sum
+    over j of topk_weights[t, j] * (h[row of (t, j)] @ w_down[expert], rounded to the dtype), in fp32, rounded
+    once; pairs with topk_idx -1 add nothing. `out`: a contiguous (m, hidden) tensor to write it into.
+    """
+    world = world_or_raise()
+    found = plan(world, lambda: ("routed_gemm_sum", signature(h), signature(w_down), signature(topk_idx),
+                                 signature(topk_weights), layout is None, None if out is None else signature(out)),
+                 lambda: _RsPlan(world, h, w_down, topk_idx, topk_weights, "baseline", out, layout is None,
+                                 local=True))
+    found.check_layout(layout)
+    return _checked(found, h, w_down, topk_idx, topk_weights, layout, out)
 
 
 # Signatures for the sm_90 compile check (weft.testing.compile): both GPU tilings, bf16 and fp16, the

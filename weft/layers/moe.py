@@ -13,10 +13,13 @@ EPMoE (expert parallel): rank r holds experts [r E / W, (r + 1) E / W) whole; ea
   each of its experts' receive buffers (L, W decode_tokens, hidden), weft's grouped_gemm runs gate/up and down
   over the valid rows of every local expert, ep_combine_ll brings the k outputs back weighted. No host sync
   (topk_idx is checked on the device): the step can be captured in a CUDA graph.
-- prefill: ep_dispatch sends each token once to every rank that holds one of its experts; the (token, local
-  expert) pairs are sorted by expert into a (L, most pairs of an expert, hidden) buffer (one host sync for that
-  size), run through the same grouped GEMMs, summed per token with its weights, and ep_combine returns each
-  rank's sum to the token's rank.
+- prefill: ep_dispatch sends each token once to every rank that holds one of its experts; routed_gemm sorts
+  the received (row, local expert) pairs by expert and runs the gate/up GEMM over them, SiLU(gate) * up,
+  routed_gemm_sum the down GEMM and each row's weighted sum over its local experts (weft kernels, no host
+  sync), and ep_combine returns each rank's sum to the token's rank. ep_dispatch makes one host sync for the
+  rows received, unless `max_recv_tokens` bounds them (the same on every rank; rows past it are dropped):
+  then the step can be captured too. fp8 and fp32 experts take a (L, most pairs of an expert, hidden)
+  buffer and grouped_gemm instead (torch indexing, one host sync for that size).
 Every rank must take the same path in a call: keep every rank's token count on the same side of
 `decode_tokens` (true when ranks run the same batch shape), or pass `mode`.
 With fp8=True the experts run in fp8 e4m3 with block scales (DeepSeek-V3's recipe): the weights are quantized per
@@ -104,6 +107,7 @@ class _MoE(nn.Module):
 class EPMoE(_MoE):
     """Expert-parallel MoE MLP (module doc). forward(x, mode=None): x (..., hidden), this rank's tokens; returns
     the same shape. mode: "ll" (decode path), "ht" (prefill path), None (ll for at most decode_tokens tokens).
+    max_recv_tokens: the prefill's bound on the rows a rank receives (ep_dispatch's; None: exact, a host sync).
 
     Stored: w_gate_up (L, hidden, 2 inter) and w_down (L, inter, hidden) of this rank's L = E / W experts; with
     fp8, as e4m3 with their K dimension contiguous (grouped_gemm's fp8 layout) and the block scales
@@ -112,7 +116,7 @@ class EPMoE(_MoE):
 
     def __init__(self, router_weight, gate_proj, up_proj, down_proj, top_k: int, norm_topk_prob: bool = True, *,
                  rank: int | None = None, world_size: int | None = None, decode_tokens: int = 128,
-                 fp8: bool = False):
+                 fp8: bool = False, max_recv_tokens: int | None = None):
         super().__init__(router_weight, gate_proj, up_proj, down_proj, top_k, norm_topk_prob)
         rank, world_size = _world(rank, world_size)
         if self.num_experts % world_size:
@@ -120,7 +124,10 @@ class EPMoE(_MoE):
         if fp8 and (self.hidden % 128 or self.inter % 128):
             raise ValueError(f"fp8 experts need hidden and inter multiples of 128 (a scale per 128 channels), got "
                              f"{self.hidden} and {self.inter}")
+        if max_recv_tokens is not None and (not isinstance(max_recv_tokens, int) or max_recv_tokens < 1):
+            raise ValueError(f"max_recv_tokens must be a positive int or None, got {max_recv_tokens!r}")
         self.rank, self.world_size, self.decode_tokens, self.fp8 = rank, world_size, decode_tokens, fp8
+        self.max_recv_tokens = max_recv_tokens
         self.local = self.num_experts // world_size
         mine = slice(rank * self.local, (rank + 1) * self.local)
         gate_up = torch.cat([gate_proj[mine], up_proj[mine]], dim=1).transpose(1, 2)
@@ -150,8 +157,12 @@ class EPMoE(_MoE):
         return weft.ops.grouped_gemm(h, self.w_down, counts, x_scales=h_scales, w_scales=self.w_down_scales)
 
     def _received(self, rx, ridx, rw, counts) -> torch.Tensor:
-        """ep_dispatch's rows (R, hidden) -> each row's weighted sum of its local experts' outputs (R, hidden):
-        the (row, expert) pairs sorted by expert into (L, most pairs of an expert, hidden), the experts, back."""
+        """ep_dispatch's rows (R, hidden) -> each row's weighted sum of its local experts' outputs (R, hidden)."""
+        if not self.fp8 and self.w_gate_up.dtype in (torch.bfloat16, torch.float16):
+            rx, ridx, rw = rx.contiguous(), ridx.contiguous(), rw.contiguous()  # (an odd hidden size: a view)
+            inter, layout = weft.ops.routed_gemm(rx, self.w_gate_up, ridx)
+            return weft.ops.routed_gemm_sum(weft.ops.silu_mul(inter), self.w_down, ridx, rw, layout)
+        # fp8 / fp32: the (row, expert) pairs sorted by expert into (L, most pairs of an expert, hidden).
         dev, k = rx.device, ridx.shape[1]
         key = torch.where(ridx >= 0, ridx, self.local).reshape(-1)  # no local expert: after every one
         sorted_key, order = torch.sort(key, stable=True)
@@ -181,7 +192,8 @@ class EPMoE(_MoE):
             y = self._experts(recv, counts, scales, config).to(tokens.dtype)  # fp8 experts give bf16
             out = weft.ops.ep_combine_ll(y, idx, weights, handle)
         elif mode == "ht":
-            rx, ridx, rw, counts, handle = weft.ops.ep_dispatch(tokens, idx, weights, self.num_experts)
+            rx, ridx, rw, counts, handle = weft.ops.ep_dispatch(tokens, idx, weights, self.num_experts,
+                                                                self.max_recv_tokens)
             out = weft.ops.ep_combine(self._received(rx, ridx, rw, counts), handle)
         else:
             raise ValueError(f"mode must be 'll', 'ht' or None, got {mode!r}")
