@@ -19,8 +19,8 @@ import argparse
 import cProfile
 import os
 import pstats
-import traceback
 import sys
+import traceback
 
 import torch
 

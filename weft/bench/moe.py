@@ -30,9 +30,9 @@ tensor-parallel MoE ops and the MoE layers against the same work on torch collec
   (Qwen3 and Mixtral), against the same (bf16) layer on torch collectives (EP: all_to_all_single both ways
   around torch's grouped GEMMs; TP: the torch paths above).
 Two views: every impl eagerly (host cost included), and the capturable ones (weft LL, weft HT with
-max_recv_tokens, the TP-MoE ops both ways, TPMoE, EPMoE in decode and with max_recv_tokens; the TP torch paths where torch's grouped
-GEMM runs) replayed from CUDA graphs (the EP baselines' splits go through the host: they cannot be
-captured). Every weft result is checked against the baseline's before timing.
+max_recv_tokens, the TP-MoE ops both ways, TPMoE, EPMoE in decode and in prefill with max_recv_tokens; the TP
+torch paths where torch's grouped GEMM runs) replayed from CUDA graphs (the EP baselines' splits go through the
+host: they cannot be captured). Every weft result is checked against the baseline's before timing.
 """
 from __future__ import annotations
 

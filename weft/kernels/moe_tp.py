@@ -57,11 +57,11 @@ alternate, and each barrier orders the next writer after the last reader, whiche
 method "baseline" (and the fallback of "auto" where the overlap cannot take the call: a message larger than
 the workspace, or a world of one): ag_group_gemm is weft all_gather of the tokens and of the layouts, then
 the same grouped GEMM kernel without waits; group_gemm_rs is the grouped GEMM of every chunk, the weighted
-top-k sum (topk_sum_kernel), and weft reduce_scatter; on one rank neither op gathers nor scatters. Every rank computes every chunk in both methods, with the same
-rounding: each expert output rounded to the dtype, each rank's weighted sum in fp32 rounded once, the ranks'
-partials summed in fp32 in rank order. "auto" overlaps where it can and where the overlap measured faster
-(AUTO_OVERLAPS: both ops); the GEMM tiling follows the experts' average rows
-per chunk (_gemm_config; scripts/probe_moe_tp.py sweeps it).
+top-k sum (topk_sum_kernel), and weft reduce_scatter; on one rank neither op gathers nor scatters. Every rank
+computes every chunk in both methods, with the same rounding: each expert output rounded to the dtype, each
+rank's weighted sum in fp32 rounded once, the ranks' partials summed in fp32 in rank order. "auto" overlaps
+where it can and where the overlap measured faster (AUTO_OVERLAPS: both ops); the GEMM tiling follows the
+experts' average rows per chunk (_gemm_config; scripts/probe_moe_tp.py sweeps it).
 
 Routing checks, with no host sync (the host queues call after call ahead of the GPU): where an op reads
 topk_idx's values (ag_group_gemm; group_gemm_rs without a layout), its first launch, `moe_tp_check_kernel`,
