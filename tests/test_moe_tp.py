@@ -380,7 +380,56 @@ def _routed_case(seed, m, hidden, n, experts, k, mode, with_layout=True):
     return True
 
 
-def _routed_cases(cases):
+def _fp8_values(q, scales, block_rows: bool):
+    """The fp32 values of fp8 q with its scales: per row and 128 channels (fp8_rows), or per 128 x 128 block of
+    (E, K, N) weights (fp8_blocks)."""
+    import torch
+
+    if not block_rows:
+        return q.float() * scales.repeat_interleave(128, dim=-1)
+    return q.float() * scales.repeat_interleave(128, dim=1).repeat_interleave(128, dim=2)[..., :q.shape[2]]
+
+
+def _routed_fp8_case(seed, m, n, n_down, experts, k, with_layout=True):
+    """routed_gemm + routed_gemm_sum in fp8 (hidden and the down GEMM's K 128: a scale block) against torch on
+    the dequantized operands: the gate/up GEMM's N and the down GEMM's N ragged; k of 2 E experts (this rank's
+    E first, the others -1), m + rank rows."""
+    import torch
+
+    import weft
+
+    me = weft.rank()
+    m += me
+    g = torch.Generator().manual_seed(seed * 10 + me)
+    x, x_scales = weft.ops.fp8_rows(torch.randn(m, 128, generator=g).to(torch.bfloat16))
+    w_up, up_scales = weft.ops.fp8_blocks(torch.randn(experts, 128, n, generator=g) / 128 ** 0.5)
+    w_down, down_scales = weft.ops.fp8_blocks(torch.randn(experts, 128, n_down, generator=g) / 128 ** 0.5)
+    idx = torch.stack([torch.randperm(2 * experts, generator=g)[:k] for _ in range(m)]) if m else \
+        torch.empty(0, k, dtype=torch.int64)
+    idx = torch.where(idx < experts, idx, -1)
+    wts = torch.rand(m, k, generator=g)
+    tag = f"fp8 seed {seed} m {m} E {experts} k {k} layout {with_layout}"
+    starts, pair_of_row, row_of_pair = _expected_layout([idx], experts)
+    out = torch.full((m * k, n), float("nan"), dtype=torch.bfloat16)
+    inter, layout = weft.ops.routed_gemm(x, w_up, idx, out=out, x_scales=x_scales, w_scales=up_scales)
+    assert inter is out, tag
+    assert torch.equal(layout.starts, starts) and torch.equal(layout.pair_of_row, pair_of_row), tag
+    want = _inter_ref([_fp8_values(x, x_scales, False)], [idx], _fp8_values(w_up, up_scales, True), pair_of_row, k)
+    torch.testing.assert_close(inter.float(), want, rtol=2e-2, atol=2e-2, msg=tag)  # zeros: no expert
+    hb = torch.randn(m * k, 128, generator=g)
+    hb[~torch.isin(torch.arange(m * k), row_of_pair[row_of_pair >= 0].long())] = float("nan")  # read by nothing
+    h, h_scales = weft.ops.fp8_rows(hb)
+    res = torch.full((m, n_down), float("nan"), dtype=torch.bfloat16)
+    got = weft.ops.routed_gemm_sum(h, w_down, idx, wts, layout if with_layout else None, out=res, x_scales=h_scales,
+                                   w_scales=down_scales)
+    assert got is res, tag
+    want = _rs_ref([_fp8_values(h, h_scales, False)], [_fp8_values(w_down, down_scales, True)], [idx], [wts],
+                   pair_of_row, k, 0, m, torch.bfloat16)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2, msg=tag)
+    return True
+
+
+def _routed_cases(cases, fp8_cases=()):
     import torch
 
     import weft
@@ -388,6 +437,8 @@ def _routed_cases(cases):
 
     for case in cases:
         _routed_case(*case)
+    for case in fp8_cases:
+        _routed_fp8_case(*case)
     x, wu = torch.randn(4, 32).to(torch.bfloat16), torch.randn(4, 32, 16).to(torch.bfloat16)
     idx = torch.tensor([[0, 1], [2, -1], [3, 0], [1, 2]])
     guarded = [x, wu, idx]
@@ -396,6 +447,23 @@ def _routed_cases(cases):
     inter, layout = weft.ops.routed_gemm(x, wu, idx)
     rejects(lambda: weft.ops.routed_gemm_sum(inter[:-1], wu.transpose(1, 2).contiguous(), idx, torch.rand(4, 2),
                                              layout), ValueError, "h", guarded)
+    rejects(lambda: weft.ops.routed_gemm(x, wu, idx, x_scales=torch.ones(4, 1)), ValueError, "fp8", guarded)
+    q, sx = weft.ops.fp8_rows(torch.randn(4, 128).to(torch.bfloat16))
+    w8, sw = weft.ops.fp8_blocks(torch.randn(4, 128, 16))
+    out = torch.full((8, 16), float("nan"), dtype=torch.bfloat16)
+    guarded = [q, sx, w8, sw, idx, out]
+    rejects(lambda: weft.ops.routed_gemm(q, w8, idx, out, w_scales=sw), ValueError, "x_scales", guarded)
+    rejects(lambda: weft.ops.routed_gemm(q, w8, idx, out, x_scales=sx), ValueError, "w_scales", guarded)
+    rejects(lambda: weft.ops.routed_gemm(q, w8, idx, out, x_scales=sx[:, :0], w_scales=sw), ValueError, "x_scales",
+            guarded)
+    rejects(lambda: weft.ops.routed_gemm(q, w8.contiguous(), idx, out, x_scales=sx, w_scales=sw), ValueError,
+            "K dimension contiguous", guarded)
+    rejects(lambda: weft.ops.routed_gemm(q, w8, idx[:3], out, x_scales=sx, w_scales=sw), ValueError, "topk_idx",
+            guarded)
+    rejects(lambda: weft.ops.routed_gemm(q, w8, idx, out.float(), x_scales=sx, w_scales=sw), TypeError, "out",
+            guarded)
+    rejects(lambda: weft.ops.routed_gemm_sum(q, w8, idx, torch.rand(4, 2), x_scales=sx, w_scales=sw), ValueError,
+            "h", guarded)
     return True
 
 
@@ -407,4 +475,8 @@ def test_routed_gemm_matches_reference(w):
         (2, 0 if w == 2 else 1, 32, 16, 4, 2, "masked"),  # rank 0 without rows at 2 ranks
         (3, 6, 32, 16, 2, 4, "local", False),  # k = 4 > 2 experts; no layout: made again
     ]
-    assert all(run_ranks(_routed_cases, w, cases, timeout=TIMEOUT, env=ENV))
+    fp8_cases = [
+        (4, 5, 160, 136, 2, 3),         # ragged N of both GEMMs, k = 3 > 2 experts
+        (5, 0 if w == 2 else 3, 128, 128, 3, 2, False),  # rank 0 without rows at 2 ranks; no layout
+    ]
+    assert all(run_ranks(_routed_cases, w, cases, fp8_cases, timeout=TIMEOUT, env=ENV))

@@ -36,11 +36,15 @@ FP8_MAX = 448.0  # e4m3's largest finite value
 
 @triton.jit
 def _expert_tiles(counts, experts, capacity, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_E: tl.constexpr):
+                  BLOCK_E: tl.constexpr, ROUTED: tl.constexpr = False):
     """The tiles under each expert's count, numbered expert after expert: per expert (a BLOCK_E vector) its
-    rows, row blocks and first tile; and the tiles in all."""
+    rows, row blocks and first tile; and the tiles in all. ROUTED: `counts` are segment starts (expert e's
+    rows are [counts[e], counts[e + 1]) of a flat row space), not counts."""
     s = tl.arange(0, BLOCK_E)
-    rows = tl.minimum(tl.maximum(tl.load(counts + s, mask=s < experts, other=0), 0), capacity)
+    if ROUTED:
+        rows = tl.load(counts + s + 1, mask=s < experts, other=0) - tl.load(counts + s, mask=s < experts, other=0)
+    else:
+        rows = tl.minimum(tl.maximum(tl.load(counts + s, mask=s < experts, other=0), 0), capacity)
     blocks = (rows + BLOCK_M - 1) // BLOCK_M
     tiles_n = tl.cdiv(N, BLOCK_N)
     first_tile = (tl.cumsum(blocks, axis=0) - blocks) * tiles_n
@@ -101,10 +105,11 @@ def grouped_gemm_kernel(x, w, out, counts, experts, capacity, N, K, BLOCK_M: tl.
 
 
 @triton.jit
-def grouped_gemm_fp8_kernel(x_desc, w_desc, out, x_scales, w_scales, counts, experts, capacity, N, K,
+def grouped_gemm_fp8_kernel(x, w_desc, out, x_scales, w_scales, counts, experts, capacity, N, K,
                             ws_e, ws_k, ws_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, NUM_STAGES: tl.constexpr,
-                            PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, OUT_TMA: tl.constexpr):
+                            PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, OUT_TMA: tl.constexpr,
+                            ROUTED: tl.constexpr, GATHER: tl.constexpr, TOP_K: tl.constexpr):
     """out[e, m, n] = sum over 128-channel blocks b of (x[e, m, b] @ w[e, b, n]) * x_scales[e, m, b] *
     w_scales[e, b, n // 128] for m < counts[e] (fp8 e4m3 operands, fp32 accumulation, out rounded to its dtype).
 
@@ -119,20 +124,39 @@ def grouped_gemm_fp8_kernel(x_desc, w_desc, out, x_scales, w_scales, counts, exp
     Rows past counts[e] are not scaled (NaN there stays in its row). OUT_TMA: out is a descriptor of (E, C, N),
     which clips a tile at the expert's capacity, as in grouped_gemm_tma_kernel (else a pointer, for N rows not
     whole 16 bytes: its tile of addresses spills 292 bytes at the GPU config, ptxas says; the TMA store none).
+
+    ROUTED (routed_gemm's fp8 form; OUT_TMA off): `counts` is a GroupLayout chunk (moe_tp): starts (E + 2),
+    then pair_of_row; expert e's rows are [starts[e], starts[e + 1]) of a flat row space of `capacity` rows (x,
+    x_scales and out as (rows, ·)), and the rows from starts[E] on (the pairs without expert) are stored as
+    zeros. GATHER (with ROUTED): x is a pointer to the tokens (·, K) and x_scales (·, K / 128) theirs, and row
+    i computes token pair_of_row[i] // TOP_K (pointer loads: Hopper's TMA has no gather).
     """
-    rows, blocks, first_tile, tiles = _expert_tiles(counts, experts, capacity, N, BLOCK_M, BLOCK_N, BLOCK_E)
+    rows, blocks, first_tile, tiles = _expert_tiles(counts, experts, capacity, N, BLOCK_M, BLOCK_N, BLOCK_E, ROUTED)
     k_tiles = K // BLOCK_K
     groups = K // 128
+    kk = tl.arange(0, BLOCK_K)
     for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=FLATTEN):
         e, n_rows, pm, pn = _tile_of_expert(tile, experts, rows, blocks, first_tile, N, BLOCK_N, BLOCK_E, GROUP_M)
         rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        if ROUTED:
+            row0 = tl.load(counts + e)
+        else:
+            row0 = e * capacity
         # int64: E C K/128 scales may pass 2^31 words
-        row_scales = x_scales + (e * capacity + rm).to(tl.int64) * groups
+        if GATHER:  # dead rows read the segment's first token: in bounds, never stored
+            src = (tl.load(counts + experts + 2 + row0 + tl.where(rm < n_rows, rm, 0)) // TOP_K).to(tl.int64)
+            row_scales = x_scales + src * groups
+            a_ptrs = x + src[:, None] * K + kk[None, :]
+        else:
+            row_scales = x_scales + (row0 + rm).to(tl.int64) * groups
         col_scale = w_scales + e.to(tl.int64) * ws_e + (pn * BLOCK_N // 128) * ws_n
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k in tl.range(k_tiles, num_stages=NUM_STAGES):
-            a = x_desc.load([e * capacity + pm * BLOCK_M, k * BLOCK_K])
+            if GATHER:
+                a = tl.load(a_ptrs + k * BLOCK_K)
+            else:
+                a = x.load([row0 + pm * BLOCK_M, k * BLOCK_K])
             b = w_desc.load([e * N + pn * BLOCK_N, k * BLOCK_K])
             g = k * BLOCK_K // 128
             sa = tl.load(row_scales + g, mask=rm < n_rows, other=0.0)
@@ -141,8 +165,18 @@ def grouped_gemm_fp8_kernel(x_desc, w_desc, out, x_scales, w_scales, counts, exp
         if OUT_TMA:
             out.store([e, pm * BLOCK_M, pn * BLOCK_N], cast(acc, out.dtype).reshape(1, BLOCK_M, BLOCK_N))
         else:
-            tl.store(out + (e * capacity + rm).to(tl.int64)[:, None] * N + rn[None, :], cast(acc, out.dtype.element_ty),
+            tl.store(out + (row0 + rm).to(tl.int64)[:, None] * N + rn[None, :], cast(acc, out.dtype.element_ty),
                      mask=(rm < n_rows)[:, None] & (rn < N)[None, :])
+    if ROUTED:  # the pairs without expert: zeros
+        lo = tl.load(counts + experts)
+        hi = tl.load(counts + experts + 1)
+        for blk in range(tl.program_id(0), tl.cdiv(hi - lo, BLOCK_M), PROGRAMS):
+            r = lo + blk * BLOCK_M + tl.arange(0, BLOCK_M)
+            for n0 in range(0, N, BLOCK_N):
+                cols = n0 + tl.arange(0, BLOCK_N)
+                tl.store(out + r.to(tl.int64)[:, None] * N + cols[None, :],
+                         tl.zeros([BLOCK_M, BLOCK_N], out.dtype.element_ty),
+                         mask=(r < hi)[:, None] & (cols < N)[None, :])
 
 
 GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8)
@@ -252,23 +286,29 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, config:
     return found(x, w, counts, x_scales, w_scales)
 
 
-def _check_fp8(world, x, w, x_scales, w_scales, config) -> None:
-    """The fp8 operands' layout and scales (grouped_gemm's doc), checked before anything runs."""
-    e, c, k = x.shape
-    n = w.shape[2]
+def check_fp8_operands(world, x_name: str, x, x_scales, w_name: str, w, w_scales) -> None:
+    """fp8 operands with block scales, checked before anything runs: x (..., K) with x_scales (..., K / 128) fp32
+    contiguous; w (E, K, N) with its K dimension contiguous with w_scales (E, K / 128, cdiv(N, 128)) fp32."""
+    k, n = x.shape[-1], w.shape[2]
     if k % FP8_BLOCK:
-        raise ValueError(f"fp8 grouped_gemm needs K a multiple of {FP8_BLOCK} (a scale per {FP8_BLOCK} channels), "
+        raise ValueError(f"fp8 {x_name} needs K a multiple of {FP8_BLOCK} (a scale per {FP8_BLOCK} channels), "
                          f"got K = {k}")
     if not w.transpose(1, 2).is_contiguous():
-        raise ValueError(f"w (fp8) must have its K dimension contiguous: the transpose of a contiguous (E, N, K) "
-                         f"tensor (w_nk.transpose(1, 2)), got strides {tuple(w.stride())}")
-    for name, s, shape, contiguous in (("x_scales", x_scales, (e, c, k // FP8_BLOCK), True),
-                                       ("w_scales", w_scales, (e, k // FP8_BLOCK, triton.cdiv(n, FP8_BLOCK)), False)):
+        raise ValueError(f"{w_name} (fp8) must have its K dimension contiguous: the transpose of a contiguous (E, N, "
+                         f"K) tensor (w_nk.transpose(1, 2)), got strides {tuple(w.stride())}")
+    for name, s, shape, contiguous in (("x_scales", x_scales, (*x.shape[:-1], k // FP8_BLOCK), True),
+                                       ("w_scales", w_scales, (w.shape[0], k // FP8_BLOCK, triton.cdiv(n, FP8_BLOCK)),
+                                        False)):
         if s is None:
-            raise ValueError(f"fp8 grouped_gemm needs {name}")
+            raise ValueError(f"fp8 {x_name} and {w_name} need {name}")
         check_tensor(name, s, world, dtypes=(torch.float32,), contiguous=contiguous)
         if tuple(s.shape) != shape:
             raise ValueError(f"{name} must be {shape}, got {tuple(s.shape)}")
+
+
+def _check_fp8(world, x, w, x_scales, w_scales, config) -> None:
+    """The fp8 operands' layout and scales (grouped_gemm's doc), checked before anything runs."""
+    check_fp8_operands(world, "x", x, x_scales, "w", w, w_scales)
     if config is not None:
         for name, block, what in (("block_k", config.block_k, "a K slice"), ("block_n", config.block_n, "a tile")):
             if FP8_BLOCK % block:
@@ -318,7 +358,9 @@ class _GroupedGemmPlan:
             self.out_desc = descriptor(out, (1, cfg.block_m, cfg.block_n)) if out_tma else None
             self.launch = Launch(grouped_gemm_fp8_kernel, (self.programs,),
                                  (self.x_desc, self.w_desc, self._out(out), x_scales, w_scales, counts, e, c, n, k,
-                                  *w_scales.stride()), dict(**common, FLATTEN=cfg.flatten, OUT_TMA=out_tma),
+                                  *w_scales.stride()),
+                                 dict(**common, FLATTEN=cfg.flatten, OUT_TMA=out_tma, ROUTED=False, GATHER=False,
+                                      TOP_K=1),
                                  cfg.num_warps)
             self._off()
         elif self.tma:
@@ -391,13 +433,23 @@ COMPILE_CASES = [
     for t in (("fp32",) if name == "fp32" else ("bf16", "fp16"))
 ] + [
     (grouped_gemm_fp8_kernel,
-     dict(x_desc=f"tensordesc<fp8e4nv[{c.block_m}, {c.block_k}]>",
+     dict(x=f"tensordesc<fp8e4nv[{c.block_m}, {c.block_k}]>",
           w_desc=f"tensordesc<fp8e4nv[{c.block_n}, {c.block_k}]>",
           out=f"tensordesc<bf16[1, {c.block_m}, {c.block_n}]>" if out_tma else "*bf16", x_scales="*fp32",
           w_scales="*fp32", counts="*i32", experts="i32", capacity="i32", N="i32", K="i32", ws_e="i32", ws_k="i32",
           ws_n="i32"),
      dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, BLOCK_E=128,
-          NUM_STAGES=c.num_stages, PROGRAMS=132, FLATTEN=c.flatten, OUT_TMA=out_tma),
+          NUM_STAGES=c.num_stages, PROGRAMS=132, FLATTEN=c.flatten, OUT_TMA=out_tma, ROUTED=False, GATHER=False,
+          TOP_K=1),
      dict(num_warps=c.num_warps, min_arch=90, divisible=("N", "K") if out_tma else ("K",)))
     for name, c in GPU_CONFIGS.items() if name.startswith("fp8") for out_tma in (True, False)
+] + [  # routed_gemm's fp8 form (moe_tp): the tokens gathered by pair, or h's rows by TMA
+    (grouped_gemm_fp8_kernel,
+     dict(x="*fp8e4nv" if gather else f"tensordesc<fp8e4nv[{c.block_m}, {c.block_k}]>",
+          w_desc=f"tensordesc<fp8e4nv[{c.block_n}, {c.block_k}]>", out="*bf16", x_scales="*fp32", w_scales="*fp32",
+          counts="*i32", experts="i32", capacity="i32", N="i32", K="i32", ws_e="i32", ws_k="i32", ws_n="i32"),
+     dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, BLOCK_E=64,
+          NUM_STAGES=c.num_stages, PROGRAMS=264, FLATTEN=c.flatten, OUT_TMA=False, ROUTED=True, GATHER=gather,
+          TOP_K=8), dict(num_warps=c.num_warps, min_arch=90, divisible=("K",)))
+    for c in (GPU_CONFIGS["fp8"],) for gather in (True, False)
 ]

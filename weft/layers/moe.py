@@ -18,8 +18,9 @@ EPMoE (expert parallel): rank r holds experts [r E / W, (r + 1) E / W) whole; ea
   routed_gemm_sum the down GEMM and each row's weighted sum over its local experts (weft kernels, no host
   sync), and ep_combine returns each rank's sum to the token's rank. ep_dispatch makes one host sync for the
   rows received, unless `max_recv_tokens` bounds them (the same on every rank; rows past it are dropped):
-  then the step can be captured too. fp8 and fp32 experts take a (L, most pairs of an expert, hidden)
-  buffer and grouped_gemm instead (torch indexing, one host sync for that size).
+  then the step can be captured too. fp8 experts run the same ops in fp8 (the received rows quantized once);
+  fp32 experts take a (L, most pairs of an expert, hidden) buffer and grouped_gemm instead (torch indexing,
+  one host sync for that size).
 Every rank must take the same path in a call: keep every rank's token count on the same side of
 `decode_tokens` (true when ranks run the same batch shape), or pass `mode`.
 With fp8=True the experts run in fp8 e4m3 with block scales (DeepSeek-V3's recipe): the weights are quantized per
@@ -158,11 +159,18 @@ class EPMoE(_MoE):
 
     def _received(self, rx, ridx, rw, counts) -> torch.Tensor:
         """ep_dispatch's rows (R, hidden) -> each row's weighted sum of its local experts' outputs (R, hidden)."""
-        if not self.fp8 and self.w_gate_up.dtype in (torch.bfloat16, torch.float16):
-            rx, ridx, rw = rx.contiguous(), ridx.contiguous(), rw.contiguous()  # (an odd hidden size: a view)
+        rx, ridx, rw = rx.contiguous(), ridx.contiguous(), rw.contiguous()  # (an odd hidden size: a view)
+        if self.fp8:  # the rows quantized once, gathered by pair inside the gate/up GEMM
+            x, x_scales = weft.ops.fp8_rows(rx)
+            inter, layout = weft.ops.routed_gemm(x, self.w_gate_up, ridx, x_scales=x_scales,
+                                                 w_scales=self.w_gate_up_scales)
+            h, h_scales = weft.ops.silu_mul(inter, fp8=True)
+            return weft.ops.routed_gemm_sum(h, self.w_down, ridx, rw, layout, x_scales=h_scales,
+                                            w_scales=self.w_down_scales).to(rx.dtype)
+        if self.w_gate_up.dtype in (torch.bfloat16, torch.float16):
             inter, layout = weft.ops.routed_gemm(rx, self.w_gate_up, ridx)
             return weft.ops.routed_gemm_sum(weft.ops.silu_mul(inter), self.w_down, ridx, rw, layout)
-        # fp8 / fp32: the (row, expert) pairs sorted by expert into (L, most pairs of an expert, hidden).
+        # fp32: the (row, expert) pairs sorted by expert into (L, most pairs of an expert, hidden).
         dev, k = rx.device, ridx.shape[1]
         key = torch.where(ridx >= 0, ridx, self.local).reshape(-1)  # no local expert: after every one
         sorted_key, order = torch.sort(key, stable=True)
