@@ -1,5 +1,5 @@
-"""Where the high-throughput EP time goes, and a sweep of its push programs and copy block (weft/kernels/moe.py:
-HT_PROGRAMS, HT_BLOCK_WARPS).
+"""Where the high-throughput EP time goes, and a sweep of its push programs, receiving programs and copy block
+(weft/kernels/moe.py: HT_PROGRAMS, HT_COPY_PROGRAMS, HT_BLOCK_WARPS).
 
     python3 -m weft run -n 2 scripts/probe_ep_ht.py     # GPUs; JSON to $OUT/probe_ep_ht.json
     python3 -m weft run -n 2 scripts/probe_ep_ht.py --hidden 256 --tokens 16 --experts 8 --samples 2   # cpu smoke
@@ -34,14 +34,15 @@ def main():
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--settings", default="1024:8,2048:8,4096:8,4096:16,2048:4",
-                    help="block words:warps[:push programs] (GPUs)")
+                    help="block words:warps[:push programs[:receiving programs]] (GPUs)")
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
     weft.init(heap_size=(8 << 30) if gpu else None, workspace_bytes=(1 << 30) if gpu else None)
     w = weft.world()
     dev = w.device
     settings = [tuple(int(v) for v in s.split(":")) for s in args.settings.split(",")] if gpu else [(256, 4)]
-    settings = [s if len(s) == 3 else s + (moe.HT_PROGRAMS[dev.type],) for s in settings]
+    defaults = (moe.HT_PROGRAMS[dev.type], moe.HT_COPY_PROGRAMS[dev.type])
+    settings = [s + defaults[len(s) - 2:] for s in settings]
     log = ProbeLog("probe_ep_ht", w.rank)
     g = torch.Generator(device=dev).manual_seed(99 + w.rank)
     x = torch.randn(args.tokens, args.hidden, device=dev, generator=g).to(torch.bfloat16)
@@ -49,10 +50,11 @@ def main():
     wts = torch.rand(args.tokens, args.topk, device=dev, generator=g)
     cap = w.world_size * args.tokens
     first = None
-    for block, warps, programs in settings:
+    for block, warps, programs, copy_programs in settings:
         if gpu:
             moe.HT_BLOCK_WARPS = (block, warps)
             moe.HT_PROGRAMS["cuda"] = programs
+            moe.HT_COPY_PROGRAMS["cuda"] = copy_programs
         w.plans.clear()
         rx, _, _, _, handle = weft.ops.ep_dispatch(x, idx, wts, args.experts, max_recv_tokens=cap)
         y = weft.ops.ep_combine(rx, handle)
@@ -81,7 +83,7 @@ def main():
                "combine": lambda: weft.ops.ep_combine(rx, handle),
                "route (count, route, position)": route}
         ms = time_calls(fns, calls=2, samples=args.samples, graph=gpu)
-        log.add(dict(block_words=block, warps=warps, programs=programs, ok=ok,
+        log.add(dict(block_words=block, warps=warps, programs=programs, copy_programs=copy_programs, ok=ok,
                      **{k: round(v * 1e3, 1) for k, v in ms.items()}))
     log.save()
     weft.finalize()

@@ -263,6 +263,9 @@ HT_MAX_PROGRAMS = 1024  # the workspace's push flags: [program][rank] (scripts/p
 # (eleventh session) 489.3 us with 4096 words, 8 warps, 128 programs; 494.5 with 264 programs, 503.4 with 2048
 # words and 264, 483.6 with 16 warps and 132, 526.7 with 2048 words, 4 warps, 528 programs.
 HT_BLOCK_WARPS = (4096, 8)
+# Programs of the receiving kernels (ep_receive_kernel copies the region's rows out, ep_combine_reduce_kernel sums
+# each token's rows): local passes after the pushes, swept by scripts/probe_ep_ht.py too.
+HT_COPY_PROGRAMS = {"cpu": 2, "cuda": 132}
 # Tokens a program of the count and position kernels takes (the route kernel, one program, then only scans
 # the blocks' counts: over all 4096 tokens itself it took 79 us of a 400 us dispatch).
 HT_ROUTE_TOKENS = {"cpu": 16, "cuda": 64}
@@ -653,7 +656,7 @@ class _HTPlan:
         programs = HT_PROGRAMS[dev.type]  # push programs: the receivers wait on the flag of each
         if programs > HT_MAX_PROGRAMS:
             raise ValueError(f"HT_PROGRAMS = {programs} is more than the workspace's flags ({HT_MAX_PROGRAMS})")
-        self.grid = 132 if gpu else 2  # programs that copy out / sum what arrived
+        self.grid = HT_COPY_PROGRAMS[dev.type]  # programs that copy out / sum what arrived
         i32 = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=dev)  # noqa: E731
         blk_w, blk_k = triton.next_power_of_2(w), triton.next_power_of_2(k)
         blk_t = HT_ROUTE_TOKENS[dev.type]
