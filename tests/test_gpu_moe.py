@@ -589,12 +589,6 @@ def test_routed_gemm_local_and_without_sync():
     w_gu = (torch.randn(experts, hidden, 2 * n, device=w.device, generator=g) / 32).to(torch.bfloat16)
     w_dn = (torch.randn(experts, n, hidden, device=w.device, generator=g) / 20).to(torch.bfloat16)
 
-    def rows(m):
-        x = torch.randn(m, hidden, device=w.device, generator=g).to(torch.bfloat16)
-        idx = torch.rand(m, 2 * experts, device=w.device, generator=g).topk(k, dim=-1).indices
-        idx = torch.where(idx < experts, idx, -1)
-        return x, idx, torch.rand(m, k, device=w.device, generator=g)
-
     def reference(x, idx, wts):
         ia = idx.reshape(-1)
         y = torch.zeros(ia.shape[0], hidden, dtype=torch.bfloat16, device=w.device)
@@ -608,9 +602,25 @@ def test_routed_gemm_local_and_without_sync():
         inter, layout = weft.ops.routed_gemm(x, w_gu, idx)
         return weft.ops.routed_gemm_sum(weft.ops.silu_mul(inter), w_dn, idx, wts, layout)
 
+    _routed_checks(step, reference, lambda got, want: torch.testing.assert_close(got.float(), want, rtol=3e-2,
+                                                                                 atol=3e-2), g, hidden, experts, k)
+
+
+def _routed_checks(step, reference, check, g, hidden, experts, k):
+    """step(x, idx, wts) on rows routed as an EP rank receives them (k of 2 E experts, this rank's E first, the
+    others -1), a count per rank and 1024, against reference; an eager call without host sync; a CUDA graph of
+    step replayed on new rows."""
+    w = weft.world()
+
+    def rows(m):
+        x = torch.randn(m, hidden, device=w.device, generator=g).to(torch.bfloat16)
+        idx = torch.rand(m, 2 * experts, device=w.device, generator=g).topk(k, dim=-1).indices
+        idx = torch.where(idx < experts, idx, -1)
+        return x, idx, torch.rand(m, k, device=w.device, generator=g)
+
     for m in (300 + 37 * w.rank, 1024):
         x, idx, wts = rows(m)
-        torch.testing.assert_close(step(x, idx, wts).float(), reference(x, idx, wts), rtol=3e-2, atol=3e-2)
+        check(step(x, idx, wts), reference(x, idx, wts))
     torch.cuda.set_sync_debug_mode("error")
     try:
         step(x, idx, wts)
@@ -622,7 +632,7 @@ def test_routed_gemm_local_and_without_sync():
     x, idx, wts = rows(1024)
     sx.copy_(x), si.copy_(idx), sw.copy_(wts)
     graph.replay()
-    torch.testing.assert_close(res["out"].float(), reference(x, idx, wts), rtol=3e-2, atol=3e-2)
+    check(res["out"], reference(x, idx, wts))
 
 
 def test_routed_gemm_fp8_local_and_without_sync():
@@ -639,12 +649,6 @@ def test_routed_gemm_fp8_local_and_without_sync():
         if blocks:
             return q.float() * scales.repeat_interleave(128, 1).repeat_interleave(128, 2)[..., :q.shape[2]]
         return q.float() * scales.repeat_interleave(128, -1)
-
-    def rows(m):
-        x = torch.randn(m, hidden, device=w.device, generator=g).to(torch.bfloat16)
-        idx = torch.rand(m, 2 * experts, device=w.device, generator=g).topk(k, dim=-1).indices
-        idx = torch.where(idx < experts, idx, -1)
-        return x, idx, torch.rand(m, k, device=w.device, generator=g)
 
     def reference(x, idx, wts):
         xv, gu, dn = values(*weft.ops.fp8_rows(x), False), values(w_gu, s_gu, True), values(w_dn, s_dn, True)
@@ -667,21 +671,7 @@ def test_routed_gemm_fp8_local_and_without_sync():
         err = (got.float() - want).norm() / want.norm()
         assert err < 2e-2, f"relative error {float(err)}"
 
-    for m in (300 + 37 * w.rank, 1024):
-        x, idx, wts = rows(m)
-        check(step(x, idx, wts), reference(x, idx, wts))
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step(x, idx, wts)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    sx, si, sw = x.clone(), idx.clone(), wts.clone()
-    res = {}
-    graph = capture(lambda: res.update(out=step(sx, si, sw)))
-    x, idx, wts = rows(1024)
-    sx.copy_(x), si.copy_(idx), sw.copy_(wts)
-    graph.replay()
-    check(res["out"], reference(x, idx, wts))
+    _routed_checks(step, reference, check, g, hidden, experts, k)
 
 
 # -- layers ------------------------------------------------------------------------------------------------

@@ -191,8 +191,8 @@ GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8)
 # fused: on an H200 (2026-11-24, `python3 scripts/probe_grouped_gemm.py --shapes "EP decode"`, 2-14 rows of 256 an
 # expert, Qwen3-30B-A3B's 128 experts) 204.0 / 108.6 us on 2048 -> 1536 / 768 -> 2048, the weights at 3.9 / 3.7
 # TB/s, against 213.7 / 123.1 unfused and 222.6 / 124.9 with the large tiles; 226.0 against 235.8 (large) on 32
-# experts of ~32 rows 7168 -> 2048, where 64x256x64 s3 (223.6) was within 1 %. fp32 (tf32) takes small tiles, whose stages and output tile fit in
-# shared memory. fp8: 128-channel K slices (one scale each), 64-row x 128-column tiles (one weight scale block)
+# experts of ~32 rows 7168 -> 2048, where 64x256x64 s3 (223.6) was within 1 %. fp32 (tf32) takes small tiles,
+# whose stages and output tile fit in shared memory. fp8: 128-channel K slices (one scale each), 64-row x 128-column tiles (one weight scale block)
 # of one warp group, 2 programs per SM, so that one program's MMAs run while the other scales its last slice
 # (Triton waits for each slice's MMA before its scaling FMAs). On an H200 (2026-11-23, fourteenth session,
 # `python3 scripts/probe_grouped_gemm.py --fp8`) it was the fastest or within 4 % of it on 7 of the 8 shapes
@@ -306,6 +306,16 @@ def check_fp8_operands(world, x_name: str, x, x_scales, w_name: str, w, w_scales
             raise ValueError(f"{name} must be {shape}, got {tuple(s.shape)}")
 
 
+def fp8_tma_aligned(x, w, realign: tuple) -> tuple:
+    """fp8 x and w (K-major) as TMA takes them: a copy of each operand `realign` says does not start 16-byte
+    aligned."""
+    if realign[0]:
+        x = x.clone()
+    if realign[1]:
+        w = w.transpose(1, 2).clone().transpose(1, 2)
+    return x, w
+
+
 def _check_fp8(world, x, w, x_scales, w_scales, config) -> None:
     """The fp8 operands' layout and scales (grouped_gemm's doc), checked before anything runs."""
     check_fp8_operands(world, "x", x, x_scales, "w", w, w_scales)
@@ -389,12 +399,7 @@ class _GroupedGemmPlan:
                 d.off()
 
     def _aligned(self, x, w):
-        """fp8 x and w as TMA takes them: a copy of an operand that does not start 16-byte aligned."""
-        if self.realign[0]:
-            x = x.clone()
-        if self.realign[1]:
-            w = w.transpose(1, 2).clone().transpose(1, 2)
-        return x, w
+        return fp8_tma_aligned(x, w, self.realign)
 
     def __call__(self, x, w, counts, x_scales=None, w_scales=None):
         e, c, n, k = self.e, self.c, self.n, self.k

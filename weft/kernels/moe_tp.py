@@ -100,7 +100,8 @@ from .all_reduce import reduce_scatter
 from .blocks import cast, check_rows, first_item, group_tile
 from .common import Launch, check_method, check_tensor, plan, signature, workspace, world_or_raise, zero_everywhere
 from .gemm import descriptor, num_sms
-from .grouped_gemm import FP8, check_fp8_operands, grouped_config, grouped_gemm_fp8_kernel
+from .grouped_gemm import (FP8, check_fp8_operands, fp8_tma_aligned, grouped_config,
+                           grouped_gemm_fp8_kernel)
 from .moe import INDEX_DTYPES, RoutingErrorWord
 
 METHODS = ("auto", "overlap", "baseline")
@@ -854,6 +855,16 @@ def _checked(found, *args):
     return result
 
 
+def _topk_sum_launch(world, y, row_of_pair, weights, out, tokens: int) -> Launch:
+    """topk_sum_kernel over `tokens` rows of out (·, N) from y's rows (routed_gemm_sum, group_gemm_rs's
+    baseline)."""
+    n = out.shape[1]
+    block_t, block_h = (16, 256) if world.device.type == "cuda" else (16, 32)
+    return Launch(topk_sum_kernel, (triton.cdiv(tokens, block_t), triton.cdiv(n, block_h)),
+                  (y, row_of_pair, weights, out, tokens, n),
+                  dict(TOP_K=row_of_pair.shape[1], BLOCK_T=block_t, BLOCK_H=block_h), 4)
+
+
 def _check_layout(layout, want: tuple, dev) -> None:
     """layout is None or a GroupLayout for (world size, experts, k, tokens per rank) = want on dev."""
     if layout is None:
@@ -920,14 +931,10 @@ class _RsPlan:
                                       NUM_PROGRAMS=_programs(world), **even, **tma), warps)
             self._off()
             # Every rank's tokens summed here (into out itself on one rank), then weft's reduce_scatter.
-            gpu = world.device.type == "cuda"
-            block_t, block_h = (16, 256) if gpu else (16, 32)
             # Compiled for the alignment of what it takes: on one rank the caller's weights and out.
             weights, sums = ((topk_weights, y if out is None else out) if ww == 1 else
                              (torch.zeros((ww * m, k), device=self.dev), y))
-            self.sums = Launch(topk_sum_kernel, (triton.cdiv(ww * m, block_t), triton.cdiv(hidden, block_h)),
-                               (y, rows, weights, sums, ww * m, hidden), dict(TOP_K=k, BLOCK_T=block_t,
-                                                                             BLOCK_H=block_h), 4)
+            self.sums = _topk_sum_launch(world, y, rows, weights, sums, ww * m)
             return
         self.ws = ws = _workspace(world)
         self.recv = ws.view(0, (ww, m, hidden), self.dtype)
@@ -1047,8 +1054,8 @@ class _RoutedFp8Plan:
         e, kdim, n = w.shape
         _check_topk(world, topk_idx, m, e, topk_weights)
         if x.shape[0] != (m * k if summed else m):
-            raise ValueError(f"{x_name} has {x.shape[0]} rows, expected "
-                             f"{f'tokens x k = {m * k} (as routed_gemm returns them)' if summed else f'{m} (topk_idx)'}")
+            want = f"tokens x k = {m * k} (as routed_gemm returns them)" if summed else f"{m} (topk_idx's tokens)"
+            raise ValueError(f"{x_name} has {x.shape[0]} rows, expected {want}")
         self.m, self.k, self.e, self.n, self.kdim, self.summed = m, k, e, n, kdim, summed
         self.world_size, self.dev = 1, x.device
         self.out_shape = (m, n) if summed else (m * k, n)
@@ -1077,19 +1084,12 @@ class _RoutedFp8Plan:
                            cfg.num_warps)
         self._off()
         if summed:
-            gpu = world.device.type == "cuda"
-            block_t, block_h = (16, 256) if gpu else (16, 32)
-            self.sums = Launch(topk_sum_kernel, (triton.cdiv(m, block_t), triton.cdiv(n, block_h)),
-                               (y, torch.empty((m, k), dtype=torch.int32, device=self.dev), topk_weights,
-                                torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.dev), m, n),
-                               dict(TOP_K=k, BLOCK_T=block_t, BLOCK_H=block_h), 4)
+            self.sums = _topk_sum_launch(world, y, torch.empty((m, k), dtype=torch.int32, device=self.dev),
+                                         topk_weights, torch.empty(self.out_shape, dtype=torch.bfloat16,
+                                                                   device=self.dev), m)
 
     def _aligned(self, x, w):
-        if self.realign[0]:
-            x = x.clone()
-        if self.realign[1]:
-            w = w.transpose(1, 2).clone().transpose(1, 2)
-        return x, w
+        return fp8_tma_aligned(x, w, self.realign)
 
     def _gemm_args(self, x, w, y, x_scales, w_scales, meta):
         e, n, kdim = self.e, self.n, self.kdim
