@@ -127,9 +127,11 @@ def grouped_gemm_fp8_kernel(x, w_desc, out, x_scales, w_scales, counts, experts,
 
     ROUTED (routed_gemm's fp8 form; OUT_TMA off): `counts` is a GroupLayout chunk (moe_tp): starts (E + 2),
     then pair_of_row; expert e's rows are [starts[e], starts[e + 1]) of a flat row space of `capacity` rows (x,
-    x_scales and out as (rows, ·)), and the rows from starts[E] on (the pairs without expert) are stored as
-    zeros. GATHER (with ROUTED): x is a pointer to the tokens (·, K) and x_scales (·, K / 128) theirs, and row
-    i computes token pair_of_row[i] // TOP_K (pointer loads: Hopper's TMA has no gather).
+    x_scales and out as (rows, ·)). GATHER (with ROUTED; routed_gemm): x is a pointer to the tokens (·, K) and
+    x_scales (·, K / 128) theirs, row i computes token pair_of_row[i] // TOP_K (pointer loads: Hopper's TMA has
+    no gather), and the rows from starts[E] on (the pairs without expert) are stored as zeros, routed_gemm's
+    output; without it (routed_gemm_sum's y, read only at routed rows) they are left alone, as in
+    moe_tp._chunk_tiles.
     """
     rows, blocks, first_tile, tiles = _expert_tiles(counts, experts, capacity, N, BLOCK_M, BLOCK_N, BLOCK_E, ROUTED)
     k_tiles = K // BLOCK_K
@@ -167,7 +169,7 @@ def grouped_gemm_fp8_kernel(x, w_desc, out, x_scales, w_scales, counts, experts,
         else:
             tl.store(out + (row0 + rm).to(tl.int64)[:, None] * N + rn[None, :], cast(acc, out.dtype.element_ty),
                      mask=(rm < n_rows)[:, None] & (rn < N)[None, :])
-    if ROUTED:  # the pairs without expert: zeros
+    if GATHER:  # the pairs without expert: zeros
         lo = tl.load(counts + experts)
         hi = tl.load(counts + experts + 1)
         for blk in range(tl.program_id(0), tl.cdiv(hi - lo, BLOCK_M), PROGRAMS):

@@ -1057,7 +1057,7 @@ class _RoutedFp8Plan:
             want = f"tokens x k = {m * k} (as routed_gemm returns them)" if summed else f"{m} (topk_idx's tokens)"
             raise ValueError(f"{x_name} has {x.shape[0]} rows, expected {want}")
         self.m, self.k, self.e, self.n, self.kdim, self.summed = m, k, e, n, kdim, summed
-        self.world_size, self.dev = 1, x.device
+        self.dev = x.device
         self.out_shape = (m, n) if summed else (m * k, n)
         _check_out(world, out, self.out_shape, torch.bfloat16)
         self.routing = _RoutingCheck(world, topk_idx, e)
@@ -1068,7 +1068,7 @@ class _RoutedFp8Plan:
         cfg = grouped_config(0, FP8, world.device, True)
         pairs = m * k
         tiles = (triton.cdiv(pairs, cfg.block_m) + e) * triton.cdiv(n, cfg.block_n)  # at most
-        self.programs = programs = max(1, min(num_sms(world.device) * cfg.programs_per_sm, tiles))
+        programs = max(1, min(num_sms(world.device) * cfg.programs_per_sm, tiles))
         # TMA operands start 16-byte aligned: one that does not is copied per call (the plan's key has it).
         self.realign = summed and x.data_ptr() % 16 != 0, w.data_ptr() % 16 != 0
         x, w = self._aligned(x, w)
