@@ -1,5 +1,5 @@
 """Where the high-throughput EP time goes, and a sweep of its push programs, receiving programs and copy block
-(weft/kernels/moe.py: HT_PROGRAMS, HT_COPY_PROGRAMS, HT_BLOCK_WARPS).
+(weft/kernels/moe/ep_ht.py: HT_PROGRAMS, HT_COPY_PROGRAMS, HT_BLOCK_WARPS).
 
     python3 -m weft run -n 2 scripts/probe_ep_ht.py     # GPUs; JSON to $OUT/probe_ep_ht.json
     python3 -m weft run -n 2 scripts/probe_ep_ht.py --hidden 256 --tokens 16 --experts 8 --samples 2   # cpu smoke
@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import weft  # noqa: E402
-import weft.kernels.moe as moe  # noqa: E402
+import weft.kernels.moe.ep_ht as ep_ht  # noqa: E402
 from weft.bench.report import ProbeLog  # noqa: E402
 from weft.bench.timing import time_calls  # noqa: E402
 
@@ -41,7 +41,7 @@ def main():
     w = weft.world()
     dev = w.device
     settings = [tuple(int(v) for v in s.split(":")) for s in args.settings.split(",")] if gpu else [(256, 4)]
-    defaults = (moe.HT_PROGRAMS[dev.type], moe.HT_COPY_PROGRAMS[dev.type])
+    defaults = (ep_ht.HT_PROGRAMS[dev.type], ep_ht.HT_COPY_PROGRAMS[dev.type])
     settings = [s + defaults[len(s) - 2:] for s in settings]
     log = ProbeLog("probe_ep_ht", w.rank)
     g = torch.Generator(device=dev).manual_seed(99 + w.rank)
@@ -52,9 +52,9 @@ def main():
     first = None
     for block, warps, programs, copy_programs in settings:
         if gpu:
-            moe.HT_BLOCK_WARPS = (block, warps)
-            moe.HT_PROGRAMS["cuda"] = programs
-            moe.HT_COPY_PROGRAMS["cuda"] = copy_programs
+            ep_ht.HT_BLOCK_WARPS = (block, warps)
+            ep_ht.HT_PROGRAMS["cuda"] = programs
+            ep_ht.HT_COPY_PROGRAMS["cuda"] = copy_programs
         w.plans.clear()
         rx, _, _, _, handle = weft.ops.ep_dispatch(x, idx, wts, args.experts, max_recv_tokens=cap)
         y = weft.ops.ep_combine(rx, handle)

@@ -1,4 +1,5 @@
-"""Sweep of the low-latency EP kernels' launch settings (weft/kernels/moe.py: LL_PROGRAMS, LL_CHUNK_WORDS, LL_WARPS).
+"""Sweep of the low-latency EP kernels' launch settings (weft/kernels/moe/ep_ll.py: LL_PROGRAMS, LL_CHUNK_WORDS,
+LL_WARPS).
 
     python3 -m weft run -n 2 scripts/probe_ep_ll.py     # GPUs; JSON to $OUT/probe_ep_ll.json
     python3 -m weft run -n 2 scripts/probe_ep_ll.py --hidden 256 --tokens 4 --experts 8   # cpu smoke run
@@ -23,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import weft  # noqa: E402
-import weft.kernels.moe as moe  # noqa: E402
+import weft.kernels.moe.ep_ll as ep_ll  # noqa: E402
 from weft.bench.report import ProbeLog  # noqa: E402
 from weft.bench.timing import time_calls  # noqa: E402
 
@@ -46,9 +47,9 @@ def main():
     weft.init(heap_size=(8 << 30) if gpu else None, workspace_bytes=(1 << 30) if gpu else None)
     w = weft.world()
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
-    programs = ints(args.programs) if gpu else [moe.LL_CPU[0]]
-    chunks = ints(args.chunks) if gpu else [moe.LL_CPU[1]]
-    warps_swept = ints(args.warps) if gpu else [moe.LL_CPU[2]]
+    programs = ints(args.programs) if gpu else [ep_ll.LL_CPU[0]]
+    chunks = ints(args.chunks) if gpu else [ep_ll.LL_CPU[1]]
+    warps_swept = ints(args.warps) if gpu else [ep_ll.LL_CPU[2]]
     log = ProbeLog("probe_ep_ll", w.rank)
     for tokens in [int(t) for t in args.tokens.split(",")]:
         g = torch.Generator(device=w.device).manual_seed(1234 + w.rank)
@@ -61,8 +62,8 @@ def main():
         n = args.gemm if gpu else 64  # a GEMM for the hooks to hide the transfers under
         a, c = (torch.randn(n, n, device=w.device).to(torch.bfloat16) for _ in range(2))
         for prog, chunk, warps in itertools.product(programs, chunks, warps_swept):
-            moe.LL_PROGRAMS, moe.LL_CHUNK_WORDS, moe.LL_WARPS = prog, chunk, warps
-            moe.LL_PER_SM = args.per_sm
+            ep_ll.LL_PROGRAMS, ep_ll.LL_CHUNK_WORDS, ep_ll.LL_WARPS = prog, chunk, warps
+            ep_ll.LL_PER_SM = args.per_sm
             w.plans.clear()
 
             def both():

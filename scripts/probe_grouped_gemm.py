@@ -8,7 +8,7 @@ For each shape (experts x rows per expert, K -> N, bf16) every config is first c
 the rows under the counts (the rows past them hold NaN, which must not leak), then the configs that pass are
 timed together with the torch baselines by weft.bench.timing (CUDA-graph replay, samples round-robin).
 A config that does not compile or fit shared memory is reported as such. "default" is what the plan picks
-with no config (weft/kernels/grouped_gemm.py: grouped_config); TFLOP/s count the rows under the counts only.
+with no config (weft/kernels/moe/grouped_gemm.py: grouped_config); TFLOP/s count the rows under the counts only.
 --fp8: the same values quantized as DeepSeek-V3 does (rows per 128 channels, weights per 128 x 128 block:
 fp8_rows / fp8_blocks), checked against the product of the dequantized values, and timed with the fp8 configs
 against torch._grouped_mm on the bf16 values and torch._scaled_grouped_mm (rowwise fp8) where it runs.
@@ -29,7 +29,7 @@ import weft  # noqa: E402
 from weft.bench.moe import TorchGrouped, torch_scaled_grouped  # noqa: E402
 from weft.bench.timing import time_calls  # noqa: E402
 from weft.kernels.gemm import GemmConfig  # noqa: E402
-from weft.kernels.grouped_gemm import CPU_CONFIG, grouped_config  # noqa: E402
+from weft.kernels.moe.grouped_gemm import CPU_CONFIG, grouped_config  # noqa: E402
 
 # (name, experts, rows per expert, K, N, counts): "full" gives every expert its rows, "uneven" random counts
 # in [0, rows] with two empty experts, "few" 16 to 48 of them (EPMoE's decode buffers: W * 128 rows, ~32 used),

@@ -11,7 +11,7 @@ import os
 import torch
 
 import weft  # noqa: F401  (the backend)
-from weft.kernels.moe_tp import LayoutLaunches
+from weft.kernels.moe.group_layout import LayoutLaunches
 
 SHAPES = [(4096, 8, 128), (1024, 8, 128), (64, 8, 128), (8192, 2, 8), (16384, 8, 256)]  # (tokens, k, experts)
 

@@ -1,4 +1,4 @@
-"""Tile sweep of the tensor-parallel MoE ops' grouped GEMM (weft/kernels/moe_tp.py: _gemm_config).
+"""Tile sweep of the tensor-parallel MoE ops' grouped GEMM (weft/kernels/moe/tp.py: _gemm_config).
 
     python3 -m weft run -n 2 scripts/probe_moe_tp.py            # GPUs; JSON to $OUT/probe_moe_tp.json
     python3 -m weft run -n 2 scripts/probe_moe_tp.py --scale 64 # cpu smoke run (interpreter): shapes cut 64-fold
@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import weft  # noqa: E402
-import weft.kernels.moe_tp as moe_tp  # noqa: E402
+import weft.kernels.moe.tp as moe_tp  # noqa: E402
 from weft.bench.moe import MODELS  # noqa: E402
 from weft.bench.report import ProbeLog  # noqa: E402
 from weft.bench.timing import time_calls  # noqa: E402

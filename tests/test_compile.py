@@ -26,7 +26,7 @@ def test_tma_gemm_kernels_do_not_spill():
     specialisation showed thousands of bytes that a real launch does not have."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["WEFT_BACKEND"] = "cuda"
-    modules = ["gemm", "ag_gemm", "gemm_rs", "grouped_gemm", "moe_tp"]
+    modules = ["gemm", "ag_gemm", "gemm_rs", "moe.grouped_gemm", "moe.tp"]
     res = subprocess.run([sys.executable, "-m", "weft.testing.compile", "90", "--registers", *modules],
                          capture_output=True, text=True, env=env, timeout=1800)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -285,7 +285,7 @@ def test_eager_calls_changing_sizes():
 def test_grouped_gemm_against_matmul(experts, cap, k, n, dtype, tma):
     """Both kernels against torch.matmul over empty, one-row, partial and full experts, with NaN in the rows
     past the counts (must not leak into the rows under them), a call per fresh input and one graph replay."""
-    from weft.kernels.grouped_gemm import grouped_config, tma_refusal
+    from weft.kernels.moe.grouped_gemm import grouped_config, tma_refusal
 
     w = weft.world()
     g = torch.Generator(device=w.device).manual_seed(experts * cap + n)

@@ -25,7 +25,7 @@ def _grouped_gemm(seed):
     import torch
 
     import weft
-    from weft.kernels.grouped_gemm import CPU_CONFIG, tma_refusal
+    from weft.kernels.moe.grouped_gemm import CPU_CONFIG, tma_refusal
 
     g = torch.Generator().manual_seed(seed + weft.rank())
     cases = [(torch.bfloat16, 5, 37, 64, 40, True, 0), (torch.float32, 3, 20, 32, 36, True, 0),

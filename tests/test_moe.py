@@ -213,8 +213,8 @@ def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens, hook=False, dty
 
 def _many(kind, cases, units=None):
     if units is not None:  # the LL kernels' cpu launch settings (programs, chunk words, warps), in this rank
-        import weft.kernels.moe as moe
-        moe.LL_CPU = units
+        import weft.kernels.moe.ep_ll as ep_ll
+        ep_ll.LL_CPU = units
     for case in cases:
         {"ht": _ht_case, "ll": _ll_case, "ll_fp8": _ll_fp8_case}[kind](*case)
     return True
@@ -361,9 +361,9 @@ def _any_layout(units):
     only with a zero column more), x, topk_idx, topk_weights and y in layouts that are not contiguous (x at an
     odd element offset); each call after calls of other signatures, bit for bit as always."""
     import weft
-    import weft.kernels.moe as moe
+    import weft.kernels.moe.ep_ll as ep_ll
 
-    moe.LL_CPU = units
+    ep_ll.LL_CPU = units
     w = weft.world_size()
     experts = EXPERTS[w]
     for i, (dtype, hidden, strided) in enumerate((("float32", 24, False), ("bfloat16", 37, False),

@@ -203,7 +203,7 @@ LAYOUT_SHAPES = [  # (world, tokens, k, experts, index dtype, routing)
 def test_layout_sort_matches_a_stable_sort(block):
     import torch
 
-    from weft.kernels.moe_tp import LayoutLaunches
+    from weft.kernels.moe.group_layout import LayoutLaunches
 
     g = torch.Generator().manual_seed(block)
     for world, m, k, experts, dtype, mode in LAYOUT_SHAPES:

@@ -17,12 +17,10 @@ from .kernels import gemm_ar as _gemm_ar
 from .kernels import gemm_rs as _gemm_rs
 from .kernels.barrier import device_barrier
 from .kernels.common import world_or_raise
-from .kernels.grouped_gemm import fp8_blocks, grouped_gemm
 from .kernels import moe as _moe
-from .kernels.moe import (check_routing_values, ep_combine, ep_combine_ll, ep_dispatch, ep_dispatch_ll,
-                          routing_layout)
-from .kernels import moe_tp as _moe_tp
-from .kernels.moe_tp import GroupLayout, routed_gemm, routed_gemm_sum
+from .kernels.moe import (GroupLayout, check_routing_values, ep_combine, ep_combine_ll, ep_dispatch, ep_dispatch_ll,
+                          fp8_blocks, grouped_gemm, routed_gemm, routed_gemm_sum, routing_layout)
+from .kernels.moe import tp as _moe_tp
 from .kernels import pointwise as _pointwise
 from .kernels.ulysses import all_to_all_o_proj, qkv_all_to_all, ulysses_all_to_all
 

@@ -56,7 +56,7 @@ from .kernels import all_reduce as _all_reduce
 from .kernels import flash_decode as _flash_decode
 from .kernels import gemm_ar as _gemm_ar
 from .kernels import gemm_rs as _gemm_rs
-from .kernels import moe_tp as _moe_tp
+from .kernels.moe import tp as _moe_tp
 from .kernels.common import world_or_raise
 
 _is_compiling = torch.compiler.is_compiling

@@ -1,11 +1,9 @@
 """Device building blocks shared by the kernel families: vector-friendly copies, rounding (to bf16, to fp8 e4m3),
-16-bit elements packed in int32 words (the LL paths), a grouped GEMM tile, the MoE routing check."""
+16-bit elements packed in int32 words (the LL paths), a persistent grid's work items."""
 import triton
 import triton.language as tl
 
 import weft.language as wl
-
-from .gemm import dot
 
 
 @triton.jit
@@ -107,98 +105,3 @@ def word_of(lo, hi, ELEM: tl.constexpr):
         hi_bits = cast(hi, ELEM).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         word = lo_bits | (hi_bits << 16)
     return word
-
-
-@triton.jit
-def group_tile(a, pairs, w, out, a_row0, out_row0, row0, rows, e, pm, pn, N, K,
-               GATHER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-               A_TMA: tl.constexpr = False, W_TMA: tl.constexpr = False):
-    """One tile of a grouped GEMM: row block pm x column block pn of a segment of rows (rows [row0, row0 + rows),
-    all of expert e): out[out_row0 + row, cols] = (A row) @ w[e][:, cols], fp32 accumulation rounded to
-    out's dtype. A row: row a_row0 + pairs[row] // TOP_K of `a` (GATHER: a token
-    picked by a (token, expert) pair index), else row a_row0 + row. a (·, K), w (E, K, N), out (·, N) row-major.
-    Rows past the segment are not stored. Pipelined NUM_STAGES deep; EVEN_K / EVEN_N: K / N are whole blocks
-    (no masks).
-
-    W_TMA: w is a TMA descriptor of the weights as (E K, N), blocks (BLOCK_K, BLOCK_N) (K whole BLOCK_Ks, so a
-    K block never reaches into w[e + 1]; columns past N read as zeros). A_TMA (not with GATHER): a is a TMA
-    descriptor of a, blocks (BLOCK_M, BLOCK_K); the block's rows past the segment read the rows that follow
-    (another segment's, or zeros past the end), which change only rows that are not stored. The TMA loads
-    leave the pointer tensors of their operand out of the registers, where the accumulator needs them."""
-    i = pm * BLOCK_M + tl.arange(0, BLOCK_M)
-    live = i < rows
-    row = row0 + tl.where(live, i, 0)  # dead rows read the segment's first row: in bounds, never stored
-    cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    kk = tl.arange(0, BLOCK_K)
-    if not A_TMA:
-        if GATHER:
-            src = a_row0 + tl.load(pairs + row) // TOP_K
-        else:
-            src = a_row0 + row
-        a_ptrs = a + src.to(tl.int64)[:, None] * K + kk[None, :]
-    if not W_TMA:
-        b_ptrs = w + e.to(tl.int64) * K * N + kk[:, None] * N + cols[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        if A_TMA:
-            x = a.load([a_row0 + row0 + pm * BLOCK_M, k0])
-        else:
-            if EVEN_K:
-                x = tl.load(a_ptrs)
-            else:
-                x = tl.load(a_ptrs, mask=(k0 + kk)[None, :] < K, other=0.0)
-            a_ptrs += BLOCK_K
-        if W_TMA:
-            b = w.load([e * K + k0, pn * BLOCK_N])
-        else:
-            if EVEN_K and EVEN_N:
-                b = tl.load(b_ptrs)
-            else:
-                b = tl.load(b_ptrs, mask=((k0 + kk)[:, None] < K) & (cols[None, :] < N), other=0.0)
-            b_ptrs += BLOCK_K * N
-        acc = dot(x, b, acc)
-    dst = out + (out_row0 + row).to(tl.int64)[:, None] * N + cols[None, :]
-    tl.store(dst, cast(acc, out.dtype.element_ty), mask=live[:, None] & (cols[None, :] < N))
-
-
-# -- the MoE routing check (moe's EP kernels, moe_tp's check kernel) ------------------------
-# A bad topk_idx row (an expert named twice, or one outside [0, E) and not -1) is recorded in an error word
-# that the host reads with no sync (moe.RoutingErrorWord, which decodes it into the ValueError).
-
-ERROR_SET = tl.constexpr(1 << 62)  # marks a recorded error: word = ERROR_SET | row << 33 | kind << 32 | expert
-
-
-@triton.jit
-def valid_experts(raw, live, EXPERTS: tl.constexpr):
-    """Entries of topk rows (any integer type) as int32 experts, -1 where none or outside [0, EXPERTS)."""
-    raw = raw.to(tl.int64)
-    return tl.where(live & (raw >= 0) & (raw < EXPERTS), raw, -1).to(tl.int32)
-
-
-@triton.jit
-def check_rows(raw, rows, err, live, EXPERTS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A tile of topk rows (raw (R, BLOCK_K), row numbers `rows` (R,)) as valid_experts, and how many of its
-    entries are bad; the tile's first bad row is recorded in the error word `err`, with its first entry
-    outside [0, EXPERTS) (and not -1), else the expert it names twice. Any program or tile may record over
-    another: one 8-byte store of the whole word, so the host reads one bad row whole."""
-    e = valid_experts(raw, live, EXPERTS)
-    jj = tl.arange(0, BLOCK_K)
-    raw = raw.to(tl.int64)
-    outside = live & ((raw < -1) | (raw >= EXPERTS))
-    later = (e[:, :, None] == e[:, None, :]) & (jj[None, :, None] < jj[None, None, :]) & (e[:, :, None] >= 0)
-    twice = tl.max(later.to(tl.int32), axis=2) > 0
-    bad = tl.sum(tl.sum((outside | twice).to(tl.int32), axis=1), axis=0)
-    if bad > 0:
-        first_row = tl.min(tl.where(tl.max((outside | twice).to(tl.int32), axis=1) > 0, rows, 1 << 30), axis=0)
-        here = (rows == first_row)[:, None]
-        outside = outside & here
-        first = tl.min(tl.min(tl.where(outside, jj[None, :], BLOCK_K), axis=1), axis=0)
-        shown = tl.minimum(tl.maximum(raw, -(1 << 31)), (1 << 31) - 1)
-        named_twice = tl.max(tl.max(tl.where(twice & here, e, -1), axis=1), axis=0).to(tl.int64)
-        expert = tl.where(first < BLOCK_K,
-                          tl.sum(tl.sum(tl.where(outside & (jj[None, :] == first), shown, 0), axis=1), axis=0),
-                          named_twice)
-        kind = (first < BLOCK_K).to(tl.int64)
-        tl.store(err, ERROR_SET | (first_row.to(tl.int64) << 33) | (kind << 32) | (expert & 0xFFFFFFFF))
-    return e, bad

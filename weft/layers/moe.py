@@ -45,7 +45,7 @@ from torch import nn
 
 import weft
 import weft.ops
-from weft.kernels.grouped_gemm import few_rows_config
+from weft.kernels.moe.grouped_gemm import few_rows_config
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:

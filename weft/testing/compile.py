@@ -3,12 +3,12 @@
 Must run in a process where the interpreter is off (WEFT_BACKEND=cuda,
 TRITON_INTERPRET unset): under the interpreter `@triton.jit` makes objects
 that `triton.compile` cannot take. CI runs `python -m weft.testing.compile`
-in a subprocess; it compiles every `*_kernel` in `weft.kernels` with the
-cases each module lists in `COMPILE_CASES`: (kernel, signature, constexprs[, options]); a kernel
-with no case fails.
+in a subprocess; it compiles every `*_kernel` in `weft.kernels` and its subpackages (weft.kernels.moe) with the
+cases each module lists in `COMPILE_CASES` for its own kernels: (kernel, signature, constexprs[, options]); a
+kernel with no case fails.
 
-`python -m weft.testing.compile 90 --registers [module ...]` also assembles each case's PTX with
-Triton's bundled ptxas and prints its registers and spilled bytes: register spills in a GEMM's
+`python -m weft.testing.compile 90 --registers [module ...]` (modules as "gemm", "moe.tp") also assembles each
+case's PTX with Triton's bundled ptxas and prints its registers and spilled bytes: register spills in a GEMM's
 accumulator are a slowdown that shows without a GPU (a report, not a check: some kernels spill).
 """
 from __future__ import annotations
@@ -50,11 +50,13 @@ def compile_kernel(fn, signature: dict, constexprs: dict | None = None, arch: in
 
 
 def kernel_modules(names=None):
+    """The modules of weft.kernels, its subpackages' too (weft.kernels.moe.tp), or those of `names` (relative to
+    weft.kernels: "gemm", "moe.tp")."""
     import weft.kernels
 
-    for info in pkgutil.iter_modules(weft.kernels.__path__):
-        if names is None or info.name in names:
-            yield importlib.import_module(f"weft.kernels.{info.name}")
+    for info in pkgutil.walk_packages(weft.kernels.__path__, "weft.kernels."):
+        if names is None or info.name.removeprefix("weft.kernels.") in names:
+            yield importlib.import_module(info.name)
 
 
 def registers(compiled, arch: int) -> str:

@@ -11,12 +11,11 @@ dimension. An MoE MLP is then
 with w_experts_shard (E, hidden, N) (N = inter / W, or 2 inter / W with gate and up side by side) and
 w_down_shard (E, N', hidden). Both ops communicate once each and hide it under their grouped GEMM.
 
-The grouped layout (`GroupLayout`). A (token, expert) *pair* is one entry of topk_idx. The intermediate has
-one row per pair of every rank's tokens, W m k rows, in rank chunks: chunk c (rows [c m k, (c + 1) m k))
-holds rank c's pairs sorted by expert (stably: by token t, then slot j, pair index t k + j); the pairs
-whose topk_idx is -1 come last in the chunk, as rows of zeros. A chunk depends only on its rank's topk_idx,
-so each rank sorts its own pairs (`LayoutLaunches.chunk`: three launches, no host sync) and sends the result
-along with its tokens: the consumer of a chunk needs nothing else.
+The grouped layout (`GroupLayout`, group_layout.py). A (token, expert) *pair* is one entry of topk_idx. The
+intermediate has one row per pair of every rank's tokens, W m k rows, in rank chunks: chunk c holds rank c's
+pairs sorted by expert, the pairs without expert last, as rows of zeros. A chunk depends only on its rank's
+topk_idx, so each rank sorts its own pairs (no host sync) and sends the result along with its tokens: the
+consumer of a chunk needs nothing else.
 
 ag_group_gemm, method "overlap" (one call on rank `me`):
 
@@ -66,9 +65,9 @@ experts' average rows per chunk (_gemm_config; scripts/probe_moe_tp.py sweeps it
 Routing checks, with no host sync (the host queues call after call ahead of the GPU): where an op reads
 topk_idx's values (ag_group_gemm; group_gemm_rs without a layout), its first launch, `moe_tp_check_kernel`,
 checks them on the device and records a bad row (an expert named twice, or one outside [0, E) and not -1)
-in the family's error word (moe.RoutingErrorWord: pinned host memory on GPUs, shared with the EP ops' check
-blocks.check_rows). Each call of either op raises a recorded row on entry, before launching anything: a
-ValueError naming topk_idx, the row and the expert, on the rank whose row it was, at its next call of the
+in the family's error word (routing.RoutingErrorWord: pinned host memory on GPUs, as the EP ops' check
+routing.check_rows records). Each call of either op raises a recorded row on entry, before launching anything:
+a ValueError naming topk_idx, the row and the expert, on the rank whose row it was, at its next call of the
 family (after a CUDA-graph replay, at the next eager call; the other ranks' calls go on: a program that goes
 on must keep the ranks' calls in step); it looks again after its launches, which under
 the interpreter have run by then, so there the call that passed the row raises, its collective part done on
@@ -76,13 +75,7 @@ every rank. Until raised, a bad row does no harm: the layout sorts an entry outs
 pairs without expert (a row of zeros, summed as nothing), and a repeated expert computes its pair twice.
 check_routing_values (weft.ops) is the same check on the host, with a sync.
 
-routed_gemm and routed_gemm_sum are the two ops' one-rank baseline as local ops (not collective; each rank
-its own token count, and k may pass E): the grouped MLP of rows routed to this rank's experts, as an EP rank
-computes it on what ep_dispatch received (EPMoE's prefill): the layout sort, the same grouped GEMM kernel, the
-weighted top-k sum, with no host sync and no torch indexing. In fp8 (e4m3 rows with a scale per 128 channels,
-weights per 128 x 128 block: EPMoE(fp8=True)'s prefill) they run grouped_gemm's fp8 kernel over the layout's
-expert segments (its ROUTED form: the tokens gathered by pair for routed_gemm, h's rows by TMA for
-routed_gemm_sum), then the same weighted sum.
+routed_gemm and routed_gemm_sum (routed.py) are the two ops' one-rank baseline as local ops.
 
 ag_group_gemm and group_gemm_rs are PyTorch operators too (torch.ops.weft.*, weft/torch_ops.py; inference only).
 """
@@ -94,216 +87,20 @@ import triton.language as tl
 
 import weft.language as wl
 
-from ..runtime.streams import StreamSet, device_copy
-from .all_gather import all_gather
-from .all_reduce import reduce_scatter
-from .blocks import cast, check_rows, first_item, group_tile
-from .common import Launch, check_method, check_tensor, plan, signature, workspace, world_or_raise, zero_everywhere
-from .gemm import descriptor, num_sms
-from .grouped_gemm import (FP8, check_fp8_operands, fp8_tma_aligned, grouped_config,
-                           grouped_gemm_fp8_kernel)
-from .moe import INDEX_DTYPES, RoutingErrorWord
+from ...runtime.streams import StreamSet, device_copy
+from ..all_gather import all_gather
+from ..all_reduce import reduce_scatter
+from ..blocks import cast, first_item
+from ..common import Launch, check_method, check_tensor, plan, signature, workspace, world_or_raise, zero_everywhere
+from ..gemm import descriptor, num_sms
+from .group_layout import GroupLayout, LayoutLaunches, _check_layout, _topk_sum_launch, _weighted_sum
+from .grouped_gemm import group_tile
+from .routing import INDEX_DTYPES, _checked, _RoutingCheck
 
 METHODS = ("auto", "overlap", "baseline")
 DTYPES = (torch.bfloat16, torch.float16)
 # pushed[] flags per sender in the workspace: group_gemm_rs's token blocks grow with the shard to stay under it.
 MAX_TOKEN_BLOCKS = 4096
-
-
-# -- the grouped layout -----------------------------------------------------------
-
-class GroupLayout:
-    """Where ag_group_gemm put every rank's (token, expert) pairs, and what group_gemm_rs needs to bring them back.
-
-    The grouped intermediate has W m k rows in rank chunks: chunk c (rows [c m k, (c + 1) m k)) holds the pairs
-    of rank c's m tokens, sorted by expert, then by pair index t k + j; the pairs with topk_idx -1 come last.
-    On the device:
-    - meta (W, E + 2 + m k) int32: row c is rank c's chunk (LayoutLaunches.chunk): `starts[c]` (E + 2: rows
-      [starts[c, e], starts[c, e + 1]) of the chunk are expert e's, rows from starts[c, E] on have no expert,
-      starts[c, E + 1] = m k) and `pair_of_row[c]` (m k: the pair t k + j of rank c that row i of the chunk holds);
-    - row_of_pair (W m, k) int32: the global row of the j-th pair of gathered token g (token t of rank c is
-      g = c m + t), -1 where topk_idx is -1.
-    Fields world_size, num_experts, top_k, tokens_per_rank (m). LayoutLaunches.gathered makes one from the
-    gathered chunks.
-    """
-
-    def __init__(self, meta: torch.Tensor, num_experts: int, top_k: int, tokens_per_rank: int,
-                 row_of_pair: torch.Tensor):
-        self.meta, self.world_size, self.num_experts = meta, meta.shape[0], num_experts
-        self.top_k, self.tokens_per_rank, self.row_of_pair = top_k, tokens_per_rank, row_of_pair
-
-    @property
-    def starts(self) -> torch.Tensor:
-        return self.meta[:, :self.num_experts + 2]
-
-    @property
-    def pair_of_row(self) -> torch.Tensor:
-        return self.meta[:, self.num_experts + 2:]
-
-
-# A stable counting sort of one rank's pairs by expert, in BLOCK-pair blocks: pair_counts_kernel counts each
-# block's pairs per expert; pair_scan_kernel turns the counts into each expert's pairs in earlier blocks (a scan
-# down each expert's column, linear in the blocks); pair_place_kernel puts each pair of its block at its expert's
-# start + the expert's pairs in earlier blocks + the expert's pairs before it in the block. Three launches, where
-# torch takes ~10 small kernels (where, sort, searchsorted, copies) and as many ~5 us host calls.
-
-@triton.jit
-def _expert_of(topk, i, pairs, E: tl.constexpr):
-    """The sort key of pairs i: the expert, E for none (-1, or a bad entry not raised yet), E + 1 past the end."""
-    v = tl.load(topk + i, mask=i < pairs, other=-1)
-    return tl.where(i < pairs, tl.where((v >= 0) & (v < E), v, E), E + 1).to(tl.int32)
-
-
-@triton.jit
-def _sort_distinct(x, N_DIMS: tl.constexpr):
-    """x (2^N_DIMS distinct ints) in ascending order: tl.sort's bitonic network over x as a hypercube, with each
-    compare-and-swap's partner found by a sum over its axis of 2 (a + b - a, exact in wrapping integers) where
-    tl.sort takes an xor-sum, which the interpreter runs element by element in Python (~300x slower on cpu).
-    No nested jit calls: each costs the interpreter ~1 ms."""
-    h = tl.reshape(x, [2] * N_DIMS)
-    two = tl.arange(0, 2)
-    for stage in tl.static_range(1, N_DIMS + 1):
-        if stage < N_DIMS:  # alternate directions in blocks of 2^stage; ascending at the last stage
-            flip = tl.reshape(two, [1] * (N_DIMS - stage - 1) + [2] + [1] * stage)
-        else:
-            flip = 0
-        for i in tl.static_range(stage):  # the pairs differ in the (stage - 1 - i)-th innermost axis
-            right = tl.reshape(two, [1] * (N_DIMS - stage + i) + [2] + [1] * (stage - 1 - i))
-            partner = tl.sum(h, N_DIMS - stage + i, keep_dims=True) - h
-            h = tl.where((h > partner) != (flip ^ right), partner, h)
-    return tl.reshape(h, [2 ** N_DIMS])
-
-
-@triton.jit
-def pair_counts_kernel(topk, counts, pairs, E: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
-    """counts[p, e] = the pairs of block p (pairs [p BLOCK, (p + 1) BLOCK)) with key e, for e <= E (0 beyond)."""
-    p = tl.program_id(0)
-    bins = tl.arange(0, BLOCK_E)
-    hist = tl.histogram(_expert_of(topk, p * BLOCK + tl.arange(0, BLOCK), pairs, E), BLOCK_E)
-    tl.store(counts + p * BLOCK_E + bins, tl.where(bins <= E, hist, 0))
-
-
-@triton.jit
-def pair_scan_kernel(counts, blocks, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
-    """counts (blocks + 1, BLOCK_E), in place: row p < blocks becomes, per key, the pairs of the blocks before p,
-    and row `blocks` the pairs in all; program s scans keys [s BLOCK_S, (s + 1) BLOCK_S), BLOCK_P blocks a step."""
-    keys = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    carry = tl.zeros([BLOCK_S], tl.int32)
-    for q0 in range(0, blocks, BLOCK_P):
-        q = q0 + tl.arange(0, BLOCK_P)
-        at = counts + q[:, None] * BLOCK_E + keys[None, :]
-        live = (q < blocks)[:, None]
-        c = tl.load(at, mask=live, other=0)
-        tl.store(at, tl.cumsum(c, axis=0) - c + carry[None, :], mask=live)
-        carry += tl.sum(c, axis=0)
-    tl.store(counts + blocks * BLOCK_E + keys, carry)
-
-
-@triton.jit
-def pair_place_kernel(topk, counts, meta, pairs, blocks, E: tl.constexpr, BLOCK: tl.constexpr,
-                      BLOCK_E: tl.constexpr, LOG_BLOCK: tl.constexpr):
-    """meta = [starts (E + 2) | pair_of_row (pairs)] (GroupLayout) from the scanned counts: block p places its
-    pairs; program 0 writes starts."""
-    p = tl.program_id(0)
-    bins = tl.arange(0, BLOCK_E)
-    before = tl.load(counts + p * BLOCK_E + bins)  # each expert's pairs in the blocks before p
-    total = tl.load(counts + blocks * BLOCK_E + bins)
-    starts = tl.cumsum(total, axis=0) - total  # starts[E + 1] = pairs: keys above E are never counted
-    if p == 0:
-        tl.store(meta + bins, starts, mask=bins < E + 2)
-    i = tl.arange(0, BLOCK)
-    key = _expert_of(topk, p * BLOCK + i, pairs, E)
-    # The block's pairs stably sorted by key (sorting key BLOCK + index, in registers): the r-th of that order
-    # is the (r - first[key])-th of its key in the block. (Comparing each pair with the block's earlier ones, a
-    # loop that reloaded the keys, took ~9 us a program on an H200 whatever the block count.)
-    order = _sort_distinct(key * BLOCK + i, LOG_BLOCK)
-    sorted_key = order // BLOCK
-    hist = tl.histogram(key, BLOCK_E)
-    first = tl.cumsum(hist, axis=0) - hist
-    row = tl.gather(starts + before - first, sorted_key, 0) + i
-    tl.store(meta + E + 2 + row, p * BLOCK + order % BLOCK, mask=sorted_key <= E)
-
-
-@triton.jit
-def row_of_pair_kernel(metas, meta_copy, row_of_pair, pairs, width, E: tl.constexpr, BLOCK: tl.constexpr,
-                       BLOCK_E: tl.constexpr, COPY: tl.constexpr):
-    """row_of_pair (W m k,) of every rank's chunk in metas (W, width): the inverse of pair_of_row, -1 for the
-    rows from starts[E] on; COPY: metas copied into meta_copy as well (metas is the workspace, which the next
-    call overwrites)."""
-    c = tl.program_id(0)
-    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    live = i < pairs
-    chunk = metas + c * width
-    pair = tl.load(chunk + E + 2 + i, mask=live)
-    tl.store(row_of_pair + c * pairs + pair, tl.where(i < tl.load(chunk + E), c * pairs + i, -1), mask=live)
-    if COPY:
-        tl.store(meta_copy + c * width + E + 2 + i, pair, mask=live)
-        if tl.program_id(1) == 0:
-            s = tl.arange(0, BLOCK_E)
-            tl.store(meta_copy + c * width + s, tl.load(chunk + s, mask=s < E + 2), mask=s < E + 2)
-
-
-class LayoutLaunches:
-    """The launches that make GroupLayouts for one topk_idx signature (a plan's): `chunk` sorts this rank's pairs
-    by expert, `gathered` makes the GroupLayout of every rank's chunks. `block`: pairs per program of the sort
-    (the tests make it small, to run several blocks). copy: `gathered` copies the chunks out of its argument
-    (the workspace) into the layout's own meta."""
-
-    def __init__(self, topk_idx: torch.Tensor, num_experts: int, world_size: int, copy: bool, block: int = 256):
-        m, k = topk_idx.shape
-        e, dev = num_experts, topk_idx.device
-        self.e, self.k, self.m, self.world_size, self.copy = e, k, m, world_size, copy
-        self.pairs = pairs = m * k
-        self.width = width = e + 2 + pairs
-        block = min(block, max(32, triton.next_power_of_2(pairs)))
-        self.blocks = blocks = triton.cdiv(pairs, block)
-        block_e = triton.next_power_of_2(e + 2)
-        # The sort's scratch: per block and key, its pairs, then (scanned) those before it; a last row of totals
-        # (zeros when there are no pairs: no launch writes it then).
-        self.counts = torch.zeros((blocks + 1, block_e), dtype=torch.int32, device=dev)
-        self.meta = meta = torch.empty(width, dtype=torch.int32, device=dev)  # `all_gathered`'s chunk
-        sort = dict(E=e, BLOCK=block, BLOCK_E=block_e)
-        self.count = Launch(pair_counts_kernel, (blocks,), (topk_idx, self.counts, pairs), sort) if blocks else None
-        block_s = min(block_e, 32)
-        self.scan = Launch(pair_scan_kernel, (block_e // block_s,), (self.counts, blocks),
-                           dict(BLOCK_E=block_e, BLOCK_P=max(1, min(triton.next_power_of_2(blocks), 64)),
-                                BLOCK_S=block_s)) if blocks else None
-        self.place = Launch(pair_place_kernel, (max(blocks, 1),), (topk_idx, self.counts, meta, pairs, blocks),
-                            dict(**sort, LOG_BLOCK=block.bit_length() - 1))
-        metas = torch.empty((world_size, width), dtype=torch.int32, device=dev)
-        rows = torch.empty(world_size * pairs, dtype=torch.int32, device=dev)
-        self.invert = Launch(row_of_pair_kernel, (world_size, blocks), (metas, metas, rows, pairs, width),
-                             dict(E=e, BLOCK=block, BLOCK_E=block_e, COPY=copy)) if blocks else None
-        self.address = self.place.address
-
-    def chunk(self, topk_idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out (E + 2 + m k,) int32 = this rank's chunk of a GroupLayout, from its topk_idx (m, k): starts and
-        pair_of_row. An entry outside [0, E) (-1, or a bad value not raised yet: module doc) is a pair without
-        expert."""
-        a = self.address
-        if self.count is not None:
-            self.count(a(topk_idx), a(self.counts), self.pairs)
-            self.scan(a(self.counts), self.blocks)
-        self.place(a(topk_idx), a(self.counts), a(out), self.pairs, self.blocks)
-        return out
-
-    def gathered(self, metas: torch.Tensor) -> GroupLayout:
-        """The GroupLayout of every rank's chunk, metas (W, E + 2 + m k)."""
-        meta = torch.empty_like(metas) if self.copy else metas
-        rows = torch.empty((self.world_size * self.m, self.k), dtype=torch.int32, device=metas.device)
-        if self.invert is not None:
-            a = self.address
-            self.invert(a(metas), a(meta), a(rows), self.pairs, self.width)
-        elif self.copy:
-            meta.copy_(metas)
-        return GroupLayout(meta, self.e, self.k, self.m, rows)
-
-    def all_gathered(self, topk_idx: torch.Tensor) -> GroupLayout:
-        """The GroupLayout of every rank's topk_idx: each rank's chunk, all-gathered (weft all_gather); of one
-        rank's (world_size 1), the chunk in a new tensor (the layout outlives the call)."""
-        if self.world_size == 1:
-            return self.gathered(self.chunk(topk_idx, torch.empty_like(self.meta))[None])
-        return self.gathered(all_gather(self.chunk(topk_idx, self.meta)[None]))
 
 
 # -- device helpers -----------------------------------------------------------------
@@ -330,7 +127,7 @@ def _chunk_tiles(a, meta_c, w, out, done_c, heap, a_row0, out_row0, base, N, K, 
     base. Tiles go expert after expert, row blocks fastest (consecutive programs share w[e]'s column
     block); with GATHER (ag_group_gemm) the unrouted pairs' rows (zeros) follow. COUNT adds the program's
     tiles to done_c once they are all stored (release). A_TMA / W_TMA: a / w are TMA descriptors
-    (blocks.group_tile). FLATTEN: the tile loop and the K loop run as one pipelined loop (every tile has the
+    (grouped_gemm.group_tile). FLATTEN: the tile loop and the K loop run as one pipelined loop (every tile has the
     same K blocks), so the next tile's loads start under this tile's last products and store; Triton fuses
     a loop nest only from its outermost loop, so the callers unroll their chunk loops (static_range), and
     the loop holds no flag update (which would keep it from being pipelined)."""
@@ -369,21 +166,6 @@ def _chunk_tiles(a, meta_c, w, out, done_c, heap, a_row0, out_row0, base, N, K, 
 
 
 @triton.jit
-def _weighted_sum(y, row_of_pair, weights, g, live, cols, cols_live, N, TOP_K: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    """fp32 (BLOCK_T, BLOCK_H): for gathered tokens g, sum over j in order of weights[g, j] * y[row_of_pair[g, j],
-    cols] (rows -1 skipped)."""
-    acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
-    for j in tl.static_range(TOP_K):
-        r = tl.load(row_of_pair + g * TOP_K + j, mask=live, other=-1)
-        wt = tl.load(weights + g * TOP_K + j, mask=live, other=0.0)
-        v = tl.load(y + r.to(tl.int64)[:, None] * N + cols[None, :], mask=(r >= 0)[:, None] & cols_live[None, :],
-                    other=0.0)
-        acc += wt[:, None] * v.to(tl.float32)
-    return acc
-
-
-@triton.jit
 def _tile_count(meta_c, N, E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
     """The GEMM tiles of a chunk's experts (what done[c] reaches once they are all computed)."""
     _, _, _, _, total = _segments(meta_c, E, BLOCK_M, BLOCK_E)
@@ -404,18 +186,6 @@ def moe_tp_start_kernel(bar, heap, done, DONE: tl.constexpr, BLOCK_D: tl.constex
 
 
 @triton.jit
-def moe_tp_check_kernel(topk, err, tokens, K: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
-    """Check BLOCK_T rows of topk (tokens, K) per program: a bad row is recorded in the error word `err`
-    (blocks.check_rows)."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    jj = tl.arange(0, BLOCK_K)
-    live = (rows[:, None] < tokens) & (jj[None, :] < K)
-    check_rows(tl.load(topk + rows[:, None] * K + jj[None, :], mask=live, other=-1), rows, err, live, EXPERTS,
-               BLOCK_K)
-
-
-@triton.jit
 def group_gemm_chunks_kernel(a, meta, w, out, ready, bar, heap, mapping, m, N, K, meta_stride, E: tl.constexpr,
                              TOP_K: tl.constexpr, WORLD: tl.constexpr, GATHER: tl.constexpr, WAIT: tl.constexpr,
                              BLOCK_M: tl.constexpr,
@@ -430,7 +200,7 @@ def group_gemm_chunks_kernel(a, meta, w, out, ready, bar, heap, mapping, m, N, K
     WAIT: before its first tile of chunk c != me, a program waits for the chunk (and its layout) to arrive:
     ready[c] >= the epoch, as `tile_wait` on `mapping` (the gathered tokens, one tile per rank) says it.
     ready, bar and mapping are read only with WAIT. A_TMA (not with GATHER or WAIT) / W_TMA: a / w are TMA
-    descriptors (blocks.group_tile); FLATTEN as in _chunk_tiles.
+    descriptors (grouped_gemm.group_tile); FLATTEN as in _chunk_tiles.
     """
     me = wl.rank(heap)
     pairs = m * TOP_K
@@ -450,20 +220,6 @@ def group_gemm_chunks_kernel(a, meta, w, out, ready, bar, heap, mapping, m, N, K
 
 
 @triton.jit
-def topk_sum_kernel(y, row_of_pair, weights, out, tokens, N, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
-    """out[t] = sum over j in order of weights[t, j] * y[row_of_pair[t, j]] (fp32, rounded once), for a block of
-    BLOCK_T tokens and BLOCK_H columns: group_gemm_rs's baseline, the weighted sum of group_gemm_rs_kernel's
-    RS items without the push (torch's loop over j took ~1 ms of Qwen3-30B-A3B's 8192 tokens on an H200)."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    live = t < tokens
-    acc = _weighted_sum(y, row_of_pair, weights, t, live, cols, cols < N, N, TOP_K, BLOCK_T, BLOCK_H)
-    tl.store(out + t.to(tl.int64)[:, None] * N + cols[None, :], cast(acc, out.dtype.element_ty),
-             mask=live[:, None] & (cols < N)[None, :])
-
-
-@triton.jit
 def group_gemm_rs_kernel(h, meta, w, y, row_of_pair, weights, recv, out, done, ready, pushed, bar, heap, m, N, K,
                          meta_stride, E: tl.constexpr, TOP_K: tl.constexpr, WORLD: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -474,7 +230,7 @@ def group_gemm_rs_kernel(h, meta, w, y, row_of_pair, weights, recv, out, done, r
     GEMM(me+1) GEMM(me+2) RS(me+1) ... GEMM(me) RS(me-1) FINAL (module doc). y (W m k, N): the expert
     outputs; weights (W m, k): every rank's routing weights; recv (W, m, N): the partials rank q pushed
     into slot q; done (W,) local tile counters; pushed (MAX_TOKEN_BLOCKS, W) flags. A_TMA / W_TMA: h / w are
-    TMA descriptors (blocks.group_tile); FLATTEN as in _chunk_tiles."""
+    TMA descriptors (grouped_gemm.group_tile); FLATTEN as in _chunk_tiles."""
     pid = tl.program_id(0)
     me = wl.rank(heap)
     epoch = tl.load(bar)
@@ -604,7 +360,7 @@ def _gemm_config(world, m: int, k: int, experts: int, n: int, kdim: int):
 
 class _Operand:
     """A grouped GEMM operand as the kernels take it: a TMA descriptor of the tensor viewed as `shape` (rows,
-    cols), blocks `block` (gemm.Descriptor, its base swapped per call), where blocks.group_tile's TMA loads can
+    cols), blocks `block` (gemm.Descriptor, its base swapped per call), where grouped_gemm.group_tile's TMA loads can
     take it (`tma`: 16-byte aligned, rows of whole 16 bytes, and the K dimension `k` whole `block_k`s, so a K
     block never reaches into the next expert); else the tensor itself (pointer loads)."""
 
@@ -704,32 +460,6 @@ def _join(ws) -> None:
     """The main stream waits for the copy stream's pushes (their sources may be freed after the call)."""
     if ws.streams is not None:
         ws.streams.wait(ws.streams.current(), ws.streams.sides[0])
-
-
-class _RoutingCheck:
-    """topk_idx's values checked on the device, with no host sync (moe_tp_check_kernel): a bad row is recorded
-    in the family's error word (a RoutingErrorWord, made with the family's first call whatever its method), and
-    raise_recorded raises it."""
-
-    def __init__(self, world, topk_idx, num_experts: int):
-        self.errors = workspace(world, "moe_tp_errors", RoutingErrorWord)
-        m, k = topk_idx.shape
-        self.m, self.launch = m, None
-        if m == 0:
-            return
-        block_k = triton.next_power_of_2(k)
-        # check_rows compares every pair of a row's entries: BLOCK_T x BLOCK_K^2 at once, at most 4096.
-        block_t = min(64, triton.next_power_of_2(m), max(1, 4096 // block_k ** 2))
-        self.launch = Launch(moe_tp_check_kernel, (triton.cdiv(m, block_t),), (topk_idx, self.errors.tensor, m),
-                             dict(K=k, EXPERTS=num_experts, BLOCK_T=block_t, BLOCK_K=block_k))
-        self.err = self.launch.address(self.errors.tensor)  # on GPUs the pinned word's address, taken once
-
-    def __call__(self, topk_idx) -> None:
-        if self.launch is not None:
-            self.launch(self.launch.address(topk_idx), self.err, self.m)
-
-    def raise_recorded(self) -> None:
-        self.errors.raise_recorded()
 
 
 class _AgPlan:
@@ -844,38 +574,6 @@ def ag_group_gemm(tokens_shard: torch.Tensor, w_experts_shard: torch.Tensor, top
                                  signature(topk_idx), method, None if out is None else signature(out)),
                  lambda: _AgPlan(world, tokens_shard, w_experts_shard, topk_idx, method, out))
     return _checked(found, tokens_shard, w_experts_shard, topk_idx, out)
-
-
-def _checked(found, *args):
-    """found(*args) between the routing checks' raises: a bad row an earlier call of the family recorded
-    (nothing launched), then this call's, where its check has run (always under the interpreter)."""
-    found.routing.raise_recorded()
-    result = found(*args)
-    found.routing.raise_recorded()
-    return result
-
-
-def _topk_sum_launch(world, y, row_of_pair, weights, out, tokens: int) -> Launch:
-    """topk_sum_kernel over `tokens` rows of out (·, N) from y's rows (routed_gemm_sum, group_gemm_rs's
-    baseline)."""
-    n = out.shape[1]
-    block_t, block_h = (16, 256) if world.device.type == "cuda" else (16, 32)
-    return Launch(topk_sum_kernel, (triton.cdiv(tokens, block_t), triton.cdiv(n, block_h)),
-                  (y, row_of_pair, weights, out, tokens, n),
-                  dict(TOP_K=row_of_pair.shape[1], BLOCK_T=block_t, BLOCK_H=block_h), 4)
-
-
-def _check_layout(layout, want: tuple, dev) -> None:
-    """layout is None or a GroupLayout for (world size, experts, k, tokens per rank) = want on dev."""
-    if layout is None:
-        return
-    if not isinstance(layout, GroupLayout):
-        raise TypeError(f"layout must be a GroupLayout (what ag_group_gemm or routed_gemm returned) or None, got "
-                        f"{type(layout).__name__}")
-    have = (layout.world_size, layout.num_experts, layout.top_k, layout.tokens_per_rank)
-    if have != want or layout.meta.device != dev:
-        raise ValueError(f"layout is for (world size, experts, k, tokens per rank) = {have} on "
-                         f"{layout.meta.device}, but this call has {want} on {dev}")
 
 
 class _RsPlan:
@@ -1032,180 +730,6 @@ def group_gemm_rs(h: torch.Tensor, w_down_shard: torch.Tensor, topk_idx: torch.T
     return _checked(found, h, w_down_shard, topk_idx, topk_weights, layout, out)
 
 
-class _RoutedFp8Plan:
-    """routed_gemm / routed_gemm_sum (`summed`) with fp8 operands: this rank's pairs sorted by expert
-    (LayoutLaunches, one chunk), then grouped_gemm_fp8_kernel over the layout's expert segments (ROUTED): the
-    tokens gathered by pair (routed_gemm), or h's rows in layout order by TMA (routed_gemm_sum, whose
-    topk_sum_kernel then sums each token's k rows). Outputs bf16."""
-
-    def __init__(self, world, x, w, topk_idx, x_scales, w_scales, topk_weights, out, summed: bool,
-                 make_layout: bool):
-        x_name, w_name = ("h", "w_down") if summed else ("tokens", "w_experts")
-        check_tensor(x_name, x, world, dtypes=(FP8,))
-        check_tensor(w_name, w, world, dtypes=(FP8,), contiguous=False)
-        if x.dim() != 2 or w.dim() != 3 or w.shape[0] < 1 or w.shape[1] != x.shape[1]:
-            raise ValueError(f"{x_name} must be (rows, K) and {w_name} (experts, K, N) with K = {x_name}'s columns, "
-                             f"got {tuple(x.shape)} and {tuple(w.shape)}")
-        check_fp8_operands(world, x_name, x, x_scales, w_name, w, w_scales)
-        check_tensor("topk_idx", topk_idx, world, dtypes=INDEX_DTYPES)
-        if topk_idx.dim() != 2:
-            raise ValueError(f"topk_idx must be (tokens, k), got shape {tuple(topk_idx.shape)}")
-        m, k = topk_idx.shape
-        e, kdim, n = w.shape
-        _check_topk(world, topk_idx, m, e, topk_weights)
-        if x.shape[0] != (m * k if summed else m):
-            want = f"tokens x k = {m * k} (as routed_gemm returns them)" if summed else f"{m} (topk_idx's tokens)"
-            raise ValueError(f"{x_name} has {x.shape[0]} rows, expected {want}")
-        self.m, self.k, self.e, self.n, self.kdim, self.summed = m, k, e, n, kdim, summed
-        self.dev = x.device
-        self.out_shape = (m, n) if summed else (m * k, n)
-        _check_out(world, out, self.out_shape, torch.bfloat16)
-        self.routing = _RoutingCheck(world, topk_idx, e)
-        self.layouts = LayoutLaunches(topk_idx, e, 1, copy=False) if make_layout else None
-        self.empty = min(m, n, kdim) == 0
-        if self.empty:
-            return
-        cfg = grouped_config(0, FP8, world.device, True)
-        pairs = m * k
-        tiles = (triton.cdiv(pairs, cfg.block_m) + e) * triton.cdiv(n, cfg.block_n)  # at most
-        programs = max(1, min(num_sms(world.device) * cfg.programs_per_sm, tiles))
-        # TMA operands start 16-byte aligned: one that does not is copied per call (the plan's key has it).
-        self.realign = summed and x.data_ptr() % 16 != 0, w.data_ptr() % 16 != 0
-        x, w = self._aligned(x, w)
-        self.w_desc = descriptor(w.transpose(1, 2).reshape(e * n, kdim), (cfg.block_n, cfg.block_k))
-        self.x_desc = descriptor(x, (cfg.block_m, cfg.block_k)) if summed else None
-        y = torch.empty((pairs, n), dtype=torch.bfloat16, device=self.dev)
-        meta = torch.empty((1, e + 2 + pairs), dtype=torch.int32, device=self.dev)
-        self.gemm = Launch(grouped_gemm_fp8_kernel, (programs,),
-                           self._gemm_args(x, w, y, x_scales, w_scales, meta),
-                           dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                                BLOCK_E=triton.next_power_of_2(e), NUM_STAGES=cfg.num_stages, PROGRAMS=programs,
-                                FLATTEN=cfg.flatten, OUT_TMA=False, ROUTED=True, GATHER=not summed, TOP_K=k),
-                           cfg.num_warps)
-        self._off()
-        if summed:
-            self.sums = _topk_sum_launch(world, y, torch.empty((m, k), dtype=torch.int32, device=self.dev),
-                                         topk_weights, torch.empty(self.out_shape, dtype=torch.bfloat16,
-                                                                   device=self.dev), m)
-
-    def _aligned(self, x, w):
-        return fp8_tma_aligned(x, w, self.realign)
-
-    def _gemm_args(self, x, w, y, x_scales, w_scales, meta):
-        e, n, kdim = self.e, self.n, self.kdim
-        xs = self.x_desc.on(x) if self.summed else x
-        return (xs, self.w_desc.on(w.transpose(1, 2).reshape(e * n, kdim)), y, x_scales, w_scales, meta, e,
-                self.m * self.k, n, kdim, *w_scales.stride())
-
-    def _off(self) -> None:
-        for d in (self.x_desc, self.w_desc):
-            if d is not None:
-                d.off()
-
-    def check_layout(self, layout) -> None:
-        _check_layout(layout, (1, self.e, self.k, self.m), self.dev)
-
-    def __call__(self, x, w, topk_idx, x_scales, w_scales, topk_weights, layout, out):
-        if layout is None:
-            self.routing(topk_idx)
-            layout = self.layouts.all_gathered(topk_idx)
-        if out is None:
-            out = torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.dev)
-        if self.empty:
-            out.zero_()
-        else:
-            x, w = self._aligned(x, w)
-            y = out if not self.summed else torch.empty((self.m * self.k, self.n), dtype=torch.bfloat16,
-                                                        device=self.dev)
-            a = self.gemm.address
-            self.gemm(*(a(t) if isinstance(t, torch.Tensor) else t
-                        for t in self._gemm_args(x, w, y, x_scales, w_scales, layout.meta)))
-            self._off()
-            if self.summed:
-                a = self.sums.address
-                self.sums(a(y), a(layout.row_of_pair), a(topk_weights), a(out), self.m, self.n)
-        return out if self.summed else (out, layout)
-
-
-def routed_gemm(tokens: torch.Tensor, w_experts: torch.Tensor, topk_idx: torch.Tensor,
-                out: torch.Tensor | None = None, *, x_scales: torch.Tensor | None = None,
-                w_scales: torch.Tensor | None = None):
-    """Multiply every (token, expert) pair of this rank's routed tokens by its expert's weights: ag_group_gemm
-    without the all-gather. Local, not collective: each rank its own token count (an EP rank's received rows:
-    EPMoE's prefill).
-
-    tokens (m, hidden) bf16/fp16; w_experts (E, hidden, N) of that dtype; topk_idx (m, k) int64/int32: each
-    token's experts in [0, E), -1 for none (k may pass E: -1 for the experts held elsewhere; a row must not name
-    an expert twice). Contiguous. Returns (inter (m k, N), layout): inter's rows are the pairs sorted by expert
-    (GroupLayout, one chunk), inter[row] = token @ w_experts[expert] (fp32 accumulation, rounded to the dtype),
-    zeros for the pairs without expert; pass `layout` on to routed_gemm_sum. `out`: a contiguous (m k, N)
-    tensor to write inter into. topk_idx's values are checked on the device, as ag_group_gemm checks them.
-
-    fp8 (tokens and w_experts torch.float8_e4m3fn, inter bf16): tokens with x_scales (m, hidden / 128) fp32 (per
-    row and 128 channels: fp8_rows), w_experts (E, hidden, N) with its K dimension contiguous and w_scales (E,
-    hidden / 128, cdiv(N, 128)) per 128 x 128 block (fp8_blocks); hidden a multiple of 128. Each 128-channel
-    slice's product is scaled by both operands' scales, as grouped_gemm's fp8 form.
-    """
-    world = world_or_raise()
-    if isinstance(tokens, torch.Tensor) and tokens.dtype == FP8:
-        found = plan(world, lambda: ("routed_gemm_fp8", signature(tokens), signature(w_experts), w_experts.stride(),
-                                     signature(topk_idx), _scales_key(x_scales, w_scales),
-                                     None if out is None else signature(out)),
-                     lambda: _RoutedFp8Plan(world, tokens, w_experts, topk_idx, x_scales, w_scales, None, out,
-                                            summed=False, make_layout=True))
-        return _checked(found, tokens, w_experts, topk_idx, x_scales, w_scales, None, None, out)
-    _no_scales(x_scales, w_scales, tokens)
-    found = plan(world, lambda: ("routed_gemm", signature(tokens), signature(w_experts), signature(topk_idx),
-                                 None if out is None else signature(out)),
-                 lambda: _AgPlan(world, tokens, w_experts, topk_idx, "baseline", out, local=True))
-    return _checked(found, tokens, w_experts, topk_idx, out)
-
-
-def routed_gemm_sum(h: torch.Tensor, w_down: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                    layout: GroupLayout | None = None, out: torch.Tensor | None = None, *,
-                    x_scales: torch.Tensor | None = None, w_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Multiply every pair's row of h by its expert's down projection and sum each token's k results with its
-    routing weights: group_gemm_rs without the reduce-scatter. Local, not collective.
-
-    h (m k, N') bf16/fp16 in the order of routed_gemm's layout (its output after the activation); w_down (E, N',
-    hidden) of that dtype; topk_idx (m, k) and topk_weights (m, k) fp32: the routing given to routed_gemm;
-    layout: what routed_gemm returned (None: made again from topk_idx). Contiguous. Returns (m, hidden): sum
-    over j of topk_weights[t, j] * (h[row of (t, j)] @ w_down[expert], rounded to the dtype), in fp32, rounded
-    once; pairs with topk_idx -1 add nothing. `out`: a contiguous (m, hidden) tensor to write it into.
-
-    fp8 (h and w_down torch.float8_e4m3fn, the result bf16): h with x_scales (m k, N' / 128) (silu_mul(fp8=True)
-    gives both), w_down with its K dimension contiguous and w_scales (E, N' / 128, cdiv(hidden, 128)), as in
-    routed_gemm.
-    """
-    world = world_or_raise()
-    if isinstance(h, torch.Tensor) and h.dtype == FP8:
-        found = plan(world, lambda: ("routed_gemm_sum_fp8", signature(h), signature(w_down), w_down.stride(),
-                                     signature(topk_idx), signature(topk_weights), _scales_key(x_scales, w_scales),
-                                     layout is None, None if out is None else signature(out)),
-                     lambda: _RoutedFp8Plan(world, h, w_down, topk_idx, x_scales, w_scales, topk_weights, out,
-                                            summed=True, make_layout=layout is None))
-        found.check_layout(layout)
-        return _checked(found, h, w_down, topk_idx, x_scales, w_scales, topk_weights, layout, out)
-    _no_scales(x_scales, w_scales, h)
-    found = plan(world, lambda: ("routed_gemm_sum", signature(h), signature(w_down), signature(topk_idx),
-                                 signature(topk_weights), layout is None, None if out is None else signature(out)),
-                 lambda: _RsPlan(world, h, w_down, topk_idx, topk_weights, "baseline", out, layout is None,
-                                 local=True))
-    found.check_layout(layout)
-    return _checked(found, h, w_down, topk_idx, topk_weights, layout, out)
-
-
-def _scales_key(x_scales, w_scales):
-    """The fp8 scales' part of a plan key (their layout; None where missing, which the plan rejects)."""
-    return tuple(None if s is None else (signature(s), s.stride()) for s in (x_scales, w_scales))
-
-
-def _no_scales(x_scales, w_scales, x) -> None:
-    if x_scales is not None or w_scales is not None:
-        raise ValueError(f"x_scales and w_scales go with fp8 operands (torch.float8_e4m3fn), not "
-                         f"{getattr(x, 'dtype', type(x).__name__)}")
-
-
 # Signatures for the sm_90 compile check (weft.testing.compile): both GPU tilings, bf16 and fp16, the
 # ag_group_gemm (gather, wait) and group_gemm_rs baseline (no gather, no wait) forms; Qwen3-30B-A3B's 128
 # experts top-8 at 4 ranks and Mixtral's 8 top-2 at 2; operands by TMA (both, or the weights alone with the
@@ -1255,29 +779,8 @@ _COMPILE_SHAPES = [("bf16", True, 128, 8, 4), ("bf16", True, 8, 2, 2), ("bf16", 
 
 COMPILE_CASES = [(moe_tp_start_kernel, dict(bar="*i32", heap="*i64", done="*i32"), dict(DONE=d, BLOCK_D=b),
                   dict(num_warps=1)) for d, b in ((0, 1), (3, 4))] + [
-    case for t in ("*i64", "*i32") for experts in (128, 8) for case in (
-        (pair_counts_kernel, dict(topk=t, counts="*i32", pairs="i32"),
-         dict(E=experts, BLOCK=256, BLOCK_E=triton.next_power_of_2(experts + 2)), dict(num_warps=4)),
-        (pair_place_kernel, dict(topk=t, counts="*i32", meta="*i32", pairs="i32", blocks="i32"),
-         dict(E=experts, BLOCK=256, BLOCK_E=triton.next_power_of_2(experts + 2), LOG_BLOCK=8),
-         dict(num_warps=4)))
-] + [
-    (pair_scan_kernel, dict(counts="*i32", blocks="i32"), dict(BLOCK_E=block_e, BLOCK_P=64, BLOCK_S=min(block_e, 32)),
-     dict(num_warps=4)) for block_e in (16, 512)
-] + [
-    (row_of_pair_kernel, dict(metas="*i32", meta_copy="*i32", row_of_pair="*i32", pairs="i32", width="i32"),
-     dict(E=128, BLOCK=256, BLOCK_E=256, COPY=copy), dict(num_warps=4)) for copy in (True, False)
-] + [
-    (moe_tp_check_kernel, dict(topk=t, err="*i64", tokens="i32"),
-     dict(K=k, EXPERTS=experts, BLOCK_T=64, BLOCK_K=triton.next_power_of_2(k)), dict(num_warps=4))
-    for t in ("*i64", "*i32") for experts, k in ((128, 8), (8, 2))
-] + [
     _chunks_case(t, big, gather, experts, k, world, tma) for t, big, experts, k, world in _COMPILE_SHAPES
     for gather in (True, False) for tma in (True, False)
 ] + [
     _rs_case(t, big, experts, k, world, tma) for t, big, experts, k, world in _COMPILE_SHAPES for tma in (True, False)
-] + [
-    (topk_sum_kernel, dict(y=t, row_of_pair="*i32", weights="*fp32", out=t, tokens="i32", N="i32"),
-     dict(TOP_K=k, BLOCK_T=16, BLOCK_H=256), dict(num_warps=4, divisible=("N",))) for t in ("*bf16", "*fp16")
-    for k in (8, 2)
 ]

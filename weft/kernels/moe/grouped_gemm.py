@@ -8,8 +8,8 @@ expert GROUP_M row blocks are walked column by column, so that the weights are r
 - bf16 / fp16 / fp32: grouped_gemm_tma_kernel runs the dense GEMM's mainloop (gemm.py: TMA loads from one host
   descriptor per operand, x as (E C, K) and w as (E K, N), pipelined; the output's 3-D descriptor clips each
   expert's tile at its capacity). Where TMA cannot take the operands (rows not whole 16 bytes, K not whole
-  BLOCK_Ks, unaligned) the plan takes grouped_gemm_kernel, pointer loads through blocks.group_tile (the tile
-  moe_tp's grouped GEMMs use, whose rows are gathered by token).
+  BLOCK_Ks, unaligned) the plan takes grouped_gemm_kernel, pointer loads through group_tile (the tile
+  tp's grouped GEMMs use, whose rows are gathered by token).
 - fp8 e4m3 with block scales (DeepSeek-V3's recipe, what ep_dispatch_ll(fp8=True) delivers): x with one fp32
   scale per row and 128 channels, w with one per 128 x 128 block, stored K-major (the nn.Linear layout, which
   Hopper's fp8 MMA takes for its second operand). grouped_gemm_fp8_kernel multiplies a 128-channel slice at
@@ -25,13 +25,66 @@ import torch
 import triton
 import triton.language as tl
 
-from .blocks import cast, group_tile
-from .common import Launch, check_tensor, plan, signature, world_or_raise
-from .gemm import GemmConfig, descriptor, dot, num_sms, tile_of
+from ..blocks import cast
+from ..common import Launch, check_tensor, plan, signature, world_or_raise
+from ..gemm import GemmConfig, descriptor, dot, num_sms, tile_of
 
 FP8 = torch.float8_e4m3fn
 FP8_BLOCK = 128  # channels a scale covers (and rows of w, per 128 x 128 block)
 FP8_MAX = 448.0  # e4m3's largest finite value
+
+
+@triton.jit
+def group_tile(a, pairs, w, out, a_row0, out_row0, row0, rows, e, pm, pn, N, K,
+               GATHER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+               A_TMA: tl.constexpr = False, W_TMA: tl.constexpr = False):
+    """One tile of a grouped GEMM: row block pm x column block pn of a segment of rows (rows [row0, row0 + rows),
+    all of expert e): out[out_row0 + row, cols] = (A row) @ w[e][:, cols], fp32 accumulation rounded to
+    out's dtype. A row: row a_row0 + pairs[row] // TOP_K of `a` (GATHER: a token
+    picked by a (token, expert) pair index), else row a_row0 + row. a (·, K), w (E, K, N), out (·, N) row-major.
+    Rows past the segment are not stored. Pipelined NUM_STAGES deep; EVEN_K / EVEN_N: K / N are whole blocks
+    (no masks).
+
+    W_TMA: w is a TMA descriptor of the weights as (E K, N), blocks (BLOCK_K, BLOCK_N) (K whole BLOCK_Ks, so a
+    K block never reaches into w[e + 1]; columns past N read as zeros). A_TMA (not with GATHER): a is a TMA
+    descriptor of a, blocks (BLOCK_M, BLOCK_K); the block's rows past the segment read the rows that follow
+    (another segment's, or zeros past the end), which change only rows that are not stored. The TMA loads
+    leave the pointer tensors of their operand out of the registers, where the accumulator needs them."""
+    i = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    live = i < rows
+    row = row0 + tl.where(live, i, 0)  # dead rows read the segment's first row: in bounds, never stored
+    cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    if not A_TMA:
+        if GATHER:
+            src = a_row0 + tl.load(pairs + row) // TOP_K
+        else:
+            src = a_row0 + row
+        a_ptrs = a + src.to(tl.int64)[:, None] * K + kk[None, :]
+    if not W_TMA:
+        b_ptrs = w + e.to(tl.int64) * K * N + kk[:, None] * N + cols[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        if A_TMA:
+            x = a.load([a_row0 + row0 + pm * BLOCK_M, k0])
+        else:
+            if EVEN_K:
+                x = tl.load(a_ptrs)
+            else:
+                x = tl.load(a_ptrs, mask=(k0 + kk)[None, :] < K, other=0.0)
+            a_ptrs += BLOCK_K
+        if W_TMA:
+            b = w.load([e * K + k0, pn * BLOCK_N])
+        else:
+            if EVEN_K and EVEN_N:
+                b = tl.load(b_ptrs)
+            else:
+                b = tl.load(b_ptrs, mask=((k0 + kk)[:, None] < K) & (cols[None, :] < N), other=0.0)
+            b_ptrs += BLOCK_K * N
+        acc = dot(x, b, acc)
+    dst = out + (out_row0 + row).to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(dst, cast(acc, out.dtype.element_ty), mask=live[:, None] & (cols[None, :] < N))
 
 
 @triton.jit
@@ -95,7 +148,7 @@ def grouped_gemm_kernel(x, w, out, counts, experts, capacity, N, K, BLOCK_M: tl.
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
                         NUM_STAGES: tl.constexpr, PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr,
                         EVEN_N: tl.constexpr):
-    """grouped_gemm_tma_kernel's product with pointer loads (blocks.group_tile), for the shapes TMA cannot
+    """grouped_gemm_tma_kernel's product with pointer loads (group_tile), for the shapes TMA cannot
     take: rows not whole 16 bytes, K not whole BLOCK_Ks, operands not 16-byte aligned."""
     rows, blocks, first_tile, tiles = _expert_tiles(counts, experts, capacity, N, BLOCK_M, BLOCK_N, BLOCK_E)
     for tile in range(tl.program_id(0), tiles, PROGRAMS):
@@ -125,13 +178,13 @@ def grouped_gemm_fp8_kernel(x, w_desc, out, x_scales, w_scales, counts, experts,
     which clips a tile at the expert's capacity, as in grouped_gemm_tma_kernel (else a pointer, for N rows not
     whole 16 bytes: its tile of addresses spills 292 bytes at the GPU config, ptxas says; the TMA store none).
 
-    ROUTED (routed_gemm's fp8 form; OUT_TMA off): `counts` is a GroupLayout chunk (moe_tp): starts (E + 2),
+    ROUTED (routed_gemm's fp8 form; OUT_TMA off): `counts` is a GroupLayout chunk (group_layout): starts (E + 2),
     then pair_of_row; expert e's rows are [starts[e], starts[e + 1]) of a flat row space of `capacity` rows (x,
     x_scales and out as (rows, ·)). GATHER (with ROUTED; routed_gemm): x is a pointer to the tokens (·, K) and
     x_scales (·, K / 128) theirs, row i computes token pair_of_row[i] // TOP_K (pointer loads: Hopper's TMA has
     no gather), and the rows from starts[E] on (the pairs without expert) are stored as zeros, routed_gemm's
     output; without it (routed_gemm_sum's y, read only at routed rows) they are left alone, as in
-    moe_tp._chunk_tiles.
+    tp._chunk_tiles.
     """
     rows, blocks, first_tile, tiles = _expert_tiles(counts, experts, capacity, N, BLOCK_M, BLOCK_N, BLOCK_E, ROUTED)
     k_tiles = K // BLOCK_K
@@ -450,7 +503,7 @@ COMPILE_CASES = [
           TOP_K=1),
      dict(num_warps=c.num_warps, min_arch=90, divisible=("N", "K") if out_tma else ("K",)))
     for name, c in GPU_CONFIGS.items() if name.startswith("fp8") for out_tma in (True, False)
-] + [  # routed_gemm's fp8 form (moe_tp): the tokens gathered by pair, or h's rows by TMA
+] + [  # routed_gemm's fp8 form (routed): the tokens gathered by pair, or h's rows by TMA
     (grouped_gemm_fp8_kernel,
      dict(x="*fp8e4nv" if gather else f"tensordesc<fp8e4nv[{c.block_m}, {c.block_k}]>",
           w_desc=f"tensordesc<fp8e4nv[{c.block_n}, {c.block_k}]>", out="*bf16", x_scales="*fp32", w_scales="*fp32",

@@ -1,0 +1,545 @@
+"""High-throughput expert-parallel dispatch and combine (prefill): ep_dispatch / ep_combine.
+
+High-throughput EP (prefill), ep_dispatch / ep_combine: each token goes once to every rank that holds one of
+its experts, pushed straight into that rank's receive region, in five launches and no torch op between:
+  1. ep_count_kernel (a program per block of tokens): the block's tokens to each rank, its rows checked;
+     ep_route_kernel (one program): where each block's tokens start among my tokens to each rank (a scan of
+     the blocks' counts); then every rank writes its row of tokens-per-destination (and whether it saw a bad
+     row) to every rank as LL words, so each holds the whole W x W table: a sender knows where its rows go on
+     rank r (after the rows of ranks s' < me) and a receiver how many rows it gets, with no host round trip.
+     Without max_recv_tokens the host reads [most rows received, my rows, bad rows anywhere] here: the op's
+     one sync; ep_position_kernel (a program per block): each token's position among my tokens to each rank;
+  2. ep_push_kernel: the rows ([x | the receiver's local topk_idx | topk_weights] as int32 words, read from
+     the caller's tensors as they are) into the destinations' regions (half epoch % 2), then a flag per
+     program to every rank; the rows of my own tokens straight into recv_x, recv_topk_idx, recv_topk_weights;
+  3. ep_receive_kernel: wait for every rank's flags, copy the region out into recv_x, recv_topk_idx and
+     recv_topk_weights, and count the rows per local expert.
+Push and receive are separate launches: the receiver needs every program of every sender, and the
+interpreter runs a grid's programs one after another. Combine: ep_push_back_kernel pushes each received row
+of another rank's token back to its source, into the slot the source numbers it by (from the table), and
+ep_combine_reduce_kernel sums each token's rows in rank order, reading the row of its own rank from y.
+
+The dispatch checks topk_idx's rows on the device as it counts them (routing.check_rows): a bad row is recorded
+in the workspace's error word (ep_workspace.MoeWorkspace) and raised as a ValueError by the next EP op on that
+rank; without max_recv_tokens every rank raises in the call itself, the sync having seen every rank's check.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import weft.language as wl
+
+from ..blocks import copy, halves_of, word_of
+from ..common import Launch, check_tensor, plan, signature, world_or_raise
+from .ep_workspace import HT_MAX_PROGRAMS, _ELEM, _rows, _rows_ready, _too_big, _word_columns, _workspace
+from .routing import _check_routing, check_rows, valid_experts
+
+
+# Programs of the high-throughput push (a fixed number: the receivers wait on the flags of each), and each
+# program's block of words and warps on GPUs.
+HT_PROGRAMS = {"cpu": 2, "cuda": 128}
+# Measured (scripts/probe_ep_ht.py, 2 H200s, 2026-11-23, 4096 tokens of 7168, top-8 of 256, graph replay):
+# dispatch + combine 839.7 / 737.1 / 695.3 / 750.7 / 747.4 us with blocks of 1024 / 2048 / 4096 / 4096 / 2048
+# words and 8 / 8 / 8 / 16 / 4 warps (128 push programs); since the receivers wait on all flags at once
+# (eleventh session) 489.3 us with 4096 words, 8 warps, 128 programs; 494.5 with 264 programs, 503.4 with 2048
+# words and 264, 483.6 with 16 warps and 132, 526.7 with 2048 words, 4 warps, 528 programs.
+HT_BLOCK_WARPS = (4096, 8)
+# Programs of the receiving kernels (ep_receive_kernel copies the region's rows out, ep_combine_reduce_kernel sums
+# each token's rows): local passes after the pushes, swept by scripts/probe_ep_ht.py too.
+HT_COPY_PROGRAMS = {"cpu": 2, "cuda": 132}
+# Tokens a program of the count and position kernels takes (the route kernel, one program, then only scans
+# the blocks' counts: over all 4096 tokens itself it took 79 us of a 400 us dispatch).
+HT_ROUTE_TOKENS = {"cpu": 16, "cuda": 64}
+
+
+# -- high-throughput kernels --------------------------------------------------------
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _ranks_of(e, LOCAL: tl.constexpr, BLOCK_W: tl.constexpr):
+    """(T, BLOCK_W) int32: whether each token of a tile of experts `e` (T, BLOCK_K; -1: none) goes to rank r
+    (a token naming two experts of a rank goes there once)."""
+    ww = tl.arange(0, BLOCK_W)
+    ranks = tl.reduce(tl.where(e >= 0, tl.full([1, 1], 1, tl.int64) << (e // LOCAL).to(tl.int64), 0), 1, _or)
+    return ((ranks[:, None] >> ww[None, :].to(tl.int64)) & 1).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["tokens"])
+def ep_count_kernel(topk, block_counts, err, tokens, K: tl.constexpr, LOCAL: tl.constexpr, WORLD: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Token block b (BLOCK_T tokens), its rows checked (check_rows): block_counts[b] = [its tokens to each
+    rank | its bad entries]."""
+    b = tl.program_id(0)
+    tt = b * BLOCK_T + tl.arange(0, BLOCK_T)
+    jj = tl.arange(0, BLOCK_K)
+    ww = tl.arange(0, BLOCK_W)
+    live = (tt[:, None] < tokens) & (jj[None, :] < K)
+    raw = tl.load(topk + tt[:, None] * K + jj[None, :], mask=live, other=-1)
+    e, bad = check_rows(raw, tt, err, live, LOCAL * WORLD, BLOCK_K)
+    sent = tl.sum(_ranks_of(e, LOCAL, BLOCK_W), axis=0)
+    tl.store(block_counts + b * (WORLD + 1) + ww, tl.where(ww < WORLD, sent, bad), mask=ww <= WORLD)
+
+
+@triton.jit
+def ep_route_kernel(block_counts, block_start, table, counts, info, buf, counter, heap, blocks,
+                    LOCAL: tl.constexpr, WORLD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr,
+                    BLOCK_L: tl.constexpr):
+    """In one program, from the token blocks' counts (ep_count_kernel): block_start[b, r] = the position of
+    block b's first token to rank r among my tokens to r; then every rank's [tokens to each rank | bad rows]
+    to every rank as LL words, so each holds table[s, r] = tokens rank s sends to rank r with no host round
+    trip, and info = [most rows any rank receives, rows I receive, bad rows anywhere]. Zeroes counts
+    (ep_receive_kernel counts into them)."""
+    me = wl.rank(heap)
+    epoch = wl.next_epoch(counter)
+    half = buf + (epoch % 2) * (WORLD * (WORLD + 1))
+    ww = tl.arange(0, BLOCK_W)
+    ll = tl.arange(0, BLOCK_L)
+    tl.store(counts + ll, tl.zeros([BLOCK_L], tl.int32), mask=ll < LOCAL)
+    sent = tl.zeros([BLOCK_W], tl.int32)  # [tokens to each rank so far | bad entries]
+    for b0 in range(0, blocks, BLOCK_B):
+        bb = b0 + tl.arange(0, BLOCK_B)
+        c = tl.load(block_counts + bb[:, None] * (WORLD + 1) + ww[None, :],
+                    mask=(bb[:, None] < blocks) & (ww[None, :] <= WORLD), other=0)
+        tl.store(block_start + bb[:, None] * WORLD + ww[None, :], sent[None, :] + tl.cumsum(c, axis=0) - c,
+                 mask=(bb[:, None] < blocks) & (ww[None, :] < WORLD))
+        sent += tl.sum(c, axis=0)
+    row = wl.pack_ll(tl.where(ww < WORLD, sent, (sent > 0).to(tl.int32)), epoch)
+    for q in range(WORLD):
+        tl.store(wl.symm_at(half + me * (WORLD + 1), q, heap) + ww, row, mask=ww <= WORLD)
+    total = tl.zeros([BLOCK_W], tl.int32)
+    for s in range(WORLD):
+        got = wl.wait_ll(half + s * (WORLD + 1) + ww, ww <= WORLD, epoch, heap=heap, peer=s,
+                         op="ep_dispatch count exchange")
+        tl.store(table + s * WORLD + ww, got, mask=ww < WORLD)
+        total += got
+    most = tl.max(tl.where(ww < WORLD, total, 0), axis=0)
+    mine = tl.sum(tl.where(ww == me, total, 0), axis=0)
+    anywhere = tl.sum(tl.where(ww == WORLD, total, 0), axis=0)
+    tl.store(info + ww, tl.where(ww == 0, most, tl.where(ww == 1, mine, anywhere)), mask=ww < 3)
+
+
+@triton.jit(do_not_specialize=["tokens"])
+def ep_position_kernel(topk, block_start, rank_pos, tokens, K: tl.constexpr, LOCAL: tl.constexpr,
+                       WORLD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Token block b: rank_pos[t, r] = token t's position among my tokens to rank r (-1: not there), from
+    where the block starts (ep_route_kernel) and a scan of the block."""
+    b = tl.program_id(0)
+    tt = b * BLOCK_T + tl.arange(0, BLOCK_T)
+    jj = tl.arange(0, BLOCK_K)
+    ww = tl.arange(0, BLOCK_W)
+    live = (tt[:, None] < tokens) & (jj[None, :] < K)
+    e = valid_experts(tl.load(topk + tt[:, None] * K + jj[None, :], mask=live, other=-1), live, LOCAL * WORLD)
+    to_rank = _ranks_of(e, LOCAL, BLOCK_W)
+    start = tl.load(block_start + b * WORLD + ww, mask=ww < WORLD, other=0)
+    pos = start[None, :] + tl.cumsum(to_rank, axis=0) - to_rank
+    tl.store(rank_pos + tt[:, None] * WORLD + ww[None, :], tl.where(to_rank > 0, pos, -1),
+             mask=(tt[:, None] < tokens) & (ww[None, :] < WORLD))
+
+
+@triton.jit
+def _rows_before_mine(table, me, WORLD: tl.constexpr, BLOCK_W: tl.constexpr):
+    """For each rank r: the rows that ranks s < me send to r (where my rows start on r)."""
+    s = tl.arange(0, BLOCK_W)[:, None]
+    r = tl.arange(0, BLOCK_W)[None, :]
+    return tl.sum(tl.load(table + s * WORLD + r, mask=(s < me) & (r < WORLD), other=0), axis=0)
+
+
+@triton.jit(do_not_specialize=["tokens", "limit", "half_words"])
+def ep_push_kernel(x, topk, weights, rank_pos, table, region, x_out, idx_out, w_out, flags, counter, heap, tokens,
+                   limit, half_words,
+                   HW: tl.constexpr, K: tl.constexpr, ROW: tl.constexpr, LOCAL: tl.constexpr, WORLD: tl.constexpr,
+                   PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_W: tl.constexpr):
+    """Token i of x (HW int32 words a row) to every rank r it goes to, at row rank_pos[i, r] + (rows of ranks
+    s < me) of r's region (half epoch % 2), rows from `limit` on dropped: [x | its experts as r's local
+    indices (-1: not r's) | topk weights' bits], ROW words; then flag [p][me] on every rank. Program p pushes
+    tokens p, p + PROGRAMS, ... A token to myself goes straight to its row of x_out, idx_out and w_out (what
+    ep_receive_kernel makes of the region's rows), not through my region."""
+    p = tl.program_id(0)
+    me = wl.rank(heap)
+    epoch = wl.next_epoch(counter)
+    half = region + (epoch % 2) * half_words
+    ww = tl.arange(0, BLOCK_W)
+    jj = tl.arange(0, BLOCK_K)
+    start = _rows_before_mine(table, me, WORLD, BLOCK_W)
+    for i in range(p, tokens, PROGRAMS):
+        pos = tl.load(rank_pos + i * WORLD + ww, mask=ww < WORLD, other=-1)
+        slots = tl.where((pos >= 0) & (pos + start < limit), pos + start, -1)
+        e = valid_experts(tl.load(topk + i * K + jj, mask=jj < K, other=-1), jj < K, LOCAL * WORLD)
+        wbits = tl.load(weights + i * K + jj, mask=jj < K, other=0.0).to(tl.int32, bitcast=True)
+        for r in range(WORLD):
+            slot = tl.sum(tl.where(ww == r, slots, 0), axis=0).to(tl.int64)
+            local = tl.where((e >= 0) & (e // LOCAL == r), e - r * LOCAL, -1)
+            if slot >= 0:
+                if r == me:
+                    copy(x_out + slot * HW, x + i * HW, 0, HW, BLOCK, VEC)
+                    tl.store(idx_out + slot * K + jj, local.to(idx_out.dtype.element_ty), mask=jj < K)
+                    tl.store(w_out + slot * K + jj, wbits.to(tl.float32, bitcast=True), mask=jj < K)
+                else:
+                    dst = wl.symm_at(half + slot * ROW, r, heap)
+                    copy(dst, x + i * HW, 0, HW, BLOCK, VEC)
+                    tl.store(dst + HW + jj, local, mask=jj < K)
+                    tl.store(dst + HW + K + jj, wbits, mask=jj < K)
+    wl.notify_all(flags + p * WORLD + me, heap, epoch)
+
+
+@triton.jit(do_not_specialize=["rows", "half_words"])
+def ep_push_back_kernel(y, table, region, flags, counter, heap, rows, half_words, HW: tl.constexpr,
+                        WORLD: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+                        BLOCK_W: tl.constexpr):
+    """Received row i of y (HW int32 words) back to its source s, at the row s numbered it by (its rows for
+    ranks r < me, then its position among those it sent me), in s's region; then flag [p][me] on every rank.
+    Rows of my own tokens stay in y, where ep_combine_reduce_kernel reads them."""
+    p = tl.program_id(0)
+    me = wl.rank(heap)
+    epoch = wl.next_epoch(counter)
+    half = region + (epoch % 2) * half_words
+    s = tl.arange(0, BLOCK_W)
+    got = tl.load(table + s * WORLD + me, mask=s < WORLD, other=0)  # rows from each source, in source order
+    ends = tl.cumsum(got, axis=0)
+    r = tl.arange(0, BLOCK_W)[None, :]
+    sent_before = tl.sum(tl.load(table + s[:, None] * WORLD + r, mask=(s[:, None] < WORLD) & (r < me), other=0),
+                         axis=1)  # for each source: its rows for ranks r < me
+    n = tl.minimum(tl.sum(got, axis=0), rows)
+    for i in range(p, n, PROGRAMS):
+        src = tl.sum((ends <= i).to(tl.int32), axis=0)
+        if src != me:
+            slot = tl.sum(tl.where(s == src, sent_before + i - (ends - got), 0), axis=0).to(tl.int64)
+            copy(wl.symm_at(half + slot * HW, src, heap), y + i * HW, 0, HW, BLOCK, VEC)
+    wl.notify_all(flags + p * WORLD + me, heap, epoch)
+
+
+@triton.jit
+def _wait_pushes(region, flags, counter, heap, half_words, WORLD: tl.constexpr, PROGRAMS: tl.constexpr):
+    """The half of `region` this call's push wrote, once every program of every rank has flagged me."""
+    epoch = wl.next_epoch(counter)
+    # All PROGRAMS x WORLD flags in one wait: 32 a round trip, where a wait per program took one each.
+    token = wl.wait(flags, PROGRAMS * WORLD, epoch, wl.CMP_GE, heap=heap, op="ep_dispatch/ep_combine push",
+                    ranks=WORLD)
+    return wl.consume_token(region + (epoch % 2) * half_words, token)
+
+
+@triton.jit(do_not_specialize=["half_words", "rows"])
+def ep_receive_kernel(region, flags, counter, heap, table, x_out, idx_out, w_out, counts, half_words, rows,
+                      HW: tl.constexpr, K: tl.constexpr, ROW: tl.constexpr, LOCAL: tl.constexpr, WORLD: tl.constexpr,
+                      PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr):
+    """After the pushes: rows [0, n) of the region (n: what the table says I receive, at most `rows`) split
+    into x_out (HW words a row), idx_out and w_out (K a row), but for the rows of my own tokens, which the
+    push wrote there itself; rows [n, rows) zero, -1 and 0. counts[e] += the rows naming my expert e (each
+    program adds its own)."""
+    p = tl.program_id(0)
+    me = wl.rank(heap)
+    half = _wait_pushes(region, flags, counter, heap, half_words, WORLD, PROGRAMS)
+    s = tl.arange(0, BLOCK_W)
+    got = tl.load(table + s * WORLD + me, mask=s < WORLD, other=0)  # rows from each source, in source order
+    n = tl.minimum(tl.sum(got, axis=0), rows)
+    own_lo = tl.sum(tl.where(s < me, got, 0), axis=0)
+    own_hi = own_lo + tl.sum(tl.where(s == me, got, 0), axis=0)
+    jj = tl.arange(0, BLOCK_K)
+    ll = tl.arange(0, BLOCK_L)
+    named = tl.zeros([BLOCK_L], tl.int32)
+    for i in range(p, rows, tl.num_programs(0)):
+        src = half + i * ROW
+        if (i >= own_lo) & (i < tl.minimum(own_hi, n)):
+            idx = tl.load(idx_out + i * K + jj, mask=jj < K, other=-1).to(tl.int32)
+            named += tl.sum((idx[:, None] == ll[None, :]).to(tl.int32), axis=0)
+        elif i < n:
+            copy(x_out + i * HW, src, 0, HW, BLOCK, VEC)
+            idx = tl.load(src + HW + jj, mask=jj < K, other=-1)
+            tl.store(idx_out + i * K + jj, idx, mask=jj < K)
+            tl.store(w_out + i * K + jj, tl.load(src + HW + K + jj, mask=jj < K).to(tl.float32, bitcast=True),
+                     mask=jj < K)
+            named += tl.sum((idx[:, None] == ll[None, :]).to(tl.int32), axis=0)
+        else:
+            for start in range(0, HW, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                tl.store(x_out + i * HW + offs, tl.zeros([BLOCK], tl.int32), mask=offs < HW)
+            tl.store(idx_out + i * K + jj, tl.full([BLOCK_K], -1, tl.int32), mask=jj < K)
+            tl.store(w_out + i * K + jj, tl.zeros([BLOCK_K], tl.float32), mask=jj < K)
+    tl.atomic_add(counts + ll, named, mask=ll < LOCAL)
+
+
+@triton.jit(do_not_specialize=["half_words", "tokens", "limit"])
+def ep_combine_reduce_kernel(region, flags, counter, heap, rank_pos, table, y, out, half_words, tokens, limit,
+                             HW: tl.constexpr, ELEM: tl.constexpr, WORLD: tl.constexpr, PROGRAMS: tl.constexpr,
+                             BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
+    """After the pushes back: out[t] = sum in rank order r of the row token t came back on from r (fp32): my
+    rows for ranks r' < r, then its position among them; none where the dispatch did not send or dropped it.
+    The row from me is read from y (my received rows: those of ranks s < me, then mine), never pushed."""
+    p = tl.program_id(0)
+    me = wl.rank(heap)
+    half = _wait_pushes(region, flags, counter, heap, half_words, WORLD, PROGRAMS)
+    ww = tl.arange(0, BLOCK_W)
+    start = _rows_before_mine(table, me, WORLD, BLOCK_W)
+    mine = tl.load(table + me * WORLD + ww, mask=ww < WORLD, other=0)
+    back_start = tl.cumsum(mine, axis=0) - mine
+    for t in range(p, tokens, tl.num_programs(0)):
+        pos = tl.load(rank_pos + t * WORLD + ww, mask=ww < WORLD, other=-1)
+        back = tl.where((pos >= 0) & (pos + start < limit), pos + back_start, -1)
+        own = tl.sum(tl.where(ww == me, pos + start, 0), axis=0).to(tl.int64)  # its row in y
+        for c in range(0, HW, BLOCK):
+            offs = c + tl.arange(0, BLOCK)
+            m = offs < HW
+            acc_lo = tl.zeros([BLOCK], tl.float32)
+            acc_hi = tl.zeros([BLOCK], tl.float32)
+            for r in range(WORLD):
+                slot = tl.sum(tl.where(ww == r, back, 0), axis=0).to(tl.int64)
+                row = half + slot * HW
+                if r == me:
+                    row = y + own * HW
+                a, b = halves_of(tl.load(row + offs, mask=m & (slot >= 0), other=0), ELEM)
+                acc_lo += a
+                acc_hi += b
+            tl.store(out + t * HW + offs, word_of(acc_lo, acc_hi, ELEM), mask=m)
+
+
+# -- high-throughput host side ------------------------------------------------------
+
+def _vec(words: int, *tensors) -> int:
+    """4 (16-byte vectors) where rows of `words` int32 words and every tensor's address allow it, else 1."""
+    return 4 if words % 4 == 0 and all(t.data_ptr() % 16 == 0 for t in tensors) else 1
+
+
+class HTHandle:
+    """What ep_combine needs of an ep_dispatch: its plan, and on the device rank_pos (T, W) and table (W, W)
+    (ep_position_kernel's and ep_route_kernel's), from which each row's way back is computed; rows received (R)
+    and the row limit."""
+
+    def __init__(self, plan, rank_pos, table, rows, limit):
+        self.plan, self.rank_pos, self.table, self.rows, self.limit = plan, rank_pos, table, rows, limit
+
+
+class _HTPlan:
+    """ep_dispatch / ep_combine of one call signature: the launches, the region's rows, the checks done.
+
+    A dispatch is five launches: count, route (with the count exchange), position, push, receive; without
+    max_recv_tokens, one host sync between route and push reads info (the exact row count, and whether any rank's
+    topk_idx was bad: then every rank raises before anything is pushed)."""
+
+    def __init__(self, world, x, topk_idx, topk_weights, num_experts, max_recv_tokens):
+        _check_routing(world, x, topk_idx, num_experts, topk_weights)
+        if max_recv_tokens is not None and (not isinstance(max_recv_tokens, int) or isinstance(max_recv_tokens, bool)
+                                            or max_recv_tokens < 0):
+            raise ValueError(f"max_recv_tokens must be None or an int >= 0, got {max_recv_tokens!r}")
+        self.world, w = world, world.world_size
+        if w > 63:
+            raise ValueError(f"ep_dispatch serves at most 63 ranks (a token's ranks are bits of a word), not {w}")
+        t, k = topk_idx.shape
+        self.tokens, self.k, self.hidden, self.dtype, self.idx_dtype = t, k, x.shape[1], x.dtype, topk_idx.dtype
+        self.num_experts, self.local = num_experts, num_experts // w
+        self.max_recv = max_recv_tokens
+        # What the kernels cannot take as it is gets copied per call (_rows): x, the routing if not contiguous.
+        self.cols = _word_columns(x)
+        self.ready = (_rows_ready(signature(x), self.cols) and topk_idx.is_contiguous()
+                      and topk_weights.is_contiguous())
+        x, topk_idx, topk_weights = self._prepared(x, topk_idx, topk_weights)
+        self.hw = self.cols * x.element_size() // 4
+        self.row = triton.cdiv(self.hw + 2 * k, 4) * 4  # [x | local topk_idx | topk_weights], 16-byte rows
+        self.ws = ws = _workspace(world)
+        self.cap = ws.ht_half_words // self.row  # dispatched rows a half holds
+        have = 2 * ws.ht_half_words * 4
+        if max_recv_tokens is not None and max_recv_tokens > self.cap:
+            raise _too_big(f"ep_dispatch with max_recv_tokens={max_recv_tokens}", 2 * max_recv_tokens * self.row * 4,
+                           have)
+        if t * min(w, k) * self.hw > ws.ht_half_words:  # the rows that come back to me in ep_combine
+            raise _too_big(f"ep_combine of {t} tokens", 2 * t * min(w, k) * self.hw * 4, have)
+        self.heap = heap = world.heap.descriptor
+        dev = world.device
+        gpu = dev.type == "cuda"
+        block, warps = HT_BLOCK_WARPS if gpu else (256, 4)
+        programs = HT_PROGRAMS[dev.type]  # push programs: the receivers wait on the flag of each
+        if programs > HT_MAX_PROGRAMS:
+            raise ValueError(f"HT_PROGRAMS = {programs} is more than the workspace's flags ({HT_MAX_PROGRAMS})")
+        self.grid = HT_COPY_PROGRAMS[dev.type]  # programs that copy out / sum what arrived
+        i32 = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=dev)  # noqa: E731
+        blk_w, blk_k = triton.next_power_of_2(w), triton.next_power_of_2(k)
+        blk_t = HT_ROUTE_TOKENS[dev.type]
+        self.blocks = max(1, triton.cdiv(t, blk_t))  # token blocks of the count and position kernels
+        blk_b = min(1024, triton.next_power_of_2(self.blocks))
+        blk_wide = max(4, triton.next_power_of_2(w + 1))  # [ranks | bad entries]
+        self.count = Launch(ep_count_kernel, (self.blocks,), (topk_idx, i32(self.blocks, w + 1), ws.error, t),
+                            dict(K=k, LOCAL=self.local, WORLD=w, BLOCK_T=blk_t, BLOCK_K=blk_k, BLOCK_W=blk_wide), 4)
+        self.route = Launch(ep_route_kernel, (1,),
+                            (i32(self.blocks, w + 1), i32(self.blocks, w), i32(w, w), i32(self.local), i32(3),
+                             ws.table, ws.counter(2), heap, self.blocks),
+                            dict(LOCAL=self.local, WORLD=w, BLOCK_B=blk_b, BLOCK_W=blk_wide,
+                                 BLOCK_L=triton.next_power_of_2(self.local)), 4)
+        self.position = Launch(ep_position_kernel, (self.blocks,),
+                               (topk_idx, i32(self.blocks, w), i32(max(t, 1), w), t),
+                               dict(K=k, LOCAL=self.local, WORLD=w, BLOCK_T=blk_t, BLOCK_K=blk_k, BLOCK_W=blk_wide),
+                               4)
+        self.push = Launch(ep_push_kernel, (programs,),
+                           (x.view(torch.int32), topk_idx, topk_weights, i32(max(t, 1), w), i32(w, w), ws.ht,
+                            i32(1, self.hw), torch.zeros((1, k), dtype=topk_idx.dtype, device=dev),
+                            torch.zeros((1, k), device=dev), ws.flags, ws.counter(3), heap, t, 1, ws.ht_half_words),
+                           dict(HW=self.hw, K=k, ROW=self.row, LOCAL=self.local, WORLD=w, PROGRAMS=programs,
+                                BLOCK=block, VEC=_vec(self.hw, x), BLOCK_K=blk_k, BLOCK_W=blk_w), warps)
+        self.receive = Launch(ep_receive_kernel, (self.grid,),
+                              (ws.ht, ws.flags, ws.counter(4), heap, i32(w, w), i32(1, self.hw),
+                               torch.zeros((1, k), dtype=topk_idx.dtype, device=dev),
+                               torch.zeros((1, k), device=dev), i32(self.local), ws.ht_half_words, 1),
+                              dict(HW=self.hw, K=k, ROW=self.row, LOCAL=self.local, WORLD=w, PROGRAMS=programs,
+                                   BLOCK=block, VEC=_vec(self.hw), BLOCK_K=blk_k,
+                                   BLOCK_L=triton.next_power_of_2(self.local), BLOCK_W=blk_w), warps)
+        # y's rows go back 16-byte vectors at a time: the combine takes y at that alignment (else a copy).
+        self.push_back = Launch(ep_push_back_kernel, (programs,),
+                                (i32(1, self.hw), i32(w, w), ws.ht, ws.flags, ws.counter(3), heap, 1,
+                                 ws.ht_half_words),
+                                dict(HW=self.hw, WORLD=w, PROGRAMS=programs, BLOCK=block, VEC=_vec(self.hw),
+                                     BLOCK_W=blk_w), warps)
+        self.reduce = Launch(ep_combine_reduce_kernel, (self.grid,),
+                             (ws.ht, ws.flags, ws.counter(4), heap, i32(max(t, 1), w), i32(w, w), i32(1, self.hw),
+                              i32(1, self.hw), ws.ht_half_words, t, 1),
+                             dict(HW=self.hw, ELEM=_ELEM[x.dtype], WORLD=w, PROGRAMS=programs, BLOCK=block,
+                                  BLOCK_W=blk_w), warps)
+        # Pointer arguments as the launches take them (Launch.address): on GPUs addresses (the workspace's
+        # taken once here, no view made per call), under the interpreter tensors of the kernels' types.
+        a = self.address = self.route.address
+        self.words = (lambda t: t.view(torch.int32)) if self.route.kernel is None else a
+        self.route_fixed = tuple(map(a, (ws.table, ws.counter(2), heap)))
+        self.error_at = a(ws.error)
+        self.push_fixed = tuple(map(a, (ws.ht, ws.flags, ws.counter(3), heap)))
+        self.region_at, self.signal_fixed = self.push_fixed[0], self.push_fixed[1:]
+        self.wait_fixed = tuple(map(a, (ws.ht, ws.flags, ws.counter(4), heap)))
+
+    def _prepared(self, x, topk_idx, topk_weights):
+        """The call's tensors as the kernels take them (contiguous; x in whole words, aligned to them)."""
+        if self.ready:
+            return x, topk_idx, topk_weights
+        return (x if _rows_ready(signature(x), self.cols) else _rows(x, self.cols), topk_idx.contiguous(),
+                topk_weights.contiguous())
+
+    def dispatch(self, x, topk_idx, topk_weights):
+        ws, w, dev, a = self.ws, self.world.world_size, x.device, self.address
+        ws.raise_routing_error()
+        x, topk_idx, topk_weights = self._prepared(x, topk_idx, topk_weights)
+        rank_pos = torch.empty((self.tokens, w), dtype=torch.int32, device=dev)
+        table = torch.empty((w, w), dtype=torch.int32, device=dev)
+        counts = torch.empty(self.local, dtype=torch.int32, device=dev)
+        info = torch.empty(3, dtype=torch.int32, device=dev)
+        block_counts = torch.empty((self.blocks, w + 1), dtype=torch.int32, device=dev)
+        block_start = torch.empty((self.blocks, w), dtype=torch.int32, device=dev)
+        self.count(a(topk_idx), a(block_counts), self.error_at, self.tokens)
+        self.route(a(block_counts), a(block_start), a(table), a(counts), a(info), *self.route_fixed, self.blocks)
+        self.position(a(topk_idx), a(block_start), a(rank_pos), self.tokens)
+        if self.max_recv is None:
+            most, rows, bad = info.tolist()  # the one host sync: the same table on every rank, so all raise or none
+            if bad:
+                ws.raise_routing_error()
+                raise ValueError("topk_idx on another rank names an expert twice or one outside [0, num_experts): "
+                                 "nothing was sent")
+            if most > self.cap:
+                raise _too_big(f"ep_dispatch receiving {most} rows on one rank", 2 * most * self.row * 4,
+                               2 * ws.ht_half_words * 4)
+            limit = self.cap
+        else:
+            rows = limit = self.max_recv  # rows past it are dropped
+        recv_x = torch.empty((rows, self.cols), dtype=self.dtype, device=dev)
+        recv_idx = torch.empty((rows, self.k), dtype=self.idx_dtype, device=dev)
+        recv_w = torch.empty((rows, self.k), dtype=torch.float32, device=dev)
+        self.push(self.words(x), a(topk_idx), a(topk_weights), a(rank_pos), a(table), self.region_at,
+                  self.words(recv_x), a(recv_idx), a(recv_w), *self.signal_fixed, self.tokens, limit, ws.ht_half_words)
+        self.receive(*self.wait_fixed, a(table), self.words(recv_x), a(recv_idx), a(recv_w), a(counts),
+                     ws.ht_half_words, rows)
+        ws.raise_routing_error()  # with max_recv_tokens, under the interpreter: this call's row
+        return recv_x[:, :self.hidden], recv_idx, recv_w, counts, HTHandle(self, rank_pos, table, rows, limit)
+
+    def combine(self, y, handle):
+        ws, a = self.ws, self.address
+        ws.raise_routing_error()
+        if y.data_ptr() % 16 or not _rows_ready(signature(y), self.cols):
+            y = _rows(y, self.cols)  # the push back was compiled for 16-byte aligned rows of whole words
+        self.push_back(self.words(y), a(handle.table), *self.push_fixed, handle.rows, ws.ht_half_words)
+        out = torch.empty((self.tokens, self.cols), dtype=self.dtype, device=y.device)
+        self.reduce(*self.wait_fixed, a(handle.rank_pos), a(handle.table), self.words(y), self.words(out),
+                    ws.ht_half_words, self.tokens, handle.limit)
+        return out if self.cols == self.hidden else out[:, :self.hidden].contiguous()
+
+
+def ep_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                max_recv_tokens: int | None = None):
+    """Send each token once to every rank that holds one of its experts (high throughput, prefill).
+
+    x (T, hidden) bf16/fp16/fp32; topk_idx (T, k) int64/int32 (-1: no expert); topk_weights (T, k) fp32; any
+    layout and hidden size (a 16-bit row of odd length travels with a zero column more: recv_x is then a view).
+    Returns (recv_x (R, hidden), recv_topk_idx (R, k): the row's experts as local indices on this rank, -1
+    for experts elsewhere; recv_topk_weights (R, k); counts (L,) int32: received tokens per local expert;
+    handle for ep_combine). Rows are ordered by source rank, then source token. Without max_recv_tokens R is
+    exact (one host sync); with it (the same on every rank) R = max_recv_tokens (no sync, capturable): rows
+    past the received ones have idx -1, weights 0 and x 0, and tokens beyond it are dropped (their combine
+    gets nothing from this rank). Collective.
+
+    topk_idx's values are checked on the device: a row naming an expert twice or one outside [0,
+    num_experts) (and not -1) raises a ValueError naming topk_idx. Without max_recv_tokens every rank
+    raises in this call, before anything is pushed (the sync sees every rank's check); with it, this rank
+    raises at its next EP op's call once the kernel has run, and until then the row does no harm (entries
+    outside the experts count as none, a repeated expert once).
+    """
+    world = world_or_raise()
+    found = plan(world, lambda: ("ep", signature(x), signature(topk_idx), signature(topk_weights), num_experts,
+                                 max_recv_tokens),
+                 lambda: _HTPlan(world, x, topk_idx, topk_weights, num_experts, max_recv_tokens))
+    return found.dispatch(x, topk_idx, topk_weights)
+
+
+def ep_combine(y: torch.Tensor, handle: HTHandle) -> torch.Tensor:
+    """Return each received row's result to its source: out (T, hidden) on the source rank = the sum over the
+    ranks the token went to of their y row (y (R, hidden): each rank's weighted sum of its local experts'
+    outputs per received row), in rank order, fp32. Collective."""
+    world = world_or_raise()
+    if not isinstance(handle, HTHandle):
+        raise TypeError(f"handle must be what ep_dispatch returned, got {type(handle).__name__}")
+    p = handle.plan
+    check_tensor("y", y, world, dtypes=(p.dtype,), contiguous=False)
+    if tuple(y.shape) != (handle.rows, p.hidden):
+        raise ValueError(f"y has shape {tuple(y.shape)}, expected {(handle.rows, p.hidden)} (recv_x's)")
+    return p.combine(y, handle)
+
+
+# Signatures for the sm_90 compile check (weft.testing.compile).
+COMPILE_CASES = [
+    (ep_count_kernel, dict(topk=t, block_counts="*i32", err="*i64", tokens="i32"),
+     dict(K=8, LOCAL=256 // wd, WORLD=wd, BLOCK_T=64, BLOCK_K=8, BLOCK_W=max(4, triton.next_power_of_2(wd + 1))),
+     dict(num_warps=4))
+    for t in ("*i64", "*i32") for wd in (2, 8)
+] + [
+    (ep_route_kernel, dict(block_counts="*i32", block_start="*i32", table="*i32", counts="*i32", info="*i32",
+                           buf="*i64", counter="*i64", heap="*i64", blocks="i32"),
+     dict(LOCAL=256 // wd, WORLD=wd, BLOCK_B=64, BLOCK_W=max(4, triton.next_power_of_2(wd + 1)), BLOCK_L=256 // wd),
+     dict(num_warps=4))
+    for wd in (2, 8)
+] + [
+    (ep_position_kernel, dict(topk=t, block_start="*i32", rank_pos="*i32", tokens="i32"),
+     dict(K=8, LOCAL=256 // wd, WORLD=wd, BLOCK_T=64, BLOCK_K=8, BLOCK_W=max(4, triton.next_power_of_2(wd + 1))),
+     dict(num_warps=4))
+    for t in ("*i64", "*i32") for wd in (2, 8)
+] + [
+    (ep_push_kernel, dict(x="*i32", topk=t, weights="*fp32", rank_pos="*i32", table="*i32", region="*i32",
+                          x_out="*i32", idx_out=t, w_out="*fp32", flags="*i32", counter="*i64", heap="*i64",
+                          tokens="i32", limit="i32", half_words="i32"),
+     dict(HW=hw, K=8, ROW=triton.cdiv(hw + 16, 4) * 4, LOCAL=32, WORLD=8, PROGRAMS=128, BLOCK=HT_BLOCK_WARPS[0],
+          VEC=_vec(hw), BLOCK_K=8, BLOCK_W=8), dict(num_warps=8))
+    for t in ("*i64", "*i32") for hw in (3584, 3585)
+] + [
+    (ep_push_back_kernel, dict(y="*i32", table="*i32", region="*i32", flags="*i32", counter="*i64", heap="*i64",
+                               rows="i32", half_words="i32"),
+     dict(HW=3584, WORLD=8, PROGRAMS=128, BLOCK=HT_BLOCK_WARPS[0], VEC=4, BLOCK_W=8), dict(num_warps=8)),
+] + [
+    (ep_receive_kernel, dict(region="*i32", flags="*i32", counter="*i64", heap="*i64", table="*i32", x_out="*i32",
+                             idx_out=t, w_out="*fp32", counts="*i32", half_words="i32", rows="i32"),
+     dict(HW=3584, K=8, ROW=3600, LOCAL=32, WORLD=8, PROGRAMS=128, BLOCK=HT_BLOCK_WARPS[0], VEC=4, BLOCK_K=8,
+          BLOCK_L=32, BLOCK_W=8), dict(num_warps=8))
+    for t in ("*i64", "*i32")
+] + [
+    (ep_combine_reduce_kernel, dict(region="*i32", flags="*i32", counter="*i64", heap="*i64", rank_pos="*i32",
+                                    table="*i32", y="*i32", out="*i32", half_words="i32", tokens="i32", limit="i32"),
+     dict(HW=3584, ELEM=e, WORLD=8, PROGRAMS=128, BLOCK=HT_BLOCK_WARPS[0], BLOCK_W=8), dict(num_warps=8))
+    for e in (tl.bfloat16, tl.float32)
+]
