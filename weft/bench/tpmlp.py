@@ -4,7 +4,7 @@ Column (dim -> hidden / W) -> SiLU -> row (hidden / W -> dim) on `--tokens` toke
 (bf16), as training runs it: the input's and every weight's gradient (torch.autograd.grad, nothing
 accumulated), by
 - weft layers: ColumnParallelLinear / RowParallelLinear (ag_gemm and gemm_rs forward, gemm_rs and ag_gemm
-  backward, weft/torch_ops.py);
+  backward, declared with the ops in weft/kernels);
 - NCCL+cuBLAS: the same block with NCCL's all_gather_into_tensor / reduce_scatter_tensor around
   torch.matmul, forward and backward, not overlapped;
 - torch async-TP: the block on functional collectives, torch.compile'd with

@@ -1,1 +1,2 @@
-"""@triton.jit kernels, one module per family, each with its host op."""
+"""The op families: one module (or package) per family, its @triton.jit kernels beside its host ops, each op declared
+once (registry.py) and planned, launched and given its workspace by the shared infrastructure (common.py)."""

@@ -60,8 +60,9 @@ from ..runtime.streams import StreamSet
 from . import gemm
 from .all_gather import all_gather
 from .blocks import copy, first_item
-from .common import (Launch, check_method, check_out, out_kind, plan, signature, workspace, world_or_raise,
-                     zero_everywhere)
+from .common import (Launch, check_method, check_out, check_world_size, matmul_operands, out_kind, plan, signature,
+                     workspace, world_or_raise, world_size, zero_everywhere)
+from .registry import declare_op, fresh, into, no_config
 
 METHODS = ("auto", "overlap", "baseline")
 # "auto" overlaps from this many gathered rows (see auto_method); provisional between the 128 and 4096
@@ -191,6 +192,7 @@ def auto_method(m: int, n: int, k: int, world_size: int) -> str:
     return "overlap" if m * world_size >= OVERLAP_MIN_ROWS else "baseline"
 
 
+@declare_op(tensors=("a_shard", "b", "out"), collective=True)
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, method: str = "auto", out: torch.Tensor | None = None,
             return_gathered: bool = False, config: gemm.GemmConfig | None = None):
     """all_gather(a_shard, dim 0) @ b, overlapped. Collective: every rank calls it with the same shapes.
@@ -230,7 +232,7 @@ def _ag_gemm_plan(world, a_shard, b, method, out, return_gathered, config):
 
     if method == "baseline":
         def run(a_shard, b, out):
-            gathered = all_gather(a_shard)
+            gathered = all_gather.eager(a_shard)
             c = torch.matmul(gathered, b, out=result(out)) if out is None or out.is_contiguous() else \
                 out.copy_(torch.matmul(gathered, b))
             return (c, gathered) if return_gathered else c
@@ -286,6 +288,72 @@ def _ag_gemm_plan(world, a_shard, b, method, out, return_gathered, config):
             streams.wait(main, side)
         return (res, gathered.clone()) if return_gathered else res
     return run
+
+
+# -- the operator: torch.ops.weft.ag_gemm(a_shard, b, world_size, method, return_gathered) -> (c, gathered A, or an
+# empty (0, K)). Autograd (docs/design.md): grad_a_shard = gemm_rs(grad_c, bᵀ), grad_b = gatheredᵀ @ grad_c with the
+# gathered A the forward returns.
+
+@ag_gemm.define
+def ag_gemm_op(a_shard: torch.Tensor, b: torch.Tensor, world_size: int, method: str = "auto",
+               return_gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    check_world_size(world_size)
+    if return_gathered:
+        c, gathered = ag_gemm.eager(a_shard, b, method=method, return_gathered=True)
+        return c, fresh(gathered, a_shard)
+    return ag_gemm.eager(a_shard, b, method=method), a_shard.new_empty((0, a_shard.shape[1]))
+
+
+@ag_gemm_op.register_fake
+def _(a_shard, b, world_size, method="auto", return_gathered=False):
+    matmul_operands("a_shard", a_shard, "b", b)
+    rows = world_size * a_shard.shape[0]
+    return (a_shard.new_empty((rows, b.shape[1])),
+            a_shard.new_empty((rows if return_gathered else 0, a_shard.shape[1])))
+
+
+@ag_gemm.traced
+def _(a_shard, b, method="auto", out=None, return_gathered=False, config=None):
+    no_config(config)
+    c, gathered = torch.ops.weft.ag_gemm(a_shard, b, world_size(), method,
+                                         return_gathered or (torch.is_grad_enabled() and b.requires_grad))
+    c = into(out, c)
+    return (c, gathered) if return_gathered else c
+
+
+def _ag_gemm_setup(ctx, inputs, output):
+    a_shard, b, _, _, return_gathered = inputs
+    # b's gradient takes the gathered A from the output; without it (return_gathered=False) the backward
+    # gathers a_shard again.
+    ctx.save_for_backward(a_shard, b, output[1] if ctx.needs_input_grad[1] else None)
+    ctx.return_gathered = return_gathered
+    # An output nobody used gets None, not zeros: ag_gemm asks for the gathered A for the backward's sake alone
+    # whenever b needs a gradient, and a reduce_scatter of zeros would be a wasted collective.
+    ctx.set_materialize_grads(False)
+
+
+def _ag_gemm_backward(ctx, grad_c, grad_gathered):
+    from .all_reduce import reduce_scatter
+    from .gemm_rs import gemm_rs
+
+    a_shard, b, gathered = ctx.saved_tensors
+    grad_a = grad_b = None
+    if ctx.needs_input_grad[0]:
+        if grad_c is not None:
+            # bᵀ made contiguous: the overlapped gemm_rs needs contiguous operands (a copy of the weight shard costs
+            # far less than losing the overlap).
+            grad_a = gemm_rs(grad_c, b.t().contiguous())
+        if ctx.return_gathered and grad_gathered is not None:  # else it is the empty placeholder's
+            scattered = reduce_scatter(grad_gathered)
+            grad_a = scattered if grad_a is None else grad_a + scattered
+    if ctx.needs_input_grad[1] and grad_c is not None:
+        if not ctx.return_gathered:
+            gathered = all_gather(a_shard)
+        grad_b = gathered.t() @ grad_c
+    return grad_a, grad_b, None, None, None
+
+
+ag_gemm_op.register_autograd(_ag_gemm_backward, setup_context=_ag_gemm_setup)
 
 
 def _case(t: str, c: gemm.GemmConfig, ragged: bool):

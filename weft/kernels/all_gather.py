@@ -40,8 +40,10 @@ import weft.language as wl
 
 from ..runtime.backend import INTERPRET
 from .blocks import copy
-from .common import (Launch, as_words, check_method, check_out, check_tensor, nccl_all_gather, nccl_from, out_kind,
-                     overlaps, plan, signature, workspace, world_or_raise, zero_everywhere)
+from .common import (Launch, as_words, check_method, check_out, check_tensor, check_world_size, nccl_all_gather,
+                     nccl_from, out_kind, overlaps, plan, signature, workspace, world_or_raise, world_size,
+                     zero_everywhere)
+from .registry import declare_op, fresh, into
 
 METHODS = ("auto", "push", "pull", "nccl")
 
@@ -162,6 +164,7 @@ class AllGatherWorkspace:
 NCCL_ABOVE = {"plain": {2: 128 << 20}, "none": {2: 128 << 20}, "symmetric": {2: float("inf")}}
 
 
+@declare_op(tensors=("x", "out"), collective=True)
 def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
     """Gather `x` from every rank along dim 0: returns (world_size * x.shape[0], *x.shape[1:]).
 
@@ -289,6 +292,36 @@ def _all_gather_plan(world, x, out, method):
 
 def _workspace(world) -> AllGatherWorkspace:
     return workspace(world, "all_gather", AllGatherWorkspace)
+
+
+# -- the operator: torch.ops.weft.all_gather(x, world_size, method) -> (W * rows, ...) ------------------------------
+
+@all_gather.define
+def all_gather_op(x: torch.Tensor, world_size: int, method: str = "auto") -> torch.Tensor:
+    check_world_size(world_size)
+    return fresh(all_gather.eager(x, method=method), x)
+
+
+@all_gather_op.register_fake
+def _(x, world_size, method="auto"):
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension")
+    return x.new_empty((world_size * x.shape[0], *x.shape[1:]))
+
+
+@all_gather.traced
+def _(x, out=None, method="auto"):
+    return into(out, torch.ops.weft.all_gather(x, world_size(), method))
+
+
+def _all_gather_backward(ctx, grad):
+    # Autograd convention (torch.distributed.nn's, docs/design.md): all_gather and reduce_scatter are each other's
+    # backward.
+    from .all_reduce import reduce_scatter
+    return reduce_scatter(grad), None, None
+
+
+all_gather_op.register_autograd(_all_gather_backward)
 
 
 # Signatures for the sm_90 compile check (weft.testing.compile).

@@ -84,8 +84,10 @@ import weft.language as wl
 
 from ..runtime import backend
 from .blocks import at, cast, copy, halves_of, word_of
-from .common import (Launch, as_words, check_method, check_out, check_tensor, nccl_from, nccl_reduce_scatter, out_kind,
-                     overlaps, plan, signature, workspace, world_or_raise, zero_everywhere)
+from .common import (Launch, as_words, check_method, check_out, check_tensor, check_world_size, nccl_from,
+                     nccl_reduce_scatter, out_kind, overlaps, plan, rows_divisible, signature, workspace,
+                     world_or_raise, world_size, zero_everywhere)
+from .registry import declare_op, fresh, into
 
 METHODS = ("auto", "one_shot", "two_shot", "nccl")
 RS_METHODS = ("auto", "two_shot", "nccl")
@@ -582,6 +584,7 @@ def _check_outside(x: torch.Tensor, out: torch.Tensor) -> None:
         raise ValueError("out overlaps x without being x: pass a separate tensor")
 
 
+@declare_op(tensors=("x", "out"), collective=True)
 def all_reduce(x: torch.Tensor, op: str = "sum", method: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
     """Sum `x` over all ranks; every rank gets the result (same shape and dtype as x).
 
@@ -703,6 +706,7 @@ def _auto_method(nbytes: int, world_size: int) -> str:
     return "one_shot" if nbytes <= limit else "two_shot"
 
 
+@declare_op(tensors=("x", "out"), collective=True)
 def reduce_scatter(x: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None,
                    method: str = "auto") -> torch.Tensor:
     """Rank r gets the sum over ranks of rows [r * m, (r + 1) * m) of x, where x has W * m rows.
@@ -826,6 +830,7 @@ def _reduce_scatter_plan(world, x, op, out, method):
     return run
 
 
+@declare_op(tensors=("x",), collective=True)
 def broadcast(x: torch.Tensor, root: int = 0) -> torch.Tensor:
     """Copy rank `root`'s x into x on every rank, in place; returns x. Any dtype and layout. Collective."""
     world = world_or_raise()
@@ -880,6 +885,120 @@ def _broadcast_plan(world, x, root):
 
 
 # Signatures for the sm_90 compile check (weft.testing.compile).
+# -- the operators ------------------------------------------------------------------------------------------
+#   torch.ops.weft.all_reduce(x, world_size, op, method)       -> (x's shape)
+#   torch.ops.weft.all_reduce_(x, world_size, op, method)      -> (), x reduced in place
+#   torch.ops.weft.reduce_scatter(x, world_size, op, method)   -> (rows / W, ...)
+#   torch.ops.weft.broadcast(x, world_size, root)              -> the root's x
+#   torch.ops.weft.broadcast_(x, world_size, root)             -> (), x overwritten in place
+# Autograd (docs/design.md): all_reduce's backward is the all_reduce of the gradient; reduce_scatter's the
+# all_gather of it; broadcast's that all_reduce on the root, zero elsewhere.
+
+@all_reduce.define
+def all_reduce_op(x: torch.Tensor, world_size: int, op: str = "sum", method: str = "auto") -> torch.Tensor:
+    check_world_size(world_size)
+    return fresh(all_reduce.eager(x, op=op, method=method), x)
+
+
+@all_reduce_op.register_fake
+def _(x, world_size, op="sum", method="auto"):
+    return x.new_empty(x.shape)
+
+
+@all_reduce.define(name="all_reduce_", mutates_args=("x",))
+def all_reduce_inplace_op(x: torch.Tensor, world_size: int, op: str = "sum", method: str = "auto") -> None:
+    check_world_size(world_size)
+    all_reduce.eager(x, op=op, method=method, out=x)
+
+
+@all_reduce_inplace_op.register_fake
+def _(x, world_size, op="sum", method="auto"):
+    return None
+
+
+@all_reduce.traced
+def _(x, op="sum", method="auto", out=None):
+    if out is x and not (torch.is_grad_enabled() and x.requires_grad):
+        torch.ops.weft.all_reduce_(x, world_size(), op, method)
+        return x
+    return into(out, torch.ops.weft.all_reduce(x, world_size(), op, method))
+
+
+def _all_reduce_backward(ctx, grad):
+    return all_reduce(grad), None, None, None
+
+
+all_reduce_op.register_autograd(_all_reduce_backward)
+
+
+@reduce_scatter.define
+def reduce_scatter_op(x: torch.Tensor, world_size: int, op: str = "sum", method: str = "auto") -> torch.Tensor:
+    check_world_size(world_size)
+    return fresh(reduce_scatter.eager(x, op=op, method=method), x)
+
+
+@reduce_scatter_op.register_fake
+def _(x, world_size, op="sum", method="auto"):
+    rows_divisible(x, world_size)
+    return x.new_empty((x.shape[0] // world_size, *x.shape[1:]))
+
+
+@reduce_scatter.traced
+def _(x, op="sum", out=None, method="auto"):
+    return into(out, torch.ops.weft.reduce_scatter(x, world_size(), op, method))
+
+
+def _reduce_scatter_backward(ctx, grad):
+    from .all_gather import all_gather
+    return all_gather(grad), None, None, None
+
+
+reduce_scatter_op.register_autograd(_reduce_scatter_backward)
+
+
+@broadcast.define
+def broadcast_op(x: torch.Tensor, world_size: int, root: int = 0) -> torch.Tensor:
+    check_world_size(world_size)
+    return broadcast.eager(x.clone(memory_format=torch.contiguous_format), root=root)
+
+
+@broadcast_op.register_fake
+def _(x, world_size, root=0):
+    return x.new_empty(x.shape)
+
+
+@broadcast.define(name="broadcast_", mutates_args=("x",))
+def broadcast_inplace_op(x: torch.Tensor, world_size: int, root: int = 0) -> None:
+    check_world_size(world_size)
+    broadcast.eager(x, root=root)
+
+
+@broadcast_inplace_op.register_fake
+def _(x, world_size, root=0):
+    return None
+
+
+@broadcast.traced
+def _(x, root=0):
+    if torch.is_grad_enabled() and x.requires_grad:  # in place for autograd: a copy of the functional result
+        return x.copy_(torch.ops.weft.broadcast(x, world_size(), root))
+    torch.ops.weft.broadcast_(x, world_size(), root)
+    return x
+
+
+def _broadcast_setup(ctx, inputs, output):
+    ctx.root = inputs[2] if len(inputs) > 2 else 0
+
+
+def _broadcast_backward(ctx, grad):
+    # Every rank's output is the root's x: the root's gradient is the sum of all of them, the others' zero.
+    summed = all_reduce(grad)
+    return (summed if world_or_raise().rank == ctx.root else torch.zeros_like(grad)), None, None
+
+
+broadcast_op.register_autograd(_broadcast_backward, setup_context=_broadcast_setup)
+
+
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 COMPILE_CASES = [
     (all_reduce_one_shot_kernel, dict(x=t, recv=t, out=t, flags="*i32", counter="*i64", heap="*i64", n="i32",

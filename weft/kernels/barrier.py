@@ -1,10 +1,13 @@
 """A device-side barrier across ranks, as a kernel (graph-capturable, no host sync)."""
+from __future__ import annotations
+
 import torch
 import triton
 
 import weft.language as wl
 
-from .common import Launch, workspace, world_or_raise, zero_everywhere
+from .common import Launch, check_world_size, workspace, world_or_raise, world_size, zero_everywhere
+from .registry import declare_op
 
 
 @triton.jit
@@ -24,10 +27,28 @@ class BarrierWorkspace:
             self.args = tuple(t.data_ptr() for t in self.args)
 
 
+@declare_op(collective=True)
 def device_barrier() -> None:
     """Every rank's stream waits here until all ranks' streams have arrived."""
     ws = workspace(world_or_raise(), "device_barrier", BarrierWorkspace)
     ws.launch(*ws.args)
+
+
+# torch.ops.weft.device_barrier(world_size) -> (): a collective with no tensors, kept by graph passes.
+@device_barrier.define
+def device_barrier_op(world_size: int) -> None:
+    check_world_size(world_size)
+    device_barrier.eager()
+
+
+@device_barrier_op.register_fake
+def _(world_size):
+    return None
+
+
+@device_barrier.traced
+def _():
+    torch.ops.weft.device_barrier(world_size())
 
 
 COMPILE_CASES = [(barrier_all_kernel, dict(bar="*i32", heap="*i64"), {})]

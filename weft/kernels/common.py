@@ -22,7 +22,7 @@ import torch.distributed as dist
 import triton
 from triton.backends.nvidia.driver import make_tensordesc_arg as _make_tensordesc_arg
 
-from ..runtime import backend
+from ..runtime import backend, process_group
 from ..runtime import world as _world
 
 # Plans kept per world; a program calling with ever new shapes evicts the oldest.
@@ -31,6 +31,29 @@ MAX_PLANS = 4096
 
 def world_or_raise():
     return _world.get()
+
+
+def world_size() -> int:
+    """The running world's size: what a traced call passes to an operator's explicit `world_size`."""
+    return _world.get().world_size
+
+
+def check_world_size(world_size: int) -> None:
+    """An operator's explicit world size (its fake implementation's shapes come from it) against the running world."""
+    w = _world.get().world_size
+    if world_size != w:
+        raise ValueError(f"world_size is {world_size}, but weft runs on {w} ranks")
+
+
+def rows_divisible(x: torch.Tensor, world_size: int) -> None:
+    if x.dim() == 0 or x.shape[0] % world_size:
+        raise ValueError(f"x has shape {tuple(x.shape)}: its rows are not divisible by the world size {world_size}")
+
+
+def matmul_operands(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> None:
+    """A fake implementation's check of two matmul operands' shapes."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"{a_name} {tuple(a.shape)} and {b_name} {tuple(b.shape)} are not 2-D operands of a matmul")
 
 
 # -- checks ---------------------------------------------------------------------
@@ -232,11 +255,6 @@ def _unwrap_descriptors(launch):
 
 # -- the process group's own collectives (what `auto` falls back to) ----------------------
 
-# torch >= 2.13 renames all_gather_into_tensor and reduce_scatter_tensor; the GPU machines run 2.11.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 def nccl_from(table: dict, world) -> float:
     """The message size (bytes per rank) from which `auto` takes the process group's collective, from a
     {world size: bytes} table of measured crossovers: the entry of the nearest world size measured. Never
@@ -246,11 +264,5 @@ def nccl_from(table: dict, world) -> float:
     return table[min(sorted(table), key=lambda s: (abs(s - world.world_size), -s))]
 
 
-def nccl_all_gather(out: torch.Tensor, x: torch.Tensor, group=None):
-    """out = concat over ranks of x (dim 0), by the process group's collective (NCCL on GPUs)."""
-    return _all_gather_single(out, x, group=group)
-
-
-def nccl_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group=None):
-    """out on rank r = rows [r * m, (r + 1) * m) of the sum over ranks of x, by the process group's collective."""
-    return _reduce_scatter_single(out, x, group=group)
+nccl_all_gather = process_group.all_gather_into
+nccl_reduce_scatter = process_group.reduce_scatter_into

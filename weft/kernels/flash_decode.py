@@ -70,6 +70,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from typing import Optional
 
 import torch
 import triton
@@ -79,7 +80,8 @@ import weft.language as wl
 
 from .blocks import cast
 from ..runtime.world import is_initialized
-from .common import Launch, plan, signature, workspace, world_or_raise, zero_everywhere
+from .common import Launch, check_world_size, plan, signature, workspace, world_or_raise, world_size, zero_everywhere
+from .registry import declare_op
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (64, 128, 256)
@@ -423,6 +425,7 @@ def _key(name, q, k_cache, v_cache, seqlens, block_table, scale, *rest):
             (signature(block_table), block_table.stride()), scale, *rest)
 
 
+@declare_op(tensors=("q", "k_cache", "v_cache"))
 def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
                  block_table: torch.Tensor | None = None, scale: float | None = None, return_lse: bool = False):
     """Attention of one query token per sequence over its KV cache (split-KV, merged in the same op).
@@ -502,6 +505,7 @@ def _sp_max_programs(device: torch.device) -> int:
     return _sm_count(device.index) if device.type == "cuda" else CPU_SP_PROGRAMS
 
 
+@declare_op(tensors=("q", "k_cache_shard", "v_cache_shard"), collective=True)
 def sp_flash_decode(q: torch.Tensor, k_cache_shard: torch.Tensor, v_cache_shard: torch.Tensor,
                     seqlens_shard: torch.Tensor, block_table: torch.Tensor | None = None,
                     scale: float | None = None) -> torch.Tensor:
@@ -614,6 +618,52 @@ class _SpPlan:
 
 
 # Signatures for the sm_90 compile check (weft.testing.compile).
+# -- the operators (not differentiable) ----------------------------------------------------------------------
+#   torch.ops.weft.flash_decode(q, k_cache, v_cache, seqlens, block_table, scale) -> (out, lse)
+#   torch.ops.weft.sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard, world_size, block_table, scale)
+#                                                                                 -> out
+
+# What a caller may ask of flash_decode before calling it (the layers choose their decode attention by it).
+flash_decode.dtypes, flash_decode.head_dims = DTYPES, HEAD_DIMS
+
+
+@flash_decode.define
+def flash_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
+                    block_table: Optional[torch.Tensor] = None,
+                    scale: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return flash_decode.eager(q, k_cache, v_cache, seqlens, block_table, scale, return_lse=True)
+
+
+@flash_decode_op.register_fake
+def _(q, k_cache, v_cache, seqlens, block_table=None, scale=None):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@flash_decode.traced
+def _(q, k_cache, v_cache, seqlens, block_table=None, scale=None, return_lse=False):
+    out, lse = torch.ops.weft.flash_decode(q, k_cache, v_cache, seqlens, block_table, scale)
+    return (out, lse) if return_lse else out
+
+
+@sp_flash_decode.define
+def sp_flash_decode_op(q: torch.Tensor, k_cache_shard: torch.Tensor, v_cache_shard: torch.Tensor,
+                       seqlens_shard: torch.Tensor, world_size: int, block_table: Optional[torch.Tensor] = None,
+                       scale: Optional[float] = None) -> torch.Tensor:
+    check_world_size(world_size)
+    return sp_flash_decode.eager(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table, scale)
+
+
+@sp_flash_decode_op.register_fake
+def _(q, k_cache_shard, v_cache_shard, seqlens_shard, world_size, block_table=None, scale=None):
+    return q.new_empty(q.shape)
+
+
+@sp_flash_decode.traced
+def _(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table=None, scale=None):
+    return torch.ops.weft.sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard, world_size(), block_table,
+                                          scale)
+
+
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 _SPLIT_SIG = dict(q=None, k=None, v=None, seqlens="*i32", block_table="*i32", part_out="*fp32", part_lse="*fp32",
                   scale_log2="fp32", max_len="i32", split_len="i32", splits="i32", kv_heads="i32", q_heads="i32",

@@ -51,8 +51,9 @@ import weft.language as wl
 
 from .all_reduce import all_reduce
 from .blocks import cast
-from .common import (Launch, check_method, check_out, check_tensor, out_kind, overlaps, plan, signature, workspace,
-                     world_or_raise, zero_everywhere)
+from .common import (Launch, check_method, check_out, check_tensor, check_world_size, matmul_operands, out_kind,
+                     overlaps, plan, signature, workspace, world_or_raise, world_size, zero_everywhere)
+from .registry import declare_op, into
 from .gemm import dot
 
 METHODS = ("auto", "fused", "baseline")
@@ -236,6 +237,7 @@ def fused_refusal(world, a, b_shard, out) -> str | None:
     return None
 
 
+@declare_op(tensors=("a", "b_shard", "out"), collective=True)
 def gemm_ar(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
             out: torch.Tensor | None = None) -> torch.Tensor:
     """all_reduce over ranks of a @ b_shard: the row-parallel linear layer of tensor parallelism.
@@ -283,7 +285,7 @@ def _gemm_ar_plan(world, a, b_shard, method, out):
     if method == "baseline":
         def run(a, b_shard, out):
             check(a, b_shard, out)
-            return all_reduce(torch.matmul(a, b_shard), out=result(out))
+            return all_reduce.eager(torch.matmul(a, b_shard), out=result(out))
         return run
 
     ws = workspace(world, "gemm_ar", GemmArWorkspace)
@@ -313,6 +315,41 @@ def _gemm_ar_plan(world, a, b_shard, method, out):
 
 # Signatures for the compile check (weft.testing.compile): every GPU config, bf16/fp16, stage in fp32 (small M)
 # or the input dtype, even and ragged edges at 8 ranks, and 2 ranks.
+# -- the operator: torch.ops.weft.gemm_ar(a, b_shard, world_size, method) -> (M, N). Autograd: all_reduce(grad) @
+# b_shardᵀ for a, aᵀ @ all_reduce(grad) for b_shard.
+
+@gemm_ar.define
+def gemm_ar_op(a: torch.Tensor, b_shard: torch.Tensor, world_size: int, method: str = "auto") -> torch.Tensor:
+    check_world_size(world_size)
+    return gemm_ar.eager(a, b_shard, method=method)
+
+
+@gemm_ar_op.register_fake
+def _(a, b_shard, world_size, method="auto"):
+    matmul_operands("a", a, "b_shard", b_shard)
+    return a.new_empty((a.shape[0], b_shard.shape[1]))
+
+
+@gemm_ar.traced
+def _(a, b_shard, method="auto", out=None):
+    return into(out, torch.ops.weft.gemm_ar(a, b_shard, world_size(), method))
+
+
+def _gemm_ar_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1])
+
+
+def _gemm_ar_backward(ctx, grad):
+    a, b_shard = ctx.saved_tensors
+    grad = all_reduce(grad)
+    grad_a = grad @ b_shard.t() if ctx.needs_input_grad[0] else None
+    grad_b = a.t() @ grad if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None, None
+
+
+gemm_ar_op.register_autograd(_gemm_ar_backward, setup_context=_gemm_ar_setup)
+
+
 _PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 COMPILE_CASES = [
     (gemm_ar_kernel,

@@ -104,8 +104,9 @@ from . import gemm
 from .all_reduce import reduce_scatter
 from .blocks import cast
 from .ag_gemm import OVERLAP_MIN_ROWS
-from .common import (Launch, check_method, check_out, out_kind, plan, signature, workspace, world_or_raise,
-                     zero_everywhere)
+from .common import (Launch, check_method, check_out, check_world_size, matmul_operands, out_kind, plan,
+                     rows_divisible, signature, workspace, world_or_raise, world_size, zero_everywhere)
+from .registry import declare_op, into, no_config
 
 METHODS = ("auto", "overlap", "baseline")
 
@@ -289,6 +290,7 @@ def _tiling(m: int, n: int, k: int, device: torch.device) -> tuple[gemm.GemmConf
     return cfg, fill(cfg)
 
 
+@declare_op(tensors=("a", "b_shard", "out"), collective=True)
 def gemm_rs(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
             out: torch.Tensor | None = None, config: gemm.GemmConfig | None = None) -> torch.Tensor:
     """Rank r gets rows [r * M / W, (r + 1) * M / W) of the sum over ranks of a @ b_shard.
@@ -340,7 +342,7 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
         return torch.empty(shape, dtype=dtype, device=device) if out is None else out
 
     if method == "baseline":
-        return lambda a, b_shard, out: reduce_scatter(torch.matmul(a, b_shard), out=result(out))
+        return lambda a, b_shard, out: reduce_scatter.eager(torch.matmul(a, b_shard), out=result(out))
 
     if config is None:  # every GEMM of the call is one chunk of m rows
         cfg, fill = _tiling(m, n, k, a.device)
@@ -419,6 +421,54 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
             streams.wait(main, pushes)
         return res
     return run
+
+
+# -- the operator: torch.ops.weft.gemm_rs(a, b_shard, world_size, method) -> (M / W, N). Autograd (docs/design.md):
+# grad_a = ag_gemm(grad_out, b_shardᵀ), grad_b_shard = aᵀ @ all_gather(grad_out), the gathered gradient coming back
+# from that same ag_gemm.
+
+@gemm_rs.define
+def gemm_rs_op(a: torch.Tensor, b_shard: torch.Tensor, world_size: int, method: str = "auto") -> torch.Tensor:
+    check_world_size(world_size)
+    return gemm_rs.eager(a, b_shard, method=method)
+
+
+@gemm_rs_op.register_fake
+def _(a, b_shard, world_size, method="auto"):
+    matmul_operands("a", a, "b_shard", b_shard)
+    rows_divisible(a, world_size)
+    return a.new_empty((a.shape[0] // world_size, b_shard.shape[1]))
+
+
+@gemm_rs.traced
+def _(a, b_shard, method="auto", out=None, config=None):
+    no_config(config)
+    return into(out, torch.ops.weft.gemm_rs(a, b_shard, world_size(), method))
+
+
+def _save_operands(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1])
+
+
+def _gemm_rs_backward(ctx, grad):
+    from .ag_gemm import ag_gemm
+    from .all_gather import all_gather
+
+    a, b_shard = ctx.saved_tensors
+    need_a, need_b = ctx.needs_input_grad[:2]
+    grad_a = grad_b = None
+    if need_a and need_b:  # one gather of the gradient serves both
+        grad_a, gathered = ag_gemm(grad, b_shard.t().contiguous(), return_gathered=True)
+    elif need_a:
+        grad_a = ag_gemm(grad, b_shard.t().contiguous())
+    elif need_b:
+        gathered = all_gather(grad)
+    if need_b:
+        grad_b = a.t() @ gathered
+    return grad_a, grad_b, None, None
+
+
+gemm_rs_op.register_autograd(_gemm_rs_backward, setup_context=_save_operands)
 
 
 def _case(t: str, c: gemm.GemmConfig, world: int, out_tma: bool):

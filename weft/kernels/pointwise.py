@@ -16,6 +16,8 @@ not per element.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -23,6 +25,7 @@ import triton.language as tl
 
 from .blocks import cast, fp8_quantize
 from .common import Launch, plan, signature, world_or_raise
+from .registry import declare_op
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Rows x columns a program of silu_mul / fp8_rows takes on GPUs.
@@ -175,6 +178,7 @@ def _rows_per_program(rows: int, device: torch.device) -> int:
     return 1 if device.type == "cuda" else min(CPU_ROWS, triton.next_power_of_2(max(rows, 1)))
 
 
+@declare_op()
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """weight * x / sqrt(mean(x²) + eps) over the last dimension (transformers' LlamaRMSNorm). With `residual`
     (x's shape and dtype): s = x + residual first, and returns (norm(s), s), as a pre-norm block's residual
@@ -202,6 +206,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out if residual is None else (out, res_out)
 
 
+@declare_op(tensors=("h",))
 def silu_mul(h: torch.Tensor, counts: torch.Tensor | None = None, fp8: bool = False):
     """silu(gate) * up of h (..., 2 n) = [gate | up]: (..., n) of h's dtype (bf16, fp16, fp32), rounded as torch
     rounds F.silu(gate) * up.
@@ -213,6 +218,7 @@ def silu_mul(h: torch.Tensor, counts: torch.Tensor | None = None, fp8: bool = Fa
     return _rows_op("h", h, counts, fp8, gated=True)
 
 
+@declare_op()
 def fp8_rows(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., K) quantized to fp8 e4m3 per row and 128 channels, as ep_dispatch_ll(fp8=True) does it: (q (..., K)
     e4m3, scales (..., K / 128) fp32), scale = max(amax, 1e-4) / 448 and q = x / scale rounded to nearest even,
@@ -316,6 +322,7 @@ class _RowsPlan:
         return out
 
 
+@declare_op()
 def qk_norm_rope(qkv: torch.Tensor, tokens: int, heads: int, kv_heads: int, inv_freq: torch.Tensor,
                  rows: torch.Tensor, positions: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor,
                  q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
@@ -361,6 +368,99 @@ def qk_norm_rope(qkv: torch.Tensor, tokens: int, heads: int, kv_heads: int, inv_
             KV_P=triton.next_power_of_2(kv_heads), HALF_P=triton.next_power_of_2(half), NORM=norm, BLOCK_R=block_r,
             num_warps=4)
     return q
+
+
+# -- the operators (inference: rms_norm, qk_norm_rope and fp8_rows are not differentiable; silu_mul is, by its
+# formula) ----------------------------------------------------------------------------------------------------
+#   torch.ops.weft.rms_norm(x, weight, eps, residual) -> (out, x + residual, or an empty (0,) without residual)
+#   torch.ops.weft.qk_norm_rope(qkv, tokens, heads, kv_heads, inv_freq, rows, positions, k_dst!, v_dst!, q_weight,
+#                               k_weight, eps) -> q   (k and v written into k_dst / v_dst)
+#   torch.ops.weft.silu_mul(h, counts, fp8) -> (y, scales: empty (0,) unless fp8)
+#   torch.ops.weft.fp8_rows(x, counts) -> (q, scales)
+
+@rms_norm.define
+def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual is None:
+        return rms_norm.eager(x, weight, eps), x.new_empty((0,))
+    return rms_norm.eager(x, weight, eps, residual)
+
+
+@rms_norm_op.register_fake
+def _(x, weight, eps, residual=None):
+    return x.new_empty(x.shape), x.new_empty(x.shape if residual is not None else (0,))
+
+
+@rms_norm.traced
+def _(x, weight, eps, residual=None):
+    out, summed = torch.ops.weft.rms_norm(x, weight, eps, residual)
+    return out if residual is None else (out, summed)
+
+
+@qk_norm_rope.define(mutates_args=("k_dst", "v_dst"))
+def qk_norm_rope_op(qkv: torch.Tensor, tokens: int, heads: int, kv_heads: int, inv_freq: torch.Tensor,
+                    rows: torch.Tensor, positions: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor,
+                    q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None,
+                    eps: float = 1e-6) -> torch.Tensor:
+    return qk_norm_rope.eager(qkv, tokens, heads, kv_heads, inv_freq, rows, positions, k_dst, v_dst, q_weight,
+                              k_weight, eps)
+
+
+@qk_norm_rope_op.register_fake
+def _(qkv, tokens, heads, kv_heads, inv_freq, rows, positions, k_dst, v_dst, q_weight=None, k_weight=None,
+      eps=1e-6):
+    return qkv.new_empty((tokens, heads, 2 * inv_freq.shape[0]))
+
+
+@silu_mul.define
+def silu_mul_op(h: torch.Tensor, counts: Optional[torch.Tensor] = None,
+                fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    if fp8:
+        return silu_mul.eager(h, counts, fp8=True)
+    return silu_mul.eager(h, counts), h.new_empty((0,), dtype=torch.float32)
+
+
+@silu_mul_op.register_fake
+def _(h, counts=None, fp8=False):
+    shape = (*h.shape[:-1], h.shape[-1] // 2)
+    if fp8:
+        return (h.new_empty(shape, dtype=torch.float8_e4m3fn),
+                h.new_empty((*shape[:-1], shape[-1] // FP8_BLOCK), dtype=torch.float32))
+    return h.new_empty(shape), h.new_empty((0,), dtype=torch.float32)
+
+
+@silu_mul.traced
+def _(h, counts=None, fp8=False):
+    y, scales = torch.ops.weft.silu_mul(h, counts, fp8)
+    return (y, scales) if fp8 else y
+
+
+def _silu_mul_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _silu_mul_backward(ctx, grad, grad_scales):
+    # d/dgate silu(gate) * up = up * s (1 + gate (1 - s)), s = sigmoid(gate); d/dup = silu(gate). Rows past counts
+    # are undefined in the output, so their gradient is too (as the forward's).
+    h, = ctx.saved_tensors
+    gate, up = h.float().chunk(2, dim=-1)
+    g = grad.float()
+    s = torch.sigmoid(gate)
+    return torch.cat([g * up * s * (1 + gate * (1 - s)), g * gate * s], dim=-1).to(h.dtype), None, None
+
+
+silu_mul_op.register_autograd(_silu_mul_backward, setup_context=_silu_mul_setup)
+
+
+@fp8_rows.define
+def fp8_rows_op(x: torch.Tensor, counts: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return fp8_rows.eager(x, counts)
+
+
+@fp8_rows_op.register_fake
+def _(x, counts=None):
+    return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+            x.new_empty((*x.shape[:-1], x.shape[-1] // FP8_BLOCK), dtype=torch.float32))
 
 
 def _compile_cases():

@@ -61,8 +61,9 @@ import weft.language as wl
 
 from . import gemm
 from .blocks import cast
-from .common import (Launch, check_method, check_tensor, nccl_from, plan, signature, workspace, world_or_raise,
-                     zero_everywhere)
+from .common import (Launch, check_method, check_tensor, check_world_size, nccl_from, plan, signature, workspace,
+                     world_or_raise, world_size, zero_everywhere)
+from .registry import declare_op, fresh
 
 METHODS = ("auto", "push", "nccl")
 FUSED_METHODS = ("auto", "fused", "unfused")
@@ -299,6 +300,7 @@ def _workspace(world) -> UlyssesWorkspace:
 
 # -- the all-to-all ----------------------------------------------------------------
 
+@declare_op(tensors=("x",), collective=True)
 def ulysses_all_to_all(x: torch.Tensor, scatter: str = "heads", packed: bool = False,
                        method: str = "auto") -> torch.Tensor:
     """Sequence-sharded <-> head-sharded attention tensors. Collective; every rank calls with the same shape.
@@ -444,6 +446,7 @@ def _check_heads(heads, w) -> None:
         raise ValueError(f"heads = {heads} is not divisible by the world size {w}")
 
 
+@declare_op(collective=True)
 def qkv_all_to_all(x: torch.Tensor, w_qkv: torch.Tensor, heads: int, method: str = "auto") -> torch.Tensor:
     """The QKV projection of this rank's tokens, scattered by heads: (x @ w_qkv) seen as (S, 3, heads, D) then
     ulysses_all_to_all(packed=True). Returns (W S, 3, heads / W, D) in x's dtype. Collective.
@@ -520,6 +523,7 @@ def _qkv_plan(world, x, w_qkv, heads, method):
     return run
 
 
+@declare_op(collective=True)
 def all_to_all_o_proj(attn: torch.Tensor, w_o: torch.Tensor, method: str = "auto") -> torch.Tensor:
     """The O projection of head-sharded attention: ulysses_all_to_all(attn, scatter="seq") seen as (S, H D),
     times w_o. Returns (S, hidden) in attn's dtype. Collective.
@@ -609,6 +613,81 @@ def _o_plan(world, attn, w_o, method):
 _A2A_SIG = dict(x=None, buf=None, out=None, flags="*i32", counter="*i64", heap="*i64", rows="i32", chunk="i32",
                 row_v="i32", src_stride_v="i32", src_block_v="i32", dst_stride_v="i32", dst_block_v="i32",
                 slot_v="i32", half_v="i32")
+# -- the operators ------------------------------------------------------------------------------------------
+#   torch.ops.weft.ulysses_all_to_all(x, world_size, scatter, packed, method) -> the other sharding
+#   torch.ops.weft.qkv_all_to_all(x, w_qkv, heads, world_size, method)        -> (W S, 3, heads / W, D)
+#   torch.ops.weft.all_to_all_o_proj(attn, w_o, world_size, method)           -> (S, hidden)
+# The all-to-all is a permutation of the ranks' data: its backward is the all-to-all the other way. The fused
+# projections are inference ops (no autograd).
+
+@ulysses_all_to_all.define
+def ulysses_all_to_all_op(x: torch.Tensor, world_size: int, scatter: str = "heads", packed: bool = False,
+                          method: str = "auto") -> torch.Tensor:
+    check_world_size(world_size)
+    return fresh(ulysses_all_to_all.eager(x, scatter, packed, method), x)
+
+
+@ulysses_all_to_all_op.register_fake
+def _(x, world_size, scatter="heads", packed=False, method="auto"):
+    return x.new_empty(_a2a_shapes(x, scatter, packed, world_size)[-1])
+
+
+@ulysses_all_to_all.traced
+def _(x, scatter="heads", packed=False, method="auto"):
+    return torch.ops.weft.ulysses_all_to_all(x, world_size(), scatter, packed, method)
+
+
+def _a2a_setup(ctx, inputs, output):
+    ctx.scatter, ctx.packed = inputs[2], inputs[3]
+
+
+def _a2a_backward(ctx, grad):
+    back = "seq" if ctx.scatter == "heads" else "heads"
+    return ulysses_all_to_all(grad, back, ctx.packed), None, None, None, None
+
+
+ulysses_all_to_all_op.register_autograd(_a2a_backward, setup_context=_a2a_setup)
+
+
+@qkv_all_to_all.define
+def qkv_all_to_all_op(x: torch.Tensor, w_qkv: torch.Tensor, heads: int, world_size: int,
+                      method: str = "auto") -> torch.Tensor:
+    check_world_size(world_size)
+    return qkv_all_to_all.eager(x, w_qkv, heads, method)
+
+
+@qkv_all_to_all_op.register_fake
+def _(x, w_qkv, heads, world_size, method="auto"):
+    if x.dim() != 2 or w_qkv.dim() != 2 or heads <= 0 or heads % world_size or w_qkv.shape[1] % (3 * heads):
+        raise ValueError(f"x (S, K) {tuple(x.shape)} and w_qkv (K, 3 heads head_dim) {tuple(w_qkv.shape)} with "
+                         f"heads = {heads} divisible by the world size {world_size}")
+    return x.new_empty((world_size * x.shape[0], 3, heads // world_size, w_qkv.shape[1] // (3 * heads)))
+
+
+@qkv_all_to_all.traced
+def _(x, w_qkv, heads, method="auto"):
+    return torch.ops.weft.qkv_all_to_all(x, w_qkv, heads, world_size(), method)
+
+
+@all_to_all_o_proj.define
+def all_to_all_o_proj_op(attn: torch.Tensor, w_o: torch.Tensor, world_size: int, method: str = "auto") -> torch.Tensor:
+    check_world_size(world_size)
+    return all_to_all_o_proj.eager(attn, w_o, method)
+
+
+@all_to_all_o_proj_op.register_fake
+def _(attn, w_o, world_size, method="auto"):
+    if attn.dim() != 3 or w_o.dim() != 2 or attn.shape[0] % world_size:
+        raise ValueError(f"attn (W S, heads / W, head_dim) {tuple(attn.shape)} and w_o (heads head_dim, hidden) "
+                         f"{tuple(w_o.shape)} at world size {world_size}")
+    return attn.new_empty((attn.shape[0] // world_size, w_o.shape[1]))
+
+
+@all_to_all_o_proj.traced
+def _(attn, w_o, method="auto"):
+    return torch.ops.weft.all_to_all_o_proj(attn, w_o, world_size(), method)
+
+
 _QKV_SIG = dict(x=None, w=None, out=None, buf=None, flags="*i32", counter="*i64", heap="*i64", rows="i32", S="i32",
                 K="i32", N="i32", hd="i32", lhd="i32", sx0="i32", sx1="i32", sw0="i32", sw1="i32", half_len="i32",
                 max_tiles="i32")

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import weft
 from weft import ops
-from weft.kernels.common import nccl_all_gather, nccl_reduce_scatter
+from weft.runtime.process_group import all_gather_into, reduce_scatter_into
 
 
 class Comm:
@@ -80,13 +80,13 @@ class NcclComm(Comm):
     def reduce_scatter(self, x):
         world = weft.world()
         out = x.new_empty((x.shape[0] // world.world_size, *x.shape[1:]))
-        nccl_reduce_scatter(out, x.contiguous(), world.group)
+        reduce_scatter_into(out, x.contiguous(), world.group)
         return out
 
     def all_gather(self, x):
         world = weft.world()
         out = x.new_empty((world.world_size * x.shape[0], *x.shape[1:]))
-        nccl_all_gather(out, x.contiguous(), world.group)
+        all_gather_into(out, x.contiguous(), world.group)
         return out
 
 

@@ -45,7 +45,6 @@ from torch import nn
 
 import weft
 import weft.ops
-from weft.kernels.moe.grouped_gemm import few_rows_config
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
@@ -196,7 +195,7 @@ class EPMoE(_MoE):
             recv, counts, scales, handle = weft.ops.ep_dispatch_ll(tokens, idx, self.num_experts, self.decode_tokens,
                                                                    fp8=self.fp8)
             # A few rows of each expert's buffer are valid: the grouped GEMM's tiles for that (few_rows_config).
-            config = few_rows_config(recv.dtype, recv.device)
+            config = weft.ops.grouped_gemm.few_rows_config(recv.dtype, recv.device)
             y = self._experts(recv, counts, scales, config).to(tokens.dtype)  # fp8 experts give bf16
             out = weft.ops.ep_combine_ll(y, idx, weights, handle)
         elif mode == "ht":

@@ -26,9 +26,6 @@ from torch import nn
 
 import weft
 from weft import ops
-from weft.kernels.flash_decode import DTYPES as FLASH_DECODE_DTYPES
-from weft.kernels.flash_decode import HEAD_DIMS as FLASH_DECODE_HEAD_DIMS
-from weft.kernels.pointwise import qk_norm_rope, rms_norm, silu_mul
 
 from .comm import make_comm
 
@@ -80,21 +77,21 @@ class RMSNorm(nn.Module):
     in fp32, rounded to x's dtype before the weight multiplies it. Local: every rank holds the weight.
 
     norm(x), or norm(x, residual) -> (norm(x + residual), x + residual): a pre-norm block's residual add
-    fused with the norm after it (one kernel: weft.kernels.pointwise.rms_norm)."""
+    fused with the norm after it (one kernel: weft.ops.rms_norm)."""
 
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
         self.weight, self.eps = _weight(weight), eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return rms_norm(x, self.weight, self.eps, residual)
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class RotaryEmbedding(nn.Module):
     """The rotary position embedding's frequencies, inv_freq (head_dim / 2,) fp32: θ^(-2j / head_dim), with
     Llama-3's scaling if `scaling` says so ({"rope_type": "llama3", "factor", "low_freq_factor",
     "high_freq_factor", "original_max_position_embeddings"}). The attention layers rotate q and k by them in
-    their fused kernel (weft.kernels.pointwise.qk_norm_rope), in transformers' rotate_half form."""
+    their fused kernel (weft.ops.qk_norm_rope), in transformers' rotate_half form."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None, device=None):
         super().__init__()
@@ -201,7 +198,7 @@ class TensorParallelAttention(nn.Module):
     """Grouped-query self-attention with the heads split over ranks: rank r holds query heads
     [r h / W, (r + 1) h / W) and KV heads [r kv / W, (r + 1) kv / W) (so each rank's query heads keep their
     KV heads), as one fused QKV projection (hidden, (h + 2 kv) d / W), columns [q | k | v], and the matching
-    rows of the output projection. After the projection one kernel (weft.kernels.pointwise.qk_norm_rope)
+    rows of the output projection. After the projection one kernel (weft.ops.qk_norm_rope)
     RMS-norms q and k over head_dim (Qwen3's q_norm / k_norm, if given), rotates them (rotary embedding at
     each token's position) and writes k and v into their KV-cache slots.
 
@@ -226,10 +223,10 @@ class TensorParallelAttention(nn.Module):
         self.comm = make_comm(comm)
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
-        flash_ok = head_dim in FLASH_DECODE_HEAD_DIMS and qkv_weight.dtype in FLASH_DECODE_DTYPES
+        flash_ok = head_dim in ops.flash_decode.head_dims and qkv_weight.dtype in ops.flash_decode.dtypes
         if decode_attention == "flash_decode" and not flash_ok:
-            raise ValueError(f"decode_attention='flash_decode' needs head_dim in {FLASH_DECODE_HEAD_DIMS} and a dtype "
-                             f"in {FLASH_DECODE_DTYPES}, got head_dim {head_dim}, {qkv_weight.dtype}")
+            raise ValueError(f"decode_attention='flash_decode' needs head_dim in {ops.flash_decode.head_dims} and a dtype "
+                             f"in {ops.flash_decode.dtypes}, got head_dim {head_dim}, {qkv_weight.dtype}")
         if decode_attention == "auto":
             decode_attention = "flash_decode" if flash_ok and qkv_weight.device.type == "cuda" else "sdpa"
         self.decode_attention = decode_attention
@@ -268,7 +265,7 @@ class TensorParallelAttention(nn.Module):
         """q (tokens, heads, d) of the projections' first tokens rows, normed (Qwen3) and rotated; k and v into
         k_dst / v_dst at (pos.rows, pos.positions)."""
         norm = self.q_norm is not None
-        return qk_norm_rope(qkv, pos.rows.shape[0], self.heads, self.kv_heads, pos.inv_freq, pos.rows, pos.positions,
+        return ops.qk_norm_rope(qkv, pos.rows.shape[0], self.heads, self.kv_heads, pos.inv_freq, pos.rows, pos.positions,
                             k_dst, v_dst, self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
                             self.q_norm.eps if norm else 0.0)
 
@@ -337,5 +334,5 @@ class TensorParallelMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = True) -> torch.Tensor:
         h = self.comm.ag_gemm(x, self.gate_up_weight) if sequence_parallel else x @ self.gate_up_weight
-        h = silu_mul(h)
+        h = ops.silu_mul(h)
         return self.comm.gemm_rs(h, self.down_weight) if sequence_parallel else self.comm.gemm_ar(h, self.down_weight)

@@ -25,6 +25,8 @@ rank; without max_recv_tokens every rank raises in the call itself, the sync hav
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -32,7 +34,8 @@ import triton.language as tl
 import weft.language as wl
 
 from ..blocks import copy, halves_of, word_of
-from ..common import Launch, check_tensor, plan, signature, world_or_raise
+from ..common import Launch, check_tensor, check_world_size, plan, signature, world_or_raise, world_size
+from ..registry import declare_op
 from .ep_workspace import HT_MAX_PROGRAMS, _ELEM, _rows, _rows_ready, _too_big, _word_columns, _workspace
 from .routing import _check_routing, check_rows, valid_experts
 
@@ -310,10 +313,12 @@ def _vec(words: int, *tensors) -> int:
 class HTHandle:
     """What ep_combine needs of an ep_dispatch: its plan, and on the device rank_pos (T, W) and table (W, W)
     (ep_position_kernel's and ep_route_kernel's), from which each row's way back is computed; rows received (R)
-    and the row limit."""
+    and the row limit. `dispatch`: the dispatch's arguments but x's data (x, topk_idx, topk_weights, num_experts,
+    max_recv_tokens), from which a traced ep_combine finds the plan again (a traced dispatch has none)."""
 
-    def __init__(self, plan, rank_pos, table, rows, limit):
+    def __init__(self, plan, rank_pos, table, rows, limit, dispatch):
         self.plan, self.rank_pos, self.table, self.rows, self.limit = plan, rank_pos, table, rows, limit
+        self.dispatch = dispatch
 
 
 class _HTPlan:
@@ -417,6 +422,7 @@ class _HTPlan:
                 topk_weights.contiguous())
 
     def dispatch(self, x, topk_idx, topk_weights):
+        dispatch = (x, topk_idx, topk_weights, self.num_experts, self.max_recv)
         ws, w, dev, a = self.ws, self.world.world_size, x.device, self.address
         ws.raise_routing_error()
         x, topk_idx, topk_weights = self._prepared(x, topk_idx, topk_weights)
@@ -449,7 +455,8 @@ class _HTPlan:
         self.receive(*self.wait_fixed, a(table), self.words(recv_x), a(recv_idx), a(recv_w), a(counts),
                      ws.ht_half_words, rows)
         ws.raise_routing_error()  # with max_recv_tokens, under the interpreter: this call's row
-        return recv_x[:, :self.hidden], recv_idx, recv_w, counts, HTHandle(self, rank_pos, table, rows, limit)
+        return recv_x[:, :self.hidden], recv_idx, recv_w, counts, HTHandle(self, rank_pos, table, rows, limit,
+                                                                           dispatch)
 
     def combine(self, y, handle):
         ws, a = self.ws, self.address
@@ -463,6 +470,7 @@ class _HTPlan:
         return out if self.cols == self.hidden else out[:, :self.hidden].contiguous()
 
 
+@declare_op(collective=True)
 def ep_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
                 max_recv_tokens: int | None = None):
     """Send each token once to every rank that holds one of its experts (high throughput, prefill).
@@ -482,13 +490,17 @@ def ep_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     raises at its next EP op's call once the kernel has run, and until then the row does no harm (entries
     outside the experts count as none, a repeated expert once).
     """
-    world = world_or_raise()
-    found = plan(world, lambda: ("ep", signature(x), signature(topk_idx), signature(topk_weights), num_experts,
-                                 max_recv_tokens),
-                 lambda: _HTPlan(world, x, topk_idx, topk_weights, num_experts, max_recv_tokens))
-    return found.dispatch(x, topk_idx, topk_weights)
+    return _plan(world_or_raise(), x, topk_idx, topk_weights, num_experts, max_recv_tokens).dispatch(
+        x, topk_idx, topk_weights)
 
 
+def _plan(world, x, topk_idx, topk_weights, num_experts, max_recv_tokens) -> _HTPlan:
+    return plan(world, lambda: ("ep", signature(x), signature(topk_idx), signature(topk_weights), num_experts,
+                                max_recv_tokens),
+                lambda: _HTPlan(world, x, topk_idx, topk_weights, num_experts, max_recv_tokens))
+
+
+@declare_op(collective=True)
 def ep_combine(y: torch.Tensor, handle: HTHandle) -> torch.Tensor:
     """Return each received row's result to its source: out (T, hidden) on the source rank = the sum over the
     ranks the token went to of their y row (y (R, hidden): each rank's weighted sum of its local experts'
@@ -501,6 +513,69 @@ def ep_combine(y: torch.Tensor, handle: HTHandle) -> torch.Tensor:
     if tuple(y.shape) != (handle.rows, p.hidden):
         raise ValueError(f"y has shape {tuple(y.shape)}, expected {(handle.rows, p.hidden)} (recv_x's)")
     return p.combine(y, handle)
+
+
+# -- the operators (inference) ---------------------------------------------------------------------------------
+#   torch.ops.weft.ep_dispatch(x, topk_idx, topk_weights, num_experts, world_size, max_recv_tokens)
+#       -> (recv_x, recv_topk_idx, recv_topk_weights, counts, rank_pos, table): R rows, data-dependent without
+#          max_recv_tokens (an unbacked size under tracing)
+#   torch.ops.weft.ep_combine(y, rank_pos, table, x, topk_idx, topk_weights, num_experts, world_size,
+#                             max_recv_tokens) -> (T, hidden)
+# A handle is a Python object, which an operator cannot take: the combine takes the handle's tensors and the
+# dispatch's arguments, from whose signature it finds the dispatch's plan (x and the routing are not read).
+
+@ep_dispatch.define
+def ep_dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                   world_size: int, max_recv_tokens: Optional[int] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_world_size(world_size)
+    recv_x, recv_idx, recv_w, counts, handle = ep_dispatch.eager(x, topk_idx, topk_weights, num_experts,
+                                                                 max_recv_tokens)
+    return recv_x.contiguous(), recv_idx, recv_w, counts, handle.rank_pos, handle.table
+
+
+@ep_dispatch_op.register_fake
+def _(x, topk_idx, topk_weights, num_experts, world_size, max_recv_tokens=None):
+    rows = torch.library.get_ctx().new_dynamic_size() if max_recv_tokens is None else max_recv_tokens
+    t, k = topk_idx.shape
+    i32 = dict(dtype=torch.int32)
+    return (x.new_empty((rows, x.shape[1])), topk_idx.new_empty((rows, k)),
+            topk_weights.new_empty((rows, k)), x.new_empty((num_experts // world_size,), **i32),
+            x.new_empty((t, world_size), **i32), x.new_empty((world_size, world_size), **i32))
+
+
+@ep_dispatch.traced
+def _(x, topk_idx, topk_weights, num_experts, max_recv_tokens=None):
+    recv_x, recv_idx, recv_w, counts, rank_pos, table = torch.ops.weft.ep_dispatch(
+        x, topk_idx, topk_weights, num_experts, world_size(), max_recv_tokens)
+    return recv_x, recv_idx, recv_w, counts, HTHandle(None, rank_pos, table, recv_x.shape[0], None,
+                                                      (x, topk_idx, topk_weights, num_experts, max_recv_tokens))
+
+
+@ep_combine.define
+def ep_combine_op(y: torch.Tensor, rank_pos: torch.Tensor, table: torch.Tensor, x: torch.Tensor,
+                  topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, world_size: int,
+                  max_recv_tokens: Optional[int] = None) -> torch.Tensor:
+    check_world_size(world_size)
+    found = _plan(world_or_raise(), x, topk_idx, topk_weights, num_experts, max_recv_tokens)
+    rows = y.shape[0]
+    limit = found.cap if max_recv_tokens is None else rows
+    dispatch = (x, topk_idx, topk_weights, num_experts, max_recv_tokens)
+    return ep_combine.eager(y, HTHandle(found, rank_pos, table, rows, limit, dispatch))
+
+
+@ep_combine_op.register_fake
+def _(y, rank_pos, table, x, topk_idx, topk_weights, num_experts, world_size, max_recv_tokens=None):
+    return y.new_empty((rank_pos.shape[0], y.shape[1]))
+
+
+@ep_combine.traced
+def _(y, handle):
+    if not isinstance(handle, HTHandle):
+        raise TypeError(f"handle must be what ep_dispatch returned, got {type(handle).__name__}")
+    x, topk_idx, topk_weights, num_experts, max_recv_tokens = handle.dispatch
+    return torch.ops.weft.ep_combine(y, handle.rank_pos, handle.table, x, topk_idx, topk_weights, num_experts,
+                                     world_size(), max_recv_tokens)
 
 
 # Signatures for the sm_90 compile check (weft.testing.compile).

@@ -32,8 +32,9 @@ import triton.language as tl
 import weft.language as wl
 
 from ..blocks import fp8_quantize, halves_of, word_of
-from ..common import Launch, check_tensor, plan, signature, world_or_raise
+from ..common import Launch, check_tensor, check_world_size, plan, signature, world_or_raise, world_size
 from ..gemm import num_sms
+from ..registry import declare_op
 from .ep_workspace import _ELEM, _rows, _rows_ready, _too_big, _word_columns, _workspace
 from .routing import INDEX_DTYPES, _check_routing, check_rows, valid_experts
 
@@ -276,10 +277,19 @@ class LLHandle:
     """What ep_combine_ll needs of an ep_dispatch_ll: its plan and its routes (one int32 tensor: counts, then
     src_tokens (W,), then src_rows (W, max_tokens, k), each from a 16-byte boundary; the launches take the
     last two as `src` (addresses on GPUs, views under the interpreter)), filled by the dispatch's receive
-    (`received`: launched)."""
+    (`received`: launched). `dispatch`: the dispatch's arguments but x's data (x, topk_idx, num_experts,
+    max_tokens_per_rank, fp8), from which a traced ep_combine_ll finds the plan again (a traced dispatch has none)."""
 
-    def __init__(self, plan, routes, src, received=True):
-        self.plan, self.routes, self.src, self.received = plan, routes, src, received
+    def __init__(self, plan, routes, src, dispatch, received=True):
+        self.plan, self.routes, self.src, self.received, self.dispatch = plan, routes, src, received, dispatch
+
+
+def _route_layout(local: int, world_size: int, max_tokens: int, k: int) -> tuple[tuple, int]:
+    """A call's routes in one int32 allocation (LLHandle): where counts, src_tokens and src_rows start (each from
+    a 16-byte boundary), and its words."""
+    tok_at = triton.cdiv(local, 4) * 4
+    at = (0, tok_at, tok_at + triton.cdiv(world_size, 4) * 4)
+    return at, at[2] + world_size * max_tokens * k
 
 
 class RecvHook:
@@ -375,9 +385,7 @@ class _LLPlan:
         blk_k = triton.next_power_of_2(self.k)
         dev = world.device
         # A call's routes in one allocation (LLHandle): counts, src_tokens, src_rows, 16-byte aligned.
-        tok_at = triton.cdiv(self.local, 4) * 4
-        self.route_at = (0, tok_at, tok_at + triton.cdiv(w, 4) * 4)
-        self.route_words = self.route_at[2] + w * max_tokens * self.k
+        self.route_at, self.route_words = _route_layout(self.local, w, max_tokens, self.k)
         self.recv_shape = (self.local, w * max_tokens, self.hidden)
         self.recv_cols = (self.local, w * max_tokens, self.cols)  # as the kernels fill it
         self.recv_dtype = torch.float8_e4m3fn if fp8 else x.dtype
@@ -435,6 +443,7 @@ class _LLPlan:
         return (x if self.x_ready else (x.contiguous() if self.fp8 else _rows(x, self.cols))), topk_idx.contiguous()
 
     def dispatch(self, x, topk_idx, hook: bool):
+        dispatch = (x, topk_idx, self.num_experts, self.max_tokens, self.fp8)
         dev, ws, a = x.device, self.ws, self.address
         ws.raise_routing_error()
         _no_pending_hook(ws, "ep_dispatch_ll")
@@ -451,9 +460,9 @@ class _LLPlan:
         if not hook:
             self._dispatch_launch(True, True, x, topk_idx)(*args)
             ws.raise_routing_error()
-            return recv, counts, scales, LLHandle(self, routes, src)
+            return recv, counts, scales, LLHandle(self, routes, src, dispatch)
         self._dispatch_launch(True, False, x, topk_idx)(*args)
-        handle = LLHandle(self, routes, src, received=False)
+        handle = LLHandle(self, routes, src, dispatch, received=False)
         receive_launch = self._dispatch_launch(False, True, x, topk_idx)
 
         def receive():
@@ -502,6 +511,7 @@ class _LLPlan:
         return result, RecvHook("ep_combine_ll", ws.ll_pending, lambda: receive(*args))
 
 
+@declare_op(collective=True)
 def ep_dispatch_ll(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int,
                    fp8: bool = False, return_recv_hook: bool = False):
     """Low-latency dispatch (decode): one launch, no host sync, capturable in a CUDA graph.
@@ -526,14 +536,18 @@ def ep_dispatch_ll(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, ma
     value, a RecvHook; calling it launches the receive, after which the outputs hold the tokens. Work queued
     between the two runs while the tokens travel. Run the hook once, before the next ep_dispatch_ll.
     """
-    world = world_or_raise()
     if not isinstance(return_recv_hook, bool):
         raise TypeError(f"return_recv_hook must be a bool, got {type(return_recv_hook).__name__}")
-    found = plan(world, lambda: ("ep_ll", signature(x), signature(topk_idx), num_experts, max_tokens_per_rank, fp8),
-                 lambda: _LLPlan(world, x, topk_idx, num_experts, max_tokens_per_rank, fp8))
+    found = _plan(world_or_raise(), x, topk_idx, num_experts, max_tokens_per_rank, fp8)
     return found.dispatch(x, topk_idx, return_recv_hook)
 
 
+def _plan(world, x, topk_idx, num_experts, max_tokens_per_rank, fp8) -> _LLPlan:
+    return plan(world, lambda: ("ep_ll", signature(x), signature(topk_idx), num_experts, max_tokens_per_rank, fp8),
+                lambda: _LLPlan(world, x, topk_idx, num_experts, max_tokens_per_rank, fp8))
+
+
+@declare_op(collective=True)
 def ep_combine_ll(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LLHandle,
                   return_recv_hook: bool = False):
     """Low-latency combine: out (T, hidden) = sum_j topk_weights[t, j] * (expert topk_idx[t, j]'s output for
@@ -560,6 +574,78 @@ def ep_combine_ll(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
     if topk_weights.shape != topk_idx.shape:
         raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}, expected {tuple(topk_idx.shape)}")
     return p.combine(y, topk_idx, topk_weights, handle, return_recv_hook)
+
+
+# -- the operators (inference) ---------------------------------------------------------------------------------
+#   torch.ops.weft.ep_dispatch_ll(x, topk_idx, num_experts, max_tokens_per_rank, world_size, fp8)
+#       -> (recv, counts, scales (an empty (0,) without fp8), routes)
+#   torch.ops.weft.ep_combine_ll(y, topk_idx, topk_weights, routes, x, dispatch_topk_idx, num_experts,
+#                                max_tokens_per_rank, world_size, fp8) -> (T, hidden)
+# As for ep_combine (ep_ht): the combine takes the handle's routes and the dispatch's arguments, from whose
+# signature it finds the dispatch's plan. return_recv_hook=True returns a Python callable: not traceable.
+
+def _no_hook(return_recv_hook) -> None:
+    if return_recv_hook:
+        raise TypeError("return_recv_hook=True cannot be traced or differentiated: the hook is a Python callable "
+                        "(call the op eagerly, or capture it in a CUDA graph)")
+
+
+@ep_dispatch_ll.define
+def ep_dispatch_ll_op(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int,
+                      world_size: int, fp8: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_world_size(world_size)
+    recv, counts, scales, handle = ep_dispatch_ll.eager(x, topk_idx, num_experts, max_tokens_per_rank, fp8)
+    if scales is None:
+        scales = x.new_empty((0,), dtype=torch.float32)
+    return recv.contiguous(), counts.clone(), scales, handle.routes
+
+
+@ep_dispatch_ll_op.register_fake
+def _(x, topk_idx, num_experts, max_tokens_per_rank, world_size, fp8=False):
+    local, hidden = num_experts // world_size, x.shape[1]
+    rows = world_size * max_tokens_per_rank
+    scales = (local, rows, hidden // 128) if fp8 else (0,)  # a scale per 128 channels
+    return (x.new_empty((local, rows, hidden), dtype=torch.float8_e4m3fn if fp8 else x.dtype),
+            x.new_empty((local,), dtype=torch.int32), x.new_empty(scales, dtype=torch.float32),
+            x.new_empty((_route_layout(local, world_size, max_tokens_per_rank, topk_idx.shape[1])[1],),
+                        dtype=torch.int32))
+
+
+@ep_dispatch_ll.traced
+def _(x, topk_idx, num_experts, max_tokens_per_rank, fp8=False, return_recv_hook=False):
+    _no_hook(return_recv_hook)
+    recv, counts, scales, routes = torch.ops.weft.ep_dispatch_ll(x, topk_idx, num_experts, max_tokens_per_rank,
+                                                                 world_size(), fp8)
+    handle = LLHandle(None, routes, None, (x, topk_idx, num_experts, max_tokens_per_rank, fp8))
+    return recv, counts, scales if fp8 else None, handle
+
+
+@ep_combine_ll.define
+def ep_combine_ll_op(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, routes: torch.Tensor,
+                     x: torch.Tensor, dispatch_topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int,
+                     world_size: int, fp8: bool = False) -> torch.Tensor:
+    check_world_size(world_size)
+    found = _plan(world_or_raise(), x, dispatch_topk_idx, num_experts, max_tokens_per_rank, fp8)
+    handle = LLHandle(found, routes, found._src(routes),
+                      (x, dispatch_topk_idx, num_experts, max_tokens_per_rank, fp8))
+    return ep_combine_ll.eager(y, topk_idx, topk_weights, handle).contiguous()
+
+
+@ep_combine_ll_op.register_fake
+def _(y, topk_idx, topk_weights, routes, x, dispatch_topk_idx, num_experts, max_tokens_per_rank, world_size,
+      fp8=False):
+    return y.new_empty((topk_idx.shape[0], y.shape[2]))
+
+
+@ep_combine_ll.traced
+def _(y, topk_idx, topk_weights, handle, return_recv_hook=False):
+    _no_hook(return_recv_hook)
+    if not isinstance(handle, LLHandle):
+        raise TypeError(f"handle must be what ep_dispatch_ll returned, got {type(handle).__name__}")
+    x, dispatch_topk_idx, num_experts, max_tokens_per_rank, fp8 = handle.dispatch
+    return torch.ops.weft.ep_combine_ll(y, topk_idx, topk_weights, handle.routes, x, dispatch_topk_idx, num_experts,
+                                        max_tokens_per_rank, world_size(), fp8)
 
 
 # Signatures for the sm_90 compile check (weft.testing.compile).

@@ -22,8 +22,10 @@ import triton.language as tl
 from ..all_gather import all_gather
 from ..blocks import cast
 from ..common import Launch
+from ..registry import export
 
 
+@export
 class GroupLayout:
     """Where ag_group_gemm put every rank's (token, expert) pairs, and what group_gemm_rs needs to bring them back.
 
@@ -228,7 +230,7 @@ class LayoutLaunches:
         rank's (world_size 1), the chunk in a new tensor (the layout outlives the call)."""
         if self.world_size == 1:
             return self.gathered(self.chunk(topk_idx, torch.empty_like(self.meta))[None])
-        return self.gathered(all_gather(self.chunk(topk_idx, self.meta)[None]))
+        return self.gathered(all_gather.eager(self.chunk(topk_idx, self.meta)[None]))
 
 
 # -- the weighted top-k sum of each token's rows ---------------------------------------------

@@ -21,6 +21,9 @@ scripts/probe_grouped_gemm.py sweeps the configs against torch._grouped_mm.
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -28,6 +31,7 @@ import triton.language as tl
 from ..blocks import cast
 from ..common import Launch, check_tensor, plan, signature, world_or_raise
 from ..gemm import GemmConfig, descriptor, dot, num_sms, tile_of
+from ..registry import declare_op
 
 FP8 = torch.float8_e4m3fn
 FP8_BLOCK = 128  # channels a scale covers (and rows of w, per 128 x 128 block)
@@ -301,6 +305,7 @@ def tma_refusal(x: torch.Tensor, w: torch.Tensor, block_k: int) -> str | None:
     return None
 
 
+@declare_op()
 def fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Weights w (E, K, N) quantized to fp8 e4m3 per 128 x 128 block, in the layout grouped_gemm takes: (q (E, K,
     N) e4m3 whose K dimension is contiguous (a transposed (E, N, K) tensor), scales (E, K / 128, cdiv(N, 128))
@@ -317,6 +322,7 @@ def fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.transpose(1, 2).contiguous().to(FP8).transpose(1, 2), scales
 
 
+@declare_op()
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, config: GemmConfig | None = None,
                  x_scales: torch.Tensor | None = None, w_scales: torch.Tensor | None = None) -> torch.Tensor:
     """out (E, C, N) with out[e, :counts[e]] = x[e, :counts[e]] @ w[e] (fp32 accumulation); rows past
@@ -339,6 +345,44 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, config:
                                                                 w.stride(), w_scales.stride())),
                  lambda: _GroupedGemmPlan(world, x, w, counts, config, x_scales, w_scales))
     return found(x, w, counts, x_scales, w_scales)
+
+
+# What a caller may pass as `config` (EPMoE's decode: experts holding a few rows of a larger buffer).
+grouped_gemm.few_rows_config = few_rows_config
+
+
+# -- the operators (inference) ---------------------------------------------------------------------------------
+#   torch.ops.weft.grouped_gemm(x, w, counts, config, x_scales, w_scales) -> out (E, C, N)
+#       config: None, or a GemmConfig's fields as a list of ints (dataclasses.astuple)
+#   torch.ops.weft.fp8_blocks(w) -> (q (E, K, N) K-major, scales)
+
+@grouped_gemm.define
+def grouped_gemm_op(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, config: Optional[list[int]] = None,
+                    x_scales: Optional[torch.Tensor] = None, w_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return grouped_gemm.eager(x, w, counts, None if config is None else GemmConfig(*config), x_scales, w_scales)
+
+
+@grouped_gemm_op.register_fake
+def _(x, w, counts, config=None, x_scales=None, w_scales=None):
+    return x.new_empty((x.shape[0], x.shape[1], w.shape[2]), dtype=torch.bfloat16 if x.dtype == FP8 else x.dtype)
+
+
+@grouped_gemm.traced
+def _(x, w, counts, config=None, x_scales=None, w_scales=None):
+    fields = None if config is None else [int(v) for v in dataclasses.astuple(config)]
+    return torch.ops.weft.grouped_gemm(x, w, counts, fields, x_scales, w_scales)
+
+
+@fp8_blocks.define
+def fp8_blocks_op(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return fp8_blocks.eager(w)
+
+
+@fp8_blocks_op.register_fake
+def _(w):
+    e, k, n = w.shape
+    q = w.new_empty((e, n, k), dtype=FP8).transpose(1, 2)
+    return q, w.new_empty((e, k // FP8_BLOCK, -(-n // FP8_BLOCK)), dtype=torch.float32)
 
 
 def check_fp8_operands(world, x_name: str, x, x_scales, w_name: str, w, w_scales) -> None:

@@ -13,11 +13,14 @@ baseline); topk_idx's values are checked on the device as those ops check them (
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 
 from ..common import Launch, check_tensor, plan, signature, world_or_raise
 from ..gemm import descriptor, num_sms
+from ..registry import declare_op, into
 from .group_layout import GroupLayout, LayoutLaunches, _check_layout, _topk_sum_launch
 from .grouped_gemm import FP8, check_fp8_operands, fp8_tma_aligned, grouped_config, grouped_gemm_fp8_kernel
 from .routing import INDEX_DTYPES, _checked, _RoutingCheck
@@ -119,6 +122,7 @@ class _RoutedFp8Plan:
         return out if self.summed else (out, layout)
 
 
+@declare_op()
 def routed_gemm(tokens: torch.Tensor, w_experts: torch.Tensor, topk_idx: torch.Tensor,
                 out: torch.Tensor | None = None, *, x_scales: torch.Tensor | None = None,
                 w_scales: torch.Tensor | None = None):
@@ -153,6 +157,7 @@ def routed_gemm(tokens: torch.Tensor, w_experts: torch.Tensor, topk_idx: torch.T
     return _checked(found, tokens, w_experts, topk_idx, out)
 
 
+@declare_op()
 def routed_gemm_sum(h: torch.Tensor, w_down: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                     layout: GroupLayout | None = None, out: torch.Tensor | None = None, *,
                     x_scales: torch.Tensor | None = None, w_scales: torch.Tensor | None = None) -> torch.Tensor:
@@ -185,6 +190,62 @@ def routed_gemm_sum(h: torch.Tensor, w_down: torch.Tensor, topk_idx: torch.Tenso
                                  local=True))
     found.check_layout(layout)
     return _checked(found, h, w_down, topk_idx, topk_weights, layout, out)
+
+
+# -- the operators (inference) ---------------------------------------------------------------------------------
+#   torch.ops.weft.routed_gemm(tokens, w_experts, topk_idx, x_scales, w_scales) -> (inter, the layout's meta,
+#                                                                                  row_of_pair)
+#   torch.ops.weft.routed_gemm_sum(h, w_down, topk_idx, topk_weights, meta, row_of_pair, x_scales, w_scales)
+#                                                                                 -> (m, hidden)
+# (meta, row_of_pair: the GroupLayout routed_gemm returned, or None both.)
+
+def _out_dtype(x):
+    return torch.bfloat16 if x.dtype == FP8 else x.dtype
+
+
+@routed_gemm.define
+def routed_gemm_op(tokens: torch.Tensor, w_experts: torch.Tensor, topk_idx: torch.Tensor,
+                   x_scales: Optional[torch.Tensor] = None,
+                   w_scales: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    inter, layout = routed_gemm.eager(tokens, w_experts, topk_idx, x_scales=x_scales, w_scales=w_scales)
+    return inter, layout.meta, layout.row_of_pair
+
+
+@routed_gemm_op.register_fake
+def _(tokens, w_experts, topk_idx, x_scales=None, w_scales=None):
+    m, k = topk_idx.shape
+    experts, _, n = w_experts.shape
+    return (tokens.new_empty((m * k, n), dtype=_out_dtype(tokens)),
+            topk_idx.new_empty((1, experts + 2 + m * k), dtype=torch.int32),
+            topk_idx.new_empty((m, k), dtype=torch.int32))
+
+
+@routed_gemm.traced
+def _(tokens, w_experts, topk_idx, out=None, *, x_scales=None, w_scales=None):
+    inter, meta, row_of_pair = torch.ops.weft.routed_gemm(tokens, w_experts, topk_idx, x_scales, w_scales)
+    return into(out, inter), GroupLayout(meta, w_experts.shape[0], topk_idx.shape[1], topk_idx.shape[0], row_of_pair)
+
+
+@routed_gemm_sum.define
+def routed_gemm_sum_op(h: torch.Tensor, w_down: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                       meta: Optional[torch.Tensor] = None, row_of_pair: Optional[torch.Tensor] = None,
+                       x_scales: Optional[torch.Tensor] = None,
+                       w_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+    layout = None if meta is None else GroupLayout(meta, w_down.shape[0], topk_idx.shape[1], topk_idx.shape[0],
+                                                   row_of_pair)
+    return routed_gemm_sum.eager(h, w_down, topk_idx, topk_weights, layout, x_scales=x_scales, w_scales=w_scales)
+
+
+@routed_gemm_sum_op.register_fake
+def _(h, w_down, topk_idx, topk_weights, meta=None, row_of_pair=None, x_scales=None, w_scales=None):
+    return h.new_empty((topk_idx.shape[0], w_down.shape[2]), dtype=_out_dtype(h))
+
+
+@routed_gemm_sum.traced
+def _(h, w_down, topk_idx, topk_weights, layout=None, out=None, *, x_scales=None, w_scales=None):
+    meta, row_of_pair = (None, None) if layout is None else (layout.meta, layout.row_of_pair)
+    return into(out, torch.ops.weft.routed_gemm_sum(h, w_down, topk_idx, topk_weights, meta, row_of_pair, x_scales,
+                                                    w_scales))
 
 
 def _scales_key(x_scales, w_scales):

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ..common import Launch, check_tensor, plan, signature, workspace, world_or_raise
+from ..registry import declare_op
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int64, torch.int32)
@@ -36,21 +37,35 @@ class Layout:
     to rank r, -1 where it does not go there."""
 
     def __init__(self, topk_idx: torch.Tensor, num_experts: int, world_size: int):
-        t, dev = topk_idx.shape[0], topk_idx.device
-        local = num_experts // world_size
-        idx = topk_idx.long()
-        valid = idx >= 0
-        ranks = torch.where(valid, idx // local, world_size)  # world_size: nowhere
-        hit = torch.zeros((t, world_size + 1), dtype=torch.int32, device=dev).scatter_(1, ranks, 1)
-        self.to_rank = hit[:, :world_size]
-        self.tokens_per_rank = self.to_rank.sum(0, dtype=torch.int32)
-        self.rank_pos = torch.where(self.to_rank > 0, self.to_rank.cumsum(0, dtype=torch.int32) - 1, -1)
-        experts = torch.where(valid, idx, num_experts).reshape(-1)
-        ones = torch.ones_like(experts, dtype=torch.int32)
-        self.tokens_per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=dev).scatter_add_(
-            0, experts, ones)[:num_experts]
+        self.to_rank, self.tokens_per_rank, self.rank_pos, self.tokens_per_expert = _layout(topk_idx, num_experts,
+                                                                                              world_size)
+
+    @classmethod
+    def of(cls, to_rank, tokens_per_rank, rank_pos, tokens_per_expert) -> "Layout":
+        layout = cls.__new__(cls)
+        layout.to_rank, layout.tokens_per_rank, layout.rank_pos, layout.tokens_per_expert = (
+            to_rank, tokens_per_rank, rank_pos, tokens_per_expert)
+        return layout
 
 
+def _layout(topk_idx, num_experts, world_size):
+    """(to_rank, tokens_per_rank, rank_pos, tokens_per_expert) of Layout, in torch ops on the device."""
+    t, dev = topk_idx.shape[0], topk_idx.device
+    local = num_experts // world_size
+    idx = topk_idx.long()
+    valid = idx >= 0
+    ranks = torch.where(valid, idx // local, world_size)  # world_size: nowhere
+    hit = torch.zeros((t, world_size + 1), dtype=torch.int32, device=dev).scatter_(1, ranks, 1)
+    to_rank = hit[:, :world_size]
+    rank_pos = torch.where(to_rank > 0, to_rank.cumsum(0, dtype=torch.int32) - 1, -1)
+    experts = torch.where(valid, idx, num_experts).reshape(-1)
+    ones = torch.ones_like(experts, dtype=torch.int32)
+    tokens_per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=dev).scatter_add_(
+        0, experts, ones)[:num_experts]
+    return to_rank, to_rank.sum(0, dtype=torch.int32), rank_pos, tokens_per_expert
+
+
+@declare_op()
 def routing_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int | None = None) -> Layout:
     """The routing layout of `topk_idx` over `world_size` ranks (default: the world's), on the device."""
     if world_size is None:
@@ -92,6 +107,7 @@ def router_topk_kernel(logits, idx, weights, tokens, experts, K: tl.constexpr, N
     tl.store(weights + out, probs, mask=mask)
 
 
+@declare_op(tensors=("logits",))
 def router_topk(logits: torch.Tensor, k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """An MoE router's choice from its logits (T, E) (bf16 / fp16 / fp32): (topk_idx (T, k) int64, topk_weights
     (T, k) fp32), the k largest of softmax(logits) in fp32, largest first, divided by their sum when
@@ -170,6 +186,7 @@ def _check_routing(world, x, topk_idx, num_experts, topk_weights=None):
                              f"{tuple(topk_idx.shape)} (that of topk_idx)")
 
 
+@declare_op()
 def check_routing_values(topk_idx: torch.Tensor, num_experts: int) -> None:
     """ValueError unless every entry of topk_idx is -1 or an expert in [0, num_experts), and no row names an
     expert twice. Reads the values: host syncs. (The EP and tensor-parallel MoE ops check on the device
@@ -181,6 +198,66 @@ def check_routing_values(topk_idx: torch.Tensor, num_experts: int) -> None:
     srt = topk_idx.sort(dim=1).values
     if bool(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()):
         raise ValueError("topk_idx names the same expert twice in a row: each token's experts must differ")
+
+
+# -- the operators -------------------------------------------------------------------------------------------
+#   torch.ops.weft.routing_layout(topk_idx, num_experts, world_size) -> (to_rank, tokens_per_rank, rank_pos,
+#                                                                        tokens_per_expert)
+#   torch.ops.weft.router_topk(logits, k, renormalize) -> (topk_idx, topk_weights)
+#   torch.ops.weft.check_routing_values(topk_idx, num_experts) -> ()   (raises; kept by graph passes)
+
+@routing_layout.define
+def routing_layout_op(topk_idx: torch.Tensor, num_experts: int,
+                      world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    layout = routing_layout.eager(topk_idx, num_experts, world_size)
+    return layout.to_rank.clone(), layout.tokens_per_rank, layout.rank_pos, layout.tokens_per_expert
+
+
+@routing_layout_op.register_fake
+def _(topk_idx, num_experts, world_size):
+    t = topk_idx.shape[0]
+    i32 = dict(dtype=torch.int32)
+    return (topk_idx.new_empty((t, world_size), **i32), topk_idx.new_empty((world_size,), **i32),
+            topk_idx.new_empty((t, world_size), **i32), topk_idx.new_empty((num_experts,), **i32))
+
+
+@routing_layout.traced
+def _(topk_idx, num_experts, world_size=None):
+    if world_size is None:
+        world_size = world_or_raise().world_size
+    return Layout.of(*torch.ops.weft.routing_layout(topk_idx, num_experts, world_size))
+
+
+@router_topk.define
+def router_topk_op(logits: torch.Tensor, k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    return router_topk.eager(logits, k, renormalize)
+
+
+@router_topk_op.register_fake
+def _(logits, k, renormalize=True):
+    t = logits.shape[0]
+    return logits.new_empty((t, k), dtype=torch.int64), logits.new_empty((t, k), dtype=torch.float32)
+
+
+@router_topk.traced
+def _(logits, k, renormalize=True):
+    # A call autograd must record takes torch's own ops, differentiable as they are (the operator is not).
+    if logits.requires_grad and torch.is_grad_enabled():
+        return router_topk_torch(logits, k, renormalize)
+    return torch.ops.weft.router_topk(logits, k, renormalize)
+
+
+@check_routing_values.define
+def check_routing_values_op(topk_idx: torch.Tensor, num_experts: int) -> None:
+    check_routing_values.eager(topk_idx, num_experts)
+
+
+@check_routing_values_op.register_fake
+def _(topk_idx, num_experts):
+    return None
+
+
+torch.fx.node.has_side_effect(check_routing_values_op._opoverload)  # a check: no output, never dropped
 
 
 # -- routing checks on the device ---------------------------------------------------

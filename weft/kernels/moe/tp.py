@@ -81,6 +81,8 @@ ag_group_gemm and group_gemm_rs are PyTorch operators too (torch.ops.weft.*, wef
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -91,8 +93,10 @@ from ...runtime.streams import StreamSet, device_copy
 from ..all_gather import all_gather
 from ..all_reduce import reduce_scatter
 from ..blocks import cast, first_item
-from ..common import Launch, check_method, check_tensor, plan, signature, workspace, world_or_raise, zero_everywhere
+from ..common import (Launch, check_method, check_tensor, check_world_size, plan, signature, workspace,
+                      world_or_raise, world_size, zero_everywhere)
 from ..gemm import descriptor, num_sms
+from ..registry import declare_op, into
 from .group_layout import GroupLayout, LayoutLaunches, _check_layout, _topk_sum_launch, _weighted_sum
 from .grouped_gemm import group_tile
 from .routing import INDEX_DTYPES, _checked, _RoutingCheck
@@ -533,7 +537,7 @@ class _AgPlan:
             return out.zero_(), self.layouts.all_gathered(topk_idx)
         if self.method == "baseline":
             layout = self.layouts.all_gathered(topk_idx)
-            gathered = tokens if self.world_size == 1 else all_gather(tokens)
+            gathered = tokens if self.world_size == 1 else all_gather.eager(tokens)
             self.launch(*self._args(gathered, layout.meta, w, out))
             self.w_op.off()
             return out, layout
@@ -550,6 +554,7 @@ class _AgPlan:
         return out, self.layouts.gathered(self.metas)  # after the GEMM, which waited for every chunk
 
 
+@declare_op(collective=True)
 def ag_group_gemm(tokens_shard: torch.Tensor, w_experts_shard: torch.Tensor, topk_idx: torch.Tensor,
                   method: str = "auto", out: torch.Tensor | None = None):
     """All-gather the tokens and multiply every (token, expert) pair by its expert's weight slice, overlapped.
@@ -683,11 +688,11 @@ class _RsPlan:
             self.launch(*self.gemm_args(h, layout.meta, w_down, y))
             self._off()
             one = self.world_size == 1
-            weights = topk_weights if one else all_gather(topk_weights)
+            weights = topk_weights if one else all_gather.eager(topk_weights)
             sums = out if one else torch.empty((weights.shape[0], self.hidden), dtype=self.dtype, device=self.dev)
             a = self.sums.address
             self.sums(a(y), a(layout.row_of_pair), a(weights), a(sums), weights.shape[0], self.hidden)
-            return out if one else reduce_scatter(sums, out=out)
+            return out if one else reduce_scatter.eager(sums, out=out)
         ws = self.ws
         y = torch.empty((h.shape[0], self.hidden), dtype=self.dtype, device=self.dev)
         self.start(ws.bar, self.heap, self.done)
@@ -700,6 +705,7 @@ class _RsPlan:
         return out
 
 
+@declare_op(collective=True)
 def group_gemm_rs(h: torch.Tensor, w_down_shard: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                   layout: GroupLayout | None = None, method: str = "auto",
                   out: torch.Tensor | None = None) -> torch.Tensor:
@@ -728,6 +734,60 @@ def group_gemm_rs(h: torch.Tensor, w_down_shard: torch.Tensor, topk_idx: torch.T
                  lambda: _RsPlan(world, h, w_down_shard, topk_idx, topk_weights, method, out, layout is None))
     found.check_layout(layout)
     return _checked(found, h, w_down_shard, topk_idx, topk_weights, layout, out)
+
+
+# -- the operators (inference) ---------------------------------------------------------------------------------
+#   torch.ops.weft.ag_group_gemm(tokens_shard, w_experts_shard, topk_idx, world_size, method)
+#                                                               -> (inter, the layout's meta, row_of_pair)
+#   torch.ops.weft.group_gemm_rs(h, w_down_shard, topk_idx, topk_weights, meta, row_of_pair, world_size, method)
+#                                                               -> (m, hidden)  (meta, row_of_pair: the layout, or
+#                                                                  None both)
+
+@ag_group_gemm.define
+def ag_group_gemm_op(tokens_shard: torch.Tensor, w_experts_shard: torch.Tensor, topk_idx: torch.Tensor,
+                     world_size: int, method: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_world_size(world_size)
+    inter, layout = ag_group_gemm.eager(tokens_shard, w_experts_shard, topk_idx, method=method)
+    return inter, layout.meta, layout.row_of_pair
+
+
+@ag_group_gemm_op.register_fake
+def _(tokens_shard, w_experts_shard, topk_idx, world_size, method="auto"):
+    m, k = topk_idx.shape
+    experts, _, n = w_experts_shard.shape
+    return (tokens_shard.new_empty((world_size * m * k, n)),
+            topk_idx.new_empty((world_size, experts + 2 + m * k), dtype=torch.int32),
+            topk_idx.new_empty((world_size * m, k), dtype=torch.int32))
+
+
+@ag_group_gemm.traced
+def _(tokens_shard, w_experts_shard, topk_idx, method="auto", out=None):
+    inter, meta, row_of_pair = torch.ops.weft.ag_group_gemm(tokens_shard, w_experts_shard, topk_idx, world_size(),
+                                                            method)
+    return into(out, inter), GroupLayout(meta, w_experts_shard.shape[0], topk_idx.shape[1], topk_idx.shape[0],
+                                         row_of_pair)
+
+
+@group_gemm_rs.define
+def group_gemm_rs_op(h: torch.Tensor, w_down_shard: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                     meta: Optional[torch.Tensor], row_of_pair: Optional[torch.Tensor], world_size: int,
+                     method: str = "auto") -> torch.Tensor:
+    check_world_size(world_size)
+    layout = None if meta is None else GroupLayout(meta, w_down_shard.shape[0], topk_idx.shape[1], topk_idx.shape[0],
+                                                   row_of_pair)
+    return group_gemm_rs.eager(h, w_down_shard, topk_idx, topk_weights, layout, method=method)
+
+
+@group_gemm_rs_op.register_fake
+def _(h, w_down_shard, topk_idx, topk_weights, meta, row_of_pair, world_size, method="auto"):
+    return h.new_empty((topk_idx.shape[0], w_down_shard.shape[2]))
+
+
+@group_gemm_rs.traced
+def _(h, w_down_shard, topk_idx, topk_weights, layout=None, method="auto", out=None):
+    meta, row_of_pair = (None, None) if layout is None else (layout.meta, layout.row_of_pair)
+    return into(out, torch.ops.weft.group_gemm_rs(h, w_down_shard, topk_idx, topk_weights, meta, row_of_pair,
+                                                  world_size(), method))
 
 
 # Signatures for the sm_90 compile check (weft.testing.compile): both GPU tilings, bf16 and fp16, the
