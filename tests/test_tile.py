@@ -1,6 +1,7 @@
-"""Tile-centric primitives (weft.language.tile) on the cpu backend: the map's arithmetic against brute force,
-its device functions under the interpreter, producer/consumer kernels at 2, 3 and 4 ranks, a delayed
-producer, the same for the dense form (ShardMapping), and the sm_90 compile of every primitive."""
+"""Tile-centric primitives (weft.language.tile, with the host half weft.runtime.tiles) on the cpu backend: the
+map's arithmetic against brute force, its device functions under the interpreter, producer/consumer kernels at
+2, 3 and 4 ranks, a delayed producer, the same for the dense form (ShardMapping), and the sm_90 compile of every
+primitive."""
 import os
 import random
 import subprocess
@@ -9,7 +10,7 @@ import sys
 import pytest
 import torch
 
-import weft.language as wl
+from weft.runtime.tiles import TileMap, copy_engine_push
 from weft.testing import run_ranks
 
 
@@ -32,7 +33,7 @@ def random_layout(rng: random.Random) -> dict:
 LAYOUTS = [random_layout(random.Random(seed)) for seed in range(300)]
 
 
-def owner_of_each_index(m: wl.TileMap) -> list[int]:
+def owner_of_each_index(m: TileMap) -> list[int]:
     """Brute force: the rank owning each index of the sharded dimension, from the segment sizes alone."""
     per_rank = m.num_segments // m.world_size
     owners = []
@@ -41,7 +42,7 @@ def owner_of_each_index(m: wl.TileMap) -> list[int]:
     return owners
 
 
-def tile_of_each_element(m: wl.TileMap) -> torch.Tensor:
+def tile_of_each_element(m: TileMap) -> torch.Tensor:
     """(rows, cols) tensor of the producer tile holding each element; checks that tiles do not overlap."""
     which = torch.full((m.rows, m.cols), -1, dtype=torch.int64)
     for t in range(m.num_tiles):
@@ -54,7 +55,7 @@ def tile_of_each_element(m: wl.TileMap) -> torch.Tensor:
 
 @pytest.mark.parametrize("layout", LAYOUTS[:150])
 def test_map_partitions_the_tensor_into_blocks_of_one_segment(layout):
-    m = wl.TileMap(**layout)
+    m = TileMap(**layout)
     which = tile_of_each_element(m)
     assert (which >= 0).all(), "an element belongs to no tile"
     owners = owner_of_each_index(m)
@@ -81,7 +82,7 @@ def test_map_partitions_the_tensor_into_blocks_of_one_segment(layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS[:150])
 def test_cover_is_every_tile_touching_the_block(layout):
-    m = wl.TileMap(**layout)
+    m = TileMap(**layout)
     which = tile_of_each_element(m)
     rng = random.Random(str(layout))
     for _ in range(6):
@@ -93,27 +94,27 @@ def test_cover_is_every_tile_touching_the_block(layout):
 
 def test_map_rejects_bad_layouts():
     with pytest.raises(ValueError, match="block"):
-        wl.TileMap((8, 8), 2, (3, 4))
+        TileMap((8, 8), 2, (3, 4))
     with pytest.raises(ValueError, match="does not divide"):
-        wl.TileMap((9, 8), 2, (4, 4))
+        TileMap((9, 8), 2, (4, 4))
     with pytest.raises(ValueError, match="segments"):
-        wl.TileMap((9, 8), 2, (4, 4), segments=[4, 4])
+        TileMap((9, 8), 2, (4, 4), segments=[4, 4])
     with pytest.raises(ValueError, match="segments"):
-        wl.TileMap((9, 8), 2, (4, 4), segments=[4, 4, 1])
+        TileMap((9, 8), 2, (4, 4), segments=[4, 4, 1])
     with pytest.raises(ValueError, match="shard_dim"):
-        wl.TileMap((8, 8), 2, (4, 4), shard_dim=2)
+        TileMap((8, 8), 2, (4, 4), shard_dim=2)
 
 
 # -- device functions under the interpreter (one process, no ranks needed) -------------------
 
-DEVICE_LAYOUTS = [lay for lay in LAYOUTS[150:] if 0 < wl.TileMap(**lay).num_tiles <= 24][:12]
+DEVICE_LAYOUTS = [lay for lay in LAYOUTS[150:] if 0 < TileMap(**lay).num_tiles <= 24][:12]
 
 
 @pytest.mark.parametrize("layout", DEVICE_LAYOUTS)
 def test_device_functions_match_the_host_map(layout):
     from tile_kernels import tile_places_kernel
 
-    m = wl.TileMap(**layout)
+    m = TileMap(**layout)
     out = torch.full((m.num_tiles, 7), -1, dtype=torch.int64)
     tile_places_kernel[(1,)](m.arg, out)
     expect = [[m.owner(t), *m.rect(t), m.offset(t), m.flag(t)] for t in range(m.num_tiles)]
@@ -132,7 +133,7 @@ def _wait_token(m, flags, rect):
 def test_tile_wait_waits_on_exactly_the_cover(layout, monkeypatch):
     """Flags raised on the cover only: the wait returns (it waits on nothing else). Any one of them
     lowered: it times out (it waits on every one)."""
-    m = wl.TileMap(**layout)
+    m = TileMap(**layout)
     rng = random.Random(str(layout))
     for _ in range(3):
         rect = (rng.randint(-2, m.rows), rng.randint(-2, m.cols), 2 ** rng.randint(0, 4), 2 ** rng.randint(0, 4))
@@ -187,7 +188,7 @@ def test_shard_mapping_matches_the_definition_and_the_table_form(layout):
         expect.append([t, t * shard, 0, len(rows), cols, t * shard * cols, t])
     assert out.tolist() == expect
     if shard:  # a table map whose blocks cover a shard has the same tiles
-        m = wl.TileMap((world * shard, cols), world, (2 ** (shard - 1).bit_length(), 2 ** (cols - 1).bit_length()))
+        m = TileMap((world * shard, cols), world, (2 ** (shard - 1).bit_length(), 2 ** (cols - 1).bit_length()))
         assert [[m.owner(t), *m.rect(t), m.offset(t), m.flag(t)] for t in range(m.num_tiles)] == expect
 
 
@@ -228,7 +229,7 @@ def test_shard_waits_wait_on_exactly_the_cover(layout, monkeypatch):
 def test_tile_wait_tiles_waits_on_exactly_those_tiles(layout, monkeypatch):
     from tile_kernels import tiles_wait_kernel
 
-    m = wl.TileMap(**layout)
+    m = TileMap(**layout)
     rng = random.Random(str(layout))
     flags = torch.zeros(m.num_tiles, dtype=torch.int32)
     for _ in range(2):
@@ -249,7 +250,7 @@ def _produce_consume(layout, consumer, forms, epochs_per_form):
     from tile_kernels import produce_consume_kernel
 
     heap = weft.world().heap.descriptor
-    m = wl.TileMap(world_size=weft.world_size(), **layout)
+    m = TileMap(world_size=weft.world_size(), **layout)
     buf = weft.empty((m.rows, m.cols), torch.float32)
     flags = weft.zeros((m.num_tiles,), torch.int32)
     consumers = triton.cdiv(m.rows, consumer[0]) * triton.cdiv(m.cols, consumer[1])
@@ -295,7 +296,7 @@ def _delayed_producer(skip_wait, delay):
     from tile_kernels import produce_consume_kernel
 
     me = weft.rank()
-    m = wl.TileMap((16, 16), weft.world_size(), (8, 16))
+    m = TileMap((16, 16), weft.world_size(), (8, 16))
     buf = weft.empty((m.rows, m.cols), torch.float32)
     flags = weft.zeros((m.num_tiles,), torch.int32)
     full = torch.arange(m.rows * m.cols, dtype=torch.float32).view(m.rows, m.cols)
@@ -352,7 +353,7 @@ def _shard_gather(shard, cols, consumer, epochs, late, host_push):
         if host_push:  # my tile: my rows of every peer's buf, then my flag there
             mine, peer = slice(me * shard, (me + 1) * shard), weft.world().heap.peer
             for q in range(w):
-                wl.copy_engine_push(peer(buf, q)[mine], full[mine], peer(flags, q)[me:me + 1],
+                copy_engine_push(peer(buf, q)[mine], full[mine], peer(flags, q)[me:me + 1],
                                     torch.tensor([epoch], dtype=torch.int32))
         shard_gather_kernel[(1 + consumers,)](full, buf, flags, out, heap, shard, cols, epoch, BLOCK_ROWS=2,
                                               BLOCK_COLS=triton.next_power_of_2(cols), CONSUMER_M=consumer[0],

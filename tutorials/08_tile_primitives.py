@@ -18,6 +18,7 @@ import triton.language as tl
 
 import weft
 import weft.language as wl
+from weft.runtime.tiles import TileMap
 
 
 @triton.jit(do_not_specialize=["epoch"])
@@ -43,7 +44,7 @@ def main():
     weft.init()
     w = weft.world()
     me, world, m, d, block_rows = w.rank, w.world_size, 12, 64, 16
-    tiles = wl.TileMap((world * m, d), world, block=(8, 32), device=w.device)  # 12-row shards: tiles of 8 + 4
+    tiles = TileMap((world * m, d), world, block=(8, 32), device=w.device)  # 12-row shards: tiles of 8 + 4
     gathered = weft.empty((world * m, d), torch.float32)
     flags = weft.zeros((tiles.num_tiles,), torch.int32)
     weight = torch.rand(d, generator=torch.Generator().manual_seed(0)).to(w.device)

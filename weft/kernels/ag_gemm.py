@@ -16,7 +16,7 @@ How the overlap works (one call on rank `me`):
   peer's memory through NVLink): they take no SM away from the GEMM. Each is
   followed, on the same stream, by a stream memory operation that writes 1
   into the peer's flag of the tile: stream order puts the flag after the data
-  (`wl.CopyEnginePush`, the copy engine's `tile_push`, two driver calls).
+  (`CopyEnginePush`, the copy engine's `tile_push`, two driver calls).
 - At step s rank q pushes to rank q - s, so rank d receives chunk d + s at
   step s, and at every step the W pushes go to W different ranks.
 - The GEMM is the persistent TMA GEMM of gemm.py with its tiles ordered by
@@ -57,6 +57,7 @@ import triton.language as tl
 import weft.language as wl
 
 from ..runtime.streams import StreamSet
+from ..runtime.tiles import CopyEnginePush
 from . import gemm
 from .all_gather import all_gather
 from .blocks import copy, first_item
@@ -243,7 +244,7 @@ def _ag_gemm_plan(world, a_shard, b, method, out, return_gathered, config):
     gathered = ws.gathered[:w * m * k * a_shard.element_size()].view(a_shard.dtype).view(w * m, k)
     # Step s pushes tile me (my chunk) into rank me - s: its G rows [me * m, (me + 1) * m), then 1 into its flag
     # ready[me].
-    pushes = [wl.CopyEnginePush(world.heap.peer(gathered, (me - s) % w)[me * m:(me + 1) * m],
+    pushes = [CopyEnginePush(world.heap.peer(gathered, (me - s) % w)[me * m:(me + 1) * m],
                                 world.heap.peer(ws.ready, (me - s) % w)[me:me + 1], 1) for s in range(1, w)]
     local = gathered[me * m:(me + 1) * m]
     heap = world.heap.descriptor

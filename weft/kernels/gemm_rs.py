@@ -29,7 +29,7 @@ How the overlap works (one call on rank `me`, W ranks):
   it into slot (me - c - 1) mod W of rank c's symmetric `recv` (a copy-engine
   transfer through NVLink: no SM is taken from the GEMMs), then writes 1
   into rank c's flag of tile me, ready[me], by a stream memory operation:
-  stream order puts the flag after the data (`wl.CopyEnginePush`, the copy
+  stream order puts the flag after the data (`CopyEnginePush`, the copy
   engine's `tile_push`, two driver calls). At every step the W ranks send to W different ranks.
   The chunk GEMMs alternate between the main and a side stream, so the
   programs of the next one start on the SMs that this one's last, partial
@@ -100,6 +100,7 @@ import triton.language as tl
 import weft.language as wl
 
 from ..runtime.streams import StreamSet
+from ..runtime.tiles import CopyEnginePush
 from . import gemm
 from .all_reduce import reduce_scatter
 from .blocks import cast
@@ -357,7 +358,7 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
     steps = []
     for s in range(1, w):
         c = (me + s) % w
-        steps.append((c, send[s - 1], wl.CopyEnginePush(world.heap.peer(recv, c)[w - 1 - s],
+        steps.append((c, send[s - 1], CopyEnginePush(world.heap.peer(recv, c)[w - 1 - s],
                                                          world.heap.peer(ws.ready, c)[me:me + 1], 1)))
     heap = world.heap.descriptor
     start = Launch(gemm_rs_start_kernel, (1,), (ws.bar, ws.ready, heap), {}, num_warps=1)

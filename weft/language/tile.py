@@ -2,8 +2,9 @@
 
 A *tile map* describes a (rows, cols) tensor sharded over ranks along one
 dimension, cut into the producer's tiles. It is built on the host
-(`TileMap`) and handed to kernels as one argument (`TileMap.arg`, a
-`TileMapping`). Kernels then speak in tiles, not in flag arithmetic:
+(`weft.runtime.tiles.TileMap`) and handed to kernels as one argument
+(`TileMap.arg`, a `TileMapping`). Kernels then speak in tiles, not in flag
+arithmetic:
 
     producer:  tile_push(mapping, t, src, buf, flags, heap, epoch, peer)  # or: store it, then tile_notify
     consumer:  token = tile_wait(mapping, flags, row0, col0, BM, BN, epoch)  # any block shape
@@ -37,8 +38,9 @@ case in scalars, with no table: the rows sharded evenly, each rank's whole
 shard one producer tile (tile t = rank t's shard, flag t). A kernel builds it
 from arguments it already has, so its arithmetic folds to what hand-written
 flag code computes and it adds no load; it is what the overlapped GEMMs use,
-whose shards are moved whole by the copy engine (`copy_engine_push`, host
-code: the tile, then its flag, in stream order). The primitives take either
+whose shards are moved whole by the copy engine
+(`weft.runtime.tiles.copy_engine_push`: the tile, then its flag, in stream
+order). The primitives take either
 form, but the tile-sized copies (`tile_offsets`, `tile_push`, `tile_pull`),
 which need a constexpr block, take a `TileMapping` only.
 
@@ -50,17 +52,16 @@ need after the acquire.
 
 Every primitive is built from `notify` / `notify_all` / `wait` /
 `consume_token` and plain loads and stores, so each has its interpreter form
-through theirs.
+through theirs. This module is device code only; the host half of the
+layer is `weft.runtime.tiles`.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
 import triton
 import triton.language as tl
 
-from ..runtime import streams
 from . import ptx
 from .core import CMP_GE, INTERPRET, SCOPE_SYS, SIGNAL_SET, num_ranks, rank, symm_at
 from .signals import consume_token, notify, notify_all, wait
@@ -76,9 +77,11 @@ HEADER = tl.constexpr(5)
 START, SIZE, OWNER, FIRST_TILE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 
 
+# TileMapping is built on the host (runtime.tiles.TileMap.arg) but lives here: its fields, with the descriptor
+# layout above, are the contract the device functions below read, and kernels' compile signatures name it.
 class TileMapping(NamedTuple):
     """A tile map as kernels receive it: `TileMap.arg`, passed as one kernel argument."""
-    table: torch.Tensor           # the descriptor: int32 header + segment arrays (see HEADER, START, ...)
+    table: tl.tensor              # the descriptor: int32 header + segment arrays (see HEADER, START, ...)
     BLOCK_M: tl.constexpr         # the producer's tile: rows
     BLOCK_N: tl.constexpr         # ... and columns
     SHARD_DIM: tl.constexpr       # 0: rows are sharded over ranks, 1: columns
@@ -100,147 +103,6 @@ class ShardMapping(NamedTuple):
     shard: tl.tensor              # rows per rank
     cols: tl.tensor
     table: None = None            # no table: what tells this form from a TileMapping, at trace time
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-class TileMap:
-    """Host side of a tile map: the layout's arithmetic in Python, and the descriptor kernels read.
-
-    shape: (rows, cols) of the whole tensor. world_size: ranks it is sharded over. block: the
-    producer's (BLOCK_M, BLOCK_N), powers of two. shard_dim: 0 (rows) or 1 (columns) sharded.
-    segments: optional sizes along the sharded dimension, rank after rank, world_size * S of them
-    (flat or a (world_size, S) table); default: equal shards (the extent must divide evenly).
-
-    Fields: rows, cols, world_size, block, shard_dim; per segment (lists) starts, sizes, owners,
-    first_tiles; num_segments, num_tiles, across (blocks across the unsharded dimension);
-    descriptor (int32 tensor on `device`) and arg (the `TileMapping` kernels take).
-    """
-
-    def __init__(self, shape, world_size: int, block, shard_dim: int = 0, segments=None, device="cpu"):
-        rows, cols = (int(s) for s in shape)
-        if rows < 0 or cols < 0:
-            raise ValueError(f"shape must be non-negative, got {tuple(shape)}")
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        bm, bn = (int(b) for b in block)
-        if bm < 1 or bn < 1 or bm & (bm - 1) or bn & (bn - 1):
-            raise ValueError(f"block must be two powers of two, got {tuple(block)}")
-        if shard_dim not in (0, 1):
-            raise ValueError(f"shard_dim must be 0 or 1, got {shard_dim}")
-        extent = (rows, cols)[shard_dim]
-        if segments is None:
-            if extent % world_size:
-                raise ValueError(f"dimension {shard_dim} ({extent}) does not divide over {world_size} ranks: "
-                                 "pass segments")
-            sizes = [extent // world_size] * world_size
-        else:
-            sizes = [int(s) for s in torch.as_tensor(segments).reshape(-1).tolist()]
-            if not sizes or len(sizes) % world_size or min(sizes) < 0 or sum(sizes) != extent:
-                raise ValueError(f"segments must be world_size * S sizes >= 0 summing to dimension {shard_dim} "
-                                 f"({extent}), got {sizes}")
-        self.rows, self.cols, self.world_size, self.block, self.shard_dim = rows, cols, world_size, (bm, bn), shard_dim
-        per_rank = len(sizes) // world_size
-        block_split, block_across = (bm, bn) if shard_dim == 0 else (bn, bm)
-        self.across = _cdiv((cols, rows)[shard_dim], block_across)
-        self.sizes, self.starts, self.owners, self.first_tiles = sizes, [], [], []
-        start = tile = 0
-        for s, size in enumerate(sizes):
-            self.starts.append(start)
-            self.owners.append(s // per_rank)
-            self.first_tiles.append(tile)
-            start += size
-            tile += _cdiv(size, block_split) * self.across
-        self.num_segments, self.num_tiles = len(sizes), tile
-        header = [rows, cols, self.num_segments, self.num_tiles, self.across]
-        self.descriptor = torch.tensor(header + self.starts + self.sizes + self.owners + self.first_tiles,
-                                       dtype=torch.int32, device=device)
-        self.arg = TileMapping(self.descriptor, tl.constexpr(bm), tl.constexpr(bn), tl.constexpr(shard_dim),
-                               tl.constexpr(triton.next_power_of_2(self.num_segments)))
-
-    def _segment(self, tile: int) -> int:
-        if not 0 <= tile < self.num_tiles:
-            raise ValueError(f"tile must be in [0, {self.num_tiles}), got {tile}")
-        return max(s for s in range(self.num_segments) if self.first_tiles[s] <= tile)
-
-    def owner(self, tile: int) -> int:
-        return self.owners[self._segment(tile)]
-
-    def rect(self, tile: int):
-        """(row0, col0, num_rows, num_cols) of a producer tile."""
-        s = self._segment(tile)
-        i, j = divmod(tile - self.first_tiles[s], self.across)
-        bs, bo = self.block if self.shard_dim == 0 else self.block[::-1]
-        split = (self.starts[s] + i * bs, min(bs, self.sizes[s] - i * bs))
-        other = (j * bo, min(bo, (self.cols, self.rows)[self.shard_dim] - j * bo))
-        (r0, nr), (c0, nc) = (split, other) if self.shard_dim == 0 else (other, split)
-        return r0, c0, nr, nc
-
-    def offset(self, tile: int) -> int:
-        """Element offset of the tile's first element in a buffer laid out by the map."""
-        r0, c0, _, _ = self.rect(tile)
-        return r0 * self.cols + c0
-
-    def flag(self, tile: int) -> int:
-        return tile
-
-    def tiles_of(self, rank: int) -> list[int]:
-        """The producer tiles rank `rank` owns."""
-        return [t for t in range(self.num_tiles) if self.owner(t) == rank]
-
-    def cover(self, row0: int, col0: int, num_rows: int, num_cols: int) -> list[int]:
-        """The producer tiles that hold some element of rows [row0, +num_rows) x cols [col0, +num_cols)."""
-        out = []
-        for t in range(self.num_tiles):
-            r, c, nr, nc = self.rect(t)
-            if r < row0 + num_rows and row0 < r + nr and c < col0 + num_cols and col0 < c + nc:
-                out.append(t)
-        return out
-
-
-# -- host: the copy engine as a tile's producer -------------------------------------
-
-def copy_engine_push(dst: torch.Tensor, src: torch.Tensor, flag: torch.Tensor, value) -> None:
-    """Host code, the copy engine's `tile_push`: copy tile `src` into `dst`, its place in a peer's buffer
-    (a `heap.peer` view), then `value` into `flag`, that peer's flag of the tile; both on the current
-    stream, taking no SM. `value`: an int, written by a stream memory operation (the cheapest to issue,
-    and a CUDA-graph replay writes it again: for flags that the consumer's side lowers between calls), or
-    a one-element device tensor, copied (a device-side epoch, which a replay sends anew).
-
-    Memory ordering: stream order starts the flag's write only once the data's copy has completed, so a
-    rank that acquires the flag (`tile_wait`, `tile_wait_tiles`) sees the tile. On the cpu backend both are
-    plain copies, in that order.
-    """
-    streams.device_copy(dst, src)
-    if isinstance(value, torch.Tensor):
-        streams.device_copy(flag, value)
-    else:
-        streams.write_word(flag, value)
-
-
-class CopyEnginePush:
-    """`copy_engine_push(dst, src, flag, value)` with its destination, flag and int value fixed, as an op's
-    plan keeps it: a call names only the source (contiguous, dst's size and dtype) and issues two driver
-    operations on the current stream, addresses taken once."""
-
-    def __init__(self, dst: torch.Tensor, flag: torch.Tensor, value: int):
-        self.dst, self.flag, self.value = dst, flag, int(value)
-        self.gpu = dst.is_cuda and streams.has_driver()
-        if self.gpu:
-            self.dst_at, self.flag_at = dst.data_ptr(), flag.data_ptr()
-            self.nbytes, self.device = dst.numel() * dst.element_size(), dst.device.index
-
-    def __call__(self, src: torch.Tensor, stream: int | None = None) -> None:
-        """On `stream` (a raw handle; default the current stream)."""
-        if self.gpu:
-            if stream is None:
-                stream = streams.raw_stream(self.device)
-            streams.copy_bytes(self.dst_at, src.data_ptr(), self.nbytes, stream)
-            streams.write_word_at(self.flag_at, self.value, stream)
-        else:
-            copy_engine_push(self.dst, src, self.flag, self.value)
 
 
 # -- device: a tile's place --------------------------------------------------------

@@ -305,7 +305,7 @@ class DecodeSession:
         self.positions = torch.zeros(cache.batch, dtype=torch.int64, device=model.device)
         self.graph = None
         if cuda_graph and model.device.type == "cuda":
-            from weft.testing.graphs import capture
+            from weft.runtime.graphs import capture
 
             # The warm-up run (outside capture) creates weft's workspaces, plans and compiled kernels.
             self.graph = capture(self.run, warmups=1)

@@ -88,6 +88,7 @@ import triton
 import triton.language as tl
 
 import weft.language as wl
+from weft.runtime.tiles import TileMap
 
 from ...runtime.streams import StreamSet, device_copy
 from ..all_gather import all_gather
@@ -500,7 +501,7 @@ class _AgPlan:
         programs = _programs(world)
         self.heap = heap = world.heap.descriptor
         block = (triton.next_power_of_2(m), triton.next_power_of_2(hidden))
-        self.mapping = wl.TileMap((ww * m, hidden), ww, block, device=world.device).arg  # a tile per rank
+        self.mapping = TileMap((ww * m, hidden), ww, block, device=world.device).arg  # a tile per rank
         self.w_op = _Operand(w, (e * hidden, n), (tiles["BLOCK_K"], tiles["BLOCK_N"]), hidden, tiles["BLOCK_K"])
         consts = dict(E=e, TOP_K=k, WORLD=ww, GATHER=True, WAIT=overlap, **tiles, NUM_PROGRAMS=programs, **even,
                       A_TMA=False, W_TMA=self.w_op.tma, FLATTEN=flatten)
@@ -624,7 +625,7 @@ class _RsPlan:
         metas = torch.empty((ww, width), dtype=torch.int32, device=self.dev)
         rows = torch.empty((ww * m, k), dtype=torch.int32, device=self.dev)
         if self.method == "baseline":
-            mapping = wl.TileMap((ww * m, inter), ww, (triton.next_power_of_2(m), triton.next_power_of_2(inter)),
+            mapping = TileMap((ww * m, inter), ww, (triton.next_power_of_2(m), triton.next_power_of_2(inter)),
                                  device=world.device).arg
             # ready, bar and mapping are read only with WAIT
             self.gemm_args = lambda h, metas, w_down, y: (self.h_op(h), metas, self.w_op(w_down), y, metas, metas,
