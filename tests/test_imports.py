@@ -3,7 +3,7 @@
 each is checked against the layer rules below.
 
 The layers: `language/` is device code (what runs inside `@triton.jit`, plus the backend flag it branches on);
-`runtime/` is the host runtime; `kernels/` are the op families; `weft.ops` / `weft.torch_ops` the ops; `layers/`
+`runtime/` is the host runtime; `kernels/` are the op families; `weft.ops` the ops (collected from the families' declarations); `layers/`
 and `models/` reach kernels only through `weft.ops`; `testing/`, `bench/` and the commands may import anything.
 KNOWN_VIOLATIONS lists the edges that break a rule today, each with its reason; it is exact: an entry that no
 longer occurs fails too, so that it is deleted when its import is fixed.
@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "weft"
 LAYER_OF = [
     ("weft.language", "language"), ("weft.runtime", "runtime"), ("weft.kernels", "kernels"),
     ("weft.layers", "layers"), ("weft.models", "models"), ("weft.testing", "testing"), ("weft.bench", "bench"),
-    ("weft.ops", "ops"), ("weft.torch_ops", "ops"),
+    ("weft.ops", "ops"),
     ("weft.cli", "commands"), ("weft.__main__", "commands"), ("weft.demo", "commands"),
 ]
 ROOT = "weft"  # weft/__init__.py: the public host API (init, empty, ...), which imports weft.ops
@@ -51,14 +51,6 @@ FORBIDDEN_PACKAGES = {"language": {"torch": "language/ is device code: torch (ho
 KNOWN_VIOLATIONS = {
     ("weft.runtime.launcher", "weft.testing.ranks"):
         "free_port; launcher.py is being rewritten (signals, cleanup, loopback store), which drops this import",
-    ("weft.layers.comm", "weft.kernels.common"):
-        "nccl_all_gather / nccl_reduce_scatter for the NCCL baseline; to be routed through weft.ops",
-    ("weft.layers.moe", "weft.kernels.grouped_gemm"):
-        "few_rows_config; to be routed through weft.ops",
-    ("weft.layers.transformer", "weft.kernels.flash_decode"):
-        "flash_decode's DTYPES and HEAD_DIMS (which calls it takes); to be routed through weft.ops",
-    ("weft.layers.transformer", "weft.kernels.pointwise"):
-        "qk_norm_rope, rms_norm, silu_mul; to be routed through weft.ops",
 }
 
 
