@@ -127,6 +127,10 @@ def _stop(procs: list[subprocess.Popen], sig: int) -> None:
         p.wait()
 
 
+def _exit_text(code: int) -> str:
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+
 def _supervise(procs: list[subprocess.Popen], label, exit_grace: float | None, timeout: float | None) -> int:
     """Wait for `procs` to end (see the module docstring); returns the launcher's exit code. `label(i)` names
     process i in messages; `exit_grace` None: no grace rule (one torchrun process)."""
@@ -135,39 +139,38 @@ def _supervise(procs: list[subprocess.Popen], label, exit_grace: float | None, t
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             handlers[sig] = signal.signal(sig, lambda signum, frame: received.append(signum))
+    # One waiter per process, so that exits are ordered as they happened, not as a poll loop finds them.
+    exits: list[tuple[int, int, float]] = []  # (index, code, when)
+    for i, p in enumerate(procs):
+        threading.Thread(target=lambda i, p: exits.append((i, p.wait(), time.monotonic())), args=(i, p),
+                         daemon=True).start()
     try:
         start = time.monotonic()
-        exits: list[tuple[int, int]] = []  # (index, code), in the order seen
-        first_exit = None  # when the first one was seen
         while True:
-            for i, p in enumerate(procs):
-                if p.poll() is not None and all(j != i for j, _ in exits):
-                    exits.append((i, p.returncode))
-                    first_exit = first_exit or time.monotonic()
             if received:
                 sig = received[0]
                 print(f"weft run: got {signal.Signals(sig).name}; passed on to every rank", file=sys.stderr)
                 _stop(procs, sig)
                 return 128 + sig
-            if len(exits) == len(procs):
-                failed = [(i, c) for i, c in exits if c != 0]
+            done = sorted(exits, key=lambda e: e[2])
+            failed = [(i, code) for i, code, _ in done if code != 0]
+            if len(done) == len(procs):
                 if not failed:
                     _stop(procs, signal.SIGKILL)  # whatever a rank left running in its group
                     return 0
                 i, code = failed[0]
-                print(f"weft run: {label(i)} exited with code {code}", file=sys.stderr)
+                print(f"weft run: {label(i)} {_exit_text(code)}", file=sys.stderr)
                 return code if code > 0 else 128 - code
-            failed = [(i, c) for i, c in exits if c != 0]
             if failed:
                 i, code = failed[0]
                 _stop(procs, signal.SIGTERM)
-                print(f"weft run: {label(i)} exited with code {code}; the other ranks were stopped", file=sys.stderr)
+                print(f"weft run: {label(i)} {_exit_text(code)}; the other ranks were stopped", file=sys.stderr)
                 return code if code > 0 else 128 - code
-            if exits and exit_grace is not None and time.monotonic() - first_exit > exit_grace:
-                i, code = exits[0]
+            if done and exit_grace is not None and time.monotonic() - done[0][2] > exit_grace:
+                i = done[0][0]
                 waiting = [label(j) for j, p in enumerate(procs) if p.poll() is None]
                 _stop(procs, signal.SIGTERM)
-                print(f"weft run: {label(i)} left first (exit code {code}) and {', '.join(waiting)} did not follow "
+                print(f"weft run: {label(i)} left first (exit code 0) and {', '.join(waiting)} did not follow "
                       f"within {exit_grace:g} s (WEFT_EXIT_GRACE_S): they were stopped", file=sys.stderr)
                 return 1
             if timeout is not None and time.monotonic() - start > timeout:
