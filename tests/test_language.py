@@ -143,8 +143,8 @@ def _timeout(kernel_name, numel, dtype_name):
     weft.barrier()
     try:
         getattr(primitive_kernels, kernel_name)[(1,)](flags, weft.world().heap.descriptor)
-    except Exception as e:  # InterpreterError wrapping WaitTimeout
-        return str(e)
+    except weft.WaitTimeout as e:  # itself, not Triton's InterpreterError around it
+        return f"{type(e).__name__}: {e}"
     return None
 
 

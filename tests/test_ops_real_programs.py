@@ -226,7 +226,7 @@ def _missing_peer(method):
         return "absent"
     try:
         weft.ops.all_reduce(torch.ones(256), method=method)
-    except Exception as e:  # the interpreter wraps the WaitTimeout
+    except weft.WaitTimeout as e:
         return str(e)
     return "no timeout"
 

@@ -7,6 +7,7 @@
 """
 from .runtime import backend as _backend  # first: sets TRITON_INTERPRET on the cpu backend
 from .runtime import world as _world
+from .runtime.errors import WaitTimeout, check_errors
 from .runtime.world import finalize, init, is_initialized
 
 import torch
@@ -58,5 +59,5 @@ def is_symmetric(tensor: torch.Tensor) -> bool:
 
 from . import ops  # noqa: E402  (ops import kernels, which need the backend set)
 
-__all__ = ["init", "finalize", "is_initialized", "rank", "world_size", "device", "barrier", "empty", "zeros",
-           "peer", "is_symmetric", "ops", "world", "BACKEND"]
+__all__ = ["init", "finalize", "is_initialized", "check_errors", "WaitTimeout", "rank", "world_size", "device",
+           "barrier", "empty", "zeros", "peer", "is_symmetric", "ops", "world", "BACKEND"]

@@ -17,10 +17,12 @@ BENCH_HEAP_SIZE = "24GiB"
 
 
 def main(argv=None) -> int:
+    from weft.runtime import settings
+
     p = argparse.ArgumentParser(prog="weft bench", epilog=f"On GPUs the weft heap is {BENCH_HEAP_SIZE} per rank "
                                 "unless WEFT_HEAP_SIZE is set.")
     p.add_argument("suite", choices=sorted(SUITES))
-    p.add_argument("--out", default=os.environ.get("WEFT_BENCH_OUT", "bench_results"), help="output folder")
+    p.add_argument("--out", default=settings.get("WEFT_BENCH_OUT", "bench_results"), help="output folder")
     known, rest = p.parse_known_args(argv)
     suite = importlib.import_module(SUITES[known.suite])
     sp = argparse.ArgumentParser(prog=f"weft bench {known.suite}")

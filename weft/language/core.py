@@ -3,17 +3,16 @@
 Every weft kernel receives the heap descriptor `heap` (an int64 pointer):
     heap[0] = my rank, heap[1] = world size, heap[2 + r] = base of rank r's heap
 """
-import os
-
 import triton
 import triton.language as tl
 
+from ..runtime import settings
 from ..runtime.backend import INTERPRET as _INTERPRET
 
 # Trace-time switch between a primitive's interpreter form and its PTX form.
 INTERPRET = tl.constexpr(_INTERPRET)
 # WEFT_WAIT_TIMEOUT_S > 0 makes every spin give up after that long (read at import).
-WAIT_TIMEOUT_NS = tl.constexpr(int(float(os.environ.get("WEFT_WAIT_TIMEOUT_S", "0") or 0) * 1e9))
+WAIT_TIMEOUT_NS = tl.constexpr(int(settings.wait_timeout_s() * 1e9))
 
 # Comparison and signal-op codes, numbered as in NVSHMEM.
 CMP_EQ = tl.constexpr(0)

@@ -12,9 +12,8 @@ import time
 import numpy as np
 import triton.language as tl
 
-
-class WaitTimeout(RuntimeError):
-    """A wait on a flag did not complete within WEFT_WAIT_TIMEOUT_S."""
+from ..runtime import settings
+from ..runtime.errors import WaitTimeout
 
 
 def interpreter_only(fn):
@@ -47,7 +46,7 @@ def spin_wait(flag_ptr, count, value, cmp, me=-1, peer=0, op="wait", ranks=0):
     rank `peer + i`, or with ranks > 0 by rank i % ranks)."""
     count, value, cmp, ranks = int(_scalar(count)), _scalar(value), int(_scalar(cmp)), int(_scalar(ranks))
     symbol, ok = _CMP[cmp]
-    timeout = float(os.environ.get("WEFT_WAIT_TIMEOUT_S", "0") or 0)
+    timeout = settings.wait_timeout_s()
     start = time.monotonic()
     seen = None
     for i in range(count):
@@ -74,7 +73,7 @@ def spin_wait(flag_ptr, count, value, cmp, me=-1, peer=0, op="wait", ranks=0):
 def spin_wait_ll(ptrs, mask, epoch, me=-1, peer=-1, op="LL wait"):
     """Poll the 64-bit LL words at `ptrs` (where `mask`) until every high half equals `epoch`."""
     epoch = int(_scalar(epoch))
-    timeout = float(os.environ.get("WEFT_WAIT_TIMEOUT_S", "0") or 0)
+    timeout = settings.wait_timeout_s()
     start = time.monotonic()
     nap = 0.0
     while True:

@@ -12,7 +12,6 @@ space*. `weft.language.symm_at` translates a pointer with it.
 from __future__ import annotations
 
 import os
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -96,31 +95,24 @@ class SymmetricHeap:
 
 # -- cpu: one shared-memory file holding every rank's block -------------------
 
-def _shm_dir(total: int) -> str:
-    try:
-        st = os.statvfs("/dev/shm")
-        if st.f_bavail * st.f_frsize > 2 * total:
-            return "/dev/shm"
-    except OSError:
-        pass
-    return tempfile.gettempdir()
-
-
 def cpu_heap(rank: int, world_size: int, size: int, group) -> SymmetricHeap:
-    """Rank 0 creates the file, all map it whole (MAP_SHARED), then it is unlinked."""
+    """Rank 0 makes an anonymous shared-memory file (memfd: it never has a name in /dev/shm, so a rank killed
+    at any point leaves nothing behind); every rank maps it whole (MAP_SHARED) through rank 0's descriptor
+    (/proc/<pid>/fd/<fd>); once all have, rank 0 closes it and the mappings alone keep the memory."""
     total = size * world_size
     name = [None]
-    if rank == 0:
-        fd, path = tempfile.mkstemp(prefix="weft-heap-", dir=_shm_dir(total))
-        os.ftruncate(fd, total)
-        os.close(fd)
-        name[0] = path
-    dist.broadcast_object_list(name, src=0, group=group)
-    path = name[0]
-    whole = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-    dist.barrier(group=group)
-    if rank == 0:
-        os.unlink(path)  # the mappings keep the memory alive
+    fd = None
+    try:
+        if rank == 0:
+            fd = os.memfd_create("weft-heap")
+            os.ftruncate(fd, total)
+            name[0] = f"/proc/{os.getpid()}/fd/{fd}"
+        dist.broadcast_object_list(name, src=0, group=group)
+        whole = torch.from_file(name[0], shared=True, size=total, dtype=torch.uint8)
+        dist.barrier(group=group)
+    finally:
+        if fd is not None:
+            os.close(fd)
     base = whole.data_ptr()
     bases = [base + r * size for r in range(world_size)]
     local = whole[rank * size:(rank + 1) * size]

@@ -14,7 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import backend
+from . import backend, settings
 from .heap import SymmetricHeap, cpu_heap, cuda_heap
 
 DEFAULT_HEAP_SIZE = {"cpu": 64 << 20, "cuda": 2 << 30}
@@ -35,6 +35,9 @@ class World:
         self.contexts: dict = {}  # op family -> its workspace
         self.plans: dict = {}  # call signature -> what the call does (weft.kernels.common.Plan)
         self.barriers = 0  # host barriers made so far: ops make none once their workspaces exist
+        # Callables that raise an op family's recorded device-side error (weft.check_errors runs them in turn);
+        # a family with an error word appends its check when it makes its workspace.
+        self.error_checks: list = []
         # The barrier's one word, made now: NCCL's own barrier allocates a tensor per call and keeps it, which
         # a workspace first made under CUDA-graph trees' warm-up (in their pool) would leave behind there.
         self._barrier_word = torch.zeros(1, dtype=torch.int32, device=device) if device.type == "cuda" else None
@@ -66,26 +69,42 @@ class World:
 _world: World | None = None
 
 
-def _env_int(name: str, default: int | None = None) -> int | None:
-    v = os.environ.get(name)
-    return int(v) if v not in (None, "") else default
-
-
-def _parse_size(text: str) -> int:
-    text = text.strip().upper()
-    for suffix, mult in (("GIB", 1 << 30), ("MIB", 1 << 20), ("KIB", 1 << 10), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * mult)
-    return int(text)
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name}={text!r}: expected an integer >= 0 (set by the launcher)")
+    return value
 
 
 def _size_setting(value, env: str, default: dict, name: str) -> int:
     if value is None:
-        text = os.environ.get(env)
-        value = _parse_size(text) if text else default[backend.BACKEND]
+        value = settings.get(env, default[backend.BACKEND])
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
     return value
+
+
+def _check_sizes_agree(heap_size: int, workspace_bytes: int, world_size: int, group, device) -> None:
+    """Every rank's heap and workspace sizes, compared on every rank: the heap's layout (and the cpu heap's
+    one shared file) assumes one size everywhere. Raises on every rank, naming each rank's value."""
+    if world_size == 1:
+        return
+    mine = torch.tensor([heap_size, workspace_bytes], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(every, mine, group=group)
+    every = [t.tolist() for t in every]
+    for i, name in enumerate(("heap_size", "workspace_bytes")):
+        values = [v[i] for v in every]
+        if len(set(values)) > 1:
+            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            raise ValueError(f"weft.init: {name} differs across ranks ({per_rank}); every rank must pass the same "
+                             f"value (WEFT_HEAP_SIZE / WEFT_WORKSPACE_BYTES or weft.init's arguments)")
 
 
 def _launcher_store(rank: int, world_size: int, timeout: datetime.timedelta):
@@ -105,20 +124,31 @@ def _launcher_store(rank: int, world_size: int, timeout: datetime.timedelta):
 def init(heap_size: int | None = None, workspace_bytes: int | None = None) -> World:
     """Join the world: from torchrun's (or `weft run`'s) environment, else a world of one.
 
+    A second call is a no-op when its arguments are None or those of the world already made, and raises
+    a ValueError otherwise. Every rank must ask for the same sizes: init compares them and raises on every
+    rank, naming each rank's, when they differ.
+
     heap_size: bytes of symmetric heap per rank (default WEFT_HEAP_SIZE, else 2 GiB on GPUs, 64 MiB on cpu).
     workspace_bytes: bytes of symmetric workspace each op family takes from it on first use (default
     WEFT_WORKSPACE_BYTES, else 128 MiB on GPUs, 4 MiB on cpu); larger messages go through in passes.
     """
     global _world
     if _world is not None:
+        # Joining again is a no-op; asking for another size is an error, never silently ignored.
+        for name, asked, has in (("heap_size", heap_size, _world.heap.size),
+                                 ("workspace_bytes", workspace_bytes, _world.workspace_bytes)):
+            if asked is not None and asked != has:
+                raise ValueError(f"weft.init({name}={asked!r}): weft is already initialised with {name}={has}; "
+                                 "call weft.finalize() first to start a world of another size")
         return _world
+    settings.check_all()
     heap_size = _size_setting(heap_size, "WEFT_HEAP_SIZE", DEFAULT_HEAP_SIZE, "heap_size")
     workspace_bytes = _size_setting(workspace_bytes, "WEFT_WORKSPACE_BYTES", DEFAULT_WORKSPACE_BYTES,
                                     "workspace_bytes")
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", rank)
-    timeout = datetime.timedelta(seconds=float(os.environ.get("WEFT_INIT_TIMEOUT_S", "300")))
+    timeout = datetime.timedelta(seconds=settings.init_timeout_s())
 
     if backend.BACKEND == "cuda":
         if not torch.cuda.is_available():
@@ -143,6 +173,12 @@ def init(heap_size: int | None = None, workspace_bytes: int | None = None) -> Wo
     group = dist.group.WORLD
     if dist.get_world_size(group) != world_size:
         raise RuntimeError(f"process group has {dist.get_world_size(group)} ranks, WORLD_SIZE says {world_size}")
+    try:
+        _check_sizes_agree(heap_size, workspace_bytes, world_size, group, device)
+    except ValueError:
+        if owns:  # leave no group behind: a corrected init() in this process starts afresh
+            dist.destroy_process_group()
+        raise
 
     if device.type == "cuda":
         heap = cuda_heap(rank, world_size, heap_size, group, device)
@@ -176,5 +212,6 @@ def finalize() -> None:
     w.barrier()
     w.contexts.clear()
     w.plans.clear()
+    w.error_checks.clear()
     if w._owns_group and dist.is_initialized():
         dist.destroy_process_group()

@@ -8,19 +8,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
+
+from ..runtime.launcher import free_port
 
 
 class RankFailure(AssertionError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(fn, rank, world_size, port, args, kwargs, results, env):

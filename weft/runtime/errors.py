@@ -1,0 +1,67 @@
+"""weft's public errors, raised as themselves.
+
+`WaitTimeout`: a device-side wait gave up (WEFT_WAIT_TIMEOUT_S). On the cpu backend the interpreter
+raises it inside the kernel, and Triton's interpreter wraps every exception of a kernel, and again of
+each `@triton.jit` function it passed through, in an InterpreterError; `unwrap_wait_timeouts()` makes
+a kernel launch raise the WaitTimeout itself instead, so `except weft.WaitTimeout` catches it. On GPUs
+the wait prints its report and traps: the launch's CUDA error surfaces at the next synchronisation.
+
+`check_errors()`: synchronise, then raise whatever device-side error an op family has recorded. A family
+that keeps an error word registers its check in `world.error_checks` when it makes its workspace.
+"""
+from __future__ import annotations
+
+import functools
+
+
+class WaitTimeout(RuntimeError):
+    """A device-side wait did not complete within WEFT_WAIT_TIMEOUT_S. The message names the waiting rank,
+    the op, the rank whose signal is missing, the expected and the seen value."""
+
+
+def _wait_timeout_in(error: BaseException) -> WaitTimeout | None:
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, WaitTimeout):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def unwrap_wait_timeouts() -> None:
+    """Make interpreted kernel launches raise a WaitTimeout from inside the kernel as itself (idempotent)."""
+    from triton.runtime.errors import InterpreterError
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launch = InterpretedFunction.run
+    if getattr(launch, "weft_unwraps", False):
+        return
+
+    @functools.wraps(launch)
+    def run(self, *args, **kwargs):
+        try:
+            return launch(self, *args, **kwargs)
+        except InterpreterError as e:
+            timeout = _wait_timeout_in(e)
+            if timeout is None:
+                raise
+        # Raised outside the handler, so the InterpreterError chain (which holds it) is not its context.
+        raise timeout.with_traceback(timeout.__traceback__)
+
+    run.weft_unwraps = True
+    InterpretedFunction.run = run
+
+
+def check_errors() -> None:
+    """Wait for this rank's queued device work, then raise any error an op family recorded on the device
+    (a bad topk_idx row, ...), each family's check in turn. A CUDA error (a trapped wait) raises here too."""
+    import torch
+
+    from . import world as _world
+
+    w = _world.get()
+    if w.device.type == "cuda":
+        torch.cuda.synchronize(w.device)
+    for check in list(w.error_checks):
+        check()

@@ -1,0 +1,111 @@
+"""Every WEFT_* environment variable weft reads: its type, accepted range and default, in one place.
+
+A value is read when it is used (tests and launchers change the environment between calls), and a bad
+one raises a ValueError naming the variable, its value and what it accepts. An unset or empty variable
+takes the default. `check_all()` (run by `weft.init()`) reads every one, so garbage anywhere fails at
+init rather than in the middle of a run. This module imports nothing heavy: backend.py reads it before
+torch or triton is imported. README.md's table lists the same variables.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+_UNITS = (("GIB", 1 << 30), ("MIB", 1 << 20), ("KIB", 1 << 10), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10))
+
+
+def _bytes(text: str) -> int:
+    upper = text.upper()
+    mult = 1
+    for suffix, unit in _UNITS:
+        if upper.endswith(suffix):
+            upper, mult = upper[: -len(suffix)], unit
+            break
+    number = float(upper)  # ValueError on garbage
+    if not math.isfinite(number):
+        raise ValueError(text)
+    value = int(number * mult)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(text)
+    return value
+
+
+def _backend(text: str) -> str:
+    value = text.lower()
+    if value not in ("cpu", "cuda"):
+        raise ValueError(text)
+    return value
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    parse: Callable[[str], object]
+    accepted: str  # what the error message and README say it takes
+    default: str  # the default, in words
+    meaning: str
+
+
+SETTINGS = {s.name: s for s in (
+    Setting("WEFT_BACKEND", _backend, "cpu or cuda", "cuda when a GPU is visible, else cpu",
+            "cpu runs every kernel under Triton's interpreter"),
+    Setting("WEFT_HEAP_SIZE", _bytes, "a positive number of bytes (4096, 64MiB, 1.5G)", "2 GiB on GPUs, 64 MiB on cpu",
+            "symmetric heap per rank (or weft.init(heap_size=...))"),
+    Setting("WEFT_WORKSPACE_BYTES", _bytes, "a positive number of bytes (4096, 64MiB, 1.5G)",
+            "128 MiB on GPUs, 4 MiB on cpu", "workspace each op family takes from the heap (or "
+            "weft.init(workspace_bytes=...))"),
+    Setting("WEFT_INIT_TIMEOUT_S", _positive_seconds, "seconds > 0", "300",
+            "how long init, the process group's collectives and host barriers wait for the other ranks"),
+    Setting("WEFT_WAIT_TIMEOUT_S", _positive_seconds, "seconds > 0", "unset: waits never give up",
+            "every device-side wait gives up after this long with a report (compiled in on GPUs: never benchmark "
+            "with it)"),
+    Setting("WEFT_EXIT_GRACE_S", _positive_seconds, "seconds > 0", "60",
+            "`weft run`: once a rank has exited 0, how long the others may take to follow before they are stopped"),
+    Setting("WEFT_KILL_GRACE_S", _positive_seconds, "seconds > 0", "5",
+            "`weft run`: how long a stopped or signalled rank may take to exit before it is killed"),
+    Setting("WEFT_BENCH_OUT", str, "a directory", "bench_results", "`weft bench`'s output folder (or --out)"),
+)}
+
+
+def get(name: str, default=None):
+    """The parsed value of the WEFT_* variable `name`, or `default` when it is unset or empty."""
+    setting = SETTINGS[name]
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return setting.parse(text)
+    except (ValueError, OverflowError):
+        raise ValueError(f"{name}={text!r}: expected {setting.accepted}") from None
+
+
+def check_all() -> None:
+    """Parse every WEFT_* variable that is set, raising on the first bad one."""
+    for name in SETTINGS:
+        get(name)
+
+
+def wait_timeout_s() -> float:
+    """WEFT_WAIT_TIMEOUT_S, 0 when unset (waits never give up)."""
+    return get("WEFT_WAIT_TIMEOUT_S", 0.0)
+
+
+def init_timeout_s() -> float:
+    return get("WEFT_INIT_TIMEOUT_S", 300.0)
+
+
+def exit_grace_s() -> float:
+    return get("WEFT_EXIT_GRACE_S", 60.0)
+
+
+def kill_grace_s() -> float:
+    return get("WEFT_KILL_GRACE_S", 5.0)
