@@ -261,3 +261,24 @@ def _registered_checks():
 
 def test_check_errors_runs_every_registered_check():
     assert run_ranks(_registered_checks, 2, timeout=60) == [["first"], ["first"]]
+
+
+def _moe_error_word_reaches_check_errors():
+    """A bad topk_idx row an MoE kernel recorded (on GPUs it is raised at the family's next call) is what
+    check_errors raises: the family's error word registers itself when it is made."""
+    import torch
+
+    import weft
+
+    x = torch.randn(3, 8)
+    idx = torch.tensor([[0, 1], [1, 2], [2, 3]])
+    weft.ops.ep_dispatch_ll(x, idx, 4, 4)  # makes the EP workspace and its error word
+    word = next(c.__self__ for c in weft.world().error_checks if hasattr(c, "__self__"))
+    word.host[0] = (1 << 62) | (2 << 33) | 1  # as check_rows records row 2 naming expert 1 twice
+    with pytest.raises(ValueError, match="topk_idx row 2 names expert 1 twice"):
+        weft.check_errors()
+    weft.check_errors()  # raised once, then cleared
+
+
+def test_check_errors_raises_a_recorded_routing_error():
+    run_ranks(_moe_error_word_reaches_check_errors, 1, timeout=120)

@@ -331,6 +331,7 @@ class RoutingErrorWord:
         else:
             self.tensor = world.heap.empty((1,), torch.int64).zero_()
         self.host = self.tensor.numpy()  # the host's view: a read is a load, no torch op
+        world.error_checks.append(self.raise_recorded)  # weft.check_errors() raises it too
 
     def raise_recorded(self) -> None:
         """The ValueError naming topk_idx, the row and the expert for a bad row recorded since the last one
