@@ -268,7 +268,8 @@ def _gpu_distance(want: str, have: str) -> int:
 
 def table_for(family: str, gpu: str, world_size: int) -> Table:
     """The table the family's values are read from on `gpu` at `world_size` ranks (see the module doc)."""
-    chosen = _chosen.get((family, gpu, world_size))
+    where = (family, gpu, world_size, str(local_dir()))
+    chosen = _chosen.get(where)
     if chosen is None:
         holding = [t for t in tables() if family in t.families()]
         if not holding:
@@ -278,7 +279,7 @@ def table_for(family: str, gpu: str, world_size: int) -> Table:
         def rank(t: Table):
             distance = abs(t.world_size - world_size)
             return (_gpu_distance(gpu, t.gpu), distance if by_world else 0, not t.local, distance, -t.world_size)
-        chosen = _chosen[(family, gpu, world_size)] = min(holding, key=rank)
+        chosen = _chosen[where] = min(holding, key=rank)
     return chosen
 
 
