@@ -121,7 +121,7 @@ def _cases(methods, dtypes, shapes, modes):
 
 def test_all_reduce_2_ranks_every_method_dtype_mode():
     # Odd and even element counts: one-shot and two-shot send whole 4-byte words as LL words (16-bit dtypes
-    # need an even count), anything else by the push path; (20000,) fp32 is above LL_MAX_BYTES.
+    # need an even count), anything else by the push path; (20000,) fp32 is above all_reduce.ll_max_bytes.
     cases = _cases(("one_shot", "two_shot", "auto"), DTYPES, [(1,), (7, 3), (1000,), (33, 5), (2, 7), (1001,)],
                    ("out", "inplace", "none", "symm_out", "symm_inplace"))
     cases += [(m, "float32", (9001,), "out") for m in ("one_shot", "two_shot")]  # several programs and blocks

@@ -56,8 +56,8 @@ import triton.language as tl
 
 import weft.language as wl
 
-from ..runtime.streams import StreamSet
 from .. import tuning
+from ..runtime.streams import StreamSet
 from . import gemm
 from .all_gather import all_gather
 from .blocks import copy, first_item
@@ -183,8 +183,8 @@ def auto_method(m: int, n: int, k: int, world) -> str:
 
     Overlap from ag_gemm.overlap_min_rows (weft.tuning) gathered rows: on 4 H200s (docs/perf.md, 2026-11-21)
     it was 1.10-1.52x faster than NCCL + cuBLAS on every TP shape (4096 rows and more), and on 2 H200s eager
-    (2026-11-22) 1.21x at 4096 rows; at 128 rows the GEMM is too short to hide the overlap's host and launch cost (88 us
-    against 48 us for all_gather + cuBLAS), so small calls take the baseline.
+    (2026-11-22) 1.21x at 4096 rows; at 128 rows the GEMM is too short to hide the overlap's host and launch
+    cost (88 us against 48 us for all_gather + cuBLAS), so small calls take the baseline.
     """
     min_rows = tuning.value("ag_gemm.overlap_min_rows", world.device, world.world_size)
     return "overlap" if m * world.world_size >= min_rows else "baseline"

@@ -95,7 +95,7 @@ CPU_BLOCK_N = 16
 # Partials merged per step of flash_decode's merge kernel.
 SPLIT_BLOCK = 16
 # sp_flash_decode's merge kernel (8 warps) merges up to SP_SPLIT_WORDS // head_dim partials per step: all
-# of a row's splits (at most MAX_SPLITS) in one step at head_dim 128, so that the local merge, on the
+# of a row's splits (at most flash_decode.max_splits) in one step at head_dim 128, so that the local merge, on the
 # latency path of the exchange, is one round of loads rather than one per 16 splits.
 SP_SPLIT_WORDS = 8192
 SP_NUM_WARPS = 8

@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 import weft
 from weft import tuning
-from weft.bench import shapes
 from weft.bench.timing import time_calls
 from weft.kernels.common import nccl_reduce_scatter
 
@@ -66,6 +65,11 @@ class Sweep:
         if self.gpu:
             return time_calls(fns, calls=10, samples=self.samples, graph=True)
         return time_calls(fns, calls=1, samples=self.samples, warmup=1)
+
+    def symmetric(self, nbytes: int) -> torch.Tensor:
+        """A bf16 buffer of `nbytes` in the symmetric heap, whose fronts serve every size of a sweep (the heap
+        never frees: one buffer per sweep, not one per size)."""
+        return weft.empty((nbytes // 2,), torch.bfloat16)
 
     def log(self, suite: str, **row):
         row = {"suite": suite, **row}
@@ -148,6 +152,7 @@ def all_gather_suite(s: Sweep) -> dict:
 
     # The crossover: push with the rule just chosen against NCCL, per output kind.
     sizes = s.sizes((1 << 20, 128 << 20), 16 << 20)
+    symmetric_out = s.symmetric(w.world_size * sizes[-1])
     with tuning.overrides(found):
         for kind in ("plain", "none", "symmetric"):
             weft_ms, nccl_ms = [], []
@@ -155,7 +160,7 @@ def all_gather_suite(s: Sweep) -> dict:
                 _fresh_plans(w)
                 x = torch.randn(size // 2, device=w.device).to(torch.bfloat16)
                 n = w.world_size * x.numel()
-                out = None if kind == "none" else weft.empty((n,), x.dtype) if kind == "symmetric" else \
+                out = None if kind == "none" else symmetric_out[:n] if kind == "symmetric" else \
                     torch.empty(n, dtype=x.dtype, device=w.device)
                 ref = torch.empty(n, dtype=x.dtype, device=w.device)
                 dist.all_gather_into_tensor(ref, x, group=group)
@@ -169,7 +174,6 @@ def all_gather_suite(s: Sweep) -> dict:
                 nccl_ms.append(ms["nccl"])
                 s.log("all_gather", output=kind, shard_bytes=size, weft_us=round(ms["weft"] * 1e3, 1),
                       nccl_us=round(ms["nccl"] * 1e3, 1))
-                del out
             found[f"all_gather.nccl_above.{kind}"] = crossover(sizes, weft_ms, nccl_ms)
     _fresh_plans(w)
     return found
@@ -200,12 +204,13 @@ def all_reduce_suite(s: Sweep) -> dict:
     sizes = s.sizes((1 << 20, 256 << 20), 16 << 20)
     cases = [("all_reduce", "plain"), ("all_reduce", "in_place"), ("all_reduce", "symmetric"),
              ("reduce_scatter", "plain"), ("reduce_scatter", "symmetric")]
+    symmetric_out = s.symmetric(sizes[-1])
     with tuning.overrides(found):
         for op, kind in cases:
             weft_ms, nccl_ms = [], []
             for size in sizes:
                 _fresh_plans(w)
-                ms = s.time(_collective_pair(w, op, kind, size))
+                ms = s.time(_collective_pair(w, op, kind, size, symmetric_out))
                 weft_ms.append(ms["weft"])
                 nccl_ms.append(ms["nccl"])
                 s.log(op, output=kind, bytes=size, weft_us=round(ms["weft"] * 1e3, 1),
@@ -217,9 +222,10 @@ def all_reduce_suite(s: Sweep) -> dict:
     return found
 
 
-def _collective_pair(w, op: str, kind: str, size: int) -> dict:
+def _collective_pair(w, op: str, kind: str, size: int, symmetric_out: torch.Tensor) -> dict:
     """{"weft": ..., "nccl": ...}: weft's method below the crossover and NCCL's call, each into the same kind
-    of output as auto would see (plain: NCCL's result copied into it, as auto's NCCL path does)."""
+    of output as auto would see (plain: NCCL's result copied into it, as auto's NCCL path does); a symmetric
+    output is the front of `symmetric_out`."""
     group = w.group
     n = size // 2
     x = torch.randn(n, device=w.device).to(torch.bfloat16)
@@ -230,7 +236,7 @@ def _collective_pair(w, op: str, kind: str, size: int) -> dict:
         method = "one_shot" if size <= tuning.value("all_reduce.one_shot_max_bytes", w.device, w.world_size) \
             else "two_shot"
         # plain: x into another tensor; in_place: into x itself; symmetric: in place in symmetric memory.
-        target = weft.empty((n,), x.dtype) if symmetric else torch.empty_like(x)
+        target = symmetric_out[:n] if symmetric else torch.empty_like(x)
         target.copy_(x)
         source = x if kind == "plain" else target
         got = weft.ops.all_reduce(source, out=target, method=method)
@@ -251,7 +257,7 @@ def _collective_pair(w, op: str, kind: str, size: int) -> dict:
     dist.all_reduce(ref, group=group)
     ref = ref.view(w.world_size, -1)[w.rank]
     m = rows // w.world_size
-    out = weft.empty((m,), x.dtype) if symmetric else torch.empty(m, dtype=x.dtype, device=w.device)
+    out = symmetric_out[:m] if symmetric else torch.empty(m, dtype=x.dtype, device=w.device)
     got = weft.ops.reduce_scatter(x, out=out, method="two_shot")
     torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2 * w.world_size)
     return {"weft": lambda: weft.ops.reduce_scatter(x, out=out, method="two_shot"),
@@ -288,8 +294,8 @@ def gemm_suite(s: Sweep) -> dict:
             tuned[(m, n, k)] = best
         else:
             tuned.pop((m, n, k), None)
-        s.log("gemm", shape=[m, n, k], **{name: round(t * 1e3, 1) for name, t in ms.items()}, chosen=tuned.get(
-            (m, n, k), default))
+        chosen = tuned.get((m, n, k), default)
+        s.log("gemm", shape=[m, n, k], **{name: round(t * 1e3, 1) for name, t in ms.items()}, chosen=chosen)
     return {"gemm.tuned": [[m, n, k, name] for (m, n, k), name in sorted(tuned.items())]}
 
 
