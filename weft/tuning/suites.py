@@ -347,6 +347,7 @@ def main(argv=None) -> int:
     unknown = [op for op in ops if op not in SUITES]
     if unknown or not ops:
         ap.error(f"--ops: unknown suite(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(SUITES)}")
+    tuning.tables()  # a malformed table already there fails now, not after the sweeps
     gpu = torch.cuda.is_available()
     weft.init(heap_size=(4 << 30) if gpu else None)
     s = Sweep(args.quick, args.samples)
