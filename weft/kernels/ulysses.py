@@ -377,14 +377,15 @@ def _a2a_plan(world, x, scatter, packed, method):
     most = slot // row
     heap = world.heap.descriptor
     gpu = world.device.type == "cuda"
-    block = 2048 if gpu else 1024
+    push = tuning.value("ulysses.push", world.device, w) if gpu else dict(block=1024)
+    block = push["block"]
     cols = min(block, max(vec, 1 << (row.bit_length() - 1)))  # whole column blocks in every row where it can
     consts = dict(ROWS=block // cols, COLS=cols, VEC=vec)
     passes = []
     for lo in range(0, n, most):
         k = min(most, n - lo)
         per_peer = k * row_bytes
-        programs = min(MAX_PROGRAMS, max(1, per_peer // (128 << 10)), k) if gpu else min(2, k)
+        programs = min(MAX_PROGRAMS, max(1, per_peer // push["program_bytes"]), k) if gpu else min(2, k)
         chunk = triton.cdiv(k, programs)
 
         def args(xw, ow, lo=lo, k=k, chunk=chunk):

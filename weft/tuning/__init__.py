@@ -130,6 +130,7 @@ KEYS = {
     "flash_decode.max_splits": _count,
     "ulysses.nccl_above": _limit,
     "ulysses.auto_fused": _flag,
+    "ulysses.push": _settings,
     "moe.ht_programs": _count,
     "moe.ht_block": _settings,
     "moe.ht_copy_programs": _count,
