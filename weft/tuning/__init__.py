@@ -202,16 +202,24 @@ def file_name(gpu: str, world_size: int) -> str:
     return f"{gpu}-x{world_size}.json"
 
 
+_shipped: list[Table] = []
 _tables: dict[str, list[Table]] = {}  # by local directory: the shipped tables, then the local ones
 _chosen: dict[tuple, Table] = {}
 _overrides: dict[str, object] = {}
+
+
+def shipped_tables() -> list[Table]:
+    """The tables shipped in weft/tuning/data (read once)."""
+    if not _shipped:
+        _shipped.extend(load(p) for p in sorted(DATA_DIR.glob("*.json")))
+    return _shipped
 
 
 def tables() -> list[Table]:
     """Every table: the shipped ones and those in the local directory (read once per directory)."""
     where = str(local_dir())
     if where not in _tables:
-        found = [load(p) for p in sorted(DATA_DIR.glob("*.json"))]
+        found = list(shipped_tables())
         if Path(where).is_dir():
             found += [load(p, local=True) for p in sorted(Path(where).glob("*.json"))]
         _tables[where] = found
@@ -326,8 +334,8 @@ def sources(device: torch.device, world_size: int) -> dict[str, Table]:
 def shipped(key: str) -> list:
     """The distinct values of `key` over the shipped tables (e.g. every GEMM config, for the compile check)."""
     found = []
-    for t in tables():
-        if not t.local and key in t.values and t.values[key] not in found:
+    for t in shipped_tables():
+        if key in t.values and t.values[key] not in found:
             found.append(t.values[key])
     return found
 
