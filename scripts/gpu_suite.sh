@@ -16,8 +16,8 @@
 #     (scripts/probe_grouped_gemm.py, bf16 and --fp8: weft's configs against torch._grouped_mm, MoE shapes;
 #     scripts/probe_moe_layout.py: TP-MoE's layout kernels against torch ops; scripts/probe_moe_layers.py: the MoE
 #     layers' time kernel by kernel on 1 GPU; not in all);
-#     tune: the launch/tile sweeps on all GPUs (scripts/probe_all_gather.py, probe_ep_ll.py, probe_moe_tp.py;
-#     not in all);
+#     tune: the launch/tile sweeps on all GPUs (`weft tune`, its table in $OUT/tuning; scripts/probe_ep_ll.py,
+#     probe_moe_tp.py; not in all);
 #     e2e: the tensor-parallel decoder (weft.models): GPU tests on 2 and all GPUs (logits against transformers,
 #     graph-replayed decode), `weft demo`, `weft bench e2e` (Qwen3-8B and -32B, prefill and decode) on all GPUs
 # WEFT_COMMIT names the commit in the log where the tree was copied without its git history.
@@ -112,7 +112,8 @@ if [[ "$PARTS" == *" grouped "* ]]; then  # a tuning sweep, not a benchmark of r
     --layers ep,ep-fp8,ep-ht,ep-ht-fp8,tp,tp-overlap,tp-baseline
 fi
 if [[ "$PARTS" == *" tune "* ]]; then  # tuning sweeps, like grouped
-  for probe in all_gather ep_ll moe_tp; do
+  step tune timeout 600 env WEFT_TUNING_DIR="$OUT/tuning" python3 -m weft tune -n "$NGPU"
+  for probe in ep_ll moe_tp; do
     step "probe_$probe" timeout 300 env OUT="$OUT/bench" python3 -m weft run -n "$NGPU" "scripts/probe_$probe.py"
   done
 fi

@@ -121,7 +121,7 @@ def _cases(methods, dtypes, shapes, modes):
 
 def test_all_reduce_2_ranks_every_method_dtype_mode():
     # Odd and even element counts: one-shot and two-shot send whole 4-byte words as LL words (16-bit dtypes
-    # need an even count), anything else by the push path; (20000,) fp32 is above LL_MAX_BYTES.
+    # need an even count), anything else by the push path; (20000,) fp32 is above all_reduce.ll_max_bytes.
     cases = _cases(("one_shot", "two_shot", "auto"), DTYPES, [(1,), (7, 3), (1000,), (33, 5), (2, 7), (1001,)],
                    ("out", "inplace", "none", "symm_out", "symm_inplace"))
     cases += [(m, "float32", (9001,), "out") for m in ("one_shot", "two_shot")]  # several programs and blocks
@@ -147,10 +147,12 @@ def _one_shot_paths():
     import torch
 
     import weft
-    from weft.kernels.all_reduce import LL_MAX_BYTES, all_reduce
+    from weft import tuning
+    from weft.kernels.all_reduce import all_reduce
 
-    small = torch.ones(LL_MAX_BYTES // 4)
-    large = torch.ones(LL_MAX_BYTES // 4 + 4)
+    ll_max_bytes = tuning.value("all_reduce.ll_max_bytes", weft.world().device, weft.world_size())
+    small = torch.ones(ll_max_bytes // 4)
+    large = torch.ones(ll_max_bytes // 4 + 4)
     for x in (small, large):
         assert torch.equal(all_reduce(x, method="one_shot"), x * weft.world_size())
     return sorted(p.path for k, p in weft.world().plans.items() if k[0] == "all_reduce")
@@ -166,19 +168,21 @@ def _two_shot_paths():
     import torch
 
     import weft
+    from weft import tuning
     from weft.kernels import all_reduce as ar
 
-    ar.LL_TWO_SHOT_MAX_BYTES, ar.LL_TWO_SHOT_SYMMETRIC_MAX_BYTES = 4096, 2048
     me, w = weft.rank(), weft.world_size()
     kinds = []
-    for seed, (numel, symmetric) in enumerate([(1024, False), (1028, False), (512, True), (516, True)]):
-        xs = _inputs(300 + seed, (numel,), "float32", w)
-        ref = torch.stack(xs).sum(0)
-        out = weft.empty((numel,), torch.float32) if symmetric else torch.empty(numel)
-        out.fill_(float("nan"))
-        before = set(weft.world().plans)
-        torch.testing.assert_close(ar.all_reduce(xs[me], method="two_shot", out=out), ref, rtol=1e-6, atol=1e-6)
-        kinds += [weft.world().plans[k].path for k in set(weft.world().plans) - before if k[0] == "all_reduce"]
+    lowered = {"all_reduce.ll_two_shot_max_bytes": 4096, "all_reduce.ll_two_shot_symmetric_max_bytes": 2048}
+    with tuning.overrides(lowered):
+        for seed, (numel, symmetric) in enumerate([(1024, False), (1028, False), (512, True), (516, True)]):
+            xs = _inputs(300 + seed, (numel,), "float32", w)
+            ref = torch.stack(xs).sum(0)
+            out = weft.empty((numel,), torch.float32) if symmetric else torch.empty(numel)
+            out.fill_(float("nan"))
+            before = set(weft.world().plans)
+            torch.testing.assert_close(ar.all_reduce(xs[me], method="two_shot", out=out), ref, rtol=1e-6, atol=1e-6)
+            kinds += [weft.world().plans[k].path for k in set(weft.world().plans) - before if k[0] == "all_reduce"]
     return kinds
 
 
@@ -193,10 +197,12 @@ def test_all_reduce_1_rank():
 
 
 def _auto_choice():
+    import torch
+
     from weft.kernels import all_reduce as ar
 
-    return [(nbytes, w, ar._auto_method(nbytes, w)) for nbytes in (8 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20)
-            for w in (2, 4, 8)]
+    return [(nbytes, w, ar._auto_method(nbytes, torch.device("cpu"), w))
+            for nbytes in (8 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20) for w in (2, 4, 8)]
 
 
 def test_auto_crossover():

@@ -160,8 +160,12 @@ def test_stage_is_double_buffered_by_epoch(w):
 
 
 def test_auto_switches_to_baseline_above_fused_max_m():
-    """auto: fused up to FUSED_MAX_M rows (a gemm_ar workspace appears), cuBLAS + all_reduce above (none)."""
-    from weft.kernels.gemm_ar import FUSED_MAX_M
+    """auto: fused up to gemm_ar.fused_max_m rows (a gemm_ar workspace appears), cuBLAS + all_reduce above (none)."""
+    import torch
+
+    from weft import tuning
+
+    FUSED_MAX_M = tuning.value("gemm_ar.fused_max_m", torch.device("cpu"), 2)
 
     small = run_ranks(_gemm_ar_cases, 2, [("auto", "float32", FUSED_MAX_M, 8, 8, "out")], timeout=TIMEOUT,
                       env=ENV)
@@ -173,14 +177,17 @@ def test_auto_switches_to_baseline_above_fused_max_m():
 
 def test_gpu_config_table():
     """At the target shapes (N = 5120, K_local = 3200, M <= 128) one row block, unmasked b loads, and few
-    enough tiles that every program of the grid is resident at once on an H200 (132 SMs)."""
+    enough tiles that every program of the grid is resident at once on an H200 (132 SMs): the shipped tables."""
     import torch
     import triton
 
-    from weft.kernels.gemm_ar import config_for, stage_dtype
+    from weft import tuning
+    from weft.kernels.gemm_ar import GemmArConfig, stage_dtype
 
-    for m in (1, 8, 16, 17, 32, 64, 128):
-        cfg = config_for(m, torch.device("cuda", 0))
+    tables = tuning.shipped("gemm_ar.configs")
+    assert tables
+    for rows, m in ((rows, m) for rows in tables for m in (1, 8, 16, 17, 32, 64, 128)):
+        cfg = next(GemmArConfig(**c) for max_m, c in rows if max_m is None or m <= max_m)
         assert triton.cdiv(m, cfg.block_m) == 1, (m, cfg)
         assert 5120 % cfg.block_n == 0 and 3200 % cfg.block_k == 0, (m, cfg)
         assert 5120 // cfg.block_n <= 132, (m, cfg)

@@ -69,7 +69,7 @@ def test_gemm_rs_matches_reference(method, m, n, k):
     shape; on 4: the second and third), else on weft's GEMM; with a config passed in, always on weft's."""
     w = weft.world()
     m = m // 8 * w.world_size if m % 8 == 0 else 37 * w.world_size
-    config = gemm.GPU_CONFIGS["medium"] if method.endswith("weft chunk GEMMs") else None
+    config = gemm.gpu_configs(weft.world().device)["medium"] if method.endswith("weft chunk GEMMs") else None
     for it in range(3):
         a = torch.randn(m, k, device=w.device).to(torch.bfloat16)
         b = (torch.randn(k, n, device=w.device) / k ** 0.5).to(torch.bfloat16)

@@ -21,19 +21,23 @@ PACKAGE = Path(__file__).resolve().parent.parent / "weft"
 LAYER_OF = [
     ("weft.language", "language"), ("weft.runtime", "runtime"), ("weft.kernels", "kernels"),
     ("weft.layers", "layers"), ("weft.models", "models"), ("weft.testing", "testing"), ("weft.bench", "bench"),
-    ("weft.ops", "ops"),
+    ("weft.ops", "ops"), ("weft.tuning.suites", "bench"), ("weft.tuning", "tuning"),
     ("weft.cli", "commands"), ("weft.__main__", "commands"), ("weft.demo", "commands"),
 ]
 ROOT = "weft"  # weft/__init__.py: the public host API (init, empty, ...), which imports weft.ops
 
 # Layer -> (the layers it may import, the rule in words). Every layer may import itself.
-EVERYTHING = {"language", "runtime", "kernels", "ops", "root", "layers", "models", "testing", "bench", "commands"}
+EVERYTHING = {"language", "runtime", "tuning", "kernels", "ops", "root", "layers", "models", "testing", "bench",
+              "commands"}
 RULES = {
     "language": (set(), "language/ is device code: it imports only language/ and what it branches on at trace "
                         "time (runtime.backend, runtime.settings, runtime.errors); host code belongs in runtime/"),
     "runtime": ({"language"}, "runtime/ is the host runtime: it imports nothing of testing/, kernels/, layers/, "
                               "models/, the ops, bench/ or the commands"),
-    "kernels": ({"language", "runtime"}, "kernels/ (op families) import only language/, runtime/ and each other"),
+    "tuning": ({"runtime"}, "tuning/ (the measured tables and their lookup) imports only runtime/; its sweeps "
+                            "(tuning.suites) are benchmarks"),
+    "kernels": ({"language", "runtime", "tuning"}, "kernels/ (op families) import only language/, runtime/, "
+                                                   "tuning/ and each other"),
     "ops": ({"kernels", "runtime"}, "the ops import only kernels/ and runtime/"),
     "root": ({"runtime", "ops"}, "weft/__init__ imports only runtime/ and the ops"),
     "layers": ({"root", "ops", "runtime"}, "layers/ reach kernels only through weft.ops (and import no models/, "

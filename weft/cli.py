@@ -1,4 +1,4 @@
-"""The `weft` command: run, info, demo, bench."""
+"""The `weft` command: run, info, tune, demo, bench."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +27,7 @@ def cmd_info(args) -> int:
     import triton
 
     import weft
+    from weft import tuning
 
     weft.init()
     w = weft.world()
@@ -42,8 +43,20 @@ def cmd_info(args) -> int:
         print(f"torch       {torch.__version__}")
         print(f"triton      {triton.__version__}")
         print(f"heap        {w.heap.size / (1 << 20):.0f} MiB per rank ({w.heap.used} bytes used)")
+        print(f"tuning      {tuning.gpu_model(w.device)} at {w.world_size} ranks; local tables in {tuning.local_dir()}")
+        for family, table in tuning.sources(w.device, w.world_size).items():
+            print(f"  {family:<13} {table.describe()}")
     weft.finalize()
     return 0
+
+
+def cmd_tune(args) -> int:
+    from .runtime.launcher import run
+
+    options = ["--ops", args.ops] if args.ops else []
+    options += ["--quick"] if args.quick else []
+    options += ["--samples", str(args.samples)] if args.samples else []
+    return run(args.n or _default_ranks(), ["-m", "weft.tuning.suites", *options])
 
 
 def cmd_demo(args) -> int:
@@ -78,8 +91,16 @@ def main(argv=None) -> int:
     r.add_argument("-m", dest="module", help="run a module instead of a script")
     r.add_argument("args", nargs=argparse.REMAINDER)
     r.set_defaults(fn=cmd_run)
-    i = sub.add_parser("info", help="backend, world size, devices, versions, heap size")
+    i = sub.add_parser("info", help="backend, world size, devices, versions, heap size, the tuning table of each "
+                       "op family")
     i.set_defaults(fn=cmd_info)
+    t = sub.add_parser("tune", help="re-measure the tuning tables' values on this machine into a local table "
+                       "(weft/tuning/suites.py), which weft then prefers")
+    t.add_argument("-n", type=int, default=None, help="ranks (default: all GPUs, or 4 cpu ranks)")
+    t.add_argument("--ops", default=None, help="suites, comma-separated (default: all): all_gather,all_reduce,gemm")
+    t.add_argument("--quick", action="store_true", help="fewer sizes and samples")
+    t.add_argument("--samples", type=int, default=None, help="samples per timing")
+    t.set_defaults(fn=cmd_tune)
     d = sub.add_parser("demo", help="the main demo: a Qwen3 decoder on all GPUs (weft against NCCL), else on 4 cpu "
                        "ranks checked against transformers; its options (--model PATH, --batch, ...): "
                        "`python -m weft.demo -h`")

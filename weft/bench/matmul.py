@@ -1,7 +1,7 @@
 """matmul: weft's persistent TMA GEMM against cuBLAS (torch.matmul) on the per-rank GEMMs of the TP shapes.
 
 One rank is enough (`weft bench -n 1 matmul`). `--sweep` times every candidate config as well, which is how
-GPU_CONFIGS in weft/kernels/gemm.py was chosen. The bandwidth column holds TFLOP/s.
+gemm.configs in weft/tuning/data/ was chosen. The bandwidth column holds TFLOP/s.
 """
 from __future__ import annotations
 

@@ -56,6 +56,7 @@ import triton.language as tl
 
 import weft.language as wl
 
+from .. import tuning
 from ..runtime.streams import StreamSet
 from ..runtime.tiles import CopyEnginePush
 from . import gemm
@@ -66,13 +67,10 @@ from .common import (Launch, check_method, check_out, check_world_size, matmul_o
 from .registry import declare_op, fresh, into, no_config
 
 METHODS = ("auto", "overlap", "baseline")
-# "auto" overlaps from this many gathered rows (see auto_method); provisional between the 128 and 4096
-# measured.
-OVERLAP_MIN_ROWS = 1024
-# The start kernel's copy of a_shard into the gathered buffer: (elements a block, most programs) per backend,
-# and the bytes a program copies (16 MiB, a 4096-row shard of K = 4096 at 2 ranks, on 64 SMs).
-START_SHAPE = {"cuda": (2048, 132), "cpu": (256, 2)}
-START_PROGRAM_BYTES = 256 << 10
+# "auto" overlaps from ag_gemm.overlap_min_rows gathered rows (weft.tuning; see auto_method). The start
+# kernel's copy of a_shard into the gathered buffer takes ag_gemm.start on GPUs (elements a block, most
+# programs, bytes a program copies), and this under the interpreter.
+CPU_START = dict(block=256, max_programs=2, program_bytes=256 << 10)
 
 
 # -- kernels --------------------------------------------------------------------
@@ -182,15 +180,16 @@ def overlap_refusal(world, a_shard, b, out) -> str | None:
     return None
 
 
-def auto_method(m: int, n: int, k: int, world_size: int) -> str:
+def auto_method(m: int, n: int, k: int, world) -> str:
     """Which path `method="auto"` takes for a_shard (m, k) and b (k, n) where the overlap can take it.
 
-    Overlap from OVERLAP_MIN_ROWS gathered rows: on 4 H200s (docs/perf.md, 2026-11-21) it was 1.10-1.52x
-    faster than NCCL + cuBLAS on every TP shape (4096 rows and more), and on 2 H200s eager (2026-11-22)
-    1.21x at 4096 rows; at 128 rows the GEMM is too short to hide the overlap's host and launch cost (88 us
-    against 48 us for all_gather + cuBLAS), so small calls take the baseline.
+    Overlap from ag_gemm.overlap_min_rows (weft.tuning) gathered rows: on 4 H200s (docs/perf.md, 2026-11-21)
+    it was 1.10-1.52x faster than NCCL + cuBLAS on every TP shape (4096 rows and more), and on 2 H200s eager
+    (2026-11-22) 1.21x at 4096 rows; at 128 rows the GEMM is too short to hide the overlap's host and launch
+    cost (88 us against 48 us for all_gather + cuBLAS), so small calls take the baseline.
     """
-    return "overlap" if m * world_size >= OVERLAP_MIN_ROWS else "baseline"
+    min_rows = tuning.value("ag_gemm.overlap_min_rows", world.device, world.world_size)
+    return "overlap" if m * world.world_size >= min_rows else "baseline"
 
 
 @declare_op(tensors=("a_shard", "b", "out"), collective=True)
@@ -224,7 +223,7 @@ def _ag_gemm_plan(world, a_shard, b, method, out, return_gathered, config):
     if method == "overlap" and refusal:
         raise ValueError(f"method='overlap' cannot take this call: {refusal}")
     if method == "auto":
-        method = "baseline" if refusal else auto_method(m, n, k, w)
+        method = "baseline" if refusal else auto_method(m, n, k, world)
 
     dtype, device = a_shard.dtype, a_shard.device  # not a_shard itself: a plan keeps no caller tensor
 
@@ -260,8 +259,10 @@ def _ag_gemm_plan(world, a_shard, b, method, out, return_gathered, config):
     b_desc = gemm.descriptor(b, (cfg.block_k, cfg.block_n))
     tiles = w * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     programs = min(gemm.num_sms(world.device), tiles)
-    elements, (block, start_programs) = m * k, START_SHAPE[world.device.type]
-    wanted = min(start_programs, triton.cdiv(elements * a_shard.element_size(), START_PROGRAM_BYTES))
+    start_rule = tuning.value("ag_gemm.start", world.device, w) if world.device.type == "cuda" else CPU_START
+    elements, block = m * k, start_rule["block"]
+    wanted = min(start_rule["max_programs"],
+                 triton.cdiv(elements * a_shard.element_size(), start_rule["program_bytes"]))
     chunk = triton.cdiv(triton.cdiv(elements, wanted), block) * block
     start = Launch(ag_gemm_start_kernel, (triton.cdiv(elements, chunk),),
                    (a_shard, local, ws.bar, ws.ready, heap, elements, chunk),
@@ -372,5 +373,5 @@ COMPILE_CASES = [
      dict(BLOCK=2048, VEC=16 // size), dict(num_warps=4))
     for t, size in (("*bf16", 2), ("*fp16", 2), ("*fp32", 4))
 ] + [
-    _case(t, c, ragged) for t in ("bf16", "fp16") for c in gemm.GPU_CONFIGS.values() for ragged in (False, True)
+    _case(t, c, ragged) for t in ("bf16", "fp16") for c in gemm.shipped_configs() for ragged in (False, True)
 ]

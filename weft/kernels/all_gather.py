@@ -38,6 +38,8 @@ import triton.language as tl
 
 import weft.language as wl
 
+from .. import tuning
+
 from ..runtime.backend import INTERPRET
 from .blocks import copy
 from .common import (Launch, as_words, check_method, check_out, check_tensor, check_world_size, nccl_all_gather,
@@ -106,24 +108,22 @@ def all_gather_pull_kernel(x, stage, out, flags, counter, heap, n, chunk, out_st
         copy(out + q * out_stride, src, lo, hi, BLOCK, VEC)
 
 
-# Shard bytes per program and the most programs (per peer for push) on GPUs: one program moves its part
-# block after block, so a part too large makes the call as slow as one SM's stores (push) or its round
-# trips of remote loads (pull). From `scripts/probe_all_gather.py` on 2 H200s (2026-11-23, eighth session,
-# plain output, graph replay, us at 64 KiB / 512 KiB / 2 MiB / 8 MiB shards): push 256 KiB per program, at
-# most 16: 8.6 / 20.2 / 20.8 / 57.4; 16 KiB, at most 64: 5.5 / 6.9 / 12.0 / 34.0; pull 64 KiB: 16.8 / 17.2 /
-# 18.3 / 42.1; 8 KiB: 6.9 / 8.2 / 14.2 / 42.0; NCCL 9.6 / 13.4 / 27.2 / 56.0.
-PUSH_PROGRAM_BYTES, PUSH_MAX_PROGRAMS = 16 << 10, 64
-PULL_PROGRAM_BYTES = 8 << 10
+# On GPUs a program moves its part of the shard block after block, so a part too large makes the call as slow
+# as one SM's stores (push) or its round trips of remote loads (pull): the shard bytes per program and the
+# most programs (per peer for push) are measured settings (weft.tuning: all_gather.push_program_bytes,
+# push_max_programs, pull_program_bytes; their runs are in weft/tuning/data/).
 
 
-def _launch_shape(method: str, nbytes: int, device: torch.device) -> tuple[int, int, int]:
+def _launch_shape(method: str, nbytes: int, device: torch.device, world_size: int) -> tuple[int, int, int]:
     """(programs, BLOCK words, num_warps) for a shard of `nbytes`: grid rows of pull, or of push
     (which has one column per peer)."""
     if device.type != "cuda":
         return min(4, max(1, nbytes // 4096)), 1024, 4
     if method == "push":
-        return max(1, min(PUSH_MAX_PROGRAMS, nbytes // PUSH_PROGRAM_BYTES)), 2048, 8
-    return max(1, min(MAX_PROGRAMS, nbytes // PULL_PROGRAM_BYTES)), 2048, 8
+        most = min(MAX_PROGRAMS, tuning.value("all_gather.push_max_programs", device, world_size))
+        return max(1, min(most, nbytes // tuning.value("all_gather.push_program_bytes", device, world_size))), 2048, 8
+    return max(1, min(MAX_PROGRAMS, nbytes // tuning.value("all_gather.pull_program_bytes", device, world_size))), \
+        2048, 8
 
 
 def _vector_width(n: int, stride: int, *tensors: torch.Tensor) -> int:
@@ -154,14 +154,10 @@ class AllGatherWorkspace:
         return self.data.view(dtype), self.half_bytes // dtype.itemsize
 
 
-# "auto" hands shards of at least this many bytes to the process group's all_gather (NCCL), by output kind
-# and world size (the nearest measured one): where NCCL measured faster. Into a plain output, 2 H200s,
-# 2026-11-23 (eighth session, `weft bench -n 2 allgather --view both`, the launch rule above): push 140.1 /
-# 279.5 / 556.9 us replayed at 32 / 64 / 128 MiB shards against NCCL's 162.7 / 295.7 / 553.6 (eager 141.4 /
-# 282.7 / 563.4 against 158.7 / 290.2 / 550.5), and ahead by 1.2-2.7x below. With no output given, NCCL's
-# call costs ~10 us more (its output, allocated per call, is recorded on NCCL's stream). Into a symmetric
-# output push is ahead at every size.
-NCCL_ABOVE = {"plain": {2: 128 << 20}, "none": {2: 128 << 20}, "symmetric": {2: float("inf")}}
+# "auto" hands shards of at least all_gather.nccl_above.<output kind> bytes (weft.tuning) to the process group's
+# all_gather (NCCL): where NCCL measured faster. Into a plain output that is only the largest shards; with no
+# output given NCCL's call costs ~10 us more (its output, allocated per call, is recorded on NCCL's stream);
+# into a symmetric output push was ahead at every size measured.
 
 
 @declare_op(tensors=("x", "out"), collective=True)
@@ -204,7 +200,7 @@ def _all_gather_plan(world, x, out, method):
     nbytes = x.numel() * x.element_size()
     if method == "auto":
         kind = "symmetric" if symmetric else "none" if out is None else "plain"
-        method = "nccl" if nbytes >= nccl_from(NCCL_ABOVE[kind], world) else "push"
+        method = "nccl" if nbytes >= nccl_from(f"all_gather.nccl_above.{kind}", world) else "push"
 
     dtype, device = x.dtype, x.device  # not x itself: a plan keeps no caller tensor
 
@@ -248,7 +244,7 @@ def _all_gather_plan(world, x, out, method):
     for lo in range(0, n, most):
         hi = min(lo + most, n)
         k = hi - lo
-        programs, block, warps = _launch_shape(method, k * xw.element_size(), x.device)
+        programs, block, warps = _launch_shape(method, k * xw.element_size(), x.device, w)
         chunk = triton.cdiv(triton.cdiv(k, programs), block) * block  # whole blocks but the last
         vec = _vector_width(k, n, xw[lo:hi], ow[lo:], *([] if zero_copy else [buf]))
         if method == "push":

@@ -12,7 +12,7 @@ read only their own memory:
   rank's receive buffer, signals, and sums the W slots it received. One
   synchronisation step, (W - 1) * n elements sent per rank: the fastest for
   small messages, where latency dominates.
-  Up to LL_MAX_BYTES it sends LL words instead (`wl.pack_ll`: 4 bytes of x
+  Up to all_reduce.ll_max_bytes (weft.tuning) it sends LL words instead (`wl.pack_ll`: 4 bytes of x
   and the epoch in one 8-byte store), and the receiver polls the words
   themselves (`wl.wait_ll`): no fence and no separate flag, at twice the
   bytes.
@@ -22,7 +22,7 @@ read only their own memory:
   into every rank's `out` when `out` is symmetric; then each rank copies the
   gather buffer to `out`). Two steps, but only ~2 (W - 1) / W * n elements
   cross the links per rank: the faster one once bandwidth dominates.
-  Up to LL_TWO_SHOT_MAX_BYTES both steps send LL words, and the receivers
+  Up to all_reduce.ll_two_shot_max_bytes both steps send LL words, and the receivers
   unpack the gathered words straight into `out`.
 - reduce_scatter: the first half of two-shot, the sum written to `out`.
 
@@ -82,6 +82,8 @@ import triton.language as tl
 
 import weft.language as wl
 
+from .. import tuning
+
 from ..runtime import backend
 from .blocks import at, cast, copy, halves_of, word_of
 from .common import (Launch, as_words, check_method, check_out, check_tensor, check_world_size, nccl_from,
@@ -94,44 +96,14 @@ RS_METHODS = ("auto", "two_shot", "nccl")
 OPS = ("sum",)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# "auto" picks one_shot up to this many bytes at 8 ranks, two_shot above; with
-# fewer ranks one-shot sends less, so the limit scales as 8 / W. Measured on
-# 4 H200s (docs/perf.md, 2026-11-21, bf16, plain output): one_shot 10.8 / 16.5 us
-# and two_shot 11.9 / 15.0 us at 512 KiB / 1 MiB, so the switch sits between
-# them there, i.e. at 256 KiB at 8 ranks (not yet measured on 8).
-ONE_SHOT_MAX_BYTES_AT_8 = 256 << 10
-
-# One-shot sends messages up to this many bytes as LL words (data and epoch in one 8-byte store):
-# no fence and no separate flag, at twice the bytes.
-LL_MAX_BYTES = 64 << 10
-
-# Two-shot sends messages up to this many bytes as LL words (all_reduce_ll_two_shot_kernel), or up to
-# LL_TWO_SHOT_SYMMETRIC_MAX_BYTES into a symmetric `out` (where the push path needs no copy-out).
-# Measured on 4 H200s (bf16, CUDA graphs, 2026-11-21): LL 7.3 / 8.0 / 8.7 / 10.5 / 16.1 us at
-# 4 KiB / 64 KiB / 256 KiB / 512 KiB / 1 MiB; the push path 9.6 / 10.8 / 11.0 / 11.9 / 14.5 into a plain
-# out, 8.1 / 8.8 / 9.1 / 10.1 / 12.3 into a symmetric one.
-LL_TWO_SHOT_MAX_BYTES = 512 << 10
-LL_TWO_SHOT_SYMMETRIC_MAX_BYTES = 256 << 10
-
-# "auto" hands messages of at least this many bytes per rank to the process group's collective (NCCL), by
-# (op, symmetric output) and world size (the nearest measured one is used): where NCCL measured faster
-# than weft's best method. Measured on H200s (docs/perf.md): 4 GPUs, 2026-11-21: all_reduce into a plain
-# output 0.92-0.98x NCCL from 64 MiB, in place in symmetric memory 1.01-1.08x; reduce_scatter 1.01-1.18x
-# NCCL from 16 MiB.
-# 2 GPUs, eager, 2026-11-22 (`weft bench -n 2 overhead`): reduce_scatter of 64 MiB 241 us against NCCL's 166.
-# 2 GPUs, 2026-11-23 (`weft bench -n 2 allreduce --view both`, plain output): from 32 MiB weft's two-shot took
-# 135 / 259 / 488 / 986 us (graph) at 32 / 64 / 128 / 256 MiB where NCCL's call with its copy into the output
-# took 152 / 280 / 529 / 1015: at 2 ranks a plain output never goes to NCCL.
-# In place on a plain tensor NCCL needs no copy: 2 H200s, 2026-11-23 (eighth session), weft's two-shot into x
-# took 138.0 / 263.4 / 491.9 / 995.6 us (graph) at 32 / 64 / 128 / 256 MiB against NCCL's 136.5 / 247.8 /
-# 466.2 / 889.6 in place.
-NCCL_ABOVE = {
-    ("all_reduce", "in place"): {2: 32 << 20, 4: 32 << 20},
-    ("all_reduce", False): {2: float("inf"), 4: 32 << 20},
-    ("all_reduce", True): {4: float("inf")},
-    ("reduce_scatter", False): {2: 16 << 20, 4: float("inf")},
-    ("reduce_scatter", True): {2: 16 << 20, 4: float("inf")},
-}
+# The measured settings of this family are in weft.tuning (family all_reduce; their runs in
+# weft/tuning/data/): how far "auto" takes one-shot (one_shot_max_bytes: one-shot sends W - 1 copies, so the
+# limit falls with the world size), up to which size each path sends LL words (data and epoch in one 8-byte
+# store: no fence and no separate flag, at twice the bytes; ll_max_bytes for one-shot, ll_two_shot_max_bytes
+# and, into a symmetric out where the push path needs no copy-out, ll_two_shot_symmetric_max_bytes), the
+# launch rules (launch, launch_large, ll_launch), and from which message size per rank "auto" hands a call to
+# the process group's collective (NCCL) where it measured faster: nccl_above.<in_place | plain | symmetric>
+# for all_reduce, reduce_scatter_nccl_above.<plain | symmetric>.
 
 
 # -- device helpers -------------------------------------------------------------
@@ -426,30 +398,24 @@ def _workspace(world) -> ReduceWorkspace:
     return workspace(world, "reduce", ReduceWorkspace)
 
 
-def _launch_shape(n: int, element_size: int, device: torch.device) -> tuple[int, int, int]:
+def _launch_shape(n: int, element_size: int, device: torch.device, world_size: int) -> tuple[int, int, int]:
     """(programs, BLOCK elements, num_warps) for `n` elements handled per rank and step."""
     if device.type != "cuda":
         return min(4, max(1, n * element_size // 4096)), 1024, 4
-    # Up to 4M elements per rank and step: one 1024-element block per program (4 warps), up to 128
-    # programs. Measured on 4 H200s (bf16, 2026-11-21, 8 KiB / 256 KiB / 1 MiB): one-shot 4.8 / 8.0 /
-    # 15.9 us, against 5.1 / 8.1 / 16.5 with 2048-element blocks of 8 warps and up to 64 programs, and
-    # 5.1 / 8.1 / 21.5 with up to 256 (each program adds W signals). Every program fits on the GPU at
-    # once, which the per-slot waits rely on.
-    if n >= (1 << 22):
-        # From 4M elements, up to 512 programs of 2048 (8 warps): more bytes in flight. Same run, 256 MiB:
-        # reduce_scatter 656 us and two-shot 1272 us, against 678 / 1325 us with up to 256 programs.
-        return min(MAX_PROGRAMS, triton.cdiv(n, 2048)), 2048, 8
-    return max(1, min(128, triton.cdiv(n, 1024))), 1024, 4
+    # Small blocks of few warps, up to a modest number of programs, then (all_reduce.launch_large) larger
+    # blocks and more programs for more bytes in flight. Every program fits on the GPU at once, which the
+    # per-slot waits rely on.
+    large = tuning.value("all_reduce.launch_large", device, world_size)
+    rule = large if n >= large["from_elements"] else tuning.value("all_reduce.launch", device, world_size)
+    return max(1, min(MAX_PROGRAMS, rule["max_programs"], triton.cdiv(n, rule["block"]))), rule["block"], rule["warps"]
 
 
-def _ll_launch(words: int, device: torch.device) -> tuple[int, int, int]:
+def _ll_launch(words: int, device: torch.device, world_size: int) -> tuple[int, int, int]:
     """(programs, BLOCK words, num_warps) for an LL kernel whose programs share `words` words."""
     if device.type != "cuda":
         return min(4, triton.cdiv(words, 256)), 256, 4
-    # Measured on 4 H200s (bf16, 2026-11-21): blocks of 256 words (4 warps), up to 128 programs:
-    # 4.1 / 4.3 / 5.0 us at 4 / 16 / 64 KiB against 6.5 / 6.6 / 7.4 with 512-word blocks and
-    # 4.6 / 4.9 / 5.4 for the push path; at 128 KiB both paths take 6.3 us, at 256 KiB LL loses.
-    return min(128, triton.cdiv(words, 256)), 256, 4
+    rule = tuning.value("all_reduce.ll_launch", device, world_size)
+    return min(MAX_PROGRAMS, rule["max_programs"], triton.cdiv(words, rule["block"])), rule["block"], rule["warps"]
 
 
 def _vector_width(element_size: int, *tensors: torch.Tensor) -> int:
@@ -505,7 +471,7 @@ def _words32(t: torch.Tensor) -> torch.Tensor:
 
 def _one_shot_ll_pass(world, ws, xf, of, lo, hi):
     words = (hi - lo) * xf.element_size() // 4
-    programs, block, warps = _ll_launch(words, xf.device)
+    programs, block, warps = _ll_launch(words, xf.device, world.world_size)
     chunk = triton.cdiv(triton.cdiv(words, programs), block) * block
     heap = world.heap.descriptor
     args = lambda xs, os, f: (xs, f[0], os, f[1], f[2], words, chunk, ws.ll_half_words)
@@ -516,7 +482,7 @@ def _one_shot_ll_pass(world, ws, xf, of, lo, hi):
 def _two_shot_ll_pass(world, ws, xf, of, lo, hi):
     words = (hi - lo) * xf.element_size() // 4
     slice_len = triton.cdiv(words, world.world_size)
-    programs, block, warps = _ll_launch(slice_len, xf.device)
+    programs, block, warps = _ll_launch(slice_len, xf.device, world.world_size)
     chunk = triton.cdiv(triton.cdiv(slice_len, programs), block) * block
     heap = world.heap.descriptor
     args = lambda xs, os, f: (xs, f[0], os, f[1], f[2], words, slice_len, chunk, ws.ll_half_words)
@@ -527,7 +493,7 @@ def _two_shot_ll_pass(world, ws, xf, of, lo, hi):
 def _one_shot_pass(world, ws, xf, of, lo, hi):
     n = hi - lo
     recv, half_len = ws.data_as(xf.dtype)
-    programs, block, warps = _launch_shape(n, xf.element_size(), xf.device)
+    programs, block, warps = _launch_shape(n, xf.element_size(), xf.device, world.world_size)
     slot_len = triton.cdiv(n, 16) * 16  # every slot starts 16-byte aligned
     chunk = triton.cdiv(triton.cdiv(n, programs), block) * block  # whole blocks but the last
     vec = _vector_width(xf.element_size(), xf[lo:hi], of[lo:hi])
@@ -546,7 +512,7 @@ def _two_shot_pass(world, ws, xf, of, lo, hi, gather: bool, copy_out: bool):
     recv, half_len = ws.data_as(xf.dtype)
     align = 16 // xf.element_size()  # slices start 16-byte aligned; the last one is ragged (or empty)
     slice_len = triton.cdiv(triton.cdiv(n, w), align) * align if gather else n // w
-    programs, block, warps = _launch_shape(slice_len, xf.element_size(), xf.device)
+    programs, block, warps = _launch_shape(slice_len, xf.element_size(), xf.device, w)
     chunk = triton.cdiv(triton.cdiv(slice_len, programs), block) * block
     vec = _vector_width(xf.element_size(), xf[lo:hi], of[lo:hi])
     if slice_len % vec:
@@ -620,9 +586,9 @@ def _all_reduce_plan(world, x, op, method, out):
     target = out if out is not None else x  # what the output's alignment follows
     symmetric = out is not None and out_contig and world.heap.contains(out)
     if method == "auto":
-        table = NCCL_ABOVE[("all_reduce", "in place" if kind == "x" and not symmetric else symmetric)]
-        nccl = nbytes >= nccl_from(table, world)
-        method = "nccl" if nccl else _auto_method(nbytes, w)
+        kind_key = "in_place" if kind == "x" and not symmetric else "symmetric" if symmetric else "plain"
+        nccl = nbytes >= nccl_from(f"all_reduce.nccl_above.{kind_key}", world)
+        method = "nccl" if nccl else _auto_method(nbytes, x.device, w)
     check = (lambda x, out: _check_outside(x, out)) if kind in ("plain", "symmetric") else None
     if check:
         check(x, out)  # before the workspace is made
@@ -660,13 +626,15 @@ def _all_reduce_plan(world, x, op, method, out):
         of = torch.empty(n, dtype=x.dtype, device=x.device)
     recv, half_len = ws.data_as(x.dtype)
     ll_words = ws.ll_half_words
-    if method == "one_shot" and _ll_fits(nbytes, min(LL_MAX_BYTES, ll_words // w * 4), xf, of):
+    ll_max = tuning.value("all_reduce.ll_max_bytes", x.device, w)
+    ll_two_shot_max = tuning.value("all_reduce.ll_two_shot_symmetric_max_bytes" if symmetric
+                                   else "all_reduce.ll_two_shot_max_bytes", x.device, w)
+    if method == "one_shot" and _ll_fits(nbytes, min(ll_max, ll_words // w * 4), xf, of):
         passes, path = [_one_shot_ll_pass(world, ws, xf, of, 0, n)], "ll"
     elif method == "one_shot":
         passes, path = [_one_shot_pass(world, ws, xf, of, lo, hi) for lo, hi in _pieces(n, half_len // w - 16, 16)], \
             "one_shot"
-    elif _ll_fits(nbytes, min(LL_TWO_SHOT_SYMMETRIC_MAX_BYTES if symmetric else LL_TWO_SHOT_MAX_BYTES,
-                              (ll_words // (2 * w) - 1) * w * 4), xf, of):
+    elif _ll_fits(nbytes, min(ll_two_shot_max, (ll_words // (2 * w) - 1) * w * 4), xf, of):
         passes, path = [_two_shot_ll_pass(world, ws, xf, of, 0, n)], "ll_two_shot"
     else:
         # Into a plain out a half holds W slots and the gathered slices; into a symmetric one just the slots.
@@ -696,13 +664,8 @@ def _all_reduce_plan(world, x, op, method, out):
     return run
 
 
-# Measured at 2 ranks (2 H200s, 2026-11-22, bf16, plain output, graph / eager): one-shot 14.2 / 14.9, 23.2 /
-# 24.5 and 34.1 / 35.6 us at 2 / 4 / 8 MiB against two-shot's 16.5 / 17.5, 24.1 / 25.5 and 44.7 / 45.7.
-ONE_SHOT_MAX_BYTES_AT = {2: 8 << 20}
-
-
-def _auto_method(nbytes: int, world_size: int) -> str:
-    limit = ONE_SHOT_MAX_BYTES_AT.get(world_size, ONE_SHOT_MAX_BYTES_AT_8 * 8 // world_size)
+def _auto_method(nbytes: int, device: torch.device, world_size: int) -> str:
+    limit = tuning.value("all_reduce.one_shot_max_bytes", device, world_size)
     return "one_shot" if nbytes <= limit else "two_shot"
 
 
@@ -758,8 +721,8 @@ def _reduce_scatter_plan(world, x, op, out, method):
         return run
     if method == "auto":
         symmetric = out is not None and world.heap.contains(out)
-        method = "nccl" if n * x.element_size() >= nccl_from(NCCL_ABOVE[("reduce_scatter", symmetric)], world) \
-            else "two_shot"
+        key = f"all_reduce.reduce_scatter_nccl_above.{'symmetric' if symmetric else 'plain'}"
+        method = "nccl" if n * x.element_size() >= nccl_from(key, world) else "two_shot"
     if method == "nccl":
         group = world.group
 
@@ -859,7 +822,7 @@ def _broadcast_plan(world, x, root):
     heap = world.heap.descriptor
     passes = []
     for lo, hi in _pieces(n, half_len, 16):
-        programs, block, warps = _launch_shape(hi - lo, xw.element_size(), x.device)
+        programs, block, warps = _launch_shape(hi - lo, xw.element_size(), x.device, world.world_size)
         chunk = triton.cdiv(triton.cdiv(hi - lo, programs), block) * block
         vec = _vector_width(xw.element_size(), xw[lo:hi])
         args = lambda xs, os, f, k=hi - lo, chunk=chunk: (xs, *f, k, chunk, half_len, root)

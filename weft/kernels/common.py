@@ -22,6 +22,7 @@ import torch.distributed as dist
 import triton
 from triton.backends.nvidia.driver import make_tensordesc_arg as _make_tensordesc_arg
 
+from .. import tuning
 from ..runtime import backend, process_group
 from ..runtime import world as _world
 
@@ -255,13 +256,13 @@ def _unwrap_descriptors(launch):
 
 # -- the process group's own collectives (what `auto` falls back to) ----------------------
 
-def nccl_from(table: dict, world) -> float:
-    """The message size (bytes per rank) from which `auto` takes the process group's collective, from a
-    {world size: bytes} table of measured crossovers: the entry of the nearest world size measured. Never
-    on the cpu backend, whose kernels are what the tests check, nor on a world of one."""
+def nccl_from(key: str, world) -> float:
+    """The message size (bytes per rank) from which `auto` takes the process group's collective: the measured
+    crossover `key` of weft.tuning (inf: never). Never on the cpu backend, whose kernels are what the tests
+    check, nor on a world of one."""
     if world.device.type != "cuda" or world.world_size == 1:
         return float("inf")
-    return table[min(sorted(table), key=lambda s: (abs(s - world.world_size), -s))]
+    return tuning.value(key, world.device, world.world_size)
 
 
 nccl_all_gather = process_group.all_gather_into

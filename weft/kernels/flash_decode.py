@@ -78,6 +78,7 @@ import triton.language as tl
 
 import weft.language as wl
 
+from .. import tuning
 from .blocks import cast
 from ..runtime.world import is_initialized
 from .common import Launch, check_world_size, plan, signature, workspace, world_or_raise, world_size, zero_everywhere
@@ -87,22 +88,16 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (64, 128, 256)
 MAX_PAGE_SIZE = 256
 
-# Split-KV on GPUs: aim for SPLIT_PROGRAMS_PER_SM programs per SM over the whole grid, but give every split
-# at least MIN_BLOCKS_PER_SPLIT blocks of keys (so the partials' write and merge stay a few per cent of
-# the KV read) and at most MAX_SPLITS splits (the merge walks them). Measured on an H200 (2026-11-23,
-# bf16, head_dim 128, TB/s of KV read with 4 / 2 programs per SM): batch 1 at KV 8K / 32K / 128K 2.69 / 2.70,
-# 2.95 / 3.49, 3.71 / 4.17; batch 8 (64/8 heads) at 8K 3.65 / 3.66, (32/8) at 32K 4.00 / 4.06 (8 per SM:
-# 4.22 there, but 2.95 and 3.70 at batch 1).
-SPLIT_PROGRAMS_PER_SM = 2
-MIN_BLOCKS_PER_SPLIT = 4
-MAX_SPLITS = 64
+# Split-KV on GPUs (weft.tuning, family flash_decode): aim for split_programs_per_sm programs per SM over the
+# whole grid, but give every split at least min_blocks_per_split blocks of keys (so the partials' write and
+# merge stay a few per cent of the KV read) and at most max_splits splits (the merge walks them).
 # On the cpu backend (interpreter): few splits of small blocks, enough to exercise the split logic.
 CPU_MAX_SPLITS = 3
 CPU_BLOCK_N = 16
 # Partials merged per step of flash_decode's merge kernel.
 SPLIT_BLOCK = 16
 # sp_flash_decode's merge kernel (8 warps) merges up to SP_SPLIT_WORDS // head_dim partials per step: all
-# of a row's splits (at most MAX_SPLITS) in one step at head_dim 128, so that the local merge, on the
+# of a row's splits (at most flash_decode.max_splits) in one step at head_dim 128, so that the local merge, on the
 # latency path of the exchange, is one round of loads rather than one per 16 splits.
 SP_SPLIT_WORDS = 8192
 SP_NUM_WARPS = 8
@@ -309,8 +304,10 @@ def _splits(groups: int, max_len: int, block_n: int, device: torch.device) -> tu
     if device.type != "cuda":
         splits = min(CPU_MAX_SPLITS, blocks)
     else:
-        want = triton.cdiv(SPLIT_PROGRAMS_PER_SM * _sm_count(device.index), groups)
-        splits = max(1, min(want, MAX_SPLITS, blocks // MIN_BLOCKS_PER_SPLIT))
+        per_sm = tuning.value("flash_decode.split_programs_per_sm", device)
+        want = triton.cdiv(per_sm * _sm_count(device.index), groups)
+        splits = max(1, min(want, tuning.value("flash_decode.max_splits", device),
+                            blocks // tuning.value("flash_decode.min_blocks_per_split", device)))
     split_len = triton.cdiv(blocks, splits) * block_n
     return triton.cdiv(max(max_len, 1), split_len), split_len
 

@@ -30,6 +30,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 import weft.language as wl
 
+from .. import tuning
+
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -77,7 +79,7 @@ def matmul_kernel(a_desc, b_desc, c_desc, M, N, K, BLOCK_M: tl.constexpr, BLOCK_
 
     FLATTEN fuses the tile and K loops into one pipelined loop, so the next
     tile's first loads overlap this tile's epilogue. Which pays is measured
-    per shape class (GPU_CONFIGS).
+    per shape class (gpu_configs).
     """
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -118,30 +120,37 @@ class GemmConfig:
 # Small blocks for the Triton interpreter (cost grows with the number of tl ops, not their size).
 CPU_CONFIG = GemmConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_stages=1, num_warps=4, flatten=False)
 
-# H200 configs, from `weft bench -n 1 matmul --sweep` (docs/perf.md, 2026-11-21): 128x256x64 tiles, 3
-# stages, 8 warps, fused tile/K loops win on most per-rank TP shapes; small outputs (M * N <= 2^24) prefer
-# GROUP_M = 16; three shapes measured 3-6 % faster with 128x128 tiles. M <= 256 is left to smaller tiles.
-GPU_CONFIGS = {
-    "large": GemmConfig(128, 256, 64, 8, 3, 8, True),
-    "small": GemmConfig(128, 256, 64, 16, 3, 8, True),
-    "medium": GemmConfig(128, 128, 64, 8, 4, 4, True),
-    "skinny": GemmConfig(64, 128, 64, 8, 4, 4, False),
-}
-TUNED = {(8192, 1792, 4096): "medium", (8192, 4096, 1792): "medium", (8192, 3696, 8192): "medium"}
+# GPU configs by shape class, measured by `weft bench -n 1 matmul --sweep` (weft.tuning: gemm.configs, the
+# shapes whose best config differs from their class's in gemm.tuned, and the class bounds gemm.skinny_max_m
+# and gemm.small_max_output).
 
 
-def shape_class(m: int, n: int, k: int) -> str:
-    if m <= 256:
+@tuning.memo
+def gpu_configs(device: torch.device) -> dict[str, GemmConfig]:
+    """The GPU configs by shape class ("large", "small", "medium", "skinny") for `device`'s GPU model."""
+    return {name: GemmConfig(**fields) for name, fields in tuning.value("gemm.configs", device).items()}
+
+
+def shipped_configs() -> list[GemmConfig]:
+    """Every distinct GPU config of the shipped tables (for the compile check)."""
+    return list(dict.fromkeys(GemmConfig(**fields) for configs in tuning.shipped("gemm.configs")
+                              for fields in configs.values()))
+
+
+def shape_class(m: int, n: int, k: int, device: torch.device) -> str:
+    if m <= tuning.value("gemm.skinny_max_m", device):
         return "skinny"
-    if (m, n, k) in TUNED:
-        return TUNED[(m, n, k)]
-    return "small" if m * n <= (1 << 24) else "large"
+    for tm, tn, tk, name in tuning.value("gemm.tuned", device):
+        if (tm, tn, tk) == (m, n, k):
+            return name
+    return "small" if m * n <= tuning.value("gemm.small_max_output", device) else "large"
 
 
+@tuning.memo
 def config_for(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
     if device.type != "cuda":
         return CPU_CONFIG
-    return GPU_CONFIGS[shape_class(m, n, k)]
+    return gpu_configs(device)[shape_class(m, n, k, device)]
 
 
 def num_sms(device: torch.device) -> int:
@@ -232,5 +241,5 @@ COMPILE_CASES = [
      dict(a_desc=f"tensordesc<{t}[{c.block_m}, {c.block_k}]>", b_desc=f"tensordesc<{t}[{c.block_k}, {c.block_n}]>",
           c_desc=f"tensordesc<{t}[{c.block_m}, {c.block_n}]>", M="i32", N="i32", K="i32"),
      dict(NUM_PROGRAMS=132, FLATTEN=c.flatten, **c.constexprs()), dict(num_warps=c.num_warps, min_arch=90))
-    for t in ("bf16", "fp16") for c in GPU_CONFIGS.values()
+    for t in ("bf16", "fp16") for c in shipped_configs()
 ]

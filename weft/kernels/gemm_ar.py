@@ -49,6 +49,7 @@ import triton.language as tl
 
 import weft.language as wl
 
+from .. import tuning
 from .all_reduce import all_reduce
 from .blocks import cast
 from .common import (Launch, check_method, check_out, check_tensor, check_world_size, matmul_operands, out_kind,
@@ -61,11 +62,9 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Stage fp32 partials up to this many rows (at N = 5120 and 8 ranks: 160 KiB to each peer), else the input dtype.
 STAGE_FP32_MAX_M = 8
-# "auto" uses the fused kernel up to this many rows, else cuBLAS + all_reduce. Measured on 4 H200s at
-# N = 5120, K = 25600 (docs/perf.md, 2026-11-21), fused vs cuBLAS + NCCL: 29.8 vs 35.4 us at M = 1, 31.0 vs
-# 35.8 at M = 8, but 35.9 vs 34.2 at M = 32 and 67.0 vs 47.5 at M = 128: the fused kernel pushes every
-# partial to every peer, so its traffic grows as (W - 1) * M * N, and its GEMM is the untuned one.
-FUSED_MAX_M = 16
+# "auto" uses the fused kernel up to gemm_ar.fused_max_m rows (weft.tuning), else cuBLAS + all_reduce: the
+# fused kernel pushes every partial to every peer, so its traffic grows as (W - 1) * M * N, and its GEMM is
+# the untuned one.
 
 
 # -- device helpers -------------------------------------------------------------
@@ -166,23 +165,22 @@ class GemmArConfig:
     num_warps: int
 
 
-# H200, by the largest M a row serves (M <= 256; beyond, the last row with more row blocks). PROVISIONAL
-# (not yet tuned): at N = 5120 a 64-column block gives 80 programs, all resident on the 132 SMs, each
-# streaming a 64-column strip of b; BLOCK_M = 16 is tl.dot's minimum.
-GPU_CONFIGS = (
-    (16, GemmArConfig(block_m=16, block_n=64, block_k=128, num_stages=4, num_warps=4)),
-    (32, GemmArConfig(block_m=32, block_n=64, block_k=128, num_stages=4, num_warps=4)),
-    (64, GemmArConfig(block_m=64, block_n=64, block_k=64, num_stages=4, num_warps=4)),
-    (None, GemmArConfig(block_m=128, block_n=64, block_k=64, num_stages=3, num_warps=8)),
-)
+# GPU configs by the largest M a row serves (the last row's: any M): gemm_ar.configs in weft.tuning.
 # The interpreter's cost grows with the number of tl ops, not their size; small tiles keep tests' shapes small.
 CPU_CONFIG = GemmArConfig(block_m=16, block_n=32, block_k=32, num_stages=1, num_warps=4)
 
 
-def config_for(m: int, device: torch.device) -> GemmArConfig:
+@tuning.memo
+def config_for(m: int, device: torch.device, world_size: int) -> GemmArConfig:
     if device.type != "cuda":
         return CPU_CONFIG
-    return next(cfg for max_m, cfg in GPU_CONFIGS if max_m is None or m <= max_m)
+    rows = tuning.value("gemm_ar.configs", device, world_size)
+    return next(GemmArConfig(**cfg) for max_m, cfg in rows if max_m is None or m <= max_m)
+
+
+def fused_max_m(world) -> int:
+    """The most rows "auto" gives the fused kernel (gemm_ar.fused_max_m)."""
+    return tuning.value("gemm_ar.fused_max_m", world.device, world.world_size)
 
 
 def stage_dtype(m: int, dtype: torch.dtype) -> torch.dtype:
@@ -224,7 +222,7 @@ def _check_operands(a, b_shard, out, world) -> None:
 def fused_refusal(world, a, b_shard, out) -> str | None:
     """Why the fused kernel cannot take this call, or None."""
     (m, _), n = a.shape, b_shard.shape[1]
-    cfg = config_for(m, world.device)
+    cfg = config_for(m, world.device, world.world_size)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     stage_bytes = world.world_size * m * n * stage_dtype(m, a.dtype).itemsize
     if not (a.is_contiguous() and b_shard.is_contiguous() and (out is None or out.is_contiguous())):
@@ -245,7 +243,7 @@ def gemm_ar(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
     a: (M, K_local), b_shard: (K_local, N), same dtype (bf16, fp16, fp32), any layout; returns (M, N) in
     that dtype, the same bits on every rank (fp32 accumulation). method: "fused" (one kernel: GEMM, push,
     sum; contiguous operands whose partials fit the workspace), "baseline" (torch.matmul, then weft's
-    all_reduce), "auto" (fused up to FUSED_MAX_M rows where it can take the call). `out`: any (M, N)
+    all_reduce), "auto" (fused up to gemm_ar.fused_max_m rows where it can take the call). `out`: any (M, N)
     tensor of the dtype not overlapping the operands. Collective: every rank calls it with the same
     shapes, dtype and method.
     """
@@ -276,7 +274,7 @@ def _gemm_ar_plan(world, a, b_shard, method, out):
     if method == "fused" and refusal:
         raise ValueError(f"method='fused' cannot take this call: {refusal}")
     if method == "auto":
-        method = "fused" if m <= FUSED_MAX_M and refusal is None else "baseline"
+        method = "fused" if m <= fused_max_m(world) and refusal is None else "baseline"
     if m == 0 or n == 0:
         def run(a, b_shard, out):
             check(a, b_shard, out)
@@ -289,7 +287,7 @@ def _gemm_ar_plan(world, a, b_shard, method, out):
         return run
 
     ws = workspace(world, "gemm_ar", GemmArWorkspace)
-    cfg = config_for(m, a.device)
+    cfg = config_for(m, a.device, world.world_size)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     sdtype = stage_dtype(m, a.dtype)
     stage = ws.stage.view(sdtype)
@@ -351,6 +349,8 @@ gemm_ar_op.register_autograd(_gemm_ar_backward, setup_context=_gemm_ar_setup)
 
 
 _PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+_SHIPPED_CONFIGS = list(dict.fromkeys((max_m, GemmArConfig(**cfg)) for rows in tuning.shipped("gemm_ar.configs")
+                                      for max_m, cfg in rows))
 COMPILE_CASES = [
     (gemm_ar_kernel,
      dict(a=t, b=t, stage="*fp32" if max_m == 16 else t, out=t, flags="*i32", counter="*i64", heap="*i64", M="i32",
@@ -358,5 +358,5 @@ COMPILE_CASES = [
      dict(WORLD=wd, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, NUM_STAGES=c.num_stages,
           EVEN_N=even, EVEN_K=even, ALIGNED=even),
      dict(num_warps=c.num_warps, divisible=("N", "K") if even else ()))  # as the JIT specialises a real call
-    for t in _PTR.values() for max_m, c in GPU_CONFIGS for wd, even in ((8, True), (8, False), (2, True))
+    for t in _PTR.values() for max_m, c in _SHIPPED_CONFIGS for wd, even in ((8, True), (8, False), (2, True))
 ]

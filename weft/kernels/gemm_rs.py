@@ -25,7 +25,7 @@ How the overlap works (one call on rank `me`, W ranks):
 - Steps s = 1 .. W - 1, chunk c = me + s (mod W): the partial P_c =
   a[c * m:(c + 1) * m] @ b_shard goes into a send slot (gemm.matmul,
   the persistent TMA GEMM, or cuBLAS where no tiling of the chunk fills the
-  GPU well: CUBLAS_CHUNKS_BELOW_FILL), and the copy stream, after waiting for it, pushes
+  GPU well: gemm_rs.cublas_chunks_below_fill in weft.tuning), and the copy stream, after waiting for it, pushes
   it into slot (me - c - 1) mod W of rank c's symmetric `recv` (a copy-engine
   transfer through NVLink: no SM is taken from the GEMMs), then writes 1
   into rank c's flag of tile me, ready[me], by a stream memory operation:
@@ -99,29 +99,24 @@ import triton.language as tl
 
 import weft.language as wl
 
+from .. import tuning
 from ..runtime.streams import StreamSet
 from ..runtime.tiles import CopyEnginePush
 from . import gemm
 from .all_reduce import reduce_scatter
 from .blocks import cast
-from .ag_gemm import OVERLAP_MIN_ROWS
 from .common import (Launch, check_method, check_out, check_world_size, matmul_operands, out_kind, plan,
                      rows_divisible, signature, workspace, world_or_raise, world_size, zero_everywhere)
 from .registry import declare_op, into, no_config
 
 METHODS = ("auto", "overlap", "baseline")
 
-# Speed of gemm.GPU_CONFIGS["medium"] (128x128 tiles) relative to the 128x256 configs when both fill the
-# SMs equally: 0.88-0.95 on the chunk GEMMs of the RS shapes on H200 (bf16, 4 ranks, 2026-11-21).
-MEDIUM_SPEED = 0.91
+# gemm_rs.medium_speed (weft.tuning): the speed of gemm's "medium" config (128x128 tiles) relative to the
+# 128x256 configs when both fill the SMs equally.
 
-# Chunk GEMMs whose best tiling fills the GPU less than this (see _tiling) go to cuBLAS (torch.matmul), whose
-# kernels for such tile-starved shapes split the work differently; the final GEMM, with the reduction in
-# its epilogue, is always weft's. Measured on 4 H200s (bf16, 2026-11-21, round-robin timing): the
-# 2048x4608x9216 chunks of 8192x4608x36864 (fill 0.79) took 235 us with cuBLAS against 271 us with
-# 128x128 tiles, and the whole gemm_rs 1136 against 1180 us (torch's fused op: 1137); the chunks of the
-# other RS shapes (fill 0.85-0.97) were within 1 % of cuBLAS.
-CUBLAS_CHUNKS_BELOW_FILL = 0.8
+# Chunk GEMMs whose best tiling fills the GPU less than gemm_rs.cublas_chunks_below_fill (see _tiling) go to
+# cuBLAS (torch.matmul), whose kernels for such tile-starved shapes split the work differently; the final GEMM,
+# with the reduction in its epilogue, is always weft's.
 
 
 # -- device helpers -------------------------------------------------------------
@@ -268,9 +263,9 @@ def overlap_refusal(world, a, b_shard, out) -> str | None:
     return None
 
 
-def _tiling(m: int, n: int, k: int, device: torch.device) -> tuple[gemm.GemmConfig, float]:
+def _tiling(m: int, n: int, k: int, device: torch.device, world_size: int) -> tuple[gemm.GemmConfig, float]:
     """The tiling of a chunk GEMM (m, n, k), and how well it fills the GPU (the busy fraction of the
-    programs' tile slots, scaled by MEDIUM_SPEED for 128x128 tiles).
+    programs' tile slots, scaled by gemm_rs.medium_speed for 128x128 tiles).
 
     gemm.config_for's tiling, unless 128x128 tiles fill the last wave enough better to make up for their
     lower speed. A chunk has a quarter (or less) of the full GEMM's tiles, so a half-empty last wave costs
@@ -280,11 +275,12 @@ def _tiling(m: int, n: int, k: int, device: torch.device) -> tuple[gemm.GemmConf
     if device.type != "cuda":
         return cfg, 1.0
     sms = gemm.num_sms(device)
-    medium = gemm.GPU_CONFIGS["medium"]
+    medium = gemm.gpu_configs(device)["medium"]
+    medium_speed = tuning.value("gemm_rs.medium_speed", device, world_size)
 
     def fill(c: gemm.GemmConfig) -> float:
         tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
-        return tiles / (triton.cdiv(tiles, sms) * sms) * (MEDIUM_SPEED if c == medium else 1.0)
+        return tiles / (triton.cdiv(tiles, sms) * sms) * (medium_speed if c == medium else 1.0)
 
     if cfg.block_m == medium.block_m and fill(medium) > fill(cfg):
         cfg = medium
@@ -305,7 +301,7 @@ def gemm_rs(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
     (torch.matmul + weft.ops.reduce_scatter), "auto" (overlap where it can take the call). `out`: any
     (M / W, N) tensor of the dtype on this device. `config`: the tiling of every GEMM of the call
     (default: chosen for the chunk shape, and cuBLAS for the chunk GEMMs where no tiling fills the GPU
-    well: CUBLAS_CHUNKS_BELOW_FILL). Collective: every rank calls it with the same shapes, method and config.
+    well: gemm_rs.cublas_chunks_below_fill). Collective: every rank calls it with the same shapes, method and config.
     """
     world = world_or_raise()
     found = plan(world, lambda: ("gemm_rs", signature(a), signature(b_shard), method, out_kind(world, out),
@@ -335,7 +331,8 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
         # On 2 H200s eager (2026-11-22) 1.24x at 4096 rows but 0.37x at 128 (139 against 52 us: the chunk
         # launches and copies cost more host time than the GEMM takes): small calls take the baseline,
         # from the same row count as ag_gemm's.
-        method = "baseline" if refusal or m_total < OVERLAP_MIN_ROWS else "overlap"
+        min_rows = tuning.value("ag_gemm.overlap_min_rows", world.device, world.world_size)
+        method = "baseline" if refusal or m_total < min_rows else "overlap"
 
     dtype, device = a.dtype, a.device  # not a itself: a plan keeps no caller tensor
 
@@ -346,8 +343,8 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
         return lambda a, b_shard, out: reduce_scatter.eager(torch.matmul(a, b_shard), out=result(out))
 
     if config is None:  # every GEMM of the call is one chunk of m rows
-        cfg, fill = _tiling(m, n, k, a.device)
-        cublas_chunks = fill < CUBLAS_CHUNKS_BELOW_FILL
+        cfg, fill = _tiling(m, n, k, a.device, world.world_size)
+        cublas_chunks = fill < tuning.value("gemm_rs.cublas_chunks_below_fill", a.device, world.world_size)
     else:
         cfg, cublas_chunks = config, False
     ws = workspace(world, "gemm_rs", GemmRSWorkspace)
@@ -487,6 +484,6 @@ def _case(t: str, c: gemm.GemmConfig, world: int, out_tma: bool):
 # Signatures for the sm_90 compile check (weft.testing.compile): every GPU config, bf16/fp16, 8 ranks with a
 # TMA-stored out, 2 ranks with an unaligned one.
 COMPILE_CASES = [(gemm_rs_start_kernel, dict(bar="*i32", ready="*i32", heap="*i64"), {}, dict(num_warps=1))] + [
-    _case(t, c, world, out_tma) for t in ("bf16", "fp16") for c in gemm.GPU_CONFIGS.values()
+    _case(t, c, world, out_tma) for t in ("bf16", "fp16") for c in gemm.shipped_configs()
     for world, out_tma in ((8, True), (2, False))
 ]

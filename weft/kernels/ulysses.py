@@ -59,6 +59,7 @@ import triton.language as tl
 
 import weft.language as wl
 
+from .. import tuning
 from . import gemm
 from .blocks import cast
 from .common import (Launch, check_method, check_tensor, check_world_size, nccl_from, plan, signature, workspace,
@@ -77,16 +78,9 @@ MAX_PROGRAMS = 64
 MAX_TILES = 65536
 MAX_ITEMS = 65536
 
-# "auto" hands blocks of at least this many bytes per rank to all_to_all_single (NCCL), by world size (the
-# nearest measured). 2 H200s, 2026-11-22 (`weft bench -n 2 ulysses`, 32 heads x 128, bf16): push 32.7 / 126.3 /
-# 502.3 us against all_to_all_single + permutes' 74.4 / 222.1 / 798.8 at 4K / 16K / 64K tokens: push at every
-# size measured.
-NCCL_ABOVE = {2: float("inf")}
-
-# "auto" takes the fused projections only where they were measured faster than matmul + the all-to-all:
-# nowhere yet. 2 H200s, same run: fused QKV 591 / 2433 / 9906 us against 482 / 1805 / 7152 unfused, fused O
-# 522 / 2141 / 8487 against 160 / 570 / 2243 (their GEMM is a plain Triton kernel, not the TMA one).
-AUTO_FUSED = False
+# "auto" hands blocks of at least ulysses.nccl_above bytes per rank (weft.tuning) to all_to_all_single (NCCL),
+# and takes the fused projections only where ulysses.auto_fused says they measured faster than matmul + the
+# all-to-all (their GEMM is a plain Triton kernel, not the TMA one).
 
 
 # -- device ---------------------------------------------------------------------
@@ -364,7 +358,7 @@ def _a2a_plan(world, x, scatter, packed, method):
         raise ValueError(f"method='push' cannot take this call: a row of {row_bytes} bytes (heads / world_size x "
                          f"head_dim) exceeds a workspace slot of {slot_bytes} bytes (raise WEFT_WORKSPACE_BYTES)")
     if method == "auto":
-        big = nbytes // w >= nccl_from(NCCL_ABOVE, world)
+        big = nbytes // w >= nccl_from("ulysses.nccl_above", world)
         method = "nccl" if big or row_bytes > slot_bytes else "push"
     if method == "nccl":
         return _nccl_plan(world, s, p, hl, d, shape, scatter)
@@ -385,14 +379,15 @@ def _a2a_plan(world, x, scatter, packed, method):
     most = slot // row
     heap = world.heap.descriptor
     gpu = world.device.type == "cuda"
-    block = 2048 if gpu else 1024
+    push = tuning.value("ulysses.push", world.device, w) if gpu else dict(block=1024)
+    block = push["block"]
     cols = min(block, max(vec, 1 << (row.bit_length() - 1)))  # whole column blocks in every row where it can
     consts = dict(ROWS=block // cols, COLS=cols, VEC=vec)
     passes = []
     for lo in range(0, n, most):
         k = min(most, n - lo)
         per_peer = k * row_bytes
-        programs = min(MAX_PROGRAMS, max(1, per_peer // (128 << 10)), k) if gpu else min(2, k)
+        programs = min(MAX_PROGRAMS, max(1, per_peer // push["program_bytes"]), k) if gpu else min(2, k)
         chunk = triton.cdiv(k, programs)
 
         def args(xw, ow, lo=lo, k=k, chunk=chunk):
@@ -454,7 +449,7 @@ def qkv_all_to_all(x: torch.Tensor, w_qkv: torch.Tensor, heads: int, method: str
     x (S, hidden), w_qkv (hidden, 3 heads D) with columns [q heads | k heads | v heads]; bf16, fp16, fp32.
     method: "fused" (output tiles pushed to their head owner as they are computed, in passes of as many
     rows as half the workspace holds; needs heads / W * D a multiple of 16), "unfused" (torch.matmul, then
-    ulysses_all_to_all), "auto" (fused where it can take the call and is measured faster: AUTO_FUSED).
+    ulysses_all_to_all), "auto" (fused where it can take the call and is measured faster: ulysses.auto_fused).
     """
     world = world_or_raise()
     # Strides are in the key: the kernel is specialised on them (a unit stride makes vector loads).
@@ -480,7 +475,7 @@ def _qkv_plan(world, x, w_qkv, heads, method):
     bm, bn, bk, warps = _gemm_blocks(world.device)
     bn = next((b for b in (bn, 64, 32, 16) if b <= bn and lhd % b == 0), None)
     if method == "auto":
-        method = "fused" if AUTO_FUSED else "unfused"
+        method = "fused" if tuning.value("ulysses.auto_fused", world.device, world.world_size) else "unfused"
     ws = _workspace(world) if method != "unfused" and s else None
     refusal, most = None, 0
     if bn is None:
@@ -531,7 +526,7 @@ def all_to_all_o_proj(attn: torch.Tensor, w_o: torch.Tensor, method: str = "auto
     attn (W S, H / W, D) (this rank's heads of every token), w_o (H D, hidden); bf16, fp16, fp32.
     method: "fused" (each arriving row block of head columns feeds the GEMM tiles that wait for it; in
     passes of as many tokens as half the workspace holds), "unfused" (ulysses_all_to_all, then
-    torch.matmul), "auto" (fused where it can take the call and is measured faster: AUTO_FUSED).
+    torch.matmul), "auto" (fused where it can take the call and is measured faster: ulysses.auto_fused).
     """
     world = world_or_raise()
     found = plan(world, lambda: ("all_to_all_o_proj", signature(attn), signature(w_o), w_o.stride(), method),
@@ -558,7 +553,7 @@ def _o_plan(world, attn, w_o, method):
     attn_contig = attn.is_contiguous()
     bm, bn, bk, warps = _gemm_blocks(world.device)
     if method == "auto":
-        method = "fused" if AUTO_FUSED else "unfused"
+        method = "fused" if tuning.value("ulysses.auto_fused", world.device, world.world_size) else "unfused"
     ws = _workspace(world) if method != "unfused" and s * n * lhd else None
     gpu = world.device.type == "cuda"
     # Tokens per pass: the pass's received (rows, W lhd) within a half; whole row blocks where possible.
