@@ -72,6 +72,7 @@ def add_arguments(p) -> None:
     p.add_argument("--prefill", default="1x8192,8x2048", help="BATCHxTOKENS prefill cases ('none': no prefill)")
     p.add_argument("--batches", default="1,8,64,128", help="decode batch sizes")
     p.add_argument("--contexts", default="512,4096", help="decode: tokens already in the cache")
+    p.add_argument("--decode", default=None, help="BATCHxCONTEXT decode cases instead of --batches × --contexts")
     p.add_argument("--samples", type=int, default=20, help="samples per decode case")
     p.add_argument("--prefill-samples", type=int, default=5)
     p.add_argument("--no-transformers", action="store_true", help="leave out transformers' model (-n 1)")
@@ -201,58 +202,57 @@ def _prefill_rows(label, models, cases, samples, w) -> list[Row]:
     return rows
 
 
-def _decode_rows(label, models, hf, batches, contexts, samples, bandwidth, w) -> list[Row]:
+def _decode_rows(label, models, hf, cases, samples, bandwidth, w) -> list[Row]:
     rows = []
     model = models["weft"]
     cfg = model.config
-    for ctx in contexts:
-        for batch in batches:
-            case = f"{label} decode b{batch} ctx{ctx}"
-            need = model.decode_bytes(batch, ctx)
-            if not _fits(need["kv"], w.device):
-                note(f"{case}: skipped, its KV cache ({need['kv'] / 2**30:.1f} GiB) does not fit")
-                continue
-            cache = model.new_cache(batch, ctx + 1)
-            tokens = torch.randint(0, cfg.vocab_size, (batch,), generator=torch.Generator().manual_seed(batch))
-            sessions = {name: DecodeSession(m, cache) for name, m in models.items()}
-            steps = {name: s.run if s.graph is None else s.graph.replay for name, s in sessions.items()}
-            graph = all(s.graph is not None for s in sessions.values())
-            hf_session = None
-            if hf is not None and _fits(need["kv"], w.device):  # its own cache, as large as weft's
-                hf_session = hf.session(batch, ctx)
-                hf_session.tokens.copy_(tokens)
-            elif hf is not None:
-                note(f"{case}: {TRANSFORMERS} left out, a second KV cache ({need['kv'] / 2**30:.1f} GiB) does not fit")
-            # Every sequence has ctx tokens cached, all zeros here (the same in every implementation's cache):
-            # the step attends to ctx + 1 positions, its own written by the step.
-            cache.data.zero_()
-            logits = {}
-            for name, s in sessions.items():
-                s.tokens.copy_(tokens)
-                s.positions.fill_(ctx)
-                steps[name]()
-                logits[name] = s.logits.clone()
-            _agree(case, logits["weft"], logits[BASELINE])
-            if hf_session is not None:
-                hf_session.replay()
-                if _agree(case, logits["weft"], hf_session.logits, TRANSFORMERS):
-                    eager_only = graph and hf_session.graph is None  # named so: not the same protocol as weft's
-                    if eager_only:
-                        note(f"{case}: {TRANSFORMERS} timed eagerly ({hf_session.why_eager})")
-                    steps[f"{TRANSFORMERS} (eager)" if eager_only else TRANSFORMERS] = hf_session.replay
-                else:
-                    note(f"{case}: {TRANSFORMERS} left out, its logits differ from weft's by more than {AGREE}")
-            view = "graph" if graph else "eager"
-            times = time_calls(steps, calls=1, samples=samples)
-            floor = (need["weights"] + need["kv"]) / bandwidth * 1e3
-            times[FLOOR] = floor
-            for name, ms in times.items():
-                rows.append(Row(SUITE, case, name, ms, 0.0, batch, w.world_size, view))
-                if w.rank == 0:
-                    print(f"{case} {name}: {ms * 1e3:.0f} µs per step ({batch / ms * 1e3:,.0f} tokens/s, "
-                          f"{floor / ms:.0%} of the HBM floor)", flush=True)
-            del sessions, steps, hf_session, cache, logits
-            gc.collect()
+    for batch, ctx in cases:
+        case = f"{label} decode b{batch} ctx{ctx}"
+        need = model.decode_bytes(batch, ctx)
+        if not _fits(need["kv"], w.device):
+            note(f"{case}: skipped, its KV cache ({need['kv'] / 2**30:.1f} GiB) does not fit")
+            continue
+        cache = model.new_cache(batch, ctx + 1)
+        tokens = torch.randint(0, cfg.vocab_size, (batch,), generator=torch.Generator().manual_seed(batch))
+        sessions = {name: DecodeSession(m, cache) for name, m in models.items()}
+        steps = {name: s.run if s.graph is None else s.graph.replay for name, s in sessions.items()}
+        graph = all(s.graph is not None for s in sessions.values())
+        hf_session = None
+        if hf is not None and _fits(need["kv"], w.device):  # its own cache, as large as weft's
+            hf_session = hf.session(batch, ctx)
+            hf_session.tokens.copy_(tokens)
+        elif hf is not None:
+            note(f"{case}: {TRANSFORMERS} left out, a second KV cache ({need['kv'] / 2**30:.1f} GiB) does not fit")
+        # Every sequence has ctx tokens cached, all zeros here (the same in every implementation's cache):
+        # the step attends to ctx + 1 positions, its own written by the step.
+        cache.data.zero_()
+        logits = {}
+        for name, s in sessions.items():
+            s.tokens.copy_(tokens)
+            s.positions.fill_(ctx)
+            steps[name]()
+            logits[name] = s.logits.clone()
+        _agree(case, logits["weft"], logits[BASELINE])
+        if hf_session is not None:
+            hf_session.replay()
+            if _agree(case, logits["weft"], hf_session.logits, TRANSFORMERS):
+                eager_only = graph and hf_session.graph is None  # named so: not the same protocol as weft's
+                if eager_only:
+                    note(f"{case}: {TRANSFORMERS} timed eagerly ({hf_session.why_eager})")
+                steps[f"{TRANSFORMERS} (eager)" if eager_only else TRANSFORMERS] = hf_session.replay
+            else:
+                note(f"{case}: {TRANSFORMERS} left out, its logits differ from weft's by more than {AGREE}")
+        view = "graph" if graph else "eager"
+        times = time_calls(steps, calls=1, samples=samples)
+        floor = (need["weights"] + need["kv"]) / bandwidth * 1e3
+        times[FLOOR] = floor
+        for name, ms in times.items():
+            rows.append(Row(SUITE, case, name, ms, 0.0, batch, w.world_size, view))
+            if w.rank == 0:
+                print(f"{case} {name}: {ms * 1e3:.0f} µs per step ({batch / ms * 1e3:,.0f} tokens/s, "
+                      f"{floor / ms:.0%} of the HBM floor)", flush=True)
+        del sessions, steps, hf_session, cache, logits
+        gc.collect()
     return rows
 
 
@@ -261,6 +261,10 @@ def run(args) -> list[Row]:
     rows = []
     prefill = [] if args.prefill == "none" else [tuple(int(x) for x in case.split("x"))
                                                  for case in args.prefill.split(",") if case]
+    if args.decode is not None:
+        decode = [tuple(int(x) for x in case.split("x")) for case in args.decode.split(",") if case]
+    else:
+        decode = [(batch, ctx) for ctx in _ints(args.contexts) for batch in _ints(args.batches)]
     labels = args.models.split(",")
     for label in labels:
         if label not in MODELS:
@@ -285,7 +289,7 @@ def run(args) -> list[Row]:
                 hf = TransformersDecode(config, model)
             else:
                 note(f"{label}: {TRANSFORMERS} left out, a second copy of the weights does not fit")
-        rows += _decode_rows(label, models, hf, _ints(args.batches), _ints(args.contexts), args.samples, bandwidth, w)
+        rows += _decode_rows(label, models, hf, decode, args.samples, bandwidth, w)
         del model, models, hf
         gc.collect()
         if w.device.type == "cuda":

@@ -228,7 +228,8 @@ class Transformer(nn.Module):
         embedding table only the batch's rows) and "kv" (every layer's keys and values of context + 1
         positions, the step's own included). Their sum over the copy bandwidth is the step's floor."""
         attn = self.blocks[0].attn
-        weights = sum(p.nbytes for p in (*self.blocks.parameters(), *self.norm.parameters(), *self.lm_head.parameters()))
+        read = (*self.blocks.parameters(), *self.norm.parameters(), *self.lm_head.parameters())
+        weights = sum(p.nbytes for p in read)
         weights += batch * self.embed.weight.shape[1] * self.embed.weight.element_size()
         kv = len(self.blocks) * 2 * batch * (context + 1) * attn.kv_heads * attn.head_dim * self.dtype.itemsize
         return {"weights": weights, "kv": kv}
