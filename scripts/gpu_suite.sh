@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU script: correctness on 2 and all GPUs, then the benchmark suites (on all GPUs; reductions on
 # 2, 4, 8; overhead on 2 and all), results under $OUT.
-#   usage (device machine, repo root): bash scripts/gpu_suite.sh [all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e ...]
+#   usage (device machine, repo root): bash scripts/gpu_suite.sh [all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e|decode ...]
 #     all (default): everything (on 8 GPUs more than one device call allows: run the parts in turn)
 #     quick: GPU tests on 2 and all GPUs, tutorials;  reductions: allgather, allreduce, reducescatter to
 #     256 MiB, CUDA-graph and eager views;  gemm: the overlapped-GEMM suite;  overhead: host and eager µs
@@ -19,7 +19,10 @@
 #     tune: the launch/tile sweeps on all GPUs (`weft tune`, its table in $OUT/tuning; scripts/probe_ep_ll.py,
 #     probe_moe_tp.py; not in all);
 #     e2e: the tensor-parallel decoder (weft.models): GPU tests on 2 and all GPUs (logits against transformers,
-#     graph-replayed decode), `weft demo`, `weft bench e2e` (Qwen3-8B and -32B, prefill and decode) on all GPUs
+#     graph-replayed decode), `weft demo`, `weft bench e2e` (Qwen3-8B and -32B, prefill and decode) on all GPUs;
+#     decode: one GPU against the HBM floor: `weft bench -n 1 e2e` at Qwen3-8B's decode cases b1/b8/b64 ctx 512
+#     and b8/b64 ctx 4096 (weft, NCCL+cuBLAS, transformers' own model, the floor), and scripts/profile_decode.py
+#     (each kernel's GPU µs per replayed step and its bytes' share of the copy bandwidth) at b1 and b64 ctx 512
 # WEFT_COMMIT names the commit in the log where the tree was copied without its git history.
 # Logs and bench JSON/markdown/PNG end up packed in $OUT/weft_results.tar.gz (*.log, bench/).
 set -uo pipefail
@@ -44,8 +47,8 @@ step() {  # step NAME CMD...: run, log, remember failure
 }
 PARTS=" ${*:-all} "
 for part in $PARTS; do
-  case "$part" in all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e) ;;
-    *) echo "usage: $0 [all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e ...]" >&2; exit 2 ;; esac
+  case "$part" in all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e|decode) ;;
+    *) echo "usage: $0 [all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e|decode ...]" >&2; exit 2 ;; esac
 done
 has() { [[ "$PARTS" == *" $1 "* || "$PARTS" == *" all "* ]]; }
 if has quick; then
@@ -124,6 +127,14 @@ if has e2e; then
   done
   step demo timeout 150 python3 -m weft demo
   step bench_e2e timeout 330 python3 -m weft bench -n "$NGPU" e2e --samples 10 --prefill-samples 3 --out "$OUT/bench"
+fi
+if has decode; then  # one GPU: bench/e2e_1.{json,md,png}, bench/profile_decode_*.json
+  step bench_e2e_decode_1 timeout 400 env CUDA_VISIBLE_DEVICES=0 python3 -m weft bench -n 1 e2e --models Qwen3-8B \
+    --prefill none --decode 1x512,8x512,64x512,8x4096,64x4096 --samples 20 --out "$OUT/bench"
+  for b in 1 64; do
+    step "profile_decode_b${b}_ctx512" timeout 200 env CUDA_VISIBLE_DEVICES=0 python3 -m weft run -n 1 \
+      scripts/profile_decode.py --batch "$b" --context 512 --out "$OUT/bench/profile_decode_b${b}_ctx512.json"
+  done
 fi
 cat "$OUT"/bench/*.md 2>/dev/null
 # One archive instead of many files: the device tool brings back only a few files per call.

@@ -133,15 +133,48 @@ def test_bench_attention_suite(tmp_path):
     assert "best weft vs copy (same bytes)" in (tmp_path / "attention_2.md").read_text()
 
 
-def test_bench_e2e_suite(tmp_path):
-    res = weft_cmd("bench", "-n", "2", "e2e", "--out", str(tmp_path), "--models", "tiny", "--layers", "1",
-                   "--prefill", "1x5", "--batches", "2", "--contexts", "4", "--samples", "1", "--prefill-samples", "1",
-                   timeout=300)
+@pytest.mark.parametrize("n", [1, 2])
+def test_bench_e2e_suite(tmp_path, n):
+    """weft against NCCL+cuBLAS (gloo here), the HBM floor of each decode step, and at -n 1 transformers' own
+    model of the same weights; every decode implementation's logits are checked against weft's first."""
+    cases = ["--batches", "2", "--contexts", "4"] if n == 2 else ["--decode", "2x4"]  # both ways to name cases
+    res = weft_cmd("bench", "-n", str(n), "e2e", "--out", str(tmp_path), "--models", "tiny", "--layers", "1",
+                   "--prefill", "1x5", *cases, "--samples", "1", "--prefill-samples", "1", timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rows = json.loads((tmp_path / "e2e_2.json").read_text())["rows"]
-    cases = ("tiny (1 layers) prefill 1×5", "tiny (1 layers) decode b2 ctx4")
-    assert {(r["case"], r["impl"]) for r in rows} == {(c, i) for c in cases for i in ("weft", "NCCL+cuBLAS")}
+    rows = json.loads((tmp_path / f"e2e_{n}.json").read_text())["rows"]
+    prefill, decode = "tiny (1 layers) prefill 1×5", "tiny (1 layers) decode b2 ctx4"
+    decoders = {"weft", "NCCL+cuBLAS", "HBM floor"} | ({"transformers"} if n == 1 else set())
+    assert {(r["case"], r["impl"]) for r in rows} == {(prefill, "weft"), (prefill, "NCCL+cuBLAS"),
+                                                      *((decode, i) for i in decoders)}
     assert all(r["ms"] > 0 for r in rows)
     assert "weft vs NCCL+cuBLAS logits differ by" in res.stdout
-    assert "best weft vs NCCL+cuBLAS" in (tmp_path / "e2e_2.md").read_text()
-    assert (tmp_path / "e2e_2.png").stat().st_size > 1000
+    assert ("weft vs transformers logits differ by" in res.stdout) == (n == 1)
+    assert "note: transformers: its model runs on one device, at -n 1 only" in res.stdout or n == 1
+    by = {r["impl"]: r["ms"] for r in rows if r["case"] == decode}
+    # The floor: (this rank's weights + the KV cache read) over the copy bandwidth printed at the start.
+    bandwidth = float(res.stdout.split("copy bandwidth (read + write): ")[1].split(" GB/s")[0].replace(",", ""))
+    hidden, inter, vocab = 64, 128, 512  # tiny; its KV: k and v of 2 rows × 5 positions × 4 heads × 16
+    kv = 2 * 2 * 5 * 4 * 16
+    weights = (hidden * (8 * 16 + 2 * 4 * 16) + 8 * 16 * hidden + 3 * hidden * inter) // n + 2 * hidden + 2 * 16
+    weights += hidden + vocab * hidden // n + 2 * hidden  # final norm, LM head, the embedding's 2 rows
+    want = (weights + kv // n) * 4 / (bandwidth * 1e9) * 1e3
+    assert abs(by["HBM floor"] / want - 1) < 0.02, (by["HBM floor"], want)
+    table = (tmp_path / f"e2e_{n}.md").read_text()
+    assert "best weft vs NCCL+cuBLAS" in table and "best weft vs best HBM floor" in table
+    assert (tmp_path / f"e2e_{n}.png").stat().st_size > 1000
+
+
+def test_profile_decode_script(tmp_path):
+    """scripts/profile_decode.py on one cpu rank (its smoke run): the JSON report, the GEMMs' weight bytes (at
+    one rank the O and down projections are torch.matmul too: 5 GEMMs of the tiny model's one layer)."""
+    out = tmp_path / "profile.json"
+    res = weft_cmd("run", "-n", "1", "scripts/profile_decode.py", "--model", "tiny", "--layers", "1", "--batch", "2",
+                   "--context", "4", "--steps", "1", "--out", str(out), timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["meta"]["batch"] == 2 and report["step_us"] > 0 and report["floor_us"] > 0
+    hidden, inter, vocab, q, kv = 64, 128, 512, 8 * 16, 2 * 4 * 16
+    weights = 4 * (hidden * (q + kv) + q * hidden + 2 * hidden * inter + inter * hidden + hidden * vocab)
+    gemms = [k for k in report["kernels"] if k["bytes_per_step"] is not None]
+    assert [k["name"] for k in gemms] == ["aten::mm"] and gemms[0]["bytes_per_step"] == weights
+    assert all(k["us_per_step"] > 0 for k in report["kernels"]) and "written to" in res.stdout

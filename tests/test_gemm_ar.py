@@ -125,6 +125,15 @@ def test_gemm_ar_1_rank():
     run_ranks(_gemm_ar_cases, 1, cases, timeout=TIMEOUT, env=ENV)
 
 
+def test_one_rank_auto_and_baseline_are_a_plain_matmul():
+    """Nothing to reduce on one rank: auto (at the fused kernel's sizes, too) and baseline are torch.matmul,
+    with no workspace of the fused kernel and no all_reduce after the GEMM."""
+    cases = [(method, dtype, m, 72, 40, mode) for method in ("auto", "baseline") for dtype in ("float32", "bfloat16")
+             for m, mode in ((1, "out"), (5, "none"), (17, "out"))]
+    [(_, contexts)] = run_ranks(_gemm_ar_cases, 1, cases, timeout=TIMEOUT, env=ENV)
+    assert not any("gemm_ar" in c or "reduce" in c for c in contexts), contexts
+
+
 def _stage_halves(calls):
     """After `calls` fused calls, half e % 2 of the stage holds call e's partials (slot q: rank q's a @ b)
     and the other half call e - 1's: the double buffer alternates, and epochs count every call per tile."""

@@ -153,3 +153,46 @@ def test_configs_the_decoder_lacks_are_refused():
     cfg = ModelConfig.from_hf(dict(model_type="llama", rope_theta=5e5, rope_scaling=LLAMA3_ROPE, **base))
     assert cfg.rope_theta == 5e5 and cfg.rope_scaling["factor"] == 8.0 and cfg.head_dim == 16 and not cfg.qk_norm
     assert ModelConfig.from_hf(LlamaConfig(rope_theta=123.0, **base)).rope_theta == 123.0
+
+
+# -- the demo's correctness report: near-ties, agreeing greedy tokens, the next-token logits' difference ----------
+
+def test_greedy_agreement_stops_at_the_first_near_tie():
+    import torch
+
+    from weft.demo import greedy_agreement, near_ties
+
+    logits = torch.randn(3, 6, 50, generator=torch.Generator().manual_seed(0)) * 4
+    top = logits.argmax(-1)
+    logits[0, 3, (top[0, 3] + 1) % 50] = logits[0, 3, top[0, 3]]          # an exact tie at step 3 of row 0
+    logits[1, 1, (top[1, 1] + 1) % 50] = logits[1, 1, top[1, 1]] * (1 - 2 ** -9)  # within bf16's precision
+    logits[2, 4, (top[2, 4] + 1) % 50] = logits[2, 4, top[2, 4]] - 0.1 * logits[2, 4, top[2, 4]].abs()  # not one
+    ties = near_ties(logits)
+    assert ties.tolist() == [[False, False, False, True, False, False], [False, True] + [False] * 4, [False] * 6]
+    reference = logits.argmax(-1)
+    tokens = reference.clone()
+    tokens[0, 5] += 1  # after row 0's near-tie: not compared
+    tokens[2, 2] += 1  # row 2 differs before any near-tie: 2 of its 6 agree
+    assert greedy_agreement(tokens, reference, ties) == (3 + 1 + 2, 3 + 1 + 6)
+    assert greedy_agreement(reference, reference, ties) == (10, 10)
+
+
+def _next_token_difference(config):
+    import torch
+
+    from weft.demo import next_token_difference
+    from weft.models import from_hf
+
+    model = from_hf(config, comm="weft", seed=0, std=0.1)
+    prompts = torch.randint(0, config["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(1))
+    same = next_token_difference(model, model.with_comm("nccl"), prompts)
+    other = next_token_difference(from_hf(config, comm="weft", seed=1, std=0.1), model.with_comm("nccl"), prompts)
+    return same, other
+
+
+def test_next_token_difference_on_a_shared_cache():
+    """The same weights on weft's ops and on gloo agree to fp32 rounding; other weights do not."""
+    config = dict(model_type="qwen3", hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=96)
+    for same, other in run_ranks(_next_token_difference, 2, config, timeout=TIMEOUT, env=ENV):
+        assert same < 1e-5 and other > 0.1, (same, other)

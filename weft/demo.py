@@ -3,7 +3,11 @@
 On GPUs: a Qwen3-8B-shaped model (random bf16 weights, or a local checkpoint with --model PATH) over all
 GPUs generates --new-tokens tokens for a batch of prompts, once on weft's ops and once on the NCCL +
 cuBLAS tensor parallelism of the same weights (each decode step replayed from a CUDA graph in both), and
-prints prefill time, per-token decode latency and tokens/s side by side.
+prints prefill time, per-token decode latency and tokens/s side by side; then how far weft's numbers are
+from the baseline's: the relative difference of their next-token logits on the same cached prefix, and
+the greedy tokens on which they agree up to the baseline's first near-tie (top-2 logits within bf16
+rounding of each other, where the order of a reduction decides the token, so that a difference after
+it says nothing about either).
 
 On the cpu backend: a small model of the same architecture on 4 cpu ranks (Triton's interpreter), its
 greedy tokens and logits checked against transformers' Qwen3ForCausalLM on one process with the same
@@ -31,15 +35,17 @@ QWEN3_TINY = dict(QWEN3_8B, hidden_size=64, intermediate_size=128, num_hidden_la
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(prog="weft demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="weft demo", description=__doc__.splitlines()[0],
+                                epilog="Run as `weft demo [-n RANKS] [options]` (default: every GPU, or 4 cpu ranks).")
     p.add_argument("--model", help="a local checkpoint directory (config.json, *.safetensors), not random weights")
     p.add_argument("--batch", type=int, help="prompts (default 8 on GPUs, 2 on cpu)")
     p.add_argument("--prompt-len", type=int, help="tokens per prompt (default 512 on GPUs, 8 on cpu)")
     p.add_argument("--new-tokens", type=int, help="tokens to generate (default 128 on GPUs, 12 on cpu)")
     p.add_argument("--layers", type=int, help="use only the first N layers (random weights)")
     p.add_argument("--prompt", help="with --model and its tokenizer: this text, repeated --batch times, as the prompts")
-    p.add_argument("--reference", help=argparse.SUPPRESS)  # cpu, no transformers: the one-rank run's result
-    p.add_argument("--save", help=argparse.SUPPRESS)  # cpu: save this run's result there (the one-rank reference)
+    p.add_argument("--reference", metavar="FILE", help="cpu without transformers: check against this saved run "
+                   "(`weft demo` makes it with --save on one rank first)")
+    p.add_argument("--save", metavar="FILE", help="cpu: save this run's tokens and logits there, check nothing")
     return p.parse_args(argv)
 
 
@@ -108,10 +114,47 @@ def gpu_demo(args) -> None:
     (_, p_weft, d_weft), (_, p_base, d_base) = (r for r in results.values())
     rows.append(("weft speed-up", f"{p_base / p_weft:.2f}×", f"{d_base / d_weft:.2f}×", ""))
     say("", *(f"  {a:14s} {b:>12s} {c:>16s} {d:>16s}" for a, b, c, d in rows))
-    same = (results["weft"][0] == results["NCCL+cuBLAS"][0]).all(dim=1).sum().item()
-    say(f"  sequences with identical tokens on both: {same} of {batch} (bf16: the two reduce in different orders)")
+    prompt_len = prompts.shape[1]
+    rel = next_token_difference(model, baseline, prompts)
+    base_tokens = results["NCCL+cuBLAS"][0]
+    ties = near_ties(baseline(base_tokens[:, :-1])[:, prompt_len - 1:])  # the logits that chose each new token
+    agree, compared = greedy_agreement(results["weft"][0][:, prompt_len:], base_tokens[:, prompt_len:], ties)
+    say("", f"  next-token logits on the same cached prefix: weft vs NCCL+cuBLAS differ by {rel:.1e} (relative)",
+        f"  greedy tokens identical up to the baseline's first near-tie (its top-2 logits within bf16 rounding):"
+        f" {agree} of {compared}")
+    if agree < compared:
+        say("  (a token that differs before any near-tie: weft computes something else than the baseline)")
     if tokenizer is not None:
         say("", f"  {args.prompt!r} →", "  " + repr(tokenizer.decode(results["weft"][0][0, prompts.shape[1]:])))
+
+
+def next_token_difference(model, baseline, prompts) -> float:
+    """||a - b|| / ||b|| of weft's (a) and the baseline's (b) logits of one decode step over the same KV cache:
+    the prompts prefilled by the baseline, then the token it picks next at the following position."""
+    batch, prompt_len = prompts.shape
+    cache = baseline.new_cache(batch, prompt_len + 1)
+    token = baseline.prefill(prompts, cache).argmax(dim=-1)
+    positions = torch.full((batch,), prompt_len, dtype=torch.int64, device=prompts.device)
+    a = model.decode(token, positions, cache).float()  # both write the step's own slot, the same k and v
+    b = baseline.decode(token, positions, cache).float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def near_ties(logits: torch.Tensor) -> torch.Tensor:
+    """(batch, steps) bool: where the top-2 logits of (batch, steps, vocab) are within bf16 rounding of each
+    other (apart by at most bf16's relative precision of the larger): a reduction order decides the argmax."""
+    top = logits.topk(2, dim=-1).values.float()  # no fp32 copy of every logit
+    return top[..., 0] - top[..., 1] <= torch.finfo(torch.bfloat16).eps * top[..., 0].abs()
+
+
+def greedy_agreement(tokens: torch.Tensor, reference: torch.Tensor, ties: torch.Tensor) -> tuple[int, int]:
+    """(agreeing, compared): over every sequence, the new tokens before the reference's first near-tie
+    (`ties`, (batch, steps)) are compared; agreeing counts those before the first that differs."""
+    steps = tokens.shape[1]
+    index = torch.arange(steps, device=tokens.device)
+    first_tie = torch.where(ties, index, steps).min(dim=1).values
+    first_diff = torch.where(tokens != reference, index, steps).min(dim=1).values
+    return int(torch.minimum(first_diff, first_tie).sum()), int(first_tie.sum())
 
 
 def _tokenizer(path):

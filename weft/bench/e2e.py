@@ -7,9 +7,20 @@ forces it), split over all ranks; both implementations share the weights (Transf
 - decode: one step of every sequence (embedding, every layer with flash_decode over the cache, LM head) at
   --batches (1, 8, 64, 128) and --contexts tokens already cached (512, 4096), replayed from a CUDA graph in
   both (the decode session of weft.models), on one KV cache shared by both.
-Before timing, each case's logits are compared across the two (bf16: they reduce in different orders). A
-decode case whose KV cache does not fit the free memory of every rank is skipped, with a note.
-Medians of the slowest rank, implementations sampled round-robin (weft.bench.timing); µs per call.
+Beside them, for decode:
+- "HBM floor": the bytes a step must read on a rank (its weights and the KV cache it attends over,
+  Transformer.decode_bytes) over the copy bandwidth measured at the start of the same run (a large
+  device-to-device copy, read + write bytes over its time); the table's "best weft vs best HBM floor" is
+  the fraction of that floor weft reaches;
+- "transformers" (at -n 1 only: its model is not split): transformers' own Qwen3ForCausalLM /
+  LlamaForCausalLM of the same config and the same random weights, SDPA attention over a StaticCache of
+  the same batch and context, its decode step captured in a CUDA graph (static input ids, position ids
+  and cache position) and replayed, as weft's is; where its weights or cache do not fit, left out with a note.
+Before timing, each decode case's logits are compared across all of them on the same cache contents
+(zeros but the step's own position; bf16: they reduce in different orders), and each prefill case's
+across weft and NCCL+cuBLAS. A decode case whose KV cache does not fit the free memory of every rank is
+skipped, with a note. Medians of the slowest rank, implementations sampled round-robin
+(weft.bench.timing); µs per call.
 """
 from __future__ import annotations
 
@@ -19,6 +30,8 @@ import torch
 
 import weft
 from weft.models import DecodeSession, from_hf
+from weft.models.weights import RandomWeights, hf_shapes
+from weft.testing.graphs import capture
 
 from .report import Row
 from .sweep import note
@@ -26,6 +39,9 @@ from .timing import time_calls
 
 SUITE = "e2e"
 BASELINE = "NCCL+cuBLAS"
+TRANSFORMERS = "transformers"
+FLOOR = "HBM floor"
+RIVAL = FLOOR  # "best weft vs best HBM floor": floor time / weft time, the fraction of the floor reached
 BANDWIDTH = None  # cases are model steps, not sizes: µs per call, bars
 HEAP_SIZE = "4GiB"  # the op workspaces; the rest of the memory holds the weights and the KV caches
 # Qwen3's config.json files, but for the weights.
@@ -40,6 +56,10 @@ MODELS = {
 }
 # Memory a decode case leaves free besides its KV cache (activations, graph pools, the allocator's slack).
 MARGIN_BYTES = 6 << 30
+# The random weights (weft.models.from_hf's defaults, given to transformers' model too).
+SEED, STD = 0, 0.02
+# The copy that measures the memory bandwidth: source bytes (as much again written); small on cpu ranks.
+COPY_BYTES = {"cuda": 2 << 30, "cpu": 32 << 20}
 
 
 def _ints(text: str) -> list[int]:
@@ -49,23 +69,111 @@ def _ints(text: str) -> list[int]:
 def add_arguments(p) -> None:
     p.add_argument("--models", default="Qwen3-8B,Qwen3-32B", help=f"of {', '.join(MODELS)}")
     p.add_argument("--layers", type=int, default=None, help="only the first N layers (default: all)")
-    p.add_argument("--prefill", default="1x8192,8x2048", help="BATCHxTOKENS prefill cases")
+    p.add_argument("--prefill", default="1x8192,8x2048", help="BATCHxTOKENS prefill cases ('none': no prefill)")
     p.add_argument("--batches", default="1,8,64,128", help="decode batch sizes")
     p.add_argument("--contexts", default="512,4096", help="decode: tokens already in the cache")
+    p.add_argument("--decode", default=None, help="BATCHxCONTEXT decode cases instead of --batches × --contexts")
     p.add_argument("--samples", type=int, default=20, help="samples per decode case")
     p.add_argument("--prefill-samples", type=int, default=5)
+    p.add_argument("--no-transformers", action="store_true", help="leave out transformers' model (-n 1)")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def _agree(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+# Logits of two implementations of the same weights agree to this (relative; bf16 reduction orders differ).
+AGREE = 0.1
+
+
+def _agree(what: str, got: torch.Tensor, want: torch.Tensor, against: str = BASELINE) -> bool:
     err = _rel(got, want)
     if weft.rank() == 0:
-        print(f"{what}: weft vs {BASELINE} logits differ by {err:.1e} (relative)", flush=True)
-    if not err < 0.1:
+        print(f"{what}: weft vs {against} logits differ by {err:.1e} (relative)", flush=True)
+    if not err < AGREE and against == BASELINE:
         raise RuntimeError(f"{what}: weft's logits are off by {err:.2e} against {BASELINE}'s")
+    return err < AGREE
+
+
+def copy_bandwidth(device: torch.device, samples: int = 10) -> float:
+    """Bytes per second of a large device-to-device copy, read + write bytes counted (the slowest rank's):
+    the bandwidth a memory-bound step can reach at best."""
+    n = COPY_BYTES[device.type]
+    src = torch.ones(n // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = time_calls({"copy": lambda: dst.copy_(src)}, calls=5, samples=samples, warmup=3)["copy"]
+    return 2 * n / (ms * 1e-3)
+
+
+class TransformersDecode:
+    """transformers' own model of a config and weft's random weights (same names, seed, dtype: the same
+    bits), and its decode step over a StaticCache: model(input_ids, position_ids, cache_position,
+    past_key_values) with static inputs, as transformers decodes with a static cache; on GPUs the step is
+    captured in a CUDA graph (torch's recipe, weft.testing.graphs.capture) and replayed."""
+
+    def __init__(self, config: dict, twin):
+        """config: the transformers config dict weft's model `twin` was made of (from_hf, SEED, STD)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        dtype, device = twin.dtype, twin.device
+        fields = {k: v for k, v in config.items() if k != "model_type"}
+        hf_config = AutoConfig.for_model(config["model_type"], **fields)
+        hf_config._attn_implementation = "sdpa"
+        with torch.device(device):
+            self.model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
+        weights = RandomWeights(hf_shapes(twin.config), SEED, dtype, device, STD)
+        with torch.no_grad():
+            for name, t in self.model.state_dict().items():  # one tensor at a time: no second copy of the model
+                t.copy_(weights[name])
+
+    def weight_bytes(self) -> int:
+        return sum(p.nbytes for p in self.model.parameters())
+
+    def session(self, batch: int, context: int) -> "TransformersDecode.Session":
+        return TransformersDecode.Session(self.model, batch, context)
+
+    class Session:
+        """One step of `batch` sequences at position `context` (context tokens cached, zeros): `tokens` (batch,)
+        in, `logits` (batch, vocab) out; `graph` None where capture failed or off GPUs (then `run` eagerly).
+        Every step writes the same position, as weft's replayed step does: transformers' static cache layers
+        that count their length themselves (5.2x) are set back to `context` first, in one launch."""
+
+        def __init__(self, model, batch: int, context: int):
+            import inspect
+
+            from transformers import StaticCache
+
+            self.model = model
+            device = model.device
+            self.cache = StaticCache(config=model.config, max_cache_len=context + 1)
+            self.tokens = torch.zeros(batch, dtype=torch.int64, device=device)
+            # transformers 5.x renames forward's arguments from release to release: pass what this one takes.
+            takes = inspect.signature(model.forward).parameters
+            self.kwargs = {"cache" if "cache" in takes else "past_key_values": self.cache, "use_cache": True,
+                           "position_ids": torch.full((batch, 1), context, dtype=torch.int64, device=device)}
+            if "cache_position" in takes:
+                self.kwargs["cache_position"] = torch.tensor([context], dtype=torch.int64, device=device)
+            self.lengths = []
+            self.run()  # outside any capture: the static cache's lazy allocation, cuBLAS's handles
+            self.cache.reset()  # zeros, as weft's cache in the bench
+            self.lengths = [layer.cumulative_length for layer in self.cache.layers
+                            if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
+            self.starts = [torch.full_like(t, context) for t in self.lengths]
+            self.graph, self.why_eager = None, "not on a GPU"
+            if device.type == "cuda":
+                try:
+                    self.graph = capture(self.run, warmups=1)
+                except Exception as e:  # noqa: BLE001 - a transformers version whose step cannot be captured
+                    self.why_eager = f"capture failed: {type(e).__name__}: {e}"
+
+        @torch.no_grad()
+        def run(self) -> None:
+            if self.lengths:
+                torch._foreach_copy_(self.lengths, self.starts)
+            self.logits = self.model(input_ids=self.tokens[:, None], **self.kwargs).logits[:, -1]
+
+        def replay(self) -> None:
+            (self.run if self.graph is None else self.graph.replay)()
 
 
 def _fits(nbytes: int, device: torch.device) -> bool:
@@ -94,55 +202,95 @@ def _prefill_rows(label, models, cases, samples, w) -> list[Row]:
     return rows
 
 
-def _decode_rows(label, models, batches, contexts, samples, w) -> list[Row]:
+def _decode_rows(label, models, hf, cases, samples, bandwidth, w) -> list[Row]:
     rows = []
-    cfg = models["weft"].config
-    attn = models["weft"].blocks[0].attn
-    for ctx in contexts:
-        for batch in batches:
-            case = f"{label} decode b{batch} ctx{ctx}"
-            per_slot = cfg.num_layers * 2 * attn.kv_heads * attn.head_dim * models["weft"].dtype.itemsize
-            if not _fits(batch * (ctx + 1) * per_slot, w.device):
-                note(f"{case}: skipped, its KV cache ({batch * (ctx + 1) * per_slot / 2**30:.1f} GiB) does not fit")
-                continue
-            cache = models["weft"].new_cache(batch, ctx + 1)
-            tokens = torch.randint(0, cfg.vocab_size, (batch,), generator=torch.Generator().manual_seed(batch))
-            sessions = {name: DecodeSession(m, cache) for name, m in models.items()}
-            for s in sessions.values():  # every sequence has ctx tokens cached: the step attends to ctx + 1
-                s.tokens.copy_(tokens)
-                s.positions.fill_(ctx)
-            logits = {}
-            for name, s in sessions.items():
-                (s.run if s.graph is None else s.graph.replay)()
-                logits[name] = s.logits.clone()
-            _agree(case, logits["weft"], logits[BASELINE])
-            graph = all(s.graph is not None for s in sessions.values())
-            fns = {name: s.run if s.graph is None else s.graph.replay for name, s in sessions.items()}
-            for name, ms in time_calls(fns, calls=1, samples=samples).items():
-                rows.append(Row(SUITE, case, name, ms, 0.0, batch, w.world_size, "graph" if graph else "eager"))
-                if w.rank == 0:
-                    print(f"{case} {name}: {ms * 1e3:.0f} µs per step ({batch / ms * 1e3:,.0f} tokens/s)", flush=True)
-            del sessions, cache, logits
-            gc.collect()
+    model = models["weft"]
+    cfg = model.config
+    for batch, ctx in cases:
+        case = f"{label} decode b{batch} ctx{ctx}"
+        need = model.decode_bytes(batch, ctx)
+        if not _fits(need["kv"], w.device):
+            note(f"{case}: skipped, its KV cache ({need['kv'] / 2**30:.1f} GiB) does not fit")
+            continue
+        cache = model.new_cache(batch, ctx + 1)
+        tokens = torch.randint(0, cfg.vocab_size, (batch,), generator=torch.Generator().manual_seed(batch))
+        sessions = {name: DecodeSession(m, cache) for name, m in models.items()}
+        steps = {name: s.run if s.graph is None else s.graph.replay for name, s in sessions.items()}
+        graph = all(s.graph is not None for s in sessions.values())
+        hf_session = None
+        if hf is not None and _fits(need["kv"], w.device):  # its own cache, as large as weft's
+            hf_session = hf.session(batch, ctx)
+            hf_session.tokens.copy_(tokens)
+        elif hf is not None:
+            note(f"{case}: {TRANSFORMERS} left out, a second KV cache ({need['kv'] / 2**30:.1f} GiB) does not fit")
+        # Every sequence has ctx tokens cached, all zeros here (the same in every implementation's cache):
+        # the step attends to ctx + 1 positions, its own written by the step.
+        cache.data.zero_()
+        logits = {}
+        for name, s in sessions.items():
+            s.tokens.copy_(tokens)
+            s.positions.fill_(ctx)
+            steps[name]()
+            logits[name] = s.logits.clone()
+        _agree(case, logits["weft"], logits[BASELINE])
+        if hf_session is not None:
+            hf_session.replay()
+            if _agree(case, logits["weft"], hf_session.logits, TRANSFORMERS):
+                eager_only = graph and hf_session.graph is None  # named so: not the same protocol as weft's
+                if eager_only:
+                    note(f"{case}: {TRANSFORMERS} timed eagerly ({hf_session.why_eager})")
+                steps[f"{TRANSFORMERS} (eager)" if eager_only else TRANSFORMERS] = hf_session.replay
+            else:
+                note(f"{case}: {TRANSFORMERS} left out, its logits differ from weft's by more than {AGREE}")
+        view = "graph" if graph else "eager"
+        times = time_calls(steps, calls=1, samples=samples)
+        floor = (need["weights"] + need["kv"]) / bandwidth * 1e3
+        times[FLOOR] = floor
+        for name, ms in times.items():
+            rows.append(Row(SUITE, case, name, ms, 0.0, batch, w.world_size, view))
+            if w.rank == 0:
+                print(f"{case} {name}: {ms * 1e3:.0f} µs per step ({batch / ms * 1e3:,.0f} tokens/s, "
+                      f"{floor / ms:.0%} of the HBM floor)", flush=True)
+        del sessions, steps, hf_session, cache, logits
+        gc.collect()
     return rows
 
 
 def run(args) -> list[Row]:
     w = weft.world()
     rows = []
-    prefill = [tuple(int(x) for x in case.split("x")) for case in args.prefill.split(",") if case]
-    for label in args.models.split(","):
+    prefill = [] if args.prefill == "none" else [tuple(int(x) for x in case.split("x"))
+                                                 for case in args.prefill.split(",") if case]
+    if args.decode is not None:
+        decode = [tuple(int(x) for x in case.split("x")) for case in args.decode.split(",") if case]
+    else:
+        decode = [(batch, ctx) for ctx in _ints(args.contexts) for batch in _ints(args.batches)]
+    labels = args.models.split(",")
+    for label in labels:
         if label not in MODELS:
             raise ValueError(f"--models: {label!r} is not one of {', '.join(MODELS)}")
+    bandwidth = copy_bandwidth(w.device)
+    if w.rank == 0:
+        print(f"copy bandwidth (read + write): {bandwidth / 1e9:.4g} GB/s, the HBM floor's", flush=True)
+    with_hf = not args.no_transformers and w.world_size == 1
+    if not args.no_transformers and w.world_size > 1:
+        note(f"{TRANSFORMERS}: its model runs on one device, at -n 1 only")
+    for label in labels:
         config = dict(MODELS[label])
         if args.layers:
             config["num_hidden_layers"] = min(args.layers, config["num_hidden_layers"])
             label = f"{label} ({config['num_hidden_layers']} layers)"
-        model = from_hf(config, comm="weft")
+        model = from_hf(config, comm="weft", seed=SEED, std=STD)
         models = {"weft": model, BASELINE: model.with_comm("nccl")}
         rows += _prefill_rows(label, models, prefill, args.prefill_samples, w)
-        rows += _decode_rows(label, models, _ints(args.batches), _ints(args.contexts), args.samples, w)
-        del model, models
+        hf = None
+        if with_hf:
+            if _fits(sum(p.nbytes for p in model.parameters()), w.device):  # the same weights again
+                hf = TransformersDecode(config, model)
+            else:
+                note(f"{label}: {TRANSFORMERS} left out, a second copy of the weights does not fit")
+        rows += _decode_rows(label, models, hf, decode, args.samples, bandwidth, w)
+        del model, models, hf
         gc.collect()
         if w.device.type == "cuda":
             torch.cuda.empty_cache()

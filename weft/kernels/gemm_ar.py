@@ -26,6 +26,12 @@ baseline (matmul in the input dtype, then all_reduce) makes anyway, and the sum
 still runs in fp32. fp32 inputs use tf32 products on the GPU (as
 weft.kernels.gemm does).
 
+On one rank there is nothing to reduce: the op is a plain GEMM (a GEMV at
+decode's M), which cuBLAS runs at ~99 % of the weight bytes' HBM floor where
+this kernel, tiled for the fused push, reached ~75 % (1 H100, Qwen3-8B's O and
+down projections). "auto" and "baseline" are torch.matmul there; "fused" still
+runs the kernel when asked.
+
 One workspace serves every shape (`GemmArWorkspace`): the stage in two halves
 used by call parity, per tile slot int32 flags arrived[W], and the epoch
 counter (`wl.next_epoch`: every call takes the next epoch, the same in all its
@@ -243,7 +249,8 @@ def gemm_ar(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
     a: (M, K_local), b_shard: (K_local, N), same dtype (bf16, fp16, fp32), any layout; returns (M, N) in
     that dtype, the same bits on every rank (fp32 accumulation). method: "fused" (one kernel: GEMM, push,
     sum; contiguous operands whose partials fit the workspace), "baseline" (torch.matmul, then weft's
-    all_reduce), "auto" (fused up to gemm_ar.fused_max_m rows where it can take the call). `out`: any (M, N)
+    all_reduce; on one rank torch.matmul alone), "auto" (on one rank torch.matmul; else fused up to
+    gemm_ar.fused_max_m rows where it can take the call). `out`: any (M, N)
     tensor of the dtype not overlapping the operands. Collective: every rank calls it with the same
     shapes, dtype and method.
     """
@@ -274,11 +281,16 @@ def _gemm_ar_plan(world, a, b_shard, method, out):
     if method == "fused" and refusal:
         raise ValueError(f"method='fused' cannot take this call: {refusal}")
     if method == "auto":
-        method = "fused" if m <= fused_max_m(world) and refusal is None else "baseline"
+        method = "fused" if m <= fused_max_m(world) and refusal is None and world.world_size > 1 else "baseline"
     if m == 0 or n == 0:
         def run(a, b_shard, out):
             check(a, b_shard, out)
             return result(out)
+        return run
+    if method == "baseline" and world.world_size == 1:  # nothing to reduce: cuBLAS alone, no copy after it
+        def run(a, b_shard, out):
+            check(a, b_shard, out)
+            return torch.matmul(a, b_shard) if out is None else torch.matmul(a, b_shard, out=out)
         return run
     if method == "baseline":
         def run(a, b_shard, out):

@@ -222,6 +222,18 @@ class Transformer(nn.Module):
             x, residual = block.decode(x, residual, pos, cache.layer(i))
         return self.lm_head(self.norm(x, residual)[0])
 
+    def decode_bytes(self, batch: int, context: int) -> dict[str, int]:
+        """What one decode step of `batch` sequences with `context` tokens already cached must read from memory on
+        this rank, in bytes, by kind: "weights" (every block's, the final norm's and the LM head's; of the
+        embedding table only the batch's rows) and "kv" (every layer's keys and values of context + 1
+        positions, the step's own included). Their sum over the copy bandwidth is the step's floor."""
+        attn = self.blocks[0].attn
+        read = (*self.blocks.parameters(), *self.norm.parameters(), *self.lm_head.parameters())
+        weights = sum(p.nbytes for p in read)
+        weights += batch * self.embed.weight.shape[1] * self.embed.weight.element_size()
+        kv = len(self.blocks) * 2 * batch * (context + 1) * attn.kv_heads * attn.head_dim * self.dtype.itemsize
+        return {"weights": weights, "kv": kv}
+
     def session(self, batch: int, max_len: int, cuda_graph: bool = True) -> "DecodeSession":
         """The decode session of `batch`'s bucket (the next power of two: a batch runs padded to it, with or
         without graphs, so both compute the same) with a cache of at least max_len positions, kept and reused."""
