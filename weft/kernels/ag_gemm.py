@@ -244,7 +244,7 @@ def _ag_gemm_plan(world, a_shard, b, method, out, return_gathered, config):
     # Step s pushes tile me (my chunk) into rank me - s: its G rows [me * m, (me + 1) * m), then 1 into its flag
     # ready[me].
     pushes = [CopyEnginePush(world.heap.peer(gathered, (me - s) % w)[me * m:(me + 1) * m],
-                                world.heap.peer(ws.ready, (me - s) % w)[me:me + 1], 1) for s in range(1, w)]
+                             world.heap.peer(ws.ready, (me - s) % w)[me:me + 1], 1) for s in range(1, w)]
     local = gathered[me * m:(me + 1) * m]
     heap = world.heap.descriptor
     cfg = config or gemm.config_for(shape[0], n, k, world.device)

@@ -356,7 +356,7 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
     for s in range(1, w):
         c = (me + s) % w
         steps.append((c, send[s - 1], CopyEnginePush(world.heap.peer(recv, c)[w - 1 - s],
-                                                         world.heap.peer(ws.ready, c)[me:me + 1], 1)))
+                                                      world.heap.peer(ws.ready, c)[me:me + 1], 1)))
     heap = world.heap.descriptor
     start = Launch(gemm_rs_start_kernel, (1,), (ws.bar, ws.ready, heap), {}, num_warps=1)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)

@@ -626,7 +626,7 @@ class _RsPlan:
         rows = torch.empty((ww * m, k), dtype=torch.int32, device=self.dev)
         if self.method == "baseline":
             mapping = TileMap((ww * m, inter), ww, (triton.next_power_of_2(m), triton.next_power_of_2(inter)),
-                                 device=world.device).arg
+                              device=world.device).arg
             # ready, bar and mapping are read only with WAIT
             self.gemm_args = lambda h, metas, w_down, y: (self.h_op(h), metas, self.w_op(w_down), y, metas, metas,
                                                           heap, mapping, m, hidden, inter, width)
