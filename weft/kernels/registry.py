@@ -19,8 +19,8 @@ An op family declares each op once, in its own module, beside the implementation
     def _(x, out=None, method="auto"):
         return into(out, torch.ops.weft.all_gather(x, world_size(), method))
 
-`@declare_op` replaces the implementation by the public function: a plain function with the implementation's signature,
-defaults and docstring, generated once, that calls the implementation directly (a custom op's dispatch costs
+`@declare_op` replaces the implementation by the public function: a plain function with the implementation's
+signature, defaults and docstring, generated once, that calls the implementation directly (a custom op's dispatch costs
 7-21 us per call) unless the call is traced (torch.compile, export, make_fx, a fake-tensor mode) or autograd has to
 record it (grad mode and an input among `tensors` that requires grad): then it takes the `traced` route, which
 reaches the operator. The implementation stays reachable as `.eager`, the declaration as `.definition`.
@@ -50,21 +50,6 @@ EXPORTS: dict[str, object] = {}
 _is_compiling = torch.compiler.is_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _grad_enabled = torch.is_grad_enabled
-
-
-def traced(*tensors) -> bool:
-    """Whether a call with these tensor arguments (None where absent) must go through torch.ops.weft: under
-    torch.compile/export (dynamo: is_compiling() folds to True, the rest is never traced), under a dispatch mode
-    (make_fx, AOT autograd tracing a backward, FakeTensorMode), or when autograd has to record the call (grad mode
-    on and an input that requires grad). Well under a microsecond on the eager path."""
-    if _is_compiling() or _dispatch_modes():
-        return True
-    if not _grad_enabled():
-        return False
-    try:
-        return any(t is not None and t.requires_grad for t in tensors)
-    except AttributeError:  # not a tensor: the implementation's checks name the argument
-        return False
 
 
 class OpDef:
@@ -117,12 +102,22 @@ def _public_function(d: OpDef) -> Callable:
     for t in d.tensors:
         if t not in sig.parameters:
             raise TypeError(f"{d.name}: tensors names {t!r}, which is not a parameter")
-    test = ", ".join(d.tensors)
+    # Whether the call must go through torch.ops.weft: under torch.compile/export (dynamo: is_compiling() folds to
+    # True), under a dispatch mode (make_fx, AOT autograd tracing a backward, FakeTensorMode), or when autograd has
+    # to record it (grad mode on and an input among `tensors` that requires grad). Written out for these parameters:
+    # no argument packing on the eager path (a generator over *tensors cost ~0.4 us a call more).
+    grad = " or ".join(f"({t} is not None and {t}.requires_grad)" for t in d.tensors)
+    test = "_is_compiling() or _dispatch_modes()" + (f" or (({grad}) and _grad_enabled())" if grad else "")
     src = (f"def {d.name}({', '.join(params)}):\n"
-           f"    if _traced({test}):\n"
+           f"    try:\n"
+           f"        route = {test}\n"
+           f"    except AttributeError:  # not a tensor: the implementation's checks name the argument\n"
+           f"        route = False\n"
+           f"    if route:\n"
            f"        return _definition.call_traced({', '.join(call)})\n"
            f"    return _eager({', '.join(call)})\n")
-    scope = {"_traced": traced, "_definition": d, "_eager": d.eager}
+    scope = {"_is_compiling": _is_compiling, "_dispatch_modes": _dispatch_modes, "_grad_enabled": _grad_enabled,
+             "_definition": d, "_eager": d.eager}
     exec(compile(src, f"<weft op {d.name}>", "exec"), scope)  # noqa: S102 - source built from a signature
     fn = scope[d.name]
     fn.__defaults__, fn.__kwdefaults__ = d.eager.__defaults__, d.eager.__kwdefaults__
