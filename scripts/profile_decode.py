@@ -84,7 +84,9 @@ def gemm_weight_bytes(fn, itemsize: int, steps: int = 1) -> dict:
             continue
         weight = ev.input_shapes[-1] if ev.name == "aten::mm" else ev.input_shapes[2]  # addmm(bias, a, b)
         nbytes = itemsize * torch.Size(weight).numel()
-        for name in ([k.name for k in getattr(ev, "kernels", [])] if cuda else [ev.name]):
+        # The GEMM is the op's first kernel; a split-K GEMM's second (cublasLt's splitKreduce) reads partial sums,
+        # not the weight.
+        for name in ([k.name for k in getattr(ev, "kernels", [])][:1] if cuda else [ev.name]):
             found[name] += nbytes // steps
     return dict(found)
 
