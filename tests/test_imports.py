@@ -3,8 +3,8 @@
 each is checked against the layer rules below.
 
 The layers: `language/` is device code (what runs inside `@triton.jit`, plus the backend flag it branches on);
-`runtime/` is the host runtime; `kernels/` are the op families; `weft.ops` the ops (collected from the families' declarations); `layers/`
-and `models/` reach kernels only through `weft.ops`; `testing/`, `bench/` and the commands may import anything.
+`runtime/` is the host runtime; `kernels/` are the op families; `weft.ops` the ops (collected from the families'
+declarations); `layers/` and `models/` reach kernels only through `weft.ops`; `testing/`, `bench/` and the commands may import anything.
 KNOWN_VIOLATIONS lists the edges that break a rule today, each with its reason; it is exact: an entry that no
 longer occurs fails too, so that it is deleted when its import is fixed.
 """

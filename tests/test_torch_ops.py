@@ -1,5 +1,5 @@
-"""weft's ops as PyTorch operators (weft/torch_ops.py) and the parallel linear layers (weft/layers/linear.py):
-gradients against a single-process torch reference, torch.compile against eager, torch.library.opcheck, and
+"""weft's ops as PyTorch operators (declared with each op: weft/kernels/registry.py) and the parallel linear
+layers (weft/layers/linear.py): gradients against a single-process torch reference, torch.compile against eager, torch.library.opcheck, and
 the eager path's direct calls.
 
 Every rank builds every rank's inputs from one seed, so each checks its own gradients against the reference

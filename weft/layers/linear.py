@@ -7,8 +7,8 @@ communicates once each way.
 - sequence_parallel=True (training, prefill): activations between blocks are split by token over the ranks
   (rank r holds rows [r * T / W, (r + 1) * T / W) of the flattened tokens). Column: ag_gemm (all-gather of
   the tokens under the GEMM); row: gemm_rs (the GEMM's partial sums reduce-scattered back to token shards).
-  The backward is the ops' own (declared with them: weft/kernels/ag_gemm.py, gemm_rs.py): gemm_rs and ag_gemm swap roles. With each rank's loss
-  taken on its own tokens, the gradients are those of the single-process model.
+  The backward is the ops' own (declared with them: weft/kernels/ag_gemm.py, gemm_rs.py): gemm_rs and ag_gemm
+  swap roles. With each rank's loss taken on its own tokens, the gradients are those of the single-process model.
 - sequence_parallel=False (plain tensor parallelism, decode): activations are replicated. Column: a local
   GEMM; row: gemm_ar (all-reduce fused with the GEMM for small token counts). Gradients follow Megatron's
   convention: every rank computes the same loss once, the all-reduce's backward passes the (replicated)

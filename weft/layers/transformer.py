@@ -225,8 +225,8 @@ class TensorParallelAttention(nn.Module):
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         flash_ok = head_dim in ops.flash_decode.head_dims and qkv_weight.dtype in ops.flash_decode.dtypes
         if decode_attention == "flash_decode" and not flash_ok:
-            raise ValueError(f"decode_attention='flash_decode' needs head_dim in {ops.flash_decode.head_dims} and a dtype "
-                             f"in {ops.flash_decode.dtypes}, got head_dim {head_dim}, {qkv_weight.dtype}")
+            raise ValueError(f"decode_attention='flash_decode' needs head_dim in {ops.flash_decode.head_dims} and a "
+                             f"dtype in {ops.flash_decode.dtypes}, got head_dim {head_dim}, {qkv_weight.dtype}")
         if decode_attention == "auto":
             decode_attention = "flash_decode" if flash_ok and qkv_weight.device.type == "cuda" else "sdpa"
         self.decode_attention = decode_attention
@@ -265,9 +265,9 @@ class TensorParallelAttention(nn.Module):
         """q (tokens, heads, d) of the projections' first tokens rows, normed (Qwen3) and rotated; k and v into
         k_dst / v_dst at (pos.rows, pos.positions)."""
         norm = self.q_norm is not None
-        return ops.qk_norm_rope(qkv, pos.rows.shape[0], self.heads, self.kv_heads, pos.inv_freq, pos.rows, pos.positions,
-                            k_dst, v_dst, self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
-                            self.q_norm.eps if norm else 0.0)
+        return ops.qk_norm_rope(qkv, pos.rows.shape[0], self.heads, self.kv_heads, pos.inv_freq, pos.rows,
+                                pos.positions, k_dst, v_dst, self.q_norm.weight if norm else None,
+                                self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0)
 
     def forward(self, x: torch.Tensor, pos: Positions, kv: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Prefill of pos.batch sequences of pos.seq tokens, sequence-parallel: x (rows, hidden) this rank's rows
