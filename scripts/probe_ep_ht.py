@@ -1,5 +1,5 @@
 """Where the high-throughput EP time goes, and a sweep of its push programs, receiving programs and copy block
-(weft/kernels/moe/ep_ht.py: HT_PROGRAMS, HT_COPY_PROGRAMS, HT_BLOCK_WARPS).
+(the tuning data's moe.ht_programs, moe.ht_copy_programs, moe.ht_block; weft/kernels/moe/ep_ht.py).
 
     python3 -m weft run -n 2 scripts/probe_ep_ht.py     # GPUs; JSON to $OUT/probe_ep_ht.json
     python3 -m weft run -n 2 scripts/probe_ep_ht.py --hidden 256 --tokens 16 --experts 8 --samples 2   # cpu smoke
@@ -13,6 +13,7 @@ setting's (the same sums in the same order).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -21,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import weft  # noqa: E402
-import weft.kernels.moe.ep_ht as ep_ht  # noqa: E402
+from weft import tuning  # noqa: E402
 from weft.bench.report import ProbeLog  # noqa: E402
 from weft.bench.timing import time_calls  # noqa: E402
 
@@ -41,7 +42,9 @@ def main():
     w = weft.world()
     dev = w.device
     settings = [tuple(int(v) for v in s.split(":")) for s in args.settings.split(",")] if gpu else [(256, 4)]
-    defaults = (ep_ht.HT_PROGRAMS[dev.type], ep_ht.HT_COPY_PROGRAMS[dev.type])
+    defaults = ((tuning.value("moe.ht_programs", dev, w.world_size), tuning.value("moe.ht_copy_programs", dev,
+                                                                                     w.world_size))
+                if gpu else (0, 0))
     settings = [s + defaults[len(s) - 2:] for s in settings]
     log = ProbeLog("probe_ep_ht", w.rank)
     g = torch.Generator(device=dev).manual_seed(99 + w.rank)
@@ -50,11 +53,13 @@ def main():
     wts = torch.rand(args.tokens, args.topk, device=dev, generator=g)
     cap = w.world_size * args.tokens
     first = None
+    setting = contextlib.ExitStack()  # the tuning overrides of the setting being timed
     for block, warps, programs, copy_programs in settings:
+        setting.close()
         if gpu:
-            ep_ht.HT_BLOCK_WARPS = (block, warps)
-            ep_ht.HT_PROGRAMS["cuda"] = programs
-            ep_ht.HT_COPY_PROGRAMS["cuda"] = copy_programs
+            setting.enter_context(tuning.overrides({"moe.ht_block": {"words": block, "warps": warps},
+                                                    "moe.ht_programs": programs,
+                                                    "moe.ht_copy_programs": copy_programs}))
         w.plans.clear()
         rx, _, _, _, handle = weft.ops.ep_dispatch(x, idx, wts, args.experts, max_recv_tokens=cap)
         y = weft.ops.ep_combine(rx, handle)

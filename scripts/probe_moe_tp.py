@@ -5,12 +5,13 @@
 
 Qwen3-30B-A3B (hidden 2048, 128 experts, top-8, moe inter 768) and Mixtral-8x7B (4096, 8, top-2, 14336), 8192
 tokens in all: ag_group_gemm (overlap) and group_gemm_rs (overlap) with every tiling, operands by TMA and by
-pointers (moe_tp.TMA_OPERANDS), CUDA-graph replay, slowest rank's median (weft.bench.timing). Each setting's first
+pointers (the tuning data's moe_tp.tma_operands; the tiles are moe_tp.tiles), CUDA-graph replay, slowest rank's median (weft.bench.timing). Each setting's first
 call is checked against the default's output.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -19,15 +20,15 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import weft  # noqa: E402
-import weft.kernels.moe.tp as moe_tp  # noqa: E402
+from weft import tuning  # noqa: E402
 from weft.bench.moe import MODELS  # noqa: E402
 from weft.bench.report import ProbeLog  # noqa: E402
 from weft.bench.timing import time_calls  # noqa: E402
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, flatten), as moe_tp.TILES holds them
+# (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, flatten); the cpu backend's tiles are fixed (tp.CPU_TILES): one run
 GPU_TILES = [(128, 128, 64, 4, 8, True), (128, 256, 64, 3, 8, True), (128, 256, 64, 3, 8, False),
              (128, 256, 64, 4, 8, True), (64, 256, 64, 3, 8, True), (64, 128, 64, 4, 4, True)]
-CPU_TILES = [(16, 32, 32, 1, 4, False), (32, 32, 32, 1, 4, False)]
+CPU_TILES = [(16, 32, 32, 1, 4, False)]
 
 
 def main():
@@ -43,8 +44,7 @@ def main():
     weft.init(heap_size=(8 << 30) if gpu else None, workspace_bytes=(1 << 30) if gpu else None)
     w = weft.world()
     dev, ws = w.device, w.world_size
-    kind = "large" if gpu else "cpu"  # the entry of TILES these shapes take (their experts' segments fill 128 rows)
-    default = moe_tp.TILES[kind]
+    kind = "large"  # the tiles these shapes take on GPUs (their experts' segments fill 128 rows)
     log = ProbeLog("probe_moe_tp", w.rank)
     for name in args.models.split(","):
         model = MODELS[name]
@@ -61,8 +61,15 @@ def main():
         out_ref = weft.ops.group_gemm_rs(h, w_dn, idx, wts, layout, method="overlap")
         tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")] if args.tiles else \
             GPU_TILES if gpu else CPU_TILES
+        setting = contextlib.ExitStack()  # the tuning overrides of the setting being timed
         for tile, tma in ((t, bool(int(a))) for t in tiles for a in args.tma.split(",")):
-            moe_tp.TILES[kind], moe_tp.TMA_OPERANDS = tile, tma
+            setting.close()
+            if gpu:
+                bm, bn, bk, stages, warps, flatten = tile
+                tiles_now = dict(tuning.value("moe_tp.tiles", dev, ws))
+                tiles_now[kind] = dict(block_m=bm, block_n=bn, block_k=bk, num_stages=stages, num_warps=warps,
+                                       flatten=flatten)
+                setting.enter_context(tuning.overrides({"moe_tp.tiles": tiles_now, "moe_tp.tma_operands": tma}))
             w.plans.clear()
             try:
                 inter, lay = weft.ops.ag_group_gemm(x, w_gu, idx, method="overlap")
@@ -78,7 +85,7 @@ def main():
             except Exception as e:  # noqa: BLE001 - a tiling that does not compile or fit is reported
                 row = dict(model=name, tile=list(tile), tma=tma, error=f"{type(e).__name__}: {e}"[:200])
             log.add(row)
-        moe_tp.TILES[kind], moe_tp.TMA_OPERANDS = default, True
+        setting.close()
     log.save()
     weft.finalize()
 

@@ -33,6 +33,7 @@ import triton.language as tl
 
 import weft.language as wl
 
+from ... import tuning
 from ..blocks import copy, halves_of, word_of
 from ..common import Launch, check_tensor, check_world_size, plan, signature, world_or_raise, world_size
 from ..registry import declare_op
@@ -40,21 +41,11 @@ from .ep_workspace import HT_MAX_PROGRAMS, _ELEM, _rows, _rows_ready, _too_big, 
 from .routing import _check_routing, check_rows, valid_experts
 
 
-# Programs of the high-throughput push (a fixed number: the receivers wait on the flags of each), and each
-# program's block of words and warps on GPUs.
-HT_PROGRAMS = {"cpu": 2, "cuda": 128}
-# Measured (scripts/probe_ep_ht.py, 2 H200s, 2026-11-23, 4096 tokens of 7168, top-8 of 256, graph replay):
-# dispatch + combine 839.7 / 737.1 / 695.3 / 750.7 / 747.4 us with blocks of 1024 / 2048 / 4096 / 4096 / 2048
-# words and 8 / 8 / 8 / 16 / 4 warps (128 push programs); since the receivers wait on all flags at once
-# (eleventh session) 489.3 us with 4096 words, 8 warps, 128 programs; 494.5 with 264 programs, 503.4 with 2048
-# words and 264, 483.6 with 16 warps and 132, 526.7 with 2048 words, 4 warps, 528 programs.
-HT_BLOCK_WARPS = (4096, 8)
-# Programs of the receiving kernels (ep_receive_kernel copies the region's rows out, ep_combine_reduce_kernel sums
-# each token's rows): local passes after the pushes, swept by scripts/probe_ep_ht.py too.
-HT_COPY_PROGRAMS = {"cpu": 2, "cuda": 132}
-# Tokens a program of the count and position kernels takes (the route kernel, one program, then only scans
-# the blocks' counts: over all 4096 tokens itself it took 79 us of a 400 us dispatch).
-HT_ROUTE_TOKENS = {"cpu": 16, "cuda": 64}
+# The high-throughput launch settings on GPUs are tuning data (weft.tuning: moe.ht_programs, the push's programs,
+# a fixed number since the receivers wait on the flags of each; moe.ht_block, each push program's words and warps;
+# moe.ht_copy_programs, the receiving kernels' programs; moe.ht_route_tokens, the tokens of a count / position
+# program), swept by scripts/probe_ep_ht.py. Under the interpreter, small fixed ones:
+HT_CPU = dict(programs=2, block=(256, 4), copy_programs=2, route_tokens=16)
 
 
 # -- high-throughput kernels --------------------------------------------------------
@@ -358,14 +349,19 @@ class _HTPlan:
         self.heap = heap = world.heap.descriptor
         dev = world.device
         gpu = dev.type == "cuda"
-        block, warps = HT_BLOCK_WARPS if gpu else (256, 4)
-        programs = HT_PROGRAMS[dev.type]  # push programs: the receivers wait on the flag of each
+        if gpu:
+            ht_block = tuning.value("moe.ht_block", dev, w)
+            block, warps = ht_block["words"], ht_block["warps"]
+            programs = tuning.value("moe.ht_programs", dev, w)  # push programs: the receivers wait on each's flag
+            self.grid = tuning.value("moe.ht_copy_programs", dev, w)  # programs that copy out / sum what arrived
+            blk_t = tuning.value("moe.ht_route_tokens", dev, w)
+        else:
+            (block, warps), programs = HT_CPU["block"], HT_CPU["programs"]
+            self.grid, blk_t = HT_CPU["copy_programs"], HT_CPU["route_tokens"]
         if programs > HT_MAX_PROGRAMS:
-            raise ValueError(f"HT_PROGRAMS = {programs} is more than the workspace's flags ({HT_MAX_PROGRAMS})")
-        self.grid = HT_COPY_PROGRAMS[dev.type]  # programs that copy out / sum what arrived
+            raise ValueError(f"moe.ht_programs = {programs} is more than the workspace's flags ({HT_MAX_PROGRAMS})")
         i32 = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=dev)  # noqa: E731
         blk_w, blk_k = triton.next_power_of_2(w), triton.next_power_of_2(k)
-        blk_t = HT_ROUTE_TOKENS[dev.type]
         self.blocks = max(1, triton.cdiv(t, blk_t))  # token blocks of the count and position kernels
         blk_b = min(1024, triton.next_power_of_2(self.blocks))
         blk_wide = max(4, triton.next_power_of_2(w + 1))  # [ranks | bad entries]
@@ -578,7 +574,8 @@ def _(y, handle):
                                      world_size(), max_recv_tokens)
 
 
-# Signatures for the sm_90 compile check (weft.testing.compile).
+# Signatures for the sm_90 compile check (weft.testing.compile), at the shipped tables' push block.
+_SHIPPED_BLOCK = tuning.shipped("moe.ht_block")[0]["words"]
 COMPILE_CASES = [
     (ep_count_kernel, dict(topk=t, block_counts="*i32", err="*i64", tokens="i32"),
      dict(K=8, LOCAL=256 // wd, WORLD=wd, BLOCK_T=64, BLOCK_K=8, BLOCK_W=max(4, triton.next_power_of_2(wd + 1))),
@@ -599,22 +596,22 @@ COMPILE_CASES = [
     (ep_push_kernel, dict(x="*i32", topk=t, weights="*fp32", rank_pos="*i32", table="*i32", region="*i32",
                           x_out="*i32", idx_out=t, w_out="*fp32", flags="*i32", counter="*i64", heap="*i64",
                           tokens="i32", limit="i32", half_words="i32"),
-     dict(HW=hw, K=8, ROW=triton.cdiv(hw + 16, 4) * 4, LOCAL=32, WORLD=8, PROGRAMS=128, BLOCK=HT_BLOCK_WARPS[0],
+     dict(HW=hw, K=8, ROW=triton.cdiv(hw + 16, 4) * 4, LOCAL=32, WORLD=8, PROGRAMS=128, BLOCK=_SHIPPED_BLOCK,
           VEC=_vec(hw), BLOCK_K=8, BLOCK_W=8), dict(num_warps=8))
     for t in ("*i64", "*i32") for hw in (3584, 3585)
 ] + [
     (ep_push_back_kernel, dict(y="*i32", table="*i32", region="*i32", flags="*i32", counter="*i64", heap="*i64",
                                rows="i32", half_words="i32"),
-     dict(HW=3584, WORLD=8, PROGRAMS=128, BLOCK=HT_BLOCK_WARPS[0], VEC=4, BLOCK_W=8), dict(num_warps=8)),
+     dict(HW=3584, WORLD=8, PROGRAMS=128, BLOCK=_SHIPPED_BLOCK, VEC=4, BLOCK_W=8), dict(num_warps=8)),
 ] + [
     (ep_receive_kernel, dict(region="*i32", flags="*i32", counter="*i64", heap="*i64", table="*i32", x_out="*i32",
                              idx_out=t, w_out="*fp32", counts="*i32", half_words="i32", rows="i32"),
-     dict(HW=3584, K=8, ROW=3600, LOCAL=32, WORLD=8, PROGRAMS=128, BLOCK=HT_BLOCK_WARPS[0], VEC=4, BLOCK_K=8,
+     dict(HW=3584, K=8, ROW=3600, LOCAL=32, WORLD=8, PROGRAMS=128, BLOCK=_SHIPPED_BLOCK, VEC=4, BLOCK_K=8,
           BLOCK_L=32, BLOCK_W=8), dict(num_warps=8))
     for t in ("*i64", "*i32")
 ] + [
     (ep_combine_reduce_kernel, dict(region="*i32", flags="*i32", counter="*i64", heap="*i64", rank_pos="*i32",
                                     table="*i32", y="*i32", out="*i32", half_words="i32", tokens="i32", limit="i32"),
-     dict(HW=3584, ELEM=e, WORLD=8, PROGRAMS=128, BLOCK=HT_BLOCK_WARPS[0], BLOCK_W=8), dict(num_warps=8))
+     dict(HW=3584, ELEM=e, WORLD=8, PROGRAMS=128, BLOCK=_SHIPPED_BLOCK, BLOCK_W=8), dict(num_warps=8))
     for e in (tl.bfloat16, tl.float32)
 ]

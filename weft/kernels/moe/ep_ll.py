@@ -31,6 +31,7 @@ import triton.language as tl
 
 import weft.language as wl
 
+from ... import tuning
 from ..blocks import fp8_quantize, halves_of, word_of
 from ..common import Launch, check_tensor, check_world_size, plan, signature, world_or_raise, world_size
 from ..gemm import num_sms
@@ -315,21 +316,12 @@ def _no_pending_hook(ws, op: str) -> None:
                            "it first (the two calls would share the buffers it reads)")
 
 
-# The LL kernels' launch settings on GPUs (scripts/probe_ep_ll.py sweeps them): at most LL_PROGRAMS programs and
-# LL_PER_SM per SM (every program waits for its peers' programs, so all must be resident: programs wait only on
-# the same or lower ones of their peers, and blocks start in order, so a program that must wait for a place
-# gets one once the lower ones end), chunks of LL_CHUNK_WORDS words (a power of two >= 32), LL_WARPS warps.
-# Under the interpreter LL_CPU (programs, chunk words, warps): tiny chunks, so that the tests' small rows span
-# several. Measured on 2 H200s (2026-11-23, eighth session, hidden 7168 bf16, top-8 of 256, graph replay,
-# dispatch / dispatch + combine us at 1, 32 and 128 tokens per rank): 132 programs, 1024-word chunks 10.0 /
-# 17.7, 10.6 / 27.4, 34.2 / 99.7; 512-word 9.1 / 16.2, 13.9 / 34.2, 49.9 / 132.9; 256-word 9.4 / 15.8, 27.5 /
-# 52.1, 126.8 / 227.3 (the kernels before the units: 29.1 / 68.4, 37.3 / 87.1, 101.6 / 220.0). Tenth session
-# (combine one row per token and rank; fp8 dispatch + combine at 32 / 128 tokens): 132 programs 21.5 / 53.0,
-# 264 (2 per SM) 21.8 / 39.8, 528 21.6 / 41.0, all with 1024-word chunks and 8 warps (4 warps: 23.9 / 42.4).
-LL_PROGRAMS = 264
-LL_PER_SM = 2
-LL_CHUNK_WORDS = 1024
-LL_WARPS = 8
+# The LL kernels' launch settings on GPUs are tuning data (weft.tuning moe.ll_launch, swept by scripts/probe_ep_ll.py):
+# at most `programs` programs and `per_sm` per SM (every program waits for its peers' programs, so all must be
+# resident: programs wait only on the same or lower ones of their peers, and blocks start in order, so a program
+# that must wait for a place gets one once the lower ones end), chunks of `chunk_words` words (a power of two >= 32),
+# `warps` warps. Under the interpreter LL_CPU (programs, chunk words, warps): tiny chunks, so that the tests' small
+# rows span several.
 LL_CPU = (2, 32, 4)
 
 
@@ -368,9 +360,12 @@ class _LLPlan:
         self.groups = x.shape[1] // 128 if fp8 else 0
         sent_hw = x.shape[1] // 4 if fp8 else self.hw  # words of a dispatched row
         gpu = world.device.type == "cuda"
-        programs, chunk_words, warps = ((min(LL_PROGRAMS, LL_PER_SM * num_sms(world.device)), LL_CHUNK_WORDS,
-                                          LL_WARPS) if gpu
-                                        else LL_CPU)
+        if gpu:
+            ll = tuning.value("moe.ll_launch", world.device, w)
+            programs, chunk_words, warps = (min(ll["programs"], ll["per_sm"] * num_sms(world.device)),
+                                            ll["chunk_words"], ll["warps"])
+        else:
+            programs, chunk_words, warps = LL_CPU
         d_chunk, d_chunks, d_lanes = _ll_units(sent_hw, max_tokens, programs, chunk_words)
         c_chunk, c_chunks, c_lanes = _ll_units(self.hw, max_tokens, programs, chunk_words)
         self.ws = ws = _workspace(world)

@@ -14,7 +14,7 @@ import triton.language as tl
 from ..common import workspace, zero_everywhere
 from .routing import RoutingErrorWord
 
-HT_MAX_PROGRAMS = 1024  # the workspace's push flags: [program][rank] (scripts/probe_ep_ht.py sweeps HT_PROGRAMS)
+HT_MAX_PROGRAMS = 1024  # the workspace's push flags: [program][rank] (scripts/probe_ep_ht.py sweeps moe.ht_programs)
 
 
 class MoeWorkspace:

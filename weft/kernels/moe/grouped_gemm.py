@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import tuning
 from ..blocks import cast
 from ..common import Launch, check_tensor, plan, signature, world_or_raise
 from ..gemm import GemmConfig, descriptor, dot, num_sms, tile_of
@@ -240,47 +241,33 @@ def grouped_gemm_fp8_kernel(x, w_desc, out, x_scales, w_scales, counts, experts,
 
 GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8)
 
-# GPU configs of the TMA kernels (gemm.GemmConfig; flatten applies to them alone). "large": the
-# dense GEMM's 128x256x64 tiles, flattened loop: on an H200 (2026-11-23, `python3 scripts/probe_grouped_gemm.py`,
-# bf16, CUDA-graph replay) 1.01-1.05x torch._grouped_mm on 32 x 256 rows 7168 <-> 2048, Qwen3-30B-A3B's 128 x 512
-# rows (2048 -> 1536, 768 -> 2048) and Mixtral's 8 x 2048 rows (4096 -> 14336), 1.02x on 14336 -> 4096 (where
-# 64x256x64 s4 w4 reached 1.09x) and 1.00x with uneven counts; the unflattened loop was 0.96-0.97x on three of
-# them. Experts of at most 128 rows (decode, fine-grained experts), and the callers that know their experts hold
-# a few rows of a larger buffer (few_rows_config: EPMoE's decode), take 64-row blocks with the tile and K loops
-# fused: on an H200 (2026-11-24, `python3 scripts/probe_grouped_gemm.py --shapes "EP decode"`, 2-14 rows of 256 an
-# expert, Qwen3-30B-A3B's 128 experts) 204.0 / 108.6 us on 2048 -> 1536 / 768 -> 2048, the weights at 3.9 / 3.7
-# TB/s, against 213.7 / 123.1 unfused and 222.6 / 124.9 with the large tiles; 226.0 against 235.8 (large) on 32
-# experts of ~32 rows 7168 -> 2048, where 64x256x64 s3 (223.6) was within 1 %. fp32 (tf32) takes small tiles,
-# whose stages and output tile fit in shared memory. fp8: 128-channel K slices (one scale each), 64-row x 128-column tiles (one weight scale block)
-# of one warp group, 2 programs per SM, so that one program's MMAs run while the other scales its last slice
-# (Triton waits for each slice's MMA before its scaling FMAs). On an H200 (2026-11-23, fourteenth session,
-# `python3 scripts/probe_grouped_gemm.py --fp8`) it was the fastest or within 4 % of it on 7 of the 8 shapes
-# (9 % behind 64x128x128 s3 flat 2/SM on Qwen3's down projection, 768 -> 2048): 285.6 us on 32 x 256 rows
-# 7168 -> 2048 (one program per SM of 128x128x128: 318.3), 2208.8 on Mixtral's 4096 -> 14336 (2824.4), 121.5
-# on experts of ~32 rows (149.6).
-GPU_CONFIGS = {
-    "large": GemmConfig(128, 256, 64, 8, 3, 8, True),
-    "skinny": GemmConfig(64, 128, 64, 8, 4, 4, True),
-    "fp32": GemmConfig(64, 128, 32, 8, 4, 4, False),
-    "fp8": GemmConfig(64, 128, 128, 8, 4, 4, False, 2),
-}
-# The pointer kernel's (before the TMA kernel, all shapes took it: 480.7 us on 32 experts x 256 rows, 7168 -> 2048,
-# on an H200, against torch._grouped_mm's 323.2 us).
-POINTER_CONFIG = GemmConfig(64, 128, 64, 8, 4, 4, False)
+# The GPU configs are tuning data (weft.tuning, with the sweeps they came from: scripts/probe_grouped_gemm.py):
+# grouped_gemm.configs by name ("large": the dense GEMM's 128x256x64 tiles, flattened loop; "skinny": 64-row blocks
+# with the tile and K loops fused, for experts of at most 128 rows and for callers whose experts hold a few rows of
+# a larger buffer (grouped_gemm.few_rows_config: EPMoE's decode); "fp32": small tiles whose stages and output tile
+# fit in shared memory; "fp8": 128-channel K slices, one scale each, 64 x 128 tiles of one warp group, 2 programs
+# per SM so that one program's MMAs run while the other scales its last slice), grouped_gemm.pointer_config (the
+# pointer kernel's, for shapes TMA cannot take). flatten applies to the TMA kernels alone.
 CPU_CONFIG = GemmConfig(16, 32, 32, 2, 1, 4, False)
+
+
+def gpu_configs(device: torch.device) -> dict[str, GemmConfig]:
+    """The grouped GEMM's GPU configs by name for `device`'s GPU model (weft.tuning grouped_gemm.configs)."""
+    return {name: GemmConfig(**fields) for name, fields in tuning.value("grouped_gemm.configs", device).items()}
 
 
 def grouped_config(capacity: int, dtype: torch.dtype, device: torch.device, tma: bool) -> GemmConfig:
     """The default config of a grouped GEMM of experts of `capacity` rows on `device`."""
     if device.type != "cuda":
         return CPU_CONFIG
+    if not tma and dtype != FP8:
+        return GemmConfig(**tuning.value("grouped_gemm.pointer_config", device))
+    configs = gpu_configs(device)
     if dtype == FP8:
-        return GPU_CONFIGS["fp8"]
-    if not tma:
-        return POINTER_CONFIG
+        return configs["fp8"]
     if dtype == torch.float32:
-        return GPU_CONFIGS["fp32"]
-    return GPU_CONFIGS["skinny" if capacity <= 128 else "large"]
+        return configs["fp32"]
+    return configs["skinny" if capacity <= 128 else "large"]
 
 
 def few_rows_config(dtype: torch.dtype, device: torch.device) -> GemmConfig | None:
@@ -288,7 +275,7 @@ def few_rows_config(dtype: torch.dtype, device: torch.device) -> GemmConfig | No
     ~8-32 valid rows of W x 128), whatever the capacity, where it is not the default anyway (None there)."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
-    return GPU_CONFIGS["skinny"]
+    return gpu_configs(device)[tuning.value("grouped_gemm.few_rows_config", device)]
 
 
 def tma_refusal(x: torch.Tensor, w: torch.Tensor, block_k: int) -> str | None:
@@ -520,6 +507,9 @@ class _GroupedGemmPlan:
 
 
 # Signatures for the sm_90 compile check (weft.testing.compile).
+# The compile check's configs: every one of the shipped tables (by name; the first table's where names repeat).
+_SHIPPED = {name: GemmConfig(**fields) for configs in reversed(tuning.shipped("grouped_gemm.configs"))
+            for name, fields in configs.items()}
 COMPILE_CASES = [
     (grouped_gemm_kernel, dict(x=t, w=t, out=t, counts="*i32", experts="i32", capacity="i32", N="i32", K="i32"),
      dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, BLOCK_E=32, NUM_STAGES=4, PROGRAMS=132, EVEN_K=even,
@@ -533,7 +523,7 @@ COMPILE_CASES = [
      dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, BLOCK_E=128,
           NUM_STAGES=c.num_stages, PROGRAMS=132, FLATTEN=c.flatten),
      dict(num_warps=c.num_warps, min_arch=90))
-    for name, c in GPU_CONFIGS.items() if not name.startswith("fp8")
+    for name, c in _SHIPPED.items() if not name.startswith("fp8")
     for t in (("fp32",) if name == "fp32" else ("bf16", "fp16"))
 ] + [
     (grouped_gemm_fp8_kernel,
@@ -546,7 +536,7 @@ COMPILE_CASES = [
           NUM_STAGES=c.num_stages, PROGRAMS=132, FLATTEN=c.flatten, OUT_TMA=out_tma, ROUTED=False, GATHER=False,
           TOP_K=1),
      dict(num_warps=c.num_warps, min_arch=90, divisible=("N", "K") if out_tma else ("K",)))
-    for name, c in GPU_CONFIGS.items() if name.startswith("fp8") for out_tma in (True, False)
+    for name, c in _SHIPPED.items() if name.startswith("fp8") for out_tma in (True, False)
 ] + [  # routed_gemm's fp8 form (routed): the tokens gathered by pair, or h's rows by TMA
     (grouped_gemm_fp8_kernel,
      dict(x="*fp8e4nv" if gather else f"tensordesc<fp8e4nv[{c.block_m}, {c.block_k}]>",
@@ -555,5 +545,5 @@ COMPILE_CASES = [
      dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, BLOCK_E=64,
           NUM_STAGES=c.num_stages, PROGRAMS=264, FLATTEN=c.flatten, OUT_TMA=False, ROUTED=True, GATHER=gather,
           TOP_K=8), dict(num_warps=c.num_warps, min_arch=90, divisible=("K",)))
-    for c in (GPU_CONFIGS["fp8"],) for gather in (True, False)
+    for c in (_SHIPPED["fp8"],) for gather in (True, False)
 ]

@@ -59,8 +59,8 @@ the same grouped GEMM kernel without waits; group_gemm_rs is the grouped GEMM of
 top-k sum (topk_sum_kernel), and weft reduce_scatter; on one rank neither op gathers nor scatters. Every rank
 computes every chunk in both methods, with the same rounding: each expert output rounded to the dtype, each
 rank's weighted sum in fp32 rounded once, the ranks' partials summed in fp32 in rank order. "auto" overlaps
-where it can and where the overlap measured faster (AUTO_OVERLAPS: both ops); the GEMM tiling follows the
-experts' average rows per chunk (_gemm_config; scripts/probe_moe_tp.py sweeps it).
+where it can and where the overlap measured faster (weft.tuning moe_tp.auto_overlaps: both ops); the GEMM tiling
+follows the experts' average rows per chunk (_gemm_config, moe_tp.tiles; scripts/probe_moe_tp.py sweeps it).
 
 Routing checks, with no host sync (the host queues call after call ahead of the GPU): where an op reads
 topk_idx's values (ag_group_gemm; group_gemm_rs without a layout), its first launch, `moe_tp_check_kernel`,
@@ -90,6 +90,7 @@ import triton.language as tl
 import weft.language as wl
 from weft.runtime.tiles import TileMap
 
+from ... import tuning
 from ...runtime.streams import StreamSet, device_copy
 from ..all_gather import all_gather
 from ..all_reduce import reduce_scatter
@@ -338,26 +339,25 @@ def _workspace(world) -> MoeTPWorkspace:
 
 # -- host side --------------------------------------------------------------------------
 
-# The grouped GEMM's tiles, (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, flatten): on GPUs "large" where the
-# experts' segments (m k / E rows on average per chunk) fill 128 rows, else "small" (not measured yet);
-# `scripts/probe_moe_tp.py` sweeps them. On 2 H200s (2026-11-23, Qwen3-30B-A3B, 8192 tokens, graph replay,
-# ag_group_gemm / group_gemm_rs us), eighth session, pointer loads, unflattened: 128x128x64 3 stages 8 warps
-# 779.3 / 618.1, 4 stages 702.0 / 574.6, 128x256x64 3 stages 8 warps 623.8 / 458.0, 64x256x64 720.4 / 556.0,
-# 64x128x64 772.3 / 709.3; eleventh session, weights (and h) by TMA: 128x256x64 3 stages 575.1 / 426.8 against
-# 631.6 / 457.2 by pointers, and flattened 551.2 / 378.5 (128x128x64 4 stages 705.1 / 437.3, 64x256x64 635.7 /
-# 441.4); 4 stages no longer fit in shared memory with the flattened loop's epilogue.
-TILES = {"large": (128, 256, 64, 3, 8, True), "small": (64, 128, 64, 4, 4, True), "cpu": (16, 32, 32, 1, 4, False)}
-# Whether the grouped GEMM takes its weights (and group_gemm_rs its h) by TMA where they allow it (_Operand);
-# scripts/probe_moe_tp.py --tma compares.
-TMA_OPERANDS = True
+# The grouped GEMM's tiles on GPUs are tuning data (weft.tuning moe_tp.tiles, swept by scripts/probe_moe_tp.py):
+# "large" where the experts' segments (m k / E rows on average per chunk) fill 128 rows, else "small"; each
+# {block_m, block_n, block_k, num_stages, num_warps, flatten}. moe_tp.tma_operands: whether the grouped GEMM takes
+# its weights (and group_gemm_rs its h) by TMA where they allow it (_Operand). Under the interpreter CPU_TILES.
+CPU_TILES = dict(block_m=16, block_n=32, block_k=32, num_stages=1, num_warps=4, flatten=False)
+
+
+def _tiles(kind: str, device: torch.device, world_size: int) -> dict:
+    return CPU_TILES if kind == "cpu" else tuning.value("moe_tp.tiles", device, world_size)[kind]
 
 
 def _gemm_config(world, m: int, k: int, experts: int, n: int, kdim: int):
     """(tiles, even, warps, flatten): the grouped GEMM's tiling constexprs (BLOCK_M/N/K, BLOCK_E, NUM_STAGES),
     whether K and N are whole blocks (EVEN_K, EVEN_N), its warps and whether its tile loop is flattened
-    (FLATTEN), from TILES."""
+    (FLATTEN), from the tuning data's moe_tp.tiles."""
     kind = "cpu" if world.device.type != "cuda" else "large" if m * k >= 128 * experts else "small"
-    bm, bn, bk, stages, warps, flatten = TILES[kind]
+    t = _tiles(kind, world.device, world.world_size)
+    bm, bn, bk, stages, warps, flatten = (t["block_m"], t["block_n"], t["block_k"], t["num_stages"], t["num_warps"],
+                                          t["flatten"])
     tiles = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(experts + 2),
                  NUM_STAGES=stages)
     return tiles, dict(EVEN_K=kdim % bk == 0, EVEN_N=n % bn == 0), warps, flatten
@@ -371,7 +371,8 @@ class _Operand:
 
     def __init__(self, t: torch.Tensor, shape, block, k: int, block_k: int):
         self.shape = tuple(shape)
-        self.tma = (TMA_OPERANDS and t.data_ptr() % 16 == 0 and shape[1] * t.element_size() % 16 == 0
+        self.tma = (tuning.value("moe_tp.tma_operands", t.device, world_or_raise().world_size)
+                    and t.data_ptr() % 16 == 0 and shape[1] * t.element_size() % 16 == 0
                     and k % block_k == 0)
         self.desc = descriptor(t.view(self.shape), block) if self.tma else None
         self.off()
@@ -420,13 +421,6 @@ def _check_out(world, out, shape, dtype) -> None:
         raise TypeError(f"out has dtype {out.dtype}, expected {dtype}")
 
 
-# Where "auto" overlaps, by op: measured on 2 H200s (2026-11-23, eighth session, `weft bench -n 2 moe`,
-# Qwen3-30B-A3B, 8192 tokens, CUDA-graph replay): ag_group_gemm overlapped 778.1 us against 868.3 for
-# all_gather + the grouped GEMM (1561.9 before consume_token kept the gathered rows' alignment: their loads
-# were element-sized); group_gemm_rs overlapped 617.0 us against 2477.0 for its baseline.
-AUTO_OVERLAPS = {"ag_group_gemm": True, "group_gemm_rs": True}
-
-
 def _overlap_refusal(world, empty: bool, need: int, what: str) -> str | None:
     """Why the overlap cannot take a call whose workspace data (`what`) takes `need` bytes, or None."""
     if need > data_bytes(world):
@@ -435,13 +429,14 @@ def _overlap_refusal(world, empty: bool, need: int, what: str) -> str | None:
     return "an empty dimension" if empty else None
 
 
-def _choose(op: str, method: str, refusal: str | None, world_size: int) -> str:
+def _choose(op: str, method: str, refusal: str | None, world_size: int, device: torch.device) -> str:
     """The method a plan runs: explicit, or for "auto" the overlap where it can take the call and is measured
-    faster (AUTO_OVERLAPS), never on one rank (nothing to hide)."""
+    faster (weft.tuning moe_tp.auto_overlaps, by op), never on one rank (nothing to hide)."""
     if method == "overlap" and refusal:
         raise ValueError(f"method='overlap' cannot take this call: {refusal}")
     if method == "auto":
-        return "overlap" if AUTO_OVERLAPS[op] and not refusal and world_size > 1 else "baseline"
+        overlaps = tuning.value("moe_tp.auto_overlaps", device, world_size)[op]
+        return "overlap" if overlaps and not refusal and world_size > 1 else "baseline"
     return method
 
 
@@ -491,7 +486,7 @@ class _AgPlan:
         need = tokens_bytes + ww * width * 4
         self.empty = min(m, n, hidden) == 0
         refusal = _overlap_refusal(world, self.empty, need, "the gathered tokens and layouts")
-        self.method = _choose("ag_group_gemm", method, refusal, ww)
+        self.method = _choose("ag_group_gemm", method, refusal, ww, tokens.device)
         self.routing = _RoutingCheck(world, topk_idx, e)
         overlap = self.method == "overlap"
         self.layouts = LayoutLaunches(topk_idx, e, ww, copy=overlap)  # overlap: the chunks are in the workspace
@@ -571,7 +566,7 @@ def ag_group_gemm(tokens_shard: torch.Tensor, w_experts_shard: torch.Tensor, top
     method: "overlap" (copy-engine pushes of the tokens under a persistent grouped GEMM that takes each rank's
     chunk as it arrives; needs the gathered tokens and layouts to fit the workspace), "baseline" (weft
     all_gather, then the grouped GEMM), "auto" (the overlap where it can take the call, else the baseline;
-    AUTO_OVERLAPS). topk_idx's values are checked on the device, with no host sync: a bad row raises a ValueError
+    moe_tp.auto_overlaps). topk_idx's values are checked on the device, with no host sync: a bad row raises a ValueError
     naming topk_idx, the row and the expert at this rank's next call of the family (module doc). Collective:
     every rank passes the same shapes and method.
     """
@@ -609,7 +604,7 @@ class _RsPlan:
         need = recv_bytes + ww * m * k * 4
         self.empty = min(m, inter, hidden) == 0
         refusal = _overlap_refusal(world, self.empty, need, "the partials and routing weights")
-        self.method = _choose("group_gemm_rs", method, refusal, ww)
+        self.method = _choose("group_gemm_rs", method, refusal, ww, h.device)
         self.routing = _RoutingCheck(world, topk_idx, e)
         self.layouts = LayoutLaunches(topk_idx, e, ww, copy=False) if make_layout else None  # calls without one
         if self.empty:
@@ -796,7 +791,9 @@ def _(h, w_down_shard, topk_idx, topk_weights, layout=None, method="auto", out=N
 # experts top-8 at 4 ranks and Mixtral's 8 top-2 at 2; operands by TMA (both, or the weights alone with the
 # gather) and by pointers.
 def _compile_tiles(big: bool):
-    bm, bn, bk, stages, warps, flatten = TILES["large" if big else "small"]
+    t = tuning.shipped("moe_tp.tiles")[0]["large" if big else "small"]
+    bm, bn, bk, stages, warps, flatten = (t["block_m"], t["block_n"], t["block_k"], t["num_stages"], t["num_warps"],
+                                          t["flatten"])
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages), warps, flatten
 
 
