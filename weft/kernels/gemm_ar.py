@@ -323,8 +323,6 @@ def _gemm_ar_plan(world, a, b_shard, method, out):
     return run
 
 
-# Signatures for the compile check (weft.testing.compile): every GPU config, bf16/fp16, stage in fp32 (small M)
-# or the input dtype, even and ragged edges at 8 ranks, and 2 ranks.
 # -- the operator: torch.ops.weft.gemm_ar(a, b_shard, world_size, method) -> (M, N). Autograd: all_reduce(grad) @
 # b_shardᵀ for a, aᵀ @ all_reduce(grad) for b_shard.
 
@@ -360,6 +358,8 @@ def _gemm_ar_backward(ctx, grad):
 gemm_ar_op.register_autograd(_gemm_ar_backward, setup_context=_gemm_ar_setup)
 
 
+# Signatures for the compile check (weft.testing.compile): every GPU config, bf16/fp16, stage in fp32 (small M)
+# or the input dtype, even and ragged edges at 8 ranks, and 2 ranks.
 _PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 _SHIPPED_CONFIGS = list(dict.fromkeys((max_m, GemmArConfig(**cfg)) for rows in tuning.shipped("gemm_ar.configs")
                                       for max_m, cfg in rows))
