@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from weft.runtime.errors import WaitTimeout
 from weft.runtime.tiles import TileMap, copy_engine_push
 from weft.testing import run_ranks
 
@@ -145,7 +146,7 @@ def test_tile_wait_waits_on_exactly_the_cover(layout, monkeypatch):
         monkeypatch.setenv("WEFT_WAIT_TIMEOUT_S", "0.02")
         for t in rng.sample(cover, min(2, len(cover))):
             flags[t] = 0
-            with pytest.raises(wl.WaitTimeout, match="timed out"):
+            with pytest.raises(WaitTimeout, match="timed out"):
                 _wait_token(m, flags, rect)
             flags[t] = 1
 
@@ -203,7 +204,7 @@ def _expect_wait(kernel_args, kernel, flags, waited, monkeypatch):
     monkeypatch.setenv("WEFT_WAIT_TIMEOUT_S", "0.02")
     for t in waited[:1] + waited[-1:]:
         flags[t] = 0
-        with pytest.raises(wl.WaitTimeout, match="timed out"):
+        with pytest.raises(WaitTimeout, match="timed out"):
             kernel[(1,)](*kernel_args(flags, out))
         flags[t] = 1
 
