@@ -7,8 +7,8 @@ in a subprocess; it compiles every `*_kernel` in `weft.kernels` and its subpacka
 cases each module lists in `COMPILE_CASES` for its own kernels: (kernel, signature, constexprs[, options]); a
 kernel with no case fails.
 
-`python -m weft.testing.compile 90 --registers [module ...]` (modules as "gemm", "moe.tp") also assembles each
-case's PTX with Triton's bundled ptxas and prints its registers and spilled bytes: register spills in a GEMM's
+`python -m weft.testing.compile 90 --registers [module ...]` (modules as "gemm", "moe.tp"; `--registers-of=gemm,...`
+compiles every module and reports these) also assembles each case's PTX with Triton's bundled ptxas and prints its registers and spilled bytes: register spills in a GEMM's
 accumulator are a slowdown that shows without a GPU (a report, not a check: some kernels spill).
 """
 from __future__ import annotations
@@ -76,7 +76,9 @@ def registers(compiled, arch: int) -> str:
     return f"{regs}, {spill} spilled"
 
 
-def main(arch: int = 90, report: bool = False, names=None) -> int:
+def main(arch: int = 90, report=False, names=None) -> int:
+    """Compile every case of the modules `names` (all of weft.kernels by default); print each case's registers
+    and spills where `report` is True, or is a collection of module names (as `names` takes them) holding it."""
     import triton
 
     failures, count = [], 0
@@ -98,7 +100,7 @@ def main(arch: int = 90, report: bool = False, names=None) -> int:
             except Exception as e:  # noqa: BLE001
                 failures.append(f"{mod.__name__}.{fn.__name__} {constexprs}: {type(e).__name__}: {e}")
                 continue
-            if report:
+            if report is True or (report and mod.__name__.removeprefix("weft.kernels.") in report):
                 consts = {k: v for k, v in constexprs.items() if isinstance(k, str) and isinstance(v, (bool, int))}
                 print(f"{mod.__name__}.{fn.__name__} {options.get('num_warps', 4)} warps {consts}: "
                       f"{registers(compiled, arch)}", flush=True)
@@ -110,6 +112,8 @@ def main(arch: int = 90, report: bool = False, names=None) -> int:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--registers"]
+    # --registers: a report for every module compiled; --registers-of=a,b: compile all, report a and b only.
+    of = next((a.split("=", 1)[1].split(",") for a in sys.argv[1:] if a.startswith("--registers-of=")), None)
+    args = [a for a in sys.argv[1:] if not a.startswith("--registers")]
     arch = int(args[0]) if args else 90
-    sys.exit(main(arch, "--registers" in sys.argv, set(args[1:]) or None))
+    sys.exit(main(arch, set(of) if of else "--registers" in sys.argv, set(args[1:]) or None))
