@@ -133,7 +133,7 @@ def test_bench_attention_suite(tmp_path):
     assert "best weft vs copy (same bytes)" in (tmp_path / "attention_2.md").read_text()
 
 
-@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.long)])
 def test_bench_e2e_suite(tmp_path, n):
     """weft against NCCL+cuBLAS (gloo here), the HBM floor of each decode step, and at -n 1 transformers' own
     model of the same weights; every decode implementation's logits are checked against weft's first."""

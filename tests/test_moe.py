@@ -242,7 +242,7 @@ EXPERTS = {1: 8, 2: 8, 3: 12, 4: 8, 8: 16}
 UNEVEN_TOKENS = [5, 0, 3, 4, 0, 7, 1, 2]
 
 
-@pytest.mark.parametrize("w", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("w", [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.long)])
 def test_ep_dispatch_combine(w):
     experts = EXPERTS[w]
     cases = [(w * 10 + 1, 6, experts, 2, 32, "random"), (w * 10 + 2, UNEVEN_TOKENS[:w], experts, 3, 32, "random"),
@@ -258,7 +258,7 @@ def test_ep_dispatch_fixed_size():
 
 # -- low-latency ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("w", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("w", [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.long)])
 def test_ep_ll(w):
     experts = EXPERTS[w]
     cases = [(w * 10 + 1, 6, experts, 2, 32, "random", 8),

@@ -152,7 +152,7 @@ def _fp8_cases(cases):
     return True
 
 
-@pytest.mark.parametrize("w", [1, 2, 4])
+@pytest.mark.parametrize("w", [1, 2, pytest.param(4, marks=pytest.mark.long)])
 def test_ep_moe_fp8(w):
     cases = [("qwen3", 8, 2, 3, 5, (None, "ht")), ("mixtral", 8, 2, 6, 6, (None,))]
     assert all(run_ranks(_fp8_cases, w, cases[:1] if w == 4 else cases, timeout=TIMEOUT, env=ENV))

@@ -174,7 +174,7 @@ def _larger_than_the_workspace():
     return weft.world().heap.used
 
 
-@pytest.mark.parametrize("w", [2, 3])
+@pytest.mark.parametrize("w", [2, pytest.param(3, marks=pytest.mark.long)])
 def test_messages_larger_than_the_workspace(w):
     env = dict(ENV, WEFT_WORKSPACE_BYTES="64K")
     used = run_ranks(_larger_than_the_workspace, w, timeout=TIMEOUT, env=env)
