@@ -8,7 +8,8 @@
 from .runtime import backend as _backend  # first: sets TRITON_INTERPRET on the cpu backend
 from .runtime import world as _world
 from .runtime.errors import WaitTimeout, check_errors
-from .runtime.world import finalize, init, is_initialized
+from .runtime.group import Group
+from .runtime.world import finalize, init, is_initialized, new_group, new_subgroups
 
 import torch
 
@@ -32,32 +33,33 @@ def device() -> torch.device:
     return _world.get().device
 
 
-def barrier() -> None:
-    """Host barrier across all ranks (device work queued before it is finished)."""
-    _world.get().barrier()
+def barrier(group=None) -> None:
+    """Host barrier across the group's ranks (default: the world); device work queued before it is finished."""
+    _world.resolve(group).barrier()
 
 
-def empty(shape, dtype=torch.float32) -> torch.Tensor:
-    """A tensor in the symmetric heap. Collective: every rank makes the same calls in the same order."""
-    return _world.get().heap.empty(shape, dtype)
+def empty(shape, dtype=torch.float32, group=None) -> torch.Tensor:
+    """A tensor in the group's symmetric heap (default: the world's): the same offset on every member.
+    Collective: every member makes the same calls in the same order."""
+    return _world.resolve(group).heap.empty(shape, dtype)
 
 
-def zeros(shape, dtype=torch.float32) -> torch.Tensor:
-    t = empty(shape, dtype)
+def zeros(shape, dtype=torch.float32, group=None) -> torch.Tensor:
+    t = empty(shape, dtype, group)
     t.zero_()
     return t
 
 
-def peer(tensor: torch.Tensor, rank: int) -> torch.Tensor:
-    """Host-side view of rank `rank`'s copy of the symmetric `tensor`."""
-    return _world.get().heap.peer(tensor, rank)
+def peer(tensor: torch.Tensor, rank: int, group=None) -> torch.Tensor:
+    """Host-side view of group rank `rank`'s copy of the symmetric `tensor` (allocated in that group's heap)."""
+    return _world.resolve(group).heap.peer(tensor, rank)
 
 
-def is_symmetric(tensor: torch.Tensor) -> bool:
-    return _world.get().heap.contains(tensor)
+def is_symmetric(tensor: torch.Tensor, group=None) -> bool:
+    return _world.resolve(group).heap.contains(tensor)
 
 
 from . import ops  # noqa: E402  (ops import kernels, which need the backend set)
 
 __all__ = ["init", "finalize", "is_initialized", "check_errors", "WaitTimeout", "rank", "world_size", "device",
-           "barrier", "empty", "zeros", "peer", "is_symmetric", "ops", "world", "BACKEND"]
+           "Group", "new_group", "new_subgroups", "barrier", "empty", "zeros", "peer", "is_symmetric", "ops", "world", "BACKEND"]

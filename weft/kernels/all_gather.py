@@ -42,8 +42,8 @@ from .. import tuning
 
 from ..runtime.backend import INTERPRET
 from .blocks import copy
-from .common import (Launch, as_words, check_method, check_out, check_tensor, check_world_size, nccl_all_gather,
-                     nccl_from, out_kind, overlaps, plan, signature, workspace, world_or_raise, world_size,
+from .common import (Launch, Plan, as_words, check_method, check_out, check_tensor, group_name, group_size,
+                     nccl_all_gather, nccl_from, out_kind, overlaps, plan, resolve, signature, workspace,
                      zero_everywhere)
 from .registry import declare_op, fresh, into
 
@@ -141,14 +141,14 @@ class AllGatherWorkspace:
     """The all_gather workspace: a data region in two halves (by call parity), flags per program slot
     (push: [ready, arrived] per peer pair; pull: ready[W]), the epoch counter."""
 
-    def __init__(self, world):
-        heap, w = world.heap, world.world_size
-        self.half_bytes = world.workspace_bytes // 2 // 256 * 256
+    def __init__(self, group):
+        heap, w = group.heap, group.size
+        self.half_bytes = group.workspace_bytes // 2 // 256 * 256
         self.data = heap.empty((2 * self.half_bytes,), torch.uint8)
         self.push_flags = heap.empty((MAX_PROGRAMS * w * 2,), torch.int32)
         self.pull_flags = heap.empty((MAX_PROGRAMS * w,), torch.int32)
         self.counter = heap.empty((1,), torch.int64)
-        zero_everywhere(world, self.push_flags, self.pull_flags, self.counter)
+        zero_everywhere(group, self.push_flags, self.pull_flags, self.counter)
 
     def data_as(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
         return self.data.view(dtype), self.half_bytes // dtype.itemsize
@@ -161,163 +161,173 @@ class AllGatherWorkspace:
 
 
 @declare_op(tensors=("x", "out"), collective=True)
-def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
-    """Gather `x` from every rank along dim 0: returns (world_size * x.shape[0], *x.shape[1:]).
+def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto", group=None) -> torch.Tensor:
+    """Gather `x` from every member of `group` (default: the world) along dim 0: returns
+    (group size * x.shape[0], *x.shape[1:]), member i's `x` at rows [i * x.shape[0], (i + 1) * x.shape[0]).
 
     Any dtype, shape and layout. method: "push" writes into peers' symmetric
-    buffers (zero-copy when `out` is itself symmetric, from `weft.empty`;
-    otherwise through the workspace and a local copy); "pull" reads peers'
-    staged slices straight into `out`; "nccl" is the process group's own
-    all_gather; "auto" is push, or NCCL for large shards into a plain output
-    (where it is measured faster). Shards larger than the workspace go through
-    in passes. Collective.
+    buffers (zero-copy when `out` is itself symmetric, from `weft.empty` with the
+    same group); "pull" reads peers' staged slices straight into `out`; "nccl" is
+    the process group's own all_gather; "auto" is push, or NCCL for large shards
+    into a plain output (where it is measured faster). Shards larger than the
+    workspace go through in passes. Collective over the group.
     """
-    world = world_or_raise()
-    found = plan(world, lambda: ("all_gather", signature(x), method, out_kind(world, out),
-                                 None if out is None else signature(out)),
-                 lambda: _all_gather_plan(world, x, out, method))
-    return found(x, out)
+    g = resolve(group)
+    found = plan(g, lambda: ("all_gather", signature(x), method, out_kind(g, out),
+                             None if out is None else signature(out)),
+                 lambda: AllGatherPlan(g, x, out, method))
+    return found.run(x, out)
 
 
-def _all_gather_plan(world, x, out, method):
-    check_tensor("x", x, world, contiguous=False)
-    check_method(method, METHODS)
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension")
-    w = world.world_size
-    shape = (w * x.shape[0], *x.shape[1:])
-    if out is not None:
-        check_out(out, shape, x.dtype, world)
-    x_contig = x.is_contiguous()
-    out_contig = out is None or out.is_contiguous()
-    symmetric = out is not None and out_contig and world.heap.contains(out)
-    check = None
-    if out is not None:
-        def check(x, out):
-            if overlaps(x, out):
-                raise ValueError("out overlaps x: pass a separate tensor")
-        check(x, out)  # before the workspace is made
-    nbytes = x.numel() * x.element_size()
-    if method == "auto":
-        kind = "symmetric" if symmetric else "none" if out is None else "plain"
-        method = "nccl" if nbytes >= nccl_from(f"all_gather.nccl_above.{kind}", world) else "push"
+class AllGatherPlan(Plan):
+    """An all_gather of one signature: no data, the process group's collective, or the kernel's passes."""
 
-    dtype, device = x.dtype, x.device  # not x itself: a plan keeps no caller tensor
-
-    def result(out):
-        return torch.empty(shape, dtype=dtype, device=device) if out is None else out
-
-    if nbytes == 0:
-        def run(x, out):
-            if check:
-                check(x, out)
-            return result(out)
-        return run
-    if method == "nccl":
-        group = world.group
-
-        def run(x, out):
-            if check:
-                check(x, out)
-            res = result(out)
-            dst = res if out_contig else torch.empty(shape, dtype=x.dtype, device=x.device)
-            nccl_all_gather(dst, x if x_contig else x.contiguous(), group)
-            if dst is not res:
-                res.copy_(dst)
-            return res
-        return run
-
-    ws = _workspace(world)
-    xw = as_words(x if x_contig else torch.empty(x.shape, dtype=x.dtype, device=x.device))
-    sample_out = out if out_contig and out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
-    ow = as_words(sample_out)
-    if xw.dtype != ow.dtype:  # alignment differs: move bytes
-        xw, ow = xw.view(torch.uint8), ow.view(torch.uint8)
-    word = xw.dtype
-    n = xw.numel()
-    zero_copy = method == "push" and symmetric
-    buf, half_len = ws.data_as(word)
-    most = half_len if method == "pull" else half_len // w
-    most = max(16, most // 16 * 16)
-    heap = world.heap.descriptor
-    passes = []
-    for lo in range(0, n, most):
-        hi = min(lo + most, n)
-        k = hi - lo
-        programs, block, warps = _launch_shape(method, k * xw.element_size(), x.device, w)
-        chunk = triton.cdiv(triton.cdiv(k, programs), block) * block  # whole blocks but the last
-        vec = _vector_width(k, n, xw[lo:hi], ow[lo:], *([] if zero_copy else [buf]))
-        if method == "push":
-            grid = (programs, w)
-            kernel, flags, consts = all_gather_push_kernel, ws.push_flags, dict(COPY_OUT=not zero_copy)
+    def __init__(self, group, x, out, method):
+        super().__init__(group)
+        check_tensor("x", x, group, contiguous=False)
+        check_method(method, METHODS)
+        if x.dim() == 0:
+            raise ValueError("x must have at least one dimension")
+        w = group.size
+        self.shape = shape = (w * x.shape[0], *x.shape[1:])
+        if out is not None:
+            check_out(out, shape, x.dtype, group)
+            self.check_overlap(x, out)  # before the workspace is made
+        self.has_out = out is not None
+        self.x_contig = x.is_contiguous()
+        self.out_contig = out is None or out.is_contiguous()
+        symmetric = out is not None and self.out_contig and group.heap.contains(out)
+        nbytes = x.numel() * x.element_size()
+        if method == "auto":
+            kind = "symmetric" if symmetric else "none" if out is None else "plain"
+            method = "nccl" if nbytes >= nccl_from(f"all_gather.nccl_above.{kind}", group) else "push"
+        self.dtype, self.device = x.dtype, x.device  # not x itself: a plan keeps no caller tensor
+        if nbytes == 0:
+            self.run = self.run_empty
+        elif method == "nccl":
+            self.run = self.run_nccl
         else:
-            grid = (programs,)
-            kernel, flags, consts = all_gather_pull_kernel, ws.pull_flags, {}
+            self.prepare_passes(group, x, out, method, symmetric)
 
-        def args(xs, os, f, k=k, chunk=chunk):
-            return (xs, os if zero_copy else f[0], os, f[1], f[2], f[3], k, chunk, n, half_len)
-        fixed = (buf, flags, ws.counter, heap)
-        launch = Launch(kernel, grid, args(xw[lo:hi], ow[lo:], fixed), dict(**consts, BLOCK=block, VEC=vec), warps)
-        passes.append((lo, hi, launch, args, tuple(map(launch.address, fixed))))  # on GPUs addresses, taken once
+    def check_overlap(self, x, out):
+        if overlaps(x, out):
+            raise ValueError("out overlaps x: pass a separate tensor")
 
-    if len(passes) == 1 and x_contig and out_contig and not INTERPRET:
-        _, _, launch, args, fixed = passes[0]
+    def result(self, out):
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device) if out is None else out
 
-        def run(x, out):
-            if check:
-                check(x, out)
-            res = result(out)
-            launch(*args(launch.address(x), launch.address(res), fixed))
-            return res
-        return run
+    def run_empty(self, x, out):
+        if self.has_out:
+            self.check_overlap(x, out)
+        return self.result(out)
 
-    def run(x, out):
-        if check:
-            check(x, out)
-        res = result(out)
-        dst = res if out_contig else torch.empty(shape, dtype=x.dtype, device=x.device)
-        xs = as_words(x if x_contig else x.contiguous()).view(word)
-        os = as_words(dst).view(word)
-        for lo, hi, launch, args, fixed in passes:
+    def run_nccl(self, x, out):
+        if self.has_out:
+            self.check_overlap(x, out)
+        res = self.result(out)
+        dst = res if self.out_contig else torch.empty(self.shape, dtype=x.dtype, device=x.device)
+        nccl_all_gather(dst, x if self.x_contig else x.contiguous(), self.group.process_group)
+        if dst is not res:
+            res.copy_(dst)
+        return res
+
+    def prepare_passes(self, group, x, out, method, symmetric):
+        """The kernel's launches: one pass per workspace-sized part of the shard."""
+        w = group.size
+        ws = _workspace(group)
+        xw = as_words(x if self.x_contig else torch.empty(x.shape, dtype=x.dtype, device=x.device))
+        sample_out = out if self.out_contig and out is not None else \
+            torch.empty(self.shape, dtype=x.dtype, device=x.device)
+        ow = as_words(sample_out)
+        if xw.dtype != ow.dtype:  # alignment differs: move bytes
+            xw, ow = xw.view(torch.uint8), ow.view(torch.uint8)
+        self.word = xw.dtype
+        n = xw.numel()
+        zero_copy = method == "push" and symmetric
+        buf, half_len = ws.data_as(self.word)
+        most = half_len if method == "pull" else half_len // w
+        most = max(16, most // 16 * 16)
+        heap = group.heap.descriptor
+        self.passes = []
+        for lo in range(0, n, most):
+            hi = min(lo + most, n)
+            k = hi - lo
+            programs, block, warps = _launch_shape(method, k * xw.element_size(), x.device, w)
+            chunk = triton.cdiv(triton.cdiv(k, programs), block) * block  # whole blocks but the last
+            vec = _vector_width(k, n, xw[lo:hi], ow[lo:], *([] if zero_copy else [buf]))
+            if method == "push":
+                grid = (programs, w)
+                kernel, flags, consts = all_gather_push_kernel, ws.push_flags, dict(COPY_OUT=not zero_copy)
+            else:
+                grid = (programs,)
+                kernel, flags, consts = all_gather_pull_kernel, ws.pull_flags, {}
+
+            def args(xs, os, f, k=k, chunk=chunk):
+                return (xs, os if zero_copy else f[0], os, f[1], f[2], f[3], k, chunk, n, half_len)
+            fixed = (buf, flags, ws.counter, heap)
+            launch = Launch(kernel, grid, args(xw[lo:hi], ow[lo:], fixed), dict(**consts, BLOCK=block, VEC=vec),
+                            warps)
+            self.passes.append((lo, hi, launch, args, tuple(map(launch.address, fixed))))  # GPUs: addresses, once
+        self.run = self.run_one_launch if len(self.passes) == 1 and self.x_contig and self.out_contig and \
+            not INTERPRET else self.run_passes
+
+    def run_one_launch(self, x, out):
+        if self.has_out:
+            self.check_overlap(x, out)
+        res = self.result(out)
+        _, _, launch, args, fixed = self.passes[0]
+        launch(*args(launch.address(x), launch.address(res), fixed))
+        return res
+
+    def run_passes(self, x, out):
+        if self.has_out:
+            self.check_overlap(x, out)
+        res = self.result(out)
+        dst = res if self.out_contig else torch.empty(self.shape, dtype=x.dtype, device=x.device)
+        xs = as_words(x if self.x_contig else x.contiguous()).view(self.word)
+        os = as_words(dst).view(self.word)
+        for lo, hi, launch, args, fixed in self.passes:
             launch(*args(xs[lo:hi], os[lo:], fixed))
         if dst is not res:
             res.copy_(dst)
         return res
-    return run
 
 
-def _workspace(world) -> AllGatherWorkspace:
-    return workspace(world, "all_gather", AllGatherWorkspace)
+def _workspace(group) -> AllGatherWorkspace:
+    return workspace(group, "all_gather", AllGatherWorkspace)
 
 
-# -- the operator: torch.ops.weft.all_gather(x, world_size, method) -> (W * rows, ...) ------------------------------
+# -- the operator: torch.ops.weft.all_gather(x, group_name, method) -> (size * rows, ...) ----------------------------
 
 @all_gather.define
-def all_gather_op(x: torch.Tensor, world_size: int, method: str = "auto") -> torch.Tensor:
-    check_world_size(world_size)
-    return fresh(all_gather.eager(x, method=method), x)
+def all_gather_op(x: torch.Tensor, group_name: str, method: str = "auto") -> torch.Tensor:
+    return fresh(all_gather.eager(x, method=method, group=group_name), x)
 
 
 @all_gather_op.register_fake
-def _(x, world_size, method="auto"):
+def _(x, group_name, method="auto"):
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension")
-    return x.new_empty((world_size * x.shape[0], *x.shape[1:]))
+    return x.new_empty((group_size(group_name) * x.shape[0], *x.shape[1:]))
 
 
 @all_gather.traced
-def _(x, out=None, method="auto"):
-    return into(out, torch.ops.weft.all_gather(x, world_size(), method))
+def _(x, out=None, method="auto", group=None):
+    return into(out, torch.ops.weft.all_gather(x, group_name(group), method))
 
 
 def _all_gather_backward(ctx, grad):
     # Autograd convention (torch.distributed.nn's, docs/design.md): all_gather and reduce_scatter are each other's
-    # backward.
+    # backward, over the same group.
     from .all_reduce import reduce_scatter
-    return reduce_scatter(grad), None, None
+    return reduce_scatter(grad, group=ctx.group_name), None, None
 
 
-all_gather_op.register_autograd(_all_gather_backward)
+def _all_gather_save(ctx, inputs, output):
+    ctx.group_name = inputs[1]
+
+
+all_gather_op.register_autograd(_all_gather_backward, setup_context=_all_gather_save)
 
 
 # Signatures for the sm_90 compile check (weft.testing.compile).

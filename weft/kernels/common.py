@@ -1,19 +1,26 @@
-"""The op infrastructure every host op uses: argument checks, plans cached per call signature, direct
-kernel launches, and one bounded workspace per op family.
+"""The op infrastructure every host op uses: the group a call runs over, argument checks, plans cached per
+call signature, direct kernel launches, and one bounded workspace per op family and group.
+
+Every op takes `group=None` (the world): `resolve(group)` gives the Group (weft.runtime.group) whose heap,
+workspaces and plans the call uses; its kernels see group ranks only.
 
 An op call is split in two:
-- the **plan**: everything that depends only on the call's signature (shapes, dtypes, layouts,
-  alignment, output kind, method): argument checks, the method choice, workspace views, launch
-  parameters, compiled kernels. Made once per signature, on the first call, and kept in
-  `world.plans` (bounded: the oldest plans are dropped past MAX_PLANS);
+- the **plan** (a `Plan` subclass, one per family or op): everything that depends only on the call's
+  signature (shapes, dtypes, layouts, alignment, output kind, method): argument checks, the method
+  choice, workspace views, launch parameters, compiled kernels. Made once per signature and group, on
+  the first call, and kept in `group.plans` (bounded: the oldest plans are dropped past MAX_PLANS);
 - the **call**: a dictionary lookup of the plan by the signature, the few checks the signature does
-  not cover, and the launches.
+  not cover, and the launches (`plan.run(...)`, or the named entry points of a plan two ops share).
 A call whose signature differs in anything the checks look at (dtype, device, shape, contiguity)
 misses the cache and is checked in full before anything is written.
 
-Workspaces: each op family owns one symmetric workspace of `world.workspace_bytes`, created
-collectively on its first call (the only time an op allocates or makes a host barrier) and reused by
-every later call whatever its size; messages that do not fit go through in passes.
+Workspaces: each op family owns one symmetric workspace of `group.workspace_bytes` per group, created
+collectively (among the group's members) on its first call there (the only time an op allocates or
+makes a host barrier) and reused by every later call whatever its size; messages that do not fit go
+through in passes.
+
+Operators (`torch.ops.weft.X`) take the group by name (`group_name`), as torch's symmetric-memory ops do;
+their fake implementations read the group's size with `group_size(name)`.
 """
 from __future__ import annotations
 
@@ -25,13 +32,24 @@ from triton.backends.nvidia.driver import make_tensordesc_arg as _make_tensordes
 from .. import tuning
 from ..runtime import backend, process_group
 from ..runtime import world as _world
+from ..runtime.world import resolve  # noqa: F401  (the families resolve their `group=` through here)
 
-# Plans kept per world; a program calling with ever new shapes evicts the oldest.
+# Plans kept per group; a program calling with ever new shapes evicts the oldest.
 MAX_PLANS = 4096
 
 
 def world_or_raise():
     return _world.get()
+
+
+def group_name(group) -> str:
+    """The name a traced call passes to an operator for its `group=` argument."""
+    return resolve(group).name
+
+
+def group_size(name: str) -> int:
+    """The size of the group an operator names: what its fake implementation's shapes come from."""
+    return resolve(name).size
 
 
 def world_size() -> int:
@@ -48,7 +66,7 @@ def check_world_size(world_size: int) -> None:
 
 def rows_divisible(x: torch.Tensor, world_size: int) -> None:
     if x.dim() == 0 or x.shape[0] % world_size:
-        raise ValueError(f"x has shape {tuple(x.shape)}: its rows are not divisible by the world size {world_size}")
+        raise ValueError(f"x has shape {tuple(x.shape)}: its rows are not divisible by the group size {world_size}")
 
 
 def matmul_operands(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> None:
@@ -123,10 +141,21 @@ def out_kind(world, out, x=None) -> str:
 
 # -- plans ------------------------------------------------------------------------
 
+class Plan:
+    """What every call of one signature does on one group. The first such call makes it: a subclass's
+    `__init__(group, <the call's arguments>)` checks them in full (raising before anything is written) and
+    prepares the method choice, workspace views and launches; every call then runs it, through `run` or, where
+    two ops share one plan (EP dispatch and combine), through named entry points. A plan keeps no caller
+    tensor (their memory may be reused by the next call's)."""
+
+    def __init__(self, group):
+        self.group = group
+
+
 def plan(world, key, make):
-    """The plan for this call: cached under `key()` (the call's signature), else made by `make()`, which
-    checks the arguments in full. Arguments that cannot make a key (not tensors, unhashable, no data) go
-    straight to `make()`, whose checks reject them."""
+    """The plan for this call: cached under `key()` (the call's signature) in `world.plans` (the group's),
+    else made by `make()`, which checks the arguments in full. Arguments that cannot make a key (not tensors,
+    unhashable, no data) go straight to `make()`, whose checks reject them."""
     try:
         k = key()
         found = world.plans.get(k)
@@ -256,13 +285,13 @@ def _unwrap_descriptors(launch):
 
 # -- the process group's own collectives (what `auto` falls back to) ----------------------
 
-def nccl_from(key: str, world) -> float:
+def nccl_from(key: str, group) -> float:
     """The message size (bytes per rank) from which `auto` takes the process group's collective: the measured
-    crossover `key` of weft.tuning (inf: never). Never on the cpu backend, whose kernels are what the tests
-    check, nor on a world of one."""
-    if world.device.type != "cuda" or world.world_size == 1:
+    crossover `key` of weft.tuning for the group's size (inf: never). Never on the cpu backend, whose kernels
+    are what the tests check, nor on a group of one."""
+    if group.device.type != "cuda" or group.size == 1:
         return float("inf")
-    return tuning.value(key, world.device, world.world_size)
+    return tuning.value(key, group.device, group.size)
 
 
 nccl_all_gather = process_group.all_gather_into

@@ -96,7 +96,7 @@ class SymmetricHeap:
 # -- cpu: one shared-memory file holding every rank's block -------------------
 
 def cpu_heap(rank: int, world_size: int, size: int, group) -> SymmetricHeap:
-    """Rank 0 makes an anonymous shared-memory file (memfd: it never has a name in /dev/shm, so a rank killed
+    """`rank` and `world_size` are the process group's (a group's heap is among its members). Rank 0 makes an anonymous shared-memory file (memfd: it never has a name in /dev/shm, so a rank killed
     at any point leaves nothing behind); every rank maps it whole (MAP_SHARED) through rank 0's descriptor
     (/proc/<pid>/fd/<fd>); once all have, rank 0 closes it and the mappings alone keep the memory."""
     total = size * world_size
@@ -107,7 +107,7 @@ def cpu_heap(rank: int, world_size: int, size: int, group) -> SymmetricHeap:
             fd = os.memfd_create("weft-heap")
             os.ftruncate(fd, total)
             name[0] = f"/proc/{os.getpid()}/fd/{fd}"
-        dist.broadcast_object_list(name, src=0, group=group)
+        dist.broadcast_object_list(name, group=group, group_src=0)
         whole = torch.from_file(name[0], shared=True, size=total, dtype=torch.uint8)
         dist.barrier(group=group)
     finally:
@@ -119,6 +119,14 @@ def cpu_heap(rank: int, world_size: int, size: int, group) -> SymmetricHeap:
     local.zero_()
     return SymmetricHeap(rank, world_size, size, torch.device("cpu"), local, bases,
                          lambda r: whole[r * size:(r + 1) * size])
+
+
+# -- one rank: a plain block, no peers to map ------------------------------------
+
+def local_heap(size: int, device: torch.device) -> SymmetricHeap:
+    """The heap of a group of one (a TP=1 replica, a stage of one): device memory no peer maps."""
+    block = torch.zeros(size, dtype=torch.uint8, device=device)
+    return SymmetricHeap(0, 1, size, device, block, [block.data_ptr()], lambda r: block)
 
 
 # -- cuda: one torch symmetric-memory block per rank -------------------------

@@ -1,9 +1,12 @@
 """The initialised world: process group, rank, device, symmetric heap, op workspaces and plans.
 
 This is weft's only process-wide state. `init()` creates it, `finalize()`
-drops it. Ops keep their workspaces in `world.contexts` (one per op family,
-created collectively on first use, never grown) and their per-call-signature
-launch plans in `world.plans`, so both live as long as the heap they use.
+drops it. The world is the group of every rank (weft.runtime.group.Group);
+`new_group` / `new_subgroups` make others, and `resolve` turns an op's
+`group=` argument into the Group it runs over. Ops keep their workspaces in
+`group.contexts` (one per op family, created collectively on first use,
+never grown) and their per-call-signature plans in `group.plans`, so both
+live as long as the heap they use.
 """
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from . import backend, settings
-from .heap import SymmetricHeap, cpu_heap, cuda_heap
+from .group import Group, make_heap
+from .heap import SymmetricHeap
 
 DEFAULT_HEAP_SIZE = {"cpu": 64 << 20, "cuda": 2 << 30}
 # Bytes of symmetric workspace each op family owns (all_gather, the reductions, ag_gemm, gemm_rs, gemm_ar, ...):
@@ -25,45 +29,26 @@ DEFAULT_HEAP_SIZE = {"cpu": 64 << 20, "cuda": 2 << 30}
 DEFAULT_WORKSPACE_BYTES = {"cpu": 4 << 20, "cuda": 128 << 20}
 
 
-class World:
-    def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device, group,
-                 heap: SymmetricHeap, owns_group: bool, workspace_bytes: int):
-        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
-        self.device, self.group, self.heap = device, group, heap
-        self.backend = backend.BACKEND
-        self.workspace_bytes = workspace_bytes
-        self.contexts: dict = {}  # op family -> its workspace
-        self.plans: dict = {}  # call signature -> what the call does (weft.kernels.common.Plan)
-        self.barriers = 0  # host barriers made so far: ops make none once their workspaces exist
+class World(Group):
+    """The world group (every rank), and the process-wide state: the device, the other groups made in it.
+
+    `world_size` is its size; `group` its torch process group (dist.group.WORLD)."""
+
+    def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device, process_group,
+                 heap: SymmetricHeap, owns_group: bool, heap_size: int, workspace_bytes: int):
+        self.rank, self.world_size, self.local_rank, self.device = rank, world_size, local_rank, device
+        self.group = process_group
         # Callables that raise an op family's recorded device-side error (weft.check_errors runs them in turn);
-        # a family with an error word appends its check when it makes its workspace.
-        self.error_checks: list = []
-        # The barrier's one word, made now: NCCL's own barrier allocates a tensor per call and keeps it, which
-        # a workspace first made under CUDA-graph trees' warm-up (in their pool) would leave behind there.
-        self._barrier_word = torch.zeros(1, dtype=torch.int32, device=device) if device.type == "cuda" else None
+        # a family with an error word appends its check when it makes its workspace, in whichever group.
+        self._error_checks: list = []
+        super().__init__(self, process_group, tuple(range(world_size)), heap_size, workspace_bytes, heap)
+        self.groups: dict[str, Group] = {self.name: self}  # by process-group name: every group of this world
+        self.made_groups: list = []  # process groups weft made (new_group), destroyed at finalize
         self._owns_group = owns_group
 
-    def context(self, key, make):
-        """The op context cached under `key` (the op's name, or a tuple led by it), created (collectively)
-        on first use. Creation allocates and synchronises, so it cannot happen inside CUDA-graph capture."""
-        ctx = self.contexts.get(key)
-        if ctx is None:
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                op = key[0] if isinstance(key, tuple) else key
-                raise RuntimeError(f"weft.ops.{op}: its workspace is created collectively on first use; call it "
-                                   "once outside CUDA-graph capture (same shapes) before capturing")
-            ctx = self.contexts[key] = make()
-        return ctx
-
-    def barrier(self):
-        """Host barrier: every rank has reached it and its queued device work is done."""
-        self.barriers += 1
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            dist.all_reduce(self._barrier_word, group=self.group)
-            torch.cuda.synchronize(self.device)
-        else:
-            dist.barrier(group=self.group)
+    @property
+    def error_checks(self) -> list:
+        return self._error_checks
 
 
 _world: World | None = None
@@ -180,11 +165,8 @@ def init(heap_size: int | None = None, workspace_bytes: int | None = None) -> Wo
             dist.destroy_process_group()
         raise
 
-    if device.type == "cuda":
-        heap = cuda_heap(rank, world_size, heap_size, group, device)
-    else:
-        heap = cpu_heap(rank, world_size, heap_size, group)
-    _world = World(rank, world_size, local_rank, device, group, heap, owns, workspace_bytes)
+    heap = make_heap(rank, world_size, heap_size, group, device)
+    _world = World(rank, world_size, local_rank, device, group, heap, owns, heap_size, workspace_bytes)
     _world.barrier()
     return _world
 
@@ -210,8 +192,123 @@ def finalize() -> None:
     if w.device.type == "cuda":
         torch.cuda.synchronize(w.device)
     w.barrier()
-    w.contexts.clear()
-    w.plans.clear()
+    for g in w.groups.values():
+        g.release()
+    w.groups.clear()
     w.error_checks.clear()
-    if w._owns_group and dist.is_initialized():
-        dist.destroy_process_group()
+    if dist.is_initialized():
+        if w._owns_group:
+            dist.destroy_process_group()  # every group with it
+        else:
+            for pg in w.made_groups:
+                dist.destroy_process_group(pg)
+
+
+# -- groups -------------------------------------------------------------------------------------------------------
+
+def new_group(ranks, heap_size: int | None = None, workspace_bytes: int | None = None) -> Group | None:
+    """A group of the world ranks `ranks`. Collective over the world, like torch.distributed.new_group: every rank
+    calls it with the same list; members get the Group, the other ranks None. As in torch.distributed, group ranks
+    follow world order whatever the list's order: group rank i is the i-th smallest world rank of the list. Every rank's list is compared first: ranks that disagree get a ValueError on every
+    rank, naming each rank's list.
+
+    heap_size / workspace_bytes: the group's own symmetric heap per member (default: the world's), made on the
+    group's first use, and the workspace each op family takes from it (default: the world's).
+    """
+    w = get()
+    ranks = _check_ranks(ranks, w.world_size)
+    heap_size = _size_setting(heap_size if heap_size is not None else w.heap_size, "", {}, "heap_size")
+    workspace_bytes = _size_setting(workspace_bytes if workspace_bytes is not None else w.workspace_bytes, "", {},
+                                    "workspace_bytes")
+    _check_world_agrees("new_group", [list(ranks), heap_size, workspace_bytes], w)
+    pg = dist.new_group(list(ranks))
+    w.made_groups.append(pg)
+    if w.rank not in ranks:
+        return None
+    group = Group(w, pg, tuple(dist.get_process_group_ranks(pg)), heap_size, workspace_bytes)
+    w.groups[group.name] = group
+    return group
+
+
+def new_subgroups(size: int, heap_size: int | None = None, workspace_bytes: int | None = None) -> Group:
+    """This rank's group among the world cut into groups of `size` consecutive ranks ([0..size-1], [size..2 size-1],
+    ...; every rank in exactly one). Collective over the world; `size` must divide the world size."""
+    w = get()
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise TypeError(f"size must be an int, got {type(size).__name__}")
+    if size < 1 or w.world_size % size:
+        raise ValueError(f"size must be a positive divisor of the world size {w.world_size}, got {size}")
+    mine = None
+    for first in range(0, w.world_size, size):
+        g = new_group(range(first, first + size), heap_size, workspace_bytes)
+        mine = mine or g
+    return mine
+
+
+def resolve(group) -> Group:
+    """The Group an op's `group=` names: None (the world), a weft Group of this world, a torch.distributed
+    ProcessGroup this rank is a member of (its weft Group made on first use), or a group's name."""
+    w = _world
+    if group is None:
+        if w is None:
+            raise RuntimeError("weft is not initialised: call weft.init() first")
+        return w
+    if isinstance(group, Group):
+        if w is None or group.world is not w:
+            raise ValueError(f"group {group!r} belongs to a weft world that was finalized; make the group again "
+                             "in this one")
+        return group
+    if w is None:
+        raise RuntimeError("weft is not initialised: call weft.init() first")
+    if isinstance(group, str):
+        found = w.groups.get(group)
+        if found is None:
+            raise ValueError(f"group {group!r}: no weft group of that name on world rank {w.rank} (its groups: "
+                             f"{', '.join(sorted(w.groups))})")
+        return found
+    if isinstance(group, dist.ProcessGroup):
+        found = w.groups.get(group.group_name)
+        if found is None:
+            found = _from_process_group(w, group)
+        return found
+    raise TypeError(f"group must be None, a weft.Group, a torch.distributed.ProcessGroup or a group name, got "
+                    f"{type(group).__name__}")
+
+
+def _from_process_group(w: World, pg) -> Group:
+    if pg == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"group: world rank {w.rank} is not a member of this process group")
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    if w.rank not in ranks:
+        raise ValueError(f"group: world rank {w.rank} is not a member of the process group of ranks {list(ranks)}")
+    group = Group(w, pg, ranks, w.heap_size, w.workspace_bytes)
+    w.groups[group.name] = group
+    return group
+
+
+def _check_ranks(ranks, world_size: int) -> tuple[int, ...]:
+    try:
+        ranks = tuple(ranks)
+    except TypeError:
+        raise TypeError(f"ranks must be a sequence of world ranks, got {type(ranks).__name__}") from None
+    if not ranks:
+        raise ValueError("ranks must name at least one rank")
+    for r in ranks:
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise TypeError(f"ranks must be ints, got {type(r).__name__} in {list(ranks)}")
+        if not 0 <= r < world_size:
+            raise ValueError(f"ranks: {r} is not a world rank (the world has {world_size} ranks)")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"ranks {list(ranks)} name a rank twice")
+    return ranks
+
+
+def _check_world_agrees(what: str, value, w: World) -> None:
+    """Every world rank's `value` compared on every rank (a host collective: group creation is rare)."""
+    if w.world_size == 1:
+        return
+    every = [None] * w.world_size
+    dist.all_gather_object(every, value, group=w.group)
+    if any(v != every[0] for v in every):
+        per_rank = "; ".join(f"rank {r}: {v}" for r, v in enumerate(every))
+        raise ValueError(f"weft.{what}: the ranks disagree ({per_rank}); every rank must pass the same arguments")
