@@ -134,8 +134,8 @@ def test_shapes_that_do_not_divide_are_refused():
         args = kw.pop("args", (w["q"], w["k"], w["v"], torch.zeros(32, heads * d)))
         return lambda: TensorParallelAttention.from_dense(*args, heads, kv_heads, rank, world_size, device="cpu", **kw)
 
-    rejects(attn(4, 2, 3), ValueError, "heads = 4 is not divisible by the world size 3", [])
-    rejects(attn(8, 2, 4), ValueError, "kv_heads = 2 is not divisible by the world size 4", [])
+    rejects(attn(4, 2, 3), ValueError, "heads = 4 is not divisible by the group size 3", [])
+    rejects(attn(8, 2, 4), ValueError, "kv_heads = 2 is not divisible by the group size 4", [])
     rejects(attn(6, 4, 2), ValueError, "heads = 6 is not a multiple of kv_heads = 4", [])
     rejects(attn(4, 2, 2, rank=2), ValueError, "rank must be in [0, 2)", [])
     rejects(attn(4, 2, 2, args=(torch.zeros(64, 32), torch.zeros(16, 32), torch.zeros(32, 32), torch.zeros(32, 64))),
@@ -145,7 +145,7 @@ def test_shapes_that_do_not_divide_are_refused():
     rejects(attn(4, 2, 2, decode_attention="flash_decode"), ValueError, "needs head_dim in", [])
     gate = torch.zeros(10, 32)
     rejects(lambda: TensorParallelMLP.from_dense(gate, gate, torch.zeros(32, 10), 0, 4, device="cpu"), ValueError,
-            "intermediate_size = 10 is not divisible by the world size 4", [])
+            "intermediate_size = 10 is not divisible by the group size 4", [])
     rejects(lambda: TensorParallelMLP.from_dense(gate, gate, torch.zeros(10, 32), 0, 2, device="cpu"), ValueError,
             "down_weight has shape", [])
     rejects(lambda: VocabParallelEmbedding.from_dense(torch.zeros(37), 0, 2, device="cpu"), ValueError,

@@ -33,6 +33,12 @@ def device() -> torch.device:
     return _world.get().device
 
 
+def get_group(group=None) -> Group:
+    """The weft Group that an op's `group=` argument names: None (the world), a Group, a torch.distributed
+    ProcessGroup this rank belongs to (its Group made on first use), or a group's name."""
+    return _world.resolve(group)
+
+
 def barrier(group=None) -> None:
     """Host barrier across the group's ranks (default: the world); device work queued before it is finished."""
     _world.resolve(group).barrier()
@@ -62,4 +68,4 @@ def is_symmetric(tensor: torch.Tensor, group=None) -> bool:
 from . import ops  # noqa: E402  (ops import kernels, which need the backend set)
 
 __all__ = ["init", "finalize", "is_initialized", "check_errors", "WaitTimeout", "rank", "world_size", "device",
-           "Group", "new_group", "new_subgroups", "barrier", "empty", "zeros", "peer", "is_symmetric", "ops", "world", "BACKEND"]
+           "Group", "new_group", "new_subgroups", "get_group", "barrier", "empty", "zeros", "peer", "is_symmetric", "ops", "world", "BACKEND"]

@@ -53,8 +53,10 @@ class UlyssesAttention(nn.Module):
     """
 
     def __init__(self, qkv_weight: torch.Tensor, o_weight: torch.Tensor, heads: int, kv_heads: int | None = None,
-                 qkv_bias: torch.Tensor | None = None, o_bias: torch.Tensor | None = None, causal: bool = True):
+                 qkv_bias: torch.Tensor | None = None, o_bias: torch.Tensor | None = None, causal: bool = True,
+                 group=None):
         super().__init__()
+        self.group = weft.get_group(group)  # the ranks the sequence is split over (default: the world)
         self.heads, self.kv_heads = heads, kv_heads or heads
         self.head_dim = o_weight.shape[0] // heads
         if heads % self.kv_heads:
@@ -68,7 +70,7 @@ class UlyssesAttention(nn.Module):
 
     @classmethod
     def from_dense(cls, q_proj: nn.Linear, k_proj: nn.Linear, v_proj: nn.Linear, o_proj: nn.Linear, heads: int,
-                   causal: bool = True) -> "UlyssesAttention":
+                   causal: bool = True, group=None) -> "UlyssesAttention":
         """From the dense projections (nn.Linear, weights (out, in)); kv_heads from k_proj's size."""
         (wq, wk, wv, wo), biases, kv_heads, head_dim = _dense_weights(q_proj, k_proj, v_proj, o_proj, heads)
         qkv_bias = None
@@ -76,22 +78,22 @@ class UlyssesAttention(nn.Module):
             qkv_bias = torch.cat([b if b is not None else torch.zeros(p.out_features, dtype=p.weight.dtype,
                                                                        device=p.weight.device)
                                   for b, p in zip(biases[:3], (q_proj, k_proj, v_proj))])
-        return cls(torch.cat([wq, wk, wv], dim=1), wo, heads, kv_heads, qkv_bias, biases[3], causal)
+        return cls(torch.cat([wq, wk, wv], dim=1), wo, heads, kv_heads, qkv_bias, biases[3], causal, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, h, kvh, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
         if kvh == h and self.qkv_bias is None:
-            q, k, v = weft.ops.qkv_all_to_all(x, self.qkv_weight, h).unbind(1)
+            q, k, v = weft.ops.qkv_all_to_all(x, self.qkv_weight, h, group=self.group).unbind(1)
         else:
             y = torch.matmul(x, self.qkv_weight)
             if self.qkv_bias is not None:
                 y = y + self.qkv_bias
-            q, k, v = (weft.ops.ulysses_all_to_all(part.view(s, n, d))
+            q, k, v = (weft.ops.ulysses_all_to_all(part.view(s, n, d), group=self.group)
                        for part, n in zip(y.split([h * d, kvh * d, kvh * d], dim=1), (h, kvh, kvh)))
         # (tokens, heads, d) -> (heads, tokens, d): SDPA attends over the second-to-last dimension.
         attn = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                               is_causal=self.causal, enable_gqa=kvh != h)
-        out = weft.ops.all_to_all_o_proj(attn.transpose(0, 1), self.o_weight)
+        out = weft.ops.all_to_all_o_proj(attn.transpose(0, 1), self.o_weight, group=self.group)
         return out if self.o_bias is None else out + self.o_bias
 
 
@@ -108,8 +110,9 @@ class SPDecodeAttention(nn.Module):
 
     def __init__(self, q_weight: torch.Tensor, kv_weight: torch.Tensor, o_weight: torch.Tensor, heads: int,
                  kv_heads: int | None = None, q_bias: torch.Tensor | None = None,
-                 kv_bias: torch.Tensor | None = None, o_bias: torch.Tensor | None = None):
+                 kv_bias: torch.Tensor | None = None, o_bias: torch.Tensor | None = None, group=None):
         super().__init__()
+        self.group = weft.get_group(group)  # the ranks the cache is split over (default: the world)
         self.heads, self.kv_heads = heads, kv_heads or heads
         self.head_dim = q_weight.shape[1] // heads
         if kv_weight.shape[1] != 2 * self.kv_heads * self.head_dim:
@@ -120,26 +123,26 @@ class SPDecodeAttention(nn.Module):
 
     @classmethod
     def from_dense(cls, q_proj: nn.Linear, k_proj: nn.Linear, v_proj: nn.Linear, o_proj: nn.Linear,
-                   heads: int) -> "SPDecodeAttention":
+                   heads: int, group=None) -> "SPDecodeAttention":
         (wq, wk, wv, wo), (bq, bk, bv, bo), kv_heads, _ = _dense_weights(q_proj, k_proj, v_proj, o_proj, heads)
         kv_bias = None
         if bk is not None or bv is not None:
             kv_bias = torch.cat([b if b is not None else torch.zeros(p.out_features, dtype=p.weight.dtype,
                                                                       device=p.weight.device)
                                  for b, p in ((bk, k_proj), (bv, v_proj))])
-        return cls(wq, torch.cat([wk, wv], dim=1), wo, heads, kv_heads, bq, kv_bias, bo)
+        return cls(wq, torch.cat([wk, wv], dim=1), wo, heads, kv_heads, bq, kv_bias, bo, group)
 
     def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
                 append_rank: int | None = None) -> torch.Tensor:
         batch, h, kvh, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
-        world = weft.world()
-        append_rank = world.world_size - 1 if append_rank is None else append_rank
-        if not 0 <= append_rank < world.world_size:
-            raise ValueError(f"append_rank must be in [0, {world.world_size}), got {append_rank}")
+        group = self.group
+        append_rank = group.size - 1 if append_rank is None else append_rank
+        if not 0 <= append_rank < group.size:
+            raise ValueError(f"append_rank must be in [0, {group.size}), got {append_rank}")
         q = torch.matmul(x, self.q_weight)
         if self.q_bias is not None:
             q = q + self.q_bias
-        if world.rank == append_rank:
+        if group.rank == append_rank:
             kv = torch.matmul(x, self.kv_weight)
             if self.kv_bias is not None:
                 kv = kv + self.kv_bias
@@ -148,6 +151,6 @@ class SPDecodeAttention(nn.Module):
             k_cache[rows, pos] = kv[:, 0]
             v_cache[rows, pos] = kv[:, 1]
             seqlens += 1
-        out = weft.ops.sp_flash_decode(q.view(batch, h, d), k_cache, v_cache, seqlens)
+        out = weft.ops.sp_flash_decode(q.view(batch, h, d), k_cache, v_cache, seqlens, group=group)
         out = torch.matmul(out.view(batch, h * d), self.o_weight)
         return out if self.o_bias is None else out + self.o_bias

@@ -27,11 +27,15 @@ from weft.runtime.process_group import all_gather_into, reduce_scatter_into
 
 
 class Comm:
-    """The communication of the tensor-parallel layers (see the module doc); `name` is what from_hf takes."""
+    """The communication of the tensor-parallel layers (see the module doc) over `group` (default: the world);
+    `name` is what from_hf takes."""
     name = ""
 
+    def __init__(self, group=None):
+        self.group = weft.get_group(group)
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        return f"{type(self).__name__}(group={self.group!r})"
 
 
 class WeftComm(Comm):
@@ -39,22 +43,22 @@ class WeftComm(Comm):
     name = "weft"
 
     def ag_gemm(self, x_shard, w):
-        return ops.ag_gemm(x_shard, w)
+        return ops.ag_gemm(x_shard, w, group=self.group)
 
     def gemm_rs(self, x, w):
-        return ops.gemm_rs(x, w)
+        return ops.gemm_rs(x, w, group=self.group)
 
     def gemm_ar(self, x, w):
-        return ops.gemm_ar(x, w)
+        return ops.gemm_ar(x, w, group=self.group)
 
     def all_reduce(self, x):
-        return ops.all_reduce(x)
+        return ops.all_reduce(x, group=self.group)
 
     def reduce_scatter(self, x):
-        return ops.reduce_scatter(x)
+        return ops.reduce_scatter(x, group=self.group)
 
     def all_gather(self, x):
-        return ops.all_gather(x)
+        return ops.all_gather(x, group=self.group)
 
 
 class NcclComm(Comm):
@@ -69,34 +73,35 @@ class NcclComm(Comm):
 
     def gemm_ar(self, x, w):
         y = x @ w
-        dist.all_reduce(y, group=weft.world().group)
+        dist.all_reduce(y, group=self.group.process_group)
         return y
 
     def all_reduce(self, x):
         y = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(y, group=weft.world().group)
+        dist.all_reduce(y, group=self.group.process_group)
         return y
 
     def reduce_scatter(self, x):
-        world = weft.world()
-        out = x.new_empty((x.shape[0] // world.world_size, *x.shape[1:]))
-        reduce_scatter_into(out, x.contiguous(), world.group)
+        out = x.new_empty((x.shape[0] // self.group.size, *x.shape[1:]))
+        reduce_scatter_into(out, x.contiguous(), self.group.process_group)
         return out
 
     def all_gather(self, x):
-        world = weft.world()
-        out = x.new_empty((world.world_size * x.shape[0], *x.shape[1:]))
-        all_gather_into(out, x.contiguous(), world.group)
+        out = x.new_empty((self.group.size * x.shape[0], *x.shape[1:]))
+        all_gather_into(out, x.contiguous(), self.group.process_group)
         return out
 
 
 COMMS = {c.name: c for c in (WeftComm, NcclComm)}
 
 
-def make_comm(comm) -> Comm:
-    """A Comm from its name ("weft" or "nccl"), or the Comm given."""
+def make_comm(comm, group=None) -> Comm:
+    """A Comm from its name ("weft" or "nccl") over `group` (default: the world), or the Comm given (which must
+    then be over `group`, where one is named)."""
     if isinstance(comm, Comm):
+        if group is not None and weft.get_group(group) is not comm.group:
+            raise ValueError(f"comm {comm!r} runs over another group than group={group!r}")
         return comm
     if comm not in COMMS:
         raise ValueError(f"comm must be one of {', '.join(repr(c) for c in COMMS)}, got {comm!r}")
-    return COMMS[comm]()
+    return COMMS[comm](group)

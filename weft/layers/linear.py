@@ -34,12 +34,13 @@ class _CopyToParallel(torch.autograd.Function):
     rank uses on its own part of the work (Megatron's "copy to tensor-parallel region")."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group):
+        ctx.group = group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return ops.all_reduce(grad)
+        return ops.all_reduce(grad, group=ctx.group), None
 
 
 class _GemmArReplicated(torch.autograd.Function):
@@ -47,20 +48,22 @@ class _GemmArReplicated(torch.autograd.Function):
     everywhere, so the backward is local (Megatron's "reduce from tensor-parallel region")."""
 
     @staticmethod
-    def forward(ctx, a, b_shard):
+    def forward(ctx, a, b_shard, group):
         ctx.save_for_backward(a, b_shard)
-        return ops.gemm_ar(a, b_shard)
+        return ops.gemm_ar(a, b_shard, group=group)
 
     @staticmethod
     def backward(ctx, grad):
         a, b_shard = ctx.saved_tensors
         grad_a = grad @ b_shard.t() if ctx.needs_input_grad[0] else None
         grad_b = a.t() @ grad if ctx.needs_input_grad[1] else None
-        return grad_a, grad_b
+        return grad_a, grad_b, None
 
 
-def _world(rank, world_size) -> tuple[int, int]:
-    return (weft.rank() if rank is None else rank), (weft.world_size() if world_size is None else world_size)
+def shard_of(group, rank, world_size) -> tuple[int, int]:
+    """(rank, world_size) of a layer's shard: those given, else this rank's in `group` (default: the world)."""
+    g = weft.get_group(group)
+    return (g.rank if rank is None else rank), (g.size if world_size is None else world_size)
 
 
 def _split(total: int, world_size: int, what: str) -> int:
@@ -69,21 +72,22 @@ def _split(total: int, world_size: int, what: str) -> int:
     return total // world_size
 
 
-def _uninitialised(cls, linear: nn.Linear, rank, world_size, sequence_parallel):
+def _uninitialised(cls, linear: nn.Linear, rank, world_size, sequence_parallel, group):
     """A layer of `cls` shaped for `linear`'s shard, its parameters left uninitialised (from_linear copies
     them in): made on the meta device, then given memory. A random initialisation would draw from the
     device's generator for nothing."""
     out_features, in_features = linear.weight.shape
     return nn.utils.skip_init(cls, in_features, out_features, linear.bias is not None, rank=rank,
-                              world_size=world_size, sequence_parallel=sequence_parallel,
+                              world_size=world_size, sequence_parallel=sequence_parallel, group=group,
                               device=linear.weight.device, dtype=linear.weight.dtype)
 
 
 class _ParallelLinear(nn.Module):
     def __init__(self, in_local, out_local, bias_features, fan_in, bias, rank, world_size, sequence_parallel,
-                 device, dtype):
+                 group, device, dtype):
         super().__init__()
         self.rank, self.world_size, self.sequence_parallel = rank, world_size, sequence_parallel
+        self.group = weft.get_group(group)
         self.weight = nn.Parameter(torch.empty(in_local, out_local, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(bias_features, device=device, dtype=dtype)) if bias else None
         # nn.Linear's initialisation (uniform in +-1/sqrt(fan_in) of the whole layer), per shard.
@@ -104,21 +108,26 @@ class ColumnParallelLinear(_ParallelLinear):
     sequence_parallel: x is this rank's tokens (..., in_features) and y covers every rank's tokens
     (W * tokens, out_features / W), flattened to 2-D. Otherwise x holds every token on every rank and
     y is (..., out_features / W). `weight`: (in_features, out_features / W), Wᵀ's column slice.
+    W is the size of `group` (default: the world), over which the layer communicates; rank and world_size
+    default to this rank's in it.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, rank: int | None = None,
-                 world_size: int | None = None, sequence_parallel: bool = True, device=None, dtype=None):
-        rank, world_size = _world(rank, world_size)
+                 world_size: int | None = None, sequence_parallel: bool = True, group=None, device=None,
+                 dtype=None):
+        rank, world_size = shard_of(group, rank, world_size)
         self.in_features, self.out_features = in_features, out_features
         super().__init__(in_features, _split(out_features, world_size, "out_features"),
                          _split(out_features, world_size, "out_features"), in_features, bias, rank, world_size,
-                         sequence_parallel, device, dtype)
+                         sequence_parallel, group, device, dtype)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, rank: int, world_size: int, sequence_parallel: bool = True):
+    def from_linear(cls, linear: nn.Linear, rank: int | None = None, world_size: int | None = None,
+                    sequence_parallel: bool = True, group=None):
         """This rank's shard of `linear` (its weight's rows [rank * out / W, (rank + 1) * out / W))."""
+        rank, world_size = shard_of(group, rank, world_size)
         out_features, in_features = linear.weight.shape
-        layer = _uninitialised(cls, linear, rank, world_size, sequence_parallel)
+        layer = _uninitialised(cls, linear, rank, world_size, sequence_parallel, group)
         n = out_features // world_size
         with torch.no_grad():
             layer.weight.copy_(linear.weight[rank * n:(rank + 1) * n].t())
@@ -128,9 +137,9 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            y = ops.ag_gemm(x.reshape(-1, self.in_features), self.weight)
+            y = ops.ag_gemm(x.reshape(-1, self.in_features), self.weight, group=self.group)
         else:
-            y = _CopyToParallel.apply(x) @ self.weight
+            y = _CopyToParallel.apply(x, self.group) @ self.weight
         return y if self.bias is None else y + self.bias
 
 
@@ -140,21 +149,24 @@ class RowParallelLinear(_ParallelLinear):
     sequence_parallel: x (tokens, in_features / W) covers every rank's tokens and y is this rank's share of
     them (tokens / W, out_features), by gemm_rs. Otherwise x is (..., in_features / W) and y (..., out_features)
     the same on every rank, by gemm_ar. `weight`: (in_features / W, out_features), Wᵀ's row slice; `bias`
-    the whole (out_features,), on every rank.
+    the whole (out_features,), on every rank. W, rank, world_size: as ColumnParallelLinear's (`group`).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, rank: int | None = None,
-                 world_size: int | None = None, sequence_parallel: bool = True, device=None, dtype=None):
-        rank, world_size = _world(rank, world_size)
+                 world_size: int | None = None, sequence_parallel: bool = True, group=None, device=None,
+                 dtype=None):
+        rank, world_size = shard_of(group, rank, world_size)
         self.in_features, self.out_features = in_features, out_features
         super().__init__(_split(in_features, world_size, "in_features"), out_features, out_features, in_features,
-                         bias, rank, world_size, sequence_parallel, device, dtype)
+                         bias, rank, world_size, sequence_parallel, group, device, dtype)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, rank: int, world_size: int, sequence_parallel: bool = True):
+    def from_linear(cls, linear: nn.Linear, rank: int | None = None, world_size: int | None = None,
+                    sequence_parallel: bool = True, group=None):
         """This rank's shard of `linear` (its weight's columns [rank * in / W, (rank + 1) * in / W)), bias whole."""
+        rank, world_size = shard_of(group, rank, world_size)
         out_features, in_features = linear.weight.shape
-        layer = _uninitialised(cls, linear, rank, world_size, sequence_parallel)
+        layer = _uninitialised(cls, linear, rank, world_size, sequence_parallel, group)
         k = in_features // world_size
         with torch.no_grad():
             layer.weight.copy_(linear.weight[:, rank * k:(rank + 1) * k].t())
@@ -165,8 +177,9 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = self.weight.shape[0]
         if self.sequence_parallel:
-            y = ops.gemm_rs(x.reshape(-1, k), self.weight)
+            y = ops.gemm_rs(x.reshape(-1, k), self.weight, group=self.group)
             # Each rank adds the bias to its own tokens only: its gradient is summed over the ranks.
-            return y if self.bias is None else y + _CopyToParallel.apply(self.bias)
-        y = _GemmArReplicated.apply(x.reshape(-1, k), self.weight).reshape(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + _CopyToParallel.apply(self.bias, self.group)
+        y = _GemmArReplicated.apply(x.reshape(-1, k), self.weight, self.group).reshape(*x.shape[:-1],
+                                                                                     self.out_features)
         return y if self.bias is None else y + self.bias

@@ -51,8 +51,7 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t.detach().contiguous(), requires_grad=False)
 
 
-def _world(rank, world_size) -> tuple[int, int]:
-    return (weft.rank() if rank is None else rank), (weft.world_size() if world_size is None else world_size)
+from .linear import shard_of
 
 
 def dense_weights(block: nn.Module):
@@ -112,13 +111,15 @@ class EPMoE(_MoE):
     Stored: w_gate_up (L, hidden, 2 inter) and w_down (L, inter, hidden) of this rank's L = E / W experts; with
     fp8, as e4m3 with their K dimension contiguous (grouped_gemm's fp8 layout) and the block scales
     w_gate_up_scales (L, hidden / 128, 2 inter / 128), w_down_scales (L, inter / 128, hidden / 128).
+    W is the size of `group` (default: the world), the expert-parallel group the tokens travel in.
     """
 
     def __init__(self, router_weight, gate_proj, up_proj, down_proj, top_k: int, norm_topk_prob: bool = True, *,
                  rank: int | None = None, world_size: int | None = None, decode_tokens: int = 128,
-                 fp8: bool = False, max_recv_tokens: int | None = None):
+                 fp8: bool = False, max_recv_tokens: int | None = None, group=None):
         super().__init__(router_weight, gate_proj, up_proj, down_proj, top_k, norm_topk_prob)
-        rank, world_size = _world(rank, world_size)
+        rank, world_size = shard_of(group, rank, world_size)
+        self.group = weft.get_group(group)
         if self.num_experts % world_size:
             raise ValueError(f"{self.num_experts} experts do not split over {world_size} ranks")
         if fp8 and (self.hidden % 128 or self.inter % 128):
@@ -193,15 +194,15 @@ class EPMoE(_MoE):
             mode = "ll" if tokens.shape[0] <= self.decode_tokens else "ht"
         if mode == "ll":
             recv, counts, scales, handle = weft.ops.ep_dispatch_ll(tokens, idx, self.num_experts, self.decode_tokens,
-                                                                   fp8=self.fp8)
+                                                                   fp8=self.fp8, group=self.group)
             # A few rows of each expert's buffer are valid: the grouped GEMM's tiles for that (few_rows_config).
             config = weft.ops.grouped_gemm.few_rows_config(recv.dtype, recv.device)
             y = self._experts(recv, counts, scales, config).to(tokens.dtype)  # fp8 experts give bf16
-            out = weft.ops.ep_combine_ll(y, idx, weights, handle)
+            out = weft.ops.ep_combine_ll(y, idx, weights, handle, group=self.group)
         elif mode == "ht":
             rx, ridx, rw, counts, handle = weft.ops.ep_dispatch(tokens, idx, weights, self.num_experts,
-                                                                self.max_recv_tokens)
-            out = weft.ops.ep_combine(self._received(rx, ridx, rw, counts), handle)
+                                                                self.max_recv_tokens, group=self.group)
+            out = weft.ops.ep_combine(self._received(rx, ridx, rw, counts), handle, group=self.group)
         else:
             raise ValueError(f"mode must be 'll', 'ht' or None, got {mode!r}")
         return out.reshape(x.shape)
@@ -212,13 +213,14 @@ class TPMoE(_MoE):
     rank's tokens (the same count on every rank); returns the same shape. `method` goes to both ops.
 
     Stored: w_gate_up (E, hidden, 2 inter / W), columns [gate | up] of this rank's slice of every expert, and
-    w_down (E, inter / W, hidden).
+    w_down (E, inter / W, hidden). W is the size of `group` (default: the world).
     """
 
     def __init__(self, router_weight, gate_proj, up_proj, down_proj, top_k: int, norm_topk_prob: bool = True, *,
-                 rank: int | None = None, world_size: int | None = None, method: str = "auto"):
+                 rank: int | None = None, world_size: int | None = None, method: str = "auto", group=None):
         super().__init__(router_weight, gate_proj, up_proj, down_proj, top_k, norm_topk_prob)
-        rank, world_size = _world(rank, world_size)
+        rank, world_size = shard_of(group, rank, world_size)
+        self.group = weft.get_group(group)
         if self.inter % world_size:
             raise ValueError(f"the intermediate size {self.inter} does not split over {world_size} ranks")
         self.rank, self.world_size, self.method = rank, world_size, method
@@ -230,6 +232,7 @@ class TPMoE(_MoE):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, self.hidden).contiguous()
         idx, weights = self.route(tokens)
-        inter, layout = weft.ops.ag_group_gemm(tokens, self.w_gate_up, idx, method=self.method)
+        inter, layout = weft.ops.ag_group_gemm(tokens, self.w_gate_up, idx, method=self.method, group=self.group)
         h = weft.ops.silu_mul(inter)
-        return weft.ops.group_gemm_rs(h, self.w_down, idx, weights, layout, method=self.method).reshape(x.shape)
+        return weft.ops.group_gemm_rs(h, self.w_down, idx, weights, layout, method=self.method,
+                                      group=self.group).reshape(x.shape)

@@ -1,9 +1,11 @@
 """The layers of a tensor-parallel decoder (Llama-3 / Qwen3 family), each built from the dense weights by
-`from_dense(..., rank, world_size, comm)`, each rank keeping its slice.
+`from_dense(..., comm=, group=)`, each rank keeping its slice. The tensor-parallel group (`group`, default
+the world; W its size, r this rank's rank in it) is what the layers split over and communicate in: a
+data-parallel job makes one per replica (weft.new_subgroups(W)).
 
 Two layouts of the activations between layers, as in Megatron-LM:
 - sequence-parallel (prefill, full forward): the batch's T tokens, flattened and padded to a multiple of
-  the world size W, are split by rows: rank r holds rows [r T / W, (r + 1) T / W). Norms and residual adds
+  the group size W, are split by rows: rank r holds rows [r T / W, (r + 1) T / W). Norms and residual adds
   are local; a column-parallel projection gathers the rows under its GEMM (`comm.ag_gemm`), a row-parallel
   one reduce-scatters its partial sums back to rows (`comm.gemm_rs`). The embedding reduce-scatters.
 - plain tensor parallelism (decode, one token per sequence): every rank holds every token; the column
@@ -11,7 +13,7 @@ Two layouts of the activations between layers, as in Megatron-LM:
 Either way the LM head gathers every rank's slice of the vocabulary.
 
 Weights are kept as the GEMMs take them: (in, out) slices, contiguous (the transpose of nn.Linear's).
-Heads, KV heads and the MLP's intermediate size must divide by the world size; the vocabulary need not
+Heads, KV heads and the MLP's intermediate size must divide by the group size; the vocabulary need not
 (its last slice is padded with zero rows). `comm` is "weft" (weft's ops) or "nccl" (the process group's
 collectives around torch.matmul: weft/layers/comm.py). Inference only: the weights do not require grad.
 """
@@ -28,6 +30,7 @@ import weft
 from weft import ops
 
 from .comm import make_comm
+from .linear import shard_of
 
 DECODE_ATTENTION = ("auto", "flash_decode", "sdpa")
 
@@ -45,7 +48,7 @@ def _local(t: torch.Tensor, device, dtype) -> torch.Tensor:
 def _split_size(total: int, world_size: int, what: str) -> int:
     """total / world_size, or a ValueError naming `what` where it does not divide."""
     if total % world_size:
-        raise ValueError(f"{what} = {total} is not divisible by the world size {world_size}")
+        raise ValueError(f"{what} = {total} is not divisible by the group size {world_size}")
     return total // world_size
 
 
@@ -119,18 +122,22 @@ class VocabParallelEmbedding(nn.Module):
     n = ceil(vocab / W), the last slice padded with zero rows. A token outside a rank's rows embeds to zero
     there, so the sum over ranks is the token's row, exactly."""
 
-    def __init__(self, weight_shard: torch.Tensor, vocab_size: int, rank: int, world_size: int, comm="weft"):
+    def __init__(self, weight_shard: torch.Tensor, vocab_size: int, rank: int | None = None,
+                 world_size: int | None = None, comm="weft", group=None):
+        rank, world_size = shard_of(group, rank, world_size)
         super().__init__()
         self.weight = _weight(weight_shard)
         self.vocab_size, self.rank, self.world_size = vocab_size, rank, world_size
         self.start = rank * weight_shard.shape[0]
-        self.comm = make_comm(comm)
+        self.comm = make_comm(comm, group)
 
     @classmethod
-    def from_dense(cls, weight: torch.Tensor, rank: int, world_size: int, comm="weft", device=None, dtype=None):
+    def from_dense(cls, weight: torch.Tensor, rank: int | None = None, world_size: int | None = None, comm="weft",
+                   device=None, dtype=None, group=None):
         """From the whole table (vocab, hidden)."""
+        rank, world_size = shard_of(group, rank, world_size)
         shard = _vocab_shard(weight, rank, world_size)
-        return cls(_local(shard, device, dtype), weight.shape[0], rank, world_size, comm)
+        return cls(_local(shard, device, dtype), weight.shape[0], rank, world_size, comm, group)
 
     def forward(self, ids: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         """ids (N,), every token on every rank. Returns (N, hidden), the same on every rank, or with
@@ -146,17 +153,21 @@ class ParallelLMHead(nn.Module):
     """logits = x @ Wᵀ, the vocabulary split over ranks as in VocabParallelEmbedding: `weight` (hidden, n) is
     this rank's slice of Wᵀ's columns; every rank's logits are gathered and the padding cut off."""
 
-    def __init__(self, weight_shard: torch.Tensor, vocab_size: int, rank: int, world_size: int, comm="weft"):
+    def __init__(self, weight_shard: torch.Tensor, vocab_size: int, rank: int | None = None,
+                 world_size: int | None = None, comm="weft", group=None):
+        rank, world_size = shard_of(group, rank, world_size)
         super().__init__()
         self.weight = _weight(weight_shard)
         self.vocab_size, self.rank, self.world_size = vocab_size, rank, world_size
-        self.comm = make_comm(comm)
+        self.comm = make_comm(comm, group)
 
     @classmethod
-    def from_dense(cls, weight: torch.Tensor, rank: int, world_size: int, comm="weft", device=None, dtype=None):
+    def from_dense(cls, weight: torch.Tensor, rank: int | None = None, world_size: int | None = None, comm="weft",
+                   device=None, dtype=None, group=None):
         """From the whole (vocab, hidden) weight (nn.Linear's layout, or the tied embedding table)."""
+        rank, world_size = shard_of(group, rank, world_size)
         shard = _vocab_shard(weight, rank, world_size)
-        return cls(_local(shard.t(), device, dtype), weight.shape[0], rank, world_size, comm)
+        return cls(_local(shard.t(), device, dtype), weight.shape[0], rank, world_size, comm, group)
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         """x (N, hidden), the same on every rank, or with sequence_parallel this rank's rows of the N tokens.
@@ -212,15 +223,16 @@ class TensorParallelAttention(nn.Module):
     """
 
     def __init__(self, qkv_weight: torch.Tensor, o_weight: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
-                 rank: int, world_size: int, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
-                 comm="weft", decode_attention: str = "auto"):
+                 rank: int | None = None, world_size: int | None = None, q_norm: RMSNorm | None = None,
+                 k_norm: RMSNorm | None = None, comm="weft", decode_attention: str = "auto", group=None):
         super().__init__()
+        rank, world_size = shard_of(group, rank, world_size)
         self.heads = _split_size(heads, world_size, "heads")
         self.kv_heads = _split_size(kv_heads, world_size, "kv_heads")
         self.head_dim, self.rank, self.world_size = head_dim, rank, world_size
         self.qkv_weight, self.o_weight = _weight(qkv_weight), _weight(o_weight)
         self.q_norm, self.k_norm = q_norm, k_norm
-        self.comm = make_comm(comm)
+        self.comm = make_comm(comm, group)
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         flash_ok = head_dim in ops.flash_decode.head_dims and qkv_weight.dtype in ops.flash_decode.dtypes
@@ -233,11 +245,13 @@ class TensorParallelAttention(nn.Module):
 
     @classmethod
     def from_dense(cls, q_weight: torch.Tensor, k_weight: torch.Tensor, v_weight: torch.Tensor,
-                   o_weight: torch.Tensor, heads: int, kv_heads: int, rank: int, world_size: int,
-                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
-                   comm="weft", decode_attention: str = "auto", device=None, dtype=None):
+                   o_weight: torch.Tensor, heads: int, kv_heads: int, rank: int | None = None,
+                   world_size: int | None = None, q_norm: torch.Tensor | None = None,
+                   k_norm: torch.Tensor | None = None, eps: float = 1e-6, comm="weft", decode_attention: str = "auto",
+                   device=None, dtype=None, group=None):
         """From the dense projections' weights in nn.Linear's (out, in) layout: q (h d, hidden), k and v
         (kv d, hidden), o (hidden, h d); q_norm, k_norm (d,) or None."""
+        rank, world_size = shard_of(group, rank, world_size)
         _check_rank(rank, world_size)
         for name, n in (("heads", heads), ("kv_heads", kv_heads)):
             _split_size(n, world_size, name)
@@ -259,7 +273,8 @@ class TensorParallelAttention(nn.Module):
                 _check_dense(name, t, (head_dim,))
             norms.append(None if t is None else RMSNorm(_local(t, device, dtype), eps))
         return cls(_local(qkv, device, dtype), _local(o_weight[:, rank * hl:(rank + 1) * hl].t(), device, dtype),
-                   heads, kv_heads, head_dim, rank, world_size, *norms, comm=comm, decode_attention=decode_attention)
+                   heads, kv_heads, head_dim, rank, world_size, *norms, comm=comm, decode_attention=decode_attention,
+                   group=group)
 
     def _qk(self, qkv: torch.Tensor, pos: Positions, k_dst: torch.Tensor, v_dst: torch.Tensor) -> torch.Tensor:
         """q (tokens, heads, d) of the projections' first tokens rows, normed (Qwen3) and rotated; k and v into
@@ -310,17 +325,20 @@ class TensorParallelMLP(nn.Module):
     forward(x, sequence_parallel=True): x this rank's rows, by comm.ag_gemm and comm.gemm_rs; with
     sequence_parallel=False (decode) x is every token on every rank, a local GEMM and comm.gemm_ar."""
 
-    def __init__(self, gate_up_weight: torch.Tensor, down_weight: torch.Tensor, rank: int, world_size: int,
-                 comm="weft"):
+    def __init__(self, gate_up_weight: torch.Tensor, down_weight: torch.Tensor, rank: int | None = None,
+                 world_size: int | None = None, comm="weft", group=None):
         super().__init__()
+        rank, world_size = shard_of(group, rank, world_size)
         self.gate_up_weight, self.down_weight = _weight(gate_up_weight), _weight(down_weight)
         self.rank, self.world_size = rank, world_size
-        self.comm = make_comm(comm)
+        self.comm = make_comm(comm, group)
 
     @classmethod
-    def from_dense(cls, gate_weight: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor, rank: int,
-                   world_size: int, comm="weft", device=None, dtype=None):
+    def from_dense(cls, gate_weight: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor,
+                   rank: int | None = None, world_size: int | None = None, comm="weft", device=None, dtype=None,
+                   group=None):
         """From nn.Linear-layout weights: gate and up (I, hidden), down (hidden, I)."""
+        rank, world_size = shard_of(group, rank, world_size)
         _check_rank(rank, world_size)
         _check_dense("gate_weight", gate_weight, (None, None))
         inter, hidden = gate_weight.shape
@@ -330,7 +348,7 @@ class TensorParallelMLP(nn.Module):
         cols = slice(rank * n, (rank + 1) * n)
         gate_up = torch.cat([gate_weight[cols], up_weight[cols]]).t()
         return cls(_local(gate_up, device, dtype), _local(down_weight[:, cols].t(), device, dtype), rank,
-                   world_size, comm)
+                   world_size, comm, group)
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = True) -> torch.Tensor:
         h = self.comm.ag_gemm(x, self.gate_up_weight) if sequence_parallel else x @ self.gate_up_weight

@@ -1,14 +1,16 @@
-"""A dense decoder of the Llama-3 / Qwen3 family, tensor-parallel over every rank, end to end on weft's ops.
+"""A dense decoder of the Llama-3 / Qwen3 family, tensor-parallel over a group of ranks, end to end on weft's ops.
 
     model = weft.models.from_hf("Qwen/Qwen3-8B-local-dir")          # or a transformers config: random weights
     logits = model(input_ids)                                         # (batch, seq, vocab): a full forward
     tokens = model.generate(input_ids, max_new_tokens=128)            # prompt + new tokens, greedy
     baseline = model.with_comm("nccl")                                # the same weights on NCCL + cuBLAS
+    replica = weft.models.from_hf(path, tp_group=weft.new_subgroups(2))  # TP=2 replicas, data-parallel
 
-Every rank runs the same program on the same input ids and gets the same logits and tokens.
+Every rank of the tensor-parallel group (`tp_group`, default the world) runs the same program on the same
+input ids and gets the same logits and tokens; replicas in other groups serve their own batches meanwhile.
 
 Prefill (and the full forward) keeps the residual stream sequence-parallel: the batch's tokens, flattened
-and padded to a multiple of the world size W, are split by rows over the ranks; each block's QKV and
+and padded to a multiple of the group size W, are split by rows over the group's ranks; each block's QKV and
 gate/up projections gather the rows under their GEMM (weft.ops.ag_gemm) and the output and down
 projections reduce-scatter theirs (weft.ops.gemm_rs); attention is torch's causal
 scaled_dot_product_attention on each rank's heads. Decode (one new token per sequence) is plain tensor
@@ -156,7 +158,7 @@ class Transformer(nn.Module):
 
     def with_comm(self, comm) -> "Transformer":
         """This model with another communication ("weft" or "nccl"), sharing its weights (no copy)."""
-        comm = make_comm(comm)
+        comm = make_comm(comm, self.comm.group)
         shared = {id(t): t for t in (*self.parameters(), *self.buffers())}
         shared[id(self.sessions)] = {}  # the twin captures its own decode graphs
         twin = copy.deepcopy(self, memo=shared)
@@ -340,12 +342,14 @@ class DecodeSession:
 
 
 def from_hf(config_or_path, state_dict: dict | None = None, dtype: torch.dtype | None = None, comm="weft",
-            seed: int = 0, std: float = 0.02) -> Transformer:
+            seed: int = 0, std: float = 0.02, tp_group=None) -> Transformer:
     """This rank's part of the decoder of a Hugging Face config (a transformers LlamaConfig / Qwen3Config, or
     the path of a local checkpoint directory: config.json and *.safetensors). Weights: `state_dict` (Hugging
     Face naming, full tensors) if given, else the checkpoint's, else seeded random ones (normal(0, std),
     the same on every rank). dtype: default the weights' own, bf16 for random weights on GPUs (fp32 on the
-    cpu backend). comm: "weft" or "nccl". Collective: call it on every rank after weft.init()."""
+    cpu backend). comm: "weft" or "nccl". tp_group: the tensor-parallel group the model is split over (default:
+    the world); a data-parallel job makes one per replica (weft.new_subgroups(tp)), each replica serving its own
+    batches. Collective over tp_group: call it on each of its ranks after weft.init()."""
     path = os.fspath(config_or_path) if isinstance(config_or_path, (str, os.PathLike)) else None
     cfg = ModelConfig.from_hf(read_config(path) if path is not None else config_or_path)
     shapes = hf_shapes(cfg)
@@ -358,9 +362,8 @@ def from_hf(config_or_path, state_dict: dict | None = None, dtype: torch.dtype |
         weights = RandomWeights(shapes, seed, dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32),
                                 device, std)
     dtype = dtype or weights.dtype
-    rank, w = weft.rank(), weft.world_size()
-    comm = make_comm(comm)
-    local = dict(rank=rank, world_size=w, comm=comm, device=device, dtype=dtype)
+    comm = make_comm(comm, tp_group)
+    local = dict(comm=comm, device=device, dtype=dtype, group=comm.group)
 
     def norm(name):
         return RMSNorm(weights[name].to(device, dtype, copy=True), cfg.rms_norm_eps)
