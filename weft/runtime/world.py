@@ -266,6 +266,9 @@ def resolve(group) -> Group:
             raise ValueError(f"group {group!r}: no weft group of that name on world rank {w.rank} (its groups: "
                              f"{', '.join(sorted(w.groups))})")
         return found
+    if type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER:  # what torch's new_group gave a non-member
+        raise ValueError(f"group: world rank {w.rank} is not a member of this process group (new_group gave it "
+                         "GroupMember.NON_GROUP_MEMBER)")
     if isinstance(group, dist.ProcessGroup):
         found = w.groups.get(group.group_name)
         if found is None:
@@ -276,8 +279,6 @@ def resolve(group) -> Group:
 
 
 def _from_process_group(w: World, pg) -> Group:
-    if pg == dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(f"group: world rank {w.rank} is not a member of this process group")
     ranks = tuple(dist.get_process_group_ranks(pg))
     if w.rank not in ranks:
         raise ValueError(f"group: world rank {w.rank} is not a member of the process group of ranks {list(ranks)}")
