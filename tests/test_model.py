@@ -8,6 +8,7 @@ Qwen3ForCausalLM on one process, with the same tiny random weights (fp32):
 - sampled generation: the same tokens on every rank, and again for the same seed;
 - comm="weft" (weft's ops under the interpreter) and comm="nccl" (gloo here), Llama-3 rope scaling,
   tied embeddings, a vocabulary that does not divide by the world size;
+- data parallelism: TP=2 replicas on 4 ranks (tp_group), each serving its own batch;
 - the refusals: heads or KV heads that do not divide by the world size, configs this decoder lacks, bad ids.
 """
 import pytest
@@ -95,13 +96,44 @@ def _matches_transformers(kind, heads, kv_heads, vocab, tie, rope, comm, extras)
 @pytest.mark.parametrize("kind, heads, kv_heads, vocab, tie, rope, comm, world_size", [
     ("llama", 4, 2, 96, False, None, "weft", 2),
     ("qwen3", 6, 3, 96, False, None, "weft", 3),
-    ("qwen3", 8, 4, 98, True, None, "weft", 4),   # tied embeddings; 98 = 4 x 24.5: the last vocab slice padded
     ("llama", 4, 2, 96, True, LLAMA3_ROPE, "nccl", 2),
 ])
 def test_logits_and_generation_match_transformers(kind, heads, kv_heads, vocab, tie, rope, comm, world_size):
     results = run_ranks(_matches_transformers, world_size, kind, heads, kv_heads, vocab, tie, rope, comm,
                         comm == "nccl", timeout=TIMEOUT, env=ENV)
     assert all(r == results[0] for r in results), "ranks generated different tokens"
+
+
+def _data_parallel_replicas(tp):
+    """TP-sized replicas of one model (weft.new_subgroups), each serving its own batch at the same time: each
+    replica's logits and greedy tokens equal transformers' on that batch."""
+    import torch
+
+    import weft
+    from weft.models import from_hf
+
+    me = weft.rank()
+    group = weft.new_subgroups(tp)
+    replica = me // tp
+    ref = _hf_model("qwen3", 8, 4, 97, tie=True)  # 97: the last vocabulary slice is padded
+    model = from_hf(ref.config, state_dict=ref.state_dict(), tp_group=group)
+    assert model.comm.group is group and model.world_size == tp
+    prompts = torch.randint(0, 97, (2, 5 + replica), generator=torch.Generator().manual_seed(10 + replica))
+    with torch.no_grad():
+        _close(model(prompts), ref(prompts).logits, f"replica {replica}: forward")
+        greedy = model.generate(prompts, 4)
+        assert greedy.tolist() == ref.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=4,
+                                               do_sample=False).tolist()
+        baseline = model.with_comm("nccl")  # the same group's process group under the baseline
+        assert baseline.comm.group is group
+        _close(baseline(prompts), ref(prompts).logits, f"replica {replica}: forward on the baseline comm")
+    return replica, greedy.tolist()
+
+
+def test_data_parallel_replicas_of_a_tensor_parallel_model():
+    """TP=2 x DP=2 on 4 ranks: tied embeddings, a vocabulary that does not divide by the TP size."""
+    results = run_ranks(_data_parallel_replicas, 4, 2, timeout=TIMEOUT, env=ENV)
+    assert results[0] == results[1] and results[2] == results[3] and results[0] != results[2]
 
 
 def _checkpoint_and_comms(path):
