@@ -50,6 +50,13 @@ def test_tutorial_runs_on_four_cpu_ranks(tutorial):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 
+def test_tp_dp_training_example_matches_one_process():
+    """examples/train_tp_dp.py: TP=2 x DP=2 on 4 ranks; the script fails itself if the loss curves differ."""
+    res = weft_cmd("run", "-n", "4", os.path.join("examples", "train_tp_dp.py"), "--steps", "8", timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "TP=2 x DP=2 on 4 ranks" in res.stdout
+
+
 def test_bench_harness_writes_json_table_and_plot(tmp_path):
     res = weft_cmd("bench", "-n", "2", "allgather", "--out", str(tmp_path), "--min-bytes", "4096",
                    "--max-bytes", "8192", "--samples", "2", timeout=300)
