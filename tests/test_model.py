@@ -136,6 +136,42 @@ def test_data_parallel_replicas_of_a_tensor_parallel_model():
     assert results[0] == results[1] and results[2] == results[3] and results[0] != results[2]
 
 
+def _experts_over_the_world_attention_over_pairs():
+    """One program, two axes: EPMoE over the world's 4 ranks (experts split 4 ways) and a TP=2 decoder (its
+    attention and MLP) over pairs of ranks, their calls interleaved; each against its single-process reference."""
+    import torch
+
+    import weft
+    from test_moe_layers import HIDDEN, _block
+    from weft.layers import EPMoE
+    from weft.models import from_hf
+
+    me = weft.rank()
+    pairs = weft.new_subgroups(2)
+    ref = _hf_model("llama", 4, 2, 96)
+    model = from_hf(ref.config, state_dict=ref.state_dict(), tp_group=pairs)
+    block = _block("qwen3", 8, 2, seed=3)
+    moe = EPMoE.from_dense(block, decode_tokens=4)  # the world: 2 experts per rank
+    assert moe.w_gate_up.shape[0] == 2
+    g = torch.Generator().manual_seed(20 + me // 2)  # the pair's batch
+    for step in range(2):
+        x = torch.randn(1, 3 + step, HIDDEN, generator=torch.Generator().manual_seed(30 + me + 10 * step))
+        x = x.to(torch.bfloat16)
+        with torch.no_grad():
+            want = block(x)
+            want = (want[0] if isinstance(want, tuple) else want).float()
+            prompts = torch.randint(0, 96, (1, 6), generator=g)
+            for mode in ("ll", "ht"):
+                torch.testing.assert_close(moe(x, mode=mode).float(), want, rtol=3e-2, atol=3e-2,
+                                           msg=f"EPMoE over the world, {mode}")
+                _close(model(prompts), ref(prompts).logits, "TP=2 decoder over a pair")
+    return True
+
+
+def test_experts_over_the_world_and_attention_over_pairs():
+    assert all(run_ranks(_experts_over_the_world_attention_over_pairs, 4, timeout=TIMEOUT, env=ENV))
+
+
 def _checkpoint_and_comms(path):
     """A checkpoint directory loads (safetensors, each rank slicing the full tensors); the same weights on weft's
     ops and on the process group's collectives give the same logits; the twin shares the weights; bad input
