@@ -172,6 +172,52 @@ def test_experts_over_the_world_and_attention_over_pairs():
     assert all(run_ranks(_experts_over_the_world_attention_over_pairs, 4, timeout=TIMEOUT, env=ENV))
 
 
+def _pipeline(tp):
+    """A pipeline of 2 stages (each TP = tp ranks): logits of the full forward, prefill + decode from the cache and
+    greedy generation in micro-batches equal transformers'; every rank returns the same tokens."""
+    import torch
+
+    import weft
+    from weft.models import KVCache, from_hf
+
+    me, world = weft.rank(), weft.world_size()
+    tp_group = weft.new_subgroups(tp)
+    pp_group = None
+    for first in range(tp):
+        made = weft.new_group(range(first, world, tp))
+        pp_group = pp_group or made
+    ref = _hf_model("qwen3", 4, 2, 96, layers=3)  # 3 layers over 2 stages: 2 + 1
+    model = from_hf(ref.config, state_dict=ref.state_dict(), tp_group=tp_group, pp_group=pp_group)
+    assert len(model.blocks) == (2 if pp_group.rank == 0 else 1)
+    assert (model.embed is None) == (pp_group.rank == 1) and (model.lm_head is None) == (pp_group.rank == 0)
+    g = torch.Generator().manual_seed(4)
+    prompts = torch.randint(0, 96, (3, 6), generator=g)
+    with torch.no_grad():
+        _close(model(prompts), ref(prompts).logits, "forward through the stages")
+        cont = torch.randint(0, 96, (3, 2), generator=g)
+        want = ref(torch.cat([prompts, cont], dim=1)).logits
+        cache = model.new_cache(3, 16)
+        _close(model.prefill(prompts, cache), want[:, 5], "prefill")
+        for j in range(2):
+            got = model.decode(cont[:, j], torch.full((3,), 6 + j), cache)
+            _close(got, want[:, 6 + j], f"decode step {j}")
+        greedy = model.generate(prompts, 5)  # 3 sequences in 2 micro-batches
+        mask = torch.ones_like(prompts)
+        assert greedy.tolist() == ref.generate(prompts, attention_mask=mask, max_new_tokens=5, do_sample=False).tolist()
+        eos = int(greedy[1, 8])  # row 1's third new token
+        stopped = model.generate(prompts, 5, eos_token_id=eos, pad_token_id=0, micro_batches=3)
+        assert stopped.tolist() == ref.generate(prompts, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                                eos_token_id=eos, pad_token_id=0).tolist()
+    return greedy.tolist(), stopped.tolist()
+
+
+@pytest.mark.parametrize("world, tp", [(2, 1), (4, 2)])
+def test_pipeline_stages_match_transformers(world, tp):
+    """PP=2 and PP=2 x TP=2."""
+    results = run_ranks(_pipeline, world, tp, timeout=TIMEOUT, env=ENV)
+    assert all(r == results[0] for r in results), "stages returned different tokens"
+
+
 def _checkpoint_and_comms(path):
     """A checkpoint directory loads (safetensors, each rank slicing the full tensors); the same weights on weft's
     ops and on the process group's collectives give the same logits; the twin shares the weights; bad input

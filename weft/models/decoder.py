@@ -5,6 +5,7 @@
     tokens = model.generate(input_ids, max_new_tokens=128)            # prompt + new tokens, greedy
     baseline = model.with_comm("nccl")                                # the same weights on NCCL + cuBLAS
     replica = weft.models.from_hf(path, tp_group=weft.new_subgroups(2))  # TP=2 replicas, data-parallel
+    stage = weft.models.from_hf(path, pp_group=pp)                       # a pipeline stage (Stage, generate)
 
 Every rank of the tensor-parallel group (`tp_group`, default the world) runs the same program on the same
 input ids and gets the same logits and tokens; replicas in other groups serve their own batches meanwhile.
@@ -119,6 +120,26 @@ class KVCache:
         return self.data[i, 0], self.data[i, 1]
 
 
+@dataclass(frozen=True)
+class Stage:
+    """This rank's place in a pipeline: `group` the pipeline group (one member per stage, group rank = stage
+    index), and the model's layers this stage holds, [first_layer, first_layer + its blocks). The first stage
+    embeds, the last one holds the final norm and the LM head; between stages the residual stream (x and the
+    residual, this TP rank's rows) travels by weft.ops.send / recv to the same TP rank of the next stage."""
+    group: object
+    index: int
+    count: int
+    first_layer: int
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+
 class Block(nn.Module):
     """One decoder layer, pre-norm: h = x + attention(norm(x)), then h + mlp(norm(h)). The residual stream is
     carried as (x, residual) with the adds fused into the next norm: block(x, residual) returns the MLP's
@@ -147,13 +168,15 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """The decoder on this rank (see the module doc). Made by from_hf."""
 
-    def __init__(self, config: ModelConfig, embed: VocabParallelEmbedding, blocks: list[Block], norm: RMSNorm,
-                 lm_head: ParallelLMHead, rope: RotaryEmbedding, comm: Comm):
+    def __init__(self, config: ModelConfig, embed: VocabParallelEmbedding | None, blocks: list[Block],
+                 norm: RMSNorm | None, lm_head: ParallelLMHead | None, rope: RotaryEmbedding, comm: Comm,
+                 stage: Stage | None = None):
         super().__init__()
-        self.config, self.comm = config, comm
+        self.config, self.comm, self.stage = config, comm, stage
         self.embed, self.blocks, self.norm, self.lm_head, self.rope = embed, nn.ModuleList(blocks), norm, lm_head, rope
-        self.world_size = embed.world_size
-        self.dtype, self.device = norm.weight.dtype, norm.weight.device
+        self.world_size = comm.group.size  # the tensor-parallel size
+        weight = blocks[0].attn.qkv_weight
+        self.dtype, self.device = weight.dtype, weight.device
         self.sessions: dict[tuple[int, bool], DecodeSession] = {}
 
     def with_comm(self, comm) -> "Transformer":
@@ -183,23 +206,62 @@ class Transformer(nn.Module):
         return KVCache(torch.zeros((len(self.blocks), 2, batch, max_len, attn.kv_heads, attn.head_dim),
                                    dtype=self.dtype, device=self.device))
 
-    def _prefill(self, ids: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        """The final norm's output, sequence-parallel: this rank's rows of the batch's tokens, padded to W rows."""
+    # -- the pipeline's hand-over between stages (no-ops without a pipeline) --------------------------------------
+
+    def _take(self, rows: int):
+        """The previous stage's residual stream for this call: (x, residual), rows x hidden each."""
+        stream = torch.empty((2, rows, self.config.hidden_size), dtype=self.dtype, device=self.device)
+        weft.ops.recv(stream, self.stage.index - 1, group=self.stage.group)
+        return stream[0], stream[1]
+
+    def _hand_on(self, x: torch.Tensor, residual: torch.Tensor) -> None:
+        weft.ops.send(torch.stack([x, residual]), self.stage.index + 1, group=self.stage.group)
+
+    def _from_last(self, t: torch.Tensor | None, shape, dtype) -> torch.Tensor:
+        """The last stage's tensor `t`, on every stage (a broadcast over the pipeline group)."""
+        if self.stage is None or self.stage.count == 1:
+            return t
+        if not self.stage.last:
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+        return weft.ops.broadcast(t, root=self.stage.count - 1, group=self.stage.group)
+
+    def _stream_in(self, make, rows: int):
+        """(x, residual) at this stage's first block: `make()` (the embedding) on the first stage, else received."""
+        if self.stage is None or self.stage.first:
+            return make(), None
+        return self._take(rows)
+
+    def _stream_out(self, x, residual) -> bool:
+        """Hand the stream on if a later stage holds the rest of the model; whether this stage is the last."""
+        if self.stage is None or self.stage.last:
+            return True
+        self._hand_on(x, residual)
+        return False
+
+    def _prefill(self, ids: torch.Tensor, cache: KVCache | None) -> torch.Tensor | None:
+        """The final norm's output, sequence-parallel: this rank's rows of the batch's tokens, padded to W rows.
+        None on a stage before the last."""
         batch, seq = ids.shape
         tokens = batch * seq
         padded = -(-tokens // self.world_size) * self.world_size
-        x, residual = self.embed(F.pad(ids.reshape(-1), (0, padded - tokens)), sequence_parallel=True), None
+        x, residual = self._stream_in(
+            lambda: self.embed(F.pad(ids.reshape(-1), (0, padded - tokens)), sequence_parallel=True),
+            padded // self.world_size)
         pos = Positions.prefill(batch, seq, self.rope)
         for i, block in enumerate(self.blocks):
             x, residual = block(x, residual, pos, None if cache is None else cache.layer(i))
+        if not self._stream_out(x, residual):
+            return None
         return self.norm(x, residual)[0]
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits (batch, seq, vocab) of every position, no cache. input_ids (batch, seq), the same on every rank."""
         ids = self._ids(input_ids)
-        logits = self.lm_head(self._prefill(ids, None), sequence_parallel=True)
-        return logits[:ids.numel()].view(*ids.shape, -1)
+        normed = self._prefill(ids, None)
+        logits = None if normed is None else self.lm_head(normed, sequence_parallel=True)[:ids.numel()]
+        logits = self._from_last(logits, (ids.numel(), self.config.vocab_size), self.dtype)
+        return logits.view(*ids.shape, -1)
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -210,18 +272,33 @@ class Transformer(nn.Module):
         if batch > cache.batch or seq > cache.max_len:
             raise ValueError(f"the cache holds {cache.batch} sequences of {cache.max_len} positions, the prompts "
                              f"are {batch} x {seq}")
-        last = self.comm.all_gather(self._prefill(ids, cache))[seq - 1:batch * seq:seq]
-        return self.lm_head(last)
+        return self._from_last(self._prefill_logits(ids, cache), (batch, self.config.vocab_size), self.dtype)
+
+    def _prefill_logits(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
+        """The logits of each prompt's last token on the last stage, None before it."""
+        batch, seq = ids.shape
+        normed = self._prefill(ids, cache)
+        if normed is None:
+            return None
+        return self.lm_head(self.comm.all_gather(normed)[seq - 1:batch * seq:seq])
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One decode step of every sequence of the cache: tokens (batch,) int64 at positions (batch,) int64 (each
         sequence's length so far; not checked against the cache, which would need a host sync). Returns the
         logits (batch, vocab)."""
+        return self._from_last(self._decode_logits(tokens, positions, cache), (tokens.shape[0],
+                                                                                self.config.vocab_size), self.dtype)
+
+    def _decode_logits(self, tokens: torch.Tensor | None, positions: torch.Tensor, cache: KVCache):
+        """One decode step through this stage: the logits on the last stage, None before it (tokens: the first
+        stage's input, None elsewhere)."""
         pos = Positions.decode(positions, self.rope)
-        x, residual = self.embed(tokens), None
+        x, residual = self._stream_in(lambda: self.embed(tokens), positions.shape[0])
         for i, block in enumerate(self.blocks):
             x, residual = block.decode(x, residual, pos, cache.layer(i))
+        if not self._stream_out(x, residual):
+            return None
         return self.lm_head(self.norm(x, residual)[0])
 
     def decode_bytes(self, batch: int, context: int) -> dict[str, int]:
@@ -230,9 +307,11 @@ class Transformer(nn.Module):
         embedding table only the batch's rows) and "kv" (every layer's keys and values of context + 1
         positions, the step's own included). Their sum over the copy bandwidth is the step's floor."""
         attn = self.blocks[0].attn
-        read = (*self.blocks.parameters(), *self.norm.parameters(), *self.lm_head.parameters())
+        ends = [m for m in (self.norm, self.lm_head) if m is not None]
+        read = (*self.blocks.parameters(), *(p for m in ends for p in m.parameters()))
         weights = sum(p.nbytes for p in read)
-        weights += batch * self.embed.weight.shape[1] * self.embed.weight.element_size()
+        if self.embed is not None:
+            weights += batch * self.embed.weight.shape[1] * self.embed.weight.element_size()
         kv = len(self.blocks) * 2 * batch * (context + 1) * attn.kv_heads * attn.head_dim * self.dtype.itemsize
         return {"weights": weights, "kv": kv}
 
@@ -251,14 +330,21 @@ class Transformer(nn.Module):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                  eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None, seed: int = 0,
-                 cuda_graph: bool = True, callback: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+                 cuda_graph: bool = True, callback: Callable[[int, torch.Tensor], None] | None = None,
+                 micro_batches: int | None = None) -> torch.Tensor:
         """The prompts (batch, seq), the same on every rank, followed by up to max_new_tokens new tokens each
         (batch, seq + new), as transformers' generate: greedy, or sampled (do_sample) from the softmax of the
         logits / temperature, cut to the top_k tokens and the top_p probability mass. A sequence that emits
         eos_token_id is padded with pad_token_id (default: the eos) from then on, and generation stops when
         every sequence has; without eos_token_id every sequence gets max_new_tokens. cuda_graph: replay the
         decode steps from a CUDA graph (GPUs). callback(i, tokens): called with each new token i (batch,)
-        (on the device, not waited for)."""
+        (on the device, not waited for).
+
+        In a pipeline (from_hf's pp_group) the batch runs as `micro_batches` (default: one per stage) that follow
+        each other through the stages, each stage working on one while the next works on the one before; the last
+        stage samples (per micro-batch: sampled tokens differ from one stage's for the same seed, greedy ones do
+        not) and sends each micro-batch's token back to the first stage; every stage returns the same tokens.
+        The steps run eagerly there (cuda_graph is for the one-stage model), callback on the last stage only."""
         ids = self._ids(input_ids)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
@@ -270,6 +356,10 @@ class Transformer(nn.Module):
         eos = None if eos_token_id is None else torch.tensor(eos_token_id, device=self.device).reshape(-1)
         pad = int(eos[0]) if pad_token_id is None and eos is not None else pad_token_id
         generator = torch.Generator(self.device).manual_seed(seed) if do_sample else None
+        if self.stage is not None and self.stage.count > 1:
+            def pick(logits):
+                return sample(logits, do_sample, temperature, top_k, top_p, generator)
+            return self._generate_pipelined(ids, max_new_tokens, pick, eos, pad, micro_batches, callback)
         session = self.session(batch, seq + max_new_tokens, cuda_graph)
         logits = self.prefill(ids, session.cache)
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
@@ -287,6 +377,58 @@ class Transformer(nn.Module):
             if eos is not None and bool(done.all()):
                 break
         return torch.cat([ids, torch.stack(new, dim=1)], dim=1)
+
+    def _generate_pipelined(self, ids, max_new_tokens, pick, eos, pad, micro_batches, callback) -> torch.Tensor:
+        """generate() over the stages of a pipeline (see generate). Each stage issues, per step, micro-batch after
+        micro-batch: receive the stream (or, on the first stage, the micro-batch's last token from the last
+        stage), run its blocks, hand the stream on; so stage s works on micro-batch j while stage s + 1 works
+        on j - 1. Sends and receives are ordered per pair of stages, so the calls match in program order."""
+        stage = self.stage
+        batch, seq = ids.shape
+        m = min(micro_batches or stage.count, batch)
+        if not isinstance(m, int) or m < 1:
+            raise ValueError(f"micro_batches must be a positive int, got {micro_batches!r}")
+        bounds = [(j * batch // m, (j + 1) * batch // m) for j in range(m)]
+        cache = self.new_cache(batch, seq + max_new_tokens)
+        last_stage = stage.count - 1
+        new = [[] for _ in range(m)]  # the last stage's tokens of each micro-batch, step by step
+        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        steps = 0
+        for i in range(max_new_tokens):
+            for j, (lo, hi) in enumerate(bounds):
+                rows = KVCache(cache.data[:, :, lo:hi])
+                if i == 0:
+                    logits = self._prefill_logits(ids[lo:hi], rows)
+                else:
+                    tokens = None
+                    if stage.first:  # the micro-batch's token of the step before, from the last stage
+                        tokens = torch.empty(hi - lo, dtype=torch.int64, device=self.device)
+                        weft.ops.recv(tokens, last_stage, group=stage.group)
+                    positions = torch.full((hi - lo,), seq + i - 1, dtype=torch.int64, device=self.device)
+                    logits = self._decode_logits(tokens, positions, rows)
+                if stage.last:
+                    token = pick(logits)
+                    if eos is not None:
+                        token = token.masked_fill(done[lo:hi], pad)
+                        done[lo:hi] |= torch.isin(token, eos)
+                    new[j].append(token)
+                    if eos is None and i + 1 < max_new_tokens:  # at once: the first stage's next step needs it
+                        weft.ops.send(token, 0, group=stage.group)
+            steps += 1
+            if stage.last and callback is not None:
+                callback(i, torch.cat([n[-1] for n in new]))
+            if eos is not None:
+                # Every stage stops after the same step: the last stage's verdict, broadcast. Only then go the
+                # step's tokens back to the first stage, so that stopping leaves no message in flight.
+                flag = torch.tensor([int(bool(done.all())) if stage.last else 0], device=self.device)
+                if bool(weft.ops.broadcast(flag, root=last_stage, group=stage.group).item()):
+                    break
+                if stage.last and i + 1 < max_new_tokens:
+                    for n in new:
+                        weft.ops.send(n[-1], 0, group=stage.group)
+        tokens = torch.stack([torch.cat([n[k] for n in new]) for k in range(steps)], dim=1) if stage.last else None
+        tokens = self._from_last(tokens, (batch, steps), torch.int64)
+        return torch.cat([ids, tokens], dim=1)
 
 
 def sample(logits: torch.Tensor, do_sample: bool, temperature: float = 1.0, top_k: int | None = None,
@@ -342,14 +484,17 @@ class DecodeSession:
 
 
 def from_hf(config_or_path, state_dict: dict | None = None, dtype: torch.dtype | None = None, comm="weft",
-            seed: int = 0, std: float = 0.02, tp_group=None) -> Transformer:
+            seed: int = 0, std: float = 0.02, tp_group=None, pp_group=None) -> Transformer:
     """This rank's part of the decoder of a Hugging Face config (a transformers LlamaConfig / Qwen3Config, or
     the path of a local checkpoint directory: config.json and *.safetensors). Weights: `state_dict` (Hugging
     Face naming, full tensors) if given, else the checkpoint's, else seeded random ones (normal(0, std),
     the same on every rank). dtype: default the weights' own, bf16 for random weights on GPUs (fp32 on the
     cpu backend). comm: "weft" or "nccl". tp_group: the tensor-parallel group the model is split over (default:
     the world); a data-parallel job makes one per replica (weft.new_subgroups(tp)), each replica serving its own
-    batches. Collective over tp_group: call it on each of its ranks after weft.init()."""
+    batches. pp_group: a pipeline group (one rank per stage, group rank = stage; its members at the same place
+    of their tensor-parallel groups): the layers split into consecutive stages (the first ones one layer more
+    where they do not divide), stage 0 embedding, the last holding the final norm and the LM head. Collective
+    over tp_group (and pp_group): call it on each of their ranks after weft.init()."""
     path = os.fspath(config_or_path) if isinstance(config_or_path, (str, os.PathLike)) else None
     cfg = ModelConfig.from_hf(read_config(path) if path is not None else config_or_path)
     shapes = hf_shapes(cfg)
@@ -368,8 +513,18 @@ def from_hf(config_or_path, state_dict: dict | None = None, dtype: torch.dtype |
     def norm(name):
         return RMSNorm(weights[name].to(device, dtype, copy=True), cfg.rms_norm_eps)
 
+    stage = None
+    layers = range(cfg.num_layers)
+    if pp_group is not None:
+        pp = weft.get_group(pp_group)
+        if cfg.num_layers < pp.size:
+            raise ValueError(f"pp_group has {pp.size} stages, more than the model's {cfg.num_layers} layers")
+        per, extra = divmod(cfg.num_layers, pp.size)
+        first = pp.rank * per + min(pp.rank, extra)
+        layers = range(first, first + per + (pp.rank < extra))
+        stage = Stage(pp, pp.rank, pp.size, first)
     blocks = []
-    for n in range(cfg.num_layers):
+    for n in layers:
         p = f"model.layers.{n}."
         qk = [weights[p + f"self_attn.{x}_norm.weight"] if cfg.qk_norm else None for x in "qk"]
         attn = TensorParallelAttention.from_dense(*(weights[p + f"self_attn.{x}_proj.weight"] for x in "qkvo"),
@@ -378,8 +533,12 @@ def from_hf(config_or_path, state_dict: dict | None = None, dtype: torch.dtype |
         mlp = TensorParallelMLP.from_dense(*(weights[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up", "down")),
                                            **local)
         blocks.append(Block(norm(p + "input_layernorm.weight"), attn, norm(p + "post_attention_layernorm.weight"), mlp))
-    embed = VocabParallelEmbedding.from_dense(weights["model.embed_tokens.weight"], **local)
-    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    lm_head = ParallelLMHead.from_dense(weights[head], **local)
+    embed = lm_head = final_norm = None
+    if stage is None or stage.first:
+        embed = VocabParallelEmbedding.from_dense(weights["model.embed_tokens.weight"], **local)
+    if stage is None or stage.last:
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        lm_head = ParallelLMHead.from_dense(weights[head], **local)
+        final_norm = norm("model.norm.weight")
     rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
-    return Transformer(cfg, embed, blocks, norm("model.norm.weight"), lm_head, rope, comm)
+    return Transformer(cfg, embed, blocks, final_norm, lm_head, rope, comm, stage)

@@ -45,6 +45,9 @@ class Group:
         self._barrier_word = torch.zeros(1, dtype=torch.int32, device=self.device) \
             if self.device.type == "cuda" else None
 
+    def __deepcopy__(self, memo):
+        return self  # a group is shared state, never copied (a model copied by deepcopy keeps its groups)
+
     def __repr__(self) -> str:
         return f"weft.Group(ranks={list(self.ranks)}, rank={self.rank}, name={self.name!r})"
 
