@@ -21,14 +21,15 @@ PACKAGE = Path(__file__).resolve().parent.parent / "weft"
 LAYER_OF = [
     ("weft.language", "language"), ("weft.runtime", "runtime"), ("weft.kernels", "kernels"),
     ("weft.layers", "layers"), ("weft.models", "models"), ("weft.testing", "testing"), ("weft.bench", "bench"),
-    ("weft.ops", "ops"), ("weft.tuning.suites", "bench"), ("weft.tuning", "tuning"),
+    ("weft.ops", "ops"), ("weft.distributed", "distributed"), ("weft.tuning.suites", "bench"),
+    ("weft.tuning", "tuning"),
     ("weft.cli", "commands"), ("weft.__main__", "commands"), ("weft.demo", "commands"),
 ]
 ROOT = "weft"  # weft/__init__.py: the public host API (init, empty, ...), which imports weft.ops
 
 # Layer -> (the layers it may import, the rule in words). Every layer may import itself.
-EVERYTHING = {"language", "runtime", "tuning", "kernels", "ops", "root", "layers", "models", "testing", "bench",
-              "commands"}
+EVERYTHING = {"language", "runtime", "tuning", "kernels", "ops", "distributed", "root", "layers", "models", "testing",
+              "bench", "commands"}
 RULES = {
     "language": (set(), "language/ is device code: it imports only language/ and what it branches on at trace "
                         "time (runtime.backend, runtime.settings, runtime.errors); host code belongs in runtime/"),
@@ -39,7 +40,9 @@ RULES = {
     "kernels": ({"language", "runtime", "tuning"}, "kernels/ (op families) import only language/, runtime/, "
                                                    "tuning/ and each other"),
     "ops": ({"kernels", "runtime"}, "the ops import only kernels/ and runtime/"),
-    "root": ({"runtime", "ops"}, "weft/__init__ imports only runtime/ and the ops"),
+    "distributed": ({"runtime", "ops"}, "weft.distributed (the torch.distributed backend) imports only runtime/ and "
+                                        "the ops"),
+    "root": ({"runtime", "ops", "distributed"}, "weft/__init__ imports only runtime/, the ops and weft.distributed"),
     "layers": ({"root", "ops", "runtime"}, "layers/ reach kernels only through weft.ops (and import no models/, "
                                            "testing/ or bench/)"),
     "models": ({"root", "ops", "runtime", "layers"}, "models/ reach kernels only through weft.ops and layers/ "

@@ -66,6 +66,9 @@ def is_symmetric(tensor: torch.Tensor, group=None) -> bool:
 
 
 from . import ops  # noqa: E402  (ops import kernels, which need the backend set)
+from . import distributed  # noqa: E402  (registers the "weft" torch.distributed backend)
+
+distributed.register()
 
 __all__ = ["init", "finalize", "is_initialized", "check_errors", "WaitTimeout", "rank", "world_size", "device",
-           "Group", "new_group", "new_subgroups", "get_group", "barrier", "empty", "zeros", "peer", "is_symmetric", "ops", "world", "BACKEND"]
+           "Group", "new_group", "new_subgroups", "get_group", "barrier", "empty", "zeros", "peer", "is_symmetric", "ops", "distributed", "world", "BACKEND"]

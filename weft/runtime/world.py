@@ -171,6 +171,32 @@ def init(heap_size: int | None = None, workspace_bytes: int | None = None) -> Wo
     return _world
 
 
+def init_over(process_group, rank: int, world_size: int) -> World:
+    """Join the world over a given torch process group, which this process joined as `rank` of `world_size`,
+    making and destroying none: what weft's torch.distributed backend (weft.distributed) calls when
+    init_process_group(backend="weft") makes the default group, `process_group` being its internal gloo / NCCL
+    group, which is not registered as torch's default. Sizes, device and checks as init() with no arguments;
+    finalize() leaves the process group to its maker. Collective over the group."""
+    global _world
+    if _world is not None:
+        raise RuntimeError("weft is already initialised: call weft.finalize() first")
+    settings.check_all()
+    heap_size = _size_setting(None, "WEFT_HEAP_SIZE", DEFAULT_HEAP_SIZE, "heap_size")
+    workspace_bytes = _size_setting(None, "WEFT_WORKSPACE_BYTES", DEFAULT_WORKSPACE_BYTES, "workspace_bytes")
+    local_rank = _env_int("LOCAL_RANK", rank)
+    if backend.BACKEND == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)  # ranks share the cores
+    _check_sizes_agree(heap_size, workspace_bytes, world_size, process_group, device)
+    heap = make_heap(rank, world_size, heap_size, process_group, device)
+    _world = World(rank, world_size, local_rank, device, process_group, heap, False, heap_size, workspace_bytes)
+    _world.barrier()
+    return _world
+
+
 def get() -> World:
     if _world is None:
         raise RuntimeError("weft is not initialised: call weft.init() first")
