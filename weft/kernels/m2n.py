@@ -34,7 +34,7 @@ from .blocks import cast
 from .common import Plan, check_tensor, group_name, group_size, plan, resolve, signature, workspace, zero_everywhere
 from .registry import declare_op, export
 
-ERROR_SET = 1 << 62
+ERROR_SET = tl.constexpr(1 << 62)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
