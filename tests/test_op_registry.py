@@ -97,6 +97,46 @@ def _cases(w: int, me: int) -> dict:
         inter, layout = ops.routed_gemm(t, w1, i)
         return inter, ops.routed_gemm_sum(inter, w2, i, wt, layout)
     cases["routed_gemm + routed_gemm_sum"] = (routed, tp_args)
+
+    # Point to point: rank 0 sends first, rank 1 receives first (each pair ordered); a batch exchanges both ways.
+    peer = 1 - me
+
+    def send_recv(x):
+        y = torch.empty_like(x)
+        if me == 0:
+            ops.send(x, peer)
+            ops.recv(y, peer)
+        else:
+            ops.recv(y, peer)
+            ops.send(x, peer)
+        return y
+
+    def isend_irecv(x):
+        y = torch.empty_like(x)
+        if me == 0:
+            ops.isend(x, peer).wait()
+            ops.irecv(y, peer).wait()
+        else:
+            ops.irecv(y, peer).wait()
+            ops.isend(x, peer).wait()
+        return y
+
+    def batch(x):
+        y = torch.empty_like(x)
+        ops.batch_isend_irecv([ops.P2POp(ops.isend, x, peer), ops.P2POp(ops.irecv, y, peer)])
+        return y
+    cases["send + recv"] = (send_recv, [_randn(s + 41, 3, 5)])
+    cases["isend + irecv"] = (isend_irecv, [_randn(s + 42, 3, 5)])
+    cases["batch_isend_irecv"] = (batch, [_randn(s + 43, 4)])
+
+    # M2N: rank 0 sends to rank 1.
+    def m2n(x, d, wt):
+        recv, counts, handle = ops.m2n_dispatch(x, d, [0], [1], 4)
+        y = ops.m2n_combine(recv * 2 if me == 1 else None, wt if me == 0 else None, handle)
+        return counts, y
+    rows = 3 if me == 0 else 0
+    cases["m2n_dispatch + m2n_combine"] = (m2n, [_randn(s + 44, rows, 8), torch.zeros(rows, 1, dtype=torch.int64),
+                                                 torch.ones(rows, 1)])
     return cases
 
 

@@ -1,0 +1,474 @@
+"""Device-initiated point-to-point transfers: send / recv, isend / irecv, batch_isend_irecv.
+
+Semantics are torch.distributed's: a send to rank d matches the next recv from this rank on d, in order; sends
+and recvs between the same two ranks are ordered; peers are group ranks. A blocking send returns once its data
+sits in the receiver's workspace (it waits only for a free slot), so two ranks that both send a large message
+before receiving wait for each other for ever, as with NCCL: exchange through `batch_isend_irecv`, whose one
+launch moves all its sends and receives forward together.
+
+Protocol (per group, in its workspace). Every ordered pair (s, d) has a ring of SLOTS chunk slots in d's heap
+(`data[s][slot]`, the message's byte count in `head[s][slot]`, the chunk's sequence number in `full[s][slot]`)
+and, in s's heap, a credit word `credit[d]` (the last chunk d consumed) and a mismatch word `rerr[d]`. Chunks
+are numbered per pair from 1 and never reset (s counts in `sent[d]`, d in `recvd[s]`, both local words), so
+back-to-back calls and CUDA-graph replays need no clean-up. A message of n bytes is max(1, cdiv(n, slot bytes))
+chunks, each carrying n.
+- The sender of chunk k waits until credit[d] >= k - SLOTS (d has copied chunk k - SLOTS out of the slot), writes
+  the data and head of slot (k - 1) % SLOTS in d's heap, then releases full = k (`notify`).
+- The receiver waits (acquire) for full >= k, reads head and data, copies them out, then releases credit = k
+  into s's heap.
+Who writes what: a slot's data, head and full only its sender, and only between the receiver's credit for the
+chunk before in that slot (acquired) and its own release; the receiver reads them only between that release
+(acquired) and its credit (released after its loads). credit and rerr only the receiver. So no word is ever
+written by two ranks, and no slot is rewritten while it is read.
+
+Progress: a launch runs rounds. In round r every send op moves chunk r of its pair's stream (the concatenated
+chunks of the launch's sends to that peer, in order), then every receive op takes the next chunk from its
+peer. Chunk r of a pair is thus sent and taken in round r on both ranks, whatever else either launch does;
+sending it needs only the peer's round r - SLOTS, taking it only the peer's round-r sends, which come first: no
+cycle, so a batch's exchanges cannot deadlock (one program: the interpreter's rule that a program waits only on
+the same program of its peers holds).
+
+A size mismatch is never a wrong result or a hang: the receiver follows the sender's framing (the byte count in
+head), so it drains exactly the sender's chunks and the pair stays in step; it writes nothing into its tensor,
+records the error in its error word and stores the byte count it expected into the sender's rerr word. The
+receiver's call raises a ValueError naming both counts; the sender's kernel moves rerr into its own error word at
+its next p2p launch, and raises then (or at `weft.check_errors()`, which reads both). Under the interpreter the
+receiver's call raises at once; on GPUs the error words are read at `weft.check_errors()`.
+
+Streams: every p2p launch of a group runs on the group's p2p stream (GPUs), in issue order (the per-pair counters
+are the launch's own words); send/recv make the caller's stream wait for it, isend/irecv return a handle whose
+`wait()` does. On the cpu backend every call is done when it returns.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+import weft.language as wl
+
+from .blocks import copy
+from .common import Plan, as_words, check_tensor, group_name, plan, resolve, signature, workspace, zero_everywhere
+from .registry import declare_op, export
+
+SLOTS = 2  # chunk slots per ordered pair: double-buffered
+BLOCK = 1024  # words a program moves per step
+
+
+@triton.jit
+def p2p_kernel(sends, recvs, send_peer, send_bytes, send_first, recv_peer, recv_bytes, recv_prev,
+               data, head, full, credit, rerr, sent, recvd, state, err, heap, slot_bytes,
+               NS: tl.constexpr, NR: tl.constexpr, WORD: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    """Run the launch's NS sends and NR receives to completion, round by round (module doc). Tuples: sends[i]
+    (words) goes to group rank send_peer[i], send_bytes[i] bytes, its first chunk in round send_first[i];
+    recvs[i] takes recv_bytes[i] bytes from recv_peer[i], after the receive recv_prev[i] (-1: none) of the same
+    peer. state[2 i], state[2 i + 1]: receive i's first round and chunk count (-1 until known)."""
+    me = wl.rank(heap)
+    world = wl.num_ranks(heap)
+    sw = slot_bytes // WORD  # words of a slot
+    for q in range(world):  # mismatches peers reported for my earlier sends
+        bad = tl.atomic_add(rerr + q, 0, sem="acquire", scope="sys")
+        if bad != 0:
+            tl.store(rerr + q, 0)
+            tl.store(err + 1, q.to(tl.int64))
+            tl.store(err + 2, -1)
+            tl.store(err + 3, bad - 1)
+            tl.store(err, 2)
+    for i in tl.static_range(NR):
+        tl.store(state + 2 * i, -1)
+        tl.store(state + 2 * i + 1, -1)
+    rnd = 0
+    busy = 1
+    while busy > 0:
+        busy = 0
+        for i in tl.static_range(NS):
+            peer = send_peer[i]
+            nbytes = send_bytes[i]
+            chunks = tl.maximum(tl.cdiv(nbytes, slot_bytes), 1)
+            j = rnd - send_first[i]
+            if (j >= 0) & (j < chunks):
+                seq = tl.load(sent + peer) + 1
+                slot = (seq - 1) % SLOTS
+                wl.wait(credit + peer, 1, seq - SLOTS, wl.CMP_GE, heap=heap, peer=peer, op="send (credit)")
+                lo = j * sw
+                hi = tl.minimum(lo + sw, nbytes // WORD)
+                dst = wl.symm_at(data + (me * SLOTS + slot) * sw, peer, heap)
+                copy(dst - lo, sends[i], lo, hi, BLOCK, 1)
+                tl.store(wl.symm_at(head + me * SLOTS + slot, peer, heap), nbytes.to(tl.int64))
+                wl.notify(full + me * SLOTS + slot, peer, heap, seq)
+                tl.store(sent + peer, seq)
+            if j < chunks - 1:
+                busy = 1
+        for i in tl.static_range(NR):
+            peer = recv_peer[i]
+            if tl.load(state + 2 * i) < 0:  # not started: after the previous receive from this peer is done
+                ready = 1
+                if recv_prev[i] >= 0:
+                    p0 = tl.load(state + 2 * recv_prev[i])
+                    pn = tl.load(state + 2 * recv_prev[i] + 1)
+                    ready = ((p0 >= 0) & (p0 + pn <= rnd)).to(tl.int32)
+                if ready > 0:
+                    tl.store(state + 2 * i, rnd)
+            start = tl.load(state + 2 * i)
+            j = rnd - start
+            if start >= 0:
+                chunks = tl.load(state + 2 * i + 1)
+                if (j == 0) | (j < chunks):
+                    seq = tl.load(recvd + peer) + 1
+                    slot = (seq - 1) % SLOTS
+                    token = wl.wait(full + peer * SLOTS + slot, 1, seq, wl.CMP_GE, heap=heap, peer=peer, op="recv")
+                    got = tl.load(wl.consume_token(head + peer * SLOTS + slot, token), volatile=True)
+                    want = recv_bytes[i]
+                    if j == 0:
+                        chunks = tl.maximum(tl.cdiv(got, slot_bytes), 1)
+                        tl.store(state + 2 * i + 1, chunks)
+                        if got != want:  # mine and the sender's error words; drain the sender's chunks
+                            tl.store(err + 1, peer.to(tl.int64))
+                            tl.store(err + 2, got)
+                            tl.store(err + 3, want.to(tl.int64))
+                            tl.store(err, 1)
+                            wl.notify(rerr + me, peer, heap, want.to(tl.int64) + 1)
+                    if got == want:
+                        lo = j * sw
+                        hi = tl.minimum(lo + sw, want // WORD)
+                        src = wl.consume_token(data + (peer * SLOTS + slot) * sw, token)
+                        copy(recvs[i], src - lo, lo, hi, BLOCK, 1)
+                    tl.store(recvd + peer, seq)
+                    wl.notify(credit + me, peer, heap, seq)
+                if j < chunks - 1:
+                    busy = 1
+            else:
+                busy = 1
+        rnd += 1
+
+
+class P2PWorkspace:
+    """A group's p2p workspace: per source rank SLOTS chunk slots (data, head, full), per peer credit and mismatch
+    words, this rank's chunk counters, the launch's receive state and the error word. On GPUs the p2p stream."""
+
+    MAX_RECVS = 256  # receives one launch may hold (state words)
+
+    def __init__(self, group):
+        heap, w = group.heap, group.size
+        self.slot_bytes = max(256, group.workspace_bytes // (w * SLOTS) // 256 * 256)
+        self.data = heap.empty((w * SLOTS * self.slot_bytes,), torch.uint8)
+        self.words = heap.empty((2 * w * SLOTS + 4 * w + 2 * self.MAX_RECVS + 4,), torch.int64)
+        n = w * SLOTS
+        self.head, self.full = self.words[:n], self.words[n:2 * n]
+        rest = self.words[2 * n:]
+        self.credit, self.rerr, self.sent, self.recvd = (rest[k * w:(k + 1) * w] for k in range(4))
+        self.state = rest[4 * w:4 * w + 2 * self.MAX_RECVS]
+        self.err = rest[4 * w + 2 * self.MAX_RECVS:]
+        self.stream = torch.cuda.Stream(group.device) if group.device.type == "cuda" else None
+        zero_everywhere(group, self.words)
+        group.error_checks.append(self.raise_recorded)
+
+    def raise_recorded(self) -> None:
+        """The ValueError for a size mismatch this rank's kernels recorded (cleared as it is raised)."""
+        code, peer, got, want = (int(v) for v in self.err.tolist())
+        if code == 0:
+            bad = [(q, int(v)) for q, v in enumerate(self.rerr.tolist()) if v]
+            if not bad:
+                return
+            self.rerr.zero_()
+            (peer, v), code, got, want = bad[0], 2, -1, bad[0][1] - 1
+        self.err.zero_()
+        if code == 1:
+            raise ValueError(f"weft.ops.recv: group rank {peer} sent a message of {got} bytes, but this rank's recv "
+                             f"tensor has {want} bytes (nothing was written into it)")
+        raise ValueError(f"weft.ops.send: group rank {peer} received a message of this rank into a tensor of {want} "
+                         "bytes, which is not the size sent")
+
+
+def _workspace(group) -> P2PWorkspace:
+    return workspace(group, "p2p", P2PWorkspace)
+
+
+class P2PPlan(Plan):
+    """A launch of sends and receives of one signature: word size, the rounds of each send, the order of each
+    peer's receives."""
+
+    def __init__(self, group, sends, recvs):
+        super().__init__(group)
+        w = group.size
+        for kind, items in (("send", sends), ("recv", recvs)):
+            for t, peer in items:
+                check_tensor("tensor", t, group, contiguous=False)
+                if isinstance(peer, bool) or not isinstance(peer, int):
+                    raise TypeError(f"{kind}: the peer must be an int group rank, got {type(peer).__name__}")
+                if not 0 <= peer < w:
+                    raise ValueError(f"{kind}: peer {peer} is not a rank of the group of {w} ranks")
+                if peer == group.rank:
+                    raise ValueError(f"{kind}: peer {peer} is this rank (a rank cannot {kind} to itself)")
+        if len(recvs) > P2PWorkspace.MAX_RECVS:
+            raise ValueError(f"a batch takes at most {P2PWorkspace.MAX_RECVS} receives, got {len(recvs)}")
+        for t, _ in recvs:
+            if any(t is u for u, _ in sends) or sum(t is u for u, _ in recvs) > 1:
+                raise ValueError("a recv tensor is also sent or received again in the same batch")
+        self.ws = ws = _workspace(group)
+        nbytes = [t.numel() * t.element_size() for t, _ in sends + recvs]
+        aligned = all(n % 4 == 0 for n in nbytes) and all(t.data_ptr() % 4 == 0 for t, _ in sends + recvs
+                                                          if t.is_contiguous())
+        self.word = torch.int32 if aligned else torch.uint8
+        self.contig = [t.is_contiguous() for t, _ in sends + recvs]
+        self.send_peer = tuple(p for _, p in sends)
+        self.send_bytes = tuple(nbytes[:len(sends)])
+        firsts, stream_len = [], {}
+        for p, n in zip(self.send_peer, self.send_bytes):
+            firsts.append(stream_len.get(p, 0))
+            stream_len[p] = firsts[-1] + max(1, triton.cdiv(n, ws.slot_bytes))
+        self.send_first = tuple(firsts)
+        self.recv_peer = tuple(p for _, p in recvs)
+        self.recv_bytes = tuple(nbytes[len(sends):])
+        prev, last = [], {}
+        for i, p in enumerate(self.recv_peer):
+            prev.append(last.get(p, -1))
+            last[p] = i
+        self.recv_prev = tuple(prev)
+        self.ns, self.nr = len(sends), len(recvs)
+        self.heap = group.heap.descriptor
+        self.data = ws.data.view(self.word)
+
+    def words(self, t):
+        return as_words(t).view(self.word) if t.numel() else self.data[:0]
+
+    def run(self, send_tensors, recv_tensors) -> None:
+        ws = self.ws
+        contig = self.contig
+        sends = [self.words(t if contig[i] else t.contiguous()) for i, t in enumerate(send_tensors)]
+        staged = [t if contig[self.ns + i] else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                  for i, t in enumerate(recv_tensors)]
+        recvs = [self.words(t) for t in staged]
+        stream = ws.stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream) if stream is not None else _nothing():
+            # A tuple argument may not be empty: an unused placeholder then (NS / NR say how many are real).
+            p2p_kernel[(1,)](tuple(sends) or (self.data,), tuple(recvs) or (self.data,),
+                             self.send_peer or (0,), self.send_bytes or (0,), self.send_first or (0,),
+                             self.recv_peer or (0,), self.recv_bytes or (0,), self.recv_prev or (0,),
+                             self.data, ws.head, ws.full, ws.credit, ws.rerr, ws.sent, ws.recvd, ws.state, ws.err,
+                             self.heap, ws.slot_bytes, NS=self.ns, NR=self.nr, WORD=self.word.itemsize,
+                             SLOTS=SLOTS, BLOCK=BLOCK)
+            for i, t in enumerate(recv_tensors):
+                if staged[i] is not t:
+                    t.copy_(staged[i])
+        if stream is None:
+            ws.raise_recorded()  # the interpreter ran the launch: its errors are known now
+            return None
+        for t in (*send_tensors, *recv_tensors, *sends, *staged):
+            t.record_stream(stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _run(group, sends, recvs):
+    """Launch `sends` [(tensor, peer)] and `recvs` as one batch on `group`; the GPU event that ends it (None on
+    cpu, where it has run)."""
+    g = resolve(group)
+    found = plan(g, lambda: ("p2p", tuple((signature(t), p) for t, p in sends),
+                             tuple((signature(t), p) for t, p in recvs)),
+                 lambda: P2PPlan(g, list(sends), list(recvs)))
+    return found.run([t for t, _ in sends], [t for t, _ in recvs])
+
+
+@export
+class P2PWork:
+    """What isend / irecv / batch_isend_irecv return: `wait()` makes the current stream wait for the transfer
+    (on cpu it is done already); `is_completed()` says whether it has finished."""
+
+    def __init__(self, event=None):
+        self.event = event
+
+    def wait(self, timeout=None) -> bool:
+        if self.event is not None:
+            torch.cuda.current_stream(self.event.device if hasattr(self.event, "device") else None).wait_event(
+                self.event)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+def _wait_now(event) -> None:
+    if event is not None:
+        torch.cuda.current_stream().wait_event(event)
+
+
+@declare_op(collective=True)
+def send(tensor: torch.Tensor, dst: int, group=None) -> None:
+    """Send `tensor` (any shape, dtype and layout) to group rank `dst` of `group` (default: the world), whose
+    matching `recv` takes it, bit-exact. Device-initiated: no host sync, CUDA-graph capturable; ordered on the
+    caller's stream. Returns once the data is in the receiver's workspace (messages larger than a slot move in
+    chunks as the receiver frees slots)."""
+    _wait_now(_run(group, [(tensor, dst)], []))
+
+
+@declare_op(collective=True)
+def recv(tensor: torch.Tensor, src: int, group=None) -> None:
+    """Receive the next message group rank `src` sends to this rank into `tensor` (any layout; its bytes must be
+    the sent tensor's bytes: a mismatch raises a ValueError on both ranks and leaves `tensor` unchanged)."""
+    _wait_now(_run(group, [], [(tensor, src)]))
+
+
+@declare_op(collective=True)
+def isend(tensor: torch.Tensor, dst: int, group=None) -> P2PWork:
+    """`send` returning a P2PWork at once: the transfer runs on the group's p2p stream, `wait()` joins it."""
+    return P2PWork(_run(group, [(tensor, dst)], []))
+
+
+@declare_op(collective=True)
+def irecv(tensor: torch.Tensor, src: int, group=None) -> P2PWork:
+    """`recv` returning a P2PWork at once: `tensor` holds the message once the current stream waited on it."""
+    return P2PWork(_run(group, [], [(tensor, src)]))
+
+
+@export
+class P2POp:
+    """One entry of batch_isend_irecv: `op` weft.ops.isend / irecv (or torch.distributed's), `tensor`, `peer` (a
+    group rank), `group` (default: the world). torch.distributed.P2POp entries are taken too (their `peer` a
+    world rank, as torch has it)."""
+
+    def __init__(self, op, tensor: torch.Tensor, peer: int, group=None):
+        self.op, self.tensor, self.peer, self.group = op, tensor, peer, group
+
+
+def _kind(op) -> str:
+    if op in (isend, dist.isend, send, dist.send):
+        return "send"
+    if op in (irecv, dist.irecv, recv, dist.recv):
+        return "recv"
+    raise ValueError(f"batch_isend_irecv: op must be isend or irecv, got {op!r}")
+
+
+def _split(p2p_ops):
+    """(group, sends, recvs) of a batch's entries, peers as group ranks."""
+    if not isinstance(p2p_ops, (list, tuple)) or not p2p_ops:
+        raise ValueError("batch_isend_irecv takes a non-empty list of P2POp entries")
+    groups = {id(e.group) for e in p2p_ops if hasattr(e, "op")}
+    if len(groups) != 1 or not all(hasattr(e, "op") and hasattr(e, "tensor") for e in p2p_ops):
+        raise ValueError("batch_isend_irecv: every entry must be a P2POp, all of one group")
+    g = resolve(p2p_ops[0].group)
+    sends, recvs = [], []
+    for e in p2p_ops:
+        peer = e.peer
+        if isinstance(e, dist.P2POp):  # torch's peers are world ranks (group_peer: the group rank)
+            peer = e.group_peer if getattr(e, "group_peer", None) is not None else g.ranks.index(peer) \
+                if peer in g.ranks else -1
+        (sends if _kind(e.op) == "send" else recvs).append((e.tensor, peer))
+    return g, sends, recvs
+
+
+@declare_op(collective=True)
+def batch_isend_irecv(p2p_ops: list) -> list:
+    """Run a list of P2POp (isend / irecv entries of one group) as one launch whose sends and receives progress
+    together: exchanges of any size cannot deadlock. Returns one P2PWork per entry (one event: they end together).
+    Entries to the same peer keep their order."""
+    g, sends, recvs = _split(p2p_ops)
+    work = P2PWork(_run(g, sends, recvs))
+    return [work] * len(p2p_ops)
+
+
+# -- the operators: by group name; recv and batch_isend_irecv mutate their receive tensors --------------------------
+
+@send.define
+def send_op(tensor: torch.Tensor, dst: int, group_name: str) -> None:
+    send.eager(tensor, dst, group=group_name)
+
+
+@send_op.register_fake
+def _(tensor, dst, group_name):
+    return None
+
+
+@send.traced
+def _(tensor, dst, group=None):
+    torch.ops.weft.send(tensor, dst, group_name(group))
+
+
+@recv.define(mutates_args=("tensor",))
+def recv_op(tensor: torch.Tensor, src: int, group_name: str) -> None:
+    recv.eager(tensor, src, group=group_name)
+
+
+@recv_op.register_fake
+def _(tensor, src, group_name):
+    return None
+
+
+@recv.traced
+def _(tensor, src, group=None):
+    torch.ops.weft.recv(tensor, src, group_name(group))
+
+
+@isend.define
+def isend_op(tensor: torch.Tensor, dst: int, group_name: str) -> None:
+    send.eager(tensor, dst, group=group_name)
+
+
+@isend_op.register_fake
+def _(tensor, dst, group_name):
+    return None
+
+
+@isend.traced
+def _(tensor, dst, group=None):
+    # Traced, the transfer is one node of the graph, ordered on its stream: the handle is done.
+    torch.ops.weft.isend(tensor, dst, group_name(group))
+    return P2PWork()
+
+
+@irecv.define(mutates_args=("tensor",))
+def irecv_op(tensor: torch.Tensor, src: int, group_name: str) -> None:
+    recv.eager(tensor, src, group=group_name)
+
+
+@irecv_op.register_fake
+def _(tensor, src, group_name):
+    return None
+
+
+@irecv.traced
+def _(tensor, src, group=None):
+    torch.ops.weft.irecv(tensor, src, group_name(group))
+    return P2PWork()
+
+
+@batch_isend_irecv.define(mutates_args=("recv_tensors",))
+def batch_isend_irecv_op(send_tensors: list[torch.Tensor], send_peers: list[int], recv_tensors: list[torch.Tensor],
+                         recv_peers: list[int], group_name: str) -> None:
+    _wait_now(_run(group_name, list(zip(send_tensors, send_peers)), list(zip(recv_tensors, recv_peers))))
+
+
+@batch_isend_irecv_op.register_fake
+def _(send_tensors, send_peers, recv_tensors, recv_peers, group_name):
+    return None
+
+
+@batch_isend_irecv.traced
+def _(p2p_ops):
+    g, sends, recvs = _split(p2p_ops)
+    torch.ops.weft.batch_isend_irecv([t for t, _ in sends], [p for _, p in sends], [t for t, _ in recvs],
+                                     [p for _, p in recvs], g.name)
+    return [P2PWork()] * len(p2p_ops)
+
+
+# Signatures for the sm_90 compile check (weft.testing.compile).
+COMPILE_CASES = [
+    (p2p_kernel, dict(sends=("*i32",) * ns, recvs=("*i32",) * nr, send_peer=("i32",) * ns, send_bytes=("i64",) * ns,
+                      send_first=("i32",) * ns, recv_peer=("i32",) * nr, recv_bytes=("i64",) * nr,
+                      recv_prev=("i32",) * nr, data="*i32", head="*i64", full="*i64", credit="*i64", rerr="*i64",
+                      sent="*i64", recvd="*i64", state="*i64", err="*i64", heap="*i64", slot_bytes="i64"),
+     dict(NS=ns, NR=nr, WORD=4, SLOTS=SLOTS, BLOCK=BLOCK))
+    for ns, nr in ((1, 1), (2, 2))
+]
