@@ -146,6 +146,8 @@ def test_the_store_listens_on_loopback_only(tmp_path):
     ("WEFT_WAIT_TIMEOUT_S", "nan", "seconds > 0"),
     ("WEFT_EXIT_GRACE_S", "inf", "seconds > 0"),
     ("WEFT_KILL_GRACE_S", "-2", "seconds > 0"),
+    ("WEFT_TEST_DELAY", "1:2:100", "RANKS:PROBABILITY:MAX_US"),
+    ("WEFT_TEST_DELAY", "odd:0.5:100", "RANKS:PROBABILITY:MAX_US"),
 ])
 def test_a_bad_setting_is_named_with_its_value_and_range(monkeypatch, name, value, accepted):
     import weft

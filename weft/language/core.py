@@ -6,6 +6,7 @@ Every weft kernel receives the heap descriptor `heap` (an int64 pointer):
 import triton
 import triton.language as tl
 
+from . import interpreter
 from ..runtime import settings
 from ..runtime.backend import INTERPRET as _INTERPRET
 
@@ -47,6 +48,8 @@ def symm_at(ptr, peer, heap):
     accesses through it (an opaque byte offset would make every access element-sized).
     """
     me = tl.load(heap)
+    if INTERPRET:
+        interpreter.stall_before_peer(me, peer)  # WEFT_TEST_DELAY: a peer's data arrives late
     blocks = (tl.load(heap + 2 + peer) - tl.load(heap + 2 + me)) >> 8
     ELEM: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
     return ptr + blocks * (256 // ELEM)

@@ -5,8 +5,16 @@ check a deadline and raise an error that names the rank and the flag. These
 functions are called only inside `if INTERPRET:` branches, which the GPU
 compiler never visits; the marker below keeps Triton's dependency scan (run
 when a kernel is compiled) from rejecting them as unknown Python functions.
+
+The test delay (WEFT_TEST_DELAY, tests only): the chosen ranks stall at random
+before each access to a peer's memory (`symm_at` to another rank: every push,
+pull and notify) and before each copy-engine copy the host issues (`stall`),
+so that a consumer that forgets a wait reads data that has not arrived yet.
+Read once per process (again after a fork); unset, a stall point costs one
+comparison.
 """
 import os
+import random
 import time
 
 import numpy as np
@@ -98,3 +106,51 @@ def spin_wait_ll(ptrs, mask, epoch, me=-1, peer=-1, op="LL wait"):
 @interpreter_only
 def monotonic_ns():
     return tl.full([], time.monotonic_ns(), tl.int64)
+
+
+# The test delay: _UNREAD until this process's first stall point reads WEFT_TEST_DELAY, then None (off) or
+# (probability, most seconds, this process's generator). A forked rank reads it anew (its env may differ).
+_UNREAD = object()
+_delay = _UNREAD
+
+
+def _forget_delay():
+    global _delay
+    _delay = _UNREAD
+
+
+os.register_at_fork(after_in_child=_forget_delay)
+
+
+def _read_delay():
+    global _delay
+    config = settings.test_delay()
+    if config is None or not config.stalls(int(os.environ.get("RANK", "0"))):
+        _delay = None
+    else:
+        _delay = (config.probability, config.max_us * 1e-6, random.Random())  # seeded from os.urandom
+    return _delay
+
+
+def stall() -> None:
+    """A stall point of the test delay (host code may call it too: the cpu copy engine's pushes)."""
+    delay = _delay
+    if delay is None:
+        return
+    if delay is _UNREAD:
+        delay = _read_delay()
+        if delay is None:
+            return
+    probability, most, rng = delay
+    if rng.random() < probability:
+        time.sleep(rng.random() * most)
+
+
+@interpreter_only
+def stall_before_peer(me, peer):
+    """`stall` when `peer` (a rank, or a block of ranks) is not only `me`: before an access to a peer."""
+    if _delay is None:
+        return
+    peers = np.asarray(peer.handle.data) if isinstance(peer, tl.tensor) else _scalar(peer)
+    if np.any(peers != _scalar(me)):
+        stall()

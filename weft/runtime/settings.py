@@ -39,6 +39,31 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+@dataclass(frozen=True)
+class Delay:
+    """WEFT_TEST_DELAY: each stall point of a chosen rank sleeps, with `probability`, a uniform random time of
+    up to `max_us` microseconds."""
+    ranks: frozenset | None  # world ranks; None: every rank
+    probability: float
+    max_us: float
+
+    def stalls(self, rank: int) -> bool:
+        return self.ranks is None or rank in self.ranks
+
+
+def _delay(text: str) -> Delay:
+    parts = text.split(":")
+    if len(parts) != 3:
+        raise ValueError(text)
+    ranks_text, probability, max_us = parts[0].strip().lower(), float(parts[1]), float(parts[2])
+    ranks = None if ranks_text == "all" else frozenset(int(r) for r in ranks_text.split(","))
+    if ranks is not None and min(ranks) < 0:
+        raise ValueError(text)
+    if not (0 < probability <= 1 and math.isfinite(max_us) and max_us > 0):
+        raise ValueError(text)
+    return Delay(ranks, probability, max_us)
+
+
 def _backend(text: str) -> str:
     value = text.lower()
     if value not in ("cpu", "cuda"):
@@ -72,6 +97,10 @@ SETTINGS = {s.name: s for s in (
             "`weft run`: once a rank has exited 0, how long the others may take to follow before they are stopped"),
     Setting("WEFT_KILL_GRACE_S", _positive_seconds, "seconds > 0", "5",
             "`weft run`: how long a stopped or signalled rank may take to exit before it is killed"),
+    Setting("WEFT_TEST_DELAY", _delay, "RANKS:PROBABILITY:MAX_US (all:0.05:2000, 1,2:0.5:500; "
+            "probability in (0, 1], max_us > 0)", "unset: no delay",
+            "cpu backend, for tests: the chosen ranks stall at random before each access to a peer (a push, a "
+            "notify, a copy-engine copy): each stall point sleeps, with that probability, up to max_us"),
     Setting("WEFT_BENCH_OUT", str, "a directory", "bench_results", "`weft bench`'s output folder (or --out)"),
 )}
 
@@ -97,6 +126,11 @@ def check_all() -> None:
 def wait_timeout_s() -> float:
     """WEFT_WAIT_TIMEOUT_S, 0 when unset (waits never give up)."""
     return get("WEFT_WAIT_TIMEOUT_S", 0.0)
+
+
+def test_delay() -> Delay | None:
+    """WEFT_TEST_DELAY, None when unset."""
+    return get("WEFT_TEST_DELAY")
 
 
 def init_timeout_s() -> float:

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..language import interpreter
 from ..language.tile import TileMapping
 from . import streams
 
@@ -126,8 +127,10 @@ def copy_engine_push(dst: torch.Tensor, src: torch.Tensor, flag: torch.Tensor, v
 
     Memory ordering: stream order starts the flag's write only once the data's copy has completed, so a
     rank that acquires the flag (`tile_wait`, `tile_wait_tiles`) sees the tile. On the cpu backend both are
-    plain copies, in that order.
+    plain copies, in that order, after a stall point of WEFT_TEST_DELAY.
     """
+    if not dst.is_cuda:
+        interpreter.stall()
     streams.device_copy(dst, src)
     if isinstance(value, torch.Tensor):
         streams.device_copy(flag, value)
