@@ -333,7 +333,7 @@ def _sp_alternating_grids(cases):
     return digests
 
 
-@pytest.mark.parametrize("w", [2, 3])
+@pytest.mark.parametrize("w", [3])  # 2 ranks: test_sp_flash_decode_matches_reference and _in_passes
 def test_sp_flash_decode_alternating_grids(w):
     """Calls of 1, 8 and 2 rows (merge grids of 1, 3 and 2 programs) in turn, lengths changing every call:
     the epoch counter must hold whatever the grid of each call."""
@@ -347,7 +347,7 @@ def test_sp_flash_decode_alternating_grids(w):
 
 def _sp_group_call(group, seed, what):
     """One sp_flash_decode over `group` (a weft Group, a torch ProcessGroup or None) on fresh inputs: this rank's
-    shard of a batch of 3 (GQA 3, lengths 0 to 19, paged on odd seeds), the query made the same on every member
+    shard of a batch of 3 (3 query heads on one KV head, lengths 0 to 19, paged on odd seeds), the query made the same on every member
     and the reference computed from the shards gathered over the group's process group; the output poisoned,
     the same bits on every member."""
     import torch.distributed as dist
@@ -358,14 +358,14 @@ def _sp_group_call(group, seed, what):
     g = resolve(group)
     gen = torch.Generator().manual_seed(seed * 16 + weft.rank())
     lens = torch.randint(0, 20, (3,), generator=gen).tolist()
-    q, k, v, seqlens = make_inputs(seed * 16 + weft.rank(), lens, 20, 6, 2)
+    q, k, v, seqlens = make_inputs(seed * 16 + weft.rank(), lens, 20, 3, 1)
     pg = g.process_group
     dist.broadcast(q, src=g.ranks[0], group=pg)
     ks, vs, ls = ([torch.empty_like(t) for _ in range(g.size)] for t in (k, v, seqlens))
     for parts, t in ((ks, k), (vs, v), (ls, seqlens)):
         dist.all_gather(parts, t, group=pg)
     total = torch.stack(ls).sum(0)
-    full_k = torch.zeros(3, max(1, int(total.max())), 2, 64)
+    full_k = torch.zeros(3, max(1, int(total.max())), 1, 64)
     full_v = torch.zeros_like(full_k)
     for b in range(3):
         pos = 0
@@ -415,7 +415,7 @@ def _sp_leftover_rank():
     pair = weft.new_group([2, 0])
     one = weft.new_subgroups(1)
     if pair is None:
-        for it in range(4):
+        for it in range(2):
             _sp_group_call(one, 40 + it, f"rank 1's own group, call {it}")
         return
     _sp_group_call(pair, 30, "pair, call 0")
@@ -433,7 +433,6 @@ def _sp_leftover_rank():
     compiled = torch.compile(lambda *a: weft.ops.sp_flash_decode(*a, group=pair), fullgraph=True)
     want = fd.sp_flash_decode(q, k, v, seqlens, group=pair)
     assert torch.equal(compiled(q, k, v, seqlens), want)
-    _sp_group_call(pair, 33, "pair, call 3")
 
 
 def test_sp_flash_decode_group_with_leftover_rank():
