@@ -269,7 +269,7 @@ def _lens(w, batch, seed, empty_rank=None, hi=40):
     return lens.tolist()
 
 
-@pytest.mark.parametrize("w", [1, 2])  # 3 and 4 ranks: the group tests below
+@pytest.mark.parametrize("w", [2])  # 1, 3 and 4 ranks: the group tests below (layout "one", the world)
 def test_sp_flash_decode_matches_reference(w):
     """Changing lengths call after call, a rank with an empty slice, a sequence empty everywhere."""
     cases = [
