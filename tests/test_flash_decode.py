@@ -7,6 +7,7 @@ from what it should be, and every element was written.
 """
 import hashlib
 import math
+import re
 
 import pytest
 import torch
@@ -178,10 +179,43 @@ def _planned_calls():
         test_flash_decode_head_dim_128_and_strided_q()
         test_flash_decode_bad_inputs_rejected()
     assert any(k[0] == "flash_decode" for k in weft.world().plans)
+    _bad_pages_raise(weft.check_errors)
 
 
 def test_flash_decode_planned_calls():
     run_ranks(_planned_calls, 1, timeout=TIMEOUT, env=ENV)
+
+
+def _bad_pages_raise(check_errors=None):
+    """Pages outside [0, num_pages) (far past the cache: 10**6 read to a crash before) and lengths past the
+    block table's pages are found on the device: never read, raised by check_errors() (when given: the world's)
+    and by the next call, which then works; a page past a sequence's length is not looked up."""
+    q, k, v, seqlens = make_inputs(11, [9, 30, 4], 32, 4, 2)
+    k_pages, v_pages, table = paged(k, v, 8, seed=11)  # 13 pages; row 1 uses all 4 of its entries
+    num_pages = k_pages.shape[0]
+    cases = ((1, 3, 10 ** 6), (0, 1, -1), (2, 0, num_pages)) if check_errors else ((1, 3, 10 ** 6),)
+    for row, col, page in cases:
+        bad = table.clone()
+        bad[row, col] = page
+        fd.flash_decode(q, k_pages, v_pages, seqlens, block_table=bad)  # recorded, not raised yet
+        word = re.escape(f"flash_decode: block_table row {row} names page {page}, outside [0, num_pages = {num_pages})")
+        with pytest.raises(ValueError, match=word):
+            if check_errors is not None and page < 0:
+                check_errors()
+            else:  # the next call raises, before it launches anything
+                fd.flash_decode(q, k_pages, v_pages, seqlens, block_table=table)
+    long = seqlens.clone()
+    long[1] = 33  # past the block table's 4 pages of 8 (all of them real pages)
+    fd.flash_decode(q, k_pages, v_pages, long, block_table=table)
+    with pytest.raises(ValueError, match=re.escape("flash_decode: seqlens[1] = 33 is outside [0, 32]")):
+        fd.flash_decode(q, k_pages, v_pages, seqlens, block_table=table)
+    check(q, k, v, seqlens, fd.flash_decode(q, k_pages, v_pages, seqlens, block_table=table))
+    if check_errors is not None:
+        check_errors()  # nothing left
+
+
+def test_flash_decode_bad_pages_raise_without_init():
+    _bad_pages_raise()
 
 
 # -- sp_flash_decode ---------------------------------------------------------------------
@@ -235,7 +269,7 @@ def _lens(w, batch, seed, empty_rank=None, hi=40):
     return lens.tolist()
 
 
-@pytest.mark.parametrize("w", [1, 2, 3, 4])
+@pytest.mark.parametrize("w", [2])  # 1, 3 and 4 ranks: the group tests below (layout "one", the world)
 def test_sp_flash_decode_matches_reference(w):
     """Changing lengths call after call, a rank with an empty slice, a sequence empty everywhere."""
     cases = [
@@ -299,7 +333,7 @@ def _sp_alternating_grids(cases):
     return digests
 
 
-@pytest.mark.parametrize("w", [2, 3])
+@pytest.mark.parametrize("w", [3])  # 2 ranks: test_sp_flash_decode_matches_reference and _in_passes
 def test_sp_flash_decode_alternating_grids(w):
     """Calls of 1, 8 and 2 rows (merge grids of 1, 3 and 2 programs) in turn, lengths changing every call:
     the epoch counter must hold whatever the grid of each call."""
@@ -307,3 +341,99 @@ def test_sp_flash_decode_alternating_grids(w):
              for i, (batch, q_heads) in enumerate([(1, 1), (2, 4), (1, 2), (1, 1), (4, 2), (2, 1)])]
     results = run_ranks(_sp_alternating_grids, w, cases, timeout=TIMEOUT, env=ENV)
     assert all(r == results[0] for r in results), "ranks got different bits"
+
+
+# -- groups ---------------------------------------------------------------------------------
+
+def _sp_group_call(group, seed, what):
+    """One sp_flash_decode over `group` (a weft Group, a torch ProcessGroup or None) on fresh inputs: this rank's
+    shard of a batch of 3 (3 query heads on one KV head, lengths 0 to 19, paged on odd seeds), the query made the same on every member
+    and the reference computed from the shards gathered over the group's process group; the output poisoned,
+    the same bits on every member."""
+    import torch.distributed as dist
+
+    import weft
+    from weft.runtime.world import resolve
+
+    g = resolve(group)
+    gen = torch.Generator().manual_seed(seed * 16 + weft.rank())
+    lens = torch.randint(0, 20, (3,), generator=gen).tolist()
+    q, k, v, seqlens = make_inputs(seed * 16 + weft.rank(), lens, 20, 3, 1)
+    pg = g.process_group
+    dist.broadcast(q, src=g.ranks[0], group=pg)
+    ks, vs, ls = ([torch.empty_like(t) for _ in range(g.size)] for t in (k, v, seqlens))
+    for parts, t in ((ks, k), (vs, v), (ls, seqlens)):
+        dist.all_gather(parts, t, group=pg)
+    total = torch.stack(ls).sum(0)
+    full_k = torch.zeros(3, max(1, int(total.max())), 1, 64)
+    full_v = torch.zeros_like(full_k)
+    for b in range(3):
+        pos = 0
+        for r in range(g.size):
+            n = int(ls[r][b])
+            full_k[b, pos:pos + n], full_v[b, pos:pos + n] = ks[r][b, :n], vs[r][b, :n]
+            pos += n
+    with nan_allocations():
+        if seed % 2:
+            k_pages, v_pages, table = paged(k, v, 16, seed)
+            out = fd.sp_flash_decode(q, k_pages, v_pages, seqlens, block_table=table, group=group)
+        else:
+            out = fd.sp_flash_decode(q, k, v, seqlens, group=group)
+    try:
+        check(q, full_k, full_v, total.to(torch.int32), out)
+    except AssertionError as e:
+        raise AssertionError(f"{what}: {e}") from None
+    outs = [torch.empty_like(out) for _ in range(g.size)]
+    dist.all_gather(outs, out, group=pg)
+    assert all(torch.equal(o, out) for o in outs), f"{what}: members got different bits"
+
+
+def _sp_on_layouts(iterations):
+    import random
+
+    from weft.testing.groups import layouts
+
+    found = layouts()
+    names = sorted(found)
+    for it in range(iterations):
+        order = random.Random(it).sample(names, len(names))  # the same order on every rank
+        for name in order:
+            _sp_group_call(found[name], it * 10 + names.index(name), f"{name}, iteration {it}")
+
+
+def test_sp_flash_decode_on_group_layouts():
+    """4 ranks: every layout (strided, pairs, one, a torch ProcessGroup, the world), calls interleaved."""
+    run_ranks(_sp_on_layouts, 4, 2, timeout=TIMEOUT, env=ENV)
+
+
+def _sp_leftover_rank():
+    """3 ranks: group [0, 2] runs sp_flash_decode (eager, a bad page on rank 2 that its next call raises while
+    rank 0 goes on, and compiled with group=) while rank 1 runs its own group of one: no call waits on a
+    non-member."""
+    import weft
+
+    pair = weft.new_group([2, 0])
+    one = weft.new_subgroups(1)
+    if pair is None:
+        for it in range(2):
+            _sp_group_call(one, 40 + it, f"rank 1's own group, call {it}")
+        return
+    _sp_group_call(pair, 30, "pair, call 0")
+    q, k, v, seqlens = make_inputs(31, [5, 7], 8, 4, 2)
+    k_pages, v_pages, table = paged(k, v, 4, seed=31)
+    bad = table.clone()
+    if weft.rank() == 2:
+        bad[1, 1] = 10 ** 6
+    fd.sp_flash_decode(q, k_pages, v_pages, seqlens, block_table=bad, group=pair)
+    if weft.rank() == 2:
+        with pytest.raises(ValueError, match="sp_flash_decode: block_table row 1 names page 1000000"):
+            fd.sp_flash_decode(q, k_pages, v_pages, seqlens, block_table=table, group=pair)
+    else:
+        fd.sp_flash_decode(q, k_pages, v_pages, seqlens, block_table=table, group=pair)
+    compiled = torch.compile(lambda *a: weft.ops.sp_flash_decode(*a, group=pair), fullgraph=True)
+    want = fd.sp_flash_decode(q, k, v, seqlens, group=pair)
+    assert torch.equal(compiled(q, k, v, seqlens), want)
+
+
+def test_sp_flash_decode_group_with_leftover_rank():
+    run_ranks(_sp_leftover_rank, 3, timeout=TIMEOUT, env=ENV)

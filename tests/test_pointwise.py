@@ -29,6 +29,12 @@ def _round_as_torch():
         assert torch.equal(stream, x + res), dtype
         torch.testing.assert_close(out, hf_norm(x + res, w), rtol=tol, atol=tol)
         torch.testing.assert_close(rms_norm(x, w, 1e-6), hf_norm(x, w), rtol=tol, atol=tol)
+        # Rows where the epsilon decides: zeros (0, not NaN), values whose squares underflow, and values whose
+        # mean square is below eps (the result is about x / sqrt(eps), not x / rms(x)).
+        z = torch.stack([torch.zeros(48), torch.full((48,), 1e-30), 1e-4 * torch.randn(48, generator=g)]).to(dtype)
+        got = rms_norm(z, w, 1e-6)
+        assert torch.equal(got[0], torch.zeros_like(got[0])), dtype
+        torch.testing.assert_close(got, hf_norm(z, w), rtol=tol, atol=tol * 1e-3)
         h = randn(19, 2, 40)  # (..., 2 n): rows of [gate | up]
         gate, up = h.reshape(19, 80).chunk(2, dim=-1)
         torch.testing.assert_close(silu_mul(h.reshape(19, 80)), F.silu(gate) * up, rtol=tol, atol=tol)
@@ -67,6 +73,45 @@ def _same_bits(got, want, what):
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} against {tuple(want.shape)}"
     g, w = (t.contiguous().view(torch.uint8) if t.element_size() == 1 else t for t in (got, want))
     assert torch.equal(g, w), f"{what}: {int((g != w).sum())} elements differ"
+
+
+def _same_bits_or_nan(got, want, what):
+    """NaN exactly where want is NaN (its NaN bits are the platform's: x86 makes inf / inf negative), the same
+    bits everywhere else."""
+    import torch
+
+    nan = want.float().isnan()
+    assert torch.equal(got.float().isnan(), nan), f"{what}: NaN at {int((got.float().isnan() != nan).sum())} " \
+        "places torch has none, or none where torch has"
+    _same_bits(got[~nan], want[~nan], what)
+
+
+def _nan_rows(seed):
+    """NaN and inf as torch gives them: fp8_rows (a group of 128 with NaN is all NaN, scale NaN; with inf,
+    scale inf and q 0 but NaN at the inf), silu_mul (silu(-inf) NaN, silu(0) * inf NaN) and its fp8 form."""
+    import torch
+    import torch.nn.functional as F
+
+    import weft
+    from weft.testing.reference import fp8_rows_ref
+
+    g = torch.Generator().manual_seed(seed)
+    nan, inf = float("nan"), float("inf")
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(5, 256, generator=g).to(dtype)
+        x[0, 5], x[1, 130], x[2, 7], x[3, 3], x[3, 200] = nan, inf, -inf, inf, nan
+        for got, want, part in zip(weft.ops.fp8_rows(x), fp8_rows_ref(x), ("q", "scales")):
+            _same_bits_or_nan(got, want, f"fp8_rows {part} {dtype}")
+        h = torch.randn(6, 2 * 128, generator=g).to(dtype)
+        h[0, 3], h[1, 128 + 4], h[2, 5], h[3, 6], h[4, 7], h[4, 128 + 7], h[5, 128 + 8] = nan, nan, inf, -inf, 0, inf, -inf
+        gate, up = h.chunk(2, dim=-1)
+        y = weft.ops.silu_mul(h)
+        tol = 1e-6 if dtype == torch.float32 else 1e-2  # NaN and inf where torch's are, exactly
+        torch.testing.assert_close(y, F.silu(gate) * up, rtol=tol, atol=tol, equal_nan=True)
+        assert y.isnan().sum() == 4 and y.isinf().sum() == 2, dtype
+        for got, want, part in zip(weft.ops.silu_mul(h, fp8=True), fp8_rows_ref(y), ("q", "scales")):
+            _same_bits_or_nan(got, want, f"silu_mul fp8 {part} {dtype}")
+    return True
 
 
 def _rows_kernels(seed):
@@ -119,6 +164,10 @@ def _rows_kernels(seed):
 
 def test_silu_mul_and_fp8_rows():
     assert run_ranks(_rows_kernels, 1, 5, timeout=TIMEOUT)[0]
+
+
+def test_nan_and_inf_as_torch():
+    assert run_ranks(_nan_rows, 1, 6, timeout=TIMEOUT)[0]
 
 
 def _rejects():

@@ -45,8 +45,9 @@ def cast(acc, dtype: tl.constexpr):
 
 @triton.jit
 def e4m3_bits(v):
-    """fp32 v (|v| <= 448) rounded to the nearest e4m3fn (ties to even), as int32 bits 0..255. By hand under
-    the interpreter, whose fp8 conversion rounds some values to the wrong binade."""
+    """fp32 v (|v| <= 448, or NaN: 0x7F, as the GPU's conversion gives) rounded to the nearest e4m3fn (ties to
+    even), as int32 bits 0..255. By hand under the interpreter, whose fp8 conversion rounds some values to the
+    wrong binade."""
     if wl.INTERPRET:
         bits = v.to(tl.int32, bitcast=True)
         a = tl.abs(v)
@@ -60,7 +61,7 @@ def e4m3_bits(v):
         fl = tl.floor(s)
         fi = fl.to(tl.int32)
         sub = fi + (((s - fl) > 0.5) | (((s - fl) == 0.5) & ((fi & 1) == 1))).to(tl.int32)
-        return ((bits >> 24) & 0x80) | tl.where(e < -6, sub, normal)
+        return tl.where(v != v, 0x7F, ((bits >> 24) & 0x80) | tl.where(e < -6, sub, normal))
     return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
 
 
@@ -68,8 +69,10 @@ def e4m3_bits(v):
 def fp8_quantize(v):
     """Rows v (R, 128) fp32 quantized to e4m3 as weft.ops.fp8_rows does: (int32 bits (R, 128), scales (R,)),
     scale = max(amax, 1e-4) / 448 and v / scale to nearest even, both divisions IEEE (div_rn: the bits of
-    pointwise.fp8_rows_torch)."""
+    pointwise.fp8_rows_torch). A row holding NaN gets scale NaN, so all NaN, as torch's amax propagates it (the
+    max reduction here drops NaN); a row holding inf gets scale inf: 0 but NaN where the inf was, as torch."""
     amax = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4)
+    amax = tl.where(tl.max((v != v).to(tl.int32), axis=1) > 0, float("nan"), amax)
     scale = tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0)
     return e4m3_bits(tl.math.div_rn(v, scale[:, None])), scale
 

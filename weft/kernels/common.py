@@ -184,6 +184,45 @@ def zero_everywhere(world, *tensors) -> None:
     world.barrier()
 
 
+# -- device-side errors ---------------------------------------------------------------
+
+class ErrorWord:
+    """Words where kernels record a bad argument value they found (data the host cannot check without a sync),
+    read by the host with no sync: on GPUs pinned host memory, which the kernels store to through its address
+    (unified addressing maps it for the device), so a record shows up once the kernel has run; on the cpu
+    backend plain memory. Made zero. `tensor` (`words` int64): what the kernels take; a kernel records by
+    storing word 0 (non-zero) last. `describe(words)` makes the exception of a record. With `group`, the check
+    is registered in its error_checks, so weft.check_errors() raises it too. (The MoE family's
+    RoutingErrorWord is this mechanism with one word.)"""
+
+    def __init__(self, group, describe, words: int = 1):
+        device = group.device if group is not None else None
+        if device is not None and device.type == "cuda":
+            self.tensor = torch.zeros(words, dtype=torch.int64, pin_memory=True)
+        else:
+            self.tensor = torch.zeros(words, dtype=torch.int64)
+        self.host = self.tensor.numpy()  # the host's view: a read is a load, no torch op
+        self.describe = describe
+        if group is not None:
+            group.error_checks.append(self.raise_recorded)
+
+    def take(self):
+        """The exception of what was recorded since the last one taken, if anything, else None. The words are
+        cleared: the next valid call works."""
+        if not self.host[0]:
+            return None
+        if self.tensor.is_pinned():
+            torch.cuda.synchronize()  # an error: the record's every word, whole (no sync otherwise)
+        words = [int(v) for v in self.host]
+        self.host[:] = 0
+        return self.describe(words)
+
+    def raise_recorded(self) -> None:
+        error = self.take()
+        if error is not None:
+            raise error
+
+
 # -- launches ---------------------------------------------------------------------
 
 class Launch:

@@ -22,7 +22,8 @@ positions, and one program handles one (sequence, KV head, range):
    normaliser. Ranges past a sequence's length are skipped; a sequence of length 0 gives out 0 and
    lse -inf.
 
-sp_flash_decode: sequence parallelism. Rank r holds the r-th contiguous slice of every sequence's KV.
+sp_flash_decode: sequence parallelism over a group (default the world; ranks below are group ranks).
+Rank r holds the r-th contiguous slice of every sequence's KV.
 Each rank computes the partial (out, lse) of its slice with the split kernel and merges its splits;
 since the merge is the same log-sum-exp whether the parts are splits or ranks, the ranks then only
 exchange their per-rank partials (head_dim + 1 fp32 words per (sequence, head)) and merge them, in as
@@ -60,10 +61,18 @@ and no host synchronisation. All kernels of one call run in order on the caller'
 
 The partials' workspace of the split kernel is a plain per-call torch.empty (the caching allocator makes
 it cheap, and its size follows the call). sp_flash_decode's exchange buffer is symmetric and bounded:
-one per world (the op family's workspace), sized for SP_MAX_ENTRIES = batch * q_heads *
+one per group (the op family's workspace), sized for SP_MAX_ENTRIES = batch * q_heads *
 (head_dim + 1) words per rank whatever the call's shape; a larger batch goes through in passes of
 sequences (split kernel and merge kernel per pass). sp_flash_decode_merge_only runs the merge kernel
 alone on ready partials, to measure the cross-rank part (`weft bench attention --ops sp`).
+
+Lengths and pages are data on the device: checking them on the host would cost a sync per call. The split
+kernel checks them as it reads them: a length outside [0, max_len] is clamped, a page outside [0, num_pages)
+is never dereferenced (its loads are masked), and either is recorded in the family's error word on this
+rank (common.ErrorWord, the mechanism of the MoE routing checks): op, sequence, bad value and the call's
+limits. The family's next call on this rank raises it as a ValueError (flash_decode before it launches
+anything, sp_flash_decode after its launches, since its peers wait for them), and so does
+weft.check_errors().
 """
 from __future__ import annotations
 
@@ -81,7 +90,8 @@ import weft.language as wl
 from .. import tuning
 from .blocks import cast
 from ..runtime.world import is_initialized
-from .common import Launch, check_world_size, plan, signature, workspace, world_or_raise, world_size, zero_everywhere
+from .common import (ErrorWord, Launch, Plan, group_name, plan, resolve, signature, workspace, world_or_raise,
+                     zero_everywhere)
 from .registry import declare_op
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -114,6 +124,13 @@ CPU_SP_PROGRAMS = 3
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
 
+# The split kernel's error record (an ErrorWord of two int64 words): word 1 = op << 62 | num_pages << 31 |
+# max_len (the call's limits, the same from every program of a launch), stored first; word 0 = ERROR_SET |
+# kind << 61 | row << 32 | the bad value (32 bits), kind 0 a block_table page, 1 a sequence length.
+ERROR_SET = tl.constexpr(1 << 62)
+OPS = ("flash_decode", "sp_flash_decode")
+LIMIT = (1 << 31) - 1  # each limit's field
+
 
 # -- device helpers -------------------------------------------------------------
 
@@ -132,6 +149,13 @@ def _dot(a, b, acc):
 def _seqlen(seqlens, b, max_len):
     """Sequence b's length, clamped to [0, max_len] so that a bad length cannot read outside the cache."""
     return tl.minimum(tl.maximum(tl.load(seqlens + b), 0), max_len)
+
+
+@triton.jit
+def _record(err, limits, row, value, KIND: tl.constexpr):
+    """Record a bad value of sequence `row` (one program's word: any program may record over another)."""
+    tl.store(err + 1, limits)
+    tl.store(err, ERROR_SET | (KIND << 61) | (row.to(tl.int64) << 32) | (value.to(tl.int64) & 0xFFFFFFFF))
 
 
 @triton.jit
@@ -159,11 +183,11 @@ def _merge_splits(part_out, part_lse, row, splits, live, D: tl.constexpr, SPLIT_
 
 # -- kernels --------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["max_len", "split_len", "splits"])
-def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse, scale_log2, max_len, split_len,
+@triton.jit(do_not_specialize=["max_len", "split_len", "splits", "num_pages", "first_row", "limits"])
+def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse, err, scale_log2, max_len, split_len,
                               splits, kv_heads, q_heads, q_sb, q_sh, k_s0, k_s1, k_sh, v_s0, v_s1, v_sh, bt_sb,
-                              bt_sp, GROUP: tl.constexpr, HEADS: tl.constexpr, CHUNKS: tl.constexpr,
-                              D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                              bt_sp, num_pages, first_row, limits, GROUP: tl.constexpr, HEADS: tl.constexpr,
+                              CHUNKS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                               PAGED: tl.constexpr):
     """Partial attention of query heads [c * HEADS, (c + 1) * HEADS) of KV head kvh's group, sequence b,
     over positions [split * split_len, (split + 1) * split_len) of the sequence.
@@ -172,13 +196,21 @@ def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse,
     n * k_s1; paged: k + page * k_s0 + (n % PAGE_SIZE) * k_s1, page = block_table[b, n // PAGE_SIZE].
     Writes part_out[row, split, :] = acc / l and part_lse[row, split] = m + log2(l), row = b * q_heads +
     head, for a split that holds at least one position.
+
+    Lengths and pages are data: a length outside [0, max_len] is clamped and a page outside [0, num_pages)
+    is never read (its positions count as zero keys and values); either is recorded in the error word `err`
+    (_record: sequence first_row + b, the call's `limits`) for the host to raise.
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
     c = pid % CHUNKS
     kvh = (pid // CHUNKS) % kv_heads
     b = pid // (CHUNKS * kv_heads)
-    seqlen = _seqlen(seqlens, b, max_len)
+    raw_len = tl.load(seqlens + b)
+    seqlen = tl.minimum(tl.maximum(raw_len, 0), max_len)
+    if (split == 0) & (pid % (CHUNKS * kv_heads) == 0):  # one program per sequence checks its length
+        if (raw_len < 0) | (raw_len > max_len):
+            _record(err, limits, first_row + b, raw_len, 1)
     start = split * split_len
     end = tl.minimum(start + split_len, seqlen)
 
@@ -196,15 +228,21 @@ def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse,
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         in_seq = pos < end
+        readable = in_seq
         if PAGED:
             page = tl.load(block_table + b * bt_sb + (pos // PAGE_SIZE) * bt_sp, mask=in_seq, other=0)
+            bad = in_seq & ((page < 0) | (page >= num_pages))
+            if tl.max(bad.to(tl.int32), axis=0) > 0:
+                first = tl.min(tl.where(bad, pos, end), axis=0)
+                _record(err, limits, first_row + b, tl.sum(tl.where(pos == first, page, 0), axis=0), 0)
+            readable = in_seq & ~bad
             k_rows = page.to(tl.int64) * k_s0 + (pos % PAGE_SIZE) * k_s1 + kvh * k_sh
             v_rows = page.to(tl.int64) * v_s0 + (pos % PAGE_SIZE) * v_s1 + kvh * v_sh
         else:
             k_rows = b.to(tl.int64) * k_s0 + pos.to(tl.int64) * k_s1 + kvh * k_sh
             v_rows = b.to(tl.int64) * v_s0 + pos.to(tl.int64) * v_s1 + kvh * v_sh
-        kb = tl.load(k + k_rows[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
-        vb = tl.load(v + v_rows[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+        kb = tl.load(k + k_rows[:, None] + offs_d[None, :], mask=readable[:, None], other=0.0)
+        vb = tl.load(v + v_rows[:, None] + offs_d[None, :], mask=readable[:, None], other=0.0)
         s = _dot(qv, tl.trans(kb), tl.zeros([HEADS, BLOCK_N], tl.float32)) * scale_log2
         s = tl.where(in_seq[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every block holds at least one position
@@ -376,10 +414,11 @@ def _check(q, k_cache, v_cache, seqlens, block_table, scale, device=None) -> tup
     return max_len, page_size, float(scale)
 
 
-def _split_launch(q, k_cache, v_cache, seqlens, block_table, scale, max_len, page_size):
+def _split_launch(q, k_cache, v_cache, seqlens, block_table, scale, max_len, page_size, errors, op, first_row=0):
     """The split kernel's launch for this signature; returns (launch, args(q, k, v, seqlens, table, part_out,
     part_lse) -> its runtime arguments, splits, split_len). The strides go in as plan constants (the key
-    holds every stride: Triton specialises integer arguments on their value)."""
+    holds every stride: Triton specialises integer arguments on their value). Bad lengths and pages are
+    recorded in `errors` (an ErrorWord of 2 words) as op OPS[op]'s, of sequence first_row + b."""
     batch, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = q_heads // kv_heads
@@ -389,11 +428,15 @@ def _split_launch(q, k_cache, v_cache, seqlens, block_table, scale, max_len, pag
     splits, split_len = _splits(batch * kv_heads * chunks, max_len, block_n, q.device)
     paged = block_table is not None
     table = block_table if paged else seqlens  # not read when contiguous
+    num_pages = k_cache.shape[0] if paged else 0
+    limits = op << 62 | min(num_pages, LIMIT) << 31 | min(max_len, LIMIT)
+    err = errors.tensor
     consts = (scale * LOG2E, max_len, split_len, splits, kv_heads, q_heads, q.stride(0), q.stride(1),
-              *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0), table.stride(-1))
+              *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0), table.stride(-1), num_pages, first_row,
+              limits)
 
     def args(q, k, v, lens, table, part_out, part_lse):
-        return (q, k, v, lens, table, part_out, part_lse, *consts)
+        return (q, k, v, lens, table, part_out, part_lse, err, *consts)
     part_out, part_lse = _partial_buffers(batch * q_heads, splits, head_dim, q.device)
     launch = Launch(flash_decode_split_kernel, (batch * kv_heads * chunks, splits),
                     args(q, k_cache, v_cache, seqlens, table, part_out, part_lse),
@@ -430,72 +473,116 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     q (batch, q_heads, head_dim), head_dim 64, 128 or 256, bf16/fp16/fp32; k_cache, v_cache of q's dtype,
     contiguous (batch, max_len, kv_heads, head_dim) or paged (num_pages, page_size, kv_heads, head_dim) with
     block_table (batch, pages_per_seq) int32; q_heads a multiple of kv_heads; seqlens (batch,) int32 on the
-    device, each at most max_len (or pages_per_seq * page_size; larger ones are clamped, not checked: that
-    would need a host sync). scale defaults to head_dim ** -0.5.
+    device, each in [0, max_len] (or pages_per_seq * page_size), and the block_table entries of a sequence's
+    positions in [0, num_pages): checked on the device with no host sync (a bad value is never read past the
+    cache, and raises at the family's next call and at weft.check_errors(): see the module doc). scale
+    defaults to head_dim ** -0.5.
     Returns out (batch, q_heads, head_dim) in q's dtype, and with return_lse also lse (batch, q_heads) fp32,
     natural log of the softmax normaliser (scale included). An empty sequence gives out 0, lse -inf.
     Not collective. Without weft.init() it works too, but plans nothing: each call is checked and
     compiled-kernel-looked-up in full (the plans live in the initialised world).
     """
     if not is_initialized():
-        return _flash_decode_plan(q, k_cache, v_cache, seqlens, block_table, scale, bool(return_lse))(
+        return FlashDecodePlan(None, q, k_cache, v_cache, seqlens, block_table, scale, bool(return_lse)).run(
             q, k_cache, v_cache, seqlens, block_table)
-    found = plan(world_or_raise(), lambda: _key("flash_decode", q, k_cache, v_cache, seqlens, block_table, scale,
+    world = world_or_raise()
+    found = plan(world, lambda: _key("flash_decode", q, k_cache, v_cache, seqlens, block_table, scale,
                                      bool(return_lse)),
-                 lambda: _flash_decode_plan(q, k_cache, v_cache, seqlens, block_table, scale, bool(return_lse)))
-    return found(q, k_cache, v_cache, seqlens, block_table)
+                 lambda: FlashDecodePlan(world, q, k_cache, v_cache, seqlens, block_table, scale, bool(return_lse)))
+    return found.run(q, k_cache, v_cache, seqlens, block_table)
 
 
-def _flash_decode_plan(q, k_cache, v_cache, seqlens, block_table, scale, return_lse):
-    max_len, page_size, scale = _check(q, k_cache, v_cache, seqlens, block_table, scale)
-    batch, q_heads, head_dim = q.shape
-    rows = batch * q_heads
-    if rows == 0:
-        def run(q, k_cache, v_cache, seqlens, block_table):
-            out = torch.empty_like(q, memory_format=torch.contiguous_format)
-            lse = torch.empty((batch, q_heads), dtype=torch.float32, device=q.device)
-            return (out, lse) if return_lse else out
-        return run
-    qc = _prepare_q(q)
-    split, split_args, splits, split_len = _split_launch(qc, k_cache, v_cache, seqlens, block_table, scale,
-                                                         max_len, page_size)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((batch, q_heads), dtype=torch.float32, device=q.device)
-    part_out, part_lse = _partial_buffers(rows, splits, head_dim, q.device)
-    merge = Launch(flash_decode_merge_kernel, (rows,),
-                   (part_out, part_lse, seqlens, out, lse, max_len, split_len, splits, q_heads),
-                   dict(D=head_dim, SPLIT_BLOCK=SPLIT_BLOCK, RETURN_LSE=return_lse), num_warps=4)
-    device = q.device
+class FlashDecodePlan(Plan):
+    """flash_decode of one signature (local: `group` is the world, or None without weft.init()): the split
+    launch and the merge launch, or no launch for an empty batch."""
 
-    def run(q, k_cache, v_cache, seqlens, block_table):
+    def __init__(self, group, q, k_cache, v_cache, seqlens, block_table, scale, return_lse):
+        super().__init__(group)
+        max_len, page_size, scale = _check(q, k_cache, v_cache, seqlens, block_table, scale)
+        self.batch, self.q_heads, self.head_dim = batch, q_heads, head_dim = q.shape
+        self.rows = batch * q_heads
+        self.return_lse = return_lse
+        if self.rows == 0:
+            self.run = self.run_empty
+            return
+        self.errors = _errors(group)
+        qc = _prepare_q(q)
+        self.split, self.split_args, self.splits, self.split_len = _split_launch(
+            qc, k_cache, v_cache, seqlens, block_table, scale, max_len, page_size, self.errors, 0)
+        self.max_len = max_len
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty((batch, q_heads), dtype=torch.float32, device=q.device)
+        part_out, part_lse = _partial_buffers(self.rows, self.splits, head_dim, q.device)
+        self.merge = Launch(flash_decode_merge_kernel, (self.rows,),
+                            (part_out, part_lse, seqlens, out, lse, max_len, self.split_len, self.splits, q_heads),
+                            dict(D=head_dim, SPLIT_BLOCK=SPLIT_BLOCK, RETURN_LSE=return_lse), num_warps=4)
+
+    def result(self, out, lse):
+        return (out, lse) if self.return_lse else out
+
+    def run_empty(self, q, k_cache, v_cache, seqlens, block_table):
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        return self.result(out, torch.empty((self.batch, self.q_heads), dtype=torch.float32, device=q.device))
+
+    def run(self, q, k_cache, v_cache, seqlens, block_table):
+        # A bad length or page an earlier call recorded raises before anything is launched (no peers wait).
+        self.errors.raise_recorded()
         q = _prepare_q(q)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse = torch.empty((batch, q_heads), dtype=torch.float32, device=device)
-        part_out, part_lse = _partial_buffers(rows, splits, head_dim, device)
-        split(*split_args(q, k_cache, v_cache, seqlens, seqlens if block_table is None else block_table,
-                          part_out, part_lse))
-        merge(part_out, part_lse, seqlens, out, lse, max_len, split_len, splits, q_heads)
-        return (out, lse) if return_lse else out
-    return run
+        lse = torch.empty((self.batch, self.q_heads), dtype=torch.float32, device=q.device)
+        part_out, part_lse = _partial_buffers(self.rows, self.splits, self.head_dim, q.device)
+        self.split(*self.split_args(q, k_cache, v_cache, seqlens, seqlens if block_table is None else block_table,
+                                    part_out, part_lse))
+        self.merge(part_out, part_lse, seqlens, out, lse, self.max_len, self.split_len, self.splits, self.q_heads)
+        return self.result(out, lse)
+
+
+# Without weft.init(), flash_decode's error word is this process's own (weft.check_errors needs the world).
+_uninitialized_errors = None
+
+
+def _errors(group):
+    """The family's error word on this rank (the world's, whichever group the call runs over): bad lengths
+    and pages are recorded in it by the split kernel, and raised at the family's next call and by
+    weft.check_errors()."""
+    global _uninitialized_errors
+    if group is None:
+        if _uninitialized_errors is None:
+            _uninitialized_errors = ErrorWord(None, _bad_value, 2)
+        return _uninitialized_errors
+    return workspace(group.world, "flash_decode_errors", lambda world: ErrorWord(world, _bad_value, 2))
+
+
+def _bad_value(words) -> ValueError:
+    """The ValueError of a recorded bad length or page (the words of _record)."""
+    record, limits = words
+    kind, row, value = (record >> 61) & 1, (record >> 32) & ((1 << 29) - 1), record & 0xFFFFFFFF
+    value -= (value >> 31) << 32
+    op, num_pages, max_len = OPS[(limits >> 62) & 1], (limits >> 31) & LIMIT, limits & LIMIT
+    if kind == 0:
+        return ValueError(f"{op}: block_table row {row} names page {value}, outside [0, num_pages = {num_pages}) "
+                          "(it was not read: that call's output is wrong)")
+    return ValueError(f"{op}: seqlens[{row}] = {value} is outside [0, {max_len}] (the cache's positions; it was "
+                      "clamped: that call's output is wrong)")
 
 
 class _SpContext:
-    """The symmetric LL exchange buffer (2 halves x W slots x SP_MAX_ENTRIES int64 words, epoch 0 in every
-    word) and the merge kernel's epoch counter (wl.next_epoch)."""
+    """The symmetric LL exchange buffer of a group (2 halves x W slots x SP_MAX_ENTRIES int64 words, epoch 0
+    in every word) and the merge kernel's epoch counter (wl.next_epoch)."""
 
-    def __init__(self, world):
-        self.ll = world.heap.empty((2 * world.world_size * SP_MAX_ENTRIES,), torch.int64)
-        self.counter = world.heap.empty((1,), torch.int64)
-        zero_everywhere(world, self.ll, self.counter)
+    def __init__(self, group):
+        self.ll = group.heap.empty((2 * group.size * SP_MAX_ENTRIES,), torch.int64)
+        self.counter = group.heap.empty((1,), torch.int64)
+        zero_everywhere(group, self.ll, self.counter)
 
 
 def _sp_split_block(splits: int, head_dim: int) -> int:
     return max(SPLIT_BLOCK, min(triton.next_power_of_2(splits), SP_SPLIT_WORDS // head_dim))
 
 
-def _sp_lanes(world_size: int) -> int:
-    """The merge kernel's lanes over ranks: the world size rounded up to a power of two, at least 2."""
-    return max(2, triton.next_power_of_2(world_size))
+def _sp_lanes(size: int) -> int:
+    """The merge kernel's lanes over ranks: the group size rounded up to a power of two, at least 2."""
+    return max(2, triton.next_power_of_2(size))
 
 
 def _sp_max_programs(device: torch.device) -> int:
@@ -505,33 +592,35 @@ def _sp_max_programs(device: torch.device) -> int:
 @declare_op(tensors=("q", "k_cache_shard", "v_cache_shard"), collective=True)
 def sp_flash_decode(q: torch.Tensor, k_cache_shard: torch.Tensor, v_cache_shard: torch.Tensor,
                     seqlens_shard: torch.Tensor, block_table: torch.Tensor | None = None,
-                    scale: float | None = None) -> torch.Tensor:
-    """flash_decode over a KV cache sharded by sequence position: rank r holds the r-th contiguous slice of
-    every sequence (its length seqlens_shard[b], 0 allowed), in flash_decode's layouts. q is the same on
-    every rank. Returns out (batch, q_heads, head_dim) in q's dtype, the same bits on every rank: attention
-    over the concatenation of the ranks' slices.
+                    scale: float | None = None, group=None) -> torch.Tensor:
+    """flash_decode over a KV cache sharded by sequence position over the members of `group` (default: the
+    world): member r holds the r-th contiguous slice of every sequence (its length seqlens_shard[b], 0
+    allowed), in flash_decode's layouts. q is the same on every member. Returns out (batch, q_heads,
+    head_dim) in q's dtype, the same bits on every member: attention over the concatenation of the slices.
 
-    Collective; no host synchronisation, so it can be captured in a CUDA graph (after a first call outside
-    capture, which creates the exchange buffer). Any batch: the exchange carries at most SP_MAX_ENTRIES
-    words per rank (batch * q_heads * (head_dim + 1)), so a larger batch goes through in passes of
-    sequences.
+    Collective over the group; no host synchronisation, so it can be captured in a CUDA graph (after a first
+    call outside capture, which creates the exchange buffer). Any batch: the exchange carries at most
+    SP_MAX_ENTRIES words per rank (batch * q_heads * (head_dim + 1)), so a larger batch goes through in
+    passes of sequences. A bad length or page is recorded on the device as flash_decode's are, and raised
+    at the family's next call on this rank (after its launches, so that no peer is left waiting) and by
+    weft.check_errors().
     """
-    world = world_or_raise()
-    found = plan(world, lambda: _key("sp_flash_decode", q, k_cache_shard, v_cache_shard, seqlens_shard,
-                                     block_table, scale),
-                 lambda: _SpPlan(world, q, k_cache_shard, v_cache_shard, seqlens_shard, block_table, scale))
-    return found(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table)
+    g = resolve(group)
+    found = plan(g, lambda: _key("sp_flash_decode", q, k_cache_shard, v_cache_shard, seqlens_shard,
+                                 block_table, scale),
+                 lambda: SpFlashDecodePlan(g, q, k_cache_shard, v_cache_shard, seqlens_shard, block_table, scale))
+    return found.run(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table)
 
 
 def sp_flash_decode_merge_only(q: torch.Tensor, k_cache_shard: torch.Tensor, v_cache_shard: torch.Tensor,
                                seqlens_shard: torch.Tensor, block_table: torch.Tensor | None = None,
-                               scale: float | None = None):
+                               scale: float | None = None, group=None):
     """sp_flash_decode's cross-rank part alone, for measuring it: computes this rank's split partials of the
     call once (sp_flash_decode's arguments) and returns (merge, out), where each merge() launches the call's
     merge kernel (per pass) on those ready partials into out, exactly as sp_flash_decode's second launch
-    does. Collective, like sp_flash_decode (each merge() too), and capturable in a CUDA graph."""
-    world = world_or_raise()
-    sp = _SpPlan(world, q, k_cache_shard, v_cache_shard, seqlens_shard, block_table, scale)
+    does. Collective over the group, like sp_flash_decode (each merge() too), and capturable in a CUDA
+    graph."""
+    sp = SpFlashDecodePlan(resolve(group), q, k_cache_shard, v_cache_shard, seqlens_shard, block_table, scale)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     parts = [sp.split(step, _prepare_q(q), k_cache_shard, v_cache_shard, seqlens_shard, block_table)
              for step in sp.passes]
@@ -552,20 +641,22 @@ class _SpPass:
         self.split_launch, self.split_args, self.merge_launch = split_launch, split_args, merge_launch
 
 
-class _SpPlan:
+class SpFlashDecodePlan(Plan):
     """sp_flash_decode's plan: per pass of sequences, the split kernel into this call's partials, then the
     merge kernel (a persistent grid of min(rows, SM count) programs)."""
 
-    def __init__(self, world, q, k_cache, v_cache, seqlens, block_table, scale):
-        _check_tensor("q", q, world.device)
+    def __init__(self, group, q, k_cache, v_cache, seqlens, block_table, scale):
+        super().__init__(group)
+        _check_tensor("q", q, group.device)
         max_len, page_size, scale = _check(q, k_cache, v_cache, seqlens, block_table, scale)
         batch, q_heads, head_dim = q.shape
         self.q_heads, self.head_dim, self.max_len = q_heads, head_dim, max_len
         self.paged, self.passes = block_table is not None, []
         if batch * q_heads == 0:
             return
-        self.ctx = ctx = workspace(world, "sp_flash_decode", _SpContext)
-        self.heap = world.heap.descriptor
+        self.ctx = ctx = workspace(group, "sp_flash_decode", _SpContext)
+        self.errors = _errors(group)
+        self.heap = group.heap.descriptor
         per_pass = max(1, SP_MAX_ENTRIES // (q_heads * (head_dim + 1)))  # sequences per pass
         qc = _prepare_q(q)
         sample = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -576,13 +667,13 @@ class _SpPlan:
             k, v = (k_cache, v_cache) if self.paged else (k_cache[b0:b1], v_cache[b0:b1])
             split, split_args, splits, split_len = _split_launch(
                 qc[b0:b1], k, v, seqlens[b0:b1], block_table[b0:b1] if self.paged else None, scale, max_len,
-                page_size)
+                page_size, self.errors, 1, b0)
             part_out, part_lse = _partial_buffers(rows, splits, head_dim, q.device)
             merge = Launch(sp_flash_decode_merge_kernel, (min(rows, _sp_max_programs(q.device)),),
                            (part_out, part_lse, seqlens[b0:b1], ctx.ll, ctx.counter, self.heap, sample[b0:b1],
                             max_len, split_len, splits, q_heads, rows, SP_MAX_ENTRIES),
-                           dict(D=head_dim, SPLIT_BLOCK=_sp_split_block(splits, head_dim), WORLD=world.world_size,
-                                RANKS=_sp_lanes(world.world_size)), num_warps=SP_NUM_WARPS)
+                           dict(D=head_dim, SPLIT_BLOCK=_sp_split_block(splits, head_dim), WORLD=group.size,
+                                RANKS=_sp_lanes(group.size)), num_warps=SP_NUM_WARPS)
             self.passes.append(_SpPass(b0, b1, batch, rows, split, split_args, splits, split_len, merge))
 
     def split(self, step, q, k_cache, v_cache, seqlens, block_table):
@@ -606,18 +697,25 @@ class _SpPlan:
                           out if step.whole else out[step.b0:step.b1], self.max_len, step.split_len, step.splits,
                           self.q_heads, step.rows, SP_MAX_ENTRIES)
 
-    def __call__(self, q, k_cache, v_cache, seqlens, block_table):
+    def run(self, q, k_cache, v_cache, seqlens, block_table):
         q = _prepare_q(q)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if not self.passes:
+            return out
+        # A bad length or page recorded by an earlier call raises after this call's launches: the peers
+        # are waiting for this rank's partials.
+        recorded = self.errors.take()
         for step in self.passes:
             self.merge(step, *self.split(step, q, k_cache, v_cache, seqlens, block_table), out)
+        if recorded is not None:
+            raise recorded
         return out
 
 
 # Signatures for the sm_90 compile check (weft.testing.compile).
 # -- the operators (not differentiable) ----------------------------------------------------------------------
 #   torch.ops.weft.flash_decode(q, k_cache, v_cache, seqlens, block_table, scale) -> (out, lse)
-#   torch.ops.weft.sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard, world_size, block_table, scale)
+#   torch.ops.weft.sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard, group_name, block_table, scale)
 #                                                                                 -> out
 
 # What a caller may ask of flash_decode before calling it (the layers choose their decode attention by it).
@@ -644,28 +742,27 @@ def _(q, k_cache, v_cache, seqlens, block_table=None, scale=None, return_lse=Fal
 
 @sp_flash_decode.define
 def sp_flash_decode_op(q: torch.Tensor, k_cache_shard: torch.Tensor, v_cache_shard: torch.Tensor,
-                       seqlens_shard: torch.Tensor, world_size: int, block_table: Optional[torch.Tensor] = None,
+                       seqlens_shard: torch.Tensor, group_name: str, block_table: Optional[torch.Tensor] = None,
                        scale: Optional[float] = None) -> torch.Tensor:
-    check_world_size(world_size)
-    return sp_flash_decode.eager(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table, scale)
+    return sp_flash_decode.eager(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table, scale, group=group_name)
 
 
 @sp_flash_decode_op.register_fake
-def _(q, k_cache_shard, v_cache_shard, seqlens_shard, world_size, block_table=None, scale=None):
+def _(q, k_cache_shard, v_cache_shard, seqlens_shard, group_name, block_table=None, scale=None):
     return q.new_empty(q.shape)
 
 
 @sp_flash_decode.traced
-def _(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table=None, scale=None):
-    return torch.ops.weft.sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard, world_size(), block_table,
-                                          scale)
+def _(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table=None, scale=None, group=None):
+    return torch.ops.weft.sp_flash_decode(q, k_cache_shard, v_cache_shard, seqlens_shard, group_name(group),
+                                          block_table, scale)
 
 
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 _SPLIT_SIG = dict(q=None, k=None, v=None, seqlens="*i32", block_table="*i32", part_out="*fp32", part_lse="*fp32",
-                  scale_log2="fp32", max_len="i32", split_len="i32", splits="i32", kv_heads="i32", q_heads="i32",
+                  err="*i64", scale_log2="fp32", max_len="i32", split_len="i32", splits="i32", kv_heads="i32", q_heads="i32",
                   q_sb="i32", q_sh="i32", k_s0="i32", k_s1="i32", k_sh="i32", v_s0="i32", v_s1="i32", v_sh="i32",
-                  bt_sb="i32", bt_sp="i32")
+                  bt_sb="i32", bt_sp="i32", num_pages="i32", first_row="i32", limits="i64")
 COMPILE_CASES = [
     (flash_decode_split_kernel, {**_SPLIT_SIG, "q": t, "k": t, "v": t},
      dict(GROUP=g, HEADS=h, CHUNKS=c, D=d, BLOCK_N=32 if d == 256 else 64, PAGE_SIZE=ps, PAGED=ps > 0),

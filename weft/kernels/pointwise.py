@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .blocks import cast, fp8_quantize
-from .common import Launch, plan, signature, world_or_raise
+from .common import Launch, Plan, plan, signature, world_or_raise
 from .registry import declare_op
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -209,7 +209,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 @declare_op(tensors=("h",))
 def silu_mul(h: torch.Tensor, counts: torch.Tensor | None = None, fp8: bool = False):
     """silu(gate) * up of h (..., 2 n) = [gate | up]: (..., n) of h's dtype (bf16, fp16, fp32), rounded as torch
-    rounds F.silu(gate) * up.
+    rounds F.silu(gate) * up, NaN and inf included (NaN in gives NaN; silu(-inf) is NaN, silu(inf) inf).
 
     counts (E,) int32 on the device: h is (E, C, 2 n), each expert's rows (what grouped_gemm gives), and only
     rows [0, counts[e]) of expert e are computed; the others are left undefined (no host sync; a decode step's
@@ -222,7 +222,9 @@ def silu_mul(h: torch.Tensor, counts: torch.Tensor | None = None, fp8: bool = Fa
 def fp8_rows(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., K) quantized to fp8 e4m3 per row and 128 channels, as ep_dispatch_ll(fp8=True) does it: (q (..., K)
     e4m3, scales (..., K / 128) fp32), scale = max(amax, 1e-4) / 448 and q = x / scale rounded to nearest even,
-    so x ~ q * scale (fp8_rows_torch: the same bits in torch's ops). counts as in silu_mul."""
+    so x ~ q * scale (fp8_rows_torch: the same bits in torch's ops, NaN where it gives NaN: a group of 128
+    holding NaN is all NaN, its scale NaN; one holding inf has scale inf, q 0 but NaN at the inf). counts as in
+    silu_mul."""
     return _rows_op("x", x, counts, True, gated=False)
 
 
@@ -246,19 +248,20 @@ def fp8_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _rows_op(name, x, counts, fp8, gated):
-    world = world_or_raise()
+    world = world_or_raise()  # a local op: its plans are the world's
     found = plan(world, lambda: ("rows", gated, signature(x), None if counts is None else signature(counts), fp8),
-                 lambda: _RowsPlan(world, name, x, counts, fp8, gated))
-    return found(x, counts)
+                 lambda: RowsPlan(world, name, x, counts, fp8, gated))
+    return found.run(x, counts)
 
 
-class _RowsPlan:
+class RowsPlan(Plan):
     """silu_mul / fp8_rows of one call signature: the checks, the grid, the compiled launch."""
 
-    def __init__(self, world, name, x, counts, fp8, gated):
+    def __init__(self, group, name, x, counts, fp8, gated):
+        super().__init__(group)
         _check(name, x)
-        if x.device != world.device:
-            raise ValueError(f"{name} is on {x.device}, but this rank's device is {world.device}")
+        if x.device != group.device:
+            raise ValueError(f"{name} is on {x.device}, but this rank's device is {group.device}")
         if not isinstance(fp8, bool):
             raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
         if x.dim() == 0:
@@ -310,7 +313,7 @@ class _RowsPlan:
         scales = torch.empty((*self.shape[:-1], self.shape[-1] // FP8_BLOCK), dtype=torch.float32, device=dev)
         return q.view(torch.uint8), scales
 
-    def __call__(self, x, counts):
+    def run(self, x, counts):
         out, scales = self._outputs(x.device)
         if self.launch is not None:
             a = self.launch.address

@@ -7,6 +7,9 @@ of the sequence, becomes (W S, H / W, D), rank q holding heads [q H / W, (q + 1)
 scatter="seq" is the inverse, (W S, H / W, D) -> (S, H, D). packed=True takes q, k and v in one tensor
 (S, 3, H, D) <-> (W S, 3, H / W, D).
 
+Every op runs over a group (`group=`, default the world): W is its size and ranks are group ranks (the
+kernels see only the group's heap), each group with its own workspace.
+
 In both directions rank me sends rank q a block of S * P rows (P = 3 packed, else 1) of L = H / W * D
 elements: heads: row (s, p) of x at heads [q H / W, ...), into rows [me S, (me + 1) S) of q's output, which
 are contiguous; seq: rows [q S, (q + 1) S) of x, contiguous, into head columns [me H / W, ...) of every row
@@ -62,8 +65,8 @@ import weft.language as wl
 from .. import tuning
 from . import gemm
 from .blocks import cast
-from .common import (Launch, check_method, check_tensor, check_world_size, nccl_from, plan, signature, workspace,
-                     world_or_raise, world_size, zero_everywhere)
+from .common import (Launch, Plan, check_method, check_tensor, group_name, group_size, nccl_from, plan, resolve,
+                     signature, workspace, zero_everywhere)
 from .registry import declare_op, fresh
 
 METHODS = ("auto", "push", "nccl")
@@ -271,48 +274,49 @@ def all_to_all_o_proj_kernel(attn, w, out, buf, flags, counter, heap, rows, S, N
 # -- workspace --------------------------------------------------------------------
 
 class UlyssesWorkspace:
-    """The family's workspace: a data region in two halves (by call parity), the flags of each op, the epoch
-    counter."""
+    """The family's workspace in a group: a data region in two halves (by call parity), the flags of each op,
+    the epoch counter."""
 
-    def __init__(self, world):
-        heap, w = world.heap, world.world_size
-        self.half_bytes = world.workspace_bytes // 2 // 256 * 256
+    def __init__(self, group):
+        heap, w = group.heap, group.size
+        self.half_bytes = group.workspace_bytes // 2 // 256 * 256
         self.data = heap.empty((2 * self.half_bytes,), torch.uint8)
         self.a2a_flags = heap.empty((MAX_PROGRAMS * w,), torch.int32)
         self.qkv_flags = heap.empty((w * MAX_TILES,), torch.int32)
         self.o_flags = heap.empty((w * MAX_ITEMS,), torch.int32)
         self.counter = heap.empty((1,), torch.int64)
-        zero_everywhere(world, self.a2a_flags, self.qkv_flags, self.o_flags, self.counter)
+        zero_everywhere(group, self.a2a_flags, self.qkv_flags, self.o_flags, self.counter)
 
     def data_as(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
         return self.data.view(dtype), self.half_bytes // dtype.itemsize
 
 
-def _workspace(world) -> UlyssesWorkspace:
-    return workspace(world, "ulysses", UlyssesWorkspace)
+def _workspace(group) -> UlyssesWorkspace:
+    return workspace(group, "ulysses", UlyssesWorkspace)
 
 
 # -- the all-to-all ----------------------------------------------------------------
 
 @declare_op(tensors=("x",), collective=True)
 def ulysses_all_to_all(x: torch.Tensor, scatter: str = "heads", packed: bool = False,
-                       method: str = "auto") -> torch.Tensor:
-    """Sequence-sharded <-> head-sharded attention tensors. Collective; every rank calls with the same shape.
+                       method: str = "auto", group=None) -> torch.Tensor:
+    """Sequence-sharded <-> head-sharded attention tensors over the members of `group` (default: the world;
+    W its size, ranks its group ranks). Collective over the group; every member calls with the same shape.
 
     scatter="heads": x (S, H, D) -> (W S, H / W, D); scatter="seq": x (W S, H / W, D) -> (S, H, D). With
     packed=True x carries q, k and v: (S, 3, H, D) <-> (W S, 3, H / W, D). Any dtype and layout; bit-exact.
     method: "push" (through the family's workspace, in passes when large), "nccl" (all_to_all_single with
     permutes), "auto" (push, or nccl for large blocks on GPUs and where a single row exceeds a workspace slot).
     """
-    world = world_or_raise()
-    found = plan(world, lambda: ("ulysses_all_to_all", signature(x), scatter, bool(packed), method),
-                 lambda: _a2a_plan(world, x, scatter, packed, method))
-    return found(x)
+    g = resolve(group)
+    found = plan(g, lambda: ("ulysses_all_to_all", signature(x), scatter, bool(packed), method),
+                 lambda: AllToAllPlan(g, x, scatter, packed, method))
+    return found.run(x)
 
 
 def _a2a_shapes(x, scatter, packed, w):
     """(S, P, Hl, D, out shape): S tokens per rank, P = 3 packed or 1, Hl heads per rank after the heads
-    scatter."""
+    scatter; w the group size."""
     if scatter not in SCATTERS:
         raise ValueError(f"scatter must be one of {', '.join(repr(s) for s in SCATTERS)}, got {scatter!r}")
     want = 4 if packed else 3
@@ -324,12 +328,12 @@ def _a2a_shapes(x, scatter, packed, w):
     if scatter == "heads":
         s, h, d = x.shape[0], x.shape[-2], x.shape[-1]
         if h % w:
-            raise ValueError(f"x has {h} heads, not divisible by the world size {w}")
+            raise ValueError(f"x has {h} heads, not divisible by the group size {w}")
         return s, p, h // w, d, (w * s, *mid, h // w, d)
     rows, hl, d = x.shape[0], x.shape[-2], x.shape[-1]
     if rows % w:
-        raise ValueError(f"x has {rows} tokens, not divisible by the world size {w} (scatter='seq' takes the "
-                         "head-sharded (world_size * seq, heads / world_size, head_dim) layout)")
+        raise ValueError(f"x has {rows} tokens, not divisible by the group size {w} (scatter='seq' takes the "
+                         "head-sharded (group size * seq, heads / group size, head_dim) layout)")
     return rows // w, p, hl, d, (rows // w, *mid, hl * w, d)
 
 
@@ -342,85 +346,96 @@ def _word(nbytes: int, *tensors: torch.Tensor) -> torch.dtype:
     return torch.int8
 
 
-def _a2a_plan(world, x, scatter, packed, method):
-    check_tensor("x", x, world, contiguous=False)
-    check_method(method, METHODS)
-    w = world.world_size
-    s, p, hl, d, shape = _a2a_shapes(x, scatter, packed, w)
-    x_contig = x.is_contiguous()
-    nbytes = x.numel() * x.element_size()
-    row_bytes = hl * d * x.element_size()
-    if nbytes == 0:
-        return lambda x: torch.empty(shape, dtype=x.dtype, device=x.device)
-    ws = _workspace(world) if method != "nccl" else None
-    slot_bytes = ws.half_bytes // w // 16 * 16 if ws else 0
-    if method == "push" and row_bytes > slot_bytes:
-        raise ValueError(f"method='push' cannot take this call: a row of {row_bytes} bytes (heads / world_size x "
-                         f"head_dim) exceeds a workspace slot of {slot_bytes} bytes (raise WEFT_WORKSPACE_BYTES)")
-    if method == "auto":
-        big = nbytes // w >= nccl_from("ulysses.nccl_above", world)
-        method = "nccl" if big or row_bytes > slot_bytes else "push"
-    if method == "nccl":
-        return _nccl_plan(world, s, p, hl, d, shape, scatter)
+class AllToAllPlan(Plan):
+    """A ulysses_all_to_all of one signature: no data, all_to_all_single, or the push kernel's passes."""
 
-    sample_x = x if x_contig else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    sample_out = torch.empty(shape, dtype=x.dtype, device=x.device)
-    word = _word(row_bytes, sample_x, sample_out, ws.data)
-    esize = word.itemsize
-    vec = 16 // esize if row_bytes % 16 == 0 and sample_x.data_ptr() % 16 == 0 else 1
-    row = row_bytes // esize  # words per row
-    n = s * p  # rows per peer block
-    if scatter == "heads":
-        src_stride, src_block, dst_stride, dst_block = w * row, row, row, n * row
-    else:
-        src_stride, src_block, dst_stride, dst_block = row, n * row, w * row, row
-    buf, half_len = ws.data_as(word)
-    slot = slot_bytes // esize
-    most = slot // row
-    heap = world.heap.descriptor
-    gpu = world.device.type == "cuda"
-    push = tuning.value("ulysses.push", world.device, w) if gpu else dict(block=1024)
-    block = push["block"]
-    cols = min(block, max(vec, 1 << (row.bit_length() - 1)))  # whole column blocks in every row where it can
-    consts = dict(ROWS=block // cols, COLS=cols, VEC=vec)
-    passes = []
-    for lo in range(0, n, most):
-        k = min(most, n - lo)
-        per_peer = k * row_bytes
-        programs = min(MAX_PROGRAMS, max(1, per_peer // push["program_bytes"]), k) if gpu else min(2, k)
-        chunk = triton.cdiv(k, programs)
+    def __init__(self, group, x, scatter, packed, method):
+        super().__init__(group)
+        check_tensor("x", x, group, contiguous=False)
+        check_method(method, METHODS)
+        w = group.size
+        s, p, hl, d, self.shape = _a2a_shapes(x, scatter, packed, w)
+        self.x_contig = x.is_contiguous()
+        nbytes = x.numel() * x.element_size()
+        row_bytes = hl * d * x.element_size()
+        if nbytes == 0:
+            self.run = self.run_empty
+            return
+        ws = _workspace(group) if method != "nccl" else None
+        slot_bytes = ws.half_bytes // w // 16 * 16 if ws else 0
+        if method == "push" and row_bytes > slot_bytes:
+            raise ValueError(f"method='push' cannot take this call: a row of {row_bytes} bytes (heads / group size x "
+                             f"head_dim) exceeds a workspace slot of {slot_bytes} bytes (raise WEFT_WORKSPACE_BYTES)")
+        if method == "auto":
+            big = nbytes // w >= nccl_from("ulysses.nccl_above", group)
+            method = "nccl" if big or row_bytes > slot_bytes else "push"
+        if method == "nccl":
+            self.s, self.p, self.hl, self.d, self.scatter = s, p, hl, d, scatter
+            self.run = self.run_nccl
+            return
+        self.prepare_push(group, x, ws, s, p, row_bytes, slot_bytes, scatter)
+        self.run = self.run_push
 
-        def args(xw, ow, lo=lo, k=k, chunk=chunk):
-            return (xw[lo * src_stride:], buf, ow[lo * dst_stride:], ws.a2a_flags, ws.counter, heap, k, chunk,
-                    row // vec, src_stride // vec, src_block // vec, dst_stride // vec, dst_block // vec,
-                    slot // vec, half_len // vec)
-        xw, ow = sample_x.reshape(-1).view(word), sample_out.view(-1).view(word)
-        passes.append((Launch(ulysses_all_to_all_kernel, (programs, w), args(xw, ow), consts, 8 if gpu else 4), args))
+    def prepare_push(self, group, x, ws, s, p, row_bytes, slot_bytes, scatter):
+        """The push kernel's launches: one pass per slot-sized part of the rows."""
+        w = group.size
+        sample_x = x if self.x_contig else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        sample_out = torch.empty(self.shape, dtype=x.dtype, device=x.device)
+        self.word = word = _word(row_bytes, sample_x, sample_out, ws.data)
+        esize = word.itemsize
+        vec = 16 // esize if row_bytes % 16 == 0 and sample_x.data_ptr() % 16 == 0 else 1
+        row = row_bytes // esize  # words per row
+        n = s * p  # rows per peer block
+        if scatter == "heads":
+            src_stride, src_block, dst_stride, dst_block = w * row, row, row, n * row
+        else:
+            src_stride, src_block, dst_stride, dst_block = row, n * row, w * row, row
+        buf, half_len = ws.data_as(word)
+        slot = slot_bytes // esize
+        most = slot // row
+        heap = group.heap.descriptor
+        gpu = group.device.type == "cuda"
+        push = tuning.value("ulysses.push", group.device, w) if gpu else dict(block=1024)
+        block = push["block"]
+        cols = min(block, max(vec, 1 << (row.bit_length() - 1)))  # whole column blocks in every row where it can
+        consts = dict(ROWS=block // cols, COLS=cols, VEC=vec)
+        self.passes = []
+        for lo in range(0, n, most):
+            k = min(most, n - lo)
+            per_peer = k * row_bytes
+            programs = min(MAX_PROGRAMS, max(1, per_peer // push["program_bytes"]), k) if gpu else min(2, k)
+            chunk = triton.cdiv(k, programs)
 
-    def run(x):
-        out = torch.empty(shape, dtype=x.dtype, device=x.device)
-        xw = (x if x_contig else x.contiguous()).reshape(-1).view(word)
-        ow = out.view(-1).view(word)
-        for launch, args in passes:
+            def args(xw, ow, lo=lo, k=k, chunk=chunk):
+                return (xw[lo * src_stride:], buf, ow[lo * dst_stride:], ws.a2a_flags, ws.counter, heap, k, chunk,
+                        row // vec, src_stride // vec, src_block // vec, dst_stride // vec, dst_block // vec,
+                        slot // vec, half_len // vec)
+            xw, ow = sample_x.reshape(-1).view(word), sample_out.view(-1).view(word)
+            self.passes.append((Launch(ulysses_all_to_all_kernel, (programs, w), args(xw, ow), consts,
+                                       8 if gpu else 4), args))
+
+    def run_empty(self, x):
+        return torch.empty(self.shape, dtype=x.dtype, device=x.device)
+
+    def run_push(self, x):
+        out = torch.empty(self.shape, dtype=x.dtype, device=x.device)
+        xw = (x if self.x_contig else x.contiguous()).reshape(-1).view(self.word)
+        ow = out.view(-1).view(self.word)
+        for launch, args in self.passes:
             launch(*args(xw, ow))
         return out
-    return run
 
-
-def _nccl_plan(world, s, p, hl, d, shape, scatter):
-    """all_to_all_single on blocks made contiguous: heads: x (S, P, W, Hl, D) -> (W, S, P, Hl, D) before;
-    seq: the received (W, S, P, Hl, D) -> (S, P, W, Hl, D) after."""
-    w, group = world.world_size, world.group
-
-    def run(x):
+    def run_nccl(self, x):
+        """all_to_all_single on blocks made contiguous: heads: x (S, P, W, Hl, D) -> (W, S, P, Hl, D) before;
+        seq: the received (W, S, P, Hl, D) -> (S, P, W, Hl, D) after."""
+        w, s, p, hl, d = self.group.size, self.s, self.p, self.hl, self.d
         recv = torch.empty((w, s, p, hl, d), dtype=x.dtype, device=x.device)
-        if scatter == "heads":
+        if self.scatter == "heads":
             send = x.reshape(s, p, w, hl, d).permute(2, 0, 1, 3, 4).contiguous()
-            dist.all_to_all_single(recv, send, group=group)
-            return recv.view(shape)
-        dist.all_to_all_single(recv, x.contiguous(), group=group)
-        return recv.permute(1, 2, 0, 3, 4).reshape(shape)
-    return run
+            dist.all_to_all_single(recv, send, group=self.group.process_group)
+            return recv.view(self.shape)
+        dist.all_to_all_single(recv, x.contiguous(), group=self.group.process_group)
+        return recv.permute(1, 2, 0, 3, 4).reshape(self.shape)
 
 
 # -- the fusions with the projections ------------------------------------------------------
@@ -438,170 +453,191 @@ def _check_heads(heads, w) -> None:
     if isinstance(heads, bool) or not isinstance(heads, numbers.Integral) or heads <= 0:
         raise ValueError(f"heads must be a positive integer, got {heads!r}")
     if heads % w:
-        raise ValueError(f"heads = {heads} is not divisible by the world size {w}")
+        raise ValueError(f"heads = {heads} is not divisible by the group size {w}")
 
 
 @declare_op(collective=True)
-def qkv_all_to_all(x: torch.Tensor, w_qkv: torch.Tensor, heads: int, method: str = "auto") -> torch.Tensor:
-    """The QKV projection of this rank's tokens, scattered by heads: (x @ w_qkv) seen as (S, 3, heads, D) then
-    ulysses_all_to_all(packed=True). Returns (W S, 3, heads / W, D) in x's dtype. Collective.
+def qkv_all_to_all(x: torch.Tensor, w_qkv: torch.Tensor, heads: int, method: str = "auto",
+                   group=None) -> torch.Tensor:
+    """The QKV projection of this rank's tokens, scattered by heads over the members of `group` (default: the
+    world; W its size): (x @ w_qkv) seen as (S, 3, heads, D) then ulysses_all_to_all(packed=True). Returns
+    (W S, 3, heads / W, D) in x's dtype. Collective over the group.
 
     x (S, hidden), w_qkv (hidden, 3 heads D) with columns [q heads | k heads | v heads]; bf16, fp16, fp32.
     method: "fused" (output tiles pushed to their head owner as they are computed, in passes of as many
     rows as half the workspace holds; needs heads / W * D a multiple of 16), "unfused" (torch.matmul, then
     ulysses_all_to_all), "auto" (fused where it can take the call and is measured faster: ulysses.auto_fused).
     """
-    world = world_or_raise()
+    g = resolve(group)
     # Strides are in the key: the kernel is specialised on them (a unit stride makes vector loads).
-    found = plan(world, lambda: ("qkv_all_to_all", signature(x), x.stride(), signature(w_qkv), w_qkv.stride(), heads,
-                                 method),
-                 lambda: _qkv_plan(world, x, w_qkv, heads, method))
-    return found(x, w_qkv)
+    found = plan(g, lambda: ("qkv_all_to_all", signature(x), x.stride(), signature(w_qkv), w_qkv.stride(), heads,
+                             method),
+                 lambda: QkvPlan(g, x, w_qkv, heads, method))
+    return found.run(x, w_qkv)
 
 
-def _qkv_plan(world, x, w_qkv, heads, method):
-    check_method(method, FUSED_METHODS)
-    gemm.check_operands("x", x, "w_qkv", w_qkv, world.device, layout=False)
-    w = world.world_size
-    _check_heads(heads, w)
-    s, k = x.shape
-    n = w_qkv.shape[1]
-    if n == 0 or n % (3 * heads):
-        raise ValueError(f"w_qkv has {n} columns: expected 3 * heads * head_dim, a positive multiple of "
-                         f"3 * {heads}")
-    d = n // (3 * heads)
-    lhd = heads // w * d
-    shape = (w * s, 3, heads // w, d)
-    bm, bn, bk, warps = _gemm_blocks(world.device)
-    bn = next((b for b in (bn, 64, 32, 16) if b <= bn and lhd % b == 0), None)
-    if method == "auto":
-        method = "fused" if tuning.value("ulysses.auto_fused", world.device, world.world_size) else "unfused"
-    ws = _workspace(world) if method != "unfused" and s else None
-    refusal, most = None, 0
-    if bn is None:
-        refusal = f"heads / world_size * head_dim = {lhd} is not a multiple of 16"
-    elif ws:
-        # Rows per pass: the pass's output, W rows x 3 lhd per rank = rows x n, within a half; whole row
-        # blocks where possible; at most MAX_TILES tiles.
-        most = ws.half_bytes // (n * x.element_size())
-        most = min(most // bm * bm if most >= bm else most, MAX_TILES // (n // bn) * bm)
-        if most == 0:
-            refusal = (f"a row of the QKV output ({n * x.element_size()} bytes) exceeds half the workspace "
-                       f"({ws.half_bytes} bytes; raise WEFT_WORKSPACE_BYTES)")
-    if method == "fused" and refusal:
-        raise ValueError(f"method='fused' cannot take this call: {refusal}")
-    if method == "unfused" or refusal or s == 0:
-        def run(x, w_qkv):
-            return ulysses_all_to_all(torch.matmul(x, w_qkv).view(s, 3, heads, d), packed=True)
-        return run
+class QkvPlan(Plan):
+    """A qkv_all_to_all of one signature: matmul then the all-to-all, or the fused kernel's passes."""
 
-    buf, half_len = ws.data_as(x.dtype)
-    heap = world.heap.descriptor
-    width = 3 * lhd
+    def __init__(self, group, x, w_qkv, heads, method):
+        super().__init__(group)
+        check_method(method, FUSED_METHODS)
+        gemm.check_operands("x", x, "w_qkv", w_qkv, group.device, layout=False)
+        w = group.size
+        _check_heads(heads, w)
+        s, k = x.shape
+        n = w_qkv.shape[1]
+        if n == 0 or n % (3 * heads):
+            raise ValueError(f"w_qkv has {n} columns: expected 3 * heads * head_dim, a positive multiple of "
+                             f"3 * {heads}")
+        d = n // (3 * heads)
+        lhd = heads // w * d
+        self.shape = shape = (w * s, 3, heads // w, d)
+        self.unfused_shape = (s, 3, heads, d)
+        bm, bn, bk, warps = _gemm_blocks(group.device)
+        bn = next((b for b in (bn, 64, 32, 16) if b <= bn and lhd % b == 0), None)
+        if method == "auto":
+            method = "fused" if tuning.value("ulysses.auto_fused", group.device, w) else "unfused"
+        ws = _workspace(group) if method != "unfused" and s else None
+        refusal, most = None, 0
+        if bn is None:
+            refusal = f"heads / group size * head_dim = {lhd} is not a multiple of 16"
+        elif ws:
+            # Rows per pass: the pass's output, W rows x 3 lhd per rank = rows x n, within a half; whole row
+            # blocks where possible; at most MAX_TILES tiles.
+            most = ws.half_bytes // (n * x.element_size())
+            most = min(most // bm * bm if most >= bm else most, MAX_TILES // (n // bn) * bm)
+            if most == 0:
+                refusal = (f"a row of the QKV output ({n * x.element_size()} bytes) exceeds half the workspace "
+                           f"({ws.half_bytes} bytes; raise WEFT_WORKSPACE_BYTES)")
+        if method == "fused" and refusal:
+            raise ValueError(f"method='fused' cannot take this call: {refusal}")
+        if method == "unfused" or refusal or s == 0:
+            self.run = self.run_unfused
+            return
 
-    def args(x, w_qkv, out, lo, rows):
-        return (x[lo:], w_qkv, out.view(w * s, width)[lo:], buf, ws.qkv_flags, ws.counter, heap, rows, s, k, n,
-                heads * d, lhd, x.stride(0), x.stride(1), w_qkv.stride(0), w_qkv.stride(1), half_len, MAX_TILES)
-    sample = torch.empty(shape, dtype=x.dtype, device=x.device)
-    passes = []
-    for lo in range(0, s, most):
-        rows = min(most, s - lo)
-        programs = _programs(triton.cdiv(rows, bm) * (n // bn), world.device)
-        passes.append((lo, rows, Launch(qkv_all_to_all_kernel, (programs,), args(x, w_qkv, sample, lo, rows),
-                                        dict(BM=bm, BN=bn, BK=bk), warps)))
+        buf, half_len = ws.data_as(x.dtype)
+        heap = group.heap.descriptor
+        width = 3 * lhd
 
-    def run(x, w_qkv):
-        out = torch.empty(shape, dtype=x.dtype, device=x.device)
-        for lo, rows, launch in passes:
-            launch(*args(x, w_qkv, out, lo, rows))
+        def args(x, w_qkv, out, lo, rows):
+            return (x[lo:], w_qkv, out.view(w * s, width)[lo:], buf, ws.qkv_flags, ws.counter, heap, rows, s, k, n,
+                    heads * d, lhd, x.stride(0), x.stride(1), w_qkv.stride(0), w_qkv.stride(1), half_len, MAX_TILES)
+        self.args = args
+        sample = torch.empty(shape, dtype=x.dtype, device=x.device)
+        self.passes = []
+        for lo in range(0, s, most):
+            rows = min(most, s - lo)
+            programs = _programs(triton.cdiv(rows, bm) * (n // bn), group.device)
+            self.passes.append((lo, rows, Launch(qkv_all_to_all_kernel, (programs,),
+                                                 args(x, w_qkv, sample, lo, rows), dict(BM=bm, BN=bn, BK=bk), warps)))
+        self.run = self.run_fused
+
+    def run_unfused(self, x, w_qkv):
+        return ulysses_all_to_all(torch.matmul(x, w_qkv).view(self.unfused_shape), packed=True, group=self.group)
+
+    def run_fused(self, x, w_qkv):
+        out = torch.empty(self.shape, dtype=x.dtype, device=x.device)
+        for lo, rows, launch in self.passes:
+            launch(*self.args(x, w_qkv, out, lo, rows))
         return out
-    return run
 
 
 @declare_op(collective=True)
-def all_to_all_o_proj(attn: torch.Tensor, w_o: torch.Tensor, method: str = "auto") -> torch.Tensor:
-    """The O projection of head-sharded attention: ulysses_all_to_all(attn, scatter="seq") seen as (S, H D),
-    times w_o. Returns (S, hidden) in attn's dtype. Collective.
+def all_to_all_o_proj(attn: torch.Tensor, w_o: torch.Tensor, method: str = "auto", group=None) -> torch.Tensor:
+    """The O projection of head-sharded attention over the members of `group` (default: the world; W its
+    size): ulysses_all_to_all(attn, scatter="seq") seen as (S, H D), times w_o. Returns (S, hidden) in attn's
+    dtype. Collective over the group.
 
     attn (W S, H / W, D) (this rank's heads of every token), w_o (H D, hidden); bf16, fp16, fp32.
     method: "fused" (each arriving row block of head columns feeds the GEMM tiles that wait for it; in
     passes of as many tokens as half the workspace holds), "unfused" (ulysses_all_to_all, then
     torch.matmul), "auto" (fused where it can take the call and is measured faster: ulysses.auto_fused).
     """
-    world = world_or_raise()
-    found = plan(world, lambda: ("all_to_all_o_proj", signature(attn), signature(w_o), w_o.stride(), method),
-                 lambda: _o_plan(world, attn, w_o, method))
-    return found(attn, w_o)
+    g = resolve(group)
+    found = plan(g, lambda: ("all_to_all_o_proj", signature(attn), signature(w_o), w_o.stride(), method),
+                 lambda: OProjPlan(g, attn, w_o, method))
+    return found.run(attn, w_o)
 
 
-def _o_plan(world, attn, w_o, method):
-    check_method(method, FUSED_METHODS)
-    check_tensor("attn", attn, world, dtypes=GEMM_DTYPES, contiguous=False)
-    w = world.world_size
-    if attn.dim() != 3:
-        raise ValueError(f"attn must be (world_size * seq, heads / world_size, head_dim), got {tuple(attn.shape)}")
-    if attn.shape[0] % w:
-        raise ValueError(f"attn has {attn.shape[0]} tokens, not divisible by the world size {w}")
-    s, hl, d = attn.shape[0] // w, attn.shape[1], attn.shape[2]
-    check_tensor("w_o", w_o, world, dtypes=GEMM_DTYPES, contiguous=False)
-    if w_o.dim() != 2 or w_o.shape[0] != w * hl * d:
-        raise ValueError(f"w_o must be (heads * head_dim = {w * hl * d}, hidden), got {tuple(w_o.shape)}")
-    if w_o.dtype != attn.dtype:
-        raise TypeError(f"attn and w_o must have the same dtype, got {attn.dtype} and {w_o.dtype}")
-    n = w_o.shape[1]
-    lhd = hl * d
-    attn_contig = attn.is_contiguous()
-    bm, bn, bk, warps = _gemm_blocks(world.device)
-    if method == "auto":
-        method = "fused" if tuning.value("ulysses.auto_fused", world.device, world.world_size) else "unfused"
-    ws = _workspace(world) if method != "unfused" and s * n * lhd else None
-    gpu = world.device.type == "cuda"
-    # Tokens per pass: the pass's received (rows, W lhd) within a half; whole row blocks where possible.
-    most = ws.half_bytes // (w * lhd * attn.element_size()) if ws else 0
-    most = min(most // bm * bm if most >= bm else most, MAX_ITEMS // bm * bm)
-    if method == "fused" and ws and most == 0:
-        raise ValueError(f"method='fused' cannot take this call: a token's heads ({w * lhd * attn.element_size()} "
-                         f"bytes) exceed half the workspace ({ws.half_bytes} bytes; raise WEFT_WORKSPACE_BYTES)")
-    if method == "unfused" or not most:
-        def run(attn, w_o):
-            return torch.matmul(ulysses_all_to_all(attn, scatter="seq").view(s, w * lhd), w_o)
-        return run
+class OProjPlan(Plan):
+    """An all_to_all_o_proj of one signature: the all-to-all then matmul, or the fused kernel's passes."""
 
-    buf, half_len = ws.data_as(attn.dtype)
-    heap = world.heap.descriptor
-    cols = triton.next_power_of_2(lhd)
-    copy_rows = max(1, (4096 if gpu else 1024) // cols)
+    def __init__(self, group, attn, w_o, method):
+        super().__init__(group)
+        check_method(method, FUSED_METHODS)
+        check_tensor("attn", attn, group, dtypes=GEMM_DTYPES, contiguous=False)
+        w = group.size
+        if attn.dim() != 3:
+            raise ValueError(f"attn must be (group size * seq, heads / group size, head_dim), got "
+                             f"{tuple(attn.shape)}")
+        if attn.shape[0] % w:
+            raise ValueError(f"attn has {attn.shape[0]} tokens, not divisible by the group size {w}")
+        s, hl, d = attn.shape[0] // w, attn.shape[1], attn.shape[2]
+        check_tensor("w_o", w_o, group, dtypes=GEMM_DTYPES, contiguous=False)
+        if w_o.dim() != 2 or w_o.shape[0] != w * hl * d:
+            raise ValueError(f"w_o must be (heads * head_dim = {w * hl * d}, hidden), got {tuple(w_o.shape)}")
+        if w_o.dtype != attn.dtype:
+            raise TypeError(f"attn and w_o must have the same dtype, got {attn.dtype} and {w_o.dtype}")
+        n = w_o.shape[1]
+        lhd = hl * d
+        self.s, self.n, self.w, self.lhd = s, n, w, lhd
+        self.attn_contig = attn.is_contiguous()
+        bm, bn, bk, warps = _gemm_blocks(group.device)
+        if method == "auto":
+            method = "fused" if tuning.value("ulysses.auto_fused", group.device, w) else "unfused"
+        ws = _workspace(group) if method != "unfused" and s * n * lhd else None
+        gpu = group.device.type == "cuda"
+        # Tokens per pass: the pass's received (rows, W lhd) within a half; whole row blocks where possible.
+        most = ws.half_bytes // (w * lhd * attn.element_size()) if ws else 0
+        most = min(most // bm * bm if most >= bm else most, MAX_ITEMS // bm * bm)
+        if method == "fused" and ws and most == 0:
+            raise ValueError(f"method='fused' cannot take this call: a token's heads ({w * lhd * attn.element_size()} "
+                             f"bytes) exceed half the workspace ({ws.half_bytes} bytes; raise WEFT_WORKSPACE_BYTES)")
+        if method == "unfused" or not most:
+            self.run = self.run_unfused
+            return
 
-    def args(attn, w_o, out, lo, rows, groups):
-        return (attn[lo:], w_o, out[lo:], buf, ws.o_flags, ws.counter, heap, rows, s, n, lhd, w_o.stride(0),
-                w_o.stride(1), half_len, MAX_ITEMS, groups)
-    sample = (attn if attn_contig else attn.contiguous()).view(w * s, lhd)
-    out_sample = torch.empty((s, n), dtype=attn.dtype, device=attn.device)
-    passes = []
-    for lo in range(0, s, most):
-        rows = min(most, s - lo)
-        num_m = triton.cdiv(rows, bm)
-        # Column groups per row block: enough items to fill the GPU when row blocks are few (at most
-        # MAX_ITEMS). The interpreter runs a grid's programs one after another, so a program may wait only
-        # on the same program of its peers: there, several programs with one group each where there are
-        # several row blocks, else one program with two groups (the GPU's arrangement, in one program).
-        if gpu:
-            groups = max(1, min(gemm.num_sms(world.device) // num_m, triton.cdiv(n, bn), bm, MAX_ITEMS // num_m))
-            programs = _programs(num_m * groups, world.device)
-        else:
-            groups = 1 if num_m > 1 else min(2, triton.cdiv(n, bn))
-            programs = min(2, num_m)
-        passes.append((lo, rows, groups, Launch(all_to_all_o_proj_kernel, (programs,),
-                                                args(sample, w_o, out_sample, lo, rows, groups),
-                                                dict(BM=bm, BN=bn, BK=bk, ROWS=copy_rows, COLS=cols), warps)))
+        buf, half_len = ws.data_as(attn.dtype)
+        heap = group.heap.descriptor
+        cols = triton.next_power_of_2(lhd)
+        copy_rows = max(1, (4096 if gpu else 1024) // cols)
 
-    def run(attn, w_o):
-        out = torch.empty((s, n), dtype=attn.dtype, device=attn.device)
-        a = (attn if attn_contig else attn.contiguous()).view(w * s, lhd)
-        for lo, rows, groups, launch in passes:
-            launch(*args(a, w_o, out, lo, rows, groups))
+        def args(attn, w_o, out, lo, rows, groups):
+            return (attn[lo:], w_o, out[lo:], buf, ws.o_flags, ws.counter, heap, rows, s, n, lhd, w_o.stride(0),
+                    w_o.stride(1), half_len, MAX_ITEMS, groups)
+        self.args = args
+        sample = (attn if self.attn_contig else attn.contiguous()).view(w * s, lhd)
+        out_sample = torch.empty((s, n), dtype=attn.dtype, device=attn.device)
+        self.passes = []
+        for lo in range(0, s, most):
+            rows = min(most, s - lo)
+            num_m = triton.cdiv(rows, bm)
+            # Column groups per row block: enough items to fill the GPU when row blocks are few (at most
+            # MAX_ITEMS). The interpreter runs a grid's programs one after another, so a program may wait only
+            # on the same program of its peers: there, several programs with one group each where there are
+            # several row blocks, else one program with two groups (the GPU's arrangement, in one program).
+            if gpu:
+                groups = max(1, min(gemm.num_sms(group.device) // num_m, triton.cdiv(n, bn), bm, MAX_ITEMS // num_m))
+                programs = _programs(num_m * groups, group.device)
+            else:
+                groups = 1 if num_m > 1 else min(2, triton.cdiv(n, bn))
+                programs = min(2, num_m)
+            self.passes.append((lo, rows, groups, Launch(all_to_all_o_proj_kernel, (programs,),
+                                                         args(sample, w_o, out_sample, lo, rows, groups),
+                                                         dict(BM=bm, BN=bn, BK=bk, ROWS=copy_rows, COLS=cols), warps)))
+        self.run = self.run_fused
+
+    def run_unfused(self, attn, w_o):
+        gathered = ulysses_all_to_all(attn, scatter="seq", group=self.group)
+        return torch.matmul(gathered.view(self.s, self.w * self.lhd), w_o)
+
+    def run_fused(self, attn, w_o):
+        out = torch.empty((self.s, self.n), dtype=attn.dtype, device=attn.device)
+        a = (attn if self.attn_contig else attn.contiguous()).view(self.w * self.s, self.lhd)
+        for lo, rows, groups, launch in self.passes:
+            launch(*self.args(a, w_o, out, lo, rows, groups))
         return out
-    return run
 
 
 # Signatures for the sm_90 compile check (weft.testing.compile).
@@ -609,78 +645,78 @@ _A2A_SIG = dict(x=None, buf=None, out=None, flags="*i32", counter="*i64", heap="
                 row_v="i32", src_stride_v="i32", src_block_v="i32", dst_stride_v="i32", dst_block_v="i32",
                 slot_v="i32", half_v="i32")
 # -- the operators ------------------------------------------------------------------------------------------
-#   torch.ops.weft.ulysses_all_to_all(x, world_size, scatter, packed, method) -> the other sharding
-#   torch.ops.weft.qkv_all_to_all(x, w_qkv, heads, world_size, method)        -> (W S, 3, heads / W, D)
-#   torch.ops.weft.all_to_all_o_proj(attn, w_o, world_size, method)           -> (S, hidden)
-# The all-to-all is a permutation of the ranks' data: its backward is the all-to-all the other way. The fused
-# projections are inference ops (no autograd).
+#   torch.ops.weft.ulysses_all_to_all(x, group_name, scatter, packed, method) -> the other sharding
+#   torch.ops.weft.qkv_all_to_all(x, w_qkv, heads, group_name, method)        -> (W S, 3, heads / W, D)
+#   torch.ops.weft.all_to_all_o_proj(attn, w_o, group_name, method)           -> (S, hidden)
+# W: the size of the group named. The all-to-all is a permutation of the members' data: its backward is the
+# all-to-all the other way, over the same group. The fused projections are inference ops (no autograd).
 
 @ulysses_all_to_all.define
-def ulysses_all_to_all_op(x: torch.Tensor, world_size: int, scatter: str = "heads", packed: bool = False,
+def ulysses_all_to_all_op(x: torch.Tensor, group_name: str, scatter: str = "heads", packed: bool = False,
                           method: str = "auto") -> torch.Tensor:
-    check_world_size(world_size)
-    return fresh(ulysses_all_to_all.eager(x, scatter, packed, method), x)
+    return fresh(ulysses_all_to_all.eager(x, scatter, packed, method, group=group_name), x)
 
 
 @ulysses_all_to_all_op.register_fake
-def _(x, world_size, scatter="heads", packed=False, method="auto"):
-    return x.new_empty(_a2a_shapes(x, scatter, packed, world_size)[-1])
+def _(x, group_name, scatter="heads", packed=False, method="auto"):
+    return x.new_empty(_a2a_shapes(x, scatter, packed, group_size(group_name))[-1])
 
 
 @ulysses_all_to_all.traced
-def _(x, scatter="heads", packed=False, method="auto"):
-    return torch.ops.weft.ulysses_all_to_all(x, world_size(), scatter, packed, method)
+def _(x, scatter="heads", packed=False, method="auto", group=None):
+    return torch.ops.weft.ulysses_all_to_all(x, group_name(group), scatter, packed, method)
 
 
 def _a2a_setup(ctx, inputs, output):
-    ctx.scatter, ctx.packed = inputs[2], inputs[3]
+    ctx.group_name, ctx.scatter, ctx.packed = inputs[1], inputs[2], inputs[3]
 
 
 def _a2a_backward(ctx, grad):
     back = "seq" if ctx.scatter == "heads" else "heads"
-    return ulysses_all_to_all(grad, back, ctx.packed), None, None, None, None
+    return ulysses_all_to_all(grad, back, ctx.packed, group=ctx.group_name), None, None, None, None
 
 
 ulysses_all_to_all_op.register_autograd(_a2a_backward, setup_context=_a2a_setup)
 
 
 @qkv_all_to_all.define
-def qkv_all_to_all_op(x: torch.Tensor, w_qkv: torch.Tensor, heads: int, world_size: int,
+def qkv_all_to_all_op(x: torch.Tensor, w_qkv: torch.Tensor, heads: int, group_name: str,
                       method: str = "auto") -> torch.Tensor:
-    check_world_size(world_size)
-    return qkv_all_to_all.eager(x, w_qkv, heads, method)
+    return qkv_all_to_all.eager(x, w_qkv, heads, method, group=group_name)
 
 
 @qkv_all_to_all_op.register_fake
-def _(x, w_qkv, heads, world_size, method="auto"):
-    if x.dim() != 2 or w_qkv.dim() != 2 or heads <= 0 or heads % world_size or w_qkv.shape[1] % (3 * heads):
+def _(x, w_qkv, heads, group_name, method="auto"):
+    w = group_size(group_name)
+    if x.dim() != 2 or w_qkv.dim() != 2 or heads <= 0 or heads % w or w_qkv.shape[1] % (3 * heads):
         raise ValueError(f"x (S, K) {tuple(x.shape)} and w_qkv (K, 3 heads head_dim) {tuple(w_qkv.shape)} with "
-                         f"heads = {heads} divisible by the world size {world_size}")
-    return x.new_empty((world_size * x.shape[0], 3, heads // world_size, w_qkv.shape[1] // (3 * heads)))
+                         f"heads = {heads} divisible by the group size {w}")
+    return x.new_empty((w * x.shape[0], 3, heads // w, w_qkv.shape[1] // (3 * heads)))
 
 
 @qkv_all_to_all.traced
-def _(x, w_qkv, heads, method="auto"):
-    return torch.ops.weft.qkv_all_to_all(x, w_qkv, heads, world_size(), method)
+def _(x, w_qkv, heads, method="auto", group=None):
+    return torch.ops.weft.qkv_all_to_all(x, w_qkv, heads, group_name(group), method)
 
 
 @all_to_all_o_proj.define
-def all_to_all_o_proj_op(attn: torch.Tensor, w_o: torch.Tensor, world_size: int, method: str = "auto") -> torch.Tensor:
-    check_world_size(world_size)
-    return all_to_all_o_proj.eager(attn, w_o, method)
+def all_to_all_o_proj_op(attn: torch.Tensor, w_o: torch.Tensor, group_name: str,
+                         method: str = "auto") -> torch.Tensor:
+    return all_to_all_o_proj.eager(attn, w_o, method, group=group_name)
 
 
 @all_to_all_o_proj_op.register_fake
-def _(attn, w_o, world_size, method="auto"):
-    if attn.dim() != 3 or w_o.dim() != 2 or attn.shape[0] % world_size:
+def _(attn, w_o, group_name, method="auto"):
+    w = group_size(group_name)
+    if attn.dim() != 3 or w_o.dim() != 2 or attn.shape[0] % w:
         raise ValueError(f"attn (W S, heads / W, head_dim) {tuple(attn.shape)} and w_o (heads head_dim, hidden) "
-                         f"{tuple(w_o.shape)} at world size {world_size}")
-    return attn.new_empty((attn.shape[0] // world_size, w_o.shape[1]))
+                         f"{tuple(w_o.shape)} at group size {w}")
+    return attn.new_empty((attn.shape[0] // w, w_o.shape[1]))
 
 
 @all_to_all_o_proj.traced
-def _(attn, w_o, method="auto"):
-    return torch.ops.weft.all_to_all_o_proj(attn, w_o, world_size(), method)
+def _(attn, w_o, method="auto", group=None):
+    return torch.ops.weft.all_to_all_o_proj(attn, w_o, group_name(group), method)
 
 
 _QKV_SIG = dict(x=None, w=None, out=None, buf=None, flags="*i32", counter="*i64", heap="*i64", rows="i32", S="i32",
