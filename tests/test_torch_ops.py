@@ -196,24 +196,24 @@ def _opchecks():
 
     import weft
 
-    w, me = weft.world_size(), weft.rank()
+    w, me, name = weft.world_size(), weft.rank(), weft.world().name  # operators take the group by name
     t = lambda seed, *shape: _randn(seed + me, *shape).requires_grad_()  # noqa: E731
     cases = [
-        (torch.ops.weft.all_reduce, (t(0, 3, 4), w)),
-        (torch.ops.weft.all_reduce_, (_randn(1 + me, 3, 4), w)),
-        (torch.ops.weft.all_gather, (t(2, 3, 4), w)),
-        (torch.ops.weft.reduce_scatter, (t(3, 2 * w, 4), w)),
-        (torch.ops.weft.broadcast, (t(4, 5), w, 1)),
-        (torch.ops.weft.broadcast_, (_randn(4 + me, 5), w, 1)),
-        (torch.ops.weft.ag_gemm, (t(5, 3, 4), t(6, 4, 8), w)),
-        (torch.ops.weft.ag_gemm, (t(7, 3, 4), t(8, 4, 8), w, "auto", True)),
-        (torch.ops.weft.gemm_rs, (t(9, 2 * w, 4), t(10, 4, 8), w)),
-        (torch.ops.weft.gemm_ar, (t(11, 3, 4), t(12, 4, 8), w)),
+        (torch.ops.weft.all_reduce, (t(0, 3, 4), name)),
+        (torch.ops.weft.all_reduce_, (_randn(1 + me, 3, 4), name)),
+        (torch.ops.weft.all_gather, (t(2, 3, 4), name)),
+        (torch.ops.weft.reduce_scatter, (t(3, 2 * w, 4), name)),
+        (torch.ops.weft.broadcast, (t(4, 5), name, 1)),
+        (torch.ops.weft.broadcast_, (_randn(4 + me, 5), name, 1)),
+        (torch.ops.weft.ag_gemm, (t(5, 3, 4), t(6, 4, 8), name)),
+        (torch.ops.weft.ag_gemm, (t(7, 3, 4), t(8, 4, 8), name, "auto", True)),
+        (torch.ops.weft.gemm_rs, (t(9, 2 * w, 4), t(10, 4, 8), name)),
+        (torch.ops.weft.gemm_ar, (t(11, 3, 4), t(12, 4, 8), name)),
     ]
     q = _randn(20, 2, 2, 64)
     kv = _randn(21, 2, 16, 1, 64)
     cases += [(torch.ops.weft.flash_decode, (q, kv, kv, torch.tensor([16, 5], dtype=torch.int32))),
-              (torch.ops.weft.sp_flash_decode, (q, kv, kv, torch.tensor([16, 5 * me], dtype=torch.int32), w))]
+              (torch.ops.weft.sp_flash_decode, (q, kv, kv, torch.tensor([16, 5 * me], dtype=torch.int32), name))]
     for op, args in cases:
         # Every utility runs the op for real, several times; every rank runs the same sequence of calls, so
         # the collectives meet. The results are compared within a rank, never across.
@@ -265,8 +265,8 @@ def _eager_calls_are_direct():
         assert calls == [], calls
         weft.ops.gemm_ar(x, _randn(1, 4, 8).requires_grad_())
         assert calls == ["gemm_ar"], calls
-        with pytest.raises(ValueError, match="world_size"):  # the operators' explicit world size is checked
-            saved["all_gather"](x, w + 1)
+        with pytest.raises(ValueError, match="no weft group of that name"):  # the operators' group is checked
+            saved["all_gather"](x, "no-such-group")
     finally:
         for name in names:
             setattr(ns, name, saved[name])
