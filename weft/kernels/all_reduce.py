@@ -1,19 +1,29 @@
 """The reduction family through the symmetric heap: all_reduce (one-shot, two-shot), reduce_scatter, broadcast.
 
-all_reduce:     out = sum over ranks r of x on rank r, on every rank.
-reduce_scatter: out on rank r = sum over ranks of x[r * m : (r + 1) * m], x of (W * m, ...) rows.
+all_reduce:     out = the reduction (`op`) over ranks r of x on rank r, on every rank.
+reduce_scatter: out on rank r = the reduction over ranks of x[r * m : (r + 1) * m], x of (W * m, ...) rows.
 broadcast:      x on every rank = x on rank `root` (in place).
+
+Every op runs over a group (`group=`, default the world): ranks, W and `root` are the group's, and the
+kernels see only its members (weft.runtime.group). On a group of one each op is a copy or nothing, with
+no kernel and no workspace.
+
+The reductions are torch.distributed's: sum, avg, max, min, product (`op` by name or ReduceOp), over
+fp32, bf16, fp16, fp64, int8, uint8, int32, int64. The kernels take the op as a constexpr (`_combine`,
+`_finish`): 16-bit floats accumulate in fp32, the other dtypes in their own type, so integer sums and
+products wrap as torch's do; avg is the sum divided by W (for integers the wrapped sum divided toward
+zero, NCCL's average, which gloo refuses); max and min propagate NaN as torch.maximum / torch.minimum.
 
 all_reduce and reduce_scatter move data only with stores into peers' memory
 (NVLink writes on the GPU: posted, no round trip, unlike remote loads) and
 read only their own memory:
 
 - one-shot all-reduce: every rank pushes its whole x into slot [me] of every
-  rank's receive buffer, signals, and sums the W slots it received. One
+  rank's receive buffer, signals, and reduces the W slots it received. One
   synchronisation step, (W - 1) * n elements sent per rank: the fastest for
   small messages, where latency dominates.
-  Up to all_reduce.ll_max_bytes (weft.tuning) it sends LL words instead (`wl.pack_ll`: 4 bytes of x
-  and the epoch in one 8-byte store), and the receiver polls the words
+  Up to all_reduce.ll_max_bytes (weft.tuning) it sends LL words instead (float
+  dtypes; `wl.pack_ll`: 4 bytes of x and the epoch in one 8-byte store), and the receiver polls the words
   themselves (`wl.wait_ll`): no fence and no separate flag, at twice the
   bytes.
 - two-shot all-reduce: a reduce-scatter (rank r receives slice r of every
@@ -26,8 +36,8 @@ read only their own memory:
   unpack the gathered words straight into `out`.
 - reduce_scatter: the first half of two-shot, the sum written to `out`.
 
-Sums accumulate in fp32 in rank order 0, 1, ..., W - 1 on every rank, so
-every rank gets the same bits and one-shot and two-shot agree bit for bit.
+Reductions run in rank order 0, 1, ..., W - 1 on every rank, so every rank
+gets the same bits and one-shot and two-shot agree bit for bit.
 
 broadcast:      the root pushes part p of x into every rank's receive buffer, every rank
                 signals every rank, and the others copy the part into x.
@@ -782,7 +792,8 @@ class AllReducePlan(Plan):
         if method == "one_shot" and _ll_fits(nbytes, min(ll_max, ll_words // w * 4), xf, of):
             self.passes, self.path = [_one_shot_ll_pass(group, ws, xf, of, 0, n, op)], "ll"
         elif method == "one_shot":
-            self.passes = [_one_shot_pass(group, ws, xf, of, lo, hi, op) for lo, hi in _pieces(n, half_len // w - 16, 16)]
+            self.passes = [_one_shot_pass(group, ws, xf, of, lo, hi, op)
+                           for lo, hi in _pieces(n, half_len // w - 16, 16)]
             self.path = "one_shot"
         elif _ll_fits(nbytes, min(ll_two_shot_max, (ll_words // (2 * w) - 1) * w * 4), xf, of):
             self.passes, self.path = [_two_shot_ll_pass(group, ws, xf, of, 0, n, op)], "ll_two_shot"
