@@ -129,8 +129,8 @@ def test_all_reduce_2_ranks_every_method_dtype_mode():
     _check_same_everywhere(run_ranks(_all_reduce_cases, 2, cases, 2, timeout=TIMEOUT, env=ENV))
 
 
-@pytest.mark.parametrize("w", [3, 4])
-def test_all_reduce_3_4_ranks(w):
+@pytest.mark.parametrize("w", [3])  # 4 ranks: test_every_op_on_every_group_layout
+def test_all_reduce_3_ranks(w):
     cases = _cases(("one_shot", "two_shot"), DTYPES, [(1001,), (5, 7), (2,)], ("out", "inplace", "symm_out"))
     cases += [("two_shot", "bfloat16", (3, 1001), "symm_inplace"), ("two_shot", "float32", (9001,), "symm_out")]
     cases += [("auto", "bfloat16", (4097,), "none"), ("two_shot", "float32", (9001,), "out")]
@@ -191,11 +191,6 @@ def test_two_shot_takes_ll_path_up_to_its_limits():
     assert run_ranks(_two_shot_paths, 3, timeout=TIMEOUT, env=ENV) == [expected] * 3
 
 
-def test_all_reduce_1_rank():
-    cases = [(m, "float32", (5,), "out") for m in ("one_shot", "two_shot", "auto")]
-    run_ranks(_all_reduce_cases, 1, cases, 2, timeout=TIMEOUT, env=ENV)
-
-
 def _auto_choice():
     import torch
 
@@ -252,7 +247,7 @@ def _reduce_scatter_cases(cases, calls):
     return digests
 
 
-@pytest.mark.parametrize("w", [2, 3, 4])
+@pytest.mark.parametrize("w", [2, 3])  # 4 ranks: test_every_op_on_every_group_layout
 def test_reduce_scatter(w):
     cases = [(d, m, tail, mode) for d in DTYPES for (m, tail) in [(1, ()), (3, (7,)), (257, ())]
              for mode in ("out", "none", "inplace")][::(1 if w == 2 else 2)]
@@ -261,8 +256,7 @@ def test_reduce_scatter(w):
     run_ranks(_reduce_scatter_cases, w, cases, 2, timeout=TIMEOUT, env=ENV)
 
 
-def test_reduce_scatter_1_and_8_ranks():
-    run_ranks(_reduce_scatter_cases, 1, [("float32", 5, (3,), "out")], 2, timeout=TIMEOUT, env=ENV)
+def test_reduce_scatter_8_ranks():  # 1 rank: a group of one in test_every_op_on_every_group_layout
     run_ranks(_reduce_scatter_cases, 8, [("bfloat16", 3, (5,), "out")], 2, timeout=TIMEOUT, env=ENV)
 
 
@@ -296,7 +290,7 @@ def _broadcast_cases(cases, roots):
     return digests
 
 
-@pytest.mark.parametrize("w", [2, 3, 4])
+@pytest.mark.parametrize("w", [2, 3])  # 4 ranks: test_every_op_on_every_group_layout
 def test_broadcast(w):
     cases = [("float32", (1001,)), ("bfloat16", (7, 3)), ("float16", (4099,)), ("int64", (5,)), ("int8", (1001,)),
              ("float32", (3000,))]
@@ -305,8 +299,7 @@ def test_broadcast(w):
     assert all(r == results[0] for r in results)
 
 
-def test_broadcast_1_and_8_ranks():
-    run_ranks(_broadcast_cases, 1, [("float32", (5,))], [0, 0], timeout=TIMEOUT, env=ENV)
+def test_broadcast_8_ranks():  # 1 rank: a group of one in test_every_op_on_every_group_layout
     run_ranks(_broadcast_cases, 8, [("float16", (37,))], [0, 7, 3], timeout=TIMEOUT, env=ENV)
 
 
@@ -448,13 +441,13 @@ def _torch_reduce(xs, op):
     return functools.reduce(combine, xs)
 
 
-def _check_reduced(got, ref, dtype_name, op, what):
+def _check_reduced(got, ref, dtype_name, op, what, exact=False):
     import torch
 
     assert got.shape == ref.shape and got.dtype == ref.dtype, what
-    if got.is_floating_point() and op in ("sum", "avg", "product"):
+    if got.is_floating_point() and op in ("sum", "avg", "product") and not exact:
         torch.testing.assert_close(got, ref, **FLOAT_TOL[dtype_name], equal_nan=True, msg=lambda m: f"{what}: {m}")
-    else:  # integers, max and min: bit for bit
+    else:  # integers, max and min, and a group of one: bit for bit
         torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
 
 
@@ -490,12 +483,14 @@ def _every_op_and_dtype():
                     out = torch.full(shape, float("nan")).to(xs[me].dtype)
                     got = all_reduce(xs[me], op=given, method=method, out=out)
                     _check_reduced(got, ref, dtype_name, op, f"all_reduce {method} {dtype_name} {op} ll={ll}")
-                    rs = _op_inputs(dtype_name, op, (w * 2, 7), 100 * di + oi + 1000 * ll + 7, w)
+                    if ll:  # reduce_scatter has no LL form
+                        continue
+                    rs = _op_inputs(dtype_name, op, (w * 2, 7), 100 * di + oi + 7, w)
                     ref = _gloo_reduce("reduce_scatter", rs[me], op, pg, rows=2)
                     if rs[me].is_floating_point() and op in ("max", "min"):
                         ref.view(-1)[:3] = _torch_reduce(rs, op)[2 * me:2 * me + 2].reshape(-1)[:3]
                     got = reduce_scatter(rs[me], op=given)
-                    _check_reduced(got, ref, dtype_name, op, f"reduce_scatter {dtype_name} {op} ll={ll}")
+                    _check_reduced(got, ref, dtype_name, op, f"reduce_scatter {dtype_name} {op}")
             paths = {p.path for k, p in weft.world().plans.items() if k[0] == "all_reduce"}
             assert paths == ({"ll", "ll_two_shot"} if ll else {"one_shot", "two_shot"}), paths
             weft.world().plans.clear()
@@ -510,6 +505,8 @@ def test_every_op_and_dtype_matches_gloo():
 def _group_call(kind, group, seed):
     """One call of `kind` on `group` (a layout's), with fresh inputs and a poisoned output, checked against
     torch.distributed over the group's process group."""
+    import random
+
     import torch
     import torch.distributed as dist
 
@@ -520,7 +517,8 @@ def _group_call(kind, group, seed):
     g = resolve(group)
     pg, size = g.process_group, g.size
     gen = torch.Generator().manual_seed(seed * 16 + weft.rank())
-    dtype_name = ("float32", "bfloat16", "int64")[seed % 3]
+    pick = random.Random(seed)  # the call's choices, the same on every member
+    dtype_name = pick.choice(("float32", "bfloat16", "int64"))
     dtype = getattr(torch, dtype_name)
 
     def poisoned(shape):
@@ -535,29 +533,29 @@ def _group_call(kind, group, seed):
             torch.randint(-1000, 1000, shape, generator=gen).to(dtype)
 
     what = f"{kind} on {g!r} ({dtype_name})"
-    if kind in ("all_reduce", "all_reduce_"):
-        op = OP_NAMES[seed % 5]
-        given = op if seed % 2 else getattr(dist.ReduceOp, op.upper())
-        method = ("auto", "one_shot", "two_shot")[seed % 3]
+    if kind == "all_reduce":
+        op = pick.choice(OP_NAMES)
+        given = op if pick.random() < 0.5 else getattr(dist.ReduceOp, op.upper())
+        method = pick.choice(("auto", "one_shot", "two_shot"))
         x = fresh((7, 3), op)
         ref = _gloo_reduce("all_reduce", x, op, pg)
-        if kind == "all_reduce_":
+        if pick.random() < 0.5:  # in place
             assert weft.ops.all_reduce(x, op=given, method=method, out=x, group=group) is x
             got = x
         else:
             out = poisoned((7, 3))
             assert weft.ops.all_reduce(x, op=given, method=method, out=out, group=group) is out
             got = out
-        _check_reduced(got, ref, dtype_name, op, f"{what} {op} {method}")
+        _check_reduced(got, ref, dtype_name, op, f"{what} {op} {method}", exact=size == 1)
     elif kind == "reduce_scatter":
-        op = ("sum", "max", "avg")[seed % 3]
+        op = pick.choice(OP_NAMES)
         x = fresh((size * 3, 5), op)
         ref = _gloo_reduce("reduce_scatter", x, op, pg, rows=3)
         out = poisoned((3, 5))
         assert weft.ops.reduce_scatter(x, op=op, out=out, group=group) is out
-        _check_reduced(out, ref, dtype_name, op, f"{what} {op}")
+        _check_reduced(out, ref, dtype_name, op, f"{what} {op}", exact=size == 1)
     elif kind == "broadcast":
-        root = seed % size  # a group rank
+        root = pick.randrange(size)  # a group rank
         want = fresh((5, 3))
         dist.broadcast(want, group=pg, group_src=root)
         x = want.clone() if g.rank == root else poisoned((5, 3))
@@ -573,7 +571,7 @@ def _group_call(kind, group, seed):
         assert torch.equal(weft.ops.all_gather(x, group=group), ref), what
 
 
-KINDS = ("all_reduce", "all_reduce_", "reduce_scatter", "broadcast", "all_gather")
+KINDS = ("all_reduce", "reduce_scatter", "broadcast", "all_gather")
 
 
 def _on_every_layout(iterations):
@@ -623,4 +621,4 @@ def _beside_a_leftover_rank(iterations):
 
 
 def test_a_group_runs_beside_a_leftover_rank():
-    run_ranks(_beside_a_leftover_rank, 3, 3, timeout=TIMEOUT, env=ENV)
+    run_ranks(_beside_a_leftover_rank, 3, 2, timeout=TIMEOUT, env=ENV)
