@@ -468,11 +468,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _kernels_take(op: str, dtype: torch.dtype, group) -> bool:
     """Whether `auto` may give this (op, dtype) to the kernels (then by size, under the nccl_above limits): the
-    tuning data's all_reduce.kernel_dtypes.<op>, where they measured faster than the process group's collective.
-    Always on the cpu backend, whose kernels are what the tests check."""
+    tuning data's all_reduce.kernel_dtypes.<op>, where they measured faster than the process group's collective
+    (a dtype it does not name: not measured, the process group). Always on the cpu backend, whose kernels are what
+    the tests check."""
     if group.device.type != "cuda":
         return True
-    return tuning.value(f"all_reduce.kernel_dtypes.{op}", group.device, group.size)[_dtype_name(dtype)]
+    return tuning.value(f"all_reduce.kernel_dtypes.{op}", group.device, group.size).get(_dtype_name(dtype), False)
 
 
 def _out_kind(group, out, x=None) -> str:
