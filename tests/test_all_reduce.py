@@ -550,7 +550,7 @@ def _group_call(kind, group, seed):
     if kind == "all_reduce":
         op = pick.choice(OP_NAMES)
         given = op if pick.random() < 0.5 else getattr(dist.ReduceOp, op.upper())
-        method = pick.choice(("auto", "one_shot", "two_shot"))
+        method = pick.choice(("auto", "one_shot", "two_shot", "nccl"))
         x = fresh((7, 3), op)
         ref = _gloo_reduce("all_reduce", x, op, pg)
         if pick.random() < 0.5:  # in place
@@ -563,11 +563,12 @@ def _group_call(kind, group, seed):
         _check_reduced(got, ref, dtype_name, op, f"{what} {op} {method}", exact=size == 1)
     elif kind == "reduce_scatter":
         op = pick.choice(OP_NAMES)
+        method = pick.choice(("auto", "two_shot", "nccl"))
         x = fresh((size * 3, 5), op)
         ref = _gloo_reduce("reduce_scatter", x, op, pg, rows=3)
         out = poisoned((3, 5))
-        assert weft.ops.reduce_scatter(x, op=op, out=out, group=group) is out
-        _check_reduced(out, ref, dtype_name, op, f"{what} {op}", exact=size == 1)
+        assert weft.ops.reduce_scatter(x, op=op, out=out, method=method, group=group) is out
+        _check_reduced(out, ref, dtype_name, op, f"{what} {op} {method}", exact=size == 1)
     elif kind == "broadcast":
         root = pick.randrange(size)  # a group rank
         want = fresh((5, 3))
