@@ -27,7 +27,7 @@ def _gather(method, shape, dtype_name, symmetric, calls):
     return True
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [2, 4])  # 1 rank: a group of one in test_all_reduce's group layouts test
 @pytest.mark.parametrize("method", ["push", "pull", "auto"])
 def test_all_gather_methods(world, method):
     assert all(run_ranks(_gather, world, method, (37, 3), "float32", False, 3, timeout=300))

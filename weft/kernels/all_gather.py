@@ -160,6 +160,11 @@ class AllGatherWorkspace:
 # into a symmetric output push was ahead at every size measured.
 
 
+def _out_kind(group, out) -> str:
+    """out_kind, without making a group of one's heap (a symmetric out changes nothing there)."""
+    return out_kind(group, out) if group.size > 1 else "none" if out is None else "plain"
+
+
 @declare_op(tensors=("x", "out"), collective=True)
 def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto", group=None) -> torch.Tensor:
     """Gather `x` from every member of `group` (default: the world) along dim 0: returns
@@ -170,10 +175,11 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "
     same group); "pull" reads peers' staged slices straight into `out`; "nccl" is
     the process group's own all_gather; "auto" is push, or NCCL for large shards
     into a plain output (where it is measured faster). Shards larger than the
-    workspace go through in passes. Collective over the group.
+    workspace go through in passes. On a group of one: a copy of x (into `out`, or
+    a fresh tensor), no kernel. Collective over the group.
     """
     g = resolve(group)
-    found = plan(g, lambda: ("all_gather", signature(x), method, out_kind(g, out),
+    found = plan(g, lambda: ("all_gather", signature(x), method, _out_kind(g, out),
                              None if out is None else signature(out)),
                  lambda: AllGatherPlan(g, x, out, method))
     return found.run(x, out)
@@ -194,6 +200,9 @@ class AllGatherPlan(Plan):
             check_out(out, shape, x.dtype, group)
             self.check_overlap(x, out)  # before the workspace is made
         self.has_out = out is not None
+        if w == 1:  # before anything that would make the group's heap
+            self.run = self.run_alone
+            return
         self.x_contig = x.is_contiguous()
         self.out_contig = out is None or out.is_contiguous()
         symmetric = out is not None and self.out_contig and group.heap.contains(out)
@@ -215,6 +224,13 @@ class AllGatherPlan(Plan):
 
     def result(self, out):
         return torch.empty(self.shape, dtype=self.dtype, device=self.device) if out is None else out
+
+    def run_alone(self, x, out):
+        """A group of one: the gather of one shard is the shard (one copy, no kernel, no workspace)."""
+        if self.has_out:
+            self.check_overlap(x, out)
+            return out.copy_(x)
+        return x.clone(memory_format=torch.contiguous_format)
 
     def run_empty(self, x, out):
         if self.has_out:

@@ -1,19 +1,29 @@
 """The reduction family through the symmetric heap: all_reduce (one-shot, two-shot), reduce_scatter, broadcast.
 
-all_reduce:     out = sum over ranks r of x on rank r, on every rank.
-reduce_scatter: out on rank r = sum over ranks of x[r * m : (r + 1) * m], x of (W * m, ...) rows.
+all_reduce:     out = the reduction (`op`) over ranks r of x on rank r, on every rank.
+reduce_scatter: out on rank r = the reduction over ranks of x[r * m : (r + 1) * m], x of (W * m, ...) rows.
 broadcast:      x on every rank = x on rank `root` (in place).
+
+Every op runs over a group (`group=`, default the world): ranks, W and `root` are the group's, and the
+kernels see only its members (weft.runtime.group). On a group of one each op is a copy or nothing, with
+no kernel and no workspace.
+
+The reductions are torch.distributed's: sum, avg, max, min, product (`op` by name or ReduceOp), over
+fp32, bf16, fp16, fp64, int8, uint8, int32, int64. The kernels take the op as a constexpr (`_combine`,
+`_finish`): 16-bit floats accumulate in fp32, the other dtypes in their own type, so integer sums and
+products wrap as torch's do; avg is the sum divided by W (for integers the wrapped sum divided toward
+zero, NCCL's average, which gloo refuses); max and min propagate NaN as torch.maximum / torch.minimum.
 
 all_reduce and reduce_scatter move data only with stores into peers' memory
 (NVLink writes on the GPU: posted, no round trip, unlike remote loads) and
 read only their own memory:
 
 - one-shot all-reduce: every rank pushes its whole x into slot [me] of every
-  rank's receive buffer, signals, and sums the W slots it received. One
+  rank's receive buffer, signals, and reduces the W slots it received. One
   synchronisation step, (W - 1) * n elements sent per rank: the fastest for
   small messages, where latency dominates.
-  Up to all_reduce.ll_max_bytes (weft.tuning) it sends LL words instead (`wl.pack_ll`: 4 bytes of x
-  and the epoch in one 8-byte store), and the receiver polls the words
+  Up to all_reduce.ll_max_bytes (weft.tuning) it sends LL words instead (float
+  dtypes; `wl.pack_ll`: 4 bytes of x and the epoch in one 8-byte store), and the receiver polls the words
   themselves (`wl.wait_ll`): no fence and no separate flag, at twice the
   bytes.
 - two-shot all-reduce: a reduce-scatter (rank r receives slice r of every
@@ -26,8 +36,8 @@ read only their own memory:
   unpack the gathered words straight into `out`.
 - reduce_scatter: the first half of two-shot, the sum written to `out`.
 
-Sums accumulate in fp32 in rank order 0, 1, ..., W - 1 on every rank, so
-every rank gets the same bits and one-shot and two-shot agree bit for bit.
+Reductions run in rank order 0, 1, ..., W - 1 on every rank, so every rank
+gets the same bits and one-shot and two-shot agree bit for bit.
 
 broadcast:      the root pushes part p of x into every rank's receive buffer, every rank
                 signals every rank, and the others copy the part into x.
@@ -86,15 +96,13 @@ from .. import tuning
 
 from ..runtime import backend
 from .blocks import at, cast, copy, halves_of, word_of
-from .common import (Launch, as_words, check_method, check_out, check_tensor, check_world_size, nccl_from,
-                     nccl_reduce_scatter, out_kind, overlaps, plan, rows_divisible, signature, workspace,
-                     world_or_raise, world_size, zero_everywhere)
+from .common import (Launch, Plan, as_words, check_method, check_out, check_tensor, group_name, group_size,
+                     nccl_from, nccl_reduce_scatter, out_kind, overlaps, plan, resolve, rows_divisible, signature,
+                     workspace, zero_everywhere)
 from .registry import declare_op, fresh, into
 
 METHODS = ("auto", "one_shot", "two_shot", "nccl")
 RS_METHODS = ("auto", "two_shot", "nccl")
-OPS = ("sum",)
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # The measured settings of this family are in weft.tuning (family all_reduce; their runs in
 # weft/tuning/data/): how far "auto" takes one-shot (one_shot_max_bytes: one-shot sends W - 1 copies, so the
@@ -103,7 +111,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # and, into a symmetric out where the push path needs no copy-out, ll_two_shot_symmetric_max_bytes), the
 # launch rules (launch, launch_large, ll_launch), and from which message size per rank "auto" hands a call to
 # the process group's collective (NCCL) where it measured faster: nccl_above.<in_place | plain | symmetric>
-# for all_reduce, reduce_scatter_nccl_above.<plain | symmetric>.
+# for all_reduce, reduce_scatter_nccl_above.<plain | symmetric>; and which (op, dtype) pairs "auto" gives the
+# kernels at all (kernel_dtypes.<op>: {dtype name: true or false}), the others going to the process group.
 
 
 # -- device helpers -------------------------------------------------------------
@@ -124,19 +133,69 @@ def _push_all(dst, src, lo, hi, heap, WORLD: tl.constexpr, BLOCK: tl.constexpr, 
         tl.store(wl.symm_at(dst, q, heap) + offs, v, mask=mask)
 
 
+# The reductions (`op`), a constexpr of the kernels: the combine of two values, and what ends the reduction.
+SUM = tl.constexpr(0)
+AVG = tl.constexpr(1)  # the sum, divided by the group size at the end
+MAX = tl.constexpr(2)
+MIN = tl.constexpr(3)
+PRODUCT = tl.constexpr(4)
+
+
 @triton.jit
-def _sum_slots(slots, slot_len, offs, mask, MASKED: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-               VEC: tl.constexpr):
-    """fp32 sum over q = 0..WORLD-1 of slots[q * slot_len + offs] (local memory). The loop is
-    unrolled, so all WORLD loads are in flight before the adds need them."""
-    acc = tl.zeros([BLOCK], tl.float32)
+def _widen(v):
+    """v as the accumulator type: fp32 for 16-bit floats, the element type otherwise (integers wrap in their own
+    width, as torch's and NCCL's sums and products do)."""
+    if v.dtype == tl.float16:
+        v = v.to(tl.float32)
+    if v.dtype == tl.bfloat16:
+        v = v.to(tl.float32)
+    return v
+
+
+@triton.jit
+def _combine(a, b, OP: tl.constexpr):
+    """One step of the reduction; MAX / MIN propagate NaN, as torch.maximum / torch.minimum do."""
+    if OP == MAX:
+        r = tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+    elif OP == MIN:
+        r = tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+    elif OP == PRODUCT:
+        r = a * b
+    else:
+        r = a + b
+    return r
+
+
+@triton.jit
+def _finish(acc, OP: tl.constexpr, WORLD: tl.constexpr):
+    """The reduced value: for AVG the sum divided by WORLD (floats: IEEE division in the accumulator type;
+    integers: the wrapped sum divided toward zero, as NCCL's average)."""
+    if OP == AVG:
+        if acc.dtype == tl.float32:
+            acc = tl.math.div_rn(acc, tl.zeros_like(acc) + WORLD)  # `/` is an approximate division in fp32
+        elif acc.dtype == tl.float64:
+            acc = acc / WORLD
+        else:
+            acc = acc.to(tl.int64) // WORLD
+    return acc
+
+
+@triton.jit
+def _reduce_slots(slots, slot_len, offs, mask, MASKED: tl.constexpr, OP: tl.constexpr, WORLD: tl.constexpr,
+                  BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """The reduction over q = 0..WORLD-1, in rank order, of slots[q * slot_len + offs] (local memory), in the
+    accumulator type (_widen). The loop is unrolled, so all WORLD loads are in flight before the combines need
+    them."""
     for q in tl.static_range(WORLD):
         if MASKED:
-            v = tl.load(slots + q * slot_len + offs, mask=mask, other=0.0)
+            v = tl.load(slots + q * slot_len + offs, mask=mask, other=0)
         else:
             v = tl.load(at(slots + q * slot_len, offs, VEC))
-        acc += v.to(tl.float32)
-    return acc
+        if q == 0:
+            acc = _widen(v)
+        else:
+            acc = _combine(acc, _widen(v), OP)
+    return _finish(acc, OP, WORLD)
 
 
 @triton.jit
@@ -150,9 +209,9 @@ def _target(dst, own, q, me, heap):
 
 
 @triton.jit
-def _reduce(dst, slots, slot_len, lo, hi, heap, PUSH: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-            VEC: tl.constexpr, own=None):
-    """dst[i] = sum over q of slots[q * slot_len + i] for i in [lo, hi).
+def _reduce(dst, slots, slot_len, lo, hi, heap, PUSH: tl.constexpr, OP: tl.constexpr, WORLD: tl.constexpr,
+            BLOCK: tl.constexpr, VEC: tl.constexpr, own=None):
+    """dst[i] = the reduction (OP) over q of slots[q * slot_len + i] for i in [lo, hi).
 
     With PUSH, `dst` is symmetric and the result goes to every rank's `dst`; given `own` (a local tensor
     indexed as dst), this rank's share goes there instead of into its own `dst`."""
@@ -160,7 +219,7 @@ def _reduce(dst, slots, slot_len, lo, hi, heap, PUSH: tl.constexpr, WORLD: tl.co
     full = lo + (hi - lo) // BLOCK * BLOCK
     for start in range(lo, full, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        val = cast(_sum_slots(slots, slot_len, offs, None, False, WORLD, BLOCK, VEC), dst.dtype.element_ty)
+        val = cast(_reduce_slots(slots, slot_len, offs, None, False, OP, WORLD, BLOCK, VEC), dst.dtype.element_ty)
         if PUSH:
             for q in tl.static_range(WORLD):
                 tl.store(at(_target(dst, own, q, me, heap), offs, VEC), val)
@@ -168,7 +227,7 @@ def _reduce(dst, slots, slot_len, lo, hi, heap, PUSH: tl.constexpr, WORLD: tl.co
             tl.store(at(dst, offs, VEC), val)
     offs = full + tl.arange(0, BLOCK)
     mask = offs < hi
-    val = cast(_sum_slots(slots, slot_len, offs, mask, True, WORLD, BLOCK, VEC), dst.dtype.element_ty)
+    val = cast(_reduce_slots(slots, slot_len, offs, mask, True, OP, WORLD, BLOCK, VEC), dst.dtype.element_ty)
     if PUSH:
         for q in tl.static_range(WORLD):
             tl.store(_target(dst, own, q, me, heap) + offs, val, mask=mask)
@@ -187,9 +246,9 @@ def _span(s, p, n, slice_len, chunk):
 # -- kernels --------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["n", "chunk", "slot_len", "half_len"])
-def all_reduce_one_shot_kernel(x, recv, out, flags, counter, heap, n, chunk, slot_len, half_len, WORLD: tl.constexpr,
-                               BLOCK: tl.constexpr, VEC: tl.constexpr):
-    """Push part p of x into slot [me] of every rank's `recv` (half epoch % 2), then sum my W slots.
+def all_reduce_one_shot_kernel(x, recv, out, flags, counter, heap, n, chunk, slot_len, half_len, OP: tl.constexpr,
+                               WORLD: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """Push part p of x into slot [me] of every rank's `recv` (half epoch % 2), then reduce my W slots.
 
     A half of `recv` holds W slots of `slot_len` elements (from `half_len` on for the second half).
     """
@@ -203,29 +262,31 @@ def all_reduce_one_shot_kernel(x, recv, out, flags, counter, heap, n, chunk, slo
     _push_all(half + me * slot_len, x, lo, hi, heap, WORLD, BLOCK, VEC)
     wl.notify_all(arrived + me, heap, epoch)
     token = wl.wait(arrived, WORLD, epoch, wl.CMP_GE, heap=heap, op="all_reduce one-shot")
-    _reduce(out, wl.consume_token(half, token), slot_len, lo, hi, heap, False, WORLD, BLOCK, VEC)
+    _reduce(out, wl.consume_token(half, token), slot_len, lo, hi, heap, False, OP, WORLD, BLOCK, VEC)
 
 
 @triton.jit
-def _ll_sum(slots, slot_len, offs, mask, epoch, heap, ELEM: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
-    """The int32 words of the sum over q = 0..WORLD-1 (rank order, fp32) of the LL words at
+def _ll_reduce(slots, slot_len, offs, mask, epoch, heap, OP: tl.constexpr, ELEM: tl.constexpr, WORLD: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """The int32 words of the reduction (OP) over q = 0..WORLD-1 (rank order, fp32) of the LL words at
     slots[q * slot_len + offs], each awaited until it carries `epoch`. A 16-bit ELEM packs two elements
-    per word, summed separately (blocks.halves_of)."""
-    acc_lo = tl.zeros([BLOCK], tl.float32)
-    acc_hi = tl.zeros([BLOCK], tl.float32)
+    per word, reduced separately (blocks.halves_of)."""
     for q in tl.static_range(WORLD):
         got = wl.wait_ll(slots + q * slot_len + offs, mask, epoch, heap=heap, peer=q, op="all_reduce LL")
         a, b = halves_of(got, ELEM)
-        acc_lo += a
-        acc_hi += b
-    return word_of(acc_lo, acc_hi, ELEM)
+        if q == 0:
+            acc_lo, acc_hi = a, b
+        else:
+            acc_lo = _combine(acc_lo, a, OP)
+            acc_hi = _combine(acc_hi, b, OP)
+    return word_of(_finish(acc_lo, OP, WORLD), _finish(acc_hi, OP, WORLD), ELEM)
 
 
 @triton.jit(do_not_specialize=["words", "chunk", "half_words"])
-def all_reduce_ll_kernel(x, ll, out, counter, heap, words, chunk, half_words, ELEM: tl.constexpr, WORLD: tl.constexpr,
-                         BLOCK: tl.constexpr):
+def all_reduce_ll_kernel(x, ll, out, counter, heap, words, chunk, half_words, OP: tl.constexpr, ELEM: tl.constexpr,
+                         WORLD: tl.constexpr, BLOCK: tl.constexpr):
     """One-shot with the data's own words as flags: push part p of x (int32 words) as LL words into
-    slot [me] of every rank's `ll` (half epoch % 2), then sum my W slots as their words arrive.
+    slot [me] of every rank's `ll` (half epoch % 2), then reduce my W slots as their words arrive.
 
     No fence, no separate flag: each 8-byte LL word carries 4 bytes of x and the epoch. A half of `ll`
     holds W slots of `words` int64 words.
@@ -245,19 +306,19 @@ def all_reduce_ll_kernel(x, ll, out, counter, heap, words, chunk, half_words, EL
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < hi
-        tl.store(out + offs, _ll_sum(half, words, offs, mask, epoch, heap, ELEM, WORLD, BLOCK), mask=mask)
+        tl.store(out + offs, _ll_reduce(half, words, offs, mask, epoch, heap, OP, ELEM, WORLD, BLOCK), mask=mask)
 
 
 @triton.jit(do_not_specialize=["words", "slice_len", "chunk", "half_words"])
-def all_reduce_ll_two_shot_kernel(x, ll, out, counter, heap, words, slice_len, chunk, half_words, ELEM: tl.constexpr,
-                                  WORLD: tl.constexpr, BLOCK: tl.constexpr):
+def all_reduce_ll_two_shot_kernel(x, ll, out, counter, heap, words, slice_len, chunk, half_words, OP: tl.constexpr,
+                                  ELEM: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
     """Two-shot in LL words: three one-way trips and no fence, for mid-size messages.
 
     Rank r owns slice r (words [r * slice_len, (r + 1) * slice_len) of x); program p handles sub-chunk p
     of every slice. A half of `ll` (epoch parity) holds [recv: W slots of slice_len | gathered:
     W * slice_len] int64 words.
       1. push sub-chunk p of slice s of x, as LL words, into slot [me] of rank s's recv;
-      2. sum my W slots as their words arrive, push the sum as LL words into slice me of every rank's
+      2. reduce my W slots as their words arrive, push the result as LL words into slice me of every rank's
          gathered;
       3. unpack the W slices of my gathered into out as their words arrive.
     """
@@ -278,7 +339,7 @@ def all_reduce_ll_two_shot_kernel(x, ll, out, counter, heap, words, slice_len, c
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < hi
-        word = _ll_sum(recv - me * slice_len, slice_len, offs, mask, epoch, heap, ELEM, WORLD, BLOCK)
+        word = _ll_reduce(recv - me * slice_len, slice_len, offs, mask, epoch, heap, OP, ELEM, WORLD, BLOCK)
         packed = wl.pack_ll(word, epoch)
         for j in tl.static_range(WORLD):
             tl.store(wl.symm_at(gathered, (me + j) % WORLD, heap) + offs, packed, mask=mask)
@@ -294,14 +355,14 @@ def all_reduce_ll_two_shot_kernel(x, ll, out, counter, heap, words, slice_len, c
 
 @triton.jit(do_not_specialize=["n", "slice_len", "chunk", "half_len"])
 def all_reduce_two_shot_kernel(x, recv, gathered, out, flags, counter, heap, n, slice_len, chunk, half_len,
-                               GATHER: tl.constexpr, COPY_OUT: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-                               VEC: tl.constexpr):
+                               GATHER: tl.constexpr, COPY_OUT: tl.constexpr, OP: tl.constexpr, WORLD: tl.constexpr,
+                               BLOCK: tl.constexpr, VEC: tl.constexpr):
     """Reduce-scatter, then (GATHER) all-gather, of sub-chunk p of every slice.
 
     Rank r owns slice r = [r * slice_len, (r + 1) * slice_len) of the n
     elements. Phase 1: push sub-chunk p of slice q of x into slot [me] of
-    rank q's `recv` (half epoch % 2: W slots of slice_len). Phase 2: sum my
-    W slots; without GATHER (reduce_scatter) into out[0:slice_len]; with
+    rank q's `recv` (half epoch % 2: W slots of slice_len). Phase 2: reduce my
+    W slots (OP); without GATHER (reduce_scatter) into out[0:slice_len]; with
     GATHER into slice me of every rank's gathered buffer (COPY_OUT: the
     W * slice_len elements after the slots in the same half, copied to `out`
     afterwards; else the caller's symmetric `out` itself, passed as `gathered`).
@@ -330,10 +391,10 @@ def all_reduce_two_shot_kernel(x, recv, gathered, out, flags, counter, heap, n, 
         if COPY_OUT:
             # My slice's sum goes straight into my out; only the peers' slices pass through `gathered`.
             dst = slots + WORLD * slice_len
-            _reduce(dst, mine - base, slice_len, lo, hi, heap, True, WORLD, BLOCK, VEC, out)
+            _reduce(dst, mine - base, slice_len, lo, hi, heap, True, OP, WORLD, BLOCK, VEC, out)
         else:
             dst = gathered
-            _reduce(dst, mine - base, slice_len, lo, hi, heap, True, WORLD, BLOCK, VEC)
+            _reduce(dst, mine - base, slice_len, lo, hi, heap, True, OP, WORLD, BLOCK, VEC)
         wl.notify_all(reduced + me, heap, epoch)
         token = wl.wait(reduced, WORLD, epoch, wl.CMP_GE, heap=heap, op="all_reduce two-shot gather")
         if COPY_OUT:
@@ -342,7 +403,7 @@ def all_reduce_two_shot_kernel(x, recv, gathered, out, flags, counter, heap, n, 
                 lo, hi = _span((me + k) % WORLD, p, n, slice_len, chunk)
                 copy(out, res, lo, hi, BLOCK, VEC)
     else:
-        _reduce(out - base, mine - base, slice_len, lo, hi, heap, False, WORLD, BLOCK, VEC)
+        _reduce(out - base, mine - base, slice_len, lo, hi, heap, False, OP, WORLD, BLOCK, VEC)
 
 
 @triton.jit(do_not_specialize=["n", "chunk", "half_len", "root"])
@@ -372,30 +433,98 @@ def broadcast_kernel(x, recv, flags, counter, heap, n, chunk, half_len, root, BL
 # Program slots of the workspace's flags: the most programs any launch rule below uses.
 MAX_PROGRAMS = 512
 
+# The reductions, by the names torch.distributed's ReduceOp members have (lower case), and their constexpr codes.
+OPS = {"sum": SUM.value, "avg": AVG.value, "max": MAX.value, "min": MIN.value, "product": PRODUCT.value}
+_REDUCE_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max",
+               dist.ReduceOp.MIN: "min", dist.ReduceOp.PRODUCT: "product"}
+# Every dtype NCCL reduces (fp8 aside); 16-bit floats accumulate in fp32, the others in their own type.
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8, torch.int32,
+          torch.int64)
+
+
+def reduce_op_name(op) -> str:
+    """The name ("sum", "avg", "max", "min", "product") of a reduction given by name or as a
+    torch.distributed.ReduceOp (a member such as ReduceOp.MAX, or a ReduceOp made of one); ValueError naming
+    `op` for anything else (PREMUL_SUM and the bitwise BAND / BOR / BXOR included)."""
+    if type(op) is str and op in OPS:
+        return op
+    red = op.op if type(op) is dist.ReduceOp else op  # (isinstance would take a member for a ReduceOp too)
+    if type(red) is dist.ReduceOp.RedOpType and red in _REDUCE_OPS:
+        return _REDUCE_OPS[red]
+    raise ValueError(f"op must be one of {', '.join(repr(o) for o in OPS)} or the torch.distributed.ReduceOp of "
+                     f"one (SUM, AVG, MAX, MIN, PRODUCT), got {op!r}")
+
+
+def _op_key(op) -> str:
+    """reduce_op_name for a plan key: the common cases in one lookup."""
+    if type(op) is str and op in OPS:
+        return op
+    return reduce_op_name(op)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _kernels_take(op: str, dtype: torch.dtype, group) -> bool:
+    """Whether `auto` may give this (op, dtype) to the kernels (then by size, under the nccl_above limits): the
+    tuning data's all_reduce.kernel_dtypes.<op>, where they measured faster than the process group's collective
+    (a dtype it does not name: not measured, the process group). Always on the cpu backend, whose kernels are what
+    the tests check."""
+    if group.device.type != "cuda":
+        return True
+    return tuning.value(f"all_reduce.kernel_dtypes.{op}", group.device, group.size).get(_dtype_name(dtype), False)
+
+
+def _out_kind(group, out, x=None) -> str:
+    """common.out_kind, without making a group of one's heap (a symmetric out changes nothing there)."""
+    if group.size == 1:
+        return "none" if out is None else "x" if out is x else "plain"
+    return out_kind(group, out, x)
+
+
+def _pg_all_reduce(t: torch.Tensor, op: str, process_group) -> None:
+    """The process group's all_reduce of `t` in place. An integer average is the wrapped sum divided toward zero
+    (NCCL's; gloo refuses it), so it is that sum and the division here on any backend."""
+    if op == "avg" and not t.is_floating_point():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=process_group)
+        t.div_(dist.get_world_size(process_group), rounding_mode="trunc")
+        return
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op.upper()), group=process_group)
+
+
+def _pg_reduce_scatter(out: torch.Tensor, x: torch.Tensor, op: str, process_group) -> None:
+    """The process group's reduce_scatter of x into `out` (both contiguous); an integer average as _pg_all_reduce's."""
+    if op == "avg" and not x.is_floating_point():
+        nccl_reduce_scatter(out, x, process_group, op=dist.ReduceOp.SUM)
+        out.div_(dist.get_world_size(process_group), rounding_mode="trunc")
+        return
+    nccl_reduce_scatter(out, x, process_group, op=getattr(dist.ReduceOp, op.upper()))
+
 
 class ReduceWorkspace:
-    """The family's symmetric workspace, the same for every call whatever its size: an LL region (int64
-    words, zeroed: epoch 0 is never awaited) and a data region, each in two halves used by call parity;
+    """The family's symmetric workspace in one group, the same for every call whatever its size: an LL region
+    (int64 words, zeroed: epoch 0 is never awaited) and a data region, each in two halves used by call parity;
     flags [arrived[W], reduced[W]] per program slot; the epoch counter (`wl.next_epoch`)."""
 
-    def __init__(self, world):
-        heap, w = world.heap, world.world_size
-        total = world.workspace_bytes // 4096 * 4096
+    def __init__(self, group):
+        heap, w = group.heap, group.size
+        total = group.workspace_bytes // 4096 * 4096
         self.ll_half_words = total // 16 // 8  # an eighth of the workspace for LL words
         self.ll = heap.empty((2 * self.ll_half_words,), torch.int64)
         self.data_half_bytes = (total - total // 8) // 2 // 256 * 256
         self.data = heap.empty((2 * self.data_half_bytes,), torch.uint8)
         self.flags = heap.empty((MAX_PROGRAMS * 2 * w,), torch.int32)
         self.counter = heap.empty((1,), torch.int64)
-        zero_everywhere(world, self.ll, self.flags, self.counter)
+        zero_everywhere(group, self.ll, self.flags, self.counter)
 
     def data_as(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
         """The data region as `dtype` elements, and the elements in one half."""
         return self.data.view(dtype), self.data_half_bytes // dtype.itemsize
 
 
-def _workspace(world) -> ReduceWorkspace:
-    return workspace(world, "reduce", ReduceWorkspace)
+def _workspace(group) -> ReduceWorkspace:
+    return workspace(group, "reduce", ReduceWorkspace)
 
 
 def _launch_shape(n: int, element_size: int, device: torch.device, world_size: int) -> tuple[int, int, int]:
@@ -426,17 +555,14 @@ def _vector_width(element_size: int, *tensors: torch.Tensor) -> int:
     return 1
 
 
-def _check_op(op) -> None:
-    if not isinstance(op, str) or op not in OPS:
-        raise ValueError(f"op must be one of {', '.join(repr(o) for o in OPS)}, got {op!r}")
-
-
 _ELEM = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def _ll_fits(nbytes: int, limit: int, *tensors: torch.Tensor) -> bool:
-    """Whether the LL path may take it: at most `limit` bytes, and whole 4-byte words in and out."""
-    return nbytes <= limit and nbytes % 4 == 0 and all(t.data_ptr() % 4 == 0 for t in tensors)
+    """Whether the LL path may take it: a float dtype of _ELEM, at most `limit` bytes, and whole 4-byte words in
+    and out."""
+    return tensors[0].dtype in _ELEM and nbytes <= limit and nbytes % 4 == 0 and \
+        all(t.data_ptr() % 4 == 0 for t in tensors)
 
 
 class _Pass:
@@ -469,46 +595,48 @@ def _words32(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
 
-def _one_shot_ll_pass(world, ws, xf, of, lo, hi):
+def _one_shot_ll_pass(group, ws, xf, of, lo, hi, op):
     words = (hi - lo) * xf.element_size() // 4
-    programs, block, warps = _ll_launch(words, xf.device, world.world_size)
+    programs, block, warps = _ll_launch(words, xf.device, group.size)
     chunk = triton.cdiv(triton.cdiv(words, programs), block) * block
-    heap = world.heap.descriptor
+    heap = group.heap.descriptor
     args = lambda xs, os, f: (xs, f[0], os, f[1], f[2], words, chunk, ws.ll_half_words)
     return _Pass(all_reduce_ll_kernel, (programs,), args, (ws.ll, ws.counter, heap),
-                 dict(ELEM=_ELEM[xf.dtype], WORLD=world.world_size, BLOCK=block), warps, xf, of, lo, hi, _words32)
+                 dict(OP=OPS[op], ELEM=_ELEM[xf.dtype], WORLD=group.size, BLOCK=block), warps, xf, of, lo, hi,
+                 _words32)
 
 
-def _two_shot_ll_pass(world, ws, xf, of, lo, hi):
+def _two_shot_ll_pass(group, ws, xf, of, lo, hi, op):
     words = (hi - lo) * xf.element_size() // 4
-    slice_len = triton.cdiv(words, world.world_size)
-    programs, block, warps = _ll_launch(slice_len, xf.device, world.world_size)
+    slice_len = triton.cdiv(words, group.size)
+    programs, block, warps = _ll_launch(slice_len, xf.device, group.size)
     chunk = triton.cdiv(triton.cdiv(slice_len, programs), block) * block
-    heap = world.heap.descriptor
+    heap = group.heap.descriptor
     args = lambda xs, os, f: (xs, f[0], os, f[1], f[2], words, slice_len, chunk, ws.ll_half_words)
     return _Pass(all_reduce_ll_two_shot_kernel, (programs,), args, (ws.ll, ws.counter, heap),
-                 dict(ELEM=_ELEM[xf.dtype], WORLD=world.world_size, BLOCK=block), warps, xf, of, lo, hi, _words32)
+                 dict(OP=OPS[op], ELEM=_ELEM[xf.dtype], WORLD=group.size, BLOCK=block), warps, xf, of, lo, hi,
+                 _words32)
 
 
-def _one_shot_pass(world, ws, xf, of, lo, hi):
+def _one_shot_pass(group, ws, xf, of, lo, hi, op):
     n = hi - lo
     recv, half_len = ws.data_as(xf.dtype)
-    programs, block, warps = _launch_shape(n, xf.element_size(), xf.device, world.world_size)
+    programs, block, warps = _launch_shape(n, xf.element_size(), xf.device, group.size)
     slot_len = triton.cdiv(n, 16) * 16  # every slot starts 16-byte aligned
     chunk = triton.cdiv(triton.cdiv(n, programs), block) * block  # whole blocks but the last
     vec = _vector_width(xf.element_size(), xf[lo:hi], of[lo:hi])
-    heap = world.heap.descriptor
+    heap = group.heap.descriptor
     args = lambda xs, os, f: (xs, f[0], os, f[1], f[2], f[3], n, chunk, slot_len, half_len)
     return _Pass(all_reduce_one_shot_kernel, (programs,), args, (recv, ws.flags, ws.counter, heap),
-                 dict(WORLD=world.world_size, BLOCK=block, VEC=vec), warps, xf, of, lo, hi)
+                 dict(OP=OPS[op], WORLD=group.size, BLOCK=block, VEC=vec), warps, xf, of, lo, hi)
 
 
-def _two_shot_pass(world, ws, xf, of, lo, hi, gather: bool, copy_out: bool):
+def _two_shot_pass(group, ws, xf, of, lo, hi, gather: bool, copy_out: bool, op):
     """all_reduce (gather) or reduce_scatter (not) of [lo, hi): two-shot through the data region. Into a
     symmetric `out` the reduced slices go straight to every rank's out (passed as `gathered`); else into
     the half's gathered part (COPY_OUT); reduce_scatter writes my own out only."""
     n = hi - lo
-    w = world.world_size
+    w = group.size
     recv, half_len = ws.data_as(xf.dtype)
     align = 16 // xf.element_size()  # slices start 16-byte aligned; the last one is ragged (or empty)
     slice_len = triton.cdiv(triton.cdiv(n, w), align) * align if gather else n // w
@@ -517,10 +645,11 @@ def _two_shot_pass(world, ws, xf, of, lo, hi, gather: bool, copy_out: bool):
     vec = _vector_width(xf.element_size(), xf[lo:hi], of[lo:hi])
     if slice_len % vec:
         vec = 1
-    heap = world.heap.descriptor
+    heap = group.heap.descriptor
     args = lambda xs, os, f: (xs, f[0], os, os, f[1], f[2], f[3], n, slice_len, chunk, half_len)
     return _Pass(all_reduce_two_shot_kernel, (programs,), args, (recv, ws.flags, ws.counter, heap),
-                 dict(GATHER=gather, COPY_OUT=copy_out, WORLD=w, BLOCK=block, VEC=vec), warps, xf, of, lo, hi)
+                 dict(GATHER=gather, COPY_OUT=copy_out, OP=OPS[op], WORLD=w, BLOCK=block, VEC=vec), warps, xf, of,
+                 lo, hi)
 
 
 def _pieces(n: int, most: int, align: int) -> list[tuple[int, int]]:
@@ -551,117 +680,30 @@ def _check_outside(x: torch.Tensor, out: torch.Tensor) -> None:
 
 
 @declare_op(tensors=("x", "out"), collective=True)
-def all_reduce(x: torch.Tensor, op: str = "sum", method: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
-    """Sum `x` over all ranks; every rank gets the result (same shape and dtype as x).
+def all_reduce(x: torch.Tensor, op: str = "sum", method: str = "auto", out: torch.Tensor | None = None,
+               group=None) -> torch.Tensor:
+    """Reduce `x` over the members of `group` (default: the world); every member gets the result (same shape and
+    dtype as x).
 
-    op: "sum" (fp32 accumulation). method: "one_shot" (each rank reads every
+    op: "sum", "avg" (the sum divided by the group size), "max", "min", "product", or the
+    torch.distributed.ReduceOp of one (ReduceOp.SUM, ...). dtypes: fp32, bf16, fp16, fp64, int8, uint8,
+    int32, int64. 16-bit floats accumulate in fp32, the others in their own type (integers wrap as torch's
+    do; an integer average is the wrapped sum divided toward zero, as NCCL's); MAX / MIN propagate NaN as
+    torch.maximum / torch.minimum. method: "one_shot" (each rank reads every
     rank's whole input: lowest latency), "two_shot" (reduce-scatter then
     all-gather: least traffic, for large inputs), "nccl" (the process group's
     own all_reduce: NCCL on GPUs, gloo on the cpu backend), "auto" (by size,
-    world size and output kind, NCCL where it is measured faster). `out=x`
-    reduces in place; `out` may be any tensor of x's shape and dtype, of any
+    group size and output kind, NCCL where it is measured faster, and for the (op, dtype) pairs the kernels
+    are not measured on). `out=x` reduces in place; `out` may be any tensor of x's shape and dtype, of any
     layout. Any x: non-contiguous, any size (messages beyond the workspace go
-    through in passes). Collective: every rank calls it with the same shape,
-    dtype and method.
+    through in passes). On a group of one: a copy into `out` (none in place), no kernel. Collective over the
+    group: every member calls it with the same shape, dtype, op and method.
     """
-    world = world_or_raise()
-    found = plan(world, lambda: ("all_reduce", signature(x), op, method, out_kind(world, out, x),
-                                 None if out is None or out is x else signature(out)),
-                 lambda: _all_reduce_plan(world, x, op, method, out))
-    return found(x, out)
-
-
-def _all_reduce_plan(world, x, op, method, out):
-    """The plan of an all_reduce call signature; `.path` names the kernel (or "nccl") that serves it."""
-    check_tensor("x", x, world, dtypes=DTYPES, contiguous=False)
-    _check_op(op)
-    check_method(method, METHODS)
-    if out is not None:
-        check_out(out, x.shape, x.dtype, world)
-    kind = out_kind(world, out, x)
-    shape, n, w = x.shape, x.numel(), world.world_size
-    nbytes = n * x.element_size()
-    x_contig = x.is_contiguous()
-    out_contig = out is None or out.is_contiguous()
-    target = out if out is not None else x  # what the output's alignment follows
-    symmetric = out is not None and out_contig and world.heap.contains(out)
-    if method == "auto":
-        kind_key = "in_place" if kind == "x" and not symmetric else "symmetric" if symmetric else "plain"
-        nccl = nbytes >= nccl_from(f"all_reduce.nccl_above.{kind_key}", world)
-        method = "nccl" if nccl else _auto_method(nbytes, x.device, w)
-    check = (lambda x, out: _check_outside(x, out)) if kind in ("plain", "symmetric") else None
-    if check:
-        check(x, out)  # before the workspace is made
-
-    if n == 0:
-        def run(x, out):
-            if check:
-                check(x, out)
-            return torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
-        run.path = "empty"
-        return run
-    if method == "nccl":
-        group = world.group
-
-        def run(x, out):
-            if check:
-                check(x, out)
-            if out is None:
-                res = x.clone(memory_format=torch.contiguous_format)
-            elif out is x and x_contig:
-                res = out
-            else:
-                res = (out if out_contig else torch.empty(shape, dtype=x.dtype, device=x.device)).copy_(x)
-            dist.all_reduce(res, group=group)
-            if out is not None and res is not out:
-                out.copy_(res)
-            return res if out is None else out
-        run.path = "nccl"
-        return run
-
-    ws = _workspace(world)
-    xf = (x if x_contig else torch.empty(shape, dtype=x.dtype, device=x.device)).view(-1)
-    of = (target if target.is_contiguous() else torch.empty(shape, dtype=x.dtype, device=x.device)).view(-1)
-    if out is None:
-        of = torch.empty(n, dtype=x.dtype, device=x.device)
-    recv, half_len = ws.data_as(x.dtype)
-    ll_words = ws.ll_half_words
-    ll_max = tuning.value("all_reduce.ll_max_bytes", x.device, w)
-    ll_two_shot_max = tuning.value("all_reduce.ll_two_shot_symmetric_max_bytes" if symmetric
-                                   else "all_reduce.ll_two_shot_max_bytes", x.device, w)
-    if method == "one_shot" and _ll_fits(nbytes, min(ll_max, ll_words // w * 4), xf, of):
-        passes, path = [_one_shot_ll_pass(world, ws, xf, of, 0, n)], "ll"
-    elif method == "one_shot":
-        passes, path = [_one_shot_pass(world, ws, xf, of, lo, hi) for lo, hi in _pieces(n, half_len // w - 16, 16)], \
-            "one_shot"
-    elif _ll_fits(nbytes, min(ll_two_shot_max, (ll_words // (2 * w) - 1) * w * 4), xf, of):
-        passes, path = [_two_shot_ll_pass(world, ws, xf, of, 0, n)], "ll_two_shot"
-    else:
-        # Into a plain out a half holds W slots and the gathered slices; into a symmetric one just the slots.
-        copy_out = not symmetric
-        align = 16 // x.element_size()
-        most = (half_len // (2 * w if copy_out else w) - align) // align * align * w
-        passes, path = [_two_shot_pass(world, ws, xf, of, lo, hi, True, copy_out)
-                        for lo, hi in _pieces(n, most, align * w)], "two_shot"
-    single = len(passes) == 1 and x_contig and out_contig and not backend.INTERPRET
-    if single:  # the common case, in as few Python steps as it takes
-        direct = passes[0].direct
-
-        def run(x, out):
-            if check:
-                check(x, out)
-            res = torch.empty_like(x) if out is None else out  # x is contiguous here; empty_like parses less
-            direct(x, res)
-            return res
-        run.path = path
-        return run
-
-    def run(x, out):
-        if check:
-            check(x, out)
-        return _run_passes(passes, x, out, shape, x_contig, out_contig)
-    run.path = path
-    return run
+    g = resolve(group)
+    found = plan(g, lambda: ("all_reduce", signature(x), _op_key(op), method, _out_kind(g, out, x),
+                             None if out is None or out is x else signature(out)),
+                 lambda: AllReducePlan(g, x, op, method, out))
+    return found.run(x, out)
 
 
 def _auto_method(nbytes: int, device: torch.device, world_size: int) -> str:
@@ -669,320 +711,502 @@ def _auto_method(nbytes: int, device: torch.device, world_size: int) -> str:
     return "one_shot" if nbytes <= limit else "two_shot"
 
 
+class AllReducePlan(Plan):
+    """An all_reduce of one signature; `path` names what serves it: "empty", "alone" (a group of one), "nccl",
+    or the kernel ("ll", "one_shot", "ll_two_shot", "two_shot")."""
+
+    def __init__(self, group, x, op, method, out):
+        super().__init__(group)
+        check_tensor("x", x, group, dtypes=DTYPES, contiguous=False)
+        self.op = op = reduce_op_name(op)
+        check_method(method, METHODS)
+        if out is not None:
+            check_out(out, x.shape, x.dtype, group)
+        kind = _out_kind(group, out, x)
+        self.checks_out = kind in ("plain", "symmetric")
+        self.check(x, out)  # before the workspace is made
+        self.shape, self.n, w = x.shape, x.numel(), group.size
+        self.x_contig = x.is_contiguous()
+        self.out_contig = out is None or out.is_contiguous()
+        if self.n == 0:
+            self.path, self.run = "empty", self.run_empty
+        elif w == 1:
+            self.path, self.run = "alone", self.run_alone
+        else:
+            nbytes = self.n * x.element_size()
+            symmetric = out is not None and self.out_contig and group.heap.contains(out)
+            if method == "auto":
+                kind_key = "in_place" if kind == "x" and not symmetric else "symmetric" if symmetric else "plain"
+                nccl = not _kernels_take(op, x.dtype, group) or \
+                    nbytes >= nccl_from(f"all_reduce.nccl_above.{kind_key}", group)
+                method = "nccl" if nccl else _auto_method(nbytes, x.device, w)
+            if method == "nccl":
+                self.path, self.run = "nccl", self.run_nccl
+            else:
+                self.prepare_passes(group, x, out, method, symmetric)
+
+    def check(self, x, out):
+        if self.checks_out:
+            _check_outside(x, out)
+
+    def run_empty(self, x, out):
+        self.check(x, out)
+        return torch.empty(self.shape, dtype=x.dtype, device=x.device) if out is None else out
+
+    def run_alone(self, x, out):
+        """A group of one: the reduction of one value is that value (every op, bit for bit)."""
+        self.check(x, out)
+        if out is None:
+            return x.clone(memory_format=torch.contiguous_format)
+        if out is not x:
+            out.copy_(x)
+        return out
+
+    def run_nccl(self, x, out):
+        self.check(x, out)
+        if out is None:
+            res = x.clone(memory_format=torch.contiguous_format)
+        elif out is x and self.x_contig:
+            res = out
+        else:
+            res = (out if self.out_contig else torch.empty(self.shape, dtype=x.dtype, device=x.device)).copy_(x)
+        _pg_all_reduce(res, self.op, self.group.process_group)
+        if out is not None and res is not out:
+            out.copy_(res)
+        return res if out is None else out
+
+    def prepare_passes(self, group, x, out, method, symmetric):
+        """The kernel's launches: one pass per workspace-sized part of x."""
+        op, shape, n, w = self.op, self.shape, self.n, group.size
+        nbytes = n * x.element_size()
+        ws = _workspace(group)
+        target = out if out is not None else x  # what the output's alignment follows
+        xf = (x if self.x_contig else torch.empty(shape, dtype=x.dtype, device=x.device)).view(-1)
+        of = (target if target.is_contiguous() else torch.empty(shape, dtype=x.dtype, device=x.device)).view(-1)
+        if out is None:
+            of = torch.empty(n, dtype=x.dtype, device=x.device)
+        recv, half_len = ws.data_as(x.dtype)
+        ll_words = ws.ll_half_words
+        ll_max = tuning.value("all_reduce.ll_max_bytes", x.device, w)
+        ll_two_shot_max = tuning.value("all_reduce.ll_two_shot_symmetric_max_bytes" if symmetric
+                                       else "all_reduce.ll_two_shot_max_bytes", x.device, w)
+        if method == "one_shot" and _ll_fits(nbytes, min(ll_max, ll_words // w * 4), xf, of):
+            self.passes, self.path = [_one_shot_ll_pass(group, ws, xf, of, 0, n, op)], "ll"
+        elif method == "one_shot":
+            self.passes = [_one_shot_pass(group, ws, xf, of, lo, hi, op)
+                           for lo, hi in _pieces(n, half_len // w - 16, 16)]
+            self.path = "one_shot"
+        elif _ll_fits(nbytes, min(ll_two_shot_max, (ll_words // (2 * w) - 1) * w * 4), xf, of):
+            self.passes, self.path = [_two_shot_ll_pass(group, ws, xf, of, 0, n, op)], "ll_two_shot"
+        else:
+            # Into a plain out a half holds W slots and the gathered slices; into a symmetric one just the slots.
+            copy_out = not symmetric
+            align = 16 // x.element_size()
+            most = (half_len // (2 * w if copy_out else w) - align) // align * align * w
+            self.passes = [_two_shot_pass(group, ws, xf, of, lo, hi, True, copy_out, op)
+                           for lo, hi in _pieces(n, most, align * w)]
+            self.path = "two_shot"
+        if len(self.passes) == 1 and self.x_contig and self.out_contig and not backend.INTERPRET:
+            self.direct, self.run = self.passes[0].direct, self.run_direct
+        else:
+            self.run = self.run_passes
+
+    def run_direct(self, x, out):
+        """The common case (one pass, contiguous tensors), in as few Python steps as it takes."""
+        if self.checks_out:
+            _check_outside(x, out)
+        res = torch.empty_like(x) if out is None else out  # x is contiguous here; empty_like parses less
+        self.direct(x, res)
+        return res
+
+    def run_passes(self, x, out):
+        self.check(x, out)
+        return _run_passes(self.passes, x, out, self.shape, self.x_contig, self.out_contig)
+
+
 @declare_op(tensors=("x", "out"), collective=True)
 def reduce_scatter(x: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None,
-                   method: str = "auto") -> torch.Tensor:
-    """Rank r gets the sum over ranks of rows [r * m, (r + 1) * m) of x, where x has W * m rows.
+                   method: str = "auto", group=None) -> torch.Tensor:
+    """Member r of `group` (default: the world) gets the reduction over the members of rows
+    [r * m, (r + 1) * m) of x, where x has (group size) * m rows.
 
-    Returns (m, *x.shape[1:]) with x's dtype (fp32 accumulation). `out` may be
+    Returns (m, *x.shape[1:]) with x's dtype. op and dtypes as all_reduce's (the same accumulation, wrap,
+    average and NaN rules). `out` may be
     any tensor of that shape, including a row block of x itself (NCCL-style in
     place: out = x[r * m:(r + 1) * m]). method: "two_shot" (weft's push
-    kernel), "nccl" (the process group's reduce_scatter), "auto". Collective.
+    kernel), "nccl" (the process group's reduce_scatter), "auto". On a group of one: a copy of x (none in
+    place), no kernel. Collective over the group.
     """
-    world = world_or_raise()
-    found = plan(world, lambda: ("reduce_scatter", signature(x), op, method, out_kind(world, out),
-                                 None if out is None else signature(out)),
-                 lambda: _reduce_scatter_plan(world, x, op, out, method))
-    return found(x, out)
+    g = resolve(group)
+    found = plan(g, lambda: ("reduce_scatter", signature(x), _op_key(op), method, _out_kind(g, out),
+                             None if out is None else signature(out)),
+                 lambda: ReduceScatterPlan(g, x, op, out, method))
+    return found.run(x, out)
 
 
-def _reduce_scatter_plan(world, x, op, out, method):
-    check_tensor("x", x, world, dtypes=DTYPES, contiguous=False)
-    _check_op(op)
-    check_method(method, RS_METHODS)
-    w = world.world_size
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension")
-    if x.shape[0] % w:
-        raise ValueError(f"x has {x.shape[0]} rows, not divisible by the world size {w}")
-    shape = (x.shape[0] // w, *x.shape[1:])
-    if out is not None:
-        check_out(out, shape, x.dtype, world)
-    n = x.numel()
-    m = n // w  # elements per rank's block
-    x_contig = x.is_contiguous()
-    out_contig = out is None or out.is_contiguous()
-    block_bytes = max(1, m * x.element_size())
+class ReduceScatterPlan(Plan):
+    """A reduce_scatter of one signature: no data, a group of one, the process group's collective, or the
+    two-shot kernel's first half (in one pass, or pass by pass over column ranges of every rank's block)."""
 
-    def check(x, out):
+    def __init__(self, group, x, op, out, method):
+        super().__init__(group)
+        check_tensor("x", x, group, dtypes=DTYPES, contiguous=False)
+        self.op = op = reduce_op_name(op)
+        check_method(method, RS_METHODS)
+        w = group.size
+        if x.dim() == 0:
+            raise ValueError("x must have at least one dimension")
+        if x.shape[0] % w:
+            raise ValueError(f"x has {x.shape[0]} rows, not divisible by the group size {w}")
+        self.shape = shape = (x.shape[0] // w, *x.shape[1:])
+        if out is not None:
+            check_out(out, shape, x.dtype, group)
+        self.n = n = x.numel()
+        self.m = n // w  # elements per rank's block
+        self.x_contig = x.is_contiguous()
+        self.out_contig = out is None or out.is_contiguous()
+        self.block_bytes = max(1, self.m * x.element_size())
+        self.dtype, self.device = x.dtype, x.device
+        self.check(x, out)  # before the workspace is made
+        if n == 0:
+            self.run = self.run_empty
+        elif w == 1:
+            self.run = self.run_alone
+        else:
+            if method == "auto":
+                symmetric = out is not None and group.heap.contains(out)
+                key = f"all_reduce.reduce_scatter_nccl_above.{'symmetric' if symmetric else 'plain'}"
+                method = "nccl" if not _kernels_take(op, x.dtype, group) or \
+                    n * x.element_size() >= nccl_from(key, group) else "two_shot"
+            if method == "nccl":
+                self.run = self.run_nccl
+            else:
+                self.prepare_passes(group, x)
+
+    def check(self, x, out):
         """out may be a row block of x at a block boundary (NCCL's in place), or outside x."""
-        if out is not None and x_contig and overlaps(out, x):
+        if out is not None and self.x_contig and overlaps(out, x):
             offset = out.data_ptr() - x.data_ptr()
-            if not (out_contig and 0 <= offset and offset % block_bytes == 0):
+            if not (self.out_contig and 0 <= offset and offset % self.block_bytes == 0):
                 raise ValueError("out overlaps x without being x's row block r * m : (r + 1) * m: pass a separate "
                                  "tensor")
 
-    check(x, out)  # before the workspace is made
+    def result(self, out):
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device) if out is None else out
 
-    if n == 0:
-        def run(x, out):
-            check(x, out)
-            return torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
-        return run
-    if method == "auto":
-        symmetric = out is not None and world.heap.contains(out)
-        key = f"all_reduce.reduce_scatter_nccl_above.{'symmetric' if symmetric else 'plain'}"
-        method = "nccl" if n * x.element_size() >= nccl_from(key, world) else "two_shot"
-    if method == "nccl":
-        group = world.group
+    def run_empty(self, x, out):
+        self.check(x, out)
+        return self.result(out)
 
-        def run(x, out):
-            check(x, out)
-            res = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None or not out_contig else out
-            src = x if x_contig else x.contiguous()
-            if out is not None and overlaps(res, src):  # in place: the block to a separate buffer first
-                src = src.clone()
-            nccl_reduce_scatter(res, src, group)
-            if out is not None and res is not out:
-                out.copy_(res)
-            return res if out is None else out
-        return run
+    def run_alone(self, x, out):
+        """A group of one: its block is all of x, reduced over one member: x itself (bit for bit)."""
+        self.check(x, out)
+        if out is None:
+            return x.clone(memory_format=torch.contiguous_format)
+        if not (out.data_ptr() == x.data_ptr() and self.x_contig and self.out_contig):  # in place: nothing
+            out.copy_(x)
+        return out
 
-    ws = _workspace(world)
-    recv, half_len = ws.data_as(x.dtype)
-    most = half_len // w  # elements of each rank's block per pass
-    xf = (x if x_contig else torch.empty(x.shape, dtype=x.dtype, device=x.device)).reshape(-1)
-    of = torch.empty(m, dtype=x.dtype, device=x.device)
-    if m <= most:
-        passes = [_two_shot_pass(world, ws, xf, of, 0, n, False, False)]
-        if x_contig and out_contig and not backend.INTERPRET:  # the common case, in as few Python steps as it takes
-            direct, dtype, device = passes[0].direct, x.dtype, x.device
+    def run_nccl(self, x, out):
+        self.check(x, out)
+        res = torch.empty(self.shape, dtype=x.dtype, device=x.device) if out is None or not self.out_contig else out
+        src = x if self.x_contig else x.contiguous()
+        if out is not None and overlaps(res, src):  # in place: the block to a separate buffer first
+            src = src.clone()
+        _pg_reduce_scatter(res, src, self.op, self.group.process_group)
+        if out is not None and res is not out:
+            out.copy_(res)
+        return res if out is None else out
 
-            def run(x, out):
-                if out is not None:
-                    check(x, out)
-                res = torch.empty(shape, dtype=dtype, device=device) if out is None else out
-                direct(x, res)
-                return res
-            return run
-
-        def run(x, out):
-            check(x, out)
-            res = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
-            dst = res if out_contig else torch.empty(shape, dtype=x.dtype, device=x.device)
-            src = x if x_contig else x.contiguous()
-            if backend.INTERPRET:
-                passes[0](src.view(-1), dst.view(-1))
+    def prepare_passes(self, group, x):
+        w, n, m, op = group.size, self.n, self.m, self.op
+        ws = _workspace(group)
+        recv, half_len = ws.data_as(x.dtype)
+        most = half_len // w  # elements of each rank's block per pass
+        xf = (x if self.x_contig else torch.empty(x.shape, dtype=x.dtype, device=x.device)).reshape(-1)
+        of = torch.empty(m, dtype=x.dtype, device=x.device)
+        if m <= most:
+            self.passes = [_two_shot_pass(group, ws, xf, of, 0, n, False, False, op)]
+            if self.x_contig and self.out_contig and not backend.INTERPRET:
+                self.direct, self.run = self.passes[0].direct, self.run_direct
             else:
-                passes[0].direct(src, dst)
-            if dst is not res:
-                res.copy_(dst)
-            return res
-        return run
+                self.run = self.run_one_pass
+            return
+        # Larger than the workspace: pass by pass over a column range [lo, hi) of every rank's block, gathered
+        # into a contiguous (W, hi - lo) temporary first (a local copy: the price of a bounded workspace). The
+        # temporary is the call's own, not the plan's: a plan keeps no memory of torch's allocator.
+        self.pieces = _pieces(m, most, 16)
+        sample = torch.empty(w * self.pieces[0][1], dtype=x.dtype, device=x.device)
+        self.passes = [_two_shot_pass(group, ws, sample[:w * (hi - lo)], of[:hi - lo], 0, w * (hi - lo), False,
+                                      False, op) for lo, hi in self.pieces]
+        self.run = self.run_pieces
 
-    # Larger than the workspace: pass by pass over a column range [lo, hi) of every rank's block, gathered
-    # into a contiguous (W, hi - lo) temporary first (a local copy: the price of a bounded workspace). The
-    # temporary is the call's own, not the plan's: a plan keeps no memory of torch's allocator.
-    pieces = _pieces(m, most, 16)
-    sample = torch.empty(w * pieces[0][1], dtype=x.dtype, device=x.device)
-    passes = [_two_shot_pass(world, ws, sample[:w * (hi - lo)], of[:hi - lo], 0, w * (hi - lo), False, False)
-              for lo, hi in pieces]
+    def run_direct(self, x, out):
+        """The common case (one pass, contiguous tensors), in as few Python steps as it takes."""
+        if out is not None:
+            self.check(x, out)
+        res = self.result(out)
+        self.direct(x, res)
+        return res
 
-    def run(x, out):
-        check(x, out)
-        res = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
+    def run_one_pass(self, x, out):
+        self.check(x, out)
+        res = self.result(out)
+        dst = res if self.out_contig else torch.empty(self.shape, dtype=x.dtype, device=x.device)
+        src = x if self.x_contig else x.contiguous()
+        if backend.INTERPRET:
+            self.passes[0](src.view(-1), dst.view(-1))
+        else:
+            self.passes[0].direct(src, dst)
+        if dst is not res:
+            res.copy_(dst)
+        return res
+
+    def run_pieces(self, x, out):
+        self.check(x, out)
+        res = self.result(out)
+        w, m = self.group.size, self.m
         blocks = x.reshape(w, m)
-        stage = torch.empty(w * pieces[0][1], dtype=x.dtype, device=x.device)
+        stage = torch.empty(w * self.pieces[0][1], dtype=x.dtype, device=x.device)
         dst = torch.empty(m, dtype=x.dtype, device=x.device)
-        for (lo, hi), p in zip(pieces, passes):
+        for (lo, hi), p in zip(self.pieces, self.passes):
             part = stage[:w * (hi - lo)].view(w, hi - lo)
             part.copy_(blocks[:, lo:hi])
             p.direct(part.view(-1), dst[lo:hi])
-        res.copy_(dst.view(shape))
+        res.copy_(dst.view(self.shape))
         return res
-    return run
 
 
 @declare_op(tensors=("x",), collective=True)
-def broadcast(x: torch.Tensor, root: int = 0) -> torch.Tensor:
-    """Copy rank `root`'s x into x on every rank, in place; returns x. Any dtype and layout. Collective."""
-    world = world_or_raise()
-    found = plan(world, lambda: ("broadcast", signature(x), root if type(root) is int else None),
-                 lambda: _broadcast_plan(world, x, root))
-    return found(x)
+def broadcast(x: torch.Tensor, root: int = 0, group=None) -> torch.Tensor:
+    """Copy x of member `root` of `group` (default: the world) into x on every member, in place; returns x.
+    `root` is a group rank (member `root` is world rank group.ranks[root]). Any dtype and layout. On a group
+    of one: nothing to do. Collective over the group."""
+    g = resolve(group)
+    found = plan(g, lambda: ("broadcast", signature(x), root if type(root) is int else None),
+                 lambda: BroadcastPlan(g, x, root))
+    return found.run(x)
 
 
-def _broadcast_plan(world, x, root):
-    check_tensor("x", x, world, contiguous=False)
-    try:
-        index = operator.index(root) if not isinstance(root, bool) else None
-    except TypeError:
-        index = None
-    if index is None or not 0 <= index < world.world_size:
-        raise ValueError(f"root must be an int in [0, {world.world_size}), got {root!r}")
-    root = int(index)
-    if x.numel() == 0:
-        return lambda x: x
-    contig = x.is_contiguous()
-    ws = _workspace(world)
-    xw = as_words(x if contig else torch.empty(x.shape, dtype=x.dtype, device=x.device))
-    word_dtype = xw.dtype
-    n = xw.numel()
-    data, half_len = ws.data_as(word_dtype)
-    heap = world.heap.descriptor
-    passes = []
-    for lo, hi in _pieces(n, half_len, 16):
-        programs, block, warps = _launch_shape(hi - lo, xw.element_size(), x.device, world.world_size)
-        chunk = triton.cdiv(triton.cdiv(hi - lo, programs), block) * block
-        vec = _vector_width(xw.element_size(), xw[lo:hi])
-        args = lambda xs, os, f, k=hi - lo, chunk=chunk: (xs, *f, k, chunk, half_len, root)
-        passes.append(_Pass(broadcast_kernel, (programs,), args, (data, ws.flags, ws.counter, heap),
-                            dict(BLOCK=block, VEC=vec), warps, xw, xw, lo, hi))
-    if len(passes) == 1 and contig and not backend.INTERPRET:
-        direct = passes[0].direct
+class BroadcastPlan(Plan):
+    """A broadcast of one signature: nothing (no data, or a group of one), or the root's pushes in passes."""
 
-        def run(x):
-            direct(x, x)
-            return x
-        return run
+    def __init__(self, group, x, root):
+        super().__init__(group)
+        check_tensor("x", x, group, contiguous=False)
+        try:
+            index = operator.index(root) if not isinstance(root, bool) else None
+        except TypeError:
+            index = None
+        if index is None or not 0 <= index < group.size:
+            raise ValueError(f"root must be a group rank, an int in [0, {group.size}), got {root!r}")
+        root = int(index)
+        if x.numel() == 0 or group.size == 1:
+            self.run = self.run_nothing
+            return
+        self.contig = contig = x.is_contiguous()
+        ws = _workspace(group)
+        xw = as_words(x if contig else torch.empty(x.shape, dtype=x.dtype, device=x.device))
+        n = xw.numel()
+        data, half_len = ws.data_as(xw.dtype)
+        heap = group.heap.descriptor
+        self.passes = []
+        for lo, hi in _pieces(n, half_len, 16):
+            programs, block, warps = _launch_shape(hi - lo, xw.element_size(), x.device, group.size)
+            chunk = triton.cdiv(triton.cdiv(hi - lo, programs), block) * block
+            vec = _vector_width(xw.element_size(), xw[lo:hi])
+            args = lambda xs, os, f, k=hi - lo, chunk=chunk: (xs, *f, k, chunk, half_len, root)
+            self.passes.append(_Pass(broadcast_kernel, (programs,), args, (data, ws.flags, ws.counter, heap),
+                                     dict(BLOCK=block, VEC=vec), warps, xw, xw, lo, hi))
+        if len(self.passes) == 1 and contig and not backend.INTERPRET:
+            self.direct, self.run = self.passes[0].direct, self.run_direct
+        else:
+            self.run = self.run_passes
 
-    def run(x):
-        buf = x if contig else x.contiguous()
+    def run_nothing(self, x):
+        return x
+
+    def run_direct(self, x):
+        self.direct(x, x)
+        return x
+
+    def run_passes(self, x):
+        buf = x if self.contig else x.contiguous()
         words = as_words(buf)
-        for p in passes:
+        for p in self.passes:
             p(words, words)
         if buf is not x:
             x.copy_(buf)
         return x
-    return run
 
 
-# Signatures for the sm_90 compile check (weft.testing.compile).
 # -- the operators ------------------------------------------------------------------------------------------
-#   torch.ops.weft.all_reduce(x, world_size, op, method)       -> (x's shape)
-#   torch.ops.weft.all_reduce_(x, world_size, op, method)      -> (), x reduced in place
-#   torch.ops.weft.reduce_scatter(x, world_size, op, method)   -> (rows / W, ...)
-#   torch.ops.weft.broadcast(x, world_size, root)              -> the root's x
-#   torch.ops.weft.broadcast_(x, world_size, root)             -> (), x overwritten in place
-# Autograd (docs/design.md): all_reduce's backward is the all_reduce of the gradient; reduce_scatter's the
-# all_gather of it; broadcast's that all_reduce on the root, zero elsewhere.
+#   torch.ops.weft.all_reduce(x, group_name, op, method)       -> (x's shape)
+#   torch.ops.weft.all_reduce_(x, group_name, op, method)      -> (), x reduced in place
+#   torch.ops.weft.reduce_scatter(x, group_name, op, method)   -> (rows / group size, ...)
+#   torch.ops.weft.broadcast(x, group_name, root)              -> the root's x
+#   torch.ops.weft.broadcast_(x, group_name, root)             -> (), x overwritten in place
+# `op` is the reduction's name (a traced call passes a ReduceOp by its name). Autograd (docs/design.md), over
+# the same group: all_reduce's backward is the all_reduce of the gradient (op sum or avg: the same op);
+# reduce_scatter's the all_gather of it (avg: divided by the group size); broadcast's that all_reduce on the
+# root, zero elsewhere. max, min and product have no backward here.
 
 @all_reduce.define
-def all_reduce_op(x: torch.Tensor, world_size: int, op: str = "sum", method: str = "auto") -> torch.Tensor:
-    check_world_size(world_size)
-    return fresh(all_reduce.eager(x, op=op, method=method), x)
+def all_reduce_op(x: torch.Tensor, group_name: str, op: str = "sum", method: str = "auto") -> torch.Tensor:
+    return fresh(all_reduce.eager(x, op=op, method=method, group=group_name), x)
 
 
 @all_reduce_op.register_fake
-def _(x, world_size, op="sum", method="auto"):
+def _(x, group_name, op="sum", method="auto"):
     return x.new_empty(x.shape)
 
 
 @all_reduce.define(name="all_reduce_", mutates_args=("x",))
-def all_reduce_inplace_op(x: torch.Tensor, world_size: int, op: str = "sum", method: str = "auto") -> None:
-    check_world_size(world_size)
-    all_reduce.eager(x, op=op, method=method, out=x)
+def all_reduce_inplace_op(x: torch.Tensor, group_name: str, op: str = "sum", method: str = "auto") -> None:
+    all_reduce.eager(x, op=op, method=method, out=x, group=group_name)
 
 
 @all_reduce_inplace_op.register_fake
-def _(x, world_size, op="sum", method="auto"):
+def _(x, group_name, op="sum", method="auto"):
     return None
 
 
 @all_reduce.traced
-def _(x, op="sum", method="auto", out=None):
+def _(x, op="sum", method="auto", out=None, group=None):
+    name, op = group_name(group), reduce_op_name(op)
     if out is x and not (torch.is_grad_enabled() and x.requires_grad):
-        torch.ops.weft.all_reduce_(x, world_size(), op, method)
+        torch.ops.weft.all_reduce_(x, name, op, method)
         return x
-    return into(out, torch.ops.weft.all_reduce(x, world_size(), op, method))
+    return into(out, torch.ops.weft.all_reduce(x, name, op, method))
+
+
+def _save_group_and_op(ctx, inputs, output):
+    ctx.group_name = inputs[1]
+    ctx.op = reduce_op_name(inputs[2]) if len(inputs) > 2 else "sum"
+
+
+def _linear_op(ctx, name: str) -> str:
+    """The op of a differentiated call: sum and avg are linear; the others have no backward here."""
+    if ctx.op not in ("sum", "avg"):
+        raise NotImplementedError(f"weft.ops.{name}'s backward is defined for op 'sum' and 'avg', not {ctx.op!r}")
+    return ctx.op
 
 
 def _all_reduce_backward(ctx, grad):
-    return all_reduce(grad), None, None, None
+    # Every member's output is the same reduction of every member's x: the gradient of x is the same reduction
+    # of every member's output gradient.
+    return all_reduce(grad, op=_linear_op(ctx, "all_reduce"), group=ctx.group_name), None, None, None
 
 
-all_reduce_op.register_autograd(_all_reduce_backward)
+all_reduce_op.register_autograd(_all_reduce_backward, setup_context=_save_group_and_op)
 
 
 @reduce_scatter.define
-def reduce_scatter_op(x: torch.Tensor, world_size: int, op: str = "sum", method: str = "auto") -> torch.Tensor:
-    check_world_size(world_size)
-    return fresh(reduce_scatter.eager(x, op=op, method=method), x)
+def reduce_scatter_op(x: torch.Tensor, group_name: str, op: str = "sum", method: str = "auto") -> torch.Tensor:
+    return fresh(reduce_scatter.eager(x, op=op, method=method, group=group_name), x)
 
 
 @reduce_scatter_op.register_fake
-def _(x, world_size, op="sum", method="auto"):
-    rows_divisible(x, world_size)
-    return x.new_empty((x.shape[0] // world_size, *x.shape[1:]))
+def _(x, group_name, op="sum", method="auto"):
+    size = group_size(group_name)
+    rows_divisible(x, size)
+    return x.new_empty((x.shape[0] // size, *x.shape[1:]))
 
 
 @reduce_scatter.traced
-def _(x, op="sum", out=None, method="auto"):
-    return into(out, torch.ops.weft.reduce_scatter(x, world_size(), op, method))
+def _(x, op="sum", out=None, method="auto", group=None):
+    return into(out, torch.ops.weft.reduce_scatter(x, group_name(group), reduce_op_name(op), method))
 
 
 def _reduce_scatter_backward(ctx, grad):
     from .all_gather import all_gather
-    return all_gather(grad), None, None, None
+    gathered = all_gather(grad, group=ctx.group_name)
+    if _linear_op(ctx, "reduce_scatter") == "avg":
+        gathered = gathered / group_size(ctx.group_name)
+    return gathered, None, None, None
 
 
-reduce_scatter_op.register_autograd(_reduce_scatter_backward)
+reduce_scatter_op.register_autograd(_reduce_scatter_backward, setup_context=_save_group_and_op)
 
 
 @broadcast.define
-def broadcast_op(x: torch.Tensor, world_size: int, root: int = 0) -> torch.Tensor:
-    check_world_size(world_size)
-    return broadcast.eager(x.clone(memory_format=torch.contiguous_format), root=root)
+def broadcast_op(x: torch.Tensor, group_name: str, root: int = 0) -> torch.Tensor:
+    return broadcast.eager(x.clone(memory_format=torch.contiguous_format), root=root, group=group_name)
 
 
 @broadcast_op.register_fake
-def _(x, world_size, root=0):
+def _(x, group_name, root=0):
     return x.new_empty(x.shape)
 
 
 @broadcast.define(name="broadcast_", mutates_args=("x",))
-def broadcast_inplace_op(x: torch.Tensor, world_size: int, root: int = 0) -> None:
-    check_world_size(world_size)
-    broadcast.eager(x, root=root)
+def broadcast_inplace_op(x: torch.Tensor, group_name: str, root: int = 0) -> None:
+    broadcast.eager(x, root=root, group=group_name)
 
 
 @broadcast_inplace_op.register_fake
-def _(x, world_size, root=0):
+def _(x, group_name, root=0):
     return None
 
 
 @broadcast.traced
-def _(x, root=0):
+def _(x, root=0, group=None):
+    name = group_name(group)
     if torch.is_grad_enabled() and x.requires_grad:  # in place for autograd: a copy of the functional result
-        return x.copy_(torch.ops.weft.broadcast(x, world_size(), root))
-    torch.ops.weft.broadcast_(x, world_size(), root)
+        return x.copy_(torch.ops.weft.broadcast(x, name, root))
+    torch.ops.weft.broadcast_(x, name, root)
     return x
 
 
 def _broadcast_setup(ctx, inputs, output):
+    ctx.group_name = inputs[1]
     ctx.root = inputs[2] if len(inputs) > 2 else 0
 
 
 def _broadcast_backward(ctx, grad):
-    # Every rank's output is the root's x: the root's gradient is the sum of all of them, the others' zero.
-    summed = all_reduce(grad)
-    return (summed if world_or_raise().rank == ctx.root else torch.zeros_like(grad)), None, None
+    # Every member's output is the root's x: the root's gradient is the sum of all of them, the others' zero.
+    summed = all_reduce(grad, group=ctx.group_name)
+    return (summed if resolve(ctx.group_name).rank == ctx.root else torch.zeros_like(grad)), None, None
 
 
 broadcast_op.register_autograd(_broadcast_backward, setup_context=_broadcast_setup)
 
 
+# Signatures for the sm_90 compile check (weft.testing.compile).
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+# The other dtypes and ops, each compiled in the kernels that take them (the LL kernels take the float dtypes).
+_MORE = [("*fp64", AVG), ("*i8", AVG), ("*u8", PRODUCT), ("*i32", MAX), ("*i64", MIN), ("*fp32", MAX),
+         ("*bf16", AVG), ("*fp16", PRODUCT)]
 COMPILE_CASES = [
     (all_reduce_one_shot_kernel, dict(x=t, recv=t, out=t, flags="*i32", counter="*i64", heap="*i64", n="i32",
                                       chunk="i32", slot_len="i32", half_len="i32"),
-     dict(WORLD=wd, BLOCK=2048, VEC=v), dict(num_warps=8))
+     dict(OP=SUM.value, WORLD=wd, BLOCK=2048, VEC=v), dict(num_warps=8))
     for dt, t in _PTR.items() for wd in (2, 8) for v in (1, 16 // dt.itemsize)
 ] + [
     (all_reduce_two_shot_kernel, dict(x=t, recv=t, gathered=t, out=t, flags="*i32", counter="*i64", heap="*i64",
                                       n="i32", slice_len="i32", chunk="i32", half_len="i32"),
-     dict(GATHER=g, COPY_OUT=c, WORLD=8, BLOCK=2048, VEC=v), dict(num_warps=8))
+     dict(GATHER=g, COPY_OUT=c, OP=SUM.value, WORLD=8, BLOCK=2048, VEC=v), dict(num_warps=8))
     for dt, t in _PTR.items() for g, c in ((True, True), (True, False), (False, False)) for v in (1, 16 // dt.itemsize)
+] + [
+    (all_reduce_one_shot_kernel, dict(x=t, recv=t, out=t, flags="*i32", counter="*i64", heap="*i64", n="i32",
+                                      chunk="i32", slot_len="i32", half_len="i32"),
+     dict(OP=op.value, WORLD=4, BLOCK=1024, VEC=1), dict(num_warps=4))
+    for t, op in _MORE
+] + [
+    (all_reduce_two_shot_kernel, dict(x=t, recv=t, gathered=t, out=t, flags="*i32", counter="*i64", heap="*i64",
+                                      n="i32", slice_len="i32", chunk="i32", half_len="i32"),
+     dict(GATHER=g, COPY_OUT=True, OP=op.value, WORLD=4, BLOCK=1024, VEC=1), dict(num_warps=4))
+    for t, op in _MORE for g in (True, False)
 ] + [
     (all_reduce_ll_kernel, dict(x="*i32", ll="*i64", out="*i32", counter="*i64", heap="*i64", words="i32",
                                 chunk="i32", half_words="i32"),
-     dict(ELEM=e, WORLD=wd, BLOCK=256), dict(num_warps=4))
-    for e in (tl.float32, tl.bfloat16, tl.float16) for wd in (2, 8)
+     dict(OP=op.value, ELEM=e, WORLD=wd, BLOCK=256), dict(num_warps=4))
+    for e in (tl.float32, tl.bfloat16, tl.float16) for wd in (2, 8) for op in (SUM, AVG, MAX)
 ] + [
     (all_reduce_ll_two_shot_kernel, dict(x="*i32", ll="*i64", out="*i32", counter="*i64", heap="*i64", words="i32",
                                          slice_len="i32", chunk="i32", half_words="i32"),
-     dict(ELEM=e, WORLD=wd, BLOCK=256), dict(num_warps=4))
-    for e in (tl.float32, tl.bfloat16, tl.float16) for wd in (2, 8)
+     dict(OP=op.value, ELEM=e, WORLD=wd, BLOCK=256), dict(num_warps=4))
+    for e in (tl.float32, tl.bfloat16, tl.float16) for wd in (2, 8) for op in (SUM, MIN, PRODUCT)
 ] + [
     (broadcast_kernel, dict(x=t, recv=t, flags="*i32", counter="*i64", heap="*i64", n="i32", chunk="i32",
                             half_len="i32", root="i32"),

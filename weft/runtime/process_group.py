@@ -15,6 +15,7 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, group=None):
     return _all_gather_single(out, x, group=group)
 
 
-def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group=None):
-    """out on rank r = rows [r * m, (r + 1) * m) of the sum over ranks of x; both contiguous."""
-    return _reduce_scatter_single(out, x, group=group)
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group=None, op=dist.ReduceOp.SUM):
+    """out on rank r = rows [r * m, (r + 1) * m) of the reduction (`op`, default the sum) over ranks of x; both
+    contiguous."""
+    return _reduce_scatter_single(out, x, op=op, group=group)

@@ -115,6 +115,11 @@ KEYS = {
     "all_reduce.nccl_above.symmetric": _limit,
     "all_reduce.reduce_scatter_nccl_above.plain": _limit,
     "all_reduce.reduce_scatter_nccl_above.symmetric": _limit,
+    "all_reduce.kernel_dtypes.sum": _flags,  # {dtype name: auto gives (op, dtype) the kernels}
+    "all_reduce.kernel_dtypes.avg": _flags,
+    "all_reduce.kernel_dtypes.max": _flags,
+    "all_reduce.kernel_dtypes.min": _flags,
+    "all_reduce.kernel_dtypes.product": _flags,
     "ag_gemm.overlap_min_rows": _count,
     "ag_gemm.start": _settings,
     "gemm_rs.medium_speed": _number,
