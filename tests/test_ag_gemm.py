@@ -170,7 +170,7 @@ def test_family_on_group_layouts_4_ranks():
 def _family_beside_a_leftover_rank(iterations):
     """Ranks 0 and 1 run the family on their group while rank 2 runs it on its group of one, then waits for rank 0
     to say the pair is done: no op of the pair waits on the non-member. The pair also runs gemm_ar under
-    torch.compile(fullgraph=True) with group=: the operator takes the group's name."""
+    torch.compile(fullgraph=True) with group= (the operator takes the group's name) and ag_gemm's backward."""
     import torch
     import torch.distributed as dist
 
@@ -194,9 +194,33 @@ def _family_beside_a_leftover_rank(iterations):
     compiled = torch.compile(lambda a, b: gemm_ar(a, b, method="fused", group=pair), fullgraph=True,
                              backend="aot_eager")(a, b)
     assert torch.equal(compiled, gemm_ar(a, b, method="fused", group=pair))
+    _backward_over(pair)
     if weft.rank() == 0:
         dist.send(done + 1, dst=2)
     return 1.0
+
+
+def _backward_over(group):
+    """ag_gemm's backward (gemm_rs of the gradient, then the gathered A's product) over the forward's group,
+    against torch's gradients computed from the group's collectives."""
+    import torch
+
+    import weft
+    from weft.kernels.common import resolve
+    from weft.ops import ag_gemm
+    from weft.testing.reference import all_gather_ref, reduce_scatter_ref
+
+    g = resolve(group)
+    m, n, k = 5, 40, 24
+    gen = torch.Generator().manual_seed(900 + weft.rank())
+    a, b = torch.randn(m, k, generator=gen).requires_grad_(), torch.randn(k, n, generator=gen).requires_grad_()
+    grad_c = torch.randn(g.size * m, n, generator=gen)
+    (ag_gemm(a, b, group=group) * grad_c).sum().backward()
+    gathered, want_a = torch.empty(g.size * m, k), torch.empty(m, k)
+    all_gather_ref(gathered, a.detach(), g.process_group)
+    reduce_scatter_ref(want_a, grad_c @ b.detach().t(), g.process_group)
+    torch.testing.assert_close(a.grad, want_a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b.grad, gathered.t() @ grad_c, rtol=1e-5, atol=1e-5)
 
 
 def test_family_beside_a_leftover_rank_3_ranks():
