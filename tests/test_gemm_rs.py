@@ -149,7 +149,7 @@ def _bad_inputs():
         rejects(lambda: gemm_rs(a, torch.randn(k + 4, n), method=method, out=out), ValueError, "b_shard", g)
         if w > 1:
             rejects(lambda: gemm_rs(torch.randn(w * m + 1, k), b, method=method, out=out), ValueError,
-                     "world size", g)
+                     "group size", g)
         rejects(lambda: gemm_rs(a[None], b, method=method, out=out), ValueError, "2-D", g)
         rejects(lambda: gemm_rs(a, b, method=method, out=torch.full((m + 1, n), float("nan"))), ValueError,
                  "out", g)

@@ -45,8 +45,11 @@ path the op falls back to where measurement shows the overlap loses (see
 `auto_method`) and where the overlap cannot take the call (`overlap_refusal`:
 TMA's layout and alignment rules, a gathered A larger than the workspace).
 
-The workspace is one per world (`AgGemmWorkspace`), viewed as (W * m, K) by
-each call: the start barrier makes any change of shape between calls safe.
+Every call runs over a group (default the world; W is its size, ranks are
+group ranks). The workspace is one per group (`AgGemmWorkspace`), viewed as
+(W * m, K) by each call: the start barrier makes any change of shape between
+calls safe. On a group of one there is nothing to gather: the call is
+torch.matmul alone, with no workspace and no communication kernel.
 """
 from __future__ import annotations
 
@@ -62,8 +65,8 @@ from ..runtime.tiles import CopyEnginePush
 from . import gemm
 from .all_gather import all_gather
 from .blocks import copy, first_item
-from .common import (Launch, check_method, check_out, check_world_size, matmul_operands, out_kind, plan, signature,
-                     workspace, world_or_raise, world_size, zero_everywhere)
+from .common import (Launch, Plan, check_method, check_out, group_name, group_size, matmul_operands, plan,
+                     resolve, signature, workspace, zero_everywhere)
 from .registry import declare_op, fresh, into, no_config
 
 METHODS = ("auto", "overlap", "baseline")
@@ -145,19 +148,19 @@ def ag_gemm_kernel(a_desc, b_desc, c_desc, ready, heap, m, N, K, RAGGED: tl.cons
 
 class AgGemmWorkspace:
     """The gathered buffer (workspace_bytes, viewed as (W * m, K) per call shape), barrier words and ready
-    flags, and the copy stream the pushes use; one for every shape."""
+    flags, and the copy stream the pushes use; one for every shape, one per group."""
 
-    def __init__(self, world):
-        heap, w = world.heap, world.world_size
-        self.bytes = world.workspace_bytes // 256 * 256
+    def __init__(self, group):
+        heap, w = group.heap, group.size
+        self.bytes = group.workspace_bytes // 256 * 256
         self.gathered = heap.empty((self.bytes,), torch.uint8)
         self.bar = heap.empty((1 + w,), torch.int32)
         self.ready = heap.empty((w,), torch.int32)
-        self.streams = StreamSet(world.device, 1) if world.device.type == "cuda" else None  # the pushes' stream
-        zero_everywhere(world, self.bar, self.ready)
+        self.streams = StreamSet(group.device, 1) if group.device.type == "cuda" else None  # the pushes' stream
+        zero_everywhere(group, self.bar, self.ready)
 
 
-def overlap_refusal(world, a_shard, b, out) -> str | None:
+def overlap_refusal(group, a_shard, b, out) -> str | None:
     """Why the overlapped kernel cannot take this call (TMA and workspace constraints), or None."""
     m, k = a_shard.shape
     n = b.shape[1]
@@ -173,162 +176,194 @@ def overlap_refusal(world, a_shard, b, out) -> str | None:
             return f"{name} = {cols} is not a multiple of 16 bytes ({16 // a_shard.element_size()} elements; TMA)"
     if min(m, n, k) == 0:
         return "an empty dimension"
-    need = world.world_size * m * k * a_shard.element_size()
-    if need > world.workspace_bytes // 256 * 256:
-        return (f"the gathered A takes {need} bytes, more than the workspace ({world.workspace_bytes} bytes: "
+    need = group.size * m * k * a_shard.element_size()
+    if need > group.workspace_bytes // 256 * 256:
+        return (f"the gathered A takes {need} bytes, more than the workspace ({group.workspace_bytes} bytes: "
                 "raise WEFT_WORKSPACE_BYTES)")
     return None
 
 
-def auto_method(m: int, n: int, k: int, world) -> str:
+def auto_method(m: int, n: int, k: int, group) -> str:
     """Which path `method="auto"` takes for a_shard (m, k) and b (k, n) where the overlap can take it.
 
-    Overlap from ag_gemm.overlap_min_rows (weft.tuning) gathered rows: on 4 H200s (docs/perf.md, 2026-11-21)
-    it was 1.10-1.52x faster than NCCL + cuBLAS on every TP shape (4096 rows and more), and on 2 H200s eager
-    (2026-11-22) 1.21x at 4096 rows; at 128 rows the GEMM is too short to hide the overlap's host and launch
+    Overlap from ag_gemm.overlap_min_rows (weft.tuning, by group size) gathered rows: on 4 H200s (docs/perf.md,
+    2026-11-21) it was 1.10-1.52x faster than NCCL + cuBLAS on every TP shape (4096 rows and more), and on 2 H200s
+    eager (2026-11-22) 1.21x at 4096 rows; at 128 rows the GEMM is too short to hide the overlap's host and launch
     cost (88 us against 48 us for all_gather + cuBLAS), so small calls take the baseline.
     """
-    min_rows = tuning.value("ag_gemm.overlap_min_rows", world.device, world.world_size)
-    return "overlap" if m * world.world_size >= min_rows else "baseline"
+    min_rows = tuning.value("ag_gemm.overlap_min_rows", group.device, group.size)
+    return "overlap" if m * group.size >= min_rows else "baseline"
 
 
 @declare_op(tensors=("a_shard", "b", "out"), collective=True)
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, method: str = "auto", out: torch.Tensor | None = None,
-            return_gathered: bool = False, config: gemm.GemmConfig | None = None):
-    """all_gather(a_shard, dim 0) @ b, overlapped. Collective: every rank calls it with the same shapes.
+            return_gathered: bool = False, config: gemm.GemmConfig | None = None, group=None):
+    """all_gather(a_shard, dim 0) @ b over `group` (default: the world), overlapped. Collective: every member
+    calls it with the same shapes.
 
-    a_shard: (m, K) on every rank; b: (K, N) (this rank's column shard of the weight); bf16, fp16 or fp32;
-    any layout and size. Returns c (W * m, N), or (c, gathered A) with return_gathered.
+    a_shard: (m, K) on every member; b: (K, N) (this rank's column shard of the weight); bf16, fp16 or fp32;
+    any layout and size. Returns c (W * m, N), W the group size, member i's rows at [i * m, (i + 1) * m), or
+    (c, gathered A) with return_gathered.
     method: "overlap" (copy-engine gather under a persistent GEMM; needs contiguous, 16-byte aligned
     operands with K and N multiples of 16 bytes, and a gathered A that fits the workspace), "baseline"
     (weft all_gather, then torch.matmul), "auto" (overlap where it can take the call, else baseline).
+    On a group of one there is nothing to gather: every method is torch.matmul alone (no workspace, no
+    communication kernel); "overlap" still refuses what it refuses on more ranks.
     """
-    world = world_or_raise()
-    found = plan(world, lambda: ("ag_gemm", signature(a_shard), signature(b), method, out_kind(world, out),
-                                 None if out is None else signature(out), bool(return_gathered), config),
-                 lambda: _ag_gemm_plan(world, a_shard, b, method, out, return_gathered, config))
-    return found(a_shard, b, out)
+    g = resolve(group)
+    # The key holds no out_kind: nothing here depends on whether out is symmetric, and asking would make a
+    # group of one's heap.
+    found = plan(g, lambda: ("ag_gemm", signature(a_shard), signature(b), method,
+                             None if out is None else signature(out), bool(return_gathered), config),
+                 lambda: AgGemmPlan(g, a_shard, b, method, out, return_gathered, config))
+    return found.run(a_shard, b, out)
 
 
-def _ag_gemm_plan(world, a_shard, b, method, out, return_gathered, config):
-    check_method(method, METHODS)
-    gemm.check_operands("a_shard", a_shard, "b", b, world.device, layout=False)
-    w = world.world_size
-    m, k = a_shard.shape
-    n = b.shape[1]
-    shape = (w * m, n)
-    if out is not None:
-        check_out(out, shape, a_shard.dtype, world)
-    refusal = overlap_refusal(world, a_shard, b, out)
-    if method == "overlap" and refusal:
-        raise ValueError(f"method='overlap' cannot take this call: {refusal}")
-    if method == "auto":
-        method = "baseline" if refusal else auto_method(m, n, k, world)
+class AgGemmPlan(Plan):
+    """An ag_gemm of one signature: a plain GEMM (a group of one), all_gather + torch.matmul, or the overlap's
+    start kernel, pushes and GEMM kernel with their workspace views."""
 
-    dtype, device = a_shard.dtype, a_shard.device  # not a_shard itself: a plan keeps no caller tensor
+    def __init__(self, group, a_shard, b, method, out, return_gathered, config):
+        super().__init__(group)
+        check_method(method, METHODS)
+        gemm.check_operands("a_shard", a_shard, "b", b, group.device, layout=False)
+        w = group.size
+        m, k = a_shard.shape
+        n = b.shape[1]
+        self.shape = (w * m, n)
+        if out is not None:
+            check_out(out, self.shape, a_shard.dtype, group)
+        refusal = overlap_refusal(group, a_shard, b, out)
+        if method == "overlap" and refusal:
+            raise ValueError(f"method='overlap' cannot take this call: {refusal}")
+        if method == "auto":
+            method = "baseline" if refusal else auto_method(m, n, k, group)
+        self.return_gathered = bool(return_gathered)
+        self.dtype, self.device = a_shard.dtype, a_shard.device  # not a_shard itself: a plan keeps no caller tensor
+        if w == 1:
+            self.run = self.run_matmul
+        elif method == "baseline":
+            self.run = self.run_baseline
+        else:
+            self.prepare_overlap(group, a_shard, b, out, config)
+            self.run = self.run_overlap
 
-    def result(out):
-        return torch.empty(shape, dtype=dtype, device=device) if out is None else out
+    def result(self, out):
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device) if out is None else out
 
-    if method == "baseline":
-        def run(a_shard, b, out):
-            gathered = all_gather.eager(a_shard)
-            c = torch.matmul(gathered, b, out=result(out)) if out is None or out.is_contiguous() else \
-                out.copy_(torch.matmul(gathered, b))
-            return (c, gathered) if return_gathered else c
-        return run
+    def gemm_into(self, a, b, out):
+        """torch.matmul(a, b) into out (a fresh tensor without one; any layout of out)."""
+        if out is None or out.is_contiguous():
+            return torch.matmul(a, b, out=self.result(out))
+        return out.copy_(torch.matmul(a, b))
 
-    ws = workspace(world, "ag_gemm", AgGemmWorkspace)
-    me = world.rank
-    gathered = ws.gathered[:w * m * k * a_shard.element_size()].view(a_shard.dtype).view(w * m, k)
-    # Step s pushes tile me (my chunk) into rank me - s: its G rows [me * m, (me + 1) * m), then 1 into its flag
-    # ready[me].
-    pushes = [CopyEnginePush(world.heap.peer(gathered, (me - s) % w)[me * m:(me + 1) * m],
-                             world.heap.peer(ws.ready, (me - s) % w)[me:me + 1], 1) for s in range(1, w)]
-    local = gathered[me * m:(me + 1) * m]
-    heap = world.heap.descriptor
-    cfg = config or gemm.config_for(shape[0], n, k, world.device)
-    ragged = m % cfg.block_m != 0
-    sample = result(out)
-    if ragged:  # 3-D descriptors (W, m, .): loads zero-filled and stores clipped at each chunk's edge
-        a_desc = gemm.descriptor(gathered.view(w, m, k), (1, cfg.block_m, cfg.block_k))
-        c_desc = gemm.descriptor(sample.view(w, m, n), (1, cfg.block_m, cfg.block_n))
-    else:
-        a_desc = gemm.descriptor(gathered, (cfg.block_m, cfg.block_k))
-        c_desc = gemm.descriptor(sample, (cfg.block_m, cfg.block_n))
-    b_desc = gemm.descriptor(b, (cfg.block_k, cfg.block_n))
-    tiles = w * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    programs = min(gemm.num_sms(world.device), tiles)
-    start_rule = tuning.value("ag_gemm.start", world.device, w) if world.device.type == "cuda" else CPU_START
-    elements, block = m * k, start_rule["block"]
-    wanted = min(start_rule["max_programs"],
-                 triton.cdiv(elements * a_shard.element_size(), start_rule["program_bytes"]))
-    chunk = triton.cdiv(triton.cdiv(elements, wanted), block) * block
-    start = Launch(ag_gemm_start_kernel, (triton.cdiv(elements, chunk),),
-                   (a_shard, local, ws.bar, ws.ready, heap, elements, chunk),
-                   dict(BLOCK=block, VEC=16 // a_shard.element_size()), num_warps=4)
-    start_fixed = tuple(map(start.address, (local, ws.bar, ws.ready, heap)))
-    launch = Launch(ag_gemm_kernel, (programs,), (a_desc, b_desc, c_desc, ws.ready, heap, m, n, k),
-                    dict(RAGGED=ragged, **cfg.constexprs(), NUM_PROGRAMS=programs), cfg.num_warps)
-    streams = ws.streams
+    def run_matmul(self, a_shard, b, out):
+        # A group of one: the gathered A is a_shard itself (a copy of it where it is returned).
+        c = self.gemm_into(a_shard, b, out)
+        return (c, a_shard.clone(memory_format=torch.contiguous_format)) if self.return_gathered else c
 
-    def run(a_shard, b, out):
-        res = result(out)
-        start(start.address(a_shard), *start_fixed, elements, chunk)
+    def run_baseline(self, a_shard, b, out):
+        gathered = all_gather.eager(a_shard, group=self.group)
+        c = self.gemm_into(gathered, b, out)
+        return (c, gathered) if self.return_gathered else c
+
+    def prepare_overlap(self, group, a_shard, b, out, config):
+        w, me = group.size, group.rank
+        m, k = a_shard.shape
+        n = b.shape[1]
+        self.ws = ws = workspace(group, "ag_gemm", AgGemmWorkspace)
+        self.m, self.n, self.k = m, n, k
+        self.gathered = gathered = ws.gathered[:w * m * k * a_shard.element_size()].view(a_shard.dtype).view(w * m, k)
+        # Step s pushes tile me (my chunk) into member me - s: its G rows [me * m, (me + 1) * m), then 1 into its
+        # flag ready[me].
+        self.pushes = [CopyEnginePush(group.heap.peer(gathered, (me - s) % w)[me * m:(me + 1) * m],
+                                      group.heap.peer(ws.ready, (me - s) % w)[me:me + 1], 1) for s in range(1, w)]
+        local = gathered[me * m:(me + 1) * m]
+        self.heap = heap = group.heap.descriptor
+        cfg = config or gemm.config_for(self.shape[0], n, k, group.device)
+        self.ragged = ragged = m % cfg.block_m != 0
+        sample = self.result(out)
+        if ragged:  # 3-D descriptors (W, m, .): loads zero-filled and stores clipped at each chunk's edge
+            self.a_desc = gemm.descriptor(gathered.view(w, m, k), (1, cfg.block_m, cfg.block_k))
+            self.c_desc = gemm.descriptor(sample.view(w, m, n), (1, cfg.block_m, cfg.block_n))
+        else:
+            self.a_desc = gemm.descriptor(gathered, (cfg.block_m, cfg.block_k))
+            self.c_desc = gemm.descriptor(sample, (cfg.block_m, cfg.block_n))
+        self.b_desc = gemm.descriptor(b, (cfg.block_k, cfg.block_n))
+        tiles = w * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        programs = min(gemm.num_sms(group.device), tiles)
+        start_rule = tuning.value("ag_gemm.start", group.device, w) if group.device.type == "cuda" else CPU_START
+        self.elements, block = m * k, start_rule["block"]
+        wanted = min(start_rule["max_programs"],
+                     triton.cdiv(self.elements * a_shard.element_size(), start_rule["program_bytes"]))
+        self.chunk = triton.cdiv(triton.cdiv(self.elements, wanted), block) * block
+        self.start = Launch(ag_gemm_start_kernel, (triton.cdiv(self.elements, self.chunk),),
+                            (a_shard, local, ws.bar, ws.ready, heap, self.elements, self.chunk),
+                            dict(BLOCK=block, VEC=16 // a_shard.element_size()), num_warps=4)
+        self.start_fixed = tuple(map(self.start.address, (local, ws.bar, ws.ready, heap)))
+        self.launch = Launch(ag_gemm_kernel, (programs,),
+                             (self.a_desc, self.b_desc, self.c_desc, ws.ready, heap, m, n, k),
+                             dict(RAGGED=ragged, **cfg.constexprs(), NUM_PROGRAMS=programs), cfg.num_warps)
+
+    def run_overlap(self, a_shard, b, out):
+        m, n, k, w = self.m, self.n, self.k, self.group.size
+        res = self.result(out)
+        self.start(self.start.address(a_shard), *self.start_fixed, self.elements, self.chunk)
+        streams = self.ws.streams
         if streams is None:
-            for push in pushes:
+            for push in self.pushes:
                 push(a_shard)
         else:
             main, side = streams.current(), streams.sides[0]
             streams.wait(side, main)
-            for push in pushes:
+            for push in self.pushes:
                 push(a_shard, side[0])
-        launch(a_desc, b_desc.on(b), c_desc.on(res.view(w, m, n) if ragged else res), ws.ready, heap, m, n, k)
-        b_desc.off()  # the plan keeps no caller tensor (gemm.Descriptor)
-        c_desc.off()
+        self.launch(self.a_desc, self.b_desc.on(b), self.c_desc.on(res.view(w, m, n) if self.ragged else res),
+                    self.ws.ready, self.heap, m, n, k)
+        self.b_desc.off()  # the plan keeps no caller tensor (gemm.Descriptor)
+        self.c_desc.off()
         if streams is not None:
             streams.wait(main, side)
-        return (res, gathered.clone()) if return_gathered else res
-    return run
+        return (res, self.gathered.clone()) if self.return_gathered else res
 
 
-# -- the operator: torch.ops.weft.ag_gemm(a_shard, b, world_size, method, return_gathered) -> (c, gathered A, or an
+# -- the operator: torch.ops.weft.ag_gemm(a_shard, b, group_name, method, return_gathered) -> (c, gathered A, or an
 # empty (0, K)). Autograd (docs/design.md): grad_a_shard = gemm_rs(grad_c, bᵀ), grad_b = gatheredᵀ @ grad_c with the
-# gathered A the forward returns.
+# gathered A the forward returns, over the same group.
 
 @ag_gemm.define
-def ag_gemm_op(a_shard: torch.Tensor, b: torch.Tensor, world_size: int, method: str = "auto",
+def ag_gemm_op(a_shard: torch.Tensor, b: torch.Tensor, group_name: str, method: str = "auto",
                return_gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    check_world_size(world_size)
     if return_gathered:
-        c, gathered = ag_gemm.eager(a_shard, b, method=method, return_gathered=True)
+        c, gathered = ag_gemm.eager(a_shard, b, method=method, return_gathered=True, group=group_name)
         return c, fresh(gathered, a_shard)
-    return ag_gemm.eager(a_shard, b, method=method), a_shard.new_empty((0, a_shard.shape[1]))
+    return ag_gemm.eager(a_shard, b, method=method, group=group_name), a_shard.new_empty((0, a_shard.shape[1]))
 
 
 @ag_gemm_op.register_fake
-def _(a_shard, b, world_size, method="auto", return_gathered=False):
+def _(a_shard, b, group_name, method="auto", return_gathered=False):
     matmul_operands("a_shard", a_shard, "b", b)
-    rows = world_size * a_shard.shape[0]
+    rows = group_size(group_name) * a_shard.shape[0]
     return (a_shard.new_empty((rows, b.shape[1])),
             a_shard.new_empty((rows if return_gathered else 0, a_shard.shape[1])))
 
 
 @ag_gemm.traced
-def _(a_shard, b, method="auto", out=None, return_gathered=False, config=None):
+def _(a_shard, b, method="auto", out=None, return_gathered=False, config=None, group=None):
     no_config(config)
-    c, gathered = torch.ops.weft.ag_gemm(a_shard, b, world_size(), method,
+    c, gathered = torch.ops.weft.ag_gemm(a_shard, b, group_name(group), method,
                                          return_gathered or (torch.is_grad_enabled() and b.requires_grad))
     c = into(out, c)
     return (c, gathered) if return_gathered else c
 
 
 def _ag_gemm_setup(ctx, inputs, output):
-    a_shard, b, _, _, return_gathered = inputs
+    a_shard, b, group, _, return_gathered = inputs
     # b's gradient takes the gathered A from the output; without it (return_gathered=False) the backward
     # gathers a_shard again.
     ctx.save_for_backward(a_shard, b, output[1] if ctx.needs_input_grad[1] else None)
     ctx.return_gathered = return_gathered
+    ctx.group_name = group  # the backward's collectives run over the forward's group
     # An output nobody used gets None, not zeros: ag_gemm asks for the gathered A for the backward's sake alone
     # whenever b needs a gradient, and a reduce_scatter of zeros would be a wasted collective.
     ctx.set_materialize_grads(False)
@@ -344,13 +379,13 @@ def _ag_gemm_backward(ctx, grad_c, grad_gathered):
         if grad_c is not None:
             # bᵀ made contiguous: the overlapped gemm_rs needs contiguous operands (a copy of the weight shard costs
             # far less than losing the overlap).
-            grad_a = gemm_rs(grad_c, b.t().contiguous())
+            grad_a = gemm_rs(grad_c, b.t().contiguous(), group=ctx.group_name)
         if ctx.return_gathered and grad_gathered is not None:  # else it is the empty placeholder's
-            scattered = reduce_scatter(grad_gathered)
+            scattered = reduce_scatter(grad_gathered, group=ctx.group_name)
             grad_a = scattered if grad_a is None else grad_a + scattered
     if ctx.needs_input_grad[1] and grad_c is not None:
         if not ctx.return_gathered:
-            gathered = all_gather(a_shard)
+            gathered = all_gather(a_shard, group=ctx.group_name)
         grad_b = gathered.t() @ grad_c
     return grad_a, grad_b, None, None, None
 

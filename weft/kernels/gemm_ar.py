@@ -26,7 +26,9 @@ baseline (matmul in the input dtype, then all_reduce) makes anyway, and the sum
 still runs in fp32. fp32 inputs use tf32 products on the GPU (as
 weft.kernels.gemm does).
 
-On one rank there is nothing to reduce: the op is a plain GEMM (a GEMV at
+Every call runs over a group (default the world): "ranks" below are its
+members, W its size, and the workspace is the group's own. On a group of one
+there is nothing to reduce: the op is a plain GEMM (a GEMV at
 decode's M), which cuBLAS runs at ~99 % of the weight bytes' HBM floor where
 this kernel, tiled for the fused push, reached ~75 % (1 H100, Qwen3-8B's O and
 down projections). "auto" and "baseline" are torch.matmul there; "fused" still
@@ -58,8 +60,8 @@ import weft.language as wl
 from .. import tuning
 from .all_reduce import all_reduce
 from .blocks import cast
-from .common import (Launch, check_method, check_out, check_tensor, check_world_size, matmul_operands, out_kind,
-                     overlaps, plan, signature, workspace, world_or_raise, world_size, zero_everywhere)
+from .common import (Launch, Plan, check_method, check_out, check_tensor, group_name, matmul_operands,
+                     overlaps, plan, resolve, signature, workspace, zero_everywhere)
 from .registry import declare_op, into
 from .gemm import dot
 
@@ -177,16 +179,16 @@ CPU_CONFIG = GemmArConfig(block_m=16, block_n=32, block_k=32, num_stages=1, num_
 
 
 @tuning.memo
-def config_for(m: int, device: torch.device, world_size: int) -> GemmArConfig:
+def config_for(m: int, device: torch.device, group_size: int) -> GemmArConfig:
     if device.type != "cuda":
         return CPU_CONFIG
-    rows = tuning.value("gemm_ar.configs", device, world_size)
+    rows = tuning.value("gemm_ar.configs", device, group_size)
     return next(GemmArConfig(**cfg) for max_m, cfg in rows if max_m is None or m <= max_m)
 
 
-def fused_max_m(world) -> int:
-    """The most rows "auto" gives the fused kernel (gemm_ar.fused_max_m)."""
-    return tuning.value("gemm_ar.fused_max_m", world.device, world.world_size)
+def fused_max_m(group) -> int:
+    """The most rows "auto" gives the fused kernel (gemm_ar.fused_max_m, by group size)."""
+    return tuning.value("gemm_ar.fused_max_m", group.device, group.size)
 
 
 def stage_dtype(m: int, dtype: torch.dtype) -> torch.dtype:
@@ -201,20 +203,20 @@ MAX_TILES = 4096
 
 class GemmArWorkspace:
     """The stage (two halves by call parity, as bytes: viewed in each call's stage dtype), flags arrived[W]
-    per tile slot, and the epoch counter; one for every shape."""
+    per tile slot, and the epoch counter; one for every shape, one per group."""
 
-    def __init__(self, world):
-        heap = world.heap
-        self.half_bytes = world.workspace_bytes // 2 // 256 * 256
+    def __init__(self, group):
+        heap = group.heap
+        self.half_bytes = group.workspace_bytes // 2 // 256 * 256
         self.stage = heap.empty((2 * self.half_bytes,), torch.uint8)
-        self.flags = heap.empty((MAX_TILES * world.world_size,), torch.int32)
+        self.flags = heap.empty((MAX_TILES * group.size,), torch.int32)
         self.counter = heap.empty((1,), torch.int64)
-        zero_everywhere(world, self.flags, self.counter)
+        zero_everywhere(group, self.flags, self.counter)
 
 
-def _check_operands(a, b_shard, out, world) -> None:
+def _check_operands(a, b_shard, out, group) -> None:
     for name, t in (("a", a), ("b_shard", b_shard)):
-        check_tensor(name, t, world, dtypes=DTYPES, contiguous=False)
+        check_tensor(name, t, group, dtypes=DTYPES, contiguous=False)
         if t.dim() != 2:
             raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
     if a.dtype != b_shard.dtype:
@@ -222,134 +224,147 @@ def _check_operands(a, b_shard, out, world) -> None:
     if a.shape[1] != b_shard.shape[0]:
         raise ValueError(f"a has {a.shape[1]} columns but b_shard has {b_shard.shape[0]} rows")
     if out is not None:
-        check_out(out, (a.shape[0], b_shard.shape[1]), a.dtype, world)
+        check_out(out, (a.shape[0], b_shard.shape[1]), a.dtype, group)
 
 
-def fused_refusal(world, a, b_shard, out) -> str | None:
+def fused_refusal(group, a, b_shard, out) -> str | None:
     """Why the fused kernel cannot take this call, or None."""
     (m, _), n = a.shape, b_shard.shape[1]
-    cfg = config_for(m, world.device, world.world_size)
+    cfg = config_for(m, group.device, group.size)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    stage_bytes = world.world_size * m * n * stage_dtype(m, a.dtype).itemsize
+    stage_bytes = group.size * m * n * stage_dtype(m, a.dtype).itemsize
     if not (a.is_contiguous() and b_shard.is_contiguous() and (out is None or out.is_contiguous())):
         return "a, b_shard and out must be contiguous"
     if tiles > MAX_TILES:
         return f"the output has {tiles} tiles, more than MAX_TILES = {MAX_TILES}"
-    if stage_bytes > world.workspace_bytes // 2 // 256 * 256:
+    if stage_bytes > group.workspace_bytes // 2 // 256 * 256:
         return (f"the staged partials take {stage_bytes} bytes, more than half the workspace "
-                f"({world.workspace_bytes} bytes: raise WEFT_WORKSPACE_BYTES)")
+                f"({group.workspace_bytes} bytes: raise WEFT_WORKSPACE_BYTES)")
     return None
 
 
 @declare_op(tensors=("a", "b_shard", "out"), collective=True)
 def gemm_ar(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
-            out: torch.Tensor | None = None) -> torch.Tensor:
-    """all_reduce over ranks of a @ b_shard: the row-parallel linear layer of tensor parallelism.
+            out: torch.Tensor | None = None, group=None) -> torch.Tensor:
+    """all_reduce over the members of `group` (default: the world) of a @ b_shard: the row-parallel linear
+    layer of tensor parallelism.
 
     a: (M, K_local), b_shard: (K_local, N), same dtype (bf16, fp16, fp32), any layout; returns (M, N) in
-    that dtype, the same bits on every rank (fp32 accumulation). method: "fused" (one kernel: GEMM, push,
+    that dtype, the same bits on every member (fp32 accumulation). method: "fused" (one kernel: GEMM, push,
     sum; contiguous operands whose partials fit the workspace), "baseline" (torch.matmul, then weft's
-    all_reduce; on one rank torch.matmul alone), "auto" (on one rank torch.matmul; else fused up to
-    gemm_ar.fused_max_m rows where it can take the call). `out`: any (M, N)
-    tensor of the dtype not overlapping the operands. Collective: every rank calls it with the same
-    shapes, dtype and method.
+    all_reduce; on a group of one torch.matmul alone), "auto" (on a group of one torch.matmul; else fused up
+    to gemm_ar.fused_max_m rows where it can take the call). `out`: any (M, N) tensor of the dtype not
+    overlapping the operands. Collective: every member calls it with the same shapes, dtype and method.
     """
-    world = world_or_raise()
-    found = plan(world, lambda: ("gemm_ar", signature(a), signature(b_shard), method, out_kind(world, out),
-                                 None if out is None else signature(out)),
-                 lambda: _gemm_ar_plan(world, a, b_shard, method, out))
-    return found(a, b_shard, out)
+    g = resolve(group)
+    # The key holds no out_kind: nothing here depends on whether out is symmetric, and asking would make a
+    # group of one's heap.
+    found = plan(g, lambda: ("gemm_ar", signature(a), signature(b_shard), method,
+                             None if out is None else signature(out)),
+                 lambda: GemmArPlan(g, a, b_shard, method, out))
+    return found.run(a, b_shard, out)
 
 
-def _gemm_ar_plan(world, a, b_shard, method, out):
-    _check_operands(a, b_shard, out, world)
-    check_method(method, METHODS)
-    (m, k), n = a.shape, b_shard.shape[1]
-    shape = (m, n)
+class GemmArPlan(Plan):
+    """A gemm_ar of one signature: nothing to compute (an empty output), torch.matmul alone (a group of one),
+    torch.matmul + all_reduce, or the fused kernel's launch with its workspace views."""
 
+    def __init__(self, group, a, b_shard, method, out):
+        super().__init__(group)
+        _check_operands(a, b_shard, out, group)
+        check_method(method, METHODS)
+        (m, k), n = a.shape, b_shard.shape[1]
+        self.shape = (m, n)
+        self.dtype, self.device = a.dtype, a.device  # not a itself: a plan keeps no caller tensor
+        self.check(a, b_shard, out)  # before the workspace is made
+        refusal = fused_refusal(group, a, b_shard, out)
+        if method == "fused" and refusal:
+            raise ValueError(f"method='fused' cannot take this call: {refusal}")
+        if method == "auto":
+            method = "fused" if m <= fused_max_m(group) and refusal is None and group.size > 1 else "baseline"
+        if m == 0 or n == 0:
+            self.run = self.run_empty
+        elif method == "baseline" and group.size == 1:  # nothing to reduce: cuBLAS alone, no copy after it
+            self.run = self.run_matmul
+        elif method == "baseline":
+            self.run = self.run_baseline
+        else:
+            self.prepare_fused(group, a, b_shard, out)
+            self.run = self.run_fused
+
+    @staticmethod
     def check(a, b_shard, out):
         if out is not None and any(overlaps(out, t) for t in (a, b_shard) if t.numel()):
             raise ValueError("out overlaps a or b_shard: pass a separate tensor")
 
-    dtype, device = a.dtype, a.device  # not a itself: a plan keeps no caller tensor
+    def result(self, out):
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device) if out is None else out
 
-    def result(out):
-        return torch.empty(shape, dtype=dtype, device=device) if out is None else out
+    def run_empty(self, a, b_shard, out):
+        self.check(a, b_shard, out)
+        return self.result(out)
 
-    check(a, b_shard, out)  # before the workspace is made
-    refusal = fused_refusal(world, a, b_shard, out)
-    if method == "fused" and refusal:
-        raise ValueError(f"method='fused' cannot take this call: {refusal}")
-    if method == "auto":
-        method = "fused" if m <= fused_max_m(world) and refusal is None and world.world_size > 1 else "baseline"
-    if m == 0 or n == 0:
-        def run(a, b_shard, out):
-            check(a, b_shard, out)
-            return result(out)
-        return run
-    if method == "baseline" and world.world_size == 1:  # nothing to reduce: cuBLAS alone, no copy after it
-        def run(a, b_shard, out):
-            check(a, b_shard, out)
-            return torch.matmul(a, b_shard) if out is None else torch.matmul(a, b_shard, out=out)
-        return run
-    if method == "baseline":
-        def run(a, b_shard, out):
-            check(a, b_shard, out)
-            return all_reduce.eager(torch.matmul(a, b_shard), out=result(out))
-        return run
+    def run_matmul(self, a, b_shard, out):
+        self.check(a, b_shard, out)
+        return torch.matmul(a, b_shard) if out is None else torch.matmul(a, b_shard, out=out)
 
-    ws = workspace(world, "gemm_ar", GemmArWorkspace)
-    cfg = config_for(m, a.device, world.world_size)
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    sdtype = stage_dtype(m, a.dtype)
-    stage = ws.stage.view(sdtype)
-    half_len = ws.half_bytes // sdtype.itemsize
-    heap = world.heap.descriptor
-    sample = result(out)
-    launch = Launch(gemm_ar_kernel, (tiles,),
-                    (a, b_shard, stage, sample, ws.flags, ws.counter, heap, m, n, k, half_len),
-                    dict(WORLD=world.world_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                         NUM_STAGES=cfg.num_stages, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
-                         ALIGNED=n * sdtype.itemsize % 16 == 0), cfg.num_warps)
+    def run_baseline(self, a, b_shard, out):
+        self.check(a, b_shard, out)
+        return all_reduce.eager(torch.matmul(a, b_shard), out=self.result(out), group=self.group)
 
-    address = launch.address  # on GPUs the workspace's addresses are taken once, the caller's per call
-    f = tuple(map(address, (stage, ws.flags, ws.counter, heap)))
+    def prepare_fused(self, group, a, b_shard, out):
+        (m, k), n = a.shape, b_shard.shape[1]
+        ws = workspace(group, "gemm_ar", GemmArWorkspace)
+        cfg = config_for(m, a.device, group.size)
+        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        sdtype = stage_dtype(m, a.dtype)
+        stage = ws.stage.view(sdtype)
+        self.half_len = ws.half_bytes // sdtype.itemsize
+        heap = group.heap.descriptor
+        self.launch = Launch(gemm_ar_kernel, (tiles,),
+                             (a, b_shard, stage, self.result(out), ws.flags, ws.counter, heap, m, n, k, self.half_len),
+                             dict(WORLD=group.size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                                  NUM_STAGES=cfg.num_stages, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
+                                  ALIGNED=n * sdtype.itemsize % 16 == 0), cfg.num_warps)
+        self.mnk = (m, n, k)
+        # On GPUs the workspace's addresses are taken once, the caller's per call.
+        self.fixed = tuple(map(self.launch.address, (stage, ws.flags, ws.counter, heap)))
 
-    def run(a, b_shard, out):
-        check(a, b_shard, out)
-        res = result(out)
-        launch(address(a), address(b_shard), f[0], address(res), f[1], f[2], f[3], m, n, k, half_len)
+    def run_fused(self, a, b_shard, out):
+        self.check(a, b_shard, out)
+        res = self.result(out)
+        address, f = self.launch.address, self.fixed
+        self.launch(address(a), address(b_shard), f[0], address(res), f[1], f[2], f[3], *self.mnk, self.half_len)
         return res
-    return run
 
 
-# -- the operator: torch.ops.weft.gemm_ar(a, b_shard, world_size, method) -> (M, N). Autograd: all_reduce(grad) @
-# b_shardᵀ for a, aᵀ @ all_reduce(grad) for b_shard.
+# -- the operator: torch.ops.weft.gemm_ar(a, b_shard, group_name, method) -> (M, N). Autograd: all_reduce(grad) @
+# b_shardᵀ for a, aᵀ @ all_reduce(grad) for b_shard, over the same group.
 
 @gemm_ar.define
-def gemm_ar_op(a: torch.Tensor, b_shard: torch.Tensor, world_size: int, method: str = "auto") -> torch.Tensor:
-    check_world_size(world_size)
-    return gemm_ar.eager(a, b_shard, method=method)
+def gemm_ar_op(a: torch.Tensor, b_shard: torch.Tensor, group_name: str, method: str = "auto") -> torch.Tensor:
+    return gemm_ar.eager(a, b_shard, method=method, group=group_name)
 
 
 @gemm_ar_op.register_fake
-def _(a, b_shard, world_size, method="auto"):
+def _(a, b_shard, group_name, method="auto"):
     matmul_operands("a", a, "b_shard", b_shard)
     return a.new_empty((a.shape[0], b_shard.shape[1]))
 
 
 @gemm_ar.traced
-def _(a, b_shard, method="auto", out=None):
-    return into(out, torch.ops.weft.gemm_ar(a, b_shard, world_size(), method))
+def _(a, b_shard, method="auto", out=None, group=None):
+    return into(out, torch.ops.weft.gemm_ar(a, b_shard, group_name(group), method))
 
 
 def _gemm_ar_setup(ctx, inputs, output):
     ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.group_name = inputs[2]  # the backward's all_reduce runs over the forward's group
 
 
 def _gemm_ar_backward(ctx, grad):
     a, b_shard = ctx.saved_tensors
-    grad = all_reduce(grad)
+    grad = all_reduce(grad, group=ctx.group_name)
     grad_a = grad @ b_shard.t() if ctx.needs_input_grad[0] else None
     grad_b = a.t() @ grad if ctx.needs_input_grad[1] else None
     return grad_a, grad_b, None, None

@@ -90,6 +90,11 @@ replayed.
 
 "baseline" is torch.matmul then weft.ops.reduce_scatter: the fallback where
 measurement shows the overlap loses.
+
+Every call runs over a group (default the world): W is its size, ranks are
+group ranks, and the workspace is the group's own. On a group of one there
+is nothing to reduce: the call is torch.matmul alone, with no workspace and
+no communication kernel.
 """
 from __future__ import annotations
 
@@ -105,8 +110,8 @@ from ..runtime.tiles import CopyEnginePush
 from . import gemm
 from .all_reduce import reduce_scatter
 from .blocks import cast
-from .common import (Launch, check_method, check_out, check_world_size, matmul_operands, out_kind, plan,
-                     rows_divisible, signature, workspace, world_or_raise, world_size, zero_everywhere)
+from .common import (Launch, Plan, check_method, check_out, group_name, group_size, matmul_operands, plan,
+                     resolve, rows_divisible, signature, workspace, zero_everywhere)
 from .registry import declare_op, into, no_config
 
 METHODS = ("auto", "overlap", "baseline")
@@ -224,23 +229,23 @@ def gemm_rs_kernel(a_desc, b_desc, recv, out, ready, heap, m, N, K, OUT_TMA: tl.
 class GemmRSWorkspace:
     """The symmetric receive buffer (workspace_bytes, viewed as (W - 1, m, N) per call shape), ready flags
     and start-barrier words; the send slots (as many bytes, also from the heap: see the module doc); the
-    copy stream and the side stream. One for every shape: the start barrier makes a change of shape between
-    calls safe."""
+    copy stream and the side stream. One for every shape, one per group: the start barrier makes a change of
+    shape between calls safe."""
 
-    def __init__(self, world):
-        heap, w = world.heap, world.world_size
-        self.bytes = world.workspace_bytes // 256 * 256
+    def __init__(self, group):
+        heap, w = group.heap, group.size
+        self.bytes = group.workspace_bytes // 256 * 256
         self.recv = heap.empty((self.bytes,), torch.uint8)
         self.ready = heap.empty((w,), torch.int32)
         self.bar = heap.empty((1 + w,), torch.int32)
         self.send = heap.empty((self.bytes,), torch.uint8)
-        cuda = world.device.type == "cuda"
+        cuda = group.device.type == "cuda"
         # sides[0]: the copy engine's pushes; sides[1]: every other chunk GEMM.
-        self.streams = StreamSet(world.device, 2) if cuda else None
-        zero_everywhere(world, self.ready, self.bar)
+        self.streams = StreamSet(group.device, 2) if cuda else None
+        zero_everywhere(group, self.ready, self.bar)
 
 
-def overlap_refusal(world, a, b_shard, out) -> str | None:
+def overlap_refusal(group, a, b_shard, out) -> str | None:
     """Why the overlapped kernels cannot take this call (TMA and workspace constraints), or None."""
     m_total, k = a.shape
     n = b_shard.shape[1]
@@ -256,14 +261,14 @@ def overlap_refusal(world, a, b_shard, out) -> str | None:
             return f"{name} = {cols} is not a multiple of 16 bytes ({16 // a.element_size()} elements; TMA)"
     if min(m_total, n, k) == 0:
         return "an empty dimension"
-    need = (world.world_size - 1) * (m_total // world.world_size) * n * a.element_size()
-    if need > world.workspace_bytes // 256 * 256:
-        return (f"the received partials take {need} bytes, more than the workspace ({world.workspace_bytes} "
+    need = (group.size - 1) * (m_total // group.size) * n * a.element_size()
+    if need > group.workspace_bytes // 256 * 256:
+        return (f"the received partials take {need} bytes, more than the workspace ({group.workspace_bytes} "
                 "bytes: raise WEFT_WORKSPACE_BYTES)")
     return None
 
 
-def _tiling(m: int, n: int, k: int, device: torch.device, world_size: int) -> tuple[gemm.GemmConfig, float]:
+def _tiling(m: int, n: int, k: int, device: torch.device, group_size: int) -> tuple[gemm.GemmConfig, float]:
     """The tiling of a chunk GEMM (m, n, k), and how well it fills the GPU (the busy fraction of the
     programs' tile slots, scaled by gemm_rs.medium_speed for 128x128 tiles).
 
@@ -276,7 +281,7 @@ def _tiling(m: int, n: int, k: int, device: torch.device, world_size: int) -> tu
         return cfg, 1.0
     sms = gemm.num_sms(device)
     medium = gemm.gpu_configs(device)["medium"]
-    medium_speed = tuning.value("gemm_rs.medium_speed", device, world_size)
+    medium_speed = tuning.value("gemm_rs.medium_speed", device, group_size)
 
     def fill(c: gemm.GemmConfig) -> float:
         tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
@@ -289,11 +294,12 @@ def _tiling(m: int, n: int, k: int, device: torch.device, world_size: int) -> tu
 
 @declare_op(tensors=("a", "b_shard", "out"), collective=True)
 def gemm_rs(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
-            out: torch.Tensor | None = None, config: gemm.GemmConfig | None = None) -> torch.Tensor:
-    """Rank r gets rows [r * M / W, (r + 1) * M / W) of the sum over ranks of a @ b_shard.
+            out: torch.Tensor | None = None, config: gemm.GemmConfig | None = None, group=None) -> torch.Tensor:
+    """Member r of `group` (default: the world) gets rows [r * M / W, (r + 1) * M / W) of the sum over the
+    members of a @ b_shard, W the group size.
 
     a: (M, K_local), b_shard: (K_local, N), same dtype (bf16, fp16, fp32), any layout; M divisible by the
-    world size. Returns (M / W, N) in that dtype, accumulated in fp32 (each rank's partial product is
+    group size. Returns (M / W, N) in that dtype, accumulated in fp32 (each member's partial product is
     rounded to the dtype once, as with matmul + reduce_scatter).
     method: "overlap" (chunk GEMMs whose results the copy engines push to their owners while the next
     chunk computes; a final GEMM of the own chunk sums what arrived; needs contiguous, 16-byte aligned
@@ -301,100 +307,130 @@ def gemm_rs(a: torch.Tensor, b_shard: torch.Tensor, method: str = "auto",
     (torch.matmul + weft.ops.reduce_scatter), "auto" (overlap where it can take the call). `out`: any
     (M / W, N) tensor of the dtype on this device. `config`: the tiling of every GEMM of the call
     (default: chosen for the chunk shape, and cuBLAS for the chunk GEMMs where no tiling fills the GPU
-    well: gemm_rs.cublas_chunks_below_fill). Collective: every rank calls it with the same shapes, method and config.
+    well: gemm_rs.cublas_chunks_below_fill). On a group of one there is nothing to reduce: every method is
+    torch.matmul alone (no workspace, no communication kernel); "overlap" still refuses what it refuses on
+    more ranks. Collective: every member calls it with the same shapes, method and config.
     """
-    world = world_or_raise()
-    found = plan(world, lambda: ("gemm_rs", signature(a), signature(b_shard), method, out_kind(world, out),
-                                 None if out is None else signature(out), config),
-                 lambda: _gemm_rs_plan(world, a, b_shard, method, out, config))
-    return found(a, b_shard, out)
+    g = resolve(group)
+    # The key holds no out_kind: nothing here depends on whether out is symmetric, and asking would make a
+    # group of one's heap.
+    found = plan(g, lambda: ("gemm_rs", signature(a), signature(b_shard), method,
+                             None if out is None else signature(out), config),
+                 lambda: GemmRSPlan(g, a, b_shard, method, out, config))
+    return found.run(a, b_shard, out)
 
 
-def _gemm_rs_plan(world, a, b_shard, method, out, config):
-    check_method(method, METHODS)
-    gemm.check_operands("a", a, "b_shard", b_shard, world.device, layout=False)
-    w, me = world.world_size, world.rank
-    m_total, k = a.shape
-    n = b_shard.shape[1]
-    if m_total % w:
-        raise ValueError(f"a has {m_total} rows, not divisible by the world size {w}")
-    m = m_total // w
-    shape = (m, n)
-    if out is not None:
-        check_out(out, shape, a.dtype, world)
-    refusal = overlap_refusal(world, a, b_shard, out)
-    if method == "overlap" and refusal:
-        raise ValueError(f"method='overlap' cannot take this call: {refusal}")
-    if method == "auto":
-        # Measured on 4 H200s (bf16, 2026-11-21, `weft bench -n 4 gemm --ops rs`): overlap 1.02-1.46x faster
-        # than cuBLAS + NCCL on every RS shape, so it is the default wherever it can take the call.
-        # On 2 H200s eager (2026-11-22) 1.24x at 4096 rows but 0.37x at 128 (139 against 52 us: the chunk
-        # launches and copies cost more host time than the GEMM takes): small calls take the baseline,
-        # from the same row count as ag_gemm's.
-        min_rows = tuning.value("ag_gemm.overlap_min_rows", world.device, world.world_size)
-        method = "baseline" if refusal or m_total < min_rows else "overlap"
+class GemmRSPlan(Plan):
+    """A gemm_rs of one signature: a plain GEMM (a group of one), torch.matmul + reduce_scatter, or the overlap's
+    start kernel, chunk GEMMs, pushes and final GEMM with their workspace views."""
 
-    dtype, device = a.dtype, a.device  # not a itself: a plan keeps no caller tensor
+    def __init__(self, group, a, b_shard, method, out, config):
+        super().__init__(group)
+        check_method(method, METHODS)
+        gemm.check_operands("a", a, "b_shard", b_shard, group.device, layout=False)
+        w = group.size
+        m_total, k = a.shape
+        n = b_shard.shape[1]
+        if m_total % w:
+            raise ValueError(f"a has {m_total} rows, not divisible by the group size {w}")
+        m = m_total // w
+        self.shape = (m, n)
+        if out is not None:
+            check_out(out, self.shape, a.dtype, group)
+        refusal = overlap_refusal(group, a, b_shard, out)
+        if method == "overlap" and refusal:
+            raise ValueError(f"method='overlap' cannot take this call: {refusal}")
+        if method == "auto":
+            # Measured on 4 H200s (bf16, 2026-11-21, `weft bench -n 4 gemm --ops rs`): overlap 1.02-1.46x faster
+            # than cuBLAS + NCCL on every RS shape, so it is the default wherever it can take the call.
+            # On 2 H200s eager (2026-11-22) 1.24x at 4096 rows but 0.37x at 128 (139 against 52 us: the chunk
+            # launches and copies cost more host time than the GEMM takes): small calls take the baseline,
+            # from the same row count as ag_gemm's.
+            min_rows = tuning.value("ag_gemm.overlap_min_rows", group.device, w)
+            method = "baseline" if refusal or m_total < min_rows else "overlap"
+        self.dtype, self.device = a.dtype, a.device  # not a itself: a plan keeps no caller tensor
+        if w == 1:
+            self.run = self.run_matmul
+        elif method == "baseline":
+            self.run = self.run_baseline
+        else:
+            self.prepare_overlap(group, a, b_shard, out, config)
+            self.run = self.run_overlap
 
-    def result(out):
-        return torch.empty(shape, dtype=dtype, device=device) if out is None else out
+    def result(self, out):
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device) if out is None else out
 
-    if method == "baseline":
-        return lambda a, b_shard, out: reduce_scatter.eager(torch.matmul(a, b_shard), out=result(out))
+    def run_matmul(self, a, b_shard, out):
+        # A group of one: my rows are all the rows, and the sum is my own partial.
+        if out is None or out.is_contiguous():
+            return torch.matmul(a, b_shard, out=self.result(out))
+        return out.copy_(torch.matmul(a, b_shard))
 
-    if config is None:  # every GEMM of the call is one chunk of m rows
-        cfg, fill = _tiling(m, n, k, a.device, world.world_size)
-        cublas_chunks = fill < tuning.value("gemm_rs.cublas_chunks_below_fill", a.device, world.world_size)
-    else:
-        cfg, cublas_chunks = config, False
-    ws = workspace(world, "gemm_rs", GemmRSWorkspace)
-    recv = ws.recv[:(w - 1) * m * n * a.element_size()].view(a.dtype).view(w - 1, m, n)  # slot i: rank me + 1 + i
-    send = ws.send[:(w - 1) * m * n * a.element_size()].view(a.dtype).view(w - 1, m, n)
-    # Step s: chunk c = me + s goes into slot (me - c - 1) mod W = W - 1 - s of rank c's recv, then 1 into its
-    # flag of tile me, ready[me].
-    steps = []
-    for s in range(1, w):
-        c = (me + s) % w
-        steps.append((c, send[s - 1], CopyEnginePush(world.heap.peer(recv, c)[w - 1 - s],
-                                                      world.heap.peer(ws.ready, c)[me:me + 1], 1)))
-    heap = world.heap.descriptor
-    start = Launch(gemm_rs_start_kernel, (1,), (ws.bar, ws.ready, heap), {}, num_warps=1)
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    programs = min(gemm.num_sms(a.device), tiles)
-    quarter = cfg.block_n // 4  # the epilogue's column sub-tiles
-    sample = result(out)
-    out_tma = sample.data_ptr() % 16 == 0  # else (an odd view) masked pointer stores
-    a_desc = gemm.descriptor(a[me * m:(me + 1) * m], (cfg.block_m, cfg.block_k))
-    b_desc = gemm.descriptor(b_shard, (cfg.block_k, cfg.block_n))
-    out_desc = gemm.descriptor(sample, (cfg.block_m, quarter)) if out_tma else None
-    final = Launch(gemm_rs_kernel, (programs,),
-                   (a_desc, b_desc, recv, out_desc if out_tma else sample, ws.ready, heap, m, n, k),
-                   dict(OUT_TMA=out_tma, WORLD=w, **cfg.constexprs(), NUM_PROGRAMS=programs), cfg.num_warps)
+    def run_baseline(self, a, b_shard, out):
+        return reduce_scatter.eager(torch.matmul(a, b_shard), out=self.result(out), group=self.group)
 
-    # The chunk GEMMs' launches, made once: a descriptor per send slot (fixed), one for a's rows (swapped
-    # to this call's a chunk by chunk) and b's (shared with the final GEMM).
-    chunk_a = gemm.descriptor(a[:m], (cfg.block_m, cfg.block_k))
-    chunk_out = {c: gemm.descriptor(src, (cfg.block_m, cfg.block_n)) for c, src, _ in steps}
-    swapped = (a_desc, b_desc, chunk_a) + ((out_desc,) if out_tma else ())
-    chunk_launch = None if cublas_chunks or w == 1 else Launch(
-        gemm.matmul_kernel, (programs,), (chunk_a, b_desc, chunk_out[steps[0][0]], m, n, k),
-        dict(**cfg.constexprs(), NUM_PROGRAMS=programs, FLATTEN=cfg.flatten),
-        cfg.num_warps)
+    def prepare_overlap(self, group, a, b_shard, out, config):
+        w, me = group.size, group.rank
+        m, n = self.shape
+        k = a.shape[1]
+        if config is None:  # every GEMM of the call is one chunk of m rows
+            cfg, fill = _tiling(m, n, k, a.device, w)
+            self.cublas_chunks = fill < tuning.value("gemm_rs.cublas_chunks_below_fill", a.device, w)
+        else:
+            cfg, self.cublas_chunks = config, False
+        self.ws = ws = workspace(group, "gemm_rs", GemmRSWorkspace)
+        self.m, self.n, self.k = m, n, k
+        # slot i: member me + 1 + i's partial of my chunk
+        self.recv = recv = ws.recv[:(w - 1) * m * n * a.element_size()].view(a.dtype).view(w - 1, m, n)
+        send = ws.send[:(w - 1) * m * n * a.element_size()].view(a.dtype).view(w - 1, m, n)
+        # Step s: chunk c = me + s goes into slot (me - c - 1) mod W = W - 1 - s of member c's recv, then 1 into its
+        # flag of tile me, ready[me].
+        self.steps = steps = []
+        for s in range(1, w):
+            c = (me + s) % w
+            steps.append((c, send[s - 1], CopyEnginePush(group.heap.peer(recv, c)[w - 1 - s],
+                                                          group.heap.peer(ws.ready, c)[me:me + 1], 1)))
+        self.heap = heap = group.heap.descriptor
+        self.start = Launch(gemm_rs_start_kernel, (1,), (ws.bar, ws.ready, heap), {}, num_warps=1)
+        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        programs = min(gemm.num_sms(a.device), tiles)
+        quarter = cfg.block_n // 4  # the epilogue's column sub-tiles
+        sample = self.result(out)
+        self.out_tma = out_tma = sample.data_ptr() % 16 == 0  # else (an odd view) masked pointer stores
+        self.a_desc = gemm.descriptor(a[me * m:(me + 1) * m], (cfg.block_m, cfg.block_k))
+        self.b_desc = gemm.descriptor(b_shard, (cfg.block_k, cfg.block_n))
+        self.out_desc = gemm.descriptor(sample, (cfg.block_m, quarter)) if out_tma else None
+        self.final = Launch(gemm_rs_kernel, (programs,),
+                            (self.a_desc, self.b_desc, recv, self.out_desc if out_tma else sample, ws.ready, heap,
+                             m, n, k),
+                            dict(OUT_TMA=out_tma, WORLD=w, **cfg.constexprs(), NUM_PROGRAMS=programs), cfg.num_warps)
 
-    def chunk_gemm(a, b_shard, c, dst):
-        if cublas_chunks:
+        # The chunk GEMMs' launches, made once: a descriptor per send slot (fixed), one for a's rows (swapped
+        # to this call's a chunk by chunk) and b's (shared with the final GEMM).
+        self.chunk_a = gemm.descriptor(a[:m], (cfg.block_m, cfg.block_k))
+        self.chunk_out = {c: gemm.descriptor(src, (cfg.block_m, cfg.block_n)) for c, src, _ in steps}
+        self.swapped = (self.a_desc, self.b_desc, self.chunk_a) + ((self.out_desc,) if out_tma else ())
+        self.chunk_launch = None if self.cublas_chunks else Launch(
+            gemm.matmul_kernel, (programs,), (self.chunk_a, self.b_desc, self.chunk_out[steps[0][0]], m, n, k),
+            dict(**cfg.constexprs(), NUM_PROGRAMS=programs, FLATTEN=cfg.flatten),
+            cfg.num_warps)
+
+    def chunk_gemm(self, a, b_shard, c, dst):
+        m, n, k = self.m, self.n, self.k
+        if self.cublas_chunks:
             torch.matmul(a[c * m:(c + 1) * m], b_shard, out=dst)
         else:
-            chunk_launch(chunk_a.on(a[c * m:(c + 1) * m]), b_desc.on(b_shard), chunk_out[c], m, n, k)
+            self.chunk_launch(self.chunk_a.on(a[c * m:(c + 1) * m]), self.b_desc.on(b_shard), self.chunk_out[c],
+                              m, n, k)
 
-    streams = ws.streams
-
-    def run(a, b_shard, out):
-        res = result(out)
-        start(ws.bar, ws.ready, heap)
+    def run_overlap(self, a, b_shard, out):
+        m, n, k, me = self.m, self.n, self.k, self.group.rank
+        ws, streams = self.ws, self.ws.streams
+        res = self.result(out)
+        self.start(ws.bar, ws.ready, self.heap)
         if streams is None:
-            for c, src, push in steps:
-                chunk_gemm(a, b_shard, c, src)
+            for c, src, push in self.steps:
+                self.chunk_gemm(a, b_shard, c, src)
                 push(src)
         else:
             # Chunk GEMMs alternate between two streams, so the next one's programs take the SMs that this
@@ -402,50 +438,50 @@ def _gemm_rs_plan(world, a, b_shard, method, out, config):
             main = streams.current()
             pushes, side = streams.sides
             streams.wait(side, main)
-            for i, (c, src, push) in enumerate(steps):
+            for i, (c, src, push) in enumerate(self.steps):
                 compute = (main, side)[i % 2]
                 if compute is main:
-                    chunk_gemm(a, b_shard, c, src)
+                    self.chunk_gemm(a, b_shard, c, src)
                 else:
-                    streams.run_on(compute, main, chunk_gemm, a, b_shard, c, src)
+                    streams.run_on(compute, main, self.chunk_gemm, a, b_shard, c, src)
                 streams.wait(pushes, compute)
                 push(src, pushes[0])
             streams.wait(main, side)  # the final GEMM starts after every chunk GEMM (no deadlock: see above)
-        final(a_desc.on(a[me * m:(me + 1) * m]), b_desc.on(b_shard), recv, out_desc.on(res) if out_tma else res,
-              ws.ready, heap, m, n, k)
-        for desc in swapped:  # the plan keeps no caller tensor (gemm.Descriptor)
+        self.final(self.a_desc.on(a[me * m:(me + 1) * m]), self.b_desc.on(b_shard), self.recv,
+                   self.out_desc.on(res) if self.out_tma else res, ws.ready, self.heap, m, n, k)
+        for desc in self.swapped:  # the plan keeps no caller tensor (gemm.Descriptor)
             desc.off()
-        if streams is not None and steps:  # on one rank nothing was pushed: the push stream never forked
+        if streams is not None:
             streams.wait(main, pushes)
         return res
-    return run
 
 
-# -- the operator: torch.ops.weft.gemm_rs(a, b_shard, world_size, method) -> (M / W, N). Autograd (docs/design.md):
+# -- the operator: torch.ops.weft.gemm_rs(a, b_shard, group_name, method) -> (M / W, N). Autograd (docs/design.md):
 # grad_a = ag_gemm(grad_out, b_shardᵀ), grad_b_shard = aᵀ @ all_gather(grad_out), the gathered gradient coming back
-# from that same ag_gemm.
+# from that same ag_gemm, over the same group.
 
 @gemm_rs.define
-def gemm_rs_op(a: torch.Tensor, b_shard: torch.Tensor, world_size: int, method: str = "auto") -> torch.Tensor:
-    check_world_size(world_size)
-    return gemm_rs.eager(a, b_shard, method=method)
+def gemm_rs_op(a: torch.Tensor, b_shard: torch.Tensor, group_name: str, method: str = "auto") -> torch.Tensor:
+    return gemm_rs.eager(a, b_shard, method=method, group=group_name)
 
 
 @gemm_rs_op.register_fake
-def _(a, b_shard, world_size, method="auto"):
+def _(a, b_shard, group_name, method="auto"):
     matmul_operands("a", a, "b_shard", b_shard)
-    rows_divisible(a, world_size)
-    return a.new_empty((a.shape[0] // world_size, b_shard.shape[1]))
+    w = group_size(group_name)
+    rows_divisible(a, w)
+    return a.new_empty((a.shape[0] // w, b_shard.shape[1]))
 
 
 @gemm_rs.traced
-def _(a, b_shard, method="auto", out=None, config=None):
+def _(a, b_shard, method="auto", out=None, config=None, group=None):
     no_config(config)
-    return into(out, torch.ops.weft.gemm_rs(a, b_shard, world_size(), method))
+    return into(out, torch.ops.weft.gemm_rs(a, b_shard, group_name(group), method))
 
 
 def _save_operands(ctx, inputs, output):
     ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.group_name = inputs[2]  # the backward's collectives run over the forward's group
 
 
 def _gemm_rs_backward(ctx, grad):
@@ -456,11 +492,11 @@ def _gemm_rs_backward(ctx, grad):
     need_a, need_b = ctx.needs_input_grad[:2]
     grad_a = grad_b = None
     if need_a and need_b:  # one gather of the gradient serves both
-        grad_a, gathered = ag_gemm(grad, b_shard.t().contiguous(), return_gathered=True)
+        grad_a, gathered = ag_gemm(grad, b_shard.t().contiguous(), return_gathered=True, group=ctx.group_name)
     elif need_a:
-        grad_a = ag_gemm(grad, b_shard.t().contiguous())
+        grad_a = ag_gemm(grad, b_shard.t().contiguous(), group=ctx.group_name)
     elif need_b:
-        gathered = all_gather(grad)
+        gathered = all_gather(grad, group=ctx.group_name)
     if need_b:
         grad_b = a.t() @ gathered
     return grad_a, grad_b, None, None
