@@ -222,17 +222,36 @@ def _many(kind, cases, units=None):
 
 # -- routing layout ----------------------------------------------------------------------
 
-def test_routing_layout():
+def _routing_layout():
+    """The layout of a small routing by hand; then entries outside [0, E) (E itself, -2, one past int32) and an
+    expert named twice: each call raises a ValueError naming topk_idx, the row and the entry, and the next call
+    works."""
+    import pytest
     import torch
 
     from weft.kernels.moe import routing_layout
 
     idx = torch.tensor([[0, 5], [3, -1], [7, 6], [1, 2]])
-    lay = routing_layout(idx, 8, 4)
-    assert lay.to_rank.tolist() == [[1, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 1], [1, 1, 0, 0]]
-    assert lay.tokens_per_rank.tolist() == [2, 2, 1, 1]
-    assert lay.rank_pos.tolist() == [[0, -1, 0, -1], [-1, 0, -1, -1], [-1, -1, -1, 0], [1, 1, -1, -1]]
-    assert lay.tokens_per_expert.tolist() == [1, 1, 1, 1, 0, 1, 1, 1]
+    for dtype in (torch.int64, torch.int32):
+        lay = routing_layout(idx.to(dtype), 8, 4)
+        assert lay.to_rank.tolist() == [[1, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 1], [1, 1, 0, 0]]
+        assert lay.tokens_per_rank.tolist() == [2, 2, 1, 1]
+        assert lay.rank_pos.tolist() == [[0, -1, 0, -1], [-1, 0, -1, -1], [-1, -1, -1, 0], [1, 1, -1, -1]]
+        assert lay.tokens_per_expert.tolist() == [1, 1, 1, 1, 0, 1, 1, 1]
+    for row, value, message in ((1, 8, "topk_idx row 1 holds 8: an expert outside"),
+                                (3, -2, "topk_idx row 3 holds -2: an expert outside"),
+                                (0, 1 << 40, "topk_idx row 0 holds 2147483647: an expert outside"),
+                                (2, 7, "topk_idx row 2 names expert 7 twice")):
+        bad = idx.clone()
+        bad[row, 1] = value
+        with pytest.raises(ValueError, match=message):
+            routing_layout(bad, 8, 4)
+        assert routing_layout(idx, 8, 4).tokens_per_rank.tolist() == [2, 2, 1, 1]
+    return True
+
+
+def test_routing_layout():
+    assert run_ranks(_routing_layout, 1, timeout=TIMEOUT)[0]
 
 
 # -- high-throughput ----------------------------------------------------------------------
@@ -492,8 +511,8 @@ def test_many_eager_calls_changing_sizes_bounded_memory():
 def _router():
     """router_topk against torch's softmax, topk and division: the same experts in the same order, the weights
     within float rounding; fp32 and bf16 logits (bf16 rows of distinct values: torch.topk orders ties as it
-    likes), k from 1 to 8, token counts off the kernel's blocks, an empty batch, logits not contiguous; bad
-    arguments refused."""
+    likes), k from 1 to 8, token counts off the kernel's blocks, an empty batch, logits not contiguous; rows with
+    NaN and infinite logits; bad arguments refused."""
     import torch
 
     import weft
@@ -517,6 +536,28 @@ def _router():
                 assert idx.dtype == torch.int64 and wts.dtype == torch.float32 and idx.shape == (tokens, k), tag
                 assert torch.equal(idx, ref_idx), tag
                 torch.testing.assert_close(wts, ref_wts, rtol=1e-5, atol=1e-6, msg=tag)
+    # Rows whose softmax is NaN in torch (a NaN logit, a +inf one, every logit -inf) among ordinary rows and a
+    # row with some -inf: NaN weights where torch's are NaN, k distinct experts in [0, E) (NaN logits first,
+    # as torch.topk ranks NaN above every number), the ordinary rows as torch.
+    nan, inf = float("nan"), float("inf")
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(7, 12, generator=g).to(dtype)
+        logits[1, 5] = nan
+        logits[2, [3, 9]] = inf
+        logits[3] = -inf
+        logits[4, [0, 2, 4]] = -inf
+        logits[5, [2, 10]] = nan
+        for k in (1, 3):
+            idx, wts = weft.ops.router_topk(logits, k)
+            ref_idx, ref_wts = router_topk_torch(logits, k)
+            tag = f"{dtype} k {k}"
+            assert torch.equal(wts.isnan(), ref_wts.isnan()) and ref_wts[[1, 2, 3, 5]].isnan().all(), tag
+            assert ((idx >= 0) & (idx < 12)).all(), tag
+            assert all(len(set(row)) == k for row in idx.tolist()), tag
+            assert idx[1, 0] == 5 and idx[5, 0] == 2 and (k == 1 or idx[5, 1] == 10), tag
+            ok = [0, 4, 6]
+            assert torch.equal(idx[ok], ref_idx[ok]), tag
+            torch.testing.assert_close(wts[ok], ref_wts[ok], rtol=1e-5, atol=1e-6, msg=tag)
     logits = torch.randn(4, 8)
     rejects(lambda: weft.ops.router_topk(logits, 0), ValueError, "k", [logits])
     rejects(lambda: weft.ops.router_topk(logits, 9), ValueError, "k", [logits])
