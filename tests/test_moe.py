@@ -98,18 +98,28 @@ def _strided(x, idx, wts):
     return wide[:, 1:x.shape[1] + 1], idx.t().contiguous().t(), wts.t().contiguous().t()
 
 
-def _ht_case(seed, tokens, experts, k, hidden, mode, max_recv=None, dtype="bfloat16", strided=False):
+def _members(group):
+    """(this rank's rank in `group`, its size): the world's for None."""
+    from weft.kernels.common import resolve
+
+    g = resolve(group)
+    return g.rank, g.size
+
+
+def _ht_case(seed, tokens, experts, k, hidden, mode, max_recv=None, dtype="bfloat16", strided=False, group=None):
+    """One ep_dispatch + ep_combine over `group` (every member builds every member's routing from the seed)
+    against the reference: the dispatch bit for bit, the combine against the weighted sums in rank order."""
     import torch
 
     import weft
 
-    me, w = weft.rank(), weft.world_size()
+    me, w = _members(group)
     local = experts // w
     inputs = _routing(seed, w, tokens, experts, k, hidden, mode, dtype)
     x, idx, wts = inputs[me]
     if strided:
         x, idx, wts = _strided(x, idx, wts)
-    rx, ri, rw, counts, handle = weft.ops.ep_dispatch(x, idx, wts, experts, max_recv_tokens=max_recv)
+    rx, ri, rw, counts, handle = weft.ops.ep_dispatch(x, idx, wts, experts, max_recv_tokens=max_recv, group=group)
     ex, ei, ew, ec = _ref_dispatch(inputs, me, experts, w)
     n = ex.shape[0]
     tag = f"seed {seed} mode {mode} k {k} max_recv {max_recv} {dtype} hidden {hidden} strided {strided}"
@@ -126,7 +136,7 @@ def _ht_case(seed, tokens, experts, k, hidden, mode, max_recv=None, dtype="bfloa
     y = _weighted(rx, ri, rw, me * local)
     if strided:
         y = _strided(y, idx, wts)[0]
-    out = weft.ops.ep_combine(y, handle)
+    out = weft.ops.ep_combine(y, handle, group=group)
     acc = torch.zeros(x.shape, dtype=torch.float32)
     for r in range(w):
         mine = (idx >= 0) & (idx // local == r)
@@ -170,14 +180,15 @@ def test_ep_ll_fp8():
         assert all(run_ranks(_ll_fp8_case, w, 7, UNEVEN_TOKENS[:w], EXPERTS[w], 3, 8, timeout=TIMEOUT, env=ENV))
 
 
-def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens, hook=False, dtype="bfloat16", strided=False):
-    """One LL dispatch + combine against the reference; hook=True: both split (return_recv_hook), with other
-    work queued and the outputs poisoned between send and receive."""
+def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens, hook=False, dtype="bfloat16", strided=False,
+             group=None):
+    """One LL dispatch + combine over `group` against the reference; hook=True: both split (return_recv_hook),
+    with other work queued and the outputs poisoned between send and receive."""
     import torch
 
     import weft
 
-    me, w = weft.rank(), weft.world_size()
+    me, w = _members(group)
     local = experts // w
     inputs = _routing(seed, w, tokens, experts, k, hidden, mode, dtype)
     x, idx, wts = inputs[me]
@@ -185,12 +196,12 @@ def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens, hook=False, dty
         x, idx, wts = _strided(x, idx, wts)
     if hook:
         recv, counts, scales, handle, receive = weft.ops.ep_dispatch_ll(x, idx, experts, max_tokens,
-                                                                        return_recv_hook=True)
+                                                                        return_recv_hook=True, group=group)
         recv.fill_(float("nan"))
         counts.fill_(-7)
         receive()
     else:
-        recv, counts, scales, handle = weft.ops.ep_dispatch_ll(x, idx, experts, max_tokens)
+        recv, counts, scales, handle = weft.ops.ep_dispatch_ll(x, idx, experts, max_tokens, group=group)
     tag = f"seed {seed} mode {mode} k {k} hook {hook} {dtype} hidden {hidden} strided {strided}"
     assert scales is None and recv.shape == (local, w * max_tokens, hidden), tag
     ex, ei, _, ec = _ref_dispatch(inputs, me, experts, w)
@@ -202,11 +213,11 @@ def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens, hook=False, dty
     if strided:  # y as a slice of wider rows
         y = torch.cat([y, y[..., :2]], -1)[..., :hidden]
     if hook:
-        out, receive = weft.ops.ep_combine_ll(y, idx, wts, handle, return_recv_hook=True)
+        out, receive = weft.ops.ep_combine_ll(y, idx, wts, handle, return_recv_hook=True, group=group)
         out.fill_(float("nan"))
         receive()
     else:
-        out = weft.ops.ep_combine_ll(y, idx, wts, handle)
+        out = weft.ops.ep_combine_ll(y, idx, wts, handle, group=group)
     want = _weighted(x, idx, wts, 0)
     torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2, msg=tag)
 
@@ -261,7 +272,8 @@ EXPERTS = {1: 8, 2: 8, 3: 12, 4: 8, 8: 16}
 UNEVEN_TOKENS = [5, 0, 3, 4, 0, 7, 1, 2]
 
 
-@pytest.mark.parametrize("w", [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.long)])
+# 4 ranks: the world layout of tests/test_moe_tp.py's test_moe_on_every_group_layout.
+@pytest.mark.parametrize("w", [1, 2, 3, pytest.param(8, marks=pytest.mark.long)])
 def test_ep_dispatch_combine(w):
     experts = EXPERTS[w]
     cases = [(w * 10 + 1, 6, experts, 2, 32, "random"), (w * 10 + 2, UNEVEN_TOKENS[:w], experts, 3, 32, "random"),
@@ -277,7 +289,7 @@ def test_ep_dispatch_fixed_size():
 
 # -- low-latency ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("w", [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.long)])
+@pytest.mark.parametrize("w", [1, 2, 3, pytest.param(8, marks=pytest.mark.long)])  # 4: as test_ep_dispatch_combine
 def test_ep_ll(w):
     experts = EXPERTS[w]
     cases = [(w * 10 + 1, 6, experts, 2, 32, "random", 8),

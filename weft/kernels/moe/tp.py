@@ -77,7 +77,17 @@ check_routing_values (weft.ops) is the same check on the host, with a sync.
 
 routed_gemm and routed_gemm_sum (routed.py) are the two ops' one-rank baseline as local ops.
 
-ag_group_gemm and group_gemm_rs are PyTorch operators too (torch.ops.weft.*, weft/torch_ops.py; inference only).
+What the ranks send one another is checked before use, on the device: each rank sends, with its chunk (and
+with its routing weights in group_gemm_rs), a signature of its call's shapes (_call_signature, into the
+workspace's shapes[] before the ready flag; in ag_group_gemm's baseline, all-gathered); a chunk whose
+signature is not the receiver's, or whose starts are not a layout of m k pairs (_chunk_ok), is not computed
+and its sender is recorded in the error word (routing.peer_error); the pair and row numbers the kernels read
+are clamped to the call's rows. A call with other shapes on another rank (m = 4 here, 8 there) is then a
+ValueError on every rank, never a write outside a buffer.
+
+Both ops take group=None (the world): W and the ranks are the group's, with its own workspace and error word.
+ag_group_gemm and group_gemm_rs are PyTorch operators too (torch.ops.weft.*, weft/torch_ops.py; inference only);
+the operators take the group's name.
 """
 from __future__ import annotations
 
