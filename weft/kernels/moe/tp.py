@@ -594,9 +594,10 @@ class AgGroupGemmPlan(Plan):
             ready = bar = metas  # read only with WAIT
             shapes = self.sig_word.expand(ww).contiguous()  # every call: the ranks' signatures, gathered
         self.gathered, self.metas, self.ready, self.bar, self.shapes = gathered, metas, ready, bar, shapes
-        self.err = self.routing.errors.tensor
+        self.err = errors = self.routing.errors.tensor
         self.launch = Launch(group_gemm_chunks_kernel, (programs,), self._args(gathered, metas, w, out, shapes),
                              consts, warps)
+        self.err = self.launch.address(errors)  # compiled for the word, called with its address (on GPUs, pinned)
         self.w_op.off()
 
     def _args(self, gathered, metas, w, out, shapes):
@@ -735,7 +736,7 @@ class GroupGemmRsPlan(Plan):
         # What every rank sends with its routing weights, and checks a rank's partials by (the kernel's shapes).
         self.sig = _call_signature("group_gemm_rs", m, k, e, inter, hidden, h.element_size())
         self.sig_word = torch.full((1,), self.sig, dtype=torch.int32, device=self.dev)
-        self.err = self.routing.errors.tensor
+        self.err = errors = self.routing.errors.tensor
         peer = group.heap.peer
         self.peers = [(peer(self.weights, q)[me * m:(me + 1) * m], peer(ws.shapes, q)[me:me + 1],
                        peer(ws.ready, q)[me:me + 1]) for q in range(ww) if q != me]
@@ -753,6 +754,7 @@ class GroupGemmRsPlan(Plan):
                              self._args(h, metas, w_down, y, rows, out),
                              dict(E=e, TOP_K=k, WORLD=ww, **tiles, NUM_PROGRAMS=programs, **even, **tma,
                                   BLOCK_T=block_t, BLOCK_H=256 if gpu else 32), warps)
+        self.err = self.launch.address(errors)  # compiled for the word, called with its address (on GPUs, pinned)
         self._off()
 
     def _args(self, h, metas, w_down, y, row_of_pair, out):
