@@ -98,18 +98,28 @@ def _strided(x, idx, wts):
     return wide[:, 1:x.shape[1] + 1], idx.t().contiguous().t(), wts.t().contiguous().t()
 
 
-def _ht_case(seed, tokens, experts, k, hidden, mode, max_recv=None, dtype="bfloat16", strided=False):
+def _members(group):
+    """(this rank's rank in `group`, its size): the world's for None."""
+    from weft.kernels.common import resolve
+
+    g = resolve(group)
+    return g.rank, g.size
+
+
+def _ht_case(seed, tokens, experts, k, hidden, mode, max_recv=None, dtype="bfloat16", strided=False, group=None):
+    """One ep_dispatch + ep_combine over `group` (every member builds every member's routing from the seed)
+    against the reference: the dispatch bit for bit, the combine against the weighted sums in rank order."""
     import torch
 
     import weft
 
-    me, w = weft.rank(), weft.world_size()
+    me, w = _members(group)
     local = experts // w
     inputs = _routing(seed, w, tokens, experts, k, hidden, mode, dtype)
     x, idx, wts = inputs[me]
     if strided:
         x, idx, wts = _strided(x, idx, wts)
-    rx, ri, rw, counts, handle = weft.ops.ep_dispatch(x, idx, wts, experts, max_recv_tokens=max_recv)
+    rx, ri, rw, counts, handle = weft.ops.ep_dispatch(x, idx, wts, experts, max_recv_tokens=max_recv, group=group)
     ex, ei, ew, ec = _ref_dispatch(inputs, me, experts, w)
     n = ex.shape[0]
     tag = f"seed {seed} mode {mode} k {k} max_recv {max_recv} {dtype} hidden {hidden} strided {strided}"
@@ -126,7 +136,7 @@ def _ht_case(seed, tokens, experts, k, hidden, mode, max_recv=None, dtype="bfloa
     y = _weighted(rx, ri, rw, me * local)
     if strided:
         y = _strided(y, idx, wts)[0]
-    out = weft.ops.ep_combine(y, handle)
+    out = weft.ops.ep_combine(y, handle, group=group)
     acc = torch.zeros(x.shape, dtype=torch.float32)
     for r in range(w):
         mine = (idx >= 0) & (idx // local == r)
@@ -170,14 +180,15 @@ def test_ep_ll_fp8():
         assert all(run_ranks(_ll_fp8_case, w, 7, UNEVEN_TOKENS[:w], EXPERTS[w], 3, 8, timeout=TIMEOUT, env=ENV))
 
 
-def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens, hook=False, dtype="bfloat16", strided=False):
-    """One LL dispatch + combine against the reference; hook=True: both split (return_recv_hook), with other
-    work queued and the outputs poisoned between send and receive."""
+def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens, hook=False, dtype="bfloat16", strided=False,
+             group=None):
+    """One LL dispatch + combine over `group` against the reference; hook=True: both split (return_recv_hook),
+    with other work queued and the outputs poisoned between send and receive."""
     import torch
 
     import weft
 
-    me, w = weft.rank(), weft.world_size()
+    me, w = _members(group)
     local = experts // w
     inputs = _routing(seed, w, tokens, experts, k, hidden, mode, dtype)
     x, idx, wts = inputs[me]
@@ -185,12 +196,12 @@ def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens, hook=False, dty
         x, idx, wts = _strided(x, idx, wts)
     if hook:
         recv, counts, scales, handle, receive = weft.ops.ep_dispatch_ll(x, idx, experts, max_tokens,
-                                                                        return_recv_hook=True)
+                                                                        return_recv_hook=True, group=group)
         recv.fill_(float("nan"))
         counts.fill_(-7)
         receive()
     else:
-        recv, counts, scales, handle = weft.ops.ep_dispatch_ll(x, idx, experts, max_tokens)
+        recv, counts, scales, handle = weft.ops.ep_dispatch_ll(x, idx, experts, max_tokens, group=group)
     tag = f"seed {seed} mode {mode} k {k} hook {hook} {dtype} hidden {hidden} strided {strided}"
     assert scales is None and recv.shape == (local, w * max_tokens, hidden), tag
     ex, ei, _, ec = _ref_dispatch(inputs, me, experts, w)
@@ -202,11 +213,11 @@ def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens, hook=False, dty
     if strided:  # y as a slice of wider rows
         y = torch.cat([y, y[..., :2]], -1)[..., :hidden]
     if hook:
-        out, receive = weft.ops.ep_combine_ll(y, idx, wts, handle, return_recv_hook=True)
+        out, receive = weft.ops.ep_combine_ll(y, idx, wts, handle, return_recv_hook=True, group=group)
         out.fill_(float("nan"))
         receive()
     else:
-        out = weft.ops.ep_combine_ll(y, idx, wts, handle)
+        out = weft.ops.ep_combine_ll(y, idx, wts, handle, group=group)
     want = _weighted(x, idx, wts, 0)
     torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2, msg=tag)
 
@@ -222,17 +233,36 @@ def _many(kind, cases, units=None):
 
 # -- routing layout ----------------------------------------------------------------------
 
-def test_routing_layout():
+def _routing_layout():
+    """The layout of a small routing by hand; then entries outside [0, E) (E itself, -2, one past int32) and an
+    expert named twice: each call raises a ValueError naming topk_idx, the row and the entry, and the next call
+    works."""
+    import pytest
     import torch
 
     from weft.kernels.moe import routing_layout
 
     idx = torch.tensor([[0, 5], [3, -1], [7, 6], [1, 2]])
-    lay = routing_layout(idx, 8, 4)
-    assert lay.to_rank.tolist() == [[1, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 1], [1, 1, 0, 0]]
-    assert lay.tokens_per_rank.tolist() == [2, 2, 1, 1]
-    assert lay.rank_pos.tolist() == [[0, -1, 0, -1], [-1, 0, -1, -1], [-1, -1, -1, 0], [1, 1, -1, -1]]
-    assert lay.tokens_per_expert.tolist() == [1, 1, 1, 1, 0, 1, 1, 1]
+    for dtype in (torch.int64, torch.int32):
+        lay = routing_layout(idx.to(dtype), 8, 4)
+        assert lay.to_rank.tolist() == [[1, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 1], [1, 1, 0, 0]]
+        assert lay.tokens_per_rank.tolist() == [2, 2, 1, 1]
+        assert lay.rank_pos.tolist() == [[0, -1, 0, -1], [-1, 0, -1, -1], [-1, -1, -1, 0], [1, 1, -1, -1]]
+        assert lay.tokens_per_expert.tolist() == [1, 1, 1, 1, 0, 1, 1, 1]
+    for row, value, message in ((1, 8, "topk_idx row 1 holds 8: an expert outside"),
+                                (3, -2, "topk_idx row 3 holds -2: an expert outside"),
+                                (0, 1 << 40, "topk_idx row 0 holds 2147483647: an expert outside"),
+                                (2, 7, "topk_idx row 2 names expert 7 twice")):
+        bad = idx.clone()
+        bad[row, 1] = value
+        with pytest.raises(ValueError, match=message):
+            routing_layout(bad, 8, 4)
+        assert routing_layout(idx, 8, 4).tokens_per_rank.tolist() == [2, 2, 1, 1]
+    return True
+
+
+def test_routing_layout():
+    assert run_ranks(_routing_layout, 1, timeout=TIMEOUT)[0]
 
 
 # -- high-throughput ----------------------------------------------------------------------
@@ -242,7 +272,8 @@ EXPERTS = {1: 8, 2: 8, 3: 12, 4: 8, 8: 16}
 UNEVEN_TOKENS = [5, 0, 3, 4, 0, 7, 1, 2]
 
 
-@pytest.mark.parametrize("w", [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.long)])
+# 4 ranks: the world layout of tests/test_moe_tp.py's test_moe_on_every_group_layout.
+@pytest.mark.parametrize("w", [1, 2, 3, pytest.param(8, marks=pytest.mark.long)])
 def test_ep_dispatch_combine(w):
     experts = EXPERTS[w]
     cases = [(w * 10 + 1, 6, experts, 2, 32, "random"), (w * 10 + 2, UNEVEN_TOKENS[:w], experts, 3, 32, "random"),
@@ -258,7 +289,7 @@ def test_ep_dispatch_fixed_size():
 
 # -- low-latency ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("w", [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.long)])
+@pytest.mark.parametrize("w", [1, 2, 3, pytest.param(8, marks=pytest.mark.long)])  # 4: as test_ep_dispatch_combine
 def test_ep_ll(w):
     experts = EXPERTS[w]
     cases = [(w * 10 + 1, 6, experts, 2, 32, "random", 8),
@@ -492,8 +523,8 @@ def test_many_eager_calls_changing_sizes_bounded_memory():
 def _router():
     """router_topk against torch's softmax, topk and division: the same experts in the same order, the weights
     within float rounding; fp32 and bf16 logits (bf16 rows of distinct values: torch.topk orders ties as it
-    likes), k from 1 to 8, token counts off the kernel's blocks, an empty batch, logits not contiguous; bad
-    arguments refused."""
+    likes), k from 1 to 8, token counts off the kernel's blocks, an empty batch, logits not contiguous; rows with
+    NaN and infinite logits; bad arguments refused."""
     import torch
 
     import weft
@@ -517,6 +548,28 @@ def _router():
                 assert idx.dtype == torch.int64 and wts.dtype == torch.float32 and idx.shape == (tokens, k), tag
                 assert torch.equal(idx, ref_idx), tag
                 torch.testing.assert_close(wts, ref_wts, rtol=1e-5, atol=1e-6, msg=tag)
+    # Rows whose softmax is NaN in torch (a NaN logit, a +inf one, every logit -inf) among ordinary rows and a
+    # row with some -inf: NaN weights where torch's are NaN, k distinct experts in [0, E) (NaN logits first,
+    # as torch.topk ranks NaN above every number), the ordinary rows as torch.
+    nan, inf = float("nan"), float("inf")
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(7, 12, generator=g).to(dtype)
+        logits[1, 5] = nan
+        logits[2, [3, 9]] = inf
+        logits[3] = -inf
+        logits[4, [0, 2, 4]] = -inf
+        logits[5, [2, 10]] = nan
+        for k in (1, 3):
+            idx, wts = weft.ops.router_topk(logits, k)
+            ref_idx, ref_wts = router_topk_torch(logits, k)
+            tag = f"{dtype} k {k}"
+            assert torch.equal(wts.isnan(), ref_wts.isnan()) and ref_wts[[1, 2, 3, 5]].isnan().all(), tag
+            assert ((idx >= 0) & (idx < 12)).all(), tag
+            assert all(len(set(row)) == k for row in idx.tolist()), tag
+            assert idx[1, 0] == 5 and idx[5, 0] == 2 and (k == 1 or idx[5, 1] == 10), tag
+            ok = [0, 4, 6]
+            assert torch.equal(idx[ok], ref_idx[ok]), tag
+            torch.testing.assert_close(wts[ok], ref_wts[ok], rtol=1e-5, atol=1e-6, msg=tag)
     logits = torch.randn(4, 8)
     rejects(lambda: weft.ops.router_topk(logits, 0), ValueError, "k", [logits])
     rejects(lambda: weft.ops.router_topk(logits, 9), ValueError, "k", [logits])

@@ -86,20 +86,23 @@ def _rs_ref(hs, w_downs, idxs, wts, pair_of_row, k, me, m, dtype):
     return total
 
 
-def _case(seed, m, hidden, n, experts, k, mode, method, dtype_name="bfloat16", with_layout=True, bad=None):
+def _case(seed, m, hidden, n, experts, k, mode, method, dtype_name="bfloat16", with_layout=True, bad=None,
+          group=None):
     """One ag_group_gemm + group_gemm_rs call checked against the references.
 
     bad (rank, row, value): that rank's topk_idx[row, 1] is `value`, or with None its row's first expert
     again. That rank's calls raise a ValueError naming topk_idx, the row and the expert (under the
     interpreter: the same call, its collective part done); group_gemm_rs goes without a layout, so that it
     reads topk_idx (and every rank takes the same path). The other ranks' results are right for the routing as
-    it was (an entry outside the experts counts as none, a repeat computes its pair twice): no harm done."""
+    it was (an entry outside the experts counts as none, a repeat computes its pair twice): no harm done.
+    group: the ops' group (every member builds every member's inputs from the seed)."""
     import pytest
     import torch
 
     import weft
+    from weft.kernels.common import resolve
 
-    me, w = weft.rank(), weft.world_size()
+    me, w = resolve(group).rank, resolve(group).size
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(seed + 1000)
     tokens = [torch.randn(m, hidden, generator=g).to(dtype) for _ in range(w)]
@@ -120,9 +123,9 @@ def _case(seed, m, hidden, n, experts, k, mode, method, dtype_name="bfloat16", w
     out = torch.full((w * m * k, n), float("nan"), dtype=dtype)
     if raises:
         with pytest.raises(ValueError, match=raises):
-            weft.ops.ag_group_gemm(tokens[me], w_up[me], idxs[me], method=method, out=out)
+            weft.ops.ag_group_gemm(tokens[me], w_up[me], idxs[me], method=method, out=out, group=group)
     else:
-        inter, layout = weft.ops.ag_group_gemm(tokens[me], w_up[me], idxs[me], method=method, out=out)
+        inter, layout = weft.ops.ag_group_gemm(tokens[me], w_up[me], idxs[me], method=method, out=out, group=group)
         assert inter is out, tag
         assert torch.equal(layout.starts, starts), tag
         assert torch.equal(layout.pair_of_row, pair_of_row), tag
@@ -141,7 +144,7 @@ def _case(seed, m, hidden, n, experts, k, mode, method, dtype_name="bfloat16", w
         hs.append(h)
     res = torch.full((m, hidden), float("nan"), dtype=dtype)
     rs = lambda: weft.ops.group_gemm_rs(hs[me], w_down[me], idxs[me], wts[me],  # noqa: E731
-                                        layout if with_layout else None, method=method, out=res)
+                                        layout if with_layout else None, method=method, out=res, group=group)
     if raises:
         with pytest.raises(ValueError, match=raises):
             rs()
@@ -167,7 +170,7 @@ def _cases(cases, late=False):
 
 # -- tests ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("w", [1, 2, 3, 4])
+@pytest.mark.parametrize("w", [1, 2, 3])  # 4 ranks: the world layout of test_moe_on_every_group_layout
 def test_moe_tp_matches_reference(w):
     experts = 6 if w == 3 else 4
     cases = [
@@ -336,6 +339,128 @@ def _no_host_reads():
 
 def test_eager_calls_make_no_host_sync():
     assert all(run_ranks(_no_host_reads, 2, timeout=TIMEOUT, env=ENV))
+
+
+# -- groups ---------------------------------------------------------------------------------
+
+def _on_layouts(iterations):
+    """Every op of the family's three pairs (ep_dispatch / ep_combine, ep_dispatch_ll / ep_combine_ll,
+    ag_group_gemm / group_gemm_rs) on every group layout of 4 ranks (weft.testing.groups.layouts: strided, pairs,
+    one, a torch ProcessGroup, the world), against references over each group's members, fresh inputs per call
+    and odd shapes (rows of 33 and 37 bf16 elements, ragged token counts). The calls of all layouts and ops are
+    interleaved in an order drawn per iteration (the same on every rank): EP over the world between TP-MoE calls
+    on pairs and the others."""
+    import random
+
+    import test_moe
+
+    from weft.testing.groups import layouts
+
+    found = layouts()
+    units = [(name, op) for name in sorted(found) for op in ("ht", "ll", "tp")]
+    for it in range(iterations):
+        for i, (name, op) in enumerate(random.Random(it).sample(units, len(units))):
+            group = found[name]
+            _, size = test_moe._members(group)
+            seed = 1000 * it + 10 * i
+            experts = 4 * size
+            if op == "ht":
+                test_moe._ht_case(seed, [3, 0, 5, 2][:size], experts, 2, 37, ("masked", "random")[it % 2],
+                                  (None, 12)[it % 2], group=group)
+            elif op == "ll":
+                test_moe._ll_case(seed, [4, 1, 0, 3][:size], experts, 3, 33, "random", 4, it % 2 == 1, group=group)
+            else:
+                _case(seed, 3, 33, 24, experts, 2, ("random", "masked")[it % 2], "auto", group=group)
+    return True
+
+
+def test_moe_on_every_group_layout():
+    assert all(run_ranks(_on_layouts, 4, 2, timeout=2 * TIMEOUT, env=ENV))
+
+
+def _pair_beside_a_leftover_rank():
+    """A group of world ranks 0 and 1 runs EP (both pairs) and TP-MoE while rank 2, outside it, runs the same ops
+    on its own group of one: no op waits on a rank outside its group. Then the world's calls as usual."""
+    import test_moe
+
+    import weft
+
+    pair = weft.new_group([0, 1])
+    one = weft.new_subgroups(1)
+    group = pair if weft.rank() < 2 else one
+    _, size = test_moe._members(group)
+    for c in range(2):
+        test_moe._ht_case(40 + c, [4, 2][:size], 4 * size, 2, 32, "random", group=group)
+        test_moe._ll_case(50 + c, [3, 1][:size], 4 * size, 2, 32, "masked", 4, group=group)
+        _case(60 + c, 3, 32, 16, 4 * size, 2, "random", "auto", group=group)
+    test_moe._ht_case(70, [2, 3, 1], 12, 2, 32, "random")
+    return True
+
+
+def test_pair_beside_a_leftover_rank():
+    assert all(run_ranks(_pair_beside_a_leftover_rank, 3, timeout=TIMEOUT, env=ENV))
+
+
+def _compiled_over_pairs():
+    """ag_group_gemm with group= under torch.compile(fullgraph=True) (the operator takes the group's name), over
+    pairs of 4 ranks, against the eager call; no graph break."""
+    import torch
+
+    import weft
+
+    pairs = weft.new_subgroups(2)
+    me = pairs.rank
+    g = torch.Generator().manual_seed(5)
+    tokens = [torch.randn(3, 32, generator=g).to(torch.bfloat16) for _ in range(2)]
+    w_up = (torch.randn(4, 32, 16, generator=g) / 6).to(torch.bfloat16)
+    idx = [_routing(6, 2, 3, 4, 2, "random")[r][0] for r in range(2)]
+
+    def program(x, w, topk_idx):
+        inter, layout = weft.ops.ag_group_gemm(x, w, topk_idx, group=pairs)
+        return inter * 2, layout.row_of_pair
+
+    fn = torch.compile(program, fullgraph=True, backend="aot_eager")
+    for step in range(2):  # the second call replays what the first compiled
+        got, want = fn(tokens[me], w_up, idx[me]), program(tokens[me], w_up, idx[me])
+        torch.testing.assert_close(got[0], want[0], msg=f"step {step}")
+        assert torch.equal(got[1], want[1]), f"step {step}"
+    from torch._dynamo.utils import counters
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    return True
+
+
+def test_compiled_with_a_group():
+    assert all(run_ranks(_compiled_over_pairs, 4, timeout=TIMEOUT, env=ENV))
+
+
+def _mismatched_token_counts(method):
+    """ag_group_gemm with m = 4 on rank 0 and 8 on rank 1 (a collective called with other shapes): every rank
+    raises a ValueError naming the other rank, nothing is written outside the buffers (each rank's out was
+    surrounded by NaN guard rows that stay NaN), and the next matching calls work."""
+    import pytest
+    import torch
+
+    import weft
+
+    me = weft.rank()
+    m, hidden, n, experts, k = (4, 8)[me], 32, 16, 4, 2
+    g = torch.Generator().manual_seed(80 + me)
+    x = torch.randn(m, hidden, generator=g).to(torch.bfloat16)
+    wu = torch.randn(experts, hidden, n, generator=g).to(torch.bfloat16)
+    idx = _routing(81 + me, 1, m, experts, k, "random")[0][0]
+    guarded = torch.full((2 * m * k + 2, n), float("nan"), dtype=torch.bfloat16)
+    out = guarded[1:-1]
+    for _ in range(2):
+        with pytest.raises(ValueError, match=f"group rank {1 - me} sent the layout chunk"):
+            weft.ops.ag_group_gemm(x, wu, idx, method=method, out=out)
+        assert guarded[0].isnan().all() and guarded[-1].isnan().all()
+    _case(82, 4, 32, 16, 4, 2, "random", method)
+    return True
+
+
+@pytest.mark.parametrize("method", ["overlap", "baseline"])
+def test_mismatched_token_counts_raise_on_every_rank(method):
+    assert all(run_ranks(_mismatched_token_counts, 2, method, timeout=TIMEOUT, env=ENV))
 
 
 # -- the local ops: routed_gemm, routed_gemm_sum ----------------------------------------------

@@ -16,10 +16,14 @@ and tensor-parallel MoE. One idea per module, each op next to its kernels:
 - routed: routed_gemm / routed_gemm_sum, the tensor-parallel ops' one-rank form as local ops (the grouped MLP
   of an EP rank's received rows).
 
-Experts are split contiguously over ranks: rank r owns experts [r * L, (r + 1) * L), L = E / W.
+The collective ops (EP and tensor-parallel) take `group=None` (the world) and run over that group's ranks: W is
+its size, and experts are split contiguously over its ranks: group rank r owns experts [r * L, (r + 1) * L),
+L = E / W. Each group has its own workspaces, error words and plans; the operators take the group by name.
 `topk_idx` (tokens x k) names each token's experts (-1: none); a row must not name an expert twice. The ops
 check the rows on the device as they read them (no host sync): a bad row is recorded in an error word and
-raised as a ValueError by the family's next op on that rank (routing).
+raised as a ValueError by the family's next op on that rank (routing). So is a count, row number or layout a
+peer sent that does not fit this rank's call: every index that comes from a tensor is bounds-checked before
+it addresses memory.
 """
 from .ep_ht import HTHandle, ep_combine, ep_dispatch
 from .ep_ll import LLHandle, RecvHook, ep_combine_ll, ep_dispatch_ll

@@ -35,10 +35,11 @@ import weft.language as wl
 
 from ... import tuning
 from ..blocks import copy, halves_of, word_of
-from ..common import Launch, check_tensor, check_world_size, plan, signature, world_or_raise, world_size
+from ..common import Launch, Plan, check_tensor, group_name, group_size, plan, resolve, signature
 from ..registry import declare_op
-from .ep_workspace import HT_MAX_PROGRAMS, _ELEM, _rows, _rows_ready, _too_big, _word_columns, _workspace
-from .routing import _check_routing, check_rows, valid_experts
+from .ep_workspace import (HT_MAX_PROGRAMS, _ELEM, _handle_group, _rows, _rows_ready, _too_big, _word_columns,
+                           _workspace)
+from .routing import _check_routing, check_rows, peer_error, valid_experts
 
 
 # The high-throughput launch settings on GPUs are tuning data (weft.tuning: moe.ht_programs, the push's programs,
@@ -184,12 +185,14 @@ def ep_push_kernel(x, topk, weights, rank_pos, table, region, x_out, idx_out, w_
 
 
 @triton.jit(do_not_specialize=["rows", "half_words"])
-def ep_push_back_kernel(y, table, region, flags, counter, heap, rows, half_words, HW: tl.constexpr,
+def ep_push_back_kernel(y, table, region, flags, counter, heap, err, rows, half_words, HW: tl.constexpr,
                         WORLD: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
                         BLOCK_W: tl.constexpr):
     """Received row i of y (HW int32 words) back to its source s, at the row s numbered it by (its rows for
     ranks r < me, then its position among those it sent me), in s's region; then flag [p][me] on every rank.
-    Rows of my own tokens stay in y, where ep_combine_reduce_kernel reads them."""
+    Rows of my own tokens stay in y, where ep_combine_reduce_kernel reads them. A row number past s's region
+    (the table's counts are what the ranks sent: a member whose call did not match) is not pushed but recorded
+    in `err` (peer_error)."""
     p = tl.program_id(0)
     me = wl.rank(heap)
     epoch = wl.next_epoch(counter)
@@ -205,7 +208,10 @@ def ep_push_back_kernel(y, table, region, flags, counter, heap, rows, half_words
         src = tl.sum((ends <= i).to(tl.int32), axis=0)
         if src != me:
             slot = tl.sum(tl.where(s == src, sent_before + i - (ends - got), 0), axis=0).to(tl.int64)
-            copy(wl.symm_at(half + slot * HW, src, heap), y + i * HW, 0, HW, BLOCK, VEC)
+            if (slot >= 0) & ((slot + 1) * HW <= half_words):
+                copy(wl.symm_at(half + slot * HW, src, heap), y + i * HW, 0, HW, BLOCK, VEC)
+            else:
+                peer_error(err, src, 2)
     wl.notify_all(flags + p * WORLD + me, heap, epoch)
 
 
@@ -305,26 +311,29 @@ class HTHandle:
     """What ep_combine needs of an ep_dispatch: its plan, and on the device rank_pos (T, W) and table (W, W)
     (ep_position_kernel's and ep_route_kernel's), from which each row's way back is computed; rows received (R)
     and the row limit. `dispatch`: the dispatch's arguments but x's data (x, topk_idx, topk_weights, num_experts,
-    max_recv_tokens), from which a traced ep_combine finds the plan again (a traced dispatch has none)."""
+    max_recv_tokens, its group's name), from which a traced ep_combine finds the plan again (a traced dispatch has
+    none)."""
 
     def __init__(self, plan, rank_pos, table, rows, limit, dispatch):
         self.plan, self.rank_pos, self.table, self.rows, self.limit = plan, rank_pos, table, rows, limit
         self.dispatch = dispatch
 
 
-class _HTPlan:
-    """ep_dispatch / ep_combine of one call signature: the launches, the region's rows, the checks done.
+class HTPlan(Plan):
+    """ep_dispatch / ep_combine of one call signature on one group: the launches, the region's rows, the checks
+    done; `dispatch` and `combine` are its entry points.
 
     A dispatch is five launches: count, route (with the count exchange), position, push, receive; without
     max_recv_tokens, one host sync between route and push reads info (the exact row count, and whether any rank's
     topk_idx was bad: then every rank raises before anything is pushed)."""
 
-    def __init__(self, world, x, topk_idx, topk_weights, num_experts, max_recv_tokens):
-        _check_routing(world, x, topk_idx, num_experts, topk_weights)
+    def __init__(self, group, x, topk_idx, topk_weights, num_experts, max_recv_tokens):
+        super().__init__(group)
+        _check_routing(group, x, topk_idx, num_experts, topk_weights)
         if max_recv_tokens is not None and (not isinstance(max_recv_tokens, int) or isinstance(max_recv_tokens, bool)
                                             or max_recv_tokens < 0):
             raise ValueError(f"max_recv_tokens must be None or an int >= 0, got {max_recv_tokens!r}")
-        self.world, w = world, world.world_size
+        w = group.size
         if w > 63:
             raise ValueError(f"ep_dispatch serves at most 63 ranks (a token's ranks are bits of a word), not {w}")
         t, k = topk_idx.shape
@@ -338,7 +347,7 @@ class _HTPlan:
         x, topk_idx, topk_weights = self._prepared(x, topk_idx, topk_weights)
         self.hw = self.cols * x.element_size() // 4
         self.row = triton.cdiv(self.hw + 2 * k, 4) * 4  # [x | local topk_idx | topk_weights], 16-byte rows
-        self.ws = ws = _workspace(world)
+        self.ws = ws = _workspace(group)
         self.cap = ws.ht_half_words // self.row  # dispatched rows a half holds
         have = 2 * ws.ht_half_words * 4
         if max_recv_tokens is not None and max_recv_tokens > self.cap:
@@ -346,8 +355,8 @@ class _HTPlan:
                            have)
         if t * min(w, k) * self.hw > ws.ht_half_words:  # the rows that come back to me in ep_combine
             raise _too_big(f"ep_combine of {t} tokens", 2 * t * min(w, k) * self.hw * 4, have)
-        self.heap = heap = world.heap.descriptor
-        dev = world.device
+        self.heap = heap = group.heap.descriptor
+        dev = group.device
         gpu = dev.type == "cuda"
         if gpu:
             ht_block = tuning.value("moe.ht_block", dev, w)
@@ -391,7 +400,7 @@ class _HTPlan:
                                    BLOCK_L=triton.next_power_of_2(self.local), BLOCK_W=blk_w), warps)
         # y's rows go back 16-byte vectors at a time: the combine takes y at that alignment (else a copy).
         self.push_back = Launch(ep_push_back_kernel, (programs,),
-                                (i32(1, self.hw), i32(w, w), ws.ht, ws.flags, ws.counter(3), heap, 1,
+                                (i32(1, self.hw), i32(w, w), ws.ht, ws.flags, ws.counter(3), heap, ws.error, 1,
                                  ws.ht_half_words),
                                 dict(HW=self.hw, WORLD=w, PROGRAMS=programs, BLOCK=block, VEC=_vec(self.hw),
                                      BLOCK_W=blk_w), warps)
@@ -418,8 +427,8 @@ class _HTPlan:
                 topk_weights.contiguous())
 
     def dispatch(self, x, topk_idx, topk_weights):
-        dispatch = (x, topk_idx, topk_weights, self.num_experts, self.max_recv)
-        ws, w, dev, a = self.ws, self.world.world_size, x.device, self.address
+        dispatch = (x, topk_idx, topk_weights, self.num_experts, self.max_recv, self.group.name)
+        ws, w, dev, a = self.ws, self.group.size, x.device, self.address
         ws.raise_routing_error()
         x, topk_idx, topk_weights = self._prepared(x, topk_idx, topk_weights)
         rank_pos = torch.empty((self.tokens, w), dtype=torch.int32, device=dev)
@@ -459,7 +468,7 @@ class _HTPlan:
         ws.raise_routing_error()
         if y.data_ptr() % 16 or not _rows_ready(signature(y), self.cols):
             y = _rows(y, self.cols)  # the push back was compiled for 16-byte aligned rows of whole words
-        self.push_back(self.words(y), a(handle.table), *self.push_fixed, handle.rows, ws.ht_half_words)
+        self.push_back(self.words(y), a(handle.table), *self.push_fixed, self.error_at, handle.rows, ws.ht_half_words)
         out = torch.empty((self.tokens, self.cols), dtype=self.dtype, device=y.device)
         self.reduce(*self.wait_fixed, a(handle.rank_pos), a(handle.table), self.words(y), self.words(out),
                     ws.ht_half_words, self.tokens, handle.limit)
@@ -468,8 +477,10 @@ class _HTPlan:
 
 @declare_op(collective=True)
 def ep_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                max_recv_tokens: int | None = None):
-    """Send each token once to every rank that holds one of its experts (high throughput, prefill).
+                max_recv_tokens: int | None = None, group=None):
+    """Send each token once to every member of `group` (default: the world) that holds one of its experts (high
+    throughput, prefill). The experts are split contiguously over the group's ranks: group rank r holds experts
+    [r L, (r + 1) L), L = num_experts / group size.
 
     x (T, hidden) bf16/fp16/fp32; topk_idx (T, k) int64/int32 (-1: no expert); topk_weights (T, k) fp32; any
     layout and hidden size (a 16-bit row of odd length travels with a zero column more: recv_x is then a view).
@@ -478,100 +489,103 @@ def ep_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     handle for ep_combine). Rows are ordered by source rank, then source token. Without max_recv_tokens R is
     exact (one host sync); with it (the same on every rank) R = max_recv_tokens (no sync, capturable): rows
     past the received ones have idx -1, weights 0 and x 0, and tokens beyond it are dropped (their combine
-    gets nothing from this rank). Collective.
+    gets nothing from this rank). Collective over the group.
 
     topk_idx's values are checked on the device: a row naming an expert twice or one outside [0,
     num_experts) (and not -1) raises a ValueError naming topk_idx. Without max_recv_tokens every rank
     raises in this call, before anything is pushed (the sync sees every rank's check); with it, this rank
     raises at its next EP op's call once the kernel has run, and until then the row does no harm (entries
-    outside the experts count as none, a repeated expert once).
+    outside the experts count as none, a repeated expert once). The token counts each rank sends are bounded by
+    the receiver's region (a member whose call does not match raises on the receiver, what it sent ignored).
     """
-    return _plan(world_or_raise(), x, topk_idx, topk_weights, num_experts, max_recv_tokens).dispatch(
+    return _plan(resolve(group), x, topk_idx, topk_weights, num_experts, max_recv_tokens).dispatch(
         x, topk_idx, topk_weights)
 
 
-def _plan(world, x, topk_idx, topk_weights, num_experts, max_recv_tokens) -> _HTPlan:
-    return plan(world, lambda: ("ep", signature(x), signature(topk_idx), signature(topk_weights), num_experts,
+def _plan(group, x, topk_idx, topk_weights, num_experts, max_recv_tokens) -> HTPlan:
+    return plan(group, lambda: ("ep", signature(x), signature(topk_idx), signature(topk_weights), num_experts,
                                 max_recv_tokens),
-                lambda: _HTPlan(world, x, topk_idx, topk_weights, num_experts, max_recv_tokens))
+                lambda: HTPlan(group, x, topk_idx, topk_weights, num_experts, max_recv_tokens))
 
 
 @declare_op(collective=True)
-def ep_combine(y: torch.Tensor, handle: HTHandle) -> torch.Tensor:
+def ep_combine(y: torch.Tensor, handle: HTHandle, group=None) -> torch.Tensor:
     """Return each received row's result to its source: out (T, hidden) on the source rank = the sum over the
     ranks the token went to of their y row (y (R, hidden): each rank's weighted sum of its local experts'
-    outputs per received row), in rank order, fp32. Collective."""
-    world = world_or_raise()
-    if not isinstance(handle, HTHandle):
-        raise TypeError(f"handle must be what ep_dispatch returned, got {type(handle).__name__}")
+    outputs per received row), in rank order, fp32. Collective over the dispatch's group (`group`: default that
+    one; another raises)."""
+    g = _handle_group(handle, group, HTHandle, "ep_dispatch")
     p = handle.plan
-    check_tensor("y", y, world, dtypes=(p.dtype,), contiguous=False)
+    check_tensor("y", y, g, dtypes=(p.dtype,), contiguous=False)
     if tuple(y.shape) != (handle.rows, p.hidden):
         raise ValueError(f"y has shape {tuple(y.shape)}, expected {(handle.rows, p.hidden)} (recv_x's)")
     return p.combine(y, handle)
 
 
 # -- the operators (inference) ---------------------------------------------------------------------------------
-#   torch.ops.weft.ep_dispatch(x, topk_idx, topk_weights, num_experts, world_size, max_recv_tokens)
+#   torch.ops.weft.ep_dispatch(x, topk_idx, topk_weights, num_experts, group_name, max_recv_tokens)
 #       -> (recv_x, recv_topk_idx, recv_topk_weights, counts, rank_pos, table): R rows, data-dependent without
 #          max_recv_tokens (an unbacked size under tracing)
-#   torch.ops.weft.ep_combine(y, rank_pos, table, x, topk_idx, topk_weights, num_experts, world_size,
+#   torch.ops.weft.ep_combine(y, rank_pos, table, x, topk_idx, topk_weights, num_experts, group_name,
 #                             max_recv_tokens) -> (T, hidden)
 # A handle is a Python object, which an operator cannot take: the combine takes the handle's tensors and the
-# dispatch's arguments, from whose signature it finds the dispatch's plan (x and the routing are not read).
+# dispatch's arguments, from whose signature it finds the dispatch's plan in the group it names (x and the
+# routing are not read).
 
 @ep_dispatch.define
 def ep_dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                   world_size: int, max_recv_tokens: Optional[int] = None
+                   group_name: str, max_recv_tokens: Optional[int] = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    check_world_size(world_size)
     recv_x, recv_idx, recv_w, counts, handle = ep_dispatch.eager(x, topk_idx, topk_weights, num_experts,
-                                                                 max_recv_tokens)
+                                                                 max_recv_tokens, group=group_name)
     return recv_x.contiguous(), recv_idx, recv_w, counts, handle.rank_pos, handle.table
 
 
 @ep_dispatch_op.register_fake
-def _(x, topk_idx, topk_weights, num_experts, world_size, max_recv_tokens=None):
+def _(x, topk_idx, topk_weights, num_experts, group_name, max_recv_tokens=None):
+    size = group_size(group_name)
     rows = torch.library.get_ctx().new_dynamic_size() if max_recv_tokens is None else max_recv_tokens
     t, k = topk_idx.shape
     i32 = dict(dtype=torch.int32)
     return (x.new_empty((rows, x.shape[1])), topk_idx.new_empty((rows, k)),
-            topk_weights.new_empty((rows, k)), x.new_empty((num_experts // world_size,), **i32),
-            x.new_empty((t, world_size), **i32), x.new_empty((world_size, world_size), **i32))
+            topk_weights.new_empty((rows, k)), x.new_empty((num_experts // size,), **i32),
+            x.new_empty((t, size), **i32), x.new_empty((size, size), **i32))
 
 
 @ep_dispatch.traced
-def _(x, topk_idx, topk_weights, num_experts, max_recv_tokens=None):
+def _(x, topk_idx, topk_weights, num_experts, max_recv_tokens=None, group=None):
+    name = group_name(group)
     recv_x, recv_idx, recv_w, counts, rank_pos, table = torch.ops.weft.ep_dispatch(
-        x, topk_idx, topk_weights, num_experts, world_size(), max_recv_tokens)
+        x, topk_idx, topk_weights, num_experts, name, max_recv_tokens)
     return recv_x, recv_idx, recv_w, counts, HTHandle(None, rank_pos, table, recv_x.shape[0], None,
-                                                      (x, topk_idx, topk_weights, num_experts, max_recv_tokens))
+                                                      (x, topk_idx, topk_weights, num_experts, max_recv_tokens, name))
 
 
 @ep_combine.define
 def ep_combine_op(y: torch.Tensor, rank_pos: torch.Tensor, table: torch.Tensor, x: torch.Tensor,
-                  topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, world_size: int,
+                  topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, group_name: str,
                   max_recv_tokens: Optional[int] = None) -> torch.Tensor:
-    check_world_size(world_size)
-    found = _plan(world_or_raise(), x, topk_idx, topk_weights, num_experts, max_recv_tokens)
+    found = _plan(resolve(group_name), x, topk_idx, topk_weights, num_experts, max_recv_tokens)
     rows = y.shape[0]
     limit = found.cap if max_recv_tokens is None else rows
-    dispatch = (x, topk_idx, topk_weights, num_experts, max_recv_tokens)
+    dispatch = (x, topk_idx, topk_weights, num_experts, max_recv_tokens, group_name)
     return ep_combine.eager(y, HTHandle(found, rank_pos, table, rows, limit, dispatch))
 
 
 @ep_combine_op.register_fake
-def _(y, rank_pos, table, x, topk_idx, topk_weights, num_experts, world_size, max_recv_tokens=None):
+def _(y, rank_pos, table, x, topk_idx, topk_weights, num_experts, group_name, max_recv_tokens=None):
     return y.new_empty((rank_pos.shape[0], y.shape[1]))
 
 
 @ep_combine.traced
-def _(y, handle):
+def _(y, handle, group=None):
     if not isinstance(handle, HTHandle):
         raise TypeError(f"handle must be what ep_dispatch returned, got {type(handle).__name__}")
-    x, topk_idx, topk_weights, num_experts, max_recv_tokens = handle.dispatch
+    x, topk_idx, topk_weights, num_experts, max_recv_tokens, name = handle.dispatch
+    if group is not None and group_name(group) != name:
+        raise ValueError(f"group is {group_name(group)!r}, but the handle's dispatch ran over group {name!r}")
     return torch.ops.weft.ep_combine(y, handle.rank_pos, handle.table, x, topk_idx, topk_weights, num_experts,
-                                     world_size(), max_recv_tokens)
+                                     name, max_recv_tokens)
 
 
 # Signatures for the sm_90 compile check (weft.testing.compile), at the shipped tables' push block.
@@ -601,7 +615,7 @@ COMPILE_CASES = [
     for t in ("*i64", "*i32") for hw in (3584, 3585)
 ] + [
     (ep_push_back_kernel, dict(y="*i32", table="*i32", region="*i32", flags="*i32", counter="*i64", heap="*i64",
-                               rows="i32", half_words="i32"),
+                               err="*i64", rows="i32", half_words="i32"),
      dict(HW=3584, WORLD=8, PROGRAMS=128, BLOCK=_SHIPPED_BLOCK, VEC=4, BLOCK_W=8), dict(num_warps=8)),
 ] + [
     (ep_receive_kernel, dict(region="*i32", flags="*i32", counter="*i64", heap="*i64", table="*i32", x_out="*i32",

@@ -33,11 +33,11 @@ import weft.language as wl
 
 from ... import tuning
 from ..blocks import fp8_quantize, halves_of, word_of
-from ..common import Launch, check_tensor, check_world_size, plan, signature, world_or_raise, world_size
+from ..common import Launch, Plan, check_tensor, group_name, group_size, plan, resolve, signature
 from ..gemm import num_sms
 from ..registry import declare_op
-from .ep_workspace import _ELEM, _rows, _rows_ready, _too_big, _word_columns, _workspace
-from .routing import INDEX_DTYPES, _check_routing, check_rows, valid_experts
+from .ep_workspace import _ELEM, _handle_group, _rows, _rows_ready, _too_big, _word_columns, _workspace
+from .routing import INDEX_DTYPES, _check_routing, check_rows, peer_error, valid_experts
 
 
 # -- low-latency kernels ------------------------------------------------------------
@@ -173,13 +173,20 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
         for s in range(WORLD):
             head = wl.wait_ll(half + s * HEAD + tl.where(ll < LOCAL, me * LOCAL + ll, EXPERTS), ll <= LOCAL, epoch,
                               heap=heap, peer=s, op="ep_dispatch_ll header")
-            n_s = tl.sum(tl.where(ll == LOCAL, head, 0), axis=0)
+            sent = tl.sum(tl.where(ll == LOCAL, head, 0), axis=0)
+            n_s = tl.minimum(tl.maximum(sent, 0), MAX_T)  # a count past the slots: a peer's call that differs
+            if n_s != sent:
+                peer_error(err, s, 3)
             for t in range(lane, n_s, LANES):
                 slot = slots + (s * MAX_T + t) * SLOT
                 meta = wl.wait_ll(slot + jj, jj < K, epoch, heap=heap, peer=s, op="ep_dispatch_ll token")
-                taken = (meta >= 0) & (jj < K)
-                lexp = tl.where(taken, meta >> 16, -1)
+                named = (meta >= 0) & (jj < K)
+                lexp = tl.where(named, meta >> 16, -1)
                 row = tl.sum(tl.where(ll[None, :] == lexp[:, None], base[None, :], 0), axis=1) + (meta & 0xFFFF)
+                # An expert or row past mine (a peer's header or meta that does not match this call) is dropped.
+                taken = named & (lexp < LOCAL) & (row >= 0) & (row < WORLD * MAX_T)
+                if tl.sum((named & ~taken).to(tl.int32), axis=0) > 0:
+                    peer_error(err, s, 3)
                 flat = tl.where(taken, lexp * (WORLD * MAX_T) + row, -1).to(tl.int64)
                 if c == 0:
                     tl.store(src_rows + (s * MAX_T + t) * K + jj, flat.to(tl.int32), mask=jj < K)
@@ -198,7 +205,7 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
             if first:
                 tl.store(src_tokens + s, n_s)
         if first:
-            tl.store(counts + ll, base, mask=ll < LOCAL)
+            tl.store(counts + ll, tl.minimum(tl.maximum(base, 0), WORLD * MAX_T), mask=ll < LOCAL)
 
 
 @triton.jit(do_not_specialize=["tokens", "half_words"])
@@ -279,7 +286,8 @@ class LLHandle:
     src_tokens (W,), then src_rows (W, max_tokens, k), each from a 16-byte boundary; the launches take the
     last two as `src` (addresses on GPUs, views under the interpreter)), filled by the dispatch's receive
     (`received`: launched). `dispatch`: the dispatch's arguments but x's data (x, topk_idx, num_experts,
-    max_tokens_per_rank, fp8), from which a traced ep_combine_ll finds the plan again (a traced dispatch has none)."""
+    max_tokens_per_rank, fp8, its group's name), from which a traced ep_combine_ll finds the plan again (a traced
+    dispatch has none)."""
 
     def __init__(self, plan, routes, src, dispatch, received=True):
         self.plan, self.routes, self.src, self.received, self.dispatch = plan, routes, src, received, dispatch
@@ -334,9 +342,13 @@ def _ll_units(row_words: int, max_tokens: int, programs: int, chunk_words: int) 
     return chunk, chunks, min(max_tokens, programs // chunks)
 
 
-class _LLPlan:
-    def __init__(self, world, x, topk_idx, num_experts, max_tokens, fp8):
-        _check_routing(world, x, topk_idx, num_experts)
+class LLPlan(Plan):
+    """ep_dispatch_ll / ep_combine_ll of one call signature on one group: the launches (both halves, or the send
+    and the receive apart), the workspace's regions, the checks done; `dispatch` and `combine` its entry points."""
+
+    def __init__(self, group, x, topk_idx, num_experts, max_tokens, fp8):
+        super().__init__(group)
+        _check_routing(group, x, topk_idx, num_experts)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens < (1 << 16):
             raise ValueError(f"max_tokens_per_rank must be an int in [1, 65536), got {max_tokens!r}")
         if x.shape[0] > max_tokens:
@@ -346,8 +358,8 @@ class _LLPlan:
         if fp8 and x.shape[1] % 128:
             raise ValueError(f"fp8 needs a hidden size that is a multiple of 128 (one scale per 128 channels), "
                              f"got {x.shape[1]}")
-        w = world.world_size
-        self.world, self.heap, self.fp8 = world, world.heap.descriptor, fp8
+        w = group.size
+        self.heap, self.fp8 = group.heap.descriptor, fp8
         self.k, self.hidden, self.dtype, self.max_tokens = topk_idx.shape[1], x.shape[1], x.dtype, max_tokens
         self.num_experts, self.local = num_experts, num_experts // w
         # What the kernels cannot take as it is gets copied per call (_rows): x, topk_idx if not contiguous (fp8
@@ -359,16 +371,16 @@ class _LLPlan:
         self.hw = self.cols * x.element_size() // 4  # words of a row (combine)
         self.groups = x.shape[1] // 128 if fp8 else 0
         sent_hw = x.shape[1] // 4 if fp8 else self.hw  # words of a dispatched row
-        gpu = world.device.type == "cuda"
+        gpu = group.device.type == "cuda"
         if gpu:
-            ll = tuning.value("moe.ll_launch", world.device, w)
-            programs, chunk_words, warps = (min(ll["programs"], ll["per_sm"] * num_sms(world.device)),
+            ll = tuning.value("moe.ll_launch", group.device, w)
+            programs, chunk_words, warps = (min(ll["programs"], ll["per_sm"] * num_sms(group.device)),
                                             ll["chunk_words"], ll["warps"])
         else:
             programs, chunk_words, warps = LL_CPU
         d_chunk, d_chunks, d_lanes = _ll_units(sent_hw, max_tokens, programs, chunk_words)
         c_chunk, c_chunks, c_lanes = _ll_units(self.hw, max_tokens, programs, chunk_words)
-        self.ws = ws = _workspace(world)
+        self.ws = ws = _workspace(group)
         dispatch_words = w * (num_experts + 1) + 1 + w * max_tokens * (self.k + sent_hw + self.groups)
         even = lambda n: (n + 1) // 2 * 2  # noqa: E731
         combine_words = even(w * c_lanes * c_chunks) + even(w * max_tokens * self.k) + max_tokens * w * self.hw
@@ -378,7 +390,7 @@ class _LLPlan:
                                2 * words * 8, 2 * ws.ll_half_words * 8)
         common = dict(K=self.k, LOCAL=self.local, MAX_T=max_tokens, WORLD=w)
         blk_k = triton.next_power_of_2(self.k)
-        dev = world.device
+        dev = group.device
         # A call's routes in one allocation (LLHandle): counts, src_tokens, src_rows, 16-byte aligned.
         self.route_at, self.route_words = _route_layout(self.local, w, max_tokens, self.k)
         self.recv_shape = (self.local, w * max_tokens, self.hidden)
@@ -438,7 +450,7 @@ class _LLPlan:
         return (x if self.x_ready else (x.contiguous() if self.fp8 else _rows(x, self.cols))), topk_idx.contiguous()
 
     def dispatch(self, x, topk_idx, hook: bool):
-        dispatch = (x, topk_idx, self.num_experts, self.max_tokens, self.fp8)
+        dispatch = (x, topk_idx, self.num_experts, self.max_tokens, self.fp8, self.group.name)
         dev, ws, a = x.device, self.ws, self.address
         ws.raise_routing_error()
         _no_pending_hook(ws, "ep_dispatch_ll")
@@ -471,7 +483,7 @@ class _LLPlan:
         """(src_rows, src_tokens) of a routes tensor as the launches take them (views when asked)."""
         _, tok, rows = self.route_at
         if views or self.interpreted:
-            w = self.world.world_size
+            w = self.group.size
             return routes[rows:].view(w, self.max_tokens, self.k), routes[tok:tok + w]
         base = routes.data_ptr()
         return base + 4 * rows, base + 4 * tok
@@ -508,8 +520,9 @@ class _LLPlan:
 
 @declare_op(collective=True)
 def ep_dispatch_ll(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int,
-                   fp8: bool = False, return_recv_hook: bool = False):
-    """Low-latency dispatch (decode): one launch, no host sync, capturable in a CUDA graph.
+                   fp8: bool = False, return_recv_hook: bool = False, group=None):
+    """Low-latency dispatch (decode) over `group` (default: the world; W its size, experts split contiguously
+    over its ranks): one launch, no host sync, capturable in a CUDA graph.
 
     x (T, hidden) bf16/fp16/fp32 with T <= max_tokens_per_rank; topk_idx (T, k) (-1: no expert); any layout and
     hidden size (a 16-bit row of odd length travels with a zero column more: recv is then a view).
@@ -518,7 +531,8 @@ def ep_dispatch_ll(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, ma
     ep_combine_ll). fp8=False: recv has x's dtype and scales is None. fp8=True (hidden a multiple of 128):
     tokens travel as float8_e4m3fn, recv is float8_e4m3fn and scales (L, max_tokens_per_rank * W,
     hidden / 128) fp32 holds one scale per 128 channels (x ~ recv * scale; scale = amax / 448).
-    Collective: every rank passes the same num_experts and max_tokens_per_rank.
+    Collective over the group: every member passes the same num_experts and max_tokens_per_rank (a peer's token
+    count or row past this rank's call is dropped and raised here as a ValueError naming that peer).
 
     topk_idx's values are checked on the device, with no host sync: a row naming an expert twice or one outside
     [0, num_experts) (and not -1) raises a ValueError naming topk_idx, the row and the expert at the next EP
@@ -533,37 +547,36 @@ def ep_dispatch_ll(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, ma
     """
     if not isinstance(return_recv_hook, bool):
         raise TypeError(f"return_recv_hook must be a bool, got {type(return_recv_hook).__name__}")
-    found = _plan(world_or_raise(), x, topk_idx, num_experts, max_tokens_per_rank, fp8)
+    found = _plan(resolve(group), x, topk_idx, num_experts, max_tokens_per_rank, fp8)
     return found.dispatch(x, topk_idx, return_recv_hook)
 
 
-def _plan(world, x, topk_idx, num_experts, max_tokens_per_rank, fp8) -> _LLPlan:
-    return plan(world, lambda: ("ep_ll", signature(x), signature(topk_idx), num_experts, max_tokens_per_rank, fp8),
-                lambda: _LLPlan(world, x, topk_idx, num_experts, max_tokens_per_rank, fp8))
+def _plan(group, x, topk_idx, num_experts, max_tokens_per_rank, fp8) -> LLPlan:
+    return plan(group, lambda: ("ep_ll", signature(x), signature(topk_idx), num_experts, max_tokens_per_rank, fp8),
+                lambda: LLPlan(group, x, topk_idx, num_experts, max_tokens_per_rank, fp8))
 
 
 @declare_op(collective=True)
 def ep_combine_ll(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LLHandle,
-                  return_recv_hook: bool = False):
+                  return_recv_hook: bool = False, group=None):
     """Low-latency combine: out (T, hidden) = sum_j topk_weights[t, j] * (expert topk_idx[t, j]'s output for
     token t), where y (L, max_tokens_per_rank * W, hidden) holds each rank's expert outputs in recv's rows:
     each rank sums its experts' weighted outputs of a token (fp32, rounded to y's dtype) and sends that one
-    row back, where the ranks' rows are summed (fp32). One launch, no host sync. Collective.
+    row back, where the ranks' rows are summed (fp32). One launch, no host sync. Collective over the dispatch's
+    group (`group`: default that one; another raises).
 
     return_recv_hook=True: returns (out, hook); the call launches the send (which waits only for its peers'
     weights, sent first thing by their calls), the hook the receive, after which out holds the sums. Run the
     hook once, before the next ep_combine_ll."""
-    world = world_or_raise()
     if not isinstance(return_recv_hook, bool):
         raise TypeError(f"return_recv_hook must be a bool, got {type(return_recv_hook).__name__}")
-    if not isinstance(handle, LLHandle):
-        raise TypeError(f"handle must be what ep_dispatch_ll returned, got {type(handle).__name__}")
+    g = _handle_group(handle, group, LLHandle, "ep_dispatch_ll")
     p = handle.plan
-    check_tensor("y", y, world, dtypes=(p.dtype,), contiguous=False)
+    check_tensor("y", y, g, dtypes=(p.dtype,), contiguous=False)
     if tuple(y.shape) != p.recv_shape:
         raise ValueError(f"y has shape {tuple(y.shape)}, expected {p.recv_shape} (recv's)")
-    check_tensor("topk_idx", topk_idx, world, dtypes=INDEX_DTYPES, contiguous=False)
-    check_tensor("topk_weights", topk_weights, world, dtypes=(torch.float32,), contiguous=False)
+    check_tensor("topk_idx", topk_idx, g, dtypes=INDEX_DTYPES, contiguous=False)
+    check_tensor("topk_weights", topk_weights, g, dtypes=(torch.float32,), contiguous=False)
     if topk_idx.dim() != 2 or topk_idx.shape[1] != p.k or topk_idx.shape[0] > p.max_tokens:
         raise ValueError(f"topk_idx must be (tokens <= {p.max_tokens}, {p.k}), got {tuple(topk_idx.shape)}")
     if topk_weights.shape != topk_idx.shape:
@@ -572,10 +585,10 @@ def ep_combine_ll(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
 
 
 # -- the operators (inference) ---------------------------------------------------------------------------------
-#   torch.ops.weft.ep_dispatch_ll(x, topk_idx, num_experts, max_tokens_per_rank, world_size, fp8)
+#   torch.ops.weft.ep_dispatch_ll(x, topk_idx, num_experts, max_tokens_per_rank, group_name, fp8)
 #       -> (recv, counts, scales (an empty (0,) without fp8), routes)
 #   torch.ops.weft.ep_combine_ll(y, topk_idx, topk_weights, routes, x, dispatch_topk_idx, num_experts,
-#                                max_tokens_per_rank, world_size, fp8) -> (T, hidden)
+#                                max_tokens_per_rank, group_name, fp8) -> (T, hidden)
 # As for ep_combine (ep_ht): the combine takes the handle's routes and the dispatch's arguments, from whose
 # signature it finds the dispatch's plan. return_recv_hook=True returns a Python callable: not traceable.
 
@@ -587,17 +600,18 @@ def _no_hook(return_recv_hook) -> None:
 
 @ep_dispatch_ll.define
 def ep_dispatch_ll_op(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int,
-                      world_size: int, fp8: bool = False
+                      group_name: str, fp8: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    check_world_size(world_size)
-    recv, counts, scales, handle = ep_dispatch_ll.eager(x, topk_idx, num_experts, max_tokens_per_rank, fp8)
+    recv, counts, scales, handle = ep_dispatch_ll.eager(x, topk_idx, num_experts, max_tokens_per_rank, fp8,
+                                                        group=group_name)
     if scales is None:
         scales = x.new_empty((0,), dtype=torch.float32)
     return recv.contiguous(), counts.clone(), scales, handle.routes
 
 
 @ep_dispatch_ll_op.register_fake
-def _(x, topk_idx, num_experts, max_tokens_per_rank, world_size, fp8=False):
+def _(x, topk_idx, num_experts, max_tokens_per_rank, group_name, fp8=False):
+    world_size = group_size(group_name)
     local, hidden = num_experts // world_size, x.shape[1]
     rows = world_size * max_tokens_per_rank
     scales = (local, rows, hidden // 128) if fp8 else (0,)  # a scale per 128 channels
@@ -608,39 +622,41 @@ def _(x, topk_idx, num_experts, max_tokens_per_rank, world_size, fp8=False):
 
 
 @ep_dispatch_ll.traced
-def _(x, topk_idx, num_experts, max_tokens_per_rank, fp8=False, return_recv_hook=False):
+def _(x, topk_idx, num_experts, max_tokens_per_rank, fp8=False, return_recv_hook=False, group=None):
     _no_hook(return_recv_hook)
+    name = group_name(group)
     recv, counts, scales, routes = torch.ops.weft.ep_dispatch_ll(x, topk_idx, num_experts, max_tokens_per_rank,
-                                                                 world_size(), fp8)
-    handle = LLHandle(None, routes, None, (x, topk_idx, num_experts, max_tokens_per_rank, fp8))
+                                                                 name, fp8)
+    handle = LLHandle(None, routes, None, (x, topk_idx, num_experts, max_tokens_per_rank, fp8, name))
     return recv, counts, scales if fp8 else None, handle
 
 
 @ep_combine_ll.define
 def ep_combine_ll_op(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, routes: torch.Tensor,
                      x: torch.Tensor, dispatch_topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int,
-                     world_size: int, fp8: bool = False) -> torch.Tensor:
-    check_world_size(world_size)
-    found = _plan(world_or_raise(), x, dispatch_topk_idx, num_experts, max_tokens_per_rank, fp8)
+                     group_name: str, fp8: bool = False) -> torch.Tensor:
+    found = _plan(resolve(group_name), x, dispatch_topk_idx, num_experts, max_tokens_per_rank, fp8)
     handle = LLHandle(found, routes, found._src(routes),
-                      (x, dispatch_topk_idx, num_experts, max_tokens_per_rank, fp8))
+                      (x, dispatch_topk_idx, num_experts, max_tokens_per_rank, fp8, group_name))
     return ep_combine_ll.eager(y, topk_idx, topk_weights, handle).contiguous()
 
 
 @ep_combine_ll_op.register_fake
-def _(y, topk_idx, topk_weights, routes, x, dispatch_topk_idx, num_experts, max_tokens_per_rank, world_size,
+def _(y, topk_idx, topk_weights, routes, x, dispatch_topk_idx, num_experts, max_tokens_per_rank, group_name,
       fp8=False):
     return y.new_empty((topk_idx.shape[0], y.shape[2]))
 
 
 @ep_combine_ll.traced
-def _(y, topk_idx, topk_weights, handle, return_recv_hook=False):
+def _(y, topk_idx, topk_weights, handle, return_recv_hook=False, group=None):
     _no_hook(return_recv_hook)
     if not isinstance(handle, LLHandle):
         raise TypeError(f"handle must be what ep_dispatch_ll returned, got {type(handle).__name__}")
-    x, dispatch_topk_idx, num_experts, max_tokens_per_rank, fp8 = handle.dispatch
+    x, dispatch_topk_idx, num_experts, max_tokens_per_rank, fp8, name = handle.dispatch
+    if group is not None and group_name(group) != name:
+        raise ValueError(f"group is {group_name(group)!r}, but the handle's dispatch ran over group {name!r}")
     return torch.ops.weft.ep_combine_ll(y, topk_idx, topk_weights, handle.routes, x, dispatch_topk_idx, num_experts,
-                                        max_tokens_per_rank, world_size(), fp8)
+                                        max_tokens_per_rank, name, fp8)
 
 
 # Signatures for the sm_90 compile check (weft.testing.compile).

@@ -11,15 +11,15 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ..common import workspace, zero_everywhere
+from ..common import resolve, workspace, zero_everywhere
 from .routing import RoutingErrorWord
 
 HT_MAX_PROGRAMS = 1024  # the workspace's push flags: [program][rank] (scripts/probe_ep_ht.py sweeps moe.ht_programs)
 
 
 class MoeWorkspace:
-    """The MoE family's symmetric workspace, made once whatever the call sizes: the LL dispatch and LL combine
-    regions (int64 LL words, zeroed: epoch 0 is never awaited; 3/8 of workspace_bytes each), the
+    """The MoE family's symmetric workspace, one per group, made once whatever the call sizes: the LL dispatch and
+    LL combine regions (int64 LL words, zeroed: epoch 0 is never awaited; 3/8 of workspace_bytes each), the
     high-throughput receive region (1/4), each in two halves; the count table's LL words, the push flags
     [program][rank], and one epoch counter per kernel; the LL ops' receive hooks not yet run.
 
@@ -27,9 +27,9 @@ class MoeWorkspace:
     EP op raises it on entry (and dispatches again after their launches: under the interpreter, kernels have
     run by then, so the call that passed the row raises)."""
 
-    def __init__(self, world):
-        heap, w = world.heap, world.world_size
-        total = world.workspace_bytes // 4096 * 4096
+    def __init__(self, group):
+        heap, w = group.heap, group.size
+        total = group.workspace_bytes // 4096 * 4096
         self.ll_half_words = total * 3 // 8 // 16  # a multiple of 32 words, as the LL kernels assume
         self.ll_dispatch = heap.empty((2 * self.ll_half_words,), torch.int64)
         self.ll_combine = heap.empty((2 * self.ll_half_words,), torch.int64)
@@ -39,9 +39,9 @@ class MoeWorkspace:
         self.flags = heap.empty((HT_MAX_PROGRAMS * w,), torch.int32)
         self.counters = heap.empty((5,), torch.int64)  # ll dispatch, ll combine, count exchange, push, wait
         self.ll_pending = {}  # LL op -> its RecvHook not yet run
-        self.errors = RoutingErrorWord(world)
+        self.errors = RoutingErrorWord(group)
         self.error = self.errors.tensor
-        zero_everywhere(world, self.ll_dispatch, self.ll_combine, self.table, self.flags, self.counters)
+        zero_everywhere(group, self.ll_dispatch, self.ll_combine, self.table, self.flags, self.counters)
 
     def raise_routing_error(self) -> None:
         self.errors.raise_recorded()
@@ -50,8 +50,17 @@ class MoeWorkspace:
         return self.counters[i:i + 1]
 
 
-def _workspace(world) -> MoeWorkspace:
-    return workspace(world, "moe", MoeWorkspace)
+def _workspace(group) -> MoeWorkspace:
+    return workspace(group, "moe", MoeWorkspace)
+
+
+def _handle_group(handle, group, cls, op: str):
+    """The group a combine runs over: its dispatch's (`group`, if given, must be that one)."""
+    if not isinstance(handle, cls):
+        raise TypeError(f"handle must be what {op} returned, got {type(handle).__name__}")
+    if group is not None and resolve(group) is not handle.plan.group:
+        raise ValueError(f"group is {resolve(group)!r}, but the handle's dispatch ran over {handle.plan.group!r}")
+    return handle.plan.group
 
 
 def _too_big(what: str, need: int, have: int) -> ValueError:

@@ -156,13 +156,15 @@ def row_of_pair_kernel(metas, meta_copy, row_of_pair, pairs, width, E: tl.conste
                        BLOCK_E: tl.constexpr, COPY: tl.constexpr):
     """row_of_pair (W m k,) of every rank's chunk in metas (W, width): the inverse of pair_of_row, -1 for the
     rows from starts[E] on; COPY: metas copied into meta_copy as well (metas is the workspace, which the next
-    call overwrites)."""
+    call overwrites). A pair index outside [0, pairs) (a chunk a peer sent that does not match: the GEMM
+    records it) is not stored."""
     c = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = i < pairs
     chunk = metas + c * width
     pair = tl.load(chunk + E + 2 + i, mask=live)
-    tl.store(row_of_pair + c * pairs + pair, tl.where(i < tl.load(chunk + E), c * pairs + i, -1), mask=live)
+    tl.store(row_of_pair + c * pairs + pair, tl.where(i < tl.load(chunk + E), c * pairs + i, -1),
+             mask=live & (pair >= 0) & (pair < pairs))
     if COPY:
         tl.store(meta_copy + c * width + E + 2 + i, pair, mask=live)
         if tl.program_id(1) == 0:
@@ -225,27 +227,27 @@ class LayoutLaunches:
             meta.copy_(metas)
         return GroupLayout(meta, self.e, self.k, self.m, rows)
 
-    def all_gathered(self, topk_idx: torch.Tensor) -> GroupLayout:
-        """The GroupLayout of every rank's topk_idx: each rank's chunk, all-gathered (weft all_gather); of one
-        rank's (world_size 1), the chunk in a new tensor (the layout outlives the call)."""
+    def all_gathered(self, topk_idx: torch.Tensor, group=None) -> GroupLayout:
+        """The GroupLayout of every member's topk_idx: each member's chunk, all-gathered over `group` (weft
+        all_gather); of one rank's (world_size 1), the chunk in a new tensor (the layout outlives the call)."""
         if self.world_size == 1:
             return self.gathered(self.chunk(topk_idx, torch.empty_like(self.meta))[None])
-        return self.gathered(all_gather.eager(self.chunk(topk_idx, self.meta)[None]))
+        return self.gathered(all_gather.eager(self.chunk(topk_idx, self.meta)[None], group=group))
 
 
 # -- the weighted top-k sum of each token's rows ---------------------------------------------
 
 @triton.jit
-def _weighted_sum(y, row_of_pair, weights, g, live, cols, cols_live, N, TOP_K: tl.constexpr,
+def _weighted_sum(y, row_of_pair, weights, g, live, cols, cols_live, N, rows, TOP_K: tl.constexpr,
                   BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """fp32 (BLOCK_T, BLOCK_H): for gathered tokens g, sum over j in order of weights[g, j] * y[row_of_pair[g, j],
-    cols] (rows -1 skipped)."""
+    cols] (rows -1, or past y's `rows`, skipped: row_of_pair comes from the chunks the ranks sent)."""
     acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
     for j in tl.static_range(TOP_K):
         r = tl.load(row_of_pair + g * TOP_K + j, mask=live, other=-1)
         wt = tl.load(weights + g * TOP_K + j, mask=live, other=0.0)
-        v = tl.load(y + r.to(tl.int64)[:, None] * N + cols[None, :], mask=(r >= 0)[:, None] & cols_live[None, :],
-                    other=0.0)
+        v = tl.load(y + r.to(tl.int64)[:, None] * N + cols[None, :],
+                    mask=((r >= 0) & (r < rows))[:, None] & cols_live[None, :], other=0.0)
         acc += wt[:, None] * v.to(tl.float32)
     return acc
 
@@ -259,16 +261,17 @@ def topk_sum_kernel(y, row_of_pair, weights, out, tokens, N, TOP_K: tl.constexpr
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     live = t < tokens
-    acc = _weighted_sum(y, row_of_pair, weights, t, live, cols, cols < N, N, TOP_K, BLOCK_T, BLOCK_H)
+    acc = _weighted_sum(y, row_of_pair, weights, t, live, cols, cols < N, N, tokens * TOP_K, TOP_K, BLOCK_T,
+                        BLOCK_H)
     tl.store(out + t.to(tl.int64)[:, None] * N + cols[None, :], cast(acc, out.dtype.element_ty),
              mask=live[:, None] & (cols < N)[None, :])
 
 
-def _topk_sum_launch(world, y, row_of_pair, weights, out, tokens: int) -> Launch:
+def _topk_sum_launch(group, y, row_of_pair, weights, out, tokens: int) -> Launch:
     """topk_sum_kernel over `tokens` rows of out (·, N) from y's rows (routed_gemm_sum, group_gemm_rs's
     baseline)."""
     n = out.shape[1]
-    block_t, block_h = (16, 256) if world.device.type == "cuda" else (16, 32)
+    block_t, block_h = (16, 256) if group.device.type == "cuda" else (16, 32)
     return Launch(topk_sum_kernel, (triton.cdiv(tokens, block_t), triton.cdiv(n, block_h)),
                   (y, row_of_pair, weights, out, tokens, n),
                   dict(TOP_K=row_of_pair.shape[1], BLOCK_T=block_t, BLOCK_H=block_h), 4)

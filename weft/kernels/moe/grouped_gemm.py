@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ... import tuning
 from ..blocks import cast
-from ..common import Launch, check_tensor, plan, signature, world_or_raise
+from ..common import Launch, Plan, check_tensor, plan, signature, world_or_raise
 from ..gemm import GemmConfig, descriptor, dot, num_sms, tile_of
 from ..registry import declare_op
 
@@ -40,14 +40,15 @@ FP8_MAX = 448.0  # e4m3's largest finite value
 
 
 @triton.jit
-def group_tile(a, pairs, w, out, a_row0, out_row0, row0, rows, e, pm, pn, N, K,
+def group_tile(a, pairs, w, out, a_row0, a_rows, out_row0, row0, rows, e, pm, pn, N, K,
                GATHER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                A_TMA: tl.constexpr = False, W_TMA: tl.constexpr = False):
     """One tile of a grouped GEMM: row block pm x column block pn of a segment of rows (rows [row0, row0 + rows),
     all of expert e): out[out_row0 + row, cols] = (A row) @ w[e][:, cols], fp32 accumulation rounded to
-    out's dtype. A row: row a_row0 + pairs[row] // TOP_K of `a` (GATHER: a token
-    picked by a (token, expert) pair index), else row a_row0 + row. a (·, K), w (E, K, N), out (·, N) row-major.
+    out's dtype. A row: row a_row0 + pairs[row] // TOP_K of `a` (GATHER: a token picked by a (token, expert)
+    pair index, kept in [0, a_rows): the pair index may be what a peer sent), else row a_row0 + row. a (·, K),
+    w (E, K, N), out (·, N) row-major.
     Rows past the segment are not stored. Pipelined NUM_STAGES deep; EVEN_K / EVEN_N: K / N are whole blocks
     (no masks).
 
@@ -63,7 +64,7 @@ def group_tile(a, pairs, w, out, a_row0, out_row0, row0, rows, e, pm, pn, N, K,
     kk = tl.arange(0, BLOCK_K)
     if not A_TMA:
         if GATHER:
-            src = a_row0 + tl.load(pairs + row) // TOP_K
+            src = a_row0 + tl.minimum(tl.maximum(tl.load(pairs + row) // TOP_K, 0), a_rows - 1)
         else:
             src = a_row0 + row
         a_ptrs = a + src.to(tl.int64)[:, None] * K + kk[None, :]
@@ -158,7 +159,7 @@ def grouped_gemm_kernel(x, w, out, counts, experts, capacity, N, K, BLOCK_M: tl.
     rows, blocks, first_tile, tiles = _expert_tiles(counts, experts, capacity, N, BLOCK_M, BLOCK_N, BLOCK_E)
     for tile in range(tl.program_id(0), tiles, PROGRAMS):
         e, n, pm, pn = _tile_of_expert(tile, experts, rows, blocks, first_tile, N, BLOCK_N, BLOCK_E, GROUP_M)
-        group_tile(x, x, w, out, 0, 0, e * capacity, n, e, pm, pn, N, K, False, 1, BLOCK_M, BLOCK_N, BLOCK_K,
+        group_tile(x, x, w, out, 0, 0, 0, e * capacity, n, e, pm, pn, N, K, False, 1, BLOCK_M, BLOCK_N, BLOCK_K,
                    NUM_STAGES, EVEN_K, EVEN_N)
 
 
@@ -331,7 +332,7 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, config:
                                  None if w_scales is None else (signature(x_scales), signature(w_scales),
                                                                 w.stride(), w_scales.stride())),
                  lambda: _GroupedGemmPlan(world, x, w, counts, config, x_scales, w_scales))
-    return found(x, w, counts, x_scales, w_scales)
+    return found.run(x, w, counts, x_scales, w_scales)
 
 
 # What a caller may pass as `config` (EPMoE's decode: experts holding a few rows of a larger buffer).
@@ -412,8 +413,11 @@ def _check_fp8(world, x, w, x_scales, w_scales, config) -> None:
                                  f"got {block}")
 
 
-class _GroupedGemmPlan:
+class _GroupedGemmPlan(Plan):
+    """grouped_gemm of one signature: the checks, the tiling, the launch; `run` runs a call."""
+
     def __init__(self, world, x, w, counts, config, x_scales=None, w_scales=None):
+        super().__init__(world)
         check_tensor("x", x, world, dtypes=GEMM_DTYPES)
         self.fp8 = x.dtype == FP8
         check_tensor("w", w, world, dtypes=GEMM_DTYPES, contiguous=not self.fp8)
@@ -487,7 +491,7 @@ class _GroupedGemmPlan:
     def _aligned(self, x, w):
         return fp8_tma_aligned(x, w, self.realign)
 
-    def __call__(self, x, w, counts, x_scales=None, w_scales=None):
+    def run(self, x, w, counts, x_scales=None, w_scales=None):
         e, c, n, k = self.e, self.c, self.n, self.k
         out = torch.empty(self.out_shape, dtype=self.out_dtype, device=x.device)
         if self.fp8 and self.tma:

@@ -18,16 +18,16 @@ from typing import Optional
 import torch
 import triton
 
-from ..common import Launch, check_tensor, plan, signature, world_or_raise
+from ..common import Launch, Plan, check_tensor, plan, signature, world_or_raise
 from ..gemm import descriptor, num_sms
 from ..registry import declare_op, into
 from .group_layout import GroupLayout, LayoutLaunches, _check_layout, _topk_sum_launch
 from .grouped_gemm import FP8, check_fp8_operands, fp8_tma_aligned, grouped_config, grouped_gemm_fp8_kernel
 from .routing import INDEX_DTYPES, _checked, _RoutingCheck
-from .tp import _AgPlan, _check_out, _check_topk, _RsPlan
+from .tp import AgGroupGemmPlan, _check_out, _check_topk, GroupGemmRsPlan
 
 
-class _RoutedFp8Plan:
+class _RoutedFp8Plan(Plan):
     """routed_gemm / routed_gemm_sum (`summed`) with fp8 operands: this rank's pairs sorted by expert
     (LayoutLaunches, one chunk), then grouped_gemm_fp8_kernel over the layout's expert segments (ROUTED): the
     tokens gathered by pair (routed_gemm), or h's rows in layout order by TMA (routed_gemm_sum, whose
@@ -35,6 +35,7 @@ class _RoutedFp8Plan:
 
     def __init__(self, world, x, w, topk_idx, x_scales, w_scales, topk_weights, out, summed: bool,
                  make_layout: bool):
+        super().__init__(world)
         x_name, w_name = ("h", "w_down") if summed else ("tokens", "w_experts")
         check_tensor(x_name, x, world, dtypes=(FP8,))
         check_tensor(w_name, w, world, dtypes=(FP8,), contiguous=False)
@@ -100,9 +101,9 @@ class _RoutedFp8Plan:
     def check_layout(self, layout) -> None:
         _check_layout(layout, (1, self.e, self.k, self.m), self.dev)
 
-    def __call__(self, x, w, topk_idx, x_scales, w_scales, topk_weights, layout, out):
+    def run(self, x, w, topk_idx, x_scales, w_scales, topk_weights, layout, out):
         if layout is None:
-            self.routing(topk_idx)
+            self.routing.run(topk_idx)
             layout = self.layouts.all_gathered(topk_idx)
         if out is None:
             out = torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.dev)
@@ -153,7 +154,7 @@ def routed_gemm(tokens: torch.Tensor, w_experts: torch.Tensor, topk_idx: torch.T
     _no_scales(x_scales, w_scales, tokens)
     found = plan(world, lambda: ("routed_gemm", signature(tokens), signature(w_experts), signature(topk_idx),
                                  None if out is None else signature(out)),
-                 lambda: _AgPlan(world, tokens, w_experts, topk_idx, "baseline", out, local=True))
+                 lambda: AgGroupGemmPlan(world, tokens, w_experts, topk_idx, "baseline", out, local=True))
     return _checked(found, tokens, w_experts, topk_idx, out)
 
 
@@ -186,7 +187,7 @@ def routed_gemm_sum(h: torch.Tensor, w_down: torch.Tensor, topk_idx: torch.Tenso
     _no_scales(x_scales, w_scales, h)
     found = plan(world, lambda: ("routed_gemm_sum", signature(h), signature(w_down), signature(topk_idx),
                                  signature(topk_weights), layout is None, None if out is None else signature(out)),
-                 lambda: _RsPlan(world, h, w_down, topk_idx, topk_weights, "baseline", out, layout is None,
+                 lambda: GroupGemmRsPlan(world, h, w_down, topk_idx, topk_weights, "baseline", out, layout is None,
                                  local=True))
     found.check_layout(layout)
     return _checked(found, h, w_down, topk_idx, topk_weights, layout, out)

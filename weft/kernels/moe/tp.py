@@ -77,10 +77,21 @@ check_routing_values (weft.ops) is the same check on the host, with a sync.
 
 routed_gemm and routed_gemm_sum (routed.py) are the two ops' one-rank baseline as local ops.
 
-ag_group_gemm and group_gemm_rs are PyTorch operators too (torch.ops.weft.*, weft/torch_ops.py; inference only).
+What the ranks send one another is checked before use, on the device: each rank sends, with its chunk (and
+with its routing weights in group_gemm_rs), a signature of its call's shapes (_call_signature, into the
+workspace's shapes[] before the ready flag; in ag_group_gemm's baseline, all-gathered); a chunk whose
+signature is not the receiver's, or whose starts are not a layout of m k pairs (_chunk_ok), is not computed
+and its sender is recorded in the error word (routing.peer_error); the pair and row numbers the kernels read
+are clamped to the call's rows. A call with other shapes on another rank (m = 4 here, 8 there) is then a
+ValueError on every rank, never a write outside a buffer.
+
+Both ops take group=None (the world): W and the ranks are the group's, with its own workspace and error word.
+ag_group_gemm and group_gemm_rs are PyTorch operators too (torch.ops.weft.*, weft/torch_ops.py; inference only);
+the operators take the group's name.
 """
 from __future__ import annotations
 
+import zlib
 from typing import Optional
 
 import torch
@@ -95,13 +106,13 @@ from ...runtime.streams import StreamSet, device_copy
 from ..all_gather import all_gather
 from ..all_reduce import reduce_scatter
 from ..blocks import cast, first_item
-from ..common import (Launch, check_method, check_tensor, check_world_size, plan, signature, workspace,
-                      world_or_raise, world_size, zero_everywhere)
+from ..common import (Launch, Plan, check_method, check_tensor, group_name, group_size, plan, resolve, signature,
+                      workspace, zero_everywhere)
 from ..gemm import descriptor, num_sms
 from ..registry import declare_op, into
 from .group_layout import GroupLayout, LayoutLaunches, _check_layout, _topk_sum_launch, _weighted_sum
 from .grouped_gemm import group_tile
-from .routing import INDEX_DTYPES, _checked, _RoutingCheck
+from .routing import INDEX_DTYPES, _checked, _RoutingCheck, peer_error
 
 METHODS = ("auto", "overlap", "baseline")
 DTYPES = (torch.bfloat16, torch.float16)
@@ -112,11 +123,24 @@ MAX_TOKEN_BLOCKS = 4096
 # -- device helpers -----------------------------------------------------------------
 
 @triton.jit
-def _segments(starts, NUM_SEGMENTS, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Segment s < NUM_SEGMENTS of a chunk (an expert, or the unrouted pairs) from its starts: first row,
-    rows, row blocks, first row block; and the chunk's row blocks in all."""
+def _chunk_ok(starts, pairs, trusted, E: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Whether a chunk's starts (E + 2) are a layout of `pairs` pairs: from 0, never falling, ending at pairs,
+    and the chunk `trusted` (its sender's call matches mine). A chunk a peer sent may be neither: the kernels
+    take one that is not as empty, so no row number it holds reaches memory."""
     s = tl.arange(0, BLOCK_E)
-    live = s < NUM_SEGMENTS
+    live = s <= E
+    lo = tl.load(starts + s, mask=live, other=0)
+    hi = tl.load(starts + s + 1, mask=live, other=pairs)
+    falls = tl.sum((live & ((lo < 0) | (hi < lo))).to(tl.int32), axis=0)
+    return trusted & (falls == 0) & (tl.load(starts) == 0) & (tl.load(starts + E + 1) == pairs)
+
+
+@triton.jit
+def _segments(starts, ok, NUM_SEGMENTS, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Segment s < NUM_SEGMENTS of a chunk (an expert, or the unrouted pairs) from its starts: first row,
+    rows, row blocks, first row block; and the chunk's row blocks in all. None unless `ok` (_chunk_ok)."""
+    s = tl.arange(0, BLOCK_E)
+    live = (s < NUM_SEGMENTS) & ok
     first = tl.load(starts + s, mask=live, other=0)
     rows = tl.load(starts + s + 1, mask=live, other=0) - first
     blocks = (rows + BLOCK_M - 1) // BLOCK_M
@@ -124,7 +148,7 @@ def _segments(starts, NUM_SEGMENTS, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr
 
 
 @triton.jit
-def _chunk_tiles(a, meta_c, w, out, done_c, heap, a_row0, out_row0, base, N, K, E: tl.constexpr,
+def _chunk_tiles(a, meta_c, ok, w, out, done_c, heap, a_row0, a_rows, out_row0, base, N, K, E: tl.constexpr,
                  TOP_K: tl.constexpr, GATHER: tl.constexpr, COUNT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, NUM_STAGES: tl.constexpr,
                  NUM_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, A_TMA: tl.constexpr,
@@ -136,8 +160,9 @@ def _chunk_tiles(a, meta_c, w, out, done_c, heap, a_row0, out_row0, base, N, K, 
     (grouped_gemm.group_tile). FLATTEN: the tile loop and the K loop run as one pipelined loop (every tile has the
     same K blocks), so the next tile's loads start under this tile's last products and store; Triton fuses
     a loop nest only from its outermost loop, so the callers unroll their chunk loops (static_range), and
-    the loop holds no flag update (which would keep it from being pipelined)."""
-    first, rows, blocks, first_block, total = _segments(meta_c, E, BLOCK_M, BLOCK_E)
+    the loop holds no flag update (which would keep it from being pipelined). A chunk that is not `ok`
+    (_chunk_ok) has no tiles: its rows of out are not written; a GATHER pair's token is kept in [0, a_rows)."""
+    first, rows, blocks, first_block, total = _segments(meta_c, ok, E, BLOCK_M, BLOCK_E)
     tiles_n = tl.cdiv(N, BLOCK_N)
     first_tile = first_block * tiles_n
     s = tl.arange(0, BLOCK_E)
@@ -149,7 +174,7 @@ def _chunk_tiles(a, meta_c, w, out, done_c, heap, a_row0, out_row0, base, N, K, 
         this = s == e
         nb = tl.sum(tl.where(this, blocks, 0), axis=0)
         within = local - tl.sum(tl.where(this, first_tile, 0), axis=0)
-        group_tile(a, meta_c + E + 2, w, out, a_row0, out_row0, tl.sum(tl.where(this, first, 0), axis=0),
+        group_tile(a, meta_c + E + 2, w, out, a_row0, a_rows, out_row0, tl.sum(tl.where(this, first, 0), axis=0),
                    tl.sum(tl.where(this, rows, 0), axis=0), e, within % nb, within // nb, N, K, GATHER, TOP_K,
                    BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, EVEN_N, A_TMA, W_TMA)
     if COUNT:
@@ -157,8 +182,8 @@ def _chunk_tiles(a, meta_c, w, out, done_c, heap, a_row0, out_row0, base, N, K, 
                   // NUM_PROGRAMS, wl.SIGNAL_ADD, wl.SCOPE_GPU)
     base += total * tiles_n
     if GATHER:  # rows [starts[E], starts[E + 1]) of the chunk: the pairs without expert, zeros
-        lo = tl.load(meta_c + E)
-        hi = tl.load(meta_c + E + 1)
+        lo = tl.where(ok, tl.load(meta_c + E), 0)
+        hi = tl.where(ok, tl.load(meta_c + E + 1), 0)
         mine = first_item(base, NUM_PROGRAMS)
         for blk in range(mine, base + tl.cdiv(hi - lo, BLOCK_M), NUM_PROGRAMS):
             r = lo + (blk - base) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -172,9 +197,10 @@ def _chunk_tiles(a, meta_c, w, out, done_c, heap, a_row0, out_row0, base, N, K, 
 
 
 @triton.jit
-def _tile_count(meta_c, N, E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
+def _tile_count(meta_c, ok, N, E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_E: tl.constexpr):
     """The GEMM tiles of a chunk's experts (what done[c] reaches once they are all computed)."""
-    _, _, _, _, total = _segments(meta_c, E, BLOCK_M, BLOCK_E)
+    _, _, _, _, total = _segments(meta_c, ok, E, BLOCK_M, BLOCK_E)
     return total * tl.cdiv(N, BLOCK_N)
 
 
@@ -192,7 +218,8 @@ def moe_tp_start_kernel(bar, heap, done, DONE: tl.constexpr, BLOCK_D: tl.constex
 
 
 @triton.jit
-def group_gemm_chunks_kernel(a, meta, w, out, ready, bar, heap, mapping, m, N, K, meta_stride, E: tl.constexpr,
+def group_gemm_chunks_kernel(a, meta, w, out, ready, bar, heap, mapping, shapes, err, m, N, K, meta_stride, sig,
+                             E: tl.constexpr,
                              TOP_K: tl.constexpr, WORLD: tl.constexpr, GATHER: tl.constexpr, WAIT: tl.constexpr,
                              BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -207,6 +234,11 @@ def group_gemm_chunks_kernel(a, meta, w, out, ready, bar, heap, mapping, m, N, K
     ready[c] >= the epoch, as `tile_wait` on `mapping` (the gathered tokens, one tile per rank) says it.
     ready, bar and mapping are read only with WAIT. A_TMA (not with GATHER or WAIT) / W_TMA: a / w are TMA
     descriptors (grouped_gemm.group_tile); FLATTEN as in _chunk_tiles.
+
+    GATHER: the chunks of other ranks are what they sent, so each is checked first: shapes[c] (the signature
+    of rank c's call, sent along with its chunk) must be mine (`sig`) and its starts a layout of m k pairs
+    (_chunk_ok). A chunk that is not is skipped (its rows of out are not written) and recorded in `err`
+    (routing.peer_error), which the host raises.
     """
     me = wl.rank(heap)
     pairs = m * TOP_K
@@ -215,19 +247,27 @@ def group_gemm_chunks_kernel(a, meta, w, out, ready, bar, heap, mapping, m, N, K
         c = (me + step) % WORLD
         a_c = a
         meta_c = meta + c * meta_stride
+        shapes_c = shapes + c
         if WAIT:
             if step > 0:
                 token = wl.tile_wait(mapping, ready, c * m, 0, m, K, tl.load(bar))
                 a_c = wl.consume_token(a, token)
                 meta_c = wl.consume_token(meta_c, token)
-        base = _chunk_tiles(a_c, meta_c, w, out, ready, heap, c * (m if GATHER else pairs), c * pairs, base, N, K,
-                            E, TOP_K, GATHER, False, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, NUM_STAGES, NUM_PROGRAMS,
-                            EVEN_K, EVEN_N, A_TMA, W_TMA, FLATTEN)
+                shapes_c = wl.consume_token(shapes_c, token)
+        if GATHER:
+            ok = _chunk_ok(meta_c, pairs, (c == me) | (tl.load(shapes_c) == sig), E, BLOCK_E)
+            if ok == 0:
+                peer_error(err, c, 1)
+        else:
+            ok = _chunk_ok(meta_c, pairs, True, E, BLOCK_E)
+        base = _chunk_tiles(a_c, meta_c, ok, w, out, ready, heap, c * (m if GATHER else pairs), m, c * pairs, base,
+                            N, K, E, TOP_K, GATHER, False, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, NUM_STAGES,
+                            NUM_PROGRAMS, EVEN_K, EVEN_N, A_TMA, W_TMA, FLATTEN)
 
 
 @triton.jit
-def group_gemm_rs_kernel(h, meta, w, y, row_of_pair, weights, recv, out, done, ready, pushed, bar, heap, m, N, K,
-                         meta_stride, E: tl.constexpr, TOP_K: tl.constexpr, WORLD: tl.constexpr,
+def group_gemm_rs_kernel(h, meta, w, y, row_of_pair, weights, recv, out, done, ready, pushed, bar, heap, shapes, err,
+                         m, N, K, meta_stride, sig, E: tl.constexpr, TOP_K: tl.constexpr, WORLD: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
                          NUM_STAGES: tl.constexpr, NUM_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr,
                          EVEN_N: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr, FLATTEN: tl.constexpr,
@@ -236,7 +276,9 @@ def group_gemm_rs_kernel(h, meta, w, y, row_of_pair, weights, recv, out, done, r
     GEMM(me+1) GEMM(me+2) RS(me+1) ... GEMM(me) RS(me-1) FINAL (module doc). y (W m k, N): the expert
     outputs; weights (W m, k): every rank's routing weights; recv (W, m, N): the partials rank q pushed
     into slot q; done (W,) local tile counters; pushed (MAX_TOKEN_BLOCKS, W) flags. A_TMA / W_TMA: h / w are
-    TMA descriptors (grouped_gemm.group_tile); FLATTEN as in _chunk_tiles."""
+    TMA descriptors (grouped_gemm.group_tile); FLATTEN as in _chunk_tiles. shapes[q]: the signature of rank q's
+    call, sent with its routing weights: a rank whose call is not mine (`sig`) gets no partial from me, its
+    partials are not waited for nor added, and it is recorded in `err` (routing.peer_error)."""
     pid = tl.program_id(0)
     me = wl.rank(heap)
     epoch = tl.load(bar)
@@ -247,12 +289,14 @@ def group_gemm_rs_kernel(h, meta, w, y, row_of_pair, weights, recv, out, done, r
     base = pid * 0
     for step in tl.static_range(WORLD):
         c = (me + 1 + step) % WORLD
-        base = _chunk_tiles(h, meta + c * meta_stride, w, y, done + c, heap, c * pairs, c * pairs, base, N, K, E,
-                            TOP_K, False, True, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, NUM_STAGES, NUM_PROGRAMS,
-                            EVEN_K, EVEN_N, A_TMA, W_TMA, FLATTEN)
+        meta_c = meta + c * meta_stride
+        base = _chunk_tiles(h, meta_c, _chunk_ok(meta_c, pairs, True, E, BLOCK_E), w, y, done + c, heap, c * pairs,
+                            pairs, c * pairs, base, N, K, E, TOP_K, False, True, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E,
+                            NUM_STAGES, NUM_PROGRAMS, EVEN_K, EVEN_N, A_TMA, W_TMA, FLATTEN)
         if step > 0:  # RS of the chunk before: my partial of rank p's tokens into its recv slot [me]
             p = (me + step) % WORLD
-            tiles = _tile_count(meta + p * meta_stride, N, E, BLOCK_M, BLOCK_N, BLOCK_E)
+            meta_p = meta + p * meta_stride
+            tiles = _tile_count(meta_p, _chunk_ok(meta_p, pairs, True, E, BLOCK_E), N, E, BLOCK_M, BLOCK_N, BLOCK_E)
             mine = first_item(base, NUM_PROGRAMS)
             for item in range(mine, base + blocks_t, NUM_PROGRAMS):
                 blk = item - base
@@ -260,20 +304,24 @@ def group_gemm_rs_kernel(h, meta, w, y, row_of_pair, weights, recv, out, done, r
                                    op="group_gemm_rs chunk GEMM")
                 arrived = wl.wait(ready + p, 1, epoch, wl.CMP_GE, heap=heap, peer=p,
                                   op="group_gemm_rs routing weights")
-                t = blk * BLOCK_T + t_in
-                live = t < m
-                dst = wl.symm_at(recv, p, heap) + (me * m).to(tl.int64) * N
-                for h0 in range(0, N, BLOCK_H):
-                    cols = h0 + hh
-                    acc = _weighted_sum(wl.consume_token(y, computed), row_of_pair,
-                                        wl.consume_token(weights, arrived), p * m + t, live, cols, cols < N, N,
-                                        TOP_K, BLOCK_T, BLOCK_H)
-                    tl.store(dst + t.to(tl.int64)[:, None] * N + cols[None, :], cast(acc, y.dtype.element_ty),
-                             mask=live[:, None] & (cols < N)[None, :])
-                wl.notify(pushed + blk * WORLD + me, p, heap, epoch)
+                if tl.load(wl.consume_token(shapes, arrived) + p) == sig:
+                    t = blk * BLOCK_T + t_in
+                    live = t < m
+                    dst = wl.symm_at(recv, p, heap) + (me * m).to(tl.int64) * N
+                    for h0 in range(0, N, BLOCK_H):
+                        cols = h0 + hh
+                        acc = _weighted_sum(wl.consume_token(y, computed), row_of_pair,
+                                            wl.consume_token(weights, arrived), p * m + t, live, cols, cols < N, N,
+                                            WORLD * pairs, TOP_K, BLOCK_T, BLOCK_H)
+                        tl.store(dst + t.to(tl.int64)[:, None] * N + cols[None, :], cast(acc, y.dtype.element_ty),
+                                 mask=live[:, None] & (cols < N)[None, :])
+                    wl.notify(pushed + blk * WORLD + me, p, heap, epoch)
+                else:
+                    peer_error(err, p, 1)
             base += blocks_t
     # FINAL: my tokens, my partial and the pushed ones summed in rank order.
-    tiles = _tile_count(meta + me * meta_stride, N, E, BLOCK_M, BLOCK_N, BLOCK_E)
+    meta_me = meta + me * meta_stride
+    tiles = _tile_count(meta_me, _chunk_ok(meta_me, pairs, True, E, BLOCK_E), N, E, BLOCK_M, BLOCK_N, BLOCK_E)
     mine = first_item(base, NUM_PROGRAMS)
     for item in range(mine, base + blocks_t, NUM_PROGRAMS):
         blk = item - base
@@ -281,19 +329,25 @@ def group_gemm_rs_kernel(h, meta, w, y, row_of_pair, weights, recv, out, done, r
                            op="group_gemm_rs chunk GEMM")
         for sender in range(WORLD):
             if sender != me:
-                computed = wl.wait(pushed + blk * WORLD + sender, 1, epoch, wl.CMP_GE, heap=heap, peer=sender,
-                                   op="group_gemm_rs partials")
+                arrived = wl.wait(ready + sender, 1, epoch, wl.CMP_GE, heap=heap, peer=sender,
+                                  op="group_gemm_rs routing weights")
+                if tl.load(wl.consume_token(shapes, arrived) + sender) == sig:
+                    computed = wl.wait(pushed + blk * WORLD + sender, 1, epoch, wl.CMP_GE, heap=heap, peer=sender,
+                                       op="group_gemm_rs partials")
+                else:
+                    peer_error(err, sender, 1)
         t = blk * BLOCK_T + t_in
         live = t < m
         for h0 in range(0, N, BLOCK_H):
             cols = h0 + hh
             mask = live[:, None] & (cols < N)[None, :]
             own = cast(_weighted_sum(wl.consume_token(y, computed), row_of_pair, weights, me * m + t, live, cols,
-                                     cols < N, N, TOP_K, BLOCK_T, BLOCK_H), y.dtype.element_ty)
+                                     cols < N, N, WORLD * pairs, TOP_K, BLOCK_T, BLOCK_H), y.dtype.element_ty)
             total = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
             for q in tl.static_range(WORLD):
                 ptrs = wl.consume_token(recv, computed) + (q * m + t).to(tl.int64)[:, None] * N + cols[None, :]
-                part = tl.load(ptrs, mask=mask & (q != me), other=0.0)
+                sent = (q != me) & (tl.load(wl.consume_token(shapes, computed) + q) == sig)
+                part = tl.load(ptrs, mask=mask & sent, other=0.0)
                 total += tl.where(q == me, own.to(tl.float32), part.to(tl.float32))
             tl.store(out + t.to(tl.int64)[:, None] * N + cols[None, :], cast(total, out.dtype.element_ty), mask=mask)
 
@@ -305,17 +359,19 @@ class MoeTPWorkspace:
     as the gathered tokens and layouts and by group_gemm_rs as the received partials and the gathered routing
     weights; the start barrier's words bar (1 + W); ready (W): rank r's chunk (or weights) arrived, raised by
     the copy engine with the call's epoch; pushed (MAX_TOKEN_BLOCKS, W): rank q's partials of token block b
-    arrived. The copy stream for the pushes."""
+    arrived; shapes (W): the signature of rank r's call (_call_signature), pushed before its ready flag. The copy
+    stream for the pushes."""
 
-    def __init__(self, world):
-        heap, w = world.heap, world.world_size
-        self.bytes = data_bytes(world)
+    def __init__(self, group):
+        heap, w = group.heap, group.size
+        self.bytes = data_bytes(group)
         self.data = heap.empty((self.bytes,), torch.uint8)
         self.bar = heap.empty((1 + w,), torch.int32)
         self.ready = heap.empty((w,), torch.int32)
         self.pushed = heap.empty((MAX_TOKEN_BLOCKS * w,), torch.int32)
-        self.streams = StreamSet(world.device, 1) if world.device.type == "cuda" else None  # the pushes' stream
-        zero_everywhere(world, self.bar, self.ready, self.pushed)
+        self.shapes = heap.empty((w,), torch.int32)
+        self.streams = StreamSet(group.device, 1) if group.device.type == "cuda" else None  # the pushes' stream
+        zero_everywhere(group, self.bar, self.ready, self.pushed, self.shapes)
 
     def view(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
         """A view of `data` from byte `offset` (a multiple of 256)."""
@@ -325,16 +381,22 @@ class MoeTPWorkspace:
         return self.data[offset:offset + n * dtype.itemsize].view(dtype).view(shape)
 
 
-def data_bytes(world) -> int:
-    return world.workspace_bytes // 256 * 256
+def data_bytes(group) -> int:
+    return group.workspace_bytes // 256 * 256
 
 
 def _aligned(nbytes: int) -> int:
     return (nbytes + 255) // 256 * 256
 
 
-def _workspace(world) -> MoeTPWorkspace:
-    return workspace(world, "moe_tp", MoeTPWorkspace)
+def _workspace(group) -> MoeTPWorkspace:
+    return workspace(group, "moe_tp", MoeTPWorkspace)
+
+
+def _call_signature(op: str, *sizes: int) -> int:
+    """A word that differs between calls of other shapes (a positive int32, never the workspace's zeros): what
+    a rank sends with its chunk or routing weights, for the receiver to check against its own call."""
+    return (zlib.crc32(repr((op, sizes)).encode()) & 0x7FFFFFFF) | 1
 
 
 # -- host side --------------------------------------------------------------------------
@@ -350,12 +412,12 @@ def _tiles(kind: str, device: torch.device, world_size: int) -> dict:
     return CPU_TILES if kind == "cpu" else tuning.value("moe_tp.tiles", device, world_size)[kind]
 
 
-def _gemm_config(world, m: int, k: int, experts: int, n: int, kdim: int):
+def _gemm_config(group, m: int, k: int, experts: int, n: int, kdim: int):
     """(tiles, even, warps, flatten): the grouped GEMM's tiling constexprs (BLOCK_M/N/K, BLOCK_E, NUM_STAGES),
     whether K and N are whole blocks (EVEN_K, EVEN_N), its warps and whether its tile loop is flattened
     (FLATTEN), from the tuning data's moe_tp.tiles."""
-    kind = "cpu" if world.device.type != "cuda" else "large" if m * k >= 128 * experts else "small"
-    t = _tiles(kind, world.device, world.world_size)
+    kind = "cpu" if group.device.type != "cuda" else "large" if m * k >= 128 * experts else "small"
+    t = _tiles(kind, group.device, group.size)
     bm, bn, bk, stages, warps, flatten = (t["block_m"], t["block_n"], t["block_k"], t["num_stages"], t["num_warps"],
                                           t["flatten"])
     tiles = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(experts + 2),
@@ -369,9 +431,9 @@ class _Operand:
     take it (`tma`: 16-byte aligned, rows of whole 16 bytes, and the K dimension `k` whole `block_k`s, so a K
     block never reaches into the next expert); else the tensor itself (pointer loads)."""
 
-    def __init__(self, t: torch.Tensor, shape, block, k: int, block_k: int):
+    def __init__(self, group, t: torch.Tensor, shape, block, k: int, block_k: int):
         self.shape = tuple(shape)
-        self.tma = (tuning.value("moe_tp.tma_operands", t.device, world_or_raise().world_size)
+        self.tma = (tuning.value("moe_tp.tma_operands", t.device, group.size)
                     and t.data_ptr() % 16 == 0 and shape[1] * t.element_size() % 16 == 0
                     and k % block_k == 0)
         self.desc = descriptor(t.view(self.shape), block) if self.tma else None
@@ -386,45 +448,45 @@ class _Operand:
             self.desc.off()
 
 
-def _programs(world) -> int:
-    return num_sms(world.device) if world.device.type == "cuda" else 2
+def _programs(group) -> int:
+    return num_sms(group.device) if group.device.type == "cuda" else 2
 
 
-def _check_weights(name, w, world, dtype, rows: int, rows_name: str):
-    check_tensor(name, w, world, dtypes=DTYPES)
+def _check_weights(name, w, group, dtype, rows: int, rows_name: str):
+    check_tensor(name, w, group, dtypes=DTYPES)
     if w.dtype != dtype:
         raise TypeError(f"{name} has dtype {w.dtype}, expected {dtype} (that of the activations)")
     if w.dim() != 3 or w.shape[0] < 1 or w.shape[1] != rows:
         raise ValueError(f"{name} must be (experts, {rows_name} = {rows}, N), got shape {tuple(w.shape)}")
 
 
-def _check_topk(world, topk_idx, m: int, num_experts: int, topk_weights=None):
+def _check_topk(group, topk_idx, m: int, num_experts: int, topk_weights=None):
     """k may pass the experts (routed_gemm: an EP rank's rows name its local experts, -1 for the others)."""
-    check_tensor("topk_idx", topk_idx, world, dtypes=INDEX_DTYPES)
+    check_tensor("topk_idx", topk_idx, group, dtypes=INDEX_DTYPES)
     if topk_idx.dim() != 2 or topk_idx.shape[0] != m or topk_idx.shape[1] < 1:
         raise ValueError(f"topk_idx must be (tokens, k) with tokens = {m} and k >= 1, got shape "
                          f"{tuple(topk_idx.shape)}")
     if topk_weights is not None:
-        check_tensor("topk_weights", topk_weights, world, dtypes=(torch.float32,))
+        check_tensor("topk_weights", topk_weights, group, dtypes=(torch.float32,))
         if topk_weights.shape != topk_idx.shape:
             raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}, expected {tuple(topk_idx.shape)} "
                              "(that of topk_idx)")
 
 
-def _check_out(world, out, shape, dtype) -> None:
+def _check_out(group, out, shape, dtype) -> None:
     if out is None:
         return
-    check_tensor("out", out, world)
+    check_tensor("out", out, group)
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(shape)}")
     if out.dtype != dtype:
         raise TypeError(f"out has dtype {out.dtype}, expected {dtype}")
 
 
-def _overlap_refusal(world, empty: bool, need: int, what: str) -> str | None:
+def _overlap_refusal(group, empty: bool, need: int, what: str) -> str | None:
     """Why the overlap cannot take a call whose workspace data (`what`) takes `need` bytes, or None."""
-    if need > data_bytes(world):
-        return (f"{what} take {need} bytes, more than the workspace ({data_bytes(world)} bytes: raise "
+    if need > data_bytes(group):
+        return (f"{what} take {need} bytes, more than the workspace ({data_bytes(group)} bytes: raise "
                 "WEFT_WORKSPACE_BYTES)")
     return "an empty dimension" if empty else None
 
@@ -438,6 +500,12 @@ def _choose(op: str, method: str, refusal: str | None, world_size: int, device: 
         overlaps = tuning.value("moe_tp.auto_overlaps", device, world_size)[op]
         return "overlap" if overlaps and not refusal and world_size > 1 else "baseline"
     return method
+
+
+def _over(group) -> dict:
+    """The group argument of a weft collective this family calls that takes groups only where it runs off the
+    world (reduce_scatter gains group= with the collectives' conversion)."""
+    return {} if group is group.world else dict(group=group)
 
 
 def _push(ws, copies) -> None:
@@ -462,79 +530,92 @@ def _join(ws) -> None:
         ws.streams.wait(ws.streams.current(), ws.streams.sides[0])
 
 
-class _AgPlan:
-    """ag_group_gemm of one call signature: checks, method, launches, workspace views. local: routed_gemm (this
-    rank's tokens alone, as ag_group_gemm's baseline on one rank)."""
+class AgGroupGemmPlan(Plan):
+    """ag_group_gemm of one call signature on one group: checks, method, launches, workspace views; `run` runs a
+    call. local: routed_gemm (this rank's tokens alone, as ag_group_gemm's baseline on one rank)."""
 
-    def __init__(self, world, tokens, w, topk_idx, method, out, local: bool = False):
+    def __init__(self, group, tokens, w, topk_idx, method, out, local: bool = False):
+        super().__init__(group)
         check_method(method, METHODS)
         x_name, w_name = ("tokens", "w_experts") if local else ("tokens_shard", "w_experts_shard")
-        check_tensor(x_name, tokens, world, dtypes=DTYPES)
+        check_tensor(x_name, tokens, group, dtypes=DTYPES)
         if tokens.dim() != 2:
             raise ValueError(f"{x_name} must be (tokens, hidden), got shape {tuple(tokens.shape)}")
         m, hidden = tokens.shape
-        _check_weights(w_name, w, world, tokens.dtype, hidden, "hidden")
+        _check_weights(w_name, w, group, tokens.dtype, hidden, "hidden")
         e, _, n = w.shape
-        _check_topk(world, topk_idx, m, e)
-        ww, me, k = (1, 0, topk_idx.shape[1]) if local else (world.world_size, world.rank, topk_idx.shape[1])
+        _check_topk(group, topk_idx, m, e)
+        ww, me, k = (1, 0, topk_idx.shape[1]) if local else (group.size, group.rank, topk_idx.shape[1])
         self.world_size, self.m, self.k, self.e, self.n = ww, m, k, e, n
         self.dtype, self.dev = tokens.dtype, tokens.device
         self.out_shape = (ww * m * k, n)
-        _check_out(world, out, self.out_shape, tokens.dtype)
+        _check_out(group, out, self.out_shape, tokens.dtype)
         self.width = width = e + 2 + m * k  # a chunk's layout, int32
         tokens_bytes = _aligned(ww * m * hidden * tokens.element_size())
         need = tokens_bytes + ww * width * 4
         self.empty = min(m, n, hidden) == 0
-        refusal = _overlap_refusal(world, self.empty, need, "the gathered tokens and layouts")
+        refusal = _overlap_refusal(group, self.empty, need, "the gathered tokens and layouts")
         self.method = _choose("ag_group_gemm", method, refusal, ww, tokens.device)
-        self.routing = _RoutingCheck(world, topk_idx, e)
+        self.routing = _RoutingCheck(group, topk_idx, e)
         overlap = self.method == "overlap"
         self.layouts = LayoutLaunches(topk_idx, e, ww, copy=overlap)  # overlap: the chunks are in the workspace
+        # What every rank sends with its chunk, and checks a chunk it receives by (the kernel's shapes, sig).
+        self.sig = _call_signature("ag_group_gemm", m, k, e, hidden, n, tokens.element_size())
+        self.sig_word = torch.full((1,), self.sig, dtype=torch.int32, device=self.dev)
         if self.empty:
             return
-        tiles, even, warps, flatten = _gemm_config(world, m, k, e, n, hidden)
-        programs = _programs(world)
-        self.heap = heap = world.heap.descriptor
+        tiles, even, warps, flatten = _gemm_config(group, m, k, e, n, hidden)
+        programs = _programs(group)
+        self.heap = heap = group.heap.descriptor
         block = (triton.next_power_of_2(m), triton.next_power_of_2(hidden))
-        self.mapping = TileMap((ww * m, hidden), ww, block, device=world.device).arg  # a tile per rank
-        self.w_op = _Operand(w, (e * hidden, n), (tiles["BLOCK_K"], tiles["BLOCK_N"]), hidden, tiles["BLOCK_K"])
+        self.mapping = TileMap((ww * m, hidden), ww, block, device=group.device).arg  # a tile per rank
+        self.w_op = _Operand(group, w, (e * hidden, n), (tiles["BLOCK_K"], tiles["BLOCK_N"]), hidden,
+                             tiles["BLOCK_K"])
         consts = dict(E=e, TOP_K=k, WORLD=ww, GATHER=True, WAIT=overlap, **tiles, NUM_PROGRAMS=programs, **even,
                       A_TMA=False, W_TMA=self.w_op.tma, FLATTEN=flatten)
         if out is None:  # the launch is compiled for the alignment of the caller's out, or a fresh one's
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.dev)
         if overlap:
-            self.ws = ws = _workspace(world)
+            self.ws = ws = _workspace(group)
             gathered = ws.view(0, (ww * m, hidden), self.dtype)
             metas = ws.view(tokens_bytes, (ww, width), torch.int32)
             self.mine = (gathered[me * m:(me + 1) * m], metas[me])
-            # Step s pushes my chunk to rank me - s, whose kernel takes chunk me at its step s.
-            peer = world.heap.peer
+            # Step s pushes my chunk (and my call's signature) to rank me - s, whose kernel takes chunk me at its
+            # step s.
+            peer = group.heap.peer
             self.peers = [(peer(gathered, (me - s) % ww)[me * m:(me + 1) * m], peer(metas, (me - s) % ww)[me],
-                           peer(ws.ready, (me - s) % ww)[me:me + 1]) for s in range(1, ww)]
+                           peer(ws.shapes, (me - s) % ww)[me:me + 1], peer(ws.ready, (me - s) % ww)[me:me + 1])
+                          for s in range(1, ww)]
             self.start = Launch(moe_tp_start_kernel, (1,), (ws.bar, heap, ws.bar), dict(DONE=0, BLOCK_D=1), 1)
-            ready, bar = ws.ready, ws.bar
+            ready, bar, shapes = ws.ready, ws.bar, ws.shapes
         else:
             gathered = torch.empty((ww * m, hidden), dtype=self.dtype, device=self.dev)
             metas = torch.empty((ww, width), dtype=torch.int32, device=self.dev)
             ready = bar = metas  # read only with WAIT
-        self.gathered, self.metas, self.ready, self.bar = gathered, metas, ready, bar
-        self.launch = Launch(group_gemm_chunks_kernel, (programs,), self._args(gathered, metas, w, out), consts, warps)
+            shapes = self.sig_word.expand(ww).contiguous()  # every call: the ranks' signatures, gathered
+        self.gathered, self.metas, self.ready, self.bar, self.shapes = gathered, metas, ready, bar, shapes
+        self.err = errors = self.routing.errors.tensor
+        self.launch = Launch(group_gemm_chunks_kernel, (programs,), self._args(gathered, metas, w, out, shapes),
+                             consts, warps)
+        self.err = self.launch.address(errors)  # compiled for the word, called with its address (on GPUs, pinned)
         self.w_op.off()
 
-    def _args(self, gathered, metas, w, out):
-        return (gathered, metas, self.w_op(w), out, self.ready, self.bar, self.heap, self.mapping, self.m, self.n,
-                gathered.shape[1], self.width)
+    def _args(self, gathered, metas, w, out, shapes):
+        return (gathered, metas, self.w_op(w), out, self.ready, self.bar, self.heap, self.mapping, shapes, self.err,
+                self.m, self.n, gathered.shape[1], self.width, self.sig)
 
-    def __call__(self, tokens, w, topk_idx, out):
-        self.routing(topk_idx)
+    def run(self, tokens, w, topk_idx, out):
+        self.routing.run(topk_idx)
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.dev)
         if self.empty:
             return out.zero_(), self.layouts.all_gathered(topk_idx)
         if self.method == "baseline":
-            layout = self.layouts.all_gathered(topk_idx)
-            gathered = tokens if self.world_size == 1 else all_gather.eager(tokens)
-            self.launch(*self._args(gathered, layout.meta, w, out))
+            one = self.world_size == 1
+            shapes = self.sig_word if one else all_gather.eager(self.sig_word, group=self.group)
+            layout = self.layouts.all_gathered(topk_idx, self.group)
+            gathered = tokens if one else all_gather.eager(tokens, group=self.group)
+            self.launch(*self._args(gathered, layout.meta, w, out, shapes))
             self.w_op.off()
             return out, layout
         ws, chunk = self.ws, self.mine[1]
@@ -542,9 +623,9 @@ class _AgPlan:
         self.mine[0].copy_(tokens)
         self.layouts.chunk(topk_idx, chunk)  # into the workspace, after the barrier: its last readers are done
         epoch = ws.bar[0:1]
-        _push(ws, [pair for rows, layout, flag in self.peers
-                   for pair in ((rows, tokens), (layout, chunk), (flag, epoch))])
-        self.launch(*self._args(self.gathered, self.metas, w, out))
+        _push(ws, [pair for rows, layout, shape, flag in self.peers
+                   for pair in ((rows, tokens), (layout, chunk), (shape, self.sig_word), (flag, epoch))])
+        self.launch(*self._args(self.gathered, self.metas, w, out, self.shapes))
         self.w_op.off()
         _join(ws)
         return out, self.layouts.gathered(self.metas)  # after the GEMM, which waited for every chunk
@@ -552,8 +633,9 @@ class _AgPlan:
 
 @declare_op(collective=True)
 def ag_group_gemm(tokens_shard: torch.Tensor, w_experts_shard: torch.Tensor, topk_idx: torch.Tensor,
-                  method: str = "auto", out: torch.Tensor | None = None):
-    """All-gather the tokens and multiply every (token, expert) pair by its expert's weight slice, overlapped.
+                  method: str = "auto", out: torch.Tensor | None = None, group=None):
+    """All-gather the tokens over `group` (default: the world; W its size, ranks its group ranks) and multiply
+    every (token, expert) pair by its expert's weight slice, overlapped.
 
     tokens_shard (m, hidden) bf16/fp16: this rank's tokens; w_experts_shard (E, hidden, N) of that dtype: every
     expert's slice of the first MoE weights on this rank (N = inter / W; gate and up may be side by side,
@@ -566,89 +648,105 @@ def ag_group_gemm(tokens_shard: torch.Tensor, w_experts_shard: torch.Tensor, top
     method: "overlap" (copy-engine pushes of the tokens under a persistent grouped GEMM that takes each rank's
     chunk as it arrives; needs the gathered tokens and layouts to fit the workspace), "baseline" (weft
     all_gather, then the grouped GEMM), "auto" (the overlap where it can take the call, else the baseline;
-    moe_tp.auto_overlaps). topk_idx's values are checked on the device, with no host sync: a bad row raises a ValueError
-    naming topk_idx, the row and the expert at this rank's next call of the family (module doc). Collective:
-    every rank passes the same shapes and method.
+    moe_tp.auto_overlaps). Collective over the group: every member passes the same shapes and method.
+
+    Checks on the device, with no host sync, raised as a ValueError by this rank's next call of the family (under
+    the interpreter, by this call once its launches have run; module doc):
+    - topk_idx's values: a bad row (an expert named twice, or one outside [0, E) and not -1) names topk_idx,
+      the row and the expert. The call has then written inter (`out` if given) with that row's bad entries as
+      pairs without expert (rows of zeros) and a repeated expert computed twice, and nothing else of the
+      caller's; the other members' calls complete as usual, with the same treatment of the row.
+    - what the other members sent: a chunk from a member whose call differs (another m, k, E, hidden or N: its
+      signature, sent along, is not this call's) or whose layout is not one of m k pairs names that member;
+      its rows of inter (`out` if given) are then left as they were, never computed from what it sent, and
+      no row number it sent is used.
     """
-    world = world_or_raise()
-    found = plan(world, lambda: ("ag_group_gemm", signature(tokens_shard), signature(w_experts_shard),
-                                 signature(topk_idx), method, None if out is None else signature(out)),
-                 lambda: _AgPlan(world, tokens_shard, w_experts_shard, topk_idx, method, out))
+    g = resolve(group)
+    found = plan(g, lambda: ("ag_group_gemm", signature(tokens_shard), signature(w_experts_shard),
+                             signature(topk_idx), method, None if out is None else signature(out)),
+                 lambda: AgGroupGemmPlan(g, tokens_shard, w_experts_shard, topk_idx, method, out))
     return _checked(found, tokens_shard, w_experts_shard, topk_idx, out)
 
 
-class _RsPlan:
-    """group_gemm_rs of one call signature: checks, method, launches, workspace views."""
+class GroupGemmRsPlan(Plan):
+    """group_gemm_rs of one call signature on one group: checks, method, launches, workspace views; `run` runs a
+    call. local: routed_gemm_sum (this rank's pairs alone, as group_gemm_rs's baseline on one rank)."""
 
-    def __init__(self, world, h, w_down, topk_idx, topk_weights, method, out, make_layout: bool, local: bool = False):
+    def __init__(self, group, h, w_down, topk_idx, topk_weights, method, out, make_layout: bool,
+                 local: bool = False):
+        super().__init__(group)
         check_method(method, METHODS)
-        check_tensor("h", h, world, dtypes=DTYPES)
+        check_tensor("h", h, group, dtypes=DTYPES)
         if h.dim() != 2:
             raise ValueError(f"h must be (pairs, N), got shape {tuple(h.shape)}")
-        _check_weights("w_down" if local else "w_down_shard", w_down, world, h.dtype, h.shape[1], "h's columns")
+        _check_weights("w_down" if local else "w_down_shard", w_down, group, h.dtype, h.shape[1], "h's columns")
         e, inter, hidden = w_down.shape
-        check_tensor("topk_idx", topk_idx, world, dtypes=INDEX_DTYPES)
+        check_tensor("topk_idx", topk_idx, group, dtypes=INDEX_DTYPES)
         if topk_idx.dim() != 2:
             raise ValueError(f"topk_idx must be (tokens, k), got shape {tuple(topk_idx.shape)}")
         m, k = topk_idx.shape
-        _check_topk(world, topk_idx, m, e, topk_weights)
-        ww, me = (1, 0) if local else (world.world_size, world.rank)
+        _check_topk(group, topk_idx, m, e, topk_weights)
+        ww, me = (1, 0) if local else (group.size, group.rank)
         if h.shape[0] != ww * m * k:
             raise ValueError(f"h has {h.shape[0]} rows, expected {'' if local else 'world size x '}tokens x k = "
                              f"{ww * m * k} (one per pair of {'the' if local else 'every rank'}'s tokens, as "
                              f"{'routed_gemm' if local else 'ag_group_gemm'} returns them)")
         self.world_size, self.m, self.k, self.e, self.hidden = ww, m, k, e, hidden
         self.dtype, self.dev = h.dtype, h.device
-        _check_out(world, out, (m, hidden), h.dtype)
+        _check_out(group, out, (m, hidden), h.dtype)
         recv_bytes = _aligned(ww * m * hidden * h.element_size())
         need = recv_bytes + ww * m * k * 4
         self.empty = min(m, inter, hidden) == 0
-        refusal = _overlap_refusal(world, self.empty, need, "the partials and routing weights")
+        refusal = _overlap_refusal(group, self.empty, need, "the partials and routing weights")
         self.method = _choose("group_gemm_rs", method, refusal, ww, h.device)
-        self.routing = _RoutingCheck(world, topk_idx, e)
+        self.routing = _RoutingCheck(group, topk_idx, e)
         self.layouts = LayoutLaunches(topk_idx, e, ww, copy=False) if make_layout else None  # calls without one
         if self.empty:
             return
-        tiles, even, warps, flatten = _gemm_config(world, m, k, e, hidden, inter)
+        tiles, even, warps, flatten = _gemm_config(group, m, k, e, hidden, inter)
         bm, bn, bk = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
-        self.h_op = _Operand(h, h.shape, (bm, bk), inter, bk)
-        self.w_op = _Operand(w_down, (e * inter, hidden), (bk, bn), inter, bk)
+        self.h_op = _Operand(group, h, h.shape, (bm, bk), inter, bk)
+        self.w_op = _Operand(group, w_down, (e * inter, hidden), (bk, bn), inter, bk)
         tma = dict(A_TMA=self.h_op.tma, W_TMA=self.w_op.tma, FLATTEN=flatten)
-        self.heap = heap = world.heap.descriptor
+        self.heap = heap = group.heap.descriptor
         width = e + 2 + m * k
         y = torch.empty((ww * m * k, hidden), dtype=self.dtype, device=self.dev)
         metas = torch.empty((ww, width), dtype=torch.int32, device=self.dev)
         rows = torch.empty((ww * m, k), dtype=torch.int32, device=self.dev)
         if self.method == "baseline":
             mapping = TileMap((ww * m, inter), ww, (triton.next_power_of_2(m), triton.next_power_of_2(inter)),
-                              device=world.device).arg
-            # ready, bar and mapping are read only with WAIT
+                              device=group.device).arg
+            # ready, bar and mapping are read only with WAIT, shapes and err only with GATHER
             self.gemm_args = lambda h, metas, w_down, y: (self.h_op(h), metas, self.w_op(w_down), y, metas, metas,
-                                                          heap, mapping, m, hidden, inter, width)
-            self.launch = Launch(group_gemm_chunks_kernel, (_programs(world),), self.gemm_args(h, metas, w_down, y),
+                                                          heap, mapping, metas, metas, m, hidden, inter, width, 0)
+            self.launch = Launch(group_gemm_chunks_kernel, (_programs(group),), self.gemm_args(h, metas, w_down, y),
                                  dict(E=e, TOP_K=k, WORLD=ww, GATHER=False, WAIT=False, **tiles,
-                                      NUM_PROGRAMS=_programs(world), **even, **tma), warps)
+                                      NUM_PROGRAMS=_programs(group), **even, **tma), warps)
             self._off()
             # Every rank's tokens summed here (into out itself on one rank), then weft's reduce_scatter.
             # Compiled for the alignment of what it takes: on one rank the caller's weights and out.
             weights, sums = ((topk_weights, y if out is None else out) if ww == 1 else
                              (torch.zeros((ww * m, k), device=self.dev), y))
-            self.sums = _topk_sum_launch(world, y, rows, weights, sums, ww * m)
+            self.sums = _topk_sum_launch(group, y, rows, weights, sums, ww * m)
             return
-        self.ws = ws = _workspace(world)
+        self.ws = ws = _workspace(group)
         self.recv = ws.view(0, (ww, m, hidden), self.dtype)
         self.weights = ws.view(recv_bytes, (ww * m, k), torch.float32)
         self.mine = self.weights[me * m:(me + 1) * m]
-        peer = world.heap.peer
-        self.peers = [(peer(self.weights, q)[me * m:(me + 1) * m], peer(ws.ready, q)[me:me + 1])
-                      for q in range(ww) if q != me]
+        # What every rank sends with its routing weights, and checks a rank's partials by (the kernel's shapes).
+        self.sig = _call_signature("group_gemm_rs", m, k, e, inter, hidden, h.element_size())
+        self.sig_word = torch.full((1,), self.sig, dtype=torch.int32, device=self.dev)
+        self.err = errors = self.routing.errors.tensor
+        peer = group.heap.peer
+        self.peers = [(peer(self.weights, q)[me * m:(me + 1) * m], peer(ws.shapes, q)[me:me + 1],
+                       peer(ws.ready, q)[me:me + 1]) for q in range(ww) if q != me]
         self.done = torch.zeros(ww, dtype=torch.int32, device=self.dev)  # zeroed by each call's start
         self.start = Launch(moe_tp_start_kernel, (1,), (ws.bar, heap, self.done),
                             dict(DONE=ww, BLOCK_D=triton.next_power_of_2(ww)), 1)
-        gpu = world.device.type == "cuda"
+        gpu = group.device.type == "cuda"
         # One program under the interpreter, which runs programs one after another: a later program's GEMM
         # tile may be what an earlier one's reduction waits for (module doc).
-        programs = num_sms(world.device) if gpu else 1
+        programs = num_sms(group.device) if gpu else 1
         block_t = max(16 if gpu else 4, triton.next_power_of_2(triton.cdiv(m, MAX_TOKEN_BLOCKS)))
         if out is None:  # the launch is compiled for the alignment of the caller's out, or a fresh one's
             out = torch.empty((m, hidden), dtype=self.dtype, device=self.dev)
@@ -656,12 +754,14 @@ class _RsPlan:
                              self._args(h, metas, w_down, y, rows, out),
                              dict(E=e, TOP_K=k, WORLD=ww, **tiles, NUM_PROGRAMS=programs, **even, **tma,
                                   BLOCK_T=block_t, BLOCK_H=256 if gpu else 32), warps)
+        self.err = self.launch.address(errors)  # compiled for the word, called with its address (on GPUs, pinned)
         self._off()
 
     def _args(self, h, metas, w_down, y, row_of_pair, out):
         ws = self.ws
         return (self.h_op(h), metas, self.w_op(w_down), y, row_of_pair, self.weights, self.recv, out, self.done,
-                ws.ready, ws.pushed, ws.bar, self.heap, self.m, self.hidden, h.shape[1], metas.shape[1])
+                ws.ready, ws.pushed, ws.bar, self.heap, ws.shapes, self.err, self.m, self.hidden, h.shape[1],
+                metas.shape[1], self.sig)
 
     def _off(self) -> None:
         self.h_op.off()
@@ -670,31 +770,32 @@ class _RsPlan:
     def check_layout(self, layout) -> None:
         _check_layout(layout, (self.world_size, self.e, self.k, self.m), self.dev)
 
-    def __call__(self, h, w_down, topk_idx, topk_weights, layout, out):
+    def run(self, h, w_down, topk_idx, topk_weights, layout, out):
         if layout is None:  # topk_idx's values are read only to make the layout again
-            self.routing(topk_idx)
+            self.routing.run(topk_idx)
         if out is None:
             out = torch.empty((self.m, self.hidden), dtype=self.dtype, device=self.dev)
         if self.empty:
             return out.zero_()
         if layout is None:
-            layout = self.layouts.all_gathered(topk_idx)
+            layout = self.layouts.all_gathered(topk_idx, self.group)
         if self.method == "baseline":
             y = torch.empty((h.shape[0], self.hidden), dtype=self.dtype, device=self.dev)
             self.launch(*self.gemm_args(h, layout.meta, w_down, y))
             self._off()
             one = self.world_size == 1
-            weights = topk_weights if one else all_gather.eager(topk_weights)
+            weights = topk_weights if one else all_gather.eager(topk_weights, group=self.group)
             sums = out if one else torch.empty((weights.shape[0], self.hidden), dtype=self.dtype, device=self.dev)
             a = self.sums.address
             self.sums(a(y), a(layout.row_of_pair), a(weights), a(sums), weights.shape[0], self.hidden)
-            return out if one else reduce_scatter.eager(sums, out=out)
+            return out if one else reduce_scatter.eager(sums, out=out, **_over(self.group))
         ws = self.ws
         y = torch.empty((h.shape[0], self.hidden), dtype=self.dtype, device=self.dev)
         self.start(ws.bar, self.heap, self.done)
         self.mine.copy_(topk_weights)
         epoch = ws.bar[0:1]
-        _push(ws, [pair for weights, flag in self.peers for pair in ((weights, topk_weights), (flag, epoch))])
+        _push(ws, [pair for weights, shape, flag in self.peers
+                   for pair in ((weights, topk_weights), (shape, self.sig_word), (flag, epoch))])
         self.launch(*self._args(h, layout.meta, w_down, y, layout.row_of_pair, out))
         self._off()
         _join(ws)
@@ -704,9 +805,10 @@ class _RsPlan:
 @declare_op(collective=True)
 def group_gemm_rs(h: torch.Tensor, w_down_shard: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                   layout: GroupLayout | None = None, method: str = "auto",
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, group=None) -> torch.Tensor:
     """Multiply every pair's row of h by its expert's down-projection slice, sum each token's k results with
-    its routing weights, and reduce-scatter the sum back to the token's rank, overlapped.
+    its routing weights, and reduce-scatter the sum back to the token's rank over `group` (default: the world;
+    W its size), overlapped.
 
     h (W m k, N') bf16/fp16: the grouped intermediate in GroupLayout order (ag_group_gemm's output after the
     activation); w_down_shard (E, N', hidden) of that dtype: every expert's slice of the down projection on
@@ -720,35 +822,43 @@ def group_gemm_rs(h: torch.Tensor, w_down_shard: torch.Tensor, topk_idx: torch.T
     method: "overlap" (one persistent kernel: each rank chunk's GEMM, then its weighted sums pushed into the
     owner's workspace while the next chunk computes; needs the partials and routing weights to fit the
     workspace), "baseline" (the grouped GEMM, the weighted sum by topk_sum_kernel, weft reduce_scatter), "auto"
-    (overlap where it can take the call, baseline on one rank). Collective: every rank passes the same shapes
-    and method.
+    (overlap where it can take the call, baseline on one rank). Collective over the group: every member passes
+    the same shapes and method.
+
+    Checks on the device, with no host sync, raised as ag_group_gemm's are (a ValueError at this rank's next
+    call of the family; under the interpreter, this call once its launches have run):
+    - topk_idx's values, where this call reads them (layout None): a bad row names topk_idx, the row and the
+      expert; the call has then written the result (`out` if given) with that row's bad entries adding nothing
+      and a repeated expert's pair added twice, and nothing else of the caller's.
+    - what the other members sent (overlap): a member whose call differs (its signature, sent with its routing
+      weights, is not this call's) is named; the result (`out` if given) is then written without its partials,
+      and no partial of mine is sent to it. A layout's row numbers are used only within this call's rows.
     """
-    world = world_or_raise()
-    found = plan(world, lambda: ("group_gemm_rs", signature(h), signature(w_down_shard), signature(topk_idx),
-                                 signature(topk_weights), layout is None, method,
-                                 None if out is None else signature(out)),
-                 lambda: _RsPlan(world, h, w_down_shard, topk_idx, topk_weights, method, out, layout is None))
+    g = resolve(group)
+    found = plan(g, lambda: ("group_gemm_rs", signature(h), signature(w_down_shard), signature(topk_idx),
+                             signature(topk_weights), layout is None, method, None if out is None else signature(out)),
+                 lambda: GroupGemmRsPlan(g, h, w_down_shard, topk_idx, topk_weights, method, out, layout is None))
     found.check_layout(layout)
     return _checked(found, h, w_down_shard, topk_idx, topk_weights, layout, out)
 
 
 # -- the operators (inference) ---------------------------------------------------------------------------------
-#   torch.ops.weft.ag_group_gemm(tokens_shard, w_experts_shard, topk_idx, world_size, method)
+#   torch.ops.weft.ag_group_gemm(tokens_shard, w_experts_shard, topk_idx, group_name, method)
 #                                                               -> (inter, the layout's meta, row_of_pair)
-#   torch.ops.weft.group_gemm_rs(h, w_down_shard, topk_idx, topk_weights, meta, row_of_pair, world_size, method)
+#   torch.ops.weft.group_gemm_rs(h, w_down_shard, topk_idx, topk_weights, meta, row_of_pair, group_name, method)
 #                                                               -> (m, hidden)  (meta, row_of_pair: the layout, or
 #                                                                  None both)
 
 @ag_group_gemm.define
 def ag_group_gemm_op(tokens_shard: torch.Tensor, w_experts_shard: torch.Tensor, topk_idx: torch.Tensor,
-                     world_size: int, method: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    check_world_size(world_size)
-    inter, layout = ag_group_gemm.eager(tokens_shard, w_experts_shard, topk_idx, method=method)
+                     group_name: str, method: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    inter, layout = ag_group_gemm.eager(tokens_shard, w_experts_shard, topk_idx, method=method, group=group_name)
     return inter, layout.meta, layout.row_of_pair
 
 
 @ag_group_gemm_op.register_fake
-def _(tokens_shard, w_experts_shard, topk_idx, world_size, method="auto"):
+def _(tokens_shard, w_experts_shard, topk_idx, group_name, method="auto"):
+    world_size = group_size(group_name)
     m, k = topk_idx.shape
     experts, _, n = w_experts_shard.shape
     return (tokens_shard.new_empty((world_size * m * k, n)),
@@ -757,33 +867,32 @@ def _(tokens_shard, w_experts_shard, topk_idx, world_size, method="auto"):
 
 
 @ag_group_gemm.traced
-def _(tokens_shard, w_experts_shard, topk_idx, method="auto", out=None):
-    inter, meta, row_of_pair = torch.ops.weft.ag_group_gemm(tokens_shard, w_experts_shard, topk_idx, world_size(),
-                                                            method)
+def _(tokens_shard, w_experts_shard, topk_idx, method="auto", out=None, group=None):
+    inter, meta, row_of_pair = torch.ops.weft.ag_group_gemm(tokens_shard, w_experts_shard, topk_idx,
+                                                            group_name(group), method)
     return into(out, inter), GroupLayout(meta, w_experts_shard.shape[0], topk_idx.shape[1], topk_idx.shape[0],
                                          row_of_pair)
 
 
 @group_gemm_rs.define
 def group_gemm_rs_op(h: torch.Tensor, w_down_shard: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                     meta: Optional[torch.Tensor], row_of_pair: Optional[torch.Tensor], world_size: int,
+                     meta: Optional[torch.Tensor], row_of_pair: Optional[torch.Tensor], group_name: str,
                      method: str = "auto") -> torch.Tensor:
-    check_world_size(world_size)
     layout = None if meta is None else GroupLayout(meta, w_down_shard.shape[0], topk_idx.shape[1], topk_idx.shape[0],
                                                    row_of_pair)
-    return group_gemm_rs.eager(h, w_down_shard, topk_idx, topk_weights, layout, method=method)
+    return group_gemm_rs.eager(h, w_down_shard, topk_idx, topk_weights, layout, method=method, group=group_name)
 
 
 @group_gemm_rs_op.register_fake
-def _(h, w_down_shard, topk_idx, topk_weights, meta, row_of_pair, world_size, method="auto"):
+def _(h, w_down_shard, topk_idx, topk_weights, meta, row_of_pair, group_name, method="auto"):
     return h.new_empty((topk_idx.shape[0], w_down_shard.shape[2]))
 
 
 @group_gemm_rs.traced
-def _(h, w_down_shard, topk_idx, topk_weights, layout=None, method="auto", out=None):
+def _(h, w_down_shard, topk_idx, topk_weights, layout=None, method="auto", out=None, group=None):
     meta, row_of_pair = (None, None) if layout is None else (layout.meta, layout.row_of_pair)
     return into(out, torch.ops.weft.group_gemm_rs(h, w_down_shard, topk_idx, topk_weights, meta, row_of_pair,
-                                                  world_size(), method))
+                                                  group_name(group), method))
 
 
 # Signatures for the sm_90 compile check (weft.testing.compile): both GPU tilings, bf16 and fp16, the
@@ -807,7 +916,7 @@ def _chunks_case(t: str, big: bool, gather: bool, experts: int, k: int, world: i
     tiles, warps, flatten = _compile_tiles(big)
     sig = dict(**_operands(t, tiles, tma and not gather, tma), meta="*i32", out=f"*{t}", ready="*i32", bar="*i32",
                heap="*i64", mapping=wl.TileMapping("*i32", "constexpr", "constexpr", "constexpr", "constexpr"),
-               m="i32", N="i32", K="i32", meta_stride="i32")
+               shapes="*i32", err="*i64", m="i32", N="i32", K="i32", meta_stride="i32", sig="i32")
     sig = {name: sig[name] for name in group_gemm_chunks_kernel.arg_names if name in sig}
     consts = {("mapping", 1): 1024, ("mapping", 2): 2048, ("mapping", 3): 0, ("mapping", 4): 8}
     consts |= dict(E=experts, TOP_K=k, WORLD=world, GATHER=gather, WAIT=gather, BLOCK_M=tiles["BLOCK_M"],
@@ -821,7 +930,7 @@ def _rs_case(t: str, big: bool, experts: int, k: int, world: int, tma: bool):
     tiles, warps, flatten = _compile_tiles(big)
     sig = dict(**_operands(t, tiles, tma, tma, "h"), meta="*i32", y=f"*{t}", row_of_pair="*i32", weights="*fp32",
                recv=f"*{t}", out=f"*{t}", done="*i32", ready="*i32", pushed="*i32", bar="*i32", heap="*i64",
-               m="i32", N="i32", K="i32", meta_stride="i32")
+               shapes="*i32", err="*i64", m="i32", N="i32", K="i32", meta_stride="i32", sig="i32")
     sig = {name: sig[name] for name in group_gemm_rs_kernel.arg_names if name in sig}
     consts = dict(E=experts, TOP_K=k, WORLD=world, **tiles, BLOCK_E=triton.next_power_of_2(experts + 2),
                   NUM_PROGRAMS=132, EVEN_K=big, EVEN_N=True, A_TMA=tma, W_TMA=tma, FLATTEN=flatten, BLOCK_T=16,
