@@ -52,18 +52,6 @@ def group_size(name: str) -> int:
     return resolve(name).size
 
 
-def world_size() -> int:
-    """The running world's size: what a traced call passes to an operator's explicit `world_size`."""
-    return _world.get().world_size
-
-
-def check_world_size(world_size: int) -> None:
-    """An operator's explicit world size (its fake implementation's shapes come from it) against the running world."""
-    w = _world.get().world_size
-    if world_size != w:
-        raise ValueError(f"world_size is {world_size}, but weft runs on {w} ranks")
-
-
 def rows_divisible(x: torch.Tensor, world_size: int) -> None:
     if x.dim() == 0 or x.shape[0] % world_size:
         raise ValueError(f"x has shape {tuple(x.shape)}: its rows are not divisible by the group size {world_size}")
@@ -150,6 +138,16 @@ class Plan:
 
     def __init__(self, group):
         self.group = group
+
+
+def handle_group(handle, group, cls, op: str):
+    """The group the second op of a pair (a combine) runs over: the group of the first one's call (its plan's),
+    whose handle it takes. `group`, if given, must be that one."""
+    if not isinstance(handle, cls):
+        raise TypeError(f"handle must be what {op} returned, got {type(handle).__name__}")
+    if group is not None and resolve(group) is not handle.plan.group:
+        raise ValueError(f"group is {resolve(group)!r}, but the handle's {op} ran over {handle.plan.group!r}")
+    return handle.plan.group
 
 
 def plan(world, key, make):

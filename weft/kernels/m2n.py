@@ -31,7 +31,8 @@ import triton.language as tl
 import weft.language as wl
 
 from .blocks import cast
-from .common import Plan, check_tensor, group_name, group_size, plan, resolve, signature, workspace, zero_everywhere
+from .common import (Plan, check_tensor, group_name, group_size, handle_group, plan, resolve, signature, workspace,
+                     zero_everywhere)
 from .registry import declare_op, export
 
 ERROR_SET = tl.constexpr(1 << 62)
@@ -284,13 +285,13 @@ def m2n_dispatch(x: torch.Tensor, dest: torch.Tensor, senders, receivers, max_to
 
 
 @declare_op(collective=True)
-def m2n_combine(y, weights, handle: M2NHandle) -> torch.Tensor:
+def m2n_combine(y, weights, handle: M2NHandle, group=None) -> torch.Tensor:
     """The way back: a receiver passes y (recv's shape: its processed rows; rows past counts unread), weights
     None; a sender passes y None and weights (T, k) fp32. A sender gets out (T, hidden) = sum_j weights[t, j] *
     (the processed row of entry (t, j)), 0 where a row has no receiver (fp32 sums, rounded once); a receiver
-    gets (0, hidden). Collective over the group, after the dispatch whose handle it takes."""
-    if not isinstance(handle, M2NHandle):
-        raise TypeError(f"handle must be what m2n_dispatch returned, got {type(handle).__name__}")
+    gets (0, hidden). Collective over the dispatch's group, after the dispatch whose handle it takes (`group`:
+    default that one; another raises)."""
+    handle_group(handle, group, M2NHandle, "m2n_dispatch")
     return handle.plan.combine(y, weights, handle)
 
 
@@ -342,7 +343,7 @@ def _(y, weights, routes, x, dest, senders, receivers, max_tokens, group_name):
 
 
 @m2n_combine.traced
-def _(y, weights, handle):
+def _(y, weights, handle, group=None):
     x, dest, s, r, max_tokens, name = handle.plan
     return torch.ops.weft.m2n_combine(y if y is not None else x, weights if weights is not None else x.new_empty(0),
                                       handle.routes, x, dest, s, r, max_tokens, name)

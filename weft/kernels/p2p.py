@@ -351,14 +351,16 @@ def _kind(op) -> str:
     raise ValueError(f"batch_isend_irecv: op must be isend or irecv, got {op!r}")
 
 
-def _split(p2p_ops):
-    """(group, sends, recvs) of a batch's entries, peers as group ranks."""
+def _split(p2p_ops, group=None):
+    """(group, sends, recvs) of a batch's entries, peers as group ranks; `group`, if given, must be theirs."""
     if not isinstance(p2p_ops, (list, tuple)) or not p2p_ops:
         raise ValueError("batch_isend_irecv takes a non-empty list of P2POp entries")
     groups = {id(e.group) for e in p2p_ops if hasattr(e, "op")}
     if len(groups) != 1 or not all(hasattr(e, "op") and hasattr(e, "tensor") for e in p2p_ops):
         raise ValueError("batch_isend_irecv: every entry must be a P2POp, all of one group")
     g = resolve(p2p_ops[0].group)
+    if group is not None and resolve(group) is not g:
+        raise ValueError(f"group is {resolve(group)!r}, but the entries' group is {g!r}")
     sends, recvs = [], []
     for e in p2p_ops:
         peer = e.peer
@@ -370,11 +372,12 @@ def _split(p2p_ops):
 
 
 @declare_op(collective=True)
-def batch_isend_irecv(p2p_ops: list) -> list:
+def batch_isend_irecv(p2p_ops: list, group=None) -> list:
     """Run a list of P2POp (isend / irecv entries of one group) as one launch whose sends and receives progress
     together: exchanges of any size cannot deadlock. Returns one P2PWork per entry (one event: they end together).
-    Entries to the same peer keep their order."""
-    g, sends, recvs = _split(p2p_ops)
+    Entries to the same peer keep their order. `group`: default the entries' (as torch's, which takes none);
+    another raises."""
+    g, sends, recvs = _split(p2p_ops, group)
     work = P2PWork(_run(g, sends, recvs))
     return [work] * len(p2p_ops)
 
@@ -456,8 +459,8 @@ def _(send_tensors, send_peers, recv_tensors, recv_peers, group_name):
 
 
 @batch_isend_irecv.traced
-def _(p2p_ops):
-    g, sends, recvs = _split(p2p_ops)
+def _(p2p_ops, group=None):
+    g, sends, recvs = _split(p2p_ops, group)
     torch.ops.weft.batch_isend_irecv([t for t, _ in sends], [p for _, p in sends], [t for t, _ in recvs],
                                      [p for _, p in recvs], g.name)
     return [P2PWork()] * len(p2p_ops)

@@ -4,20 +4,20 @@ fake implementation, autograd) and the op's entry in `weft.ops.__all__`.
 An op family declares each op once, in its own module, beside the implementation:
 
     @declare_op(tensors=("x", "out"), collective=True)
-    def all_gather(x, out=None, method="auto"):          # the implementation: eager, plain tensors, any layout
+    def all_gather(x, out=None, method="auto", group=None):   # the implementation: eager, plain tensors, any layout
         ...
 
     @all_gather.define                                   # torch.ops.weft.all_gather: schema from the annotations
-    def all_gather_op(x: Tensor, world_size: int, method: str = "auto") -> Tensor:
-        return fresh(all_gather.eager(x, method=method), x)
+    def all_gather_op(x: Tensor, group_name: str, method: str = "auto") -> Tensor:
+        return fresh(all_gather.eager(x, method=method, group=group_name), x)
 
     @all_gather_op.register_fake                         # torch.library's own API from here on
-    def _(x, world_size, method="auto"):
-        return x.new_empty((world_size * x.shape[0], *x.shape[1:]))
+    def _(x, group_name, method="auto"):
+        return x.new_empty((group_size(group_name) * x.shape[0], *x.shape[1:]))
 
     @all_gather.traced                                   # the public call when torch must see the operator
-    def _(x, out=None, method="auto"):
-        return into(out, torch.ops.weft.all_gather(x, world_size(), method))
+    def _(x, out=None, method="auto", group=None):
+        return into(out, torch.ops.weft.all_gather(x, group_name(group), method))
 
 `@declare_op` replaces the implementation by the public function: a plain function with the implementation's
 signature, defaults and docstring, generated once, that calls the implementation directly (a custom op's dispatch costs
@@ -26,9 +26,10 @@ record it (grad mode and an input among `tensors` that requires grad): then it t
 reaches the operator. The implementation stays reachable as `.eager`, the declaration as `.definition`.
 
 An op with no `traced` route calls its first operator with the public call's arguments unchanged (the operator then
-has the public signature). `collective=True` marks the op's operators as having side effects: a graph pass must not
-drop a collective whose result one rank does not use, or the others wait for that rank for ever (fx's dead-code
-elimination and inductor's both keep them).
+has the public signature). `collective=True` says every member of a group takes part: the op must have a `group`
+parameter defaulting to None (the world; operators take the group by name), and its operators are marked as having
+side effects: a graph pass must not drop a collective whose result one rank does not use, or the others wait for
+that rank for ever (fx's dead-code elimination and inductor's both keep them).
 
 The family modules are imported by `load_families()`; `weft.ops` is what they declared, nothing written by hand.
 Helper types that ops return or take (GroupLayout) are exported beside the ops with `export`, and are not operators:
@@ -102,6 +103,8 @@ def _public_function(d: OpDef) -> Callable:
     for t in d.tensors:
         if t not in sig.parameters:
             raise TypeError(f"{d.name}: tensors names {t!r}, which is not a parameter")
+    if d.collective and (sig.parameters.get("group") is None or sig.parameters["group"].default is not None):
+        raise TypeError(f"{d.name}: a collective op takes `group=None` (the group it runs over; None: the world)")
     # Whether the call must go through torch.ops.weft: under torch.compile/export (dynamo: is_compiling() folds to
     # True), under a dispatch mode (make_fx, AOT autograd tracing a backward, FakeTensorMode), or when autograd has
     # to record it (grad mode on and an input among `tensors` that requires grad). Written out for these parameters:
@@ -132,7 +135,8 @@ def _public_function(d: OpDef) -> Callable:
 
 def declare_op(*, tensors: tuple = (), collective: bool = False):
     """Declare the decorated implementation as an op (see the module doc). `tensors`: the parameters whose
-    requires_grad decides whether autograd must record the call; `collective`: every rank of the group takes part."""
+    requires_grad decides whether autograd must record the call; `collective`: every member of the op's `group`
+    takes part."""
     def declare(eager: Callable) -> Callable:
         if eager.__name__ in OPS:
             raise ValueError(f"op {eager.__name__!r} is declared twice ({OPS[eager.__name__].eager.__module__} "

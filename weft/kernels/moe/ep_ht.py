@@ -35,9 +35,9 @@ import weft.language as wl
 
 from ... import tuning
 from ..blocks import copy, halves_of, word_of
-from ..common import Launch, Plan, check_tensor, group_name, group_size, plan, resolve, signature
+from ..common import Launch, Plan, check_tensor, group_name, group_size, handle_group, plan, resolve, signature
 from ..registry import declare_op
-from .ep_workspace import (HT_MAX_PROGRAMS, _ELEM, _handle_group, _rows, _rows_ready, _too_big, _word_columns,
+from .ep_workspace import (HT_MAX_PROGRAMS, _ELEM, _rows, _rows_ready, _too_big, _word_columns,
                            _workspace)
 from .routing import _check_routing, check_rows, peer_error, valid_experts
 
@@ -514,7 +514,7 @@ def ep_combine(y: torch.Tensor, handle: HTHandle, group=None) -> torch.Tensor:
     ranks the token went to of their y row (y (R, hidden): each rank's weighted sum of its local experts'
     outputs per received row), in rank order, fp32. Collective over the dispatch's group (`group`: default that
     one; another raises)."""
-    g = _handle_group(handle, group, HTHandle, "ep_dispatch")
+    g = handle_group(handle, group, HTHandle, "ep_dispatch")
     p = handle.plan
     check_tensor("y", y, g, dtypes=(p.dtype,), contiguous=False)
     if tuple(y.shape) != (handle.rows, p.hidden):

@@ -33,10 +33,10 @@ import weft.language as wl
 
 from ... import tuning
 from ..blocks import fp8_quantize, halves_of, word_of
-from ..common import Launch, Plan, check_tensor, group_name, group_size, plan, resolve, signature
+from ..common import Launch, Plan, check_tensor, group_name, group_size, handle_group, plan, resolve, signature
 from ..gemm import num_sms
 from ..registry import declare_op
-from .ep_workspace import _ELEM, _handle_group, _rows, _rows_ready, _too_big, _word_columns, _workspace
+from .ep_workspace import _ELEM, _rows, _rows_ready, _too_big, _word_columns, _workspace
 from .routing import INDEX_DTYPES, _check_routing, check_rows, peer_error, valid_experts
 
 
@@ -570,7 +570,7 @@ def ep_combine_ll(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
     hook once, before the next ep_combine_ll."""
     if not isinstance(return_recv_hook, bool):
         raise TypeError(f"return_recv_hook must be a bool, got {type(return_recv_hook).__name__}")
-    g = _handle_group(handle, group, LLHandle, "ep_dispatch_ll")
+    g = handle_group(handle, group, LLHandle, "ep_dispatch_ll")
     p = handle.plan
     check_tensor("y", y, g, dtypes=(p.dtype,), contiguous=False)
     if tuple(y.shape) != p.recv_shape:

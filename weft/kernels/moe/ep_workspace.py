@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ..common import resolve, workspace, zero_everywhere
+from ..common import workspace, zero_everywhere
 from .routing import RoutingErrorWord
 
 HT_MAX_PROGRAMS = 1024  # the workspace's push flags: [program][rank] (scripts/probe_ep_ht.py sweeps moe.ht_programs)
@@ -52,15 +52,6 @@ class MoeWorkspace:
 
 def _workspace(group) -> MoeWorkspace:
     return workspace(group, "moe", MoeWorkspace)
-
-
-def _handle_group(handle, group, cls, op: str):
-    """The group a combine runs over: its dispatch's (`group`, if given, must be that one)."""
-    if not isinstance(handle, cls):
-        raise TypeError(f"handle must be what {op} returned, got {type(handle).__name__}")
-    if group is not None and resolve(group) is not handle.plan.group:
-        raise ValueError(f"group is {resolve(group)!r}, but the handle's dispatch ran over {handle.plan.group!r}")
-    return handle.plan.group
 
 
 def _too_big(what: str, need: int, have: int) -> ValueError:
