@@ -113,7 +113,7 @@ def _family_call(op_name, method, group, dtype_name, seed, with_out):
     dtype = getattr(torch, dtype_name)
     m, n, k = 5, 40, 24
     gen = torch.Generator().manual_seed(seed * 16 + weft.rank())
-    rows = m if op_name == "ag_gemm" else w * m if op_name == "gemm_rs" else m
+    rows = w * m if op_name == "gemm_rs" else m  # gemm_rs: a holds every member's rows
     a, b = torch.randn(rows, k, generator=gen).to(dtype), torch.randn(k, n, generator=gen).to(dtype)
     shape = {"ag_gemm": (w * m, n), "gemm_rs": (m, n), "gemm_ar": (m, n)}[op_name]
     out = torch.full(shape, float("nan"), dtype=dtype) if with_out else None
