@@ -232,7 +232,6 @@ class TensorParallelAttention(nn.Module):
         self.head_dim, self.rank, self.world_size = head_dim, rank, world_size
         self.qkv_weight, self.o_weight = _weight(qkv_weight), _weight(o_weight)
         self.q_norm, self.k_norm = q_norm, k_norm
-        self.comm = make_comm(comm, group)
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         flash_ok = head_dim in ops.flash_decode.head_dims and qkv_weight.dtype in ops.flash_decode.dtypes
@@ -242,6 +241,7 @@ class TensorParallelAttention(nn.Module):
         if decode_attention == "auto":
             decode_attention = "flash_decode" if flash_ok and qkv_weight.device.type == "cuda" else "sdpa"
         self.decode_attention = decode_attention
+        self.comm = make_comm(comm, group)  # after the checks, which need no world
 
     @classmethod
     def from_dense(cls, q_weight: torch.Tensor, k_weight: torch.Tensor, v_weight: torch.Tensor,
