@@ -138,8 +138,6 @@ def _ep(rng, call, members, me, group):
 CASES = {"all_gather": _all_gather, "all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter,
          "broadcast": _broadcast, "ag_gemm": _ag_gemm, "gemm_rs": _gemm_rs, "ulysses_all_to_all": _ulysses,
          "ep": _ep}
-# The ops that take group= (issue 33): each runs on every layout of weft.testing.groups; the others on the world.
-GROUPED = {"all_gather"}
 
 
 def _rss() -> int:
@@ -164,12 +162,11 @@ def _soak(calls: int):
 
     me, w = weft.rank(), weft.world_size()
     groups = layouts()
-    schedule = [(op, name) for op in CASES for name in (groups if op in GROUPED else ("world",))]
+    schedule = [(op, name) for op in CASES for name in groups]  # every op on every layout of weft.testing.groups
 
     def run(call, op, name):
         group = groups[name]
-        kwargs = {"group": group} if op in GROUPED else {}
-        CASES[op](random.Random(call), call, _members(group, w), me, kwargs)
+        CASES[op](random.Random(call), call, _members(group, w), me, {"group": group})
 
     for call, (op, name) in enumerate(schedule):  # warm-up: every op on every layout once
         run(call, op, name)
