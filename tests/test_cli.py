@@ -105,7 +105,7 @@ def test_bench_overhead(tmp_path):
     gemms = {r["case"] for r in rows if r["case"].split()[0] in ("ag_gemm", "gemm_rs", "gemm_ar")}
     assert len(gemms) == 6
     for case in collectives + ["device_barrier"] + sorted(gemms):
-        for impl in ("weft", "gloo"):
+        for impl in ("weft", "weft group", "gloo"):
             assert by[(case, impl, "host")] > 0 and by[(case, impl, "eager")] > 0
     for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):  # the large message: eager only
         assert by[(f"{op} 4 KiB", "weft", "eager")] > 0 and (f"{op} 4 KiB", "weft", "host") not in by
@@ -113,7 +113,7 @@ def test_bench_overhead(tmp_path):
     assert by[("flash_decode b1 kv64", "torch sdpa", "eager")] > 0 and by[("flash_decode b1 kv64", "weft", "host")] > 0
     assert by[("sp_flash_decode b1 kv128 per rank", "gloo", "host")] > 0
     # torch's symm_mem ops and the graph anchor run on cuda only
-    assert {r["impl"] for r in rows} == {"weft", "gloo", "anchor", "torch sdpa"}
+    assert {r["impl"] for r in rows} == {"weft", "weft group", "gloo", "anchor", "torch sdpa"}
     table = (tmp_path / "overhead_2.md").read_text()
     assert "### host (CPU) time to issue one call" in table and "| all_reduce 256 B |" in table
     assert (tmp_path / "overhead_2.png").stat().st_size > 1000

@@ -6,7 +6,8 @@ Two views of every (op, size, implementation), in one run:
   the host's cost of issuing them, not the device's time (timing.issue_times).
 - eager: the same back-to-back calls, CUDA events around the batch (timing.time_calls, no graph): what a
   program that does not capture sees, the larger of host and device time per call.
-Implementations: weft (method "auto", plain tensors, out=None: `y = weft.ops.all_reduce(x)`); the process
+Implementations: weft (method "auto", plain tensors, out=None: `y = weft.ops.all_reduce(x)`); "weft group": the
+same call over a group of every rank made by weft.new_group (what passing a group costs); the process
 group's collective as programs call it ("nccl"; gloo on the cpu backend: all_reduce, broadcast in place,
 all_gather_into_tensor / reduce_scatter_tensor into an output, a one-element all_reduce for the barrier;
 for the GEMM ops torch.matmul and that collective); torch's symm_mem op where one exists (GPUs only, its
@@ -81,9 +82,10 @@ class Case:
     gemm: bool = False       # checked by relative error (rounding in long sums), not element-wise
 
 
-def _collective(op: str, size: int, w, baseline: str, views) -> Case:
+def _collective(op: str, size: int, w, baseline: str, views, same) -> Case:
     """op on a message of `size` bytes per rank. Each impl returns its result (torch.distributed's calls
-    return None: `or out`)."""
+    return None: `or out`). "weft group": the same call with group=`same`, a group of every rank made by
+    weft.new_group (what a group costs beside the world)."""
     dtype = torch.bfloat16
     n = size // dtype.itemsize // w.world_size * w.world_size  # reduce_scatter: rows divisible by W
     x = sweep.inputs(n, dtype, sets=1)[0]
@@ -113,10 +115,14 @@ def _collective(op: str, size: int, w, baseline: str, views) -> Case:
             impls["torch symm_mem"] = lambda: torch_rs(symm_in, name, False, torch_out)
     else:  # broadcast
         impls = {"weft": lambda: weft.ops.broadcast(mine), baseline: lambda: dist.broadcast(ref, 0, group=group) or ref}
+    impls["weft group"] = {"all_reduce": lambda: weft.ops.all_reduce(x, group=same),
+                           "all_gather": lambda: weft.ops.all_gather(x, group=same),
+                           "reduce_scatter": lambda: weft.ops.reduce_scatter(x, group=same),
+                           "broadcast": lambda: weft.ops.broadcast(mine, group=same)}[op]
     return Case(f"{op} {human_bytes(size)}", impls, n * dtype.itemsize, views, fewer=size > SIZES[-1])
 
 
-def _gemm(op: str, shape, w, baseline: str, scale: int) -> Case:
+def _gemm(op: str, shape, w, baseline: str, scale: int, same) -> Case:
     m, n, k = gemm.local_shape({"ag_gemm": "ag", "gemm_rs": "rs", "gemm_ar": "ar"}[op], *shape, w.world_size, scale)
     dev, group, name = w.device, w.group, w.group.group_name
     a = torch.randn(m, k, device=dev).to(torch.bfloat16)
@@ -149,6 +155,7 @@ def _gemm(op: str, shape, w, baseline: str, scale: int) -> Case:
             ps = symm_mem.empty((m, n), dtype=a.dtype, device=dev)
             symm_mem.rendezvous(ps, name)
             impls["torch symm_mem"] = lambda: one_shot(torch.matmul(a, b, out=ps), "sum", name)
+    impls["weft group"] = lambda: getattr(weft.ops, op)(a, b, group=same)
     M, N, K = shape
     return Case(f"{op} {M}x{N}x{K} (per rank {m}x{n}x{k})", impls, 2 * m * n * k, fewer=True, gemm=True)
 
@@ -199,22 +206,24 @@ def _anchors(w, size: int):
 def _cases(args, w, baseline):
     sizes, eager_sizes, scale = (QUICK["sizes"], QUICK["eager_sizes"], QUICK["scale"]) if args.quick else \
         (SIZES, EAGER_SIZES, 1)
+    same = weft.new_group(range(w.world_size))  # every rank again, as a group of its own: the "weft group" rows
     for op in args.ops.split(","):
         if op not in OPS:
             raise ValueError(f"--ops: unknown op {op!r} (ops: {', '.join(OPS)})")
         if op == "device_barrier":
             one = torch.ones(1, device=w.device)
-            yield Case(op, {"weft": weft.ops.device_barrier, baseline: lambda: dist.all_reduce(one, group=w.group)})
+            yield Case(op, {"weft": weft.ops.device_barrier, "weft group": lambda: weft.ops.device_barrier(group=same),
+                            baseline: lambda: dist.all_reduce(one, group=w.group)})
         elif op in ("flash_decode", "sp_flash_decode"):
             yield _attention(op, w, baseline, scale)
         elif op in GEMM_SHAPES:
             for shape in GEMM_SHAPES[op]:
-                yield _gemm(op, shape, w, baseline, scale)
+                yield _gemm(op, shape, w, baseline, scale, same)
         else:
             for size in sizes:
-                yield _collective(op, size, w, baseline, ("host", "eager"))
+                yield _collective(op, size, w, baseline, ("host", "eager"), same)
             for size in eager_sizes:
-                yield _collective(op, size, w, baseline, ("eager",))
+                yield _collective(op, size, w, baseline, ("eager",), same)
     yield from _anchors(w, sizes[0])
 
 
