@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU script: correctness on 2 and all GPUs, then the benchmark suites (on all GPUs; reductions on
 # 2, 4, 8; overhead on 2 and all), results under $OUT.
-#   usage (device machine, repo root): bash scripts/gpu_suite.sh [all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e|decode ...]
+#   usage (device machine, repo root): bash scripts/gpu_suite.sh [all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e|decode|groups ...]
 #     all (default): everything (on 8 GPUs more than one device call allows: run the parts in turn)
 #     quick: GPU tests on 2 and all GPUs, tutorials;  reductions: allgather, allreduce, reducescatter to
 #     256 MiB, CUDA-graph and eager views;  gemm: the overlapped-GEMM suite;  overhead: host and eager µs
@@ -22,7 +22,8 @@
 #     graph-replayed decode), `weft demo`, `weft bench e2e` (Qwen3-8B and -32B, prefill and decode) on all GPUs;
 #     decode: one GPU against the HBM floor: `weft bench -n 1 e2e` at Qwen3-8B's decode cases b1/b8/b64 ctx 512
 #     and b8/b64 ctx 4096 (weft, NCCL+cuBLAS, transformers' own model, the floor), and scripts/profile_decode.py
-#     (each kernel's GPU µs per replayed step and its bytes' share of the copy bandwidth) at b1 and b64 ctx 512
+#     (each kernel's GPU µs per replayed step and its bytes' share of the copy bandwidth) at b1 and b64 ctx 512;
+#     groups: tests/test_gpu_groups.py on 1 and all GPUs, examples/train_tp_dp.py, overhead rows with group=
 # WEFT_COMMIT names the commit in the log where the tree was copied without its git history.
 # Logs and bench JSON/markdown/PNG end up packed in $OUT/weft_results.tar.gz (*.log, bench/).
 set -uo pipefail
@@ -47,8 +48,8 @@ step() {  # step NAME CMD...: run, log, remember failure
 }
 PARTS=" ${*:-all} "
 for part in $PARTS; do
-  case "$part" in all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e|decode) ;;
-    *) echo "usage: $0 [all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e|decode ...]" >&2; exit 2 ;; esac
+  case "$part" in all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e|decode|groups) ;;
+    *) echo "usage: $0 [all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e|decode|groups ...]" >&2; exit 2 ;; esac
 done
 has() { [[ "$PARTS" == *" $1 "* || "$PARTS" == *" all "* ]]; }
 if has quick; then
@@ -127,6 +128,21 @@ if has e2e; then
   done
   step demo timeout 150 python3 -m weft demo
   step bench_e2e timeout 330 python3 -m weft bench -n "$NGPU" e2e --samples 10 --prefill-samples 3 --out "$OUT/bench"
+fi
+if has groups; then
+  # Every family with group= on the layouts the GPU count allows (1: the world and groups of one; 2+: pairs,
+  # groups of every other rank, a torch ProcessGroup), the TP x DP training example, and the overhead rows
+  # of a group beside the world ("weft group") and of a group of one (-n 1) against NCCL's own call.
+  for n in $(printf '%s\n' 1 "$NGPU" | sort -nu); do
+    step "gpu_groups_$n" timeout 240 python3 -m weft run -n "$n" -m pytest tests/test_gpu_groups.py -m gpu -q -x -p no:cacheprovider
+  done
+  if [ "$NGPU" -ge 2 ]; then
+    step train_tp_dp timeout 120 python3 -m weft run -n "$NGPU" examples/train_tp_dp.py --tp "$((NGPU / 2))" --steps 50
+  fi
+  for n in $(printf '%s\n' 1 "$NGPU" | sort -nu); do
+    step "bench_overhead_groups_$n" timeout 200 python3 -m weft bench -n "$n" overhead \
+      --ops all_reduce,all_gather,reduce_scatter,broadcast,device_barrier,gemm_ar --samples 15 --out "$OUT/bench"
+  done
 fi
 if has decode; then  # one GPU: bench/e2e_1.{json,md,png}, bench/profile_decode_*.json
   step bench_e2e_decode_1 timeout 400 env CUDA_VISIBLE_DEVICES=0 python3 -m weft bench -n 1 e2e --models Qwen3-8B \
