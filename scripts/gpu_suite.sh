@@ -58,7 +58,7 @@ if has quick; then
     step "gpu_tests_$n" timeout 200 python3 -m weft run -n "$n" -m pytest tests/test_gpu.py tests/test_gpu_gemm.py -m gpu -q -x -p no:cacheprovider
     step "gpu_reinit_$n" timeout 200 env WEFT_WAIT_TIMEOUT_S=30 python3 -m weft run -n "$n" -m pytest tests/test_gpu_reinit.py -m gpu -q -x -p no:cacheprovider
   done
-  step tutorials timeout 240 bash -c "for t in tutorials/0*.py; do python3 -m weft run -n $NGPU \$t || exit 1; done"
+  step tutorials timeout 360 bash -c "for t in tutorials/0*.py; do python3 -m weft run -n $NGPU \$t || exit 1; done"
 fi
 if has reductions; then
   # 4 KiB..256 MiB bf16, CUDA-graph replay and eager calls: 20 samples keep each run under 2 minutes.
