@@ -59,7 +59,7 @@ def main():
 
     # The library's ops take the same groups: each DP group gathers its members' values, concurrently with
     # the other DP group, and the TP groups likewise.
-    x = torch.tensor([float(me)])
+    x = torch.tensor([float(me)], device=weft.device())
     assert weft.ops.all_gather(x, group=dp).tolist() == [float(r) for r in dp.ranks]
     assert weft.ops.all_gather(x, group=tp).tolist() == [float(r) for r in tp.ranks]
     weft.barrier()
