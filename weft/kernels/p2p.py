@@ -35,6 +35,12 @@ receiver's call raises a ValueError naming both counts; the sender's kernel move
 its next p2p launch, and raises then (or at `weft.check_errors()`, which reads both). Under the interpreter the
 receiver's call raises at once; on GPUs the error words are read at `weft.check_errors()`.
 
+On GPUs the transfers go through the process group's send / recv (NCCL) unless WEFT_P2P_KERNEL=1: on 2x H100
+(2026-11-25) the kernel delivered a message of one chunk intact but, of a message of four chunks, only the first
+(tests/test_gpu_p2p.py shows it); until that is found the kernel runs on the cpu backend, where its tests pass,
+and on GPUs only when asked for. Same ordering either way (per pair, on the caller's stream); a size mismatch on the
+process group's route is what NCCL makes of it.
+
 Streams: every p2p launch of a group runs on the group's p2p stream (GPUs), in issue order (the per-pair counters
 are the launch's own words); send/recv make the caller's stream wait for it, isend/irecv return a handle whose
 `wait()` does. On the cpu backend every call is done when it returns.
@@ -49,6 +55,7 @@ import triton.language as tl
 import weft.language as wl
 
 from .blocks import copy
+from ..runtime import settings
 from .common import Plan, as_words, check_tensor, group_name, plan, resolve, signature, workspace, zero_everywhere
 from .registry import declare_op, export
 
@@ -185,27 +192,32 @@ def _workspace(group) -> P2PWorkspace:
     return workspace(group, "p2p", P2PWorkspace)
 
 
+def check_batch(group, sends, recvs) -> None:
+    """A batch's peers, tensors and receive list, checked before anything moves."""
+    w = group.size
+    for kind, items in (("send", sends), ("recv", recvs)):
+        for t, peer in items:
+            check_tensor("tensor", t, group, contiguous=False)
+            if isinstance(peer, bool) or not isinstance(peer, int):
+                raise TypeError(f"{kind}: the peer must be an int group rank, got {type(peer).__name__}")
+            if not 0 <= peer < w:
+                raise ValueError(f"{kind}: peer {peer} is not a rank of the group of {w} ranks")
+            if peer == group.rank:
+                raise ValueError(f"{kind}: peer {peer} is this rank (a rank cannot {kind} to itself)")
+    if len(recvs) > P2PWorkspace.MAX_RECVS:
+        raise ValueError(f"a batch takes at most {P2PWorkspace.MAX_RECVS} receives, got {len(recvs)}")
+    for t, _ in recvs:
+        if any(t is u for u, _ in sends) or sum(t is u for u, _ in recvs) > 1:
+            raise ValueError("a recv tensor is also sent or received again in the same batch")
+
+
 class P2PPlan(Plan):
     """A launch of sends and receives of one signature: word size, the rounds of each send, the order of each
     peer's receives."""
 
     def __init__(self, group, sends, recvs):
         super().__init__(group)
-        w = group.size
-        for kind, items in (("send", sends), ("recv", recvs)):
-            for t, peer in items:
-                check_tensor("tensor", t, group, contiguous=False)
-                if isinstance(peer, bool) or not isinstance(peer, int):
-                    raise TypeError(f"{kind}: the peer must be an int group rank, got {type(peer).__name__}")
-                if not 0 <= peer < w:
-                    raise ValueError(f"{kind}: peer {peer} is not a rank of the group of {w} ranks")
-                if peer == group.rank:
-                    raise ValueError(f"{kind}: peer {peer} is this rank (a rank cannot {kind} to itself)")
-        if len(recvs) > P2PWorkspace.MAX_RECVS:
-            raise ValueError(f"a batch takes at most {P2PWorkspace.MAX_RECVS} receives, got {len(recvs)}")
-        for t, _ in recvs:
-            if any(t is u for u, _ in sends) or sum(t is u for u, _ in recvs) > 1:
-                raise ValueError("a recv tensor is also sent or received again in the same batch")
+        check_batch(group, sends, recvs)
         self.ws = ws = _workspace(group)
         nbytes = [t.numel() * t.element_size() for t, _ in sends + recvs]
         aligned = all(n % 4 == 0 for n in nbytes) and all(t.data_ptr() % 4 == 0 for t, _ in sends + recvs
@@ -264,6 +276,27 @@ class P2PPlan(Plan):
         return event
 
 
+def _run_process_group(group, sends, recvs):
+    """The batch on the process group's send / recv (module doc: the GPU path until the kernel's is fixed), checked
+    as the kernel's plan checks it; the event on the caller's stream that ends it."""
+    check_batch(group, sends, recvs)
+    ops, staged = [], []
+    for t, p in sends:
+        ops.append(dist.P2POp(dist.isend, t.contiguous(), group=group.process_group, group_peer=p))
+    for t, p in recvs:
+        buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        staged.append((t, buf))
+        ops.append(dist.P2POp(dist.irecv, buf, group=group.process_group, group_peer=p))
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()  # the caller's stream waits for NCCL's
+    for t, buf in staged:
+        if buf is not t:
+            t.copy_(buf)
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 class _nothing:
     def __enter__(self):
         return None
@@ -276,6 +309,8 @@ def _run(group, sends, recvs):
     """Launch `sends` [(tensor, peer)] and `recvs` as one batch on `group`; the GPU event that ends it (None on
     cpu, where it has run)."""
     g = resolve(group)
+    if g.device.type == "cuda" and not settings.get("WEFT_P2P_KERNEL", False):
+        return _run_process_group(g, sends, recvs)
     found = plan(g, lambda: ("p2p", tuple((signature(t), p) for t, p in sends),
                              tuple((signature(t), p) for t, p in recvs)),
                  lambda: P2PPlan(g, list(sends), list(recvs)))

@@ -64,6 +64,12 @@ def _delay(text: str) -> Delay:
     return Delay(ranks, probability, max_us)
 
 
+def _flag(text: str) -> bool:
+    if text not in ("0", "1"):
+        raise ValueError(text)
+    return text == "1"
+
+
 def _backend(text: str) -> str:
     value = text.lower()
     if value not in ("cpu", "cuda"):
@@ -101,6 +107,9 @@ SETTINGS = {s.name: s for s in (
             "probability in (0, 1], max_us > 0)", "unset: no delay",
             "cpu backend, for tests: the chosen ranks stall at random before each access to a peer (a push, a "
             "notify, a copy-engine copy): each stall point sleeps, with that probability, up to max_us"),
+    Setting("WEFT_P2P_KERNEL", _flag, "0 or 1", "0: on GPUs the process group's send/recv",
+            "1: send/recv on GPUs through weft's device kernel, whose transfers of more than one chunk are not yet "
+            "correct there (the cpu backend always uses it)"),
     Setting("WEFT_BENCH_OUT", str, "a directory", "bench_results", "`weft bench`'s output folder (or --out)"),
 )}
 
