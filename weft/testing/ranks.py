@@ -6,6 +6,7 @@ traceback; the other ranks are killed, not left waiting. A run that outlasts
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import time
@@ -45,8 +46,16 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, env: dict | No
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, kwargs, results, env or {}),
                          daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    # Garbage of this process freed here, and the rest frozen for the ranks: a forked rank must never run the
+    # finalizer of an object it inherited. A torch.distributed process group's joins threads that exist only in
+    # the parent (a gloo group's destructor then waits for ever inside the rank's gc.collect()).
+    gc.collect()
+    gc.freeze()
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        gc.unfreeze()
     values, done = [None] * world_size, set()
     deadline = time.monotonic() + timeout
     try:
