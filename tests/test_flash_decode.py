@@ -388,22 +388,11 @@ def _sp_group_call(group, seed, what):
     assert all(torch.equal(o, out) for o in outs), f"{what}: members got different bits"
 
 
-def _sp_on_layouts(iterations):
-    import random
-
-    from weft.testing.groups import layouts
-
-    found = layouts()
-    names = sorted(found)
-    for it in range(iterations):
-        order = random.Random(it).sample(names, len(names))  # the same order on every rank
-        for name in order:
-            _sp_group_call(found[name], it * 10 + names.index(name), f"{name}, iteration {it}")
-
-
 def test_sp_flash_decode_on_group_layouts():
     """4 ranks: every layout (strided, pairs, one, a torch ProcessGroup, the world), calls interleaved."""
-    run_ranks(_sp_on_layouts, 4, 2, timeout=TIMEOUT, env=ENV)
+    from weft.testing.groups import on_every_layout
+
+    run_ranks(on_every_layout, 4, _sp_group_call, 2, timeout=TIMEOUT, env=ENV)
 
 
 def _sp_leftover_rank():

@@ -284,23 +284,11 @@ def _group_calls(group, seed, what):
     torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-4, msg=lambda m: f"{what}: all_to_all_o_proj: {m}")
 
 
-def _on_layouts(iterations):
-    import random
-
-    from weft.testing.groups import layouts
-
-    found = layouts()
-    names = sorted(found)
-    for it in range(iterations):
-        order = random.Random(it).sample(names, len(names))  # the same order on every rank
-        for name in order:
-            _group_calls(found[name], it * 10 + names.index(name), f"{name}, iteration {it}")
-    return True
-
-
 def test_ops_on_group_layouts():
     """4 ranks: every layout (strided, pairs, one, a torch ProcessGroup, the world), calls interleaved."""
-    run_ranks(_on_layouts, 4, 2, timeout=2 * TIMEOUT, env=ENV)
+    from weft.testing.groups import on_every_layout
+
+    run_ranks(on_every_layout, 4, _group_calls, 2, timeout=2 * TIMEOUT, env=ENV)
 
 
 def _leftover_rank():

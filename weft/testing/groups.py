@@ -36,3 +36,15 @@ def layouts() -> dict:
         found["process_group"] = pg
     found["one"] = _world.new_subgroups(1)
     return found
+
+
+def on_every_layout(call, iterations: int) -> None:
+    """call(group, seed, what) on every layout of `layouts()`, in an order shuffled per iteration (the same order
+    on every rank: seeded by the iteration, not the rank), so calls on different groups interleave."""
+    import random
+
+    found = layouts()
+    names = sorted(found)
+    for it in range(iterations):
+        for name in random.Random(it).sample(names, len(names)):
+            call(found[name], it * 10 + names.index(name), f"{name}, iteration {it}")
