@@ -56,7 +56,7 @@ def main():
         "reduce_scatter(x)": lambda: weft.ops.reduce_scatter(xs),
         "broadcast(x)": lambda: weft.ops.broadcast(o),
         "nccl all_reduce": lambda: dist.all_reduce(o, group=w.group),
-        "plan run(x, o)": lambda: found(x, o),
+        "plan run(x, o)": lambda: found.run(x, o),
         "key": lambda: ("all_reduce", signature(x), "sum", "auto", out_kind(w, None, x), None),
         "signature(x)": lambda: signature(x),
         "world.plans.get": lambda: w.plans.get(key),

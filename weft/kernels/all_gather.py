@@ -160,11 +160,6 @@ class AllGatherWorkspace:
 # into a symmetric output push was ahead at every size measured.
 
 
-def _out_kind(group, out) -> str:
-    """out_kind, without making a group of one's heap (a symmetric out changes nothing there)."""
-    return out_kind(group, out) if group.size > 1 else "none" if out is None else "plain"
-
-
 @declare_op(tensors=("x", "out"), collective=True)
 def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto", group=None) -> torch.Tensor:
     """Gather `x` from every member of `group` (default: the world) along dim 0: returns
@@ -179,7 +174,7 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "
     a fresh tensor), no kernel. Collective over the group.
     """
     g = resolve(group)
-    found = plan(g, lambda: ("all_gather", signature(x), method, _out_kind(g, out),
+    found = plan(g, lambda: ("all_gather", signature(x), method, out_kind(g, out),
                              None if out is None else signature(out)),
                  lambda: AllGatherPlan(g, x, out, method))
     return found.run(x, out)

@@ -476,13 +476,6 @@ def _kernels_take(op: str, dtype: torch.dtype, group) -> bool:
     return tuning.value(f"all_reduce.kernel_dtypes.{op}", group.device, group.size).get(_dtype_name(dtype), False)
 
 
-def _out_kind(group, out, x=None) -> str:
-    """common.out_kind, without making a group of one's heap (a symmetric out changes nothing there)."""
-    if group.size == 1:
-        return "none" if out is None else "x" if out is x else "plain"
-    return out_kind(group, out, x)
-
-
 def _pg_all_reduce(t: torch.Tensor, op: str, process_group) -> None:
     """The process group's all_reduce of `t` in place. An integer average is the wrapped sum divided toward zero
     (NCCL's; gloo refuses it), so it is that sum and the division here on any backend."""
@@ -700,7 +693,7 @@ def all_reduce(x: torch.Tensor, op: str = "sum", method: str = "auto", out: torc
     group: every member calls it with the same shape, dtype, op and method.
     """
     g = resolve(group)
-    found = plan(g, lambda: ("all_reduce", signature(x), _op_key(op), method, _out_kind(g, out, x),
+    found = plan(g, lambda: ("all_reduce", signature(x), _op_key(op), method, out_kind(g, out, x),
                              None if out is None or out is x else signature(out)),
                  lambda: AllReducePlan(g, x, op, method, out))
     return found.run(x, out)
@@ -722,7 +715,7 @@ class AllReducePlan(Plan):
         check_method(method, METHODS)
         if out is not None:
             check_out(out, x.shape, x.dtype, group)
-        kind = _out_kind(group, out, x)
+        kind = out_kind(group, out, x)
         self.checks_out = kind in ("plain", "symmetric")
         self.check(x, out)  # before the workspace is made
         self.shape, self.n, w = x.shape, x.numel(), group.size
@@ -838,7 +831,7 @@ def reduce_scatter(x: torch.Tensor, op: str = "sum", out: torch.Tensor | None = 
     place), no kernel. Collective over the group.
     """
     g = resolve(group)
-    found = plan(g, lambda: ("reduce_scatter", signature(x), _op_key(op), method, _out_kind(g, out),
+    found = plan(g, lambda: ("reduce_scatter", signature(x), _op_key(op), method, out_kind(g, out),
                              None if out is None else signature(out)),
                  lambda: ReduceScatterPlan(g, x, op, out, method))
     return found.run(x, out)

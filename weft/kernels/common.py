@@ -118,13 +118,14 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def out_kind(world, out, x=None) -> str:
-    """"none", "x" (in place), "symmetric" (from weft.empty) or "plain": what a plan does with `out`."""
+def out_kind(group, out, x=None) -> str:
+    """"none", "x" (in place), "symmetric" (from weft.empty) or "plain": what a plan does with `out`. A group of
+    one has no use for a symmetric output: its heap is not made for the question."""
     if out is None:
         return "none"
     if x is not None and out is x:
         return "x"
-    return "symmetric" if world.heap.contains(out) else "plain"
+    return "symmetric" if group.size > 1 and group.heap.contains(out) else "plain"
 
 
 # -- plans ------------------------------------------------------------------------

@@ -36,9 +36,9 @@ its next p2p launch, and raises then (or at `weft.check_errors()`, which reads b
 receiver's call raises at once; on GPUs the error words are read at `weft.check_errors()`.
 
 On GPUs the transfers go through the process group's send / recv (NCCL) unless WEFT_P2P_KERNEL=1: on 2x H100
-(2026-11-25) the kernel delivered a message of one chunk intact but, of a message of four chunks, only the first
-(tests/test_gpu_p2p.py shows it); until that is found the kernel runs on the cpu backend, where its tests pass,
-and on GPUs only when asked for. Same ordering either way (per pair, on the caller's stream); a size mismatch on the
+(2026-11-25) the kernel delivered a message of one chunk intact but, of a message of four chunks, only the first,
+in 3 calls of 3; a later run of tests/test_gpu_p2p.py passed: a race on the GPU, not found yet. Until it is, the
+kernel runs on the cpu backend, where its tests pass, and on GPUs only when asked for. Same ordering either way (per pair, on the caller's stream); a size mismatch on the
 process group's route is what NCCL makes of it.
 
 Streams: every p2p launch of a group runs on the group's p2p stream (GPUs), in issue order (the per-pair counters

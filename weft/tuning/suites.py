@@ -136,7 +136,7 @@ def all_gather_suite(s: Sweep) -> dict:
                     weft.ops.all_gather(x, out=out, method=method)
                     _check(torch.equal(out, ref), f"all_gather {method} {key}")
                     # The plan that call made (the newest) holds this rule's launch: time it directly.
-                    fns[(method, key)] = lambda found=list(w.plans.values())[-1]: found(x, out)
+                    fns[(method, key)] = lambda found=list(w.plans.values())[-1]: found.run(x, out)
         _fresh_plans(w)
         ms = s.time(fns)
         for rule in PUSH_RULES:
