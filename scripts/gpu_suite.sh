@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The one GPU script: correctness on 2 and all GPUs, then the benchmark suites (on all GPUs; reductions on
 # 2, 4, 8; overhead on 2 and all), results under $OUT.
-#   usage (device machine, repo root): bash scripts/gpu_suite.sh [all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e|decode|groups ...]
-#     all (default): everything (on 8 GPUs more than one device call allows: run the parts in turn)
+#   usage (GPU machine, repo root): bash scripts/gpu_suite.sh [all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e|decode|groups ...]
+#     all (default): everything (on 8 GPUs longer than one 10-minute run: run the parts in turn)
 #     quick: GPU tests on 2 and all GPUs, tutorials;  reductions: allgather, allreduce, reducescatter to
 #     256 MiB, CUDA-graph and eager views;  gemm: the overlapped-GEMM suite;  overhead: host and eager µs
 #     per call of every op against NCCL and torch's symm_mem ops;  attention: flash_decode / sp_flash_decode
@@ -153,7 +153,7 @@ if has decode; then  # one GPU: bench/e2e_1.{json,md,png}, bench/profile_decode_
   done
 fi
 cat "$OUT"/bench/*.md 2>/dev/null
-# One archive instead of many files: the device tool brings back only a few files per call.
+# One archive instead of many files: one file to copy back from the GPU machine.
 pack=$(mktemp -d)
 tar czf "$pack/weft_results.tar.gz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "$pack/weft_results.tar.gz" "$OUT/"
 exit $status

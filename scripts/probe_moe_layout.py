@@ -1,7 +1,7 @@
 """TP-MoE's grouped layout on one GPU: weft's LayoutLaunches (a counting sort in three launches and the row_of_pair
 inversion) against the same layout made by torch ops (stable sort, searchsorted, scatter), eager and graph-replayed.
 
-    python3 scripts/probe_moe_layout.py [--blocks 256,512]      # on the device machine; JSON to $OUT
+    python3 scripts/probe_moe_layout.py [--blocks 256,512]      # on a GPU machine; JSON to $OUT
     python3 scripts/probe_moe_layout.py --profile               # also each kernel's GPU µs (torch.profiler)
 """
 import argparse
