@@ -201,8 +201,8 @@ def _cached_path_rejects_bad_input():
     rejects(lambda: weft.ops.all_reduce(shared[:10], out=shared[2:]), ValueError, "overlaps", g + [shared])
     rejects(lambda: weft.ops.all_gather(x, out=torch.full((w * 10 + 1,), 0.0)), ValueError, "out has shape", g)
     if w > 1:  # rows that do not divide by the world size
-        rejects(lambda: weft.ops.gemm_rs(torch.randn(2 * w + 1, 8), torch.randn(8, 8)), ValueError, "world size", g)
-        rejects(lambda: weft.ops.reduce_scatter(torch.randn(w + 1, 2)), ValueError, "world size", g)
+        rejects(lambda: weft.ops.gemm_rs(torch.randn(2 * w + 1, 8), torch.randn(8, 8)), ValueError, "group size", g)
+        rejects(lambda: weft.ops.reduce_scatter(torch.randn(w + 1, 2)), ValueError, "group size", g)
     rejects(lambda: weft.ops.gemm_rs(torch.randn(2 * w, 8), torch.randn(9, 8)), ValueError, "b_shard", g)
     return True
 
