@@ -65,13 +65,18 @@ def _kernels():
     @triton.jit(do_not_specialize=["value"])
     def signal_op_kernel(sig, value, op: tl.constexpr, pe):
         # The address as an integer: torch's wrapper declares it int64 (a pointer does not match its signature).
-        nvshmem.signal_op(sig.to(tl.int64), value, op, pe)
+        nvshmem.signal_op(sig.to(tl.int64), value.to(tl.int64), op, pe)
 
     @requires_nvshmem
-    @triton.jit(do_not_specialize=["epoch"])
+    @triton.jit(do_not_specialize=["epoch", "nbytes"])
     def put_signal_wait_kernel(dst, src, nbytes, sig, epoch, pe):
-        nvshmem.putmem_signal_block(dst, src, nbytes, sig, epoch, 0, pe)
+        nvshmem.putmem_signal_block(dst, src, nbytes.to(tl.int64), sig, epoch, 0, pe)
         nvshmem.signal_wait_until(sig, 3, epoch)
+
+    @requires_nvshmem
+    @triton.jit(do_not_specialize=["value"])
+    def wait_kernel(sig, cmp: tl.constexpr, value):
+        nvshmem.signal_wait_until(sig, cmp, value)
 
     @requires_nvshmem
     @triton.jit
@@ -85,7 +90,7 @@ def _kernels():
         tl.debug_barrier()
         tl.store(counter, epoch)
 
-    return dict(put=put_kernel, signal_op=signal_op_kernel, put_signal=put_signal_wait_kernel,
+    return dict(put=put_kernel, signal_op=signal_op_kernel, put_signal=put_signal_wait_kernel, wait=wait_kernel,
                 put_signal_counter=put_signal_wait_counter_kernel)
 
 
@@ -139,6 +144,52 @@ def exp_put_signal():
     return {}
 
 
+def _stage(text):
+    print(f"    reached: {text}", flush=True)
+
+
+def exp_put_repeat():
+    torch, symm_mem = _setup()
+    k = _kernels()
+    src, dst, _ = _buffers(torch, symm_mem)
+    for i in range(1000):
+        k["put"][(1,)](dst, src, src.numel(), 0)
+        if i < 3:
+            torch.cuda.synchronize()
+            _stage(f"put call {i + 1}")
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src), "put: data differs"
+    return {}
+
+
+def exp_cmp3_is_ge():
+    # NVSHMEM's header numbers EQ 0, NE 1, GT 2, LE 3, LT 4, GE 5 (torch's docstrings say GE is 3): with the
+    # signal at 5, a wait for "cmp 3, 4" returns at once if 3 is GE and never if it is LE.
+    torch, symm_mem = _setup()
+    k = _kernels()
+    _, _, sig = _buffers(torch, symm_mem)
+    sig.fill_(5)
+    torch.cuda.synchronize()
+    k["wait"][(1,)](sig, 5, 4)
+    torch.cuda.synchronize()
+    _stage("cmp 5 with signal 5, value 4 returned (5 is GE)")
+    k["wait"][(1,)](sig, 3, 4)
+    torch.cuda.synchronize()
+    return {"cmp 3": "returned: GE"}
+
+
+def exp_put_signal_steps():
+    torch, symm_mem = _setup()
+    k = _kernels()
+    src, dst, sig = _buffers(torch, symm_mem)
+    kernel = k["put_signal"]
+    for epoch in range(1, 11):
+        kernel[(1,)](dst, src, src.numel(), sig, epoch, 0)
+        torch.cuda.synchronize()
+        _stage(f"call {epoch}, signal {int(sig[0])}")
+    return {}
+
+
 def exp_repeat_1000():
     torch, symm_mem = _setup()
     k = _kernels()
@@ -146,6 +197,7 @@ def exp_repeat_1000():
     kernel = k["put_signal"]
     kernel[(1,)](dst, src, src.numel(), sig, 1, 0)
     torch.cuda.synchronize()
+    _stage("first call")
     t0 = time.perf_counter()
     for epoch in range(2, 1002):
         kernel[(1,)](dst, src, src.numel(), sig, epoch, 0)
@@ -161,10 +213,11 @@ def exp_recompile():
     src, dst, sig = _buffers(torch, symm_mem)
     kernel = k["put_signal"]
     epoch = 0
-    for nbytes in (1, 16, 17, 4096, 1, 17):  # 1 and multiples of 16 specialise into their own cubins
+    for warps, nbytes in ((1, 1), (2, 16), (4, 17), (8, 4096), (1, 17), (2, 1)):  # each num_warps: a new cubin
         epoch += 1
         dst.zero_()
-        kernel[(1,)](dst, src, nbytes, sig, epoch, 0)
+        kernel[(1,)](dst, src, nbytes, sig, epoch, 0, num_warps=warps)
+        _stage(f"num_warps {warps}, {nbytes} bytes")
         torch.cuda.synchronize()
         assert torch.equal(dst[:nbytes], src[:nbytes]), f"recompile: {nbytes} bytes differ"
         assert int(sig[0]) == epoch, f"recompile: signal {int(sig[0])} after epoch {epoch}"
@@ -179,19 +232,24 @@ def exp_graph():
     kernel = k["put_signal_counter"]
     kernel[(1,)](dst, src, src.numel(), sig, counter, 0)  # compile (and run once) outside capture
     torch.cuda.synchronize()
+    _stage(f"eager call, counter {int(counter[0])}")
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         with torch.cuda.graph(graph, stream=stream):
             kernel[(1,)](dst, src, src.numel(), sig, counter, 0)
     torch.cuda.synchronize()
+    _stage("captured")
+    graph.replay()
+    torch.cuda.synchronize()
+    _stage(f"one replay, counter {int(counter[0])}")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(100):
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    assert int(counter[0]) == 101 and int(sig[0]) == 101, f"graph: counter {int(counter[0])}, signal {int(sig[0])}"
+    assert int(counter[0]) == 102 and int(sig[0]) == 102, f"graph: counter {int(counter[0])}, signal {int(sig[0])}"
     assert torch.equal(dst, src)
     return {"us per replay": round(start.elapsed_time(end) * 1000 / 100, 2)}
 
@@ -206,6 +264,10 @@ def _child(name, queue):
         queue.put(("ok", extra))
     except BaseException as e:  # noqa: BLE001 - the probe reports whatever happened
         queue.put(("FAILED", {"error": f"{type(e).__name__}: {e}"[:800], "trace": traceback.format_exc()[-1500:]}))
+    # Leave without NVSHMEM's and the process group's teardown (a hang there is not the experiment's).
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
 
 
 def main():
@@ -226,9 +288,14 @@ def main():
         if proc.is_alive():
             proc.kill()
             proc.join()
+        try:
+            status, extra = queue.get(timeout=2)
+        except Exception:  # noqa: BLE001 - nothing came back
+            status, extra = None, {}
+        if status is not None:
+            pass
+        elif proc.exitcode == -9:
             status, extra = "HUNG", {"limit_s": args.timeout}
-        elif not queue.empty():
-            status, extra = queue.get()
         else:
             status, extra = "FAILED", {"error": f"process exited {proc.exitcode} without a result"}
         extra["seconds"] = round(time.perf_counter() - t0, 1)
