@@ -292,11 +292,9 @@ def main():
             status, extra = queue.get(timeout=2)
         except Exception:  # noqa: BLE001 - nothing came back
             status, extra = None, {}
-        if status is not None:
-            pass
-        elif proc.exitcode == -9:
+        if status is None and proc.exitcode == -9:
             status, extra = "HUNG", {"limit_s": args.timeout}
-        else:
+        elif status is None:
             status, extra = "FAILED", {"error": f"process exited {proc.exitcode} without a result"}
         extra["seconds"] = round(time.perf_counter() - t0, 1)
         results[name] = dict(status=status, **extra)
