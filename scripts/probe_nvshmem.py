@@ -13,6 +13,7 @@ Experiments (all on one GPU, signals in symmetric memory as uint64 words as NVSH
 - graph:          the put+signal+wait kernel captured in a CUDA graph with its epoch read from a device counter
                   (a replayed graph cannot pass a new epoch), replayed 100 times.
 - signal_add:     `nvshmemx_signal_op` ADD from a 128-thread program: does the thread-scoped call add 128 times?
+- cmp_codes:      waits with NVSHMEM's GE and LE codes on a signal already past them return at once.
 Prints one line per experiment: ok / FAILED (the error) / HUNG (past the limit), and the time per call where timed.
 """
 from __future__ import annotations
@@ -33,7 +34,11 @@ ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 }
-SIGNAL_SET, SIGNAL_ADD, CMP_GE = 0, 5, 3
+# NVSHMEM's own numbering (nvshmemi_cmp_type, nvshmemi_amo_t in its headers). torch's wrapper docstrings give
+# SIGNAL_SET 0, SIGNAL_ADD 5, CMP_GE 3: in NVSHMEM, 0 and 5 are not SET (every op but SET adds) and 3 is LE, which
+# is what made "the first call works, the next ones hang" (the second call's signal added past the LE bound).
+SIGNAL_SET, SIGNAL_ADD = 9, 10
+CMP_LE, CMP_GE = 3, 5
 
 
 def _setup():
@@ -53,6 +58,7 @@ def _setup():
 def _kernels():
     import triton
     import triton.language as tl
+    globals()["tl"] = tl  # Triton resolves `tl.constexpr` annotations in the module's globals
     import torch.distributed._symmetric_memory._nvshmem_triton as nvshmem
     from torch.distributed._symmetric_memory._nvshmem_triton import requires_nvshmem
 
@@ -70,8 +76,8 @@ def _kernels():
     @requires_nvshmem
     @triton.jit(do_not_specialize=["epoch", "nbytes"])
     def put_signal_wait_kernel(dst, src, nbytes, sig, epoch, pe):
-        nvshmem.putmem_signal_block(dst, src, nbytes.to(tl.int64), sig, epoch, 0, pe)
-        nvshmem.signal_wait_until(sig, 3, epoch)
+        nvshmem.putmem_signal_block(dst, src, nbytes.to(tl.int64), sig, epoch, 9, pe)  # SET
+        nvshmem.signal_wait_until(sig, 5, epoch)  # GE
 
     @requires_nvshmem
     @triton.jit(do_not_specialize=["value"])
@@ -85,8 +91,8 @@ def _kernels():
         # after a barrier (every thread must agree on the value the block-scoped put signals).
         epoch = tl.load(counter) + 1
         tl.debug_barrier()
-        nvshmem.putmem_signal_block(dst, src, nbytes, sig, epoch, 0, pe)
-        nvshmem.signal_wait_until(sig, 3, epoch)
+        nvshmem.putmem_signal_block(dst, src, nbytes, sig, epoch, 9, pe)  # SET
+        nvshmem.signal_wait_until(sig, 5, epoch)  # GE
         tl.debug_barrier()
         tl.store(counter, epoch)
 
@@ -131,6 +137,7 @@ def exp_signal_add():
     _, _, sig = _buffers(torch, symm_mem)
     k["signal_op"][(1,)](sig, 1, SIGNAL_ADD, 0, num_warps=4)
     torch.cuda.synchronize()
+    # nvshmemx_signal_op is thread-scoped: Triton calls an extern once per thread, so 128 adds, not one.
     return {"signal after one ADD of 1 from a 128-thread program": int(sig[0])}
 
 
@@ -162,20 +169,19 @@ def exp_put_repeat():
     return {}
 
 
-def exp_cmp3_is_ge():
-    # NVSHMEM's header numbers EQ 0, NE 1, GT 2, LE 3, LT 4, GE 5 (torch's docstrings say GE is 3): with the
-    # signal at 5, a wait for "cmp 3, 4" returns at once if 3 is GE and never if it is LE.
+def exp_cmp_codes():
+    # With the signal at 5: "GE 4" and "LE 6" must return at once (a wrong code would spin forever).
     torch, symm_mem = _setup()
     k = _kernels()
     _, _, sig = _buffers(torch, symm_mem)
     sig.fill_(5)
     torch.cuda.synchronize()
-    k["wait"][(1,)](sig, 5, 4)
+    k["wait"][(1,)](sig, CMP_GE, 4)
     torch.cuda.synchronize()
-    _stage("cmp 5 with signal 5, value 4 returned (5 is GE)")
-    k["wait"][(1,)](sig, 3, 4)
+    _stage("GE 4 returned")
+    k["wait"][(1,)](sig, CMP_LE, 6)
     torch.cuda.synchronize()
-    return {"cmp 3": "returned: GE"}
+    return {}
 
 
 def exp_put_signal_steps():
