@@ -17,6 +17,7 @@ passes its result with --reference).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -34,19 +35,33 @@ QWEN3_TINY = dict(QWEN3_8B, hidden_size=64, intermediate_size=128, num_hidden_la
                   num_key_value_heads=4, head_dim=16, vocab_size=512)
 
 
-def parse(argv=None):
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The demo's options; -h, a bad option, and --model / --prompt on the cpu backend exit with the usage."""
     p = argparse.ArgumentParser(prog="weft demo", description=__doc__.splitlines()[0],
-                                epilog="Run as `weft demo [-n RANKS] [options]` (default: every GPU, or 4 cpu ranks).")
-    p.add_argument("--model", help="a local checkpoint directory (config.json, *.safetensors), not random weights")
+                                epilog="On GPUs: a Qwen3-8B-shaped model over every GPU, weft against NCCL + cuBLAS. "
+                                "On the cpu backend: a small Qwen3 on cpu ranks, checked against transformers.")
+    p.add_argument("-n", type=int, help="ranks (default: every GPU, or 4 cpu ranks)")
+    p.add_argument("--model", help="GPUs: a local checkpoint directory (config.json, *.safetensors), not random "
+                   "weights")
     p.add_argument("--batch", type=int, help="prompts (default 8 on GPUs, 2 on cpu)")
     p.add_argument("--prompt-len", type=int, help="tokens per prompt (default 512 on GPUs, 8 on cpu)")
     p.add_argument("--new-tokens", type=int, help="tokens to generate (default 128 on GPUs, 12 on cpu)")
     p.add_argument("--layers", type=int, help="use only the first N layers (random weights)")
-    p.add_argument("--prompt", help="with --model and its tokenizer: this text, repeated --batch times, as the prompts")
+    p.add_argument("--prompt", help="GPUs, with --model and its tokenizer: this text, repeated --batch times, as the "
+                   "prompts")
     p.add_argument("--reference", metavar="FILE", help="cpu without transformers: check against this saved run "
                    "(`weft demo` makes it with --save on one rank first)")
     p.add_argument("--save", metavar="FILE", help="cpu: save this run's tokens and logits there, check nothing")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.prompt is not None and args.model is None:
+        p.error("--prompt needs --model (the checkpoint's tokenizer makes the prompt's tokens)")
+    if args.model is not None and weft.BACKEND != "cuda":
+        # A checkpoint's decoder under Triton's interpreter would take hours per token: the cpu demo is the small
+        # built-in model, checked against transformers; a checkpoint runs on GPUs.
+        p.error("--model/--prompt run on GPUs only; on the cpu backend the demo is a small built-in Qwen3 checked "
+                "against transformers (omit --model, or load a checkpoint with weft.models.from_hf(path) in your "
+                "own script under `weft run`)")
+    return args
 
 
 def say(*lines) -> None:
@@ -60,21 +75,30 @@ def slowest(seconds: float) -> float:
     return t.item()
 
 
+def progress_bar():
+    """rich's progress bar on rank 0, where rich is installed (the `bench` extra); else None: no bar."""
+    try:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+        return None
+    return Progress(TextColumn("  {task.description:12s}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    disable=weft.rank() != 0)
+
+
 def timed_generate(model, prompts, new_tokens, label):
     """generate() with a progress bar; returns (tokens, prefill seconds, decode seconds per token)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     sync = torch.cuda.synchronize if prompts.is_cuda else (lambda: None)
     stamps = []
+    bar = progress_bar()
 
-    with Progress(TextColumn("  {task.description:12s}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  disable=weft.rank() != 0) as bar:
-        task = bar.add_task(label, total=new_tokens)
+    with bar or contextlib.nullcontext():
+        task = bar.add_task(label, total=new_tokens) if bar else None
 
         def on_token(i, tokens):
             sync()  # every rank's step is done: the bar (and the clock) see finished tokens
             stamps.append(time.perf_counter())
-            bar.advance(task)
+            if bar:
+                bar.advance(task)
 
         weft.barrier()
         start = time.perf_counter()
@@ -211,7 +235,7 @@ def cpu_demo(args) -> None:
         raise SystemExit(f"rank {w.rank}: the tensor-parallel model does not match {what}")
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     weft.init()
     (gpu_demo if weft.device().type == "cuda" else cpu_demo)(args)
