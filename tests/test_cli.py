@@ -1,4 +1,5 @@
-"""The `weft` command: launcher failure handling, info, the demo, tutorials, the bench harness (on cpu ranks)."""
+"""The `weft` command: launcher failure handling, info, the demo, tutorials, the bench harness (on cpu ranks); its
+help and refusals; what a bare `import weft` reaches."""
 import json
 import os
 import subprocess
@@ -34,6 +35,54 @@ def test_info():
     assert res.returncode == 0, res.stderr
     for key in ("backend     cpu", "world size  1", "torch", "triton      3.6.0", "heap"):
         assert key in res.stdout
+
+
+def test_bench_suite_help_lists_every_option_once():
+    res = weft_cmd("bench", "allgather", "-h", timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("usage: weft bench allgather") == 1 and "[rank" not in res.stdout  # no rank started
+    for option in ("-n N", "--out", "--min-bytes", "--max-bytes", "--samples", "--dtype", "--view"):
+        assert option in res.stdout
+    res = weft_cmd("bench", "-n", "2", "allgather", "--no-such-option", timeout=120)
+    assert res.returncode == 2 and res.stderr.count("unrecognized arguments: --no-such-option") == 1
+
+
+def test_demo_help_and_its_refusals_on_cpu():
+    res = weft_cmd("demo", "-h", timeout=120)
+    assert res.returncode == 0, res.stderr
+    for option in ("-n N", "--model", "--prompt", "--batch", "--prompt-len", "--new-tokens", "--layers"):
+        assert option in res.stdout
+    # A checkpoint is refused on the cpu backend (not silently replaced by the built-in model), before any rank runs.
+    res = weft_cmd("demo", "--model", ROOT, timeout=120)
+    assert res.returncode == 2 and "--model/--prompt run on GPUs only" in res.stderr and "[rank" not in res.stderr
+    res = weft_cmd("demo", "--prompt", "hello", timeout=120)
+    assert res.returncode == 2 and "--prompt needs --model" in res.stderr
+
+
+def test_bare_import_reaches_subpackages_and_typed_ops():
+    """`import weft` alone reaches weft.models / weft.layers; every public op's annotations resolve, its `group`
+    annotated with what group= takes."""
+    check = ("import inspect, typing, weft\n"
+             "assert callable(weft.models.from_hf) and weft.layers.EPMoE and 'models' in dir(weft)\n"
+             "for name in weft.ops.__all__:\n"
+             "    op = getattr(weft.ops, name)\n"
+             "    if isinstance(op, type):\n"
+             "        continue\n"
+             "    hints = typing.get_type_hints(op)\n"
+             "    if 'group' in inspect.signature(op).parameters:\n"
+             "        assert hints['group'] == weft.GroupLike, name\n"
+             "    assert hints, name\n"
+             "assert typing.get_type_hints(weft.empty)['group'] == weft.GroupLike\n"
+             "try:\n"
+             "    weft.no_such_module\n"
+             "except AttributeError as e:\n"
+             "    assert 'no_such_module' in str(e)\n"
+             "else:\n"
+             "    raise AssertionError('weft.no_such_module did not raise')\n"
+             "print('ok')\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
 
 
 def test_demo_checks_the_model_against_transformers():
