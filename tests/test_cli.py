@@ -47,16 +47,32 @@ def test_bench_suite_help_lists_every_option_once():
     assert res.returncode == 2 and res.stderr.count("unrecognized arguments: --no-such-option") == 1
 
 
-def test_demo_help_and_its_refusals_on_cpu():
+def test_demo_help_and_its_refusals():
     res = weft_cmd("demo", "-h", timeout=120)
     assert res.returncode == 0, res.stderr
     for option in ("-n N", "--model", "--prompt", "--batch", "--prompt-len", "--new-tokens", "--layers"):
         assert option in res.stdout
-    # A checkpoint is refused on the cpu backend (not silently replaced by the built-in model), before any rank runs.
-    res = weft_cmd("demo", "--model", ROOT, timeout=120)
-    assert res.returncode == 2 and "--model/--prompt run on GPUs only" in res.stderr and "[rank" not in res.stderr
-    res = weft_cmd("demo", "--prompt", "hello", timeout=120)
-    assert res.returncode == 2 and "--prompt needs --model" in res.stderr
+    # Refused before any rank runs, with the reason.
+    for args, reason in ((("--model", ROOT), "not a checkpoint directory (it has no config.json)"),
+                         (("--prompt", "hello"), "--prompt needs --model"),
+                         (("--model", "CKPT", "--layers", "1"), "--layers applies to the built-in model")):
+        res = weft_cmd("demo", *args, timeout=120)
+        assert res.returncode == 2 and reason in res.stderr and "[rank" not in res.stderr, res.stderr
+
+
+def test_demo_runs_a_checkpoint_on_cpu_ranks(tmp_path):
+    """--model on the cpu backend: the checkpoint's decoder on 2 ranks against transformers' of the same files."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=False)
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path)  # fresh random weights
+    res = weft_cmd("demo", "-n", "2", "--model", str(tmp_path), "--batch", "1", "--prompt-len", "4",
+                   "--new-tokens", "2", timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"checkpoint {tmp_path} on 2 cpu ranks" in res.stdout
+    assert "against transformers' Qwen3ForCausalLM of the checkpoint on one process" in res.stdout
+    assert "greedy tokens identical; comm='nccl' (gloo) tokens identical" in res.stdout
 
 
 def test_bare_import_reaches_subpackages_and_typed_ops():
