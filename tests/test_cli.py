@@ -250,3 +250,21 @@ def test_profile_decode_script(tmp_path):
     gemms = [k for k in report["kernels"] if k["bytes_per_step"] is not None]
     assert [k["name"] for k in gemms] == ["aten::mm"] and gemms[0]["bytes_per_step"] == weights
     assert all(k["us_per_step"] > 0 for k in report["kernels"]) and "written to" in res.stdout
+
+
+def test_readme_within_its_limits_and_lists_every_op():
+    """README.md: at most 150 lines and 9,000 characters, no line over 240; its ops table names every weft.ops op
+    (a new op gets its line there)."""
+    import re
+
+    import weft.ops
+
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    lines = text.split("\n")
+    assert len(lines) <= 150 and len(text) <= 9000 and max(map(len, lines)) <= 240
+    table = text.split("\n## Ops\n")[1].split("\n## ")[0]
+    listed = {name for row in table.split("\n") if row.startswith("| `")
+              for name in re.findall(r"`(\w+)`", row.split(" | ")[0])}
+    ops = {name for name in weft.ops.__all__ if not isinstance(getattr(weft.ops, name), type)}
+    assert ops - listed == set(), "ops missing from the README's table"
+    assert listed - ops == set(), "the README's table names ops that do not exist"
