@@ -1,10 +1,11 @@
 # make demo: environment + install + the main demo (all GPUs if present, else 4 cpu ranks)
 # make test: environment + install + the cpu test suite (interpreter ranks + sm_90 compile checks)
+# Every command runs the venv's own python and `weft` (`source .venv/bin/activate` puts them on PATH).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test env gpu clean
+.PHONY: demo test wheel-check env gpu clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,6 +21,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The wheel as a user installs it, in a fresh venv: imports and a tutorial through its `weft` command.
+wheel-check: $(STAMP)
+	VENV=$(VENV) bash .ci/wheel_check.sh
 
 # On the GPU machine (torch and triton preinstalled): PYTHONPATH=. bash scripts/gpu_suite.sh
 gpu:

@@ -1,4 +1,5 @@
-"""The `weft` command: launcher failure handling, info, the demo, tutorials, the bench harness (on cpu ranks)."""
+"""The `weft` command: launcher failure handling, info, the demo, tutorials, the bench harness (on cpu ranks); its
+help and refusals; what a bare `import weft` reaches."""
 import json
 import os
 import subprocess
@@ -34,6 +35,70 @@ def test_info():
     assert res.returncode == 0, res.stderr
     for key in ("backend     cpu", "world size  1", "torch", "triton      3.6.0", "heap"):
         assert key in res.stdout
+
+
+def test_bench_suite_help_lists_every_option_once():
+    res = weft_cmd("bench", "allgather", "-h", timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("usage: weft bench allgather") == 1 and "[rank" not in res.stdout  # no rank started
+    for option in ("-n N", "--out", "--min-bytes", "--max-bytes", "--samples", "--dtype", "--view"):
+        assert option in res.stdout
+    res = weft_cmd("bench", "-n", "2", "allgather", "--no-such-option", timeout=120)
+    assert res.returncode == 2 and res.stderr.count("unrecognized arguments: --no-such-option") == 1
+
+
+def test_demo_help_and_its_refusals():
+    res = weft_cmd("demo", "-h", timeout=120)
+    assert res.returncode == 0, res.stderr
+    for option in ("-n N", "--model", "--prompt", "--batch", "--prompt-len", "--new-tokens", "--layers"):
+        assert option in res.stdout
+    # Refused before any rank runs, with the reason.
+    for args, reason in ((("--model", ROOT), "not a checkpoint directory (it has no config.json)"),
+                         (("--prompt", "hello"), "--prompt needs --model"),
+                         (("--model", "CKPT", "--layers", "1"), "--layers applies to the built-in model")):
+        res = weft_cmd("demo", *args, timeout=120)
+        assert res.returncode == 2 and reason in res.stderr and "[rank" not in res.stderr, res.stderr
+
+
+def test_demo_runs_a_checkpoint_on_cpu_ranks(tmp_path):
+    """--model on the cpu backend: the checkpoint's decoder on 2 ranks against transformers' of the same files."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=False)
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path)  # fresh random weights
+    res = weft_cmd("demo", "-n", "2", "--model", str(tmp_path), "--batch", "1", "--prompt-len", "4",
+                   "--new-tokens", "2", timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"checkpoint {tmp_path} on 2 cpu ranks" in res.stdout
+    assert "against transformers' Qwen3ForCausalLM of the checkpoint on one process" in res.stdout
+    assert "greedy tokens identical; comm='nccl' (gloo) tokens identical" in res.stdout
+
+
+def test_bare_import_reaches_subpackages_and_typed_ops():
+    """`import weft` alone reaches weft.models / weft.layers; every public op's annotations resolve, its `group`
+    annotated with what group= takes."""
+    check = ("import inspect, typing, weft\n"
+             "assert callable(weft.models.from_hf) and weft.layers.EPMoE and 'models' in dir(weft)\n"
+             "for name in weft.ops.__all__:\n"
+             "    op = getattr(weft.ops, name)\n"
+             "    if isinstance(op, type):\n"
+             "        continue\n"
+             "    hints = typing.get_type_hints(op)\n"
+             "    if 'group' in inspect.signature(op).parameters:\n"
+             "        assert hints['group'] == weft.GroupLike, name\n"
+             "    assert hints, name\n"
+             "assert typing.get_type_hints(weft.empty)['group'] == weft.GroupLike\n"
+             "try:\n"
+             "    weft.no_such_module\n"
+             "except AttributeError as e:\n"
+             "    assert 'no_such_module' in str(e)\n"
+             "else:\n"
+             "    raise AssertionError('weft.no_such_module did not raise')\n"
+             "print('ok')\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
 
 
 def test_demo_checks_the_model_against_transformers():
@@ -185,3 +250,21 @@ def test_profile_decode_script(tmp_path):
     gemms = [k for k in report["kernels"] if k["bytes_per_step"] is not None]
     assert [k["name"] for k in gemms] == ["aten::mm"] and gemms[0]["bytes_per_step"] == weights
     assert all(k["us_per_step"] > 0 for k in report["kernels"]) and "written to" in res.stdout
+
+
+def test_readme_within_its_limits_and_lists_every_op():
+    """README.md: at most 150 lines and 9,000 characters, no line over 240; its ops table names every weft.ops op
+    (a new op gets its line there)."""
+    import re
+
+    import weft.ops
+
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    lines = text.split("\n")
+    assert len(lines) <= 150 and len(text) <= 9000 and max(map(len, lines)) <= 240
+    table = text.split("\n## Ops\n")[1].split("\n## ")[0]
+    listed = {name for row in table.split("\n") if row.startswith("| `")
+              for name in re.findall(r"`(\w+)`", row.split(" | ")[0])}
+    ops = {name for name in weft.ops.__all__ if not isinstance(getattr(weft.ops, name), type)}
+    assert ops - listed == set(), "ops missing from the README's table"
+    assert listed - ops == set(), "the README's table names ops that do not exist"

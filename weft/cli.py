@@ -59,31 +59,39 @@ def cmd_tune(args) -> int:
     return run(args.n or _default_ranks(), ["-m", "weft.tuning.suites", *options])
 
 
-def cmd_demo(args) -> int:
+def cmd_demo(argv: list[str]) -> int:
     import importlib.util
     import os
     import tempfile
 
+    from .demo import parse
     from .runtime.backend import BACKEND
     from .runtime.launcher import run
 
-    target = ["-m", "weft.demo", *args.args]
+    options = parse(argv)  # -h, a bad option or one the backend cannot take exits here, once
+    ranks = options.n or _default_ranks()
+    target = ["-m", "weft.demo", *argv]
     if BACKEND == "cuda" or importlib.util.find_spec("transformers") is not None:
-        return run(args.n or _default_ranks(), target)
+        return run(ranks, target)
     # No transformers to check the cpu ranks against: the same model on one rank is the reference.
     with tempfile.TemporaryDirectory() as tmp:
         reference = os.path.join(tmp, "reference.pt")
-        return run(1, [*target, "--save", reference]) or run(args.n or _default_ranks(),
-                                                              [*target, "--reference", reference])
+        return run(1, [*target, "--save", reference]) or run(ranks, [*target, "--reference", reference])
 
 
-def cmd_bench(args) -> int:
+def cmd_bench(argv: list[str]) -> int:
+    import importlib.util
+
+    from .bench.__main__ import parse
     from .runtime.launcher import run
 
-    return run(args.n or _default_ranks(), ["-m", "weft.bench", *args.args])
+    _, options, _ = parse(argv)  # -h or a bad option exits here, once, before any rank starts
+    if importlib.util.find_spec("matplotlib") is None:
+        sys.exit("weft bench: its plots need matplotlib: pip install 'triton-weft[bench]'")
+    return run(options.n or _default_ranks(), ["-m", "weft.bench", *argv])
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="weft", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="start N ranks running a script (torchrun on GPUs, processes on cpu)")
@@ -101,21 +109,20 @@ def main(argv=None) -> int:
     t.add_argument("--quick", action="store_true", help="fewer sizes and samples")
     t.add_argument("--samples", type=int, default=None, help="samples per timing")
     t.set_defaults(fn=cmd_tune)
-    d = sub.add_parser("demo", help="the main demo: a Qwen3 decoder on all GPUs (weft against NCCL), else on 4 cpu "
-                       "ranks checked against transformers; its options (--model PATH, --batch, ...): "
-                       "`python -m weft.demo -h`")
-    d.add_argument("-n", type=int, default=None)
-    d.set_defaults(fn=cmd_demo)
-    b = sub.add_parser("bench", help="benchmark suites against NCCL/torch baselines (see `weft bench allgather -h`)")
-    b.add_argument("-n", type=int, default=None, help="ranks (default: all GPUs, or 4 cpu ranks)")
-    b.add_argument("args", nargs=argparse.REMAINDER, help="SUITE and its options")
-    b.set_defaults(fn=cmd_bench)
-    args, extra = p.parse_known_args(argv)
-    if args.command == "demo":
-        args.args = extra  # the demo's own options, parsed by each rank
-    elif extra:
-        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    # demo and bench parse their own options (`weft demo -h`, `weft bench SUITE -h` list them all), below: once
+    # here, before the ranks start, and again on each rank. Their entries here are for `weft -h`.
+    sub.add_parser("demo", help="the main demo: a Qwen3 decoder on all GPUs (weft against NCCL), else on 4 cpu "
+                   "ranks checked against transformers (`weft demo -h`: its options)")
+    sub.add_parser("bench", help="benchmark suites against NCCL/torch baselines (`weft bench -h`: the suites; "
+                   "`weft bench SUITE -h`: a suite's options)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in OWN_PARSERS:
+        return OWN_PARSERS[argv[0]](argv[1:])
+    args = p.parse_args(argv)
     return args.fn(args)
+
+
+OWN_PARSERS = {"demo": cmd_demo, "bench": cmd_bench}
 
 
 if __name__ == "__main__":

@@ -9,14 +9,16 @@ the greedy tokens on which they agree up to the baseline's first near-tie (top-2
 rounding of each other, where the order of a reduction decides the token, so that a difference after
 it says nothing about either).
 
-On the cpu backend: a small model of the same architecture on 4 cpu ranks (Triton's interpreter), its
-greedy tokens and logits checked against transformers' Qwen3ForCausalLM on one process with the same
-weights (or, without transformers, against the same model on one rank: `weft demo` runs that first and
-passes its result with --reference).
+On the cpu backend: a small model of the same architecture (or a small checkpoint: --model PATH) on 4 cpu
+ranks (Triton's interpreter), its greedy tokens and logits checked against transformers' model on one
+process with the same weights (or, without transformers, against the same model on one rank: `weft demo`
+runs that first and passes its result with --reference).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import time
 
 import torch
@@ -34,19 +36,32 @@ QWEN3_TINY = dict(QWEN3_8B, hidden_size=64, intermediate_size=128, num_hidden_la
                   num_key_value_heads=4, head_dim=16, vocab_size=512)
 
 
-def parse(argv=None):
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The demo's options; -h and a bad option (or combination) exit with the usage."""
     p = argparse.ArgumentParser(prog="weft demo", description=__doc__.splitlines()[0],
-                                epilog="Run as `weft demo [-n RANKS] [options]` (default: every GPU, or 4 cpu ranks).")
-    p.add_argument("--model", help="a local checkpoint directory (config.json, *.safetensors), not random weights")
+                                epilog="On GPUs: a Qwen3-8B-shaped model over every GPU, weft against NCCL + cuBLAS. "
+                                "On the cpu backend: a small Qwen3 (or --model) on cpu ranks, checked against "
+                                "transformers.")
+    p.add_argument("-n", type=int, help="ranks (default: every GPU, or 4 cpu ranks)")
+    p.add_argument("--model", help="a local checkpoint directory (config.json, *.safetensors) in place of the "
+                   "built-in model's random weights (on cpu ranks: a small one, checked against transformers)")
     p.add_argument("--batch", type=int, help="prompts (default 8 on GPUs, 2 on cpu)")
     p.add_argument("--prompt-len", type=int, help="tokens per prompt (default 512 on GPUs, 8 on cpu)")
     p.add_argument("--new-tokens", type=int, help="tokens to generate (default 128 on GPUs, 12 on cpu)")
     p.add_argument("--layers", type=int, help="use only the first N layers (random weights)")
-    p.add_argument("--prompt", help="with --model and its tokenizer: this text, repeated --batch times, as the prompts")
+    p.add_argument("--prompt", help="with --model and its tokenizer: this text, repeated --batch times, as the "
+                   "prompts (random tokens without a tokenizer)")
     p.add_argument("--reference", metavar="FILE", help="cpu without transformers: check against this saved run "
                    "(`weft demo` makes it with --save on one rank first)")
     p.add_argument("--save", metavar="FILE", help="cpu: save this run's tokens and logits there, check nothing")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.prompt is not None and args.model is None:
+        p.error("--prompt needs --model (the checkpoint's tokenizer makes the prompt's tokens)")
+    if args.model is not None and args.layers is not None:
+        p.error("--layers applies to the built-in model's random weights, not to a checkpoint (--model)")
+    if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
+        p.error(f"--model {args.model}: not a checkpoint directory (it has no config.json)")
+    return args
 
 
 def say(*lines) -> None:
@@ -60,21 +75,30 @@ def slowest(seconds: float) -> float:
     return t.item()
 
 
+def progress_bar():
+    """rich's progress bar on rank 0, where rich is installed (the `bench` extra); else None: no bar."""
+    try:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+        return None
+    return Progress(TextColumn("  {task.description:12s}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    disable=weft.rank() != 0)
+
+
 def timed_generate(model, prompts, new_tokens, label):
     """generate() with a progress bar; returns (tokens, prefill seconds, decode seconds per token)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     sync = torch.cuda.synchronize if prompts.is_cuda else (lambda: None)
     stamps = []
+    bar = progress_bar()
 
-    with Progress(TextColumn("  {task.description:12s}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  disable=weft.rank() != 0) as bar:
-        task = bar.add_task(label, total=new_tokens)
+    with bar or contextlib.nullcontext():
+        task = bar.add_task(label, total=new_tokens) if bar else None
 
         def on_token(i, tokens):
             sync()  # every rank's step is done: the bar (and the clock) see finished tokens
             stamps.append(time.perf_counter())
-            bar.advance(task)
+            if bar:
+                bar.advance(task)
 
         weft.barrier()
         start = time.perf_counter()
@@ -168,17 +192,25 @@ def _tokenizer(path):
 
 
 def cpu_demo(args) -> None:
-    from weft.models.weights import RandomWeights, hf_shapes
-
     w = weft.world()
     batch, prompt_len, new = args.batch or 2, args.prompt_len or 8, args.new_tokens or 12
-    config = dict(QWEN3_TINY, num_hidden_layers=args.layers or QWEN3_TINY["num_hidden_layers"])
-    say(f"weft demo: a small Qwen3-architecture decoder on {w.world_size} cpu ranks (Triton interpreter)")
     t0 = time.perf_counter()
-    model = from_hf(config, comm="weft", seed=0, std=0.1)
-    weights = RandomWeights(hf_shapes(model.config), 0, torch.float32, w.device, std=0.1)
-    state = {name: weights[name] for name in weights.shapes}
-    prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
+    if args.model:
+        say(f"weft demo: checkpoint {args.model} on {w.world_size} cpu ranks (Triton interpreter: every kernel runs "
+            "in Python, a few seconds per layer and token even for a small model)")
+        model = from_hf(args.model, dtype=torch.float32, comm="weft")
+        config = None
+    else:
+        say(f"weft demo: a small Qwen3-architecture decoder on {w.world_size} cpu ranks (Triton interpreter)")
+        config = dict(QWEN3_TINY, num_hidden_layers=args.layers or QWEN3_TINY["num_hidden_layers"])
+        model = from_hf(config, comm="weft", seed=0, std=0.1)
+    tokenizer = _tokenizer(args.model) if args.prompt else None
+    if tokenizer is not None:
+        prompts = tokenizer(args.prompt, return_tensors="pt").input_ids.repeat(batch, 1)
+    else:
+        prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len),
+                                generator=torch.Generator().manual_seed(0))
+    prompt_len = prompts.shape[1]
     logits = model(prompts)
     tokens, prefill, decode = timed_generate(model, prompts, new, "weft")
     gloo = model.with_comm("nccl").generate(prompts, new)
@@ -190,28 +222,45 @@ def cpu_demo(args) -> None:
         ref = torch.load(args.reference)
         ref_tokens, ref_logits, what = ref["tokens"], ref["logits"], "the same model on one rank"
     else:
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-
-        hf = Qwen3ForCausalLM(Qwen3Config(**{k: v for k, v in config.items() if k != "model_type"})).eval()
-        hf.load_state_dict(state)
+        hf, what = _transformers_reference(args.model, config, model)
         hf.generation_config.eos_token_id = None
         with torch.no_grad():
             ref_logits = hf(prompts).logits
             ref_tokens = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new,
                                      do_sample=False, eos_token_id=None, pad_token_id=0)
-        what = "transformers' Qwen3ForCausalLM on one process"
     err = (logits - ref_logits).abs().max().item()
-    good = torch.equal(tokens, ref_tokens) and torch.equal(gloo, tokens) and err < 1e-3
+    scale = max(1.0, ref_logits.abs().max().item())  # a checkpoint's logits can be large: relative to them
+    good = torch.equal(tokens, ref_tokens) and torch.equal(gloo, tokens) and err < 1e-3 * scale
     say(f"  against {what}: logits max |difference| {err:.1e}, greedy tokens "
         f"{'identical' if torch.equal(tokens, ref_tokens) else 'DIFFERENT'}; comm='nccl' (gloo) tokens "
         f"{'identical' if torch.equal(gloo, tokens) else 'DIFFERENT'}", f"  ({time.perf_counter() - t0:.0f} s)")
     for row in tokens[:, prompt_len:].tolist():
         say(f"  new tokens: {row}")
+    if tokenizer is not None:
+        say(f"  {args.prompt!r} →", "  " + repr(tokenizer.decode(tokens[0, prompt_len:])))
     if not good:
         raise SystemExit(f"rank {w.rank}: the tensor-parallel model does not match {what}")
 
 
-def main(argv=None) -> None:
+def _transformers_reference(path, config, model):
+    """transformers' model of the same weights on one process, fp32: the checkpoint's, or the built-in config's
+    with the seeded random weights weft's model was made of. Returns (model, what it is in words)."""
+    if path is not None:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return hf, f"transformers' {type(hf).__name__} of the checkpoint on one process"
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from weft.models.weights import RandomWeights, hf_shapes
+
+    weights = RandomWeights(hf_shapes(model.config), 0, torch.float32, weft.device(), std=0.1)
+    hf = Qwen3ForCausalLM(Qwen3Config(**{k: v for k, v in config.items() if k != "model_type"})).eval()
+    hf.load_state_dict({name: weights[name] for name in weights.shapes})
+    return hf, "transformers' Qwen3ForCausalLM on one process"
+
+
+def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     weft.init()
     (gpu_demo if weft.device().type == "cuda" else cpu_demo)(args)

@@ -1,4 +1,5 @@
-"""Per-rank entry of `weft bench`: `python -m weft.bench SUITE [options]` under `weft run`."""
+"""Per-rank entry of `weft bench`: `python -m weft.bench [-n N] SUITE [options]` under `weft run` (the `weft bench`
+command parses the same arguments first, in the launching process, so that help and errors print once)."""
 from __future__ import annotations
 
 import argparse
@@ -16,18 +17,58 @@ SUITES = {"allgather": "weft.bench.allgather", "matmul": "weft.bench.matmul", "g
 BENCH_HEAP_SIZE = "24GiB"
 
 
-def main(argv=None) -> int:
+RANKS_HELP = "ranks (default: every GPU, or 4 cpu ranks)"
+
+
+def suite_parser(name: str) -> argparse.ArgumentParser:
+    """Every option of `weft bench SUITE`: -n, --out and the suite's own (what `weft bench SUITE -h` prints)."""
     from weft.runtime import settings
 
-    p = argparse.ArgumentParser(prog="weft bench", epilog=f"On GPUs the weft heap is {BENCH_HEAP_SIZE} per rank "
-                                "unless WEFT_HEAP_SIZE is set.")
-    p.add_argument("suite", choices=sorted(SUITES))
-    p.add_argument("--out", default=settings.get("WEFT_BENCH_OUT", "bench_results"), help="output folder")
-    known, rest = p.parse_known_args(argv)
-    suite = importlib.import_module(SUITES[known.suite])
-    sp = argparse.ArgumentParser(prog=f"weft bench {known.suite}")
-    suite.add_arguments(sp)
-    args = sp.parse_args(rest)
+    suite = importlib.import_module(SUITES[name])
+    summary = " ".join((suite.__doc__ or "").strip().split("\n\n")[0].split())  # the docstring's first paragraph
+    p = argparse.ArgumentParser(prog=f"weft bench {name}", description=summary,
+                                epilog=f"On GPUs the weft heap is {getattr(suite, 'HEAP_SIZE', BENCH_HEAP_SIZE)} "
+                                "per rank unless WEFT_HEAP_SIZE is set.")
+    p.add_argument("-n", type=int, default=None, help=RANKS_HELP)
+    p.add_argument("--out", default=settings.get("WEFT_BENCH_OUT", "bench_results"),
+                   help="output folder (default: $WEFT_BENCH_OUT or bench_results)")
+    suite.add_arguments(p)
+    return p
+
+
+def parse(argv: list[str] | None = None) -> tuple[str, argparse.Namespace, list[str]]:
+    """`[-n N] SUITE [options]` -> (suite, its options parsed, the options as given but -n). `-h` and a bad option
+    exit here with the suite's usage: `weft bench` parses in the launching process first, so that it prints once."""
+    top = argparse.ArgumentParser(prog="weft bench", usage="weft bench [-n N] SUITE [options]",
+                                  description="Time weft's ops against their baselines (NCCL, cuBLAS, torch's "
+                                  "symmetric-memory ops) on every rank; rank 0 writes JSON, a markdown table and "
+                                  "a PNG plot.", epilog="`weft bench SUITE -h` lists the suite's options.")
+    top.add_argument("-n", type=int, default=None, help=RANKS_HELP)
+    top.add_argument("suite", metavar="SUITE", choices=sorted(SUITES), help=", ".join(sorted(SUITES)))
+    top.add_argument("options", nargs=argparse.REMAINDER, help="the suite's options")
+    first = top.parse_args(argv)
+    args = suite_parser(first.suite).parse_args(first.options)
+    if args.n is None:  # -n before the suite or after it
+        args.n = first.n
+    return first.suite, args, _without_ranks(first.options)
+
+
+def _without_ranks(options: list[str]) -> list[str]:
+    """The options less -n N (-nN), which the launcher consumed."""
+    kept, skip = [], False
+    for option in options:
+        if skip:
+            skip = False
+        elif option == "-n":
+            skip = True
+        elif not (option.startswith("-n") and not option.startswith("--")):
+            kept.append(option)
+    return kept
+
+
+def main(argv: list[str] | None = None) -> int:
+    name, args, rest = parse(argv)
+    suite = importlib.import_module(SUITES[name])
 
     import torch
 
@@ -46,17 +87,17 @@ def main(argv=None) -> int:
     torch.distributed.all_gather_object(heap_used, w.heap.used, group=w.group)
     if w.rank == 0:
         dev = torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else "cpu (interpreter)"
-        title = f"{known.suite}: {w.world_size} × {dev}"
+        title = f"{name}: {w.world_size} × {dev}"
         baseline = getattr(suite, "BASELINE", None) or torch.distributed.get_backend(w.group)
-        meta = {"command": " ".join(["weft bench -n", str(w.world_size), known.suite, *rest]),
+        meta = {"command": " ".join(["weft bench -n", str(w.world_size), name, *rest]),
                 "torch": torch.__version__,
                 "heap_used_bytes": heap_used, "heap_bytes": w.heap.size}  # per rank
-        table = write(rows, known.out, f"{known.suite}_{w.world_size}", title, baseline,
+        table = write(rows, args.out, f"{name}_{w.world_size}", title, baseline,
                       rival=getattr(suite, "RIVAL", None), bandwidth=getattr(suite, "BANDWIDTH", ALGBW),
                       focus=getattr(suite, "FOCUS", None), meta=meta)
         print(f"\n## {title}\n\n{table}\n\nweft heap used per rank: "
               f"{', '.join(f'{b / (1 << 20):.2f} MiB' for b in heap_used)} (of {w.heap.size / (1 << 20):.0f} MiB)"
-              f"\nwritten to {known.out}/", flush=True)
+              f"\nwritten to {args.out}/", flush=True)
     weft.finalize()
     return 0
 

@@ -44,6 +44,8 @@ from typing import Callable
 
 import torch
 
+from ..runtime.group import GroupLike
+
 # name -> declaration, in declaration order; and the helper types `weft.ops` exports beside the ops.
 OPS: dict[str, "OpDef"] = {}
 EXPORTS: dict[str, object] = {}
@@ -126,6 +128,13 @@ def _public_function(d: OpDef) -> Callable:
     fn = scope[d.name]
     fn.__defaults__, fn.__kwdefaults__ = d.eager.__defaults__, d.eager.__kwdefaults__
     fn.__doc__, fn.__module__, fn.__qualname__ = d.eager.__doc__, d.eager.__module__, d.eager.__qualname__
+    # The implementation's annotations (strings under `from __future__ import annotations`, which get_type_hints
+    # resolves in the implementation's module through __wrapped__), and a collective's bare `group` the type it takes.
+    fn.__annotations__ = dict(d.eager.__annotations__)
+    if "group" in sig.parameters and sig.parameters["group"].annotation is inspect.Parameter.empty:
+        fn.__annotations__["group"] = GroupLike
+        sig = sig.replace(parameters=[p.replace(annotation=GroupLike) if p.name == "group" else p
+                                      for p in sig.parameters.values()])
     fn.__signature__ = sig
     fn.__wrapped__ = d.eager
     fn.eager, fn.definition = d.eager, d

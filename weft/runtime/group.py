@@ -106,3 +106,8 @@ def make_heap(rank: int, size: int, nbytes: int, process_group, device: torch.de
     if device.type == "cuda":
         return cuda_heap(rank, size, nbytes, process_group, device)
     return cpu_heap(rank, size, nbytes, process_group)
+
+
+# What an op's or weft's `group=` argument takes (world.resolve turns it into a Group): None (the world), a weft
+# Group, a torch.distributed ProcessGroup this rank belongs to, or a group's name.
+GroupLike = Group | dist.ProcessGroup | str | None

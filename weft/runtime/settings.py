@@ -4,7 +4,7 @@ A value is read when it is used (tests and launchers change the environment betw
 one raises a ValueError naming the variable, its value and what it accepts. An unset or empty variable
 takes the default. `check_all()` (run by `weft.init()`) reads every one, so garbage anywhere fails at
 init rather than in the middle of a run. This module imports nothing heavy: backend.py reads it before
-torch or triton is imported. README.md's table lists the same variables.
+torch or triton is imported. docs/design.md's settings table lists the same variables.
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def _backend(text: str) -> str:
 class Setting:
     name: str
     parse: Callable[[str], object]
-    accepted: str  # what the error message and README say it takes
+    accepted: str  # what the error message and the docs say it takes
     default: str  # the default, in words
     meaning: str
 
