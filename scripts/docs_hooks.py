@@ -1,7 +1,8 @@
 """mkdocs hooks of the documentation site (mkdocs.yml): the pages made from the tree at build time, never checked in.
 
 - tutorials/<name>.md for every tutorials/*.py: the module docstring as prose, then the code, one block per
-  top-level definition (a `@triton.jit` kernel is named as one), as Triton's own tutorials show theirs.
+  top-level definition (a `@triton.jit` kernel is named as one), as Triton's own tutorials show theirs; then, for
+  the `weft.ops` it calls, the `*_kernel`s of the declaring modules (collapsed).
 - reference/ops.md: every op the families declare. `weft.ops` is filled in by the op registry
   (weft/kernels/registry.py) when it is imported, so static analysis sees no function in it; the page is made from
   the registry itself: each op's signature, docstring, operator(s) and declaring module, then the helper types.
@@ -81,6 +82,7 @@ def tutorial_page(name: str) -> str:
     first = body[0].lineno - 1 if body else len(lines)
     sections = [("Imports and setup", first, starts[0] if starts else len(lines))]
     sections += [(label, s, e) for label, s, e in zip(labels, starts, starts[1:] + [len(lines)])]
+    library = library_kernels(tree)
     out = [f"# {title}", "", prose, "",
            f"The code below is `tutorials/{name}` as it is in this tree. Run it with `weft run -n 4 "
            f"tutorials/{name}` (cpu ranks without GPUs); the test suite runs it on 4 cpu ranks.", ""]
@@ -88,17 +90,57 @@ def tutorial_page(name: str) -> str:
         code = "\n".join(lines[s:e]).strip("\n")
         if code:
             out += [f"## {label}", "", "```python", code, "```", ""]
+    if library:
+        out += ["## The library's kernels", "",
+                "The `weft.ops` calls above run these kernels (their source in this tree; click to open):", ""]
+        for path, ops, kernels in library:
+            out += [f'??? example "`{path}`: {", ".join(f"`{n}`" for n, _ in kernels)} '
+                    f'({", ".join(f"weft.ops.{o}" for o in ops)})"', ""]
+            for _, code in kernels:
+                out += ["    ```python"] + [("    " + line).rstrip() for line in code.splitlines()] + ["    ```", ""]
     return "\n".join(out)
+
+
+def library_kernels(tree: ast.Module) -> list[tuple[str, list[str], list[tuple[str, str]]]]:
+    """For the `weft.ops.X` a tutorial calls, in order of first use: (module path, its ops called, [(kernel name,
+    source)]) of each declaring module's public `@triton.jit` kernels (`*_kernel`)."""
+    registry = _registry()
+    modules: dict[str, list[str]] = {}
+    calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Attribute)), key=lambda n: (n.lineno, n.col_offset))
+    for node in calls:
+        name = ast.unparse(node)
+        if name.startswith("weft.ops.") and name[len("weft.ops."):] in registry.OPS:
+            op = name[len("weft.ops."):]
+            module = sys.modules[registry.OPS[op].eager.__module__]
+            ops = modules.setdefault(module.__file__, [])
+            if op not in ops:
+                ops.append(op)
+    out = []
+    for path, ops in modules.items():
+        with open(path) as f:
+            source = f.read()
+        lines = source.splitlines()
+        kernels = [(n.name, "\n".join(lines[min([n.lineno] + [d.lineno for d in n.decorator_list]) - 1:n.end_lineno]))
+                   for n in ast.parse(source).body
+                   if isinstance(n, ast.FunctionDef) and n.name.endswith("_kernel") and _is_triton_kernel(n)]
+        if kernels:
+            out.append((os.path.relpath(path, ROOT), ops, kernels))
+    return out
 
 
 # ---- weft.ops reference ----
 
-def ops_page() -> str:
+def _registry():
+    """The op registry of this tree's weft, every family loaded."""
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     import weft.ops  # noqa: F401  (loads every family: the registry is filled in)
     from weft.kernels import registry
+    return registry
 
+
+def ops_page() -> str:
+    registry = _registry()
     out = ["# weft.ops", "",
            "Every public op of weft, generated from the op registry (`weft/kernels/registry.py`): each family "
            "declares its ops once, beside their implementation, and `weft.ops` collects them. `weft.ops.X` runs the "
