@@ -1,11 +1,13 @@
 # make demo: environment + install + the main demo (all GPUs if present, else 4 cpu ranks)
 # make test: environment + install + the cpu test suite (interpreter ranks + sm_90 compile checks)
 # Every command runs the venv's own python and `weft` (`source .venv/bin/activate` puts them on PATH).
+# make docs: environment + the docs extra + the documentation site into site/ (mkdocs build --strict)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: demo test wheel-check env gpu clean
+.PHONY: demo test wheel-check docs env gpu clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -26,9 +28,17 @@ test: $(STAMP)
 wheel-check: $(STAMP)
 	VENV=$(VENV) bash .ci/wheel_check.sh
 
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+# Every warning is an error (mkdocs.yml: strict); the two variables silence a banner about MkDocs' future.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(PY) -m mkdocs build --strict
+
 # On the GPU machine (torch and triton preinstalled): PYTHONPATH=. bash scripts/gpu_suite.sh
 gpu:
 	bash scripts/gpu_suite.sh
 
 clean:
-	rm -rf $(VENV) bench_results
+	rm -rf $(VENV) bench_results site

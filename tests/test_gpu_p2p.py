@@ -1,7 +1,7 @@
 """send / recv on GPUs: `weft run -n 2 -m pytest tests/test_gpu_p2p.py -m gpu`. The default route (the process
 group's send / recv) bit-exact at one and several chunks' sizes. With WEFT_P2P_KERNEL=1 in the environment the
 device kernel too: on 2x H100 it once delivered only the first chunk of a four-chunk message, 3 calls of 3, and
-passed in a later run, so the suite runs it with the variable set until the race is found (docs/perf.md)."""
+passed in a later run, so the suite runs it with the variable set until the race is found (docs/performance/groups.md)."""
 import os
 
 import pytest

@@ -26,7 +26,7 @@ trip), staggers the destinations so no rank's links take all senders at once,
 signals all ranks at once (`wl.notify_all`) and polls all flags at once, and
 adds many programs, 16-byte vector accesses, double buffering so
 back-to-back calls need no host barrier, and argument checks. Measured on
-4 x H200 (bf16, docs/perf.md): 4.1 us at 4 KiB (NCCL 14.6, torch 6.6; small
+4 x H200 (bf16, docs/performance/all_reduce.md): 4.1 us at 4 KiB (NCCL 14.6, torch 6.6; small
 messages go as LL words, data and epoch in one 8-byte store: one-shot up to
 64 KiB, two-shot up to 512 KiB), and
 at 512 MiB two-shot in place in symmetric memory at NCCL's bus bandwidth

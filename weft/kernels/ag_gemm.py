@@ -186,7 +186,7 @@ def overlap_refusal(group, a_shard, b, out) -> str | None:
 def auto_method(m: int, n: int, k: int, group) -> str:
     """Which path `method="auto"` takes for a_shard (m, k) and b (k, n) where the overlap can take it.
 
-    Overlap from ag_gemm.overlap_min_rows (weft.tuning, by group size) gathered rows: on 4 H200s (docs/perf.md,
+    Overlap from ag_gemm.overlap_min_rows (weft.tuning, by group size) gathered rows: on 4 H200s (docs/performance/overlapped_gemm.md,
     2026-11-21) it was 1.10-1.52x faster than NCCL + cuBLAS on every TP shape (4096 rows and more), and on 2 H200s
     eager (2026-11-22) 1.21x at 4096 rows; at 128 rows the GEMM is too short to hide the overlap's host and launch
     cost (88 us against 48 us for all_gather + cuBLAS), so small calls take the baseline.
