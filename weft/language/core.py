@@ -15,15 +15,17 @@ INTERPRET = tl.constexpr(_INTERPRET)
 # WEFT_WAIT_TIMEOUT_S > 0 makes every spin give up after that long (read at import).
 WAIT_TIMEOUT_NS = tl.constexpr(int(settings.wait_timeout_s() * 1e9))
 
-# Comparison and signal-op codes, numbered as in NVSHMEM.
+# Comparison and signal-op codes, numbered as in NVSHMEM's headers (nvshmemi_cmp_type, nvshmemi_amo_t), so a
+# value passes unchanged to NVSHMEM's device library. (torch's NVSHMEM Triton wrappers document SIGNAL_SET 0,
+# SIGNAL_ADD 5 and CMP_GE 3: NVSHMEM adds for every op but 9 and reads 3 as LE — scripts/probe_nvshmem.py.)
 CMP_EQ = tl.constexpr(0)
 CMP_NE = tl.constexpr(1)
 CMP_GT = tl.constexpr(2)
 CMP_LE = tl.constexpr(3)
 CMP_LT = tl.constexpr(4)
 CMP_GE = tl.constexpr(5)
-SIGNAL_SET = tl.constexpr(0)
-SIGNAL_ADD = tl.constexpr(5)
+SIGNAL_SET = tl.constexpr(9)
+SIGNAL_ADD = tl.constexpr(10)
 # Memory-model scopes of signals: the whole system (peers over NVLink) or this GPU.
 SCOPE_SYS = tl.constexpr("sys")
 SCOPE_GPU = tl.constexpr("gpu")
