@@ -20,9 +20,10 @@ m2n_combine returns the rows, each scaled by its router weight; the attention si
 Ping-pong. An attention rank's rows are cut into k micro-batches; per layer it runs micro-batch i's attention and
 dispatch, then goes on to micro-batch i + 1 before waiting for micro-batch i's experts: while one micro-batch is
 on the expert side, the attention side computes the next one (docs/disaggregation.md has the schedule and its
-cost model). Both sides issue the same sequence of M2N calls: for each layer and micro-batch (and prefill chunk)
-a dispatch, later its combine; the expert side combines each dispatch before the next, which M2N's one-deep
-acknowledgement allows. On GPUs the calls are stream-ordered kernels, so the attention side runs ahead of its
+cost model). Each micro-batch has its own M2N channel (a group over the world with its own workspace: M2N
+acknowledges one call deep, so micro-batches sharing one would wait on each other in a cycle from k = 3 on); on
+each channel both sides issue the same calls: per layer a dispatch, later its combine (prefill: chunk by chunk,
+each combined before the next dispatch, no ping-pong). On GPUs the calls are stream-ordered kernels, so the attention side runs ahead of its
 experts by one micro-batch; on cpu ranks every call completes before it returns, which gives the same overlap
 between processes.
 
@@ -209,15 +210,23 @@ class DisaggregatedMoE(nn.Module):
         out = weft.ops.m2n_combine(None, weights, handle)[:, :hidden]
         return out.reshape(tokens, k, hidden).float().sum(1).to(self.dtype)
 
-    def _serve(self, layer: int, capacity: int, channel):
+    def _serve(self, layer: int, capacity: int, channel, span):
         """The expert side of one dispatch / combine: the rows received sorted by local expert into (L, C, hidden)
         on the device (C = every sender's capacity: a token names an expert once), the experts, the rows back."""
-        hidden, m, n_local = self.config.hidden_size, len(self.attention_ranks), self.local_experts
-        dev = weft.device()
+        hidden, dev = self.config.hidden_size, weft.device()
         empty = torch.empty((0, hidden + self.pad), dtype=self.dtype, device=dev)
         recv, counts, handle = weft.ops.m2n_dispatch(empty, torch.empty((0, 1), dtype=torch.int64, device=dev),
                                                      self.attention_ranks, self.expert_ranks,
                                                      capacity * self.config.top_k, group=channel)
+        with span():
+            y = self._experts(layer, recv, counts, capacity)
+        weft.ops.m2n_combine(y, None, handle)
+
+    def _experts(self, layer, recv, counts, capacity):
+        """The rows received (M, capacity k, hidden + pad), sorted by local expert, through the experts; back in
+        recv's layout."""
+        hidden, m, n_local = self.config.hidden_size, len(self.attention_ranks), self.local_experts
+        dev = recv.device
         rows = recv.reshape(-1, hidden + self.pad)
         valid = (torch.arange(recv.shape[1], device=dev) < counts.unsqueeze(1)).reshape(-1)
         expert = torch.where(valid, rows[:, hidden].to(torch.int64), n_local)  # n_local: no row
@@ -229,7 +238,7 @@ class DisaggregatedMoE(nn.Module):
         x.index_copy_(0, where, rows[:, :hidden])
         y = self.experts[layer](x[:-1].view(n_local, cap, hidden), one_hot.sum(0).to(torch.int32))
         y = torch.cat([y.reshape(-1, hidden), y.new_zeros((1, hidden))])[where]
-        weft.ops.m2n_combine(F.pad(y, (0, self.pad)).view(recv.shape), None, handle)
+        return F.pad(y, (0, self.pad)).view(recv.shape)
 
     # -- generation --------------------------------------------------------------------------------------------
 
@@ -249,7 +258,8 @@ class DisaggregatedMoE(nn.Module):
         return have[:micro_batches]
 
     def _plan(self, batch: int, micro_batches: int, prefill_chunk: int):
-        """(this attention rank's rows, micro-batch size, capacity per M2N call) of a batch."""
+        """(this attention rank's rows, micro-batch size, tokens per M2N call in prefill) of a batch (decode: the
+        micro-batch size, which bounds the expert side's buffers: they are sized by the call's capacity)."""
         sides = len(self.attention_ranks) if self.role != "colocated" else weft.world_size()
         if micro_batches < 1 or batch % (sides * micro_batches):
             raise ValueError(f"a batch of {batch} sequences does not split into {micro_batches} equal micro-batches "
@@ -272,28 +282,29 @@ class DisaggregatedMoE(nn.Module):
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         batch, seq = ids.shape
-        per_rank, mb, capacity = self._plan(batch, micro_batches, prefill_chunk)
+        per_rank, mb, chunk = self._plan(batch, micro_batches, prefill_chunk)
         span = timeline.span if timeline is not None else (lambda *a: contextlib.nullcontext())
         mine = None
-        channels = self._channels(micro_batches, capacity) if self.role != "colocated" else None
+        channels = self._channels(micro_batches, chunk) if self.role != "colocated" else None
         if self.role == "expert":
-            # The attention side's calls, mirrored: per step and layer, each micro-batch's chunks on its channel.
-            chunks = [-(-mb * seq // capacity)] + [-(-mb // capacity)] * (max_new_tokens - 1)
-            for step, n in enumerate(chunks):
+            # The attention side's calls, mirrored: per step and layer, each micro-batch's calls on its channel
+            # (prefill: its chunks; decode: one call).
+            for step in range(max_new_tokens):
+                calls, capacity = (-(-mb * seq // chunk), chunk) if step == 0 else (1, mb)
+                what = "prefill" if step == 0 else "decode"
                 for layer in range(self.config.num_layers):
                     for i in range(micro_batches):
-                        with span("expert", "prefill" if step == 0 else "decode", layer, i):
-                            for _ in range(n):
-                                self._serve(layer, capacity, channels[i])
+                        for _ in range(calls):
+                            self._serve(layer, capacity, channels[i], lambda: span("expert", what, layer, i))
         else:
             me = (self.attention_ranks.index(weft.rank()) if self.role == "attention" else weft.rank())
             mine = self._generate_rows(ids[me * per_rank:(me + 1) * per_rank], max_new_tokens, micro_batches,
-                                       capacity, span, channels)
+                                       chunk, span, channels)
         gathered = [None] * weft.world_size()
         dist.all_gather_object(gathered, None if mine is None else mine.cpu(), group=weft.world().process_group)
         return torch.cat([t for t in gathered if t is not None]).to(ids.device)
 
-    def _generate_rows(self, ids, max_new_tokens, micro_batches, capacity, span, channels):
+    def _generate_rows(self, ids, max_new_tokens, micro_batches, chunk, span, channels):
         """An attention (or colocated) rank's rows: prefill, then decode steps, each layer in ping-pong (prefill:
         each chunk's experts taken right after its dispatch, no ping-pong)."""
         cfg = self.config
@@ -312,6 +323,7 @@ class DisaggregatedMoE(nn.Module):
             else:
                 pos = Positions.prefill(mb, seq, self.rope)
             what = "decode" if decode else "prefill"
+            capacity = mb if decode else chunk  # tokens per M2N call
             carry = [None] * micro_batches
             pending = [None] * micro_batches
             for layer in range(cfg.num_layers):
