@@ -1,6 +1,7 @@
 """Disaggregated MoE serving (weft.models.disaggregated) on cpu ranks against transformers' Qwen3MoeForCausalLM
 in one process, the same tiny random weights (fp32): greedy tokens equal at 2 attention + 2 expert ranks with 2
-micro-batches in ping-pong, at 3 + 1 with 3, and the colocated baseline (DP attention + EPMoE over every rank).
+micro-batches in ping-pong, at 3 + 1 with 4 (an M2N channel each: on one they would deadlock), and the colocated
+baseline (DP attention + EPMoE over every rank).
 And the p2p workspace's first use between 2 of 4 ranks, the other two busy elsewhere.
 """
 from weft.testing import run_ranks
@@ -33,14 +34,16 @@ def _generation_matches_transformers():
 
     ref = _hf_moe()
     results = {}
-    for name, kwargs, batch, micro in (("2+2", dict(attention_ranks=[0, 1]), 4, 2),
-                                       ("3+1", dict(attention_ranks=[0, 1, 2]), 6, 2),
-                                       ("colocated", dict(colocated=True), 4, 1)):
+    # (name, placement, batch, micro-batches, new tokens): 3 + 1 at k = 4 deadlocks in its first decode step on one
+    # M2N channel; a 5-token prefill in chunks of 4 tokens takes 2 M2N calls per micro-batch and layer.
+    for name, kwargs, batch, micro, new in (("2+2", dict(attention_ranks=[0, 1]), 4, 2, 4),
+                                            ("3+1", dict(attention_ranks=[0, 1, 2]), 12, 4, 2),
+                                            ("colocated", dict(colocated=True), 4, 1, 3)):
         prompts = torch.randint(0, 96, (batch, 5), generator=torch.Generator().manual_seed(len(results) + 1))
         model = disaggregated.from_hf(ref.config, ref.state_dict(), **kwargs)
-        got = model.generate(prompts, 4, micro_batches=micro, prefill_chunk=4)  # a 5-token prefill: 2 chunks
+        got = model.generate(prompts, new, micro_batches=micro, prefill_chunk=4)
         with torch.no_grad():
-            want = ref.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=4, do_sample=False)
+            want = ref.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new, do_sample=False)
         assert got.tolist() == want.tolist(), (name, weft.rank(), got.tolist(), want.tolist())
         results[name] = got.tolist()
     return results

@@ -32,6 +32,9 @@ SUITE = "disagg"
 BASELINE = "EP (DP attention + EPMoE)"
 BANDWIDTH = "decode throughput (tokens/s per GPU)"
 HEAP_SIZE = "8GiB"
+# The baseline's EPMoE: ep_dispatch_ll's receive buffers (E / W experts x W ranks' prefill chunk of 64 tokens) in
+# the world's workspace.
+WORKSPACE_BYTES = str(1 << 30)
 MODELS = {
     "tiny": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
                  num_experts=8, num_experts_per_tok=2, vocab_size=96),

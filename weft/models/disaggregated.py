@@ -21,14 +21,15 @@ Ping-pong. An attention rank's rows are cut into k micro-batches; per layer it r
 dispatch, then goes on to micro-batch i + 1 before waiting for micro-batch i's experts: while one micro-batch is
 on the expert side, the attention side computes the next one (docs/disaggregation.md has the schedule and its
 cost model). Each micro-batch has its own M2N channel (a group over the world with its own workspace: M2N
-acknowledges one call deep, so micro-batches sharing one would wait on each other in a cycle from k = 3 on); on
+acknowledges one call deep, so micro-batches sharing one would wait on each other in a cycle from k = 4 on); on
 each channel both sides issue the same calls: per layer a dispatch, later its combine (prefill: chunk by chunk,
-each combined before the next dispatch, no ping-pong). On GPUs the calls are stream-ordered kernels, so the attention side runs ahead of its
-experts by one micro-batch; on cpu ranks every call completes before it returns, which gives the same overlap
-between processes.
+each combined before the next dispatch, no ping-pong). On GPUs the calls are stream-ordered kernels, so the
+attention side runs ahead of its experts by whole micro-batches; on cpu ranks every call completes before it
+returns, which gives the same overlap between processes.
 
 colocated=True builds the baseline at the same rank count: every rank attention (data-parallel, its own rows) and
-an EP rank of weft's EPMoE (experts split over all ranks, ep_dispatch_ll / ep_combine_ll), no micro-batches.
+an EP rank of weft's EPMoE (experts split over all ranks, ep_dispatch_ll / ep_combine_ll); its micro-batches, if
+more than one, run one after the other (nothing to overlap).
 
 Weights: a transformers Qwen3MoeForCausalLM's state dict (every layer sparse, no shared expert), or seeded random
 ones of its config's shapes. Greedy decoding; every rank returns the whole batch's tokens.
@@ -136,8 +137,8 @@ class LocalComm(Comm):
 
 
 class AttentionLayer(nn.Module):
-    """A layer's attention half, pre-norm, and its router: (x, residual) -> the post-attention norm's output h
-    (the experts' input), the stream before it, and the router's top-k experts and weights of h's rows."""
+    """A layer's attention half, pre-norm, and its router. forward: (x, residual) -> the post-attention norm's
+    output h (the experts' input) and the stream before it; route(h): each row's top-k experts and weights."""
 
     def __init__(self, attn_norm: RMSNorm, attn: TensorParallelAttention, mlp_norm: RMSNorm,
                  router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool):
@@ -151,6 +152,11 @@ class AttentionLayer(nn.Module):
         a = self.attn.decode(x, pos, kv) if decode else self.attn(x, pos, kv)
         h, residual = self.mlp_norm(a, residual)
         return h, residual
+
+    def route(self, h: torch.Tensor):
+        """(topk_idx (T, k) int64, topk_weights (T, k) fp32): softmax of the router's logits in fp32, top-k,
+        renormalised if norm_topk_prob (weft.ops.router_topk, as EPMoE routes)."""
+        return weft.ops.router_topk(F.linear(h, self.router_weight), self.top_k, self.norm_topk_prob)
 
 
 class ExpertShard(nn.Module):
@@ -184,10 +190,6 @@ class DisaggregatedMoE(nn.Module):
         self.local_experts = config.num_experts // len(expert_ranks)
 
     # -- the pieces of a step ----------------------------------------------------------------------------------
-
-    def _route(self, layer: int, h: torch.Tensor):
-        return weft.ops.router_topk(F.linear(h, self.layers[layer].router_weight), self.config.top_k,
-                                    self.config.norm_topk_prob)
 
     def _send(self, h, idx, weights, capacity, channel):
         """m2n_dispatch on group `channel` of rows h (T <= capacity, hidden) routed by idx / weights (T, k): each
@@ -244,10 +246,11 @@ class DisaggregatedMoE(nn.Module):
 
     def _channels(self, micro_batches: int, capacity: int) -> list:
         """One group over the world per micro-batch, each with its own M2N workspace. M2N acknowledges one call
-        deep (a writer waits for the readers of its previous call): on one group, the expert side's combine of
-        micro-batch 1 would wait for the attention side to take micro-batch 0's, which it does only after
-        dispatching every other micro-batch (a cycle from k = 3 on). A channel each makes the micro-batches
-        independent. Made on first need (collective: every rank calls generate alike), kept while big enough."""
+        deep (a writer waits for the readers of its previous call); on one group, micro-batch 3's dispatch would
+        wait for the expert side to take micro-batch 2's, which comes after its combine of micro-batch 1, which
+        waits for the attention side to take micro-batch 0's, which it does after dispatching micro-batch 3: a
+        cycle from k = 4 on. Made on first need (collective: every rank calls generate alike), kept while big
+        enough."""
         elt = torch.empty((), dtype=self.dtype).element_size()
         need = 2 * weft.world_size() * capacity * self.config.top_k * (self.config.hidden_size + self.pad) * elt
         have = getattr(self, "_channel_groups", [])
@@ -336,7 +339,7 @@ class DisaggregatedMoE(nn.Module):
                         h, residual = self.layers[layer](x, residual, pos, (cache[layer, 0, g], cache[layer, 1, g]),
                                                          decode)
                         if self.role != "colocated":
-                            idx, weights = self._route(layer, h)
+                            idx, weights = self.layers[layer].route(h)
                     if self.role == "colocated":  # EPMoE over every rank, in chunks of `capacity` tokens
                         with span("expert", what, layer, i):
                             moe = self.experts[layer]
@@ -406,7 +409,8 @@ def from_hf(config, state_dict: dict | None = None, attention_ranks=None, coloca
     holds_attention = role != "expert"
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."
-        gate_up, down = weights[p + "mlp.experts.gate_up_proj"], weights[p + "mlp.experts.down_proj"]
+        experts_of = (lambda: (weights[p + "mlp.experts.gate_up_proj"].to(device, dtype),  # noqa: E731
+                               weights[p + "mlp.experts.down_proj"].to(device, dtype)))
         if holds_attention:
             attn = TensorParallelAttention.from_dense(*(weights[p + f"self_attn.{x}_proj.weight"] for x in "qkvo"),
                                                       cfg.heads, cfg.kv_heads, rank=0, world_size=1,
@@ -418,14 +422,16 @@ def from_hf(config, state_dict: dict | None = None, attention_ranks=None, coloca
                                          norm(p + "post_attention_layernorm.weight"), get(p + "mlp.gate.weight"),
                                          cfg.top_k, cfg.norm_topk_prob))
         if role == "colocated":
-            gate, up = gate_up.to(device, dtype).chunk(2, dim=1)
-            shards.append(EPMoE(get(p + "mlp.gate.weight"), gate, up, down.to(device, dtype), cfg.top_k,
+            gate_up, down = experts_of()
+            gate, up = gate_up.chunk(2, dim=1)
+            shards.append(EPMoE(get(p + "mlp.gate.weight"), gate, up, down, cfg.top_k,
                                 cfg.norm_topk_prob))  # decode_tokens: set per generate
         elif role == "expert":
             r = experts.index(weft.rank())
             mine = slice(r * local, (r + 1) * local)
-            shards.append(ExpertShard(gate_up[mine].to(device, dtype).transpose(1, 2).contiguous(),
-                                      down[mine].to(device, dtype).transpose(1, 2).contiguous()))
+            gate_up, down = experts_of()
+            shards.append(ExpertShard(gate_up[mine].transpose(1, 2).contiguous(),
+                                      down[mine].transpose(1, 2).contiguous()))
     embed = final_norm = lm_head = None
     if holds_attention:
         embed = get("model.embed_tokens.weight")
