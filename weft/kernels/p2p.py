@@ -184,10 +184,13 @@ class P2PWorkspace:
         self.stream = torch.cuda.Stream(group.device) if group.device.type == "cuda" else None
         group.error_checks.append(self.raise_recorded)
 
-    def raise_recorded(self) -> None:
-        """The ValueError for a size mismatch this rank's kernels recorded (cleared as it is raised)."""
+    def raise_recorded(self, reported: bool = True) -> None:
+        """The ValueError for a size mismatch this rank's kernels recorded (cleared as it is raised); with
+        `reported`, also one a receiver reported into rerr that no launch has moved into err yet."""
         code, peer, got, want = (int(v) for v in self.err.tolist())
         if code == 0:
+            if not reported:
+                return
             bad = [(q, int(v)) for q, v in enumerate(self.rerr.tolist()) if v]
             if not bad:
                 return
@@ -280,7 +283,9 @@ class P2PPlan(Plan):
                 if staged[i] is not t:
                     t.copy_(staged[i])
         if stream is None:
-            ws.raise_recorded()  # the interpreter ran the launch: its errors are known now
+            # The interpreter ran the launch: its errors are known now. Not a receiver's report of this launch's
+            # send, which may or may not have arrived yet: the next launch or weft.check_errors() raises that.
+            ws.raise_recorded(reported=False)
             return None
         for t in (*send_tensors, *recv_tensors, *sends, *staged):
             t.record_stream(stream)
