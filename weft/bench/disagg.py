@@ -2,19 +2,20 @@
 micro-batches in ping-pong) against the same model served at the same rank count with every rank doing both:
 data-parallel attention and EP experts on weft's EPMoE (ep_dispatch_ll / grouped GEMM / ep_combine_ll).
 
-Per case (batch B over the world, prompt of --context tokens): the decode step latency, from two timed
-generations ((n + 1) tokens and 1 token: prefill alone; the step is their difference over n), and the decode
-throughput per GPU (B tokens per step over W ranks). Medians of the slowest rank (weft.bench.timing). Then a
-timeline of one generation's last decode step: each rank's compute spans (attention of micro-batch i, layer l;
-the experts of micro-batch i) as bars, one row per rank, from CUDA events on GPUs and perf_counter on cpu ranks,
-plotted to disagg_<W>_timeline.png (matplotlib) and kept in the JSON meta-less rows' companion
-disagg_<W>_timeline.json: the overlap of the two sides is what to look for.
+Per case (batch B over the world, prompt of --context tokens): the decode step latency, from two timed generations
+((n + 1) tokens and 1 token: prefill alone; the step is their difference over n), and the decode throughput per GPU
+(B tokens per step over W ranks). Both run eagerly (no CUDA graphs), greedy, random weights. Medians of the slowest
+rank (weft.bench.timing). Then a timeline of one generation's last decode step: each rank's compute spans (attention
+of micro-batch i, layer l; the experts of micro-batch i, layer l) as bars, one row per rank, from CUDA events on
+GPUs and perf_counter on cpu ranks, plotted to disagg_<W>_timeline_b<B>_k<k>.png (matplotlib), the spans in the
+.json of the same name: the overlap of the two sides is what to look for.
 
 Models: "tiny" (the tests' config) and "qwen3-30b-a3b" (hidden 2048, 32 heads / 4 KV of 128, 128 experts,
 top-8, moe inter 768; --layers of its 48, random bf16 weights).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -71,17 +72,11 @@ class Timeline:
     def start(self):
         self.spans, self.t0 = [], self._now()
 
+    @contextlib.contextmanager
     def span(self, side, what, layer, micro_batch):
-        timeline = self
-
-        class _Span:
-            def __enter__(self):
-                self.begin = timeline._now()
-
-            def __exit__(self, *exc):
-                timeline.spans.append((side, what, layer, micro_batch, self.begin, timeline._now()))
-                return False
-        return _Span()
+        begin = self._now()
+        yield
+        self.spans.append((side, what, layer, micro_batch, begin, self._now()))
 
     def resolved(self) -> list:
         """[(side, what, layer, micro_batch, start_ms, end_ms)]."""
