@@ -197,7 +197,7 @@ def test_bench_disagg_suite(tmp_path):
     rows = json.loads((tmp_path / "disagg_4.json").read_text())["rows"]
     case = "tiny (1 layers) decode b4 ctx3"
     assert {(r["case"], r["impl"]) for r in rows} == {(case, "EP (DP attention + EPMoE)"),
-                                                      (case, "disaggregated 2+2 k=2")}
+                                                      (case, "weft disaggregated 2+2 k=2")}
     assert all(r["ms"] > 0 and r["gbps"] > 0 for r in rows)
     timeline = json.loads((tmp_path / "disagg_4_timeline_b4_k2.json").read_text())
     assert timeline["roles"] == ["attention", "attention", "expert", "expert"]

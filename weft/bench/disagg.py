@@ -129,7 +129,7 @@ def run(args) -> list[Row]:
     cfg = _config(args)
     models = {BASELINE: (disaggregated.from_hf(cfg, colocated=True), 1)}
     for k in _ints(args.micro_batches):
-        models[f"disaggregated {attention}+{world - attention} k={k}"] = (
+        models[f"weft disaggregated {attention}+{world - attention} k={k}"] = (
             disaggregated.from_hf(cfg, attention_ranks=range(attention)), k)
     rows, n = [], args.new_tokens
     timeline = Timeline(w.device)
@@ -137,7 +137,7 @@ def run(args) -> list[Row]:
         ids = torch.randint(0, cfg.vocab_size, (batch, args.context), generator=torch.Generator().manual_seed(batch))
         case = f"{args.model} ({args.layers} layers) decode b{batch} ctx{args.context}"
         usable = {name: mk for name, mk in models.items()
-                  if batch % ((attention if "disaggregated" in name else world) * mk[1]) == 0}
+                  if batch % ((world if mk[0].role == "colocated" else attention) * mk[1]) == 0}
         tokens = {name: m.generate(ids, 2, micro_batches=k) for name, (m, k) in usable.items()}
         first = next(iter(tokens.values()))
         for name, got in tokens.items():  # random weights: the same model, the same greedy tokens (bf16: nearly)
@@ -154,9 +154,9 @@ def run(args) -> list[Row]:
             per_gpu = batch / (step / 1e3) / world
             rows.append(Row(SUITE, case, name, step, per_gpu, batch, world))
             if w.rank == 0:
-                print(f"{case} {name}: {step:.3f} ms per decode step, {per_gpu:,.0f} tokens/s per GPU", flush=True)
+                print(f"{case} {name}: {step:.3f} ms per decode step, {per_gpu:,.4g} tokens/s per GPU", flush=True)
         for name, (m, k) in usable.items():  # one generation's spans, its last decode step plotted
-            if "disaggregated" not in name:
+            if m.role == "colocated":
                 continue
             weft.barrier()
             timeline.start()

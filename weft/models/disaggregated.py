@@ -369,7 +369,8 @@ class DisaggregatedMoE(nn.Module):
 def from_hf(config, state_dict: dict | None = None, attention_ranks=None, colocated: bool = False,
             dtype: torch.dtype | None = None, seed: int = 0, std: float = 0.02) -> DisaggregatedMoE:
     """This rank's part of a Qwen3-MoE model (a transformers Qwen3MoeConfig or config.json dict), from a Hugging
-    Face `state_dict` (full tensors) or seeded random weights (normal(0, std), norms ones; the same on every rank).
+    Face `state_dict` (full tensors, transformers 5 naming: each layer's experts as the fused
+    mlp.experts.gate_up_proj and mlp.experts.down_proj) or seeded random weights (normal(0, std), norms ones; the same on every rank).
     attention_ranks: the world ranks of the attention side (default: the first half), the others the expert side;
     the experts must split evenly over it. colocated: the baseline instead (module doc). dtype: default the state
     dict's, else bf16 on GPUs and fp32 on the cpu backend. Collective over the world."""
