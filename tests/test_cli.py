@@ -268,3 +268,24 @@ def test_readme_within_its_limits_and_lists_every_op():
     ops = {name for name in weft.ops.__all__ if not isinstance(getattr(weft.ops, name), type)}
     assert ops - listed == set(), "ops missing from the README's table"
     assert listed - ops == set(), "the README's table names ops that do not exist"
+
+
+def test_bench_disagg_suite(tmp_path):
+    """The disaggregated model (2 attention + 2 expert ranks, 2 micro-batches) against DP attention + EPMoE on 4
+    cpu ranks at the tiny config: a decode-step row for each, and the timeline of one decode step (both sides'
+    spans, every layer of every micro-batch)."""
+    res = weft_cmd("bench", "-n", "4", "disagg", "--out", str(tmp_path), "--model", "tiny", "--layers", "1",
+                   "--batches", "4", "--context", "3", "--new-tokens", "1", "--samples", "1", timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads((tmp_path / "disagg_4.json").read_text())["rows"]
+    case = "tiny (1 layers) decode b4 ctx3"
+    assert {(r["case"], r["impl"]) for r in rows} == {(case, "EP (DP attention + EPMoE)"),
+                                                      (case, "weft disaggregated 2+2 k=2")}
+    assert all(r["ms"] > 0 and r["gbps"] > 0 for r in rows)
+    timeline = json.loads((tmp_path / "disagg_4_timeline_b4_k2.json").read_text())
+    assert timeline["roles"] == ["attention", "attention", "expert", "expert"]
+    for rank, spans in enumerate(timeline["spans"]):
+        side = "attention" if rank < 2 else "expert"
+        assert sorted((s[0], s[2], s[3]) for s in spans) == [(side, 0, 0), (side, 0, 1)], (rank, spans)
+        assert all(0 <= s[4] <= s[5] for s in spans)
+    assert (tmp_path / "disagg_4_timeline_b4_k2.png").stat().st_size > 1000

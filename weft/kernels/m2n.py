@@ -18,6 +18,10 @@ half e % 2 is rewritten at call e, its last reading (call e - 2) ended before th
 writer writes a segment, its count and its flag; only the reader its acknowledgement word in the writer's heap.
 Each side's launch is one program (writers never wait on a program of a reader that waits on them).
 
+Workspace: made at the group's first M2N call, collectively (an allocation and a host barrier over the group). That
+needs no rank outside the call: the group must be exactly the senders and the receivers, and every one of them
+calls each op (unlike p2p, where a first transfer between two members leaves the others out: weft/kernels/p2p.py).
+
 A destination outside [-1, N) is never dereferenced: the entry counts as none and the sender records it in the
 family's error word, raised (ValueError naming `dest`, the row and the value) after the launch under the
 interpreter, and at the family's next call or `weft.check_errors()` on GPUs.

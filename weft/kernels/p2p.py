@@ -41,6 +41,11 @@ in 3 calls of 3; a later run of tests/test_gpu_p2p.py passed: a race on the GPU,
 kernel runs on the cpu backend, where its tests pass, and on GPUs only when asked for. Same ordering either way (per pair, on the caller's stream); a size mismatch on the
 process group's route is what NCCL makes of it.
 
+Workspace: the group's p2p workspace lives in its heap's tail, made by each rank at its own first p2p call with
+no collective step (weft/runtime/heap.py), so a first send between two members needs nothing of the others. A
+group other than the world makes its heap on its first collective use among all members: use such a group once
+(any collective op, or weft.empty(..., group=)) before a first transfer between some of its members.
+
 Streams: every p2p launch of a group runs on the group's p2p stream (GPUs), in issue order (the per-pair counters
 are the launch's own words); send/recv make the caller's stream wait for it, isend/irecv return a handle whose
 `wait()` does. On the cpu backend every call is done when it returns.
@@ -56,7 +61,7 @@ import weft.language as wl
 
 from .blocks import copy
 from ..runtime import settings
-from .common import Plan, as_words, check_tensor, group_name, plan, resolve, signature, workspace, zero_everywhere
+from .common import Plan, as_words, check_tensor, group_name, plan, resolve, signature, workspace
 from .registry import declare_op, export
 
 SLOTS = 2  # chunk slots per ordered pair: double-buffered
@@ -157,10 +162,19 @@ class P2PWorkspace:
     MAX_RECVS = 256  # receives one launch may hold (state words)
 
     def __init__(self, group):
-        heap, w = group.heap, group.size
-        self.slot_bytes = max(256, group.workspace_bytes // (w * SLOTS) // 256 * 256)
-        self.data = heap.empty((w * SLOTS * self.slot_bytes,), torch.uint8)
-        self.words = heap.empty((2 * w * SLOTS + 4 * w + 2 * self.MAX_RECVS + 4,), torch.int64)
+        # In the heap's tail (weft/runtime/heap.py): the same offset on every member and zero since the heap was
+        # made, so the two ends of a first transfer make it alone, with no allocation or barrier the other members
+        # would have to join (a send between 2 of 4 ranks at first use).
+        w = group.size
+        tail = group.heap.tail()
+        n_words = 2 * w * SLOTS + 4 * w + 2 * self.MAX_RECVS + 4
+        words_bytes = -(-n_words * 8 // 256) * 256
+        self.slot_bytes = (tail.numel() - words_bytes) // (w * SLOTS) // 256 * 256
+        if self.slot_bytes < 256:
+            raise ValueError(f"the group's p2p workspace ({tail.numel()} bytes: WEFT_WORKSPACE_BYTES) leaves no "
+                             f"256-byte slot per peer for {w} ranks")
+        self.words = tail[:n_words * 8].view(torch.int64)
+        self.data = tail[words_bytes:words_bytes + w * SLOTS * self.slot_bytes]
         n = w * SLOTS
         self.head, self.full = self.words[:n], self.words[n:2 * n]
         rest = self.words[2 * n:]
@@ -168,13 +182,15 @@ class P2PWorkspace:
         self.state = rest[4 * w:4 * w + 2 * self.MAX_RECVS]
         self.err = rest[4 * w + 2 * self.MAX_RECVS:]
         self.stream = torch.cuda.Stream(group.device) if group.device.type == "cuda" else None
-        zero_everywhere(group, self.words)
         group.error_checks.append(self.raise_recorded)
 
-    def raise_recorded(self) -> None:
-        """The ValueError for a size mismatch this rank's kernels recorded (cleared as it is raised)."""
+    def raise_recorded(self, reported: bool = True) -> None:
+        """The ValueError for a size mismatch this rank's kernels recorded (cleared as it is raised); with
+        `reported`, also one a receiver reported into rerr that no launch has moved into err yet."""
         code, peer, got, want = (int(v) for v in self.err.tolist())
         if code == 0:
+            if not reported:
+                return
             bad = [(q, int(v)) for q, v in enumerate(self.rerr.tolist()) if v]
             if not bad:
                 return
@@ -267,7 +283,9 @@ class P2PPlan(Plan):
                 if staged[i] is not t:
                     t.copy_(staged[i])
         if stream is None:
-            ws.raise_recorded()  # the interpreter ran the launch: its errors are known now
+            # The interpreter ran the launch: its errors are known now. Not a receiver's report of this launch's
+            # send, which may or may not have arrived yet: the next launch or weft.check_errors() raises that.
+            ws.raise_recorded(reported=False)
             return None
         for t in (*send_tensors, *recv_tensors, *sends, *staged):
             t.record_stream(stream)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import backend
-from .heap import SymmetricHeap, cpu_heap, cuda_heap, local_heap
+from .heap import ALIGN, SymmetricHeap, cpu_heap, cuda_heap, local_heap
 
 
 class Group:
@@ -63,7 +63,8 @@ class Group:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"{self!r}: its symmetric heap is made collectively on first use; use the group "
                                    "once outside CUDA-graph capture before capturing")
-            self._heap = make_heap(self.rank, self.size, self.heap_size, self.process_group, self.device)
+            self._heap = make_heap(self.rank, self.size, self.heap_size, self.process_group, self.device,
+                                   self.workspace_bytes)
         return self._heap
 
     def context(self, key, make):
@@ -99,13 +100,17 @@ class Group:
         self.plans.clear()
 
 
-def make_heap(rank: int, size: int, nbytes: int, process_group, device: torch.device) -> SymmetricHeap:
-    """A symmetric heap of `nbytes` per member among the `size` members of `process_group` (collective)."""
+def make_heap(rank: int, size: int, nbytes: int, process_group, device: torch.device,
+              workspace_bytes: int = 0) -> SymmetricHeap:
+    """A symmetric heap of `nbytes` per member among the `size` members of `process_group` (collective). Of a
+    group of two or more, its last `workspace_bytes` (rounded up to the alignment) are the heap's tail: the p2p
+    workspace, which the two ends of a transfer make alone (weft/runtime/heap.py)."""
     if size == 1:
         return local_heap(nbytes, device)
+    tail = min(-(-workspace_bytes // ALIGN) * ALIGN, nbytes // 2 // ALIGN * ALIGN)
     if device.type == "cuda":
-        return cuda_heap(rank, size, nbytes, process_group, device)
-    return cpu_heap(rank, size, nbytes, process_group)
+        return cuda_heap(rank, size, nbytes, process_group, device, tail)
+    return cpu_heap(rank, size, nbytes, process_group, tail)
 
 
 # What an op's or weft's `group=` argument takes (world.resolve turns it into a Group): None (the world), a weft

@@ -8,6 +8,11 @@ their `heap` argument, an int64 tensor on the device:
 
 where base_r is where rank r's block starts *in this process's address
 space*. `weft.language.symm_at` translates a pointer with it.
+
+The block's last `tail_bytes` (the tail) are outside the allocator: at the same offset on every rank whatever
+the members allocated, and zero since the block was made (it is zeroed before the members' rendezvous, so no
+peer's write can precede it). A workspace that some members make without the others lives there with no
+collective step: p2p's, made at the first send or receive by its two ends alone (weft/kernels/p2p.py).
 """
 from __future__ import annotations
 
@@ -27,8 +32,11 @@ class SymmetricHeap:
     """Bump allocator over this rank's block; `peer_block(r)` views rank r's."""
 
     def __init__(self, rank: int, world_size: int, size: int, device: torch.device,
-                 local: torch.Tensor, bases: list[int], peer_block):
+                 local: torch.Tensor, bases: list[int], peer_block, tail_bytes: int = 0):
         self.rank, self.world_size, self.size, self.device = rank, world_size, size, device
+        if not 0 <= tail_bytes <= size or tail_bytes % ALIGN:
+            raise ValueError(f"tail_bytes must be a multiple of {ALIGN} in [0, {size}], got {tail_bytes}")
+        self.tail_bytes = tail_bytes
         if any((b - bases[rank]) % ALIGN for b in bases):
             # symm_at moves a pointer by whole ALIGN blocks, which keeps its alignment visible to Triton.
             raise RuntimeError(f"the heaps' bases {[hex(b) for b in bases]} are not {ALIGN} bytes apart")
@@ -44,10 +52,11 @@ class SymmetricHeap:
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         need = _round_up(max(nbytes, 1), ALIGN)
-        if self.used + need > self.size:
+        room = self.size - self.tail_bytes
+        if self.used + need > room:
             raise MemoryError(
-                f"weft symmetric heap is full: asked for {nbytes} bytes, {self.size - self.used} of "
-                f"{self.size} left on rank {self.rank} (raise WEFT_HEAP_SIZE or weft.init(heap_size=...))")
+                f"weft symmetric heap is full: asked for {nbytes} bytes, {room - self.used} of "
+                f"{room} left on rank {self.rank} (raise WEFT_HEAP_SIZE or weft.init(heap_size=...))")
         off = self.used
         self.used += need
         return off
@@ -64,6 +73,10 @@ class SymmetricHeap:
         nbytes = numel * dtype.itemsize
         off = self.alloc(nbytes)
         return self.local[off:off + nbytes].view(dtype).view(shape)
+
+    def tail(self) -> torch.Tensor:
+        """The tail (module doc): this rank's last tail_bytes, uint8, zero until a workspace there writes it."""
+        return self.local[self.size - self.tail_bytes:]
 
     # -- lookup -------------------------------------------------------------
     def offset_of(self, t: torch.Tensor) -> int | None:
@@ -95,7 +108,7 @@ class SymmetricHeap:
 
 # -- cpu: one shared-memory file holding every rank's block -------------------
 
-def cpu_heap(rank: int, world_size: int, size: int, group) -> SymmetricHeap:
+def cpu_heap(rank: int, world_size: int, size: int, group, tail_bytes: int = 0) -> SymmetricHeap:
     """`rank` and `world_size` are the process group's (a group's heap is among its members). Rank 0 makes an anonymous shared-memory file (memfd: it never has a name in /dev/shm, so a rank killed
     at any point leaves nothing behind); every rank maps it whole (MAP_SHARED) through rank 0's descriptor
     (/proc/<pid>/fd/<fd>); once all have, rank 0 closes it and the mappings alone keep the memory."""
@@ -109,16 +122,16 @@ def cpu_heap(rank: int, world_size: int, size: int, group) -> SymmetricHeap:
             name[0] = f"/proc/{os.getpid()}/fd/{fd}"
         dist.broadcast_object_list(name, group=group, group_src=0)
         whole = torch.from_file(name[0], shared=True, size=total, dtype=torch.uint8)
+        local = whole[rank * size:(rank + 1) * size]
+        local.zero_()  # before the barrier: a peer's first write into this block comes after it
         dist.barrier(group=group)
     finally:
         if fd is not None:
             os.close(fd)
     base = whole.data_ptr()
     bases = [base + r * size for r in range(world_size)]
-    local = whole[rank * size:(rank + 1) * size]
-    local.zero_()
     return SymmetricHeap(rank, world_size, size, torch.device("cpu"), local, bases,
-                         lambda r: whole[r * size:(r + 1) * size])
+                         lambda r: whole[r * size:(r + 1) * size], tail_bytes)
 
 
 # -- one rank: a plain block, no peers to map ------------------------------------
@@ -131,18 +144,20 @@ def local_heap(size: int, device: torch.device) -> SymmetricHeap:
 
 # -- cuda: one torch symmetric-memory block per rank -------------------------
 
-def cuda_heap(rank: int, world_size: int, size: int, group, device: torch.device) -> SymmetricHeap:
+def cuda_heap(rank: int, world_size: int, size: int, group, device: torch.device,
+              tail_bytes: int = 0) -> SymmetricHeap:
     import torch.distributed._symmetric_memory as symm_mem
 
     block = symm_mem.empty(size, dtype=torch.uint8, device=device)
+    block.zero_()  # before the rendezvous: a peer's first write into this block comes after it
+    torch.cuda.synchronize(device)
     handle = symm_mem.rendezvous(block, group.group_name)
-    block.zero_()
     bases = [int(p) for p in handle.buffer_ptrs]
 
     def peer_block(r):
         return block if r == rank else handle.get_buffer(r, (size,), torch.uint8, 0)
 
-    heap = SymmetricHeap(rank, world_size, size, device, block, bases, peer_block)
+    heap = SymmetricHeap(rank, world_size, size, device, block, bases, peer_block, tail_bytes)
     heap.handle = handle  # keeps the rendezvous (and the peer mappings) alive
     torch.cuda.synchronize(device)
     return heap

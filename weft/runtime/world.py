@@ -165,7 +165,7 @@ def init(heap_size: int | None = None, workspace_bytes: int | None = None) -> Wo
             dist.destroy_process_group()
         raise
 
-    heap = make_heap(rank, world_size, heap_size, group, device)
+    heap = make_heap(rank, world_size, heap_size, group, device, workspace_bytes)
     _world = World(rank, world_size, local_rank, device, group, heap, owns, heap_size, workspace_bytes)
     _world.barrier()
     return _world
@@ -191,7 +191,7 @@ def init_over(process_group, rank: int, world_size: int) -> World:
         device = torch.device("cpu")
         torch.set_num_threads(1)  # ranks share the cores
     _check_sizes_agree(heap_size, workspace_bytes, world_size, process_group, device)
-    heap = make_heap(rank, world_size, heap_size, process_group, device)
+    heap = make_heap(rank, world_size, heap_size, process_group, device, workspace_bytes)
     _world = World(rank, world_size, local_rank, device, process_group, heap, False, heap_size, workspace_bytes)
     _world.barrier()
     return _world
