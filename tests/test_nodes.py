@@ -170,3 +170,36 @@ def test_collectives_on_three_nodes_of_two():
     import torch
 
     assert all(run_ranks(_collectives, 6, [((5, 3), torch.float32)], env=TWO_NODES, timeout=400))
+
+
+def test_launcher_nodes(tmp_path):
+    """`weft run`'s node flags: torchrun's multi-node command line, the checks, and simulated nodes on cpu."""
+    import os
+    import subprocess
+    import sys
+
+    from weft.runtime.launcher import Nodes, run, torchrun_command
+
+    cmd = torchrun_command(8, ["train.py", "--lr", "1"], Nodes(2, 1, "10.0.0.1", 29600))
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1",
+                       "--master-port=29600", "--nproc-per-node=8", "--tee=3", "train.py", "--lr", "1"]
+    assert "--standalone" in torchrun_command(4, ["-m", "pkg"]) and torchrun_command(4, ["-m", "pkg"])[-2:] == \
+        ["-m", "pkg"]
+    with pytest.raises(ValueError, match="--node-rank must be in"):
+        Nodes(2, 2, "10.0.0.1")
+    with pytest.raises(ValueError, match="--master-addr"):
+        Nodes(2, 0, "")
+    with pytest.raises(ValueError, match="positive divisor of -n 4"):
+        run(4, ["x.py"], backend="cpu", local_world_size=3)
+    with pytest.raises(ValueError, match="simulate nodes with --local-world-size"):
+        run(4, ["x.py"], backend="cpu", nodes=Nodes(2, 0, "10.0.0.1"))
+
+    script = tmp_path / "nodes.py"
+    script.write_text("import weft\nw = weft.init()\nprint('nodes', w.rank, w.nodes)\nweft.finalize()\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-m", "weft", "run", "-n", "2", "--local-world-size", "1", str(script)],
+                         capture_output=True, text=True, cwd=root, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=root, WEFT_BACKEND="cpu"))
+    assert res.returncode == 0, res.stderr
+    assert sorted(line.split("] ", 1)[1] for line in res.stdout.splitlines() if "nodes" in line) == \
+        [f"nodes {r} ((0,), (1,))" for r in range(2)]
