@@ -203,3 +203,24 @@ def test_launcher_nodes(tmp_path):
     assert res.returncode == 0, res.stderr
     assert sorted(line.split("] ", 1)[1] for line in res.stdout.splitlines() if "nodes" in line) == \
         [f"nodes {r} ((0,), (1,))" for r in range(2)]
+
+
+def test_cost_model():
+    """The model's bytes per link against the algebra, and its single-node times against docs/perf.md's."""
+    from weft.bench import model
+
+    c = model.Cluster(2, 8)
+    size = 1 << 30
+    ar = model.weft_cost("all_reduce", size, c)
+    assert ar.nvlink_bytes == 2 * 7 / 8 * size and ar.ib_bytes == size / 8  # 2 (N - 1) / N of 1/L, N = 2
+    ag = model.weft_cost("all_gather", size, model.Cluster(4, 8))
+    assert ag.nvlink_bytes == 7 / 8 * size and ag.ib_bytes == 3 / 4 * size / 8
+    ring = model.nccl_ring_cost("all_reduce", size, c)
+    assert ring.nvlink_bytes == 2 * 15 / 16 * size and ring.ib_bytes == ring.nvlink_bytes / 8
+    assert model.weft_cost("reduce_scatter", size, c) == model.weft_cost("all_gather", size, c)
+    assert ar.pipelined_us < ar.us
+    for gpus, nbytes, predicted, measured in model.single_node_check():
+        assert abs(predicted - measured) <= 0.05 * measured, (gpus, nbytes, predicted, measured)
+    with pytest.raises(ValueError, match="op must be one of"):
+        model.weft_cost("broadcast", size, c)
+    assert "| all_reduce | 1 GiB |" in model.tables()
