@@ -16,10 +16,16 @@ def _default_ranks() -> int:
 
 
 def cmd_run(args) -> int:
-    from .runtime.launcher import run
+    from .runtime.launcher import DEFAULT_MASTER_PORT, Nodes, run
 
     target = ["-m", args.module, *args.args] if args.module else args.args
-    return run(args.n, target)
+    nodes = None
+    if args.nnodes is not None:
+        port = DEFAULT_MASTER_PORT if args.master_port is None else args.master_port
+        nodes = Nodes(args.nnodes, args.node_rank, args.master_addr or "", port)
+    elif args.node_rank or args.master_addr or args.master_port is not None:
+        raise SystemExit("weft run: --node-rank, --master-addr and --master-port go with --nnodes")
+    return run(args.n, target, local_world_size=args.local_world_size, nodes=nodes)
 
 
 def cmd_info(args) -> int:
@@ -97,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="start N ranks running a script (torchrun on GPUs, processes on cpu)")
     r.add_argument("-n", type=int, required=True, help="number of ranks")
     r.add_argument("-m", dest="module", help="run a module instead of a script")
+    r.add_argument("--local-world-size", type=int, default=None,
+                   help="ranks per simulated node: the -n ranks split into nodes of this many (docs/nodes.md)")
+    r.add_argument("--nnodes", type=int, default=None, help="GPUs: machines in the job (torchrun's), -n ranks each")
+    r.add_argument("--node-rank", type=int, default=0, help="GPUs, with --nnodes: this machine's node rank")
+    r.add_argument("--master-addr", default=None, help="GPUs, with --nnodes: node 0's address")
+    r.add_argument("--master-port", type=int, default=None, help="GPUs, with --nnodes: node 0's port (29500)")
     r.add_argument("args", nargs=argparse.REMAINDER)
     r.set_defaults(fn=cmd_run)
     i = sub.add_parser("info", help="backend, world size, devices, versions, heap size, the tuning table of each "

@@ -41,6 +41,7 @@ import weft.language as wl
 from .. import tuning
 
 from ..runtime.backend import INTERPRET
+from . import hierarchical
 from .blocks import copy
 from .common import (Launch, Plan, as_words, check_method, check_out, check_tensor, group_name, group_size,
                      nccl_all_gather, nccl_from, out_kind, overlaps, plan, resolve, signature, workspace,
@@ -198,6 +199,12 @@ class AllGatherPlan(Plan):
         if w == 1:  # before anything that would make the group's heap
             self.run = self.run_alone
             return
+        if group.topology.spans_nodes:
+            h = hierarchical.hierarchy(group)
+            if method != "nccl" and h is not None:  # weft/kernels/hierarchical.py
+                self.run = hierarchical.AllGather(group, h, shape, x.dtype, self._check_out).run
+                return
+            method = "nccl"  # nodes of unequal member counts: no rails
         self.x_contig = x.is_contiguous()
         self.out_contig = out is None or out.is_contiguous()
         symmetric = out is not None and self.out_contig and group.heap.contains(out)
@@ -212,6 +219,10 @@ class AllGatherPlan(Plan):
             self.run = self.run_nccl
         else:
             self.prepare_passes(group, x, out, method, symmetric)
+
+    def _check_out(self, x, out):
+        if self.has_out:
+            self.check_overlap(x, out)
 
     def check_overlap(self, x, out):
         if overlaps(x, out):

@@ -95,6 +95,7 @@ import weft.language as wl
 from .. import tuning
 
 from ..runtime import backend
+from . import hierarchical
 from .blocks import at, cast, copy, halves_of, word_of
 from .common import (Launch, Plan, as_words, check_method, check_out, check_tensor, group_name, group_size,
                      nccl_from, nccl_reduce_scatter, out_kind, overlaps, plan, resolve, rows_divisible, signature,
@@ -725,7 +726,12 @@ class AllReducePlan(Plan):
             self.path, self.run = "empty", self.run_empty
         elif w == 1:
             self.path, self.run = "alone", self.run_alone
+        elif group.topology.spans_nodes and method != "nccl" and hierarchical.hierarchy(group) is not None:
+            self.path = "hierarchical"  # weft/kernels/hierarchical.py: the node's kernels, the network between
+            self.run = hierarchical.AllReduce(group, hierarchical.hierarchy(group), x.shape, op, self.check).run
         else:
+            if group.topology.spans_nodes:
+                method = "nccl"  # nodes of unequal member counts: no rails
             nbytes = self.n * x.element_size()
             symmetric = out is not None and self.out_contig and group.heap.contains(out)
             if method == "auto":
@@ -865,7 +871,11 @@ class ReduceScatterPlan(Plan):
             self.run = self.run_empty
         elif w == 1:
             self.run = self.run_alone
+        elif group.topology.spans_nodes and method != "nccl" and hierarchical.hierarchy(group) is not None:
+            self.run = hierarchical.ReduceScatter(group, hierarchical.hierarchy(group), shape, op, self.check).run
         else:
+            if group.topology.spans_nodes:
+                method = "nccl"  # nodes of unequal member counts: no rails
             if method == "auto":
                 symmetric = out is not None and group.heap.contains(out)
                 key = f"all_reduce.reduce_scatter_nccl_above.{'symmetric' if symmetric else 'plain'}"

@@ -1,7 +1,13 @@
 """Context and memory: who am I, and where is this object on another rank.
 
 Every weft kernel receives the heap descriptor `heap` (an int64 pointer):
-    heap[0] = my rank, heap[1] = world size, heap[2 + r] = base of rank r's heap
+    heap[0] = my rank, heap[1] = world size, heap[2 + r] = base of rank r's heap,
+    heap[2 + W + r] = the node rank r runs on
+
+`symm_at` reaches the ranks of this node (loads and stores through the peer mappings); a rank on another node
+is reached only through the network primitives (weft.language.shmem's puts and gets, `signal_op`,
+`signal_wait_until`), which translate with `network_at`. On the cpu backend `symm_at` to an off-node rank
+raises OffNodeAccess, so a kernel that cheats across simulated nodes fails its tests.
 """
 import triton
 import triton.language as tl
@@ -42,8 +48,34 @@ def num_ranks(heap):
 
 
 @triton.jit
+def same_node(peer, heap):
+    """Whether rank `peer` (a rank or a block of ranks) runs on this rank's node: reachable through `symm_at`."""
+    world = tl.load(heap + 1)
+    return tl.load(heap + 2 + world + peer) == tl.load(heap + 2 + world + tl.load(heap))
+
+
+@triton.jit
+def _translate(ptr, peer, me, heap):
+    blocks = (tl.load(heap + 2 + peer) - tl.load(heap + 2 + me)) >> 8
+    ELEM: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
+    return ptr + blocks * (256 // ELEM)
+
+
+@triton.jit
+def network_at(ptr, peer, heap):
+    """`symm_at` for the network primitives, to a rank of any node. On the cpu backend every node's heap lies in
+    one shared file (the simulated network); on GPUs a peer on another node has no mapping (base 0): the
+    primitives reach only this node's ranks there until they have a network backend."""
+    me = tl.load(heap)
+    if INTERPRET:
+        interpreter.stall_before_peer(me, peer)  # WEFT_TEST_DELAY: a peer's data arrives late
+    return _translate(ptr, peer, me, heap)
+
+
+@triton.jit
 def symm_at(ptr, peer, heap):
-    """`ptr` (into my heap) translated to the same object on rank `peer`.
+    """`ptr` (into my heap) translated to the same object on rank `peer`, a rank of this node (another node's
+    ranks are reached through the network primitives; on the cpu backend this raises OffNodeAccess).
 
     The heaps' bases lie a multiple of 256 bytes apart (the heap checks it), so the move is counted in
     256-byte blocks: Triton then still sees `ptr`'s alignment in the result and keeps 16-byte vector
@@ -51,10 +83,9 @@ def symm_at(ptr, peer, heap):
     """
     me = tl.load(heap)
     if INTERPRET:
+        interpreter.check_same_node(heap, me, peer)  # OffNodeAccess: another node is reached by the network only
         interpreter.stall_before_peer(me, peer)  # WEFT_TEST_DELAY: a peer's data arrives late
-    blocks = (tl.load(heap + 2 + peer) - tl.load(heap + 2 + me)) >> 8
-    ELEM: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
-    return ptr + blocks * (256 // ELEM)
+    return _translate(ptr, peer, me, heap)
 
 
 remote_ptr = symm_at

@@ -13,6 +13,7 @@ so that a consumer that forgets a wait reads data that has not arrived yet.
 Read once per process (again after a fork); unset, a stall point costs one
 comparison.
 """
+import ctypes
 import os
 import random
 import time
@@ -21,7 +22,7 @@ import numpy as np
 import triton.language as tl
 
 from ..runtime import settings
-from ..runtime.errors import WaitTimeout
+from ..runtime.errors import OffNodeAccess, WaitTimeout
 
 
 def interpreter_only(fn):
@@ -144,6 +145,30 @@ def stall() -> None:
     probability, most, rng = delay
     if rng.random() < probability:
         time.sleep(rng.random() * most)
+
+
+def _word(address: int) -> int:
+    return ctypes.c_int64.from_address(address).value
+
+
+@interpreter_only
+def check_same_node(heap, me, peer):
+    """Raise OffNodeAccess unless every rank of `peer` (a rank, or a block of ranks) is on `me`'s node: the heap
+    descriptor's node ids (weft.runtime.heap), read straight from memory (one call, no interpreted loads)."""
+    base = int(_scalar(heap))
+    world = _word(base + 8)
+    me = int(_scalar(me))
+    peers = np.asarray(peer.handle.data).reshape(-1) if isinstance(peer, tl.tensor) else [_scalar(peer)]
+    mine = _word(base + 8 * (2 + world + me))
+    for p in peers:
+        p = int(p)
+        if 0 <= p < world and p != me:
+            theirs = _word(base + 8 * (2 + world + p))
+            if theirs != mine:
+                raise OffNodeAccess(
+                    f"weft symm_at: rank {me} (node {mine}) translated a pointer to rank {p} (node {theirs}) of its "
+                    f"group: symm_at reaches the ranks of its own node only; reach another node through the "
+                    f"network primitives (putmem*, getmem*, signal_op, signal_wait_until)")
 
 
 @interpreter_only

@@ -1,15 +1,17 @@
 """OpenSHMEM-style data movement, named as in NVSHMEM's `libshmem_device`.
 
-On the cpu and cuda backends the heaps of all ranks are mapped into every
-process, so a put is a vectorised copy through `symm_at`, and the
-non-blocking forms are the blocking ones (stores complete at `quiet`).
-Sizes are in bytes, as in SHMEM.
+These are the network primitives: with `signal_op` and `signal_wait_until`, the only way a kernel reaches a
+rank on another node (weft.runtime.topology). On the cpu backend every rank's heap, of every simulated node, is
+mapped into every process (one shared file, the simulated network), so a put is a vectorised copy through
+`network_at`, and the non-blocking forms are the blocking ones (stores complete at `quiet`). On GPUs the
+node's peers are mapped the same way; another node's are not (no network backend yet: the hierarchical ops
+cross nodes through the process group instead). Sizes are in bytes, as in SHMEM.
 """
 import triton
 import triton.language as tl
 
-from .core import symm_at
-from .signals import notify, quiet
+from .core import network_at
+from .signals import quiet, signal_op
 
 
 @triton.jit
@@ -25,27 +27,27 @@ def _copy_bytes(dst, src, nbytes, BLOCK: tl.constexpr):
 @triton.jit
 def putmem_block(dst, src, nbytes, peer, heap, BLOCK: tl.constexpr = 1024):
     """Copy `nbytes` from local `src` to `dst` (symmetric) on rank `peer`."""
-    _copy_bytes(symm_at(dst, peer, heap), src, nbytes, BLOCK)
+    _copy_bytes(network_at(dst, peer, heap), src, nbytes, BLOCK)
     quiet()
 
 
 @triton.jit
 def putmem_nbi_block(dst, src, nbytes, peer, heap, BLOCK: tl.constexpr = 1024):
-    _copy_bytes(symm_at(dst, peer, heap), src, nbytes, BLOCK)
+    _copy_bytes(network_at(dst, peer, heap), src, nbytes, BLOCK)
 
 
 @triton.jit
 def getmem_block(dst, src, nbytes, peer, heap, BLOCK: tl.constexpr = 1024):
     """Copy `nbytes` from `src` (symmetric) on rank `peer` to local `dst`."""
-    _copy_bytes(dst, symm_at(src, peer, heap), nbytes, BLOCK)
+    _copy_bytes(dst, network_at(src, peer, heap), nbytes, BLOCK)
 
 
 @triton.jit
 def putmem_signal_block(dst, src, nbytes, sig_addr, signal, sig_op: tl.constexpr, peer, heap,
                         BLOCK: tl.constexpr = 1024):
     """Put, then signal `peer` (release): the signal is seen only after the data."""
-    _copy_bytes(symm_at(dst, peer, heap), src, nbytes, BLOCK)
-    notify(sig_addr, peer, heap, signal, sig_op)
+    _copy_bytes(network_at(dst, peer, heap), src, nbytes, BLOCK)
+    signal_op(sig_addr, signal, sig_op, peer, heap)
 
 
 putmem_signal_nbi_block = putmem_signal_block

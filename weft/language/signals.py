@@ -9,7 +9,7 @@ import triton.language as tl
 
 from . import interpreter, ptx
 from .core import (CMP_EQ, CMP_GE, CMP_GT, CMP_LE, CMP_LT, CMP_NE, INTERPRET, SIGNAL_ADD, SIGNAL_SET, SCOPE_SYS,
-                   WAIT_TIMEOUT_NS, num_ranks, rank, symm_at)
+                   WAIT_TIMEOUT_NS, network_at, num_ranks, rank, symm_at)
 
 
 @triton.jit
@@ -19,8 +19,13 @@ def notify(flag_ptr, peer, heap, value=1, op: tl.constexpr = SIGNAL_SET, scope: 
     Release semantics for the whole program: every store the program made
     before the call is visible to whoever acquires the flag.
     """
-    remote = symm_at(flag_ptr, peer, heap)
-    v = tl.full([], value, flag_ptr.dtype.element_ty)
+    _publish(symm_at(flag_ptr, peer, heap), value, op, scope)
+
+
+@triton.jit
+def _publish(remote, value, op: tl.constexpr, scope: tl.constexpr):
+    """Release-store (SIGNAL_SET) or release-add `value` at the translated flag `remote`."""
+    v = tl.full([], value, remote.dtype.element_ty)
     if INTERPRET:
         if op == SIGNAL_ADD:
             tl.atomic_add(remote, v, sem="release", scope="sys")
@@ -244,7 +249,8 @@ def barrier_all(bar, heap):
 
 @triton.jit
 def signal_op(sig_addr, signal, sig_op: tl.constexpr, peer, heap):
-    notify(sig_addr, peer, heap, signal, sig_op)
+    """`notify` as a network primitive: `peer` may be on another node (weft.language.core.network_at)."""
+    _publish(network_at(sig_addr, peer, heap), signal, sig_op, SCOPE_SYS)
 
 
 @triton.jit

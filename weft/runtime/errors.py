@@ -6,6 +6,8 @@ each `@triton.jit` function it passed through, in an InterpreterError; `unwrap_w
 a kernel launch raise the WaitTimeout itself instead, so `except weft.WaitTimeout` catches it. On GPUs
 the wait prints its report and traps: the launch's CUDA error surfaces at the next synchronisation.
 
+`OffNodeAccess`: on the cpu backend, a kernel's `symm_at` to a rank on another node (weft.runtime.topology).
+
 `check_errors()`: synchronise, then raise whatever device-side error an op family has recorded. A family
 that keeps an error word registers its check in `world.error_checks` when it makes its workspace.
 """
@@ -17,6 +19,12 @@ import functools
 class WaitTimeout(RuntimeError):
     """A device-side wait did not complete within WEFT_WAIT_TIMEOUT_S. The message names the waiting rank,
     the op, the rank whose signal is missing, the expected and the seen value."""
+
+
+class OffNodeAccess(RuntimeError):
+    """A kernel translated a pointer with `symm_at` to a rank on another node (cpu backend: the interpreter's
+    check). The message names the rank, the peer and both nodes; other nodes are reached only through the
+    network primitives (putmem*, getmem*, signal_op, signal_wait_until)."""
 
 
 def _wait_timeout_in(error: BaseException) -> WaitTimeout | None:

@@ -2,7 +2,8 @@
 
 Every op runs over one group (`group=None`: the world). Kernels see only their group: the heap descriptor a
 group hands them is [my rank in the group, group size, base of member 0, ..., base of member size-1], so
-`wl.rank`, `wl.num_ranks` and `wl.symm_at` are group-relative and no kernel knows groups exist.
+`wl.rank`, `wl.num_ranks` and `wl.symm_at` are group-relative and no kernel knows groups exist. After the
+bases come the members' node ids (weft.runtime.topology), for `wl.same_node`.
 
 A group's heap is its own block per member (the world's is made at init; another group's on its first use,
 collectively among its members: the first op, `empty` or `barrier` they call on it), so members allocate in
@@ -17,13 +18,16 @@ import torch.distributed as dist
 
 from . import backend
 from .heap import ALIGN, SymmetricHeap, cpu_heap, cuda_heap, local_heap
+from .topology import Topology
 
 
 class Group:
     """Ranks that run ops together. `rank` is this process's rank in the group, `size` the number of members,
     `ranks` their world ranks in group order (group rank i is world rank ranks[i]; in world order, as torch.distributed
     numbers a group's ranks), `name` the torch process
-    group's name (what `torch.ops.weft` operators take), `process_group` the torch.distributed group."""
+    group's name (what `torch.ops.weft` operators take), `process_group` the torch.distributed group. `nodes`: the
+    group ranks on each node the group spans (one tuple per node), `topology` the rest of that
+    (weft.runtime.topology.Topology)."""
 
     def __init__(self, world, process_group, ranks: tuple[int, ...], heap_size: int, workspace_bytes: int,
                  heap: SymmetricHeap | None = None):
@@ -33,6 +37,8 @@ class Group:
         self.ranks = tuple(ranks)
         self.size = len(self.ranks)
         self.rank = self.ranks.index(world.rank)
+        self.topology = Topology(world.node_ids[r] for r in self.ranks)
+        self.nodes = self.topology.nodes
         self.device = world.device
         self.backend = backend.BACKEND
         self.heap_size, self.workspace_bytes = heap_size, workspace_bytes
@@ -64,7 +70,7 @@ class Group:
                 raise RuntimeError(f"{self!r}: its symmetric heap is made collectively on first use; use the group "
                                    "once outside CUDA-graph capture before capturing")
             self._heap = make_heap(self.rank, self.size, self.heap_size, self.process_group, self.device,
-                                   self.workspace_bytes)
+                                   self.workspace_bytes, self.topology.node_of, self.ranks)
         return self._heap
 
     def context(self, key, make):
@@ -101,16 +107,18 @@ class Group:
 
 
 def make_heap(rank: int, size: int, nbytes: int, process_group, device: torch.device,
-              workspace_bytes: int = 0) -> SymmetricHeap:
-    """A symmetric heap of `nbytes` per member among the `size` members of `process_group` (collective). Of a
-    group of two or more, its last `workspace_bytes` (rounded up to the alignment) are the heap's tail: the p2p
-    workspace, which the two ends of a transfer make alone (weft/runtime/heap.py)."""
+              workspace_bytes: int = 0, node_of=None, world_ranks=None) -> SymmetricHeap:
+    """A symmetric heap of `nbytes` per member among the `size` members of `process_group` (collective);
+    `node_of[i]`: the node of member i (default: one node), `world_ranks[i]` its world rank. Of a group of two or
+    more, its last `workspace_bytes` (rounded up to the alignment) are the heap's tail: the p2p workspace, which
+    the two ends of a transfer make alone (weft/runtime/heap.py)."""
+    node_of = tuple(node_of) if node_of is not None else (0,) * size
     if size == 1:
-        return local_heap(nbytes, device)
+        return local_heap(nbytes, device, node_of)
     tail = min(-(-workspace_bytes // ALIGN) * ALIGN, nbytes // 2 // ALIGN * ALIGN)
     if device.type == "cuda":
-        return cuda_heap(rank, size, nbytes, process_group, device, tail)
-    return cpu_heap(rank, size, nbytes, process_group, tail)
+        return cuda_heap(rank, size, nbytes, process_group, device, tail, node_of, world_ranks)
+    return cpu_heap(rank, size, nbytes, process_group, tail, node_of)
 
 
 # What an op's or weft's `group=` argument takes (world.resolve turns it into a Group): None (the world), a weft

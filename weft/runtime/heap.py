@@ -4,10 +4,12 @@ Every rank allocates the same sequence of sizes, so an allocation sits at one
 byte offset in every rank's block. `descriptor` is what kernels receive as
 their `heap` argument, an int64 tensor on the device:
 
-    [my_rank, world_size, base_0, base_1, ..., base_{W-1}]
+    [my_rank, world_size, base_0, base_1, ..., base_{W-1}, node_0, ..., node_{W-1}]
 
 where base_r is where rank r's block starts *in this process's address
-space*. `weft.language.symm_at` translates a pointer with it.
+space*, and node_r the node rank r runs on (weft.runtime.topology).
+`weft.language.symm_at` translates a pointer with it, to a rank of this
+node only; `wl.same_node` compares the node ids.
 
 The block's last `tail_bytes` (the tail) are outside the allocator: at the same offset on every rank whatever
 the members allocated, and zero since the block was made (it is zeroed before the members' rendezvous, so no
@@ -32,7 +34,7 @@ class SymmetricHeap:
     """Bump allocator over this rank's block; `peer_block(r)` views rank r's."""
 
     def __init__(self, rank: int, world_size: int, size: int, device: torch.device,
-                 local: torch.Tensor, bases: list[int], peer_block, tail_bytes: int = 0):
+                 local: torch.Tensor, bases: list[int], peer_block, tail_bytes: int = 0, node_of=None):
         self.rank, self.world_size, self.size, self.device = rank, world_size, size, device
         if not 0 <= tail_bytes <= size or tail_bytes % ALIGN:
             raise ValueError(f"tail_bytes must be a multiple of {ALIGN} in [0, {size}], got {tail_bytes}")
@@ -44,7 +46,8 @@ class SymmetricHeap:
         self.bases = bases
         self._peer_block = peer_block
         self.used = 0
-        self.descriptor = torch.tensor([rank, world_size, *bases], dtype=torch.int64, device=device)
+        self.node_of = tuple(node_of) if node_of is not None else (0,) * world_size
+        self.descriptor = torch.tensor([rank, world_size, *bases, *self.node_of], dtype=torch.int64, device=device)
 
     # -- allocation ---------------------------------------------------------
     def alloc(self, nbytes: int) -> int:
@@ -108,10 +111,12 @@ class SymmetricHeap:
 
 # -- cpu: one shared-memory file holding every rank's block -------------------
 
-def cpu_heap(rank: int, world_size: int, size: int, group, tail_bytes: int = 0) -> SymmetricHeap:
+def cpu_heap(rank: int, world_size: int, size: int, group, tail_bytes: int = 0, node_of=None) -> SymmetricHeap:
     """`rank` and `world_size` are the process group's (a group's heap is among its members). Rank 0 makes an anonymous shared-memory file (memfd: it never has a name in /dev/shm, so a rank killed
     at any point leaves nothing behind); every rank maps it whole (MAP_SHARED) through rank 0's descriptor
-    (/proc/<pid>/fd/<fd>); once all have, rank 0 closes it and the mappings alone keep the memory."""
+    (/proc/<pid>/fd/<fd>); once all have, rank 0 closes it and the mappings alone keep the memory.
+    Simulated nodes (`node_of`) share the file too: it is the simulated network, which the language lets only
+    the network primitives use across nodes."""
     total = size * world_size
     name = [None]
     fd = None
@@ -131,33 +136,50 @@ def cpu_heap(rank: int, world_size: int, size: int, group, tail_bytes: int = 0) 
     base = whole.data_ptr()
     bases = [base + r * size for r in range(world_size)]
     return SymmetricHeap(rank, world_size, size, torch.device("cpu"), local, bases,
-                         lambda r: whole[r * size:(r + 1) * size], tail_bytes)
+                         lambda r: whole[r * size:(r + 1) * size], tail_bytes, node_of)
 
 
 # -- one rank: a plain block, no peers to map ------------------------------------
 
-def local_heap(size: int, device: torch.device) -> SymmetricHeap:
+def local_heap(size: int, device: torch.device, node_of=None) -> SymmetricHeap:
     """The heap of a group of one (a TP=1 replica, a stage of one): device memory no peer maps."""
     block = torch.zeros(size, dtype=torch.uint8, device=device)
-    return SymmetricHeap(0, 1, size, device, block, [block.data_ptr()], lambda r: block)
+    return SymmetricHeap(0, 1, size, device, block, [block.data_ptr()], lambda r: block, node_of=node_of)
 
 
 # -- cuda: one torch symmetric-memory block per rank -------------------------
 
-def cuda_heap(rank: int, world_size: int, size: int, group, device: torch.device,
-              tail_bytes: int = 0) -> SymmetricHeap:
+def cuda_heap(rank: int, world_size: int, size: int, group, device: torch.device, tail_bytes: int = 0,
+              node_of=None, world_ranks=None) -> SymmetricHeap:
+    """Among members on several nodes, the blocks are mapped among each node's members only (torch symmetric
+    memory maps peers through CUDA IPC, which does not cross machines): an off-node member's base is 0 and its
+    block has no host view; the hierarchical ops reach other nodes through the process group."""
     import torch.distributed._symmetric_memory as symm_mem
 
+    node_of = tuple(node_of) if node_of is not None else (0,) * world_size
+    mine = [i for i in range(world_size) if node_of[i] == node_of[rank]]
     block = symm_mem.empty(size, dtype=torch.uint8, device=device)
+    node_group = group
+    if len(mine) < world_size:
+        if world_ranks is None:
+            raise ValueError("cuda_heap: members on several nodes need their world ranks")
+        # Only this node's members take part (the other nodes make theirs at the same time).
+        node_group = dist.new_group([world_ranks[i] for i in mine], use_local_synchronization=True)
     block.zero_()  # before the rendezvous: a peer's first write into this block comes after it
     torch.cuda.synchronize(device)
-    handle = symm_mem.rendezvous(block, group.group_name)
-    bases = [int(p) for p in handle.buffer_ptrs]
+    handle = symm_mem.rendezvous(block, node_group.group_name)
+    bases = [0] * world_size
+    for j, i in enumerate(mine):
+        bases[i] = int(handle.buffer_ptrs[j])
 
     def peer_block(r):
-        return block if r == rank else handle.get_buffer(r, (size,), torch.uint8, 0)
+        if r not in mine:
+            raise ValueError(f"rank {r} of the group is on node {node_of[r]}, not this rank's node {node_of[rank]}: "
+                             "its heap block is not mapped here")
+        return block if r == rank else handle.get_buffer(mine.index(r), (size,), torch.uint8, 0)
 
-    heap = SymmetricHeap(rank, world_size, size, device, block, bases, peer_block, tail_bytes)
+    heap = SymmetricHeap(rank, world_size, size, device, block, bases, peer_block, tail_bytes, node_of)
+    heap.node_group = node_group
     heap.handle = handle  # keeps the rendezvous (and the peer mappings) alive
     torch.cuda.synchronize(device)
     return heap

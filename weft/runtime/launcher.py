@@ -1,5 +1,10 @@
 """`weft run -n N script.py [args]`: start N ranks, and leave nothing behind.
 
+Nodes: `--local-world-size L` splits the N ranks into simulated nodes of L (WEFT_LOCAL_WORLD_SIZE: peers on
+another node are reached only through the network primitives, weft.runtime.topology); on GPUs, `--nnodes M
+--node-rank R --master-addr A [--master-port P] -n L` starts this machine's L ranks of an M-node job through
+torchrun (run on every node, each with its own R).
+
 GPU (cuda backend): torchrun, one process per GPU, with NVLink multicast disabled in the environment
 (backend.SAFE_ENV), every output line prefixed with its rank. cpu backend: N processes on this machine
 with torchrun's variables set and the interpreter on, every output line prefixed with its rank; their
@@ -26,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 from . import settings
 from .backend import BACKEND, SAFE_ENV
@@ -211,13 +217,54 @@ def run_cpu(n: int, target: list[str], env: dict | None = None, timeout: float |
         del store
 
 
-def run_torchrun(n: int, target: list[str], env: dict | None = None) -> int:
-    settings.kill_grace_s()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "--tee=3"]
+DEFAULT_MASTER_PORT = 29500  # torchrun's
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """A multi-node GPU job as torchrun takes it: `nnodes` machines, this one `node_rank`, the rendezvous on
+    `master_addr`:`master_port` (node 0's address, reachable from every node)."""
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int = DEFAULT_MASTER_PORT
+
+    def __post_init__(self):
+        for name in ("nnodes", "node_rank", "master_port"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"--{name.replace('_', '-')} must be an int, got {type(value).__name__}")
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if not self.master_addr and self.nnodes > 1:
+            raise ValueError("--master-addr: the address of node 0, which every node reaches, is required with "
+                             "--nnodes")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"--master-port must be a TCP port in (0, 65536), got {self.master_port}")
+
+
+def torchrun_command(n: int, target: list[str], nodes: Nodes | None = None) -> list[str]:
+    """torchrun's command line for `n` ranks on this machine (of every node, with `nodes`)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    if nodes is None or nodes.nnodes == 1:
+        cmd.append("--standalone")
+    else:
+        # A static rendezvous: node ranks as given, node 0's agent serves the store on master_addr:master_port.
+        cmd += [f"--nnodes={nodes.nnodes}", f"--node-rank={nodes.node_rank}", f"--master-addr={nodes.master_addr}",
+                f"--master-port={nodes.master_port}"]
+    cmd += [f"--nproc-per-node={n}", "--tee=3"]
     if target and target[0] == "-m":
         cmd += ["-m", *target[1:]]
     else:
         cmd += list(target)
+    return cmd
+
+
+def run_torchrun(n: int, target: list[str], env: dict | None = None, nodes: Nodes | None = None) -> int:
+    settings.kill_grace_s()
+    cmd = torchrun_command(n, target, nodes)
     full_env = dict(os.environ, **SAFE_ENV, **(env or {}), PYTHONUNBUFFERED="1")
     proc = _popen(cmd, full_env)
     try:
@@ -228,12 +275,27 @@ def run_torchrun(n: int, target: list[str], env: dict | None = None) -> int:
             _stop([proc], signal.SIGTERM)
 
 
-def run(n: int, target: list[str], backend: str | None = None, env: dict | None = None) -> int:
+def run(n: int, target: list[str], backend: str | None = None, env: dict | None = None,
+        local_world_size: int | None = None, nodes: Nodes | None = None) -> int:
+    """Start `n` ranks of `target` on this machine. `local_world_size`: ranks per simulated node (it must divide
+    n); `nodes`: this machine's place in a multi-node GPU job (cuda backend only)."""
     if n < 1:
         raise ValueError(f"-n must be >= 1, got {n}")
     if not target:
         raise ValueError("nothing to run: give a script (and its arguments) or -m module")
     backend = backend or BACKEND
+    env = dict(env or {})
+    if local_world_size is not None:
+        if isinstance(local_world_size, bool) or not isinstance(local_world_size, int):
+            raise TypeError(f"--local-world-size must be an int, got {type(local_world_size).__name__}")
+        if local_world_size < 1 or n % local_world_size:
+            raise ValueError(f"--local-world-size must be a positive divisor of -n {n}, got {local_world_size}")
+        if nodes is not None and nodes.nnodes > 1:
+            raise ValueError("--local-world-size simulates nodes on one machine; with --nnodes each machine is a "
+                             "node of -n ranks")
+        env["WEFT_LOCAL_WORLD_SIZE"] = str(local_world_size)
     if backend == "cuda":
-        return run_torchrun(n, target, env)
+        return run_torchrun(n, target, env, nodes)
+    if nodes is not None and nodes.nnodes > 1:
+        raise ValueError("--nnodes: the cpu backend runs on one machine; simulate nodes with --local-world-size")
     return run_cpu(n, target, env)

@@ -64,6 +64,13 @@ def _delay(text: str) -> Delay:
     return Delay(ranks, probability, max_us)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
 def _flag(text: str) -> bool:
     if text not in ("0", "1"):
         raise ValueError(text)
@@ -110,6 +117,10 @@ SETTINGS = {s.name: s for s in (
     Setting("WEFT_P2P_KERNEL", _flag, "0 or 1", "0: on GPUs the process group's send/recv",
             "1: send/recv on GPUs through weft's device kernel, whose transfers of more than one chunk are not yet "
             "correct there (the cpu backend always uses it)"),
+    Setting("WEFT_LOCAL_WORLD_SIZE", _positive_int, "an integer > 0 that divides the world size",
+            "unset: LOCAL_WORLD_SIZE (torchrun's ranks per node), else every rank on one node",
+            "ranks per node: splits one machine's ranks into simulated nodes of this many (`weft run "
+            "--local-world-size`), whose peers are reached only through the network primitives"),
     Setting("WEFT_BENCH_OUT", str, "a directory", "bench_results", "`weft bench`'s output folder (or --out)"),
 )}
 

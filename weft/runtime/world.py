@@ -17,7 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import backend, settings
+from . import backend, settings, topology
 from .group import Group, make_heap
 from .heap import SymmetricHeap
 
@@ -32,11 +32,14 @@ DEFAULT_WORKSPACE_BYTES = {"cpu": 4 << 20, "cuda": 128 << 20}
 class World(Group):
     """The world group (every rank), and the process-wide state: the device, the other groups made in it.
 
-    `world_size` is its size; `group` its torch process group (dist.group.WORLD)."""
+    `world_size` is its size; `group` its torch process group (dist.group.WORLD); `node_ids[r]` the node of
+    world rank r (weft.runtime.topology)."""
 
     def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device, process_group,
-                 heap: SymmetricHeap, owns_group: bool, heap_size: int, workspace_bytes: int):
+                 heap: SymmetricHeap, owns_group: bool, heap_size: int, workspace_bytes: int,
+                 node_ids: tuple[int, ...] | None = None):
         self.rank, self.world_size, self.local_rank, self.device = rank, world_size, local_rank, device
+        self.node_ids = tuple(node_ids) if node_ids is not None else (0,) * world_size
         self.group = process_group
         # Callables that raise an op family's recorded device-side error (weft.check_errors runs them in turn);
         # a family with an error word appends its check when it makes its workspace, in whichever group.
@@ -75,21 +78,24 @@ def _size_setting(value, env: str, default: dict, name: str) -> int:
     return value
 
 
-def _check_sizes_agree(heap_size: int, workspace_bytes: int, world_size: int, group, device) -> None:
-    """Every rank's heap and workspace sizes, compared on every rank: the heap's layout (and the cpu heap's
-    one shared file) assumes one size everywhere. Raises on every rank, naming each rank's value."""
+def _check_sizes_agree(heap_size: int, workspace_bytes: int, world_size: int, group, device,
+                       local_world_size: int) -> None:
+    """Every rank's heap and workspace sizes and ranks per node, compared on every rank: the heap's layout (and
+    the cpu heap's one shared file) assumes one size everywhere, the nodes one split. Raises on every rank,
+    naming each rank's value."""
     if world_size == 1:
         return
-    mine = torch.tensor([heap_size, workspace_bytes], dtype=torch.int64, device=device)
+    mine = torch.tensor([heap_size, workspace_bytes, local_world_size], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(every, mine, group=group)
     every = [t.tolist() for t in every]
-    for i, name in enumerate(("heap_size", "workspace_bytes")):
+    for i, name in enumerate(("heap_size", "workspace_bytes", "local_world_size")):
         values = [v[i] for v in every]
         if len(set(values)) > 1:
             per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
             raise ValueError(f"weft.init: {name} differs across ranks ({per_rank}); every rank must pass the same "
-                             f"value (WEFT_HEAP_SIZE / WEFT_WORKSPACE_BYTES or weft.init's arguments)")
+                             f"value (WEFT_HEAP_SIZE / WEFT_WORKSPACE_BYTES or weft.init's arguments; "
+                             f"WEFT_LOCAL_WORLD_SIZE / LOCAL_WORLD_SIZE for the ranks per node)")
 
 
 def _launcher_store(rank: int, world_size: int, timeout: datetime.timedelta):
@@ -134,6 +140,7 @@ def init(heap_size: int | None = None, workspace_bytes: int | None = None) -> Wo
     world_size = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", rank)
     timeout = datetime.timedelta(seconds=settings.init_timeout_s())
+    local_world_size = topology.local_world_size(world_size)
 
     if backend.BACKEND == "cuda":
         if not torch.cuda.is_available():
@@ -159,14 +166,16 @@ def init(heap_size: int | None = None, workspace_bytes: int | None = None) -> Wo
     if dist.get_world_size(group) != world_size:
         raise RuntimeError(f"process group has {dist.get_world_size(group)} ranks, WORLD_SIZE says {world_size}")
     try:
-        _check_sizes_agree(heap_size, workspace_bytes, world_size, group, device)
+        _check_sizes_agree(heap_size, workspace_bytes, world_size, group, device, local_world_size)
     except ValueError:
         if owns:  # leave no group behind: a corrected init() in this process starts afresh
             dist.destroy_process_group()
         raise
 
-    heap = make_heap(rank, world_size, heap_size, group, device, workspace_bytes)
-    _world = World(rank, world_size, local_rank, device, group, heap, owns, heap_size, workspace_bytes)
+    node_ids = topology.world_nodes(world_size)
+    heap = make_heap(rank, world_size, heap_size, group, device, workspace_bytes, node_ids,
+                     tuple(range(world_size)))
+    _world = World(rank, world_size, local_rank, device, group, heap, owns, heap_size, workspace_bytes, node_ids)
     _world.barrier()
     return _world
 
@@ -190,9 +199,13 @@ def init_over(process_group, rank: int, world_size: int) -> World:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)  # ranks share the cores
-    _check_sizes_agree(heap_size, workspace_bytes, world_size, process_group, device)
-    heap = make_heap(rank, world_size, heap_size, process_group, device, workspace_bytes)
-    _world = World(rank, world_size, local_rank, device, process_group, heap, False, heap_size, workspace_bytes)
+    local_world_size = topology.local_world_size(world_size)
+    _check_sizes_agree(heap_size, workspace_bytes, world_size, process_group, device, local_world_size)
+    node_ids = topology.world_nodes(world_size)
+    heap = make_heap(rank, world_size, heap_size, process_group, device, workspace_bytes, node_ids,
+                     tuple(range(world_size)))
+    _world = World(rank, world_size, local_rank, device, process_group, heap, False, heap_size, workspace_bytes,
+                   node_ids)
     _world.barrier()
     return _world
 

@@ -1,0 +1,226 @@
+"""Nodes (weft/runtime/topology.py, the network primitives, the hierarchical collectives): 4 cpu ranks as 2
+simulated nodes of 2 (WEFT_LOCAL_WORLD_SIZE=2), and one slower case of 6 ranks as 3 nodes of 2. Across nodes
+only the network primitives work: a kernel's symm_at to another node's rank raises, so an op that cheats fails
+here."""
+import pytest
+import triton
+import triton.language as tl
+
+import weft.language as wl
+from weft.testing import run_ranks
+
+TWO_NODES = {"WEFT_LOCAL_WORLD_SIZE": "2"}
+
+
+@triton.jit
+def same_node_kernel(out, heap, W: tl.constexpr):
+    peers = tl.arange(0, W)
+    tl.store(out + peers, wl.same_node(peers, heap).to(tl.int32))
+
+
+# A put with its signal into slot `me` of every rank, then the wait on my own flags.
+@triton.jit
+def exchange_kernel(src, recv, flags, heap, n, epoch, W: tl.constexpr):
+    me = wl.rank(heap)
+    for q in range(W):
+        wl.putmem_signal_block(recv + me * n, src, n * 4, flags + me, epoch, wl.SIGNAL_SET, q, heap)
+    for q in range(W):
+        wl.signal_wait_until(flags + q, wl.CMP_GE, epoch)
+
+
+@triton.jit
+def get_kernel(dst, src, n, peer, heap):
+    wl.getmem_block(dst, src, n * 4, peer, heap)
+
+
+@triton.jit
+def cheat_kernel(x, out, peer, heap):
+    tl.store(out, tl.load(wl.symm_at(x, peer, heap)))
+
+
+def _topology_and_language():
+    import torch
+
+    import weft
+
+    w = weft.world()
+    assert w.nodes == ((0, 1), (2, 3)) and w.topology.spans_nodes
+    evens, odds = weft.new_group([0, 2]), weft.new_group([1, 3])
+    rail = evens or odds
+    pair = weft.new_subgroups(2)
+    assert rail.nodes == ((0,), (1,)) and pair.nodes == ((0, 1),) and not pair.topology.spans_nodes
+
+    seen = torch.full((4,), -1, dtype=torch.int32)
+    same_node_kernel[(1,)](seen, w.heap.descriptor, W=4)
+    assert seen.tolist() == [int(r // 2 == w.rank // 2) for r in range(4)]
+
+    # Across nodes: every rank's put with its signal into slot `me` of every rank, then the wait on my flags.
+    n = 5
+    src = weft.empty((n,), torch.float32)
+    recv = weft.zeros((4 * n,), torch.float32)
+    flags = weft.zeros((4,), torch.int32)
+    for epoch in (1, 2):
+        src.copy_(torch.randn(n, generator=torch.Generator().manual_seed(10 * w.rank + epoch)))
+        weft.barrier()
+        exchange_kernel[(1,)](src, recv, flags, w.heap.descriptor, n, epoch, W=4)
+        want = torch.cat([torch.randn(n, generator=torch.Generator().manual_seed(10 * r + epoch)) for r in range(4)])
+        assert torch.equal(recv, want)
+        got = torch.full((n,), float("nan"))
+        far = (w.rank + 2) % 4
+        get_kernel[(1,)](got, src, n, far, w.heap.descriptor)
+        assert torch.equal(got, want[far * n:(far + 1) * n])
+        weft.barrier()
+
+    out = torch.zeros(1)
+    cheat_kernel[(1,)](src, out, w.rank ^ 1, w.heap.descriptor)  # my node's other rank: allowed
+    far = (w.rank + 2) % 4
+    with pytest.raises(Exception, match=rf"rank {w.rank} \(node {w.rank // 2}\) translated a pointer to rank "
+                                        rf"{far} \(node {far // 2}\)"):
+        cheat_kernel[(1,)](src, out, far, w.heap.descriptor)
+    weft.barrier()
+    return True
+
+
+def test_topology_and_network_primitives_on_two_nodes():
+    assert all(run_ranks(_topology_and_language, 4, env=TWO_NODES, timeout=240))
+
+
+def _collectives(cases):
+    """Every rank checks the three hierarchical collectives against the process group's own (gloo) on fresh
+    inputs, outputs poisoned, over the world (spanning the nodes), a group across nodes and one inside a node."""
+    import torch
+    import torch.distributed as dist
+
+    import weft
+
+    w = weft.world()
+    wsize = w.world_size
+    local = wsize // len(w.nodes)
+    across = [weft.new_group(range(j, wsize, local)) for j in range(local)]
+    across = next(g for g in across if g is not None)
+    inside = weft.new_subgroups(local)
+    assert across.topology.spans_nodes and not inside.topology.spans_nodes
+    gen = torch.Generator().manual_seed(1000 + w.rank)
+    heap_used = None
+    for step, (shape, dtype) in enumerate(cases):
+        for group in (None, across, inside):
+            g = weft.get_group(group)
+            size = g.size
+            if dtype.is_floating_point:
+                x = torch.randn(shape, generator=gen).to(dtype)
+            else:
+                x = torch.randint(-50, 50, shape, generator=gen, dtype=dtype)
+            tol = dict(rtol=2e-2, atol=5e-2) if dtype in (torch.bfloat16, torch.float16) else dict(rtol=1e-5,
+                                                                                                     atol=1e-5)
+            for op in ("sum", "max", "avg"):
+                if op == "avg" and not dtype.is_floating_point:
+                    continue
+                ref = x.double() if dtype.is_floating_point else x.clone()
+                dist.all_reduce(ref, op=dist.ReduceOp.SUM if op == "avg" else getattr(dist.ReduceOp, op.upper()),
+                                group=g.process_group)
+                if op == "avg":
+                    ref /= size
+                out = torch.full_like(x, 7)  # poisoned
+                got = weft.ops.all_reduce(x, op=op, out=out, group=group)
+                assert got is out
+                torch.testing.assert_close(got.double(), ref.double(), **tol), (op, shape, dtype, g)
+                # Every member holds the same bits.
+                every = [torch.empty_like(got) for _ in range(size)]
+                dist.all_gather(every, got, group=g.process_group)
+                assert all(torch.equal(e.view(torch.uint8) if e.dtype == torch.bfloat16 else e, every[0].view(
+                    torch.uint8) if e.dtype == torch.bfloat16 else every[0]) for e in every)
+
+            rows = size * shape[0]
+            xs = torch.randn((rows, *shape[1:]), generator=gen).to(dtype) if dtype.is_floating_point else \
+                torch.randint(-50, 50, (rows, *shape[1:]), generator=gen, dtype=dtype)
+            ref = xs.double() if dtype.is_floating_point else xs.clone()
+            dist.all_reduce(ref, group=g.process_group)
+            mine = ref[g.rank * shape[0]:(g.rank + 1) * shape[0]]
+            got = weft.ops.reduce_scatter(xs, group=group)
+            torch.testing.assert_close(got.double(), mine.double(), **tol)
+
+            parts = [torch.empty_like(x) for _ in range(size)]
+            dist.all_gather(parts, x, group=g.process_group)
+            out = torch.full((rows, *shape[1:]), 3, dtype=dtype)
+            got = weft.ops.all_gather(x, out=out, group=group)
+            assert torch.equal(got, torch.cat(parts)), (shape, dtype, g)  # bit for bit
+            strided = torch.full((rows, *shape[1:], 2), 3, dtype=dtype)[..., 0]  # an output of another layout
+            weft.ops.all_gather(x.t().contiguous().t() if x.dim() == 2 else x, out=strided, group=group)
+            assert torch.equal(strided, torch.cat(parts))
+        for g in (w, across):  # the node-aware plans took the hierarchical path
+            assert all(getattr(p, "path", "hierarchical") == "hierarchical" for p in g.plans.values())
+            assert any(type(p.run.__self__).__module__ == "weft.kernels.hierarchical" for p in g.plans.values())
+        if step == 0:
+            heap_used = {h: h.heap.used for h in w.groups.values() if h._heap is not None}
+    # Heap bounded: later calls of every size allocate nothing more in any group's heap.
+    assert {h: h.heap.used for h in heap_used} == heap_used
+    return True
+
+
+def test_collectives_on_two_nodes_of_two():
+    import torch
+
+    # A 64 KiB workspace: the last case's rail exchange goes through in passes.
+    cases = [((3, 5), torch.float32), ((1,), torch.int32), ((33, 7), torch.bfloat16), ((4096 + 13,), torch.float32)]
+    env = dict(TWO_NODES, WEFT_WORKSPACE_BYTES="64KiB")
+    assert all(run_ranks(_collectives, 4, cases, env=env, timeout=400))
+
+
+def test_collectives_on_three_nodes_of_two():
+    import torch
+
+    assert all(run_ranks(_collectives, 6, [((5, 3), torch.float32)], env=TWO_NODES, timeout=400))
+
+
+def test_launcher_nodes(tmp_path):
+    """`weft run`'s node flags: torchrun's multi-node command line, the checks, and simulated nodes on cpu."""
+    import os
+    import subprocess
+    import sys
+
+    from weft.runtime.launcher import Nodes, run, torchrun_command
+
+    cmd = torchrun_command(8, ["train.py", "--lr", "1"], Nodes(2, 1, "10.0.0.1", 29600))
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1",
+                       "--master-port=29600", "--nproc-per-node=8", "--tee=3", "train.py", "--lr", "1"]
+    assert "--standalone" in torchrun_command(4, ["-m", "pkg"]) and torchrun_command(4, ["-m", "pkg"])[-2:] == \
+        ["-m", "pkg"]
+    with pytest.raises(ValueError, match="--node-rank must be in"):
+        Nodes(2, 2, "10.0.0.1")
+    with pytest.raises(ValueError, match="--master-addr"):
+        Nodes(2, 0, "")
+    with pytest.raises(ValueError, match="positive divisor of -n 4"):
+        run(4, ["x.py"], backend="cpu", local_world_size=3)
+    with pytest.raises(ValueError, match="simulate nodes with --local-world-size"):
+        run(4, ["x.py"], backend="cpu", nodes=Nodes(2, 0, "10.0.0.1"))
+
+    script = tmp_path / "nodes.py"
+    script.write_text("import weft\nw = weft.init()\nprint('nodes', w.rank, w.nodes)\nweft.finalize()\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-m", "weft", "run", "-n", "2", "--local-world-size", "1", str(script)],
+                         capture_output=True, text=True, cwd=root, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=root, WEFT_BACKEND="cpu"))
+    assert res.returncode == 0, res.stderr
+    assert sorted(line.split("] ", 1)[1] for line in res.stdout.splitlines() if "nodes" in line) == \
+        [f"nodes {r} ((0,), (1,))" for r in range(2)]
+
+
+def test_cost_model():
+    """The model's bytes per link against the algebra, and its single-node times against docs/perf.md's."""
+    from weft.bench import model
+
+    c = model.Cluster(2, 8)
+    size = 1 << 30
+    ar = model.weft_cost("all_reduce", size, c)
+    assert ar.nvlink_bytes == 2 * 7 / 8 * size and ar.ib_bytes == size / 8  # 2 (N - 1) / N of 1/L, N = 2
+    ag = model.weft_cost("all_gather", size, model.Cluster(4, 8))
+    assert ag.nvlink_bytes == 7 / 8 * size and ag.ib_bytes == 3 / 4 * size / 8
+    ring = model.nccl_ring_cost("all_reduce", size, c)
+    assert ring.nvlink_bytes == 2 * 15 / 16 * size and ring.ib_bytes == ring.nvlink_bytes / 8
+    assert model.weft_cost("reduce_scatter", size, c) == model.weft_cost("all_gather", size, c)
+    assert ar.pipelined_us < ar.us
+    for gpus, nbytes, predicted, measured in model.single_node_check():
+        assert abs(predicted - measured) <= 0.05 * measured, (gpus, nbytes, predicted, measured)
+    with pytest.raises(ValueError, match="op must be one of"):
+        model.weft_cost("broadcast", size, c)
+    assert "| all_reduce | 1 GiB |" in model.tables()

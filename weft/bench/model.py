@@ -1,0 +1,174 @@
+"""A cost model of the collectives on several nodes: per op, the bytes each link carries and the predicted time,
+weft's hierarchical ops (weft/kernels/hierarchical.py) beside NCCL's ring and tree.
+
+Links: each GPU's NVLink (per direction) inside a node, and each GPU's own InfiniBand NIC (rail-optimised nodes:
+8 × 400 Gb/s per node of 8). A phase costs its latency plus its bytes over the link's effective bandwidth. The
+phases of weft's ops run one after another as implemented (`us`: no pipelining between the node's kernels and
+the network yet); `pipelined_us` is the same bytes with the NVLink and network phases overlapped chunk by chunk,
+as NCCL's ring streams them. Times in µs, sizes in bytes.
+
+Calibration: NVLINK_EFFICIENCY and NVLINK_PHASE_US are weft's own single-node measurements (docs/perf.md, 4× H200
+bf16 all_reduce: two-shot symmetric in place at 512 MiB, 353 GB/s bus bandwidth of 450; LL one-shot at 4 KiB,
+4.1 µs); `single_node_check()` compares the model with those tables. The network's constants are not measured
+here: IB_EFFICIENCY is a typical RDMA write efficiency, NET_STEP_US and NCCL's latencies are NCCL's own tuning
+model's (tuning.cc of NCCL 2.7: base and per-step latencies of each protocol, LL / LL128 / Simple; NCCL picks
+the fastest, so does the model, with LL's and LL128's share of payload in their words). Check them against
+nccl-tests on the machines before trusting a crossover.
+
+`python -m weft.bench.model` prints the tables of docs/nodes.md.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+NVLINK_GBPS = 450.0  # per GPU, per direction (NVLink 4: 18 links)
+NVLINK_EFFICIENCY = 353.0 / 450.0  # docs/perf.md: 4× H200 all_reduce, symmetric in place, 512 MiB
+NVLINK_PHASE_US = 4.1  # docs/perf.md: LL one-shot all_reduce of 4 KiB on 4× H200 (one NVLink phase)
+IB_GBPS = 50.0  # one 400 Gb/s NIC per GPU
+IB_EFFICIENCY = 0.9
+NET_STEP_US = 6.6  # one network step (NCCL's ring step over the network, Simple protocol)
+# NCCL 2.7's tuning model, per protocol (LL, LL128, Simple): base latency, step latency on NVLink and on the
+# network, for ring and tree; and the payload share of each protocol's words.
+NCCL_PROTOCOLS = ("LL", "LL128", "Simple")
+NCCL_BASE_US = {"ring": (3.6, 3.6, 8.4), "tree": (4.4, 4.4, 0.0)}
+NCCL_STEP_US = {"ring": {"nvlink": (0.4, 2.5, 5.7), "net": (0.9, 2.5, 6.6)},
+                "tree": {"nvlink": (0.5, 1.9, 28.0), "net": (5.0, 7.5, 50.0)}}
+NCCL_PAYLOAD = (0.5, 120 / 128, 1.0)
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """`nodes` machines of `gpus` GPUs (one NIC each)."""
+    nodes: int
+    gpus: int
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus
+
+
+def _nvlink_us(nbytes: float) -> float:
+    return nbytes / (NVLINK_GBPS * NVLINK_EFFICIENCY * 1e3)
+
+
+def _ib_us(nbytes: float) -> float:
+    return nbytes / (IB_GBPS * IB_EFFICIENCY * 1e3)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One op's prediction: bytes each GPU sends over NVLink and over its NIC, the time, and (weft's) the time
+    with the NVLink and network phases overlapped."""
+    nvlink_bytes: float
+    ib_bytes: float
+    us: float
+    pipelined_us: float | None = None
+
+
+def weft_cost(op: str, size: int, c: Cluster) -> Cost:
+    """weft's hierarchical op on `size` bytes (all_reduce: the tensor; all_gather: the output; reduce_scatter: the
+    input). Inside a node weft's two-shot / push kernels (one NVLink phase each), between nodes the rail's
+    exchange: every rail member sends its part to the N - 1 others (one network step)."""
+    n, gpus = c.nodes, c.gpus
+    if op == "all_reduce":
+        intra = 2 * (gpus - 1) / gpus * size  # node reduce_scatter + node all_gather
+        net = 2 * (n - 1) / n * size / gpus if n > 1 else 0.0  # the rail's all_reduce of 1/L
+        phases = 2 if gpus > 1 else 0
+    elif op in ("all_gather", "reduce_scatter"):
+        intra = (gpus - 1) / gpus * size
+        net = (n - 1) / n * size / gpus if n > 1 else 0.0  # the rail's share: its nodes' blocks of one place
+        phases = 1 if gpus > 1 else 0
+    else:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    net_steps = (2 if op == "all_reduce" else 1) if n > 1 else 0
+    latency = phases * NVLINK_PHASE_US + net_steps * NET_STEP_US
+    return Cost(intra, net, latency + _nvlink_us(intra) + _ib_us(net), latency + max(_nvlink_us(intra), _ib_us(net)))
+
+
+def nccl_ring_cost(op: str, size: int, c: Cluster) -> Cost:
+    """NCCL's ring over all W GPUs, nodes in order: one channel per NIC, so each ring's one crossing per node has a
+    NIC of its own. Every ring edge carries 2 (W - 1) / W (all_reduce) or (W - 1) / W of the size over the rings;
+    NVLink and the network stream at once (the slower one sets the time)."""
+    w = c.world
+    factor = 2 * (w - 1) / w if op == "all_reduce" else (w - 1) / w
+    per_gpu = factor * size
+    net = per_gpu / c.gpus if c.nodes > 1 else 0.0  # a NIC carries one of the GPUs' rings
+    steps = 2 * (w - 1) if op == "all_reduce" else w - 1
+    net_steps = (2 if op == "all_reduce" else 1) * (c.nodes - 1) if c.nodes > 1 else 0
+    best = math.inf
+    for p in range(len(NCCL_PROTOCOLS)):
+        step = NCCL_STEP_US["ring"]
+        latency = NCCL_BASE_US["ring"][p] + (steps - net_steps) * step["nvlink"][p] + net_steps * step["net"][p]
+        best = min(best, latency + max(_nvlink_us(per_gpu), _ib_us(net)) / NCCL_PAYLOAD[p])
+    return Cost(per_gpu, net, best)
+
+
+def nccl_tree_cost(size: int, c: Cluster) -> Cost:
+    """NCCL's tree all_reduce: a chain inside each node, a double binary tree between nodes; each node sends
+    about the whole size up and receives it down over its NICs, each GPU the size over NVLink both ways."""
+    net = size / c.gpus if c.nodes > 1 else 0.0
+    levels = math.ceil(math.log2(c.nodes)) if c.nodes > 1 else 0
+    best = math.inf
+    for p in range(len(NCCL_PROTOCOLS)):
+        step = NCCL_STEP_US["tree"]
+        latency = NCCL_BASE_US["tree"][p] + 2 * ((c.gpus - 1) * step["nvlink"][p] + levels * step["net"][p])
+        best = min(best, latency + max(_nvlink_us(2 * size), _ib_us(2 * net)) / NCCL_PAYLOAD[p])
+    return Cost(2 * size, net, best)
+
+
+# docs/perf.md, 4× and 2× H200 bf16 all_reduce, µs: (GPUs, bytes) -> measured (two-shot symmetric in place above
+# 1 MiB, the LL one-shot at 4 KiB).
+MEASURED_ALL_REDUCE_US = {(4, 4 << 10): 4.1, (4, 16 << 20): 81.2, (4, 64 << 20): 296.7, (4, 512 << 20): 2281.6,
+                          (2, 16 << 20): 56.1, (2, 64 << 20): 192.2, (2, 512 << 20): 1480.7}
+
+
+def single_node_check() -> list[tuple[int, int, float, float]]:
+    """(GPUs, bytes, predicted µs, measured µs) for each single-node measurement the model is held to."""
+    rows = []
+    for (gpus, size), measured in MEASURED_ALL_REDUCE_US.items():
+        cost = weft_cost("all_reduce", size, Cluster(1, gpus))
+        if size <= 4 << 10:  # one LL phase, not two
+            cost = Cost(cost.nvlink_bytes, 0.0, NVLINK_PHASE_US + _nvlink_us(cost.nvlink_bytes))
+        rows.append((gpus, size, cost.us, measured))
+    return rows
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+SIZES = (64 << 10, 1 << 20, 16 << 20, 256 << 20, 1 << 30)
+CLUSTERS = (Cluster(2, 8), Cluster(4, 8))
+
+
+def tables() -> str:
+    """The markdown of docs/nodes.md's cost tables."""
+    out = []
+    for c in CLUSTERS:
+        out.append(f"{c.nodes}×{c.gpus} GPUs:\n")
+        out.append("| op | size | NVLink MB / GPU | IB MB / NIC | weft hierarchical µs | weft, phases overlapped µs | "
+                   "NCCL ring µs | NCCL tree µs |")
+        out.append("|---|---|---|---|---|---|---|---|")
+        for op in OPS:
+            for size in SIZES:
+                h, r = weft_cost(op, size, c), nccl_ring_cost(op, size, c)
+                tree = f"{nccl_tree_cost(size, c).us:.0f}" if op == "all_reduce" else "—"
+                out.append(f"| {op} | {_size(size)} | {h.nvlink_bytes / 1e6:.1f} | {h.ib_bytes / 1e6:.1f} | "
+                           f"{h.us:.0f} | {h.pipelined_us:.0f} | {r.us:.0f} | {tree} |")
+        out.append("")
+    out.append("Single node, the model against docs/perf.md (all_reduce, bf16, H200):\n")
+    out.append("| GPUs | size | model µs | measured µs |")
+    out.append("|---|---|---|---|")
+    for gpus, size, predicted, measured in single_node_check():
+        out.append(f"| {gpus} | {_size(size)} | {predicted:.1f} | {measured:.1f} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    print(tables(), end="")

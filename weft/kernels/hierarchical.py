@@ -1,0 +1,295 @@
+"""The collectives of a group that spans nodes: all_reduce, reduce_scatter and all_gather in two levels.
+
+A group whose members run on several nodes (weft.runtime.topology) reaches another node only through the
+network; inside a node its members keep NVLink. So each op splits into the node's own collective (weft's kernels
+over the node's members) and one exchange among the *rail*: the members that have the same place on their nodes
+(local index j of every node), one per node, which carries 1/L of the data per member where L is the members per
+node:
+
+- all_reduce: reduce_scatter inside the node (each member gets 1/L of the node's sum), all_reduce of that part
+  over the rail, all_gather inside the node;
+- reduce_scatter: the blocks reordered so that member j's part holds the blocks of rail j's members,
+  reduce_scatter inside the node, reduce_scatter over the rail;
+- all_gather: all_gather over the rail (one shard per node), all_gather inside the node, the blocks put back in
+  group order. Bit for bit the flat op's result.
+
+The rail exchange: on the cpu backend `network_exchange_kernel`, which moves data with the network primitives
+only (`putmem_signal_block`, then a wait on its own flags), through a double-buffered workspace in the rail's
+heap, in passes when larger; the rail's reductions are then summed on the host in rank order (the same bits on
+every member). On GPUs, until the network primitives have an NVSHMEM backend, the rail exchange is the rail's
+process group (NCCL: on InfiniBand between nodes), ordered with the node's kernels by stream order.
+
+The node and rail groups are made on the op's first call on the group, among its members only (torch's
+`use_local_synchronization`), once per set of ranks in a world, with a heap just large enough for the families'
+workspaces they use. A group whose nodes hold different numbers of its members has no rails: its ops take the
+process group's collective (`nccl` method) instead.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from .. import language as wl
+from ..runtime import backend
+from ..runtime.group import Group
+from .common import nccl_all_gather, nccl_reduce_scatter, workspace, zero_everywhere
+
+
+@triton.jit(do_not_specialize=["nbytes", "src_stride", "slot_bytes", "epoch"])
+def network_exchange_kernel(src, recv, flags, heap, nbytes, src_stride, slot_bytes, epoch, W: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """Rank `me` puts bytes [q * src_stride, q * src_stride + nbytes) of `src` into slot `me` of `recv` on every
+    rail member q (src_stride 0: one block for all, an all_gather; the block's size: an all-to-all), each put
+    followed by its signal (release) in flag `me`; then waits (acquire) for every member's flag to reach
+    `epoch`. Only network primitives: the members are on other nodes."""
+    me = wl.rank(heap)
+    for i in range(W):
+        q = (me + i) % W  # each member starts with a different peer
+        wl.putmem_signal_block(recv + me * slot_bytes, src + q * src_stride, nbytes, flags + me, epoch,
+                               wl.SIGNAL_SET, q, heap, BLOCK)
+    for q in range(W):
+        wl.signal_wait_until(flags + q, wl.CMP_GE, epoch)
+
+
+class RailWorkspace:
+    """The rail exchange's workspace in the rail's heap: two halves (by call parity) of one slot per member, one
+    flag per member (epochs, never reset: a flag may already show the next call's epoch, whose data goes to the
+    other half), the call count on the host."""
+
+    def __init__(self, rail: Group):
+        w = rail.size
+        self.slot_bytes = rail.workspace_bytes // 2 // w // 256 * 256
+        self.recv = rail.heap.empty((2, w, self.slot_bytes), torch.uint8)
+        self.flags = rail.heap.empty((w,), torch.int32)
+        self.calls = 0
+        zero_everywhere(rail, self.flags)
+
+
+def _exchange(rail: Group, src: torch.Tensor, block_bytes: int, all_to_all: bool) -> torch.Tensor:
+    """(rail size, block_bytes) uint8: row i is member i's block (all_gather: its `src`; all-to-all: row me of
+    its `src`, which holds one block per member), through the network kernel in passes of one slot."""
+    ws = workspace(rail, "rail", RailWorkspace)
+    w = rail.size
+    out = torch.empty((w, block_bytes), dtype=torch.uint8, device=src.device)
+    src = src.reshape(-1).view(torch.uint8)
+    stride = block_bytes if all_to_all else 0
+    for lo in range(0, block_bytes, ws.slot_bytes):
+        hi = min(lo + ws.slot_bytes, block_bytes)
+        ws.calls += 1
+        half = ws.recv[ws.calls % 2]
+        network_exchange_kernel[(1,)](src[lo:], half, ws.flags, rail.heap.descriptor, hi - lo, stride,
+                                      ws.slot_bytes, ws.calls, W=w, BLOCK=1024)
+        out[:, lo:hi] = half[:, :hi - lo]  # before the next call's puts into this half (two calls on)
+    return out
+
+
+def _combine(rows: torch.Tensor, op: str) -> torch.Tensor:
+    """The reduction of the rows of `rows` in row order (16-bit floats accumulated in fp32)."""
+    acc = rows[0].float() if rows.dtype in (torch.float16, torch.bfloat16) else rows[0].clone()
+    for row in rows[1:]:
+        if op == "sum":
+            acc += row
+        elif op == "product":
+            acc *= row
+        elif op == "max":
+            acc = torch.maximum(acc, row.to(acc.dtype))
+        else:
+            acc = torch.minimum(acc, row.to(acc.dtype))
+    return acc.to(rows.dtype)
+
+
+def _rail_all_reduce(rail: Group, part: torch.Tensor, op: str) -> torch.Tensor:
+    if rail.size == 1:
+        return part
+    if not backend.INTERPRET:
+        dist.all_reduce(part, op=getattr(dist.ReduceOp, op.upper()), group=rail.process_group)
+        return part
+    rows = _exchange(rail, part, part.numel() * part.element_size(), all_to_all=False)
+    return _combine(rows.view(part.dtype).view(rail.size, -1), op)
+
+
+def _rail_reduce_scatter(rail: Group, blocks: torch.Tensor, op: str) -> torch.Tensor:
+    """blocks: (rail size, m); returns (m,), member i's row i reduced over the rail."""
+    if rail.size == 1:
+        return blocks[0]
+    if not backend.INTERPRET:
+        out = torch.empty(blocks.shape[1], dtype=blocks.dtype, device=blocks.device)
+        nccl_reduce_scatter(out, blocks.reshape(-1), rail.process_group, op=getattr(dist.ReduceOp, op.upper()))
+        return out
+    rows = _exchange(rail, blocks, blocks.shape[1] * blocks.element_size(), all_to_all=True)
+    return _combine(rows.view(blocks.dtype).view(rail.size, -1), op)
+
+
+def _rail_all_gather(rail: Group, shard: torch.Tensor) -> torch.Tensor:
+    """shard: (m,) bytes of any dtype; returns (rail size, m)."""
+    if rail.size == 1:
+        return shard.view(1, -1)
+    if not backend.INTERPRET:
+        out = torch.empty((rail.size, shard.numel()), dtype=shard.dtype, device=shard.device)
+        nccl_all_gather(out.view(-1), shard, rail.process_group)
+        return out
+    return _exchange(rail, shard, shard.numel() * shard.element_size(), all_to_all=False).view(shard.dtype)
+
+
+# -- the node and rail groups -----------------------------------------------------------------------------------
+
+class Hierarchy:
+    """A spanning group's two levels, seen from this member: `node` (this node's members, a Group), `rail` (the
+    members at this member's place on every node), and `rails[j]`: the group ranks of rail j in rail order."""
+
+    def __init__(self, group: Group):
+        topo = group.topology
+        self.group = group
+        mine = topo.nodes[topo.node_index[group.rank]]
+        j = topo.local_index[group.rank]
+        self.local_size = len(mine)
+        # Rail order is world order, which for a group is group-rank order.
+        self.rails = [sorted(members[i] for members in topo.nodes) for i in range(self.local_size)]
+        # Every member makes its node's group first, then its rail's: the same order on every rank.
+        self.node = _subgroup(group, [group.ranks[i] for i in mine], extra_families=2) if len(mine) > 1 else None
+        self.rail = _subgroup(group, [group.ranks[i] for i in self.rails[j]], extra_families=1)
+
+
+def _subgroup(parent: Group, world_ranks: list[int], extra_families: int) -> Group:
+    """The Group of `world_ranks` for the hierarchical ops (made among those ranks only, once per world), with a
+    heap of `extra_families` workspaces, the heap's tail (the p2p workspace: weft/runtime/heap.py) and some room."""
+    w = parent.world
+    cache = w.__dict__.setdefault("hierarchy_groups", {})
+    key = tuple(world_ranks)
+    found = cache.get(key)
+    if found is None:
+        pg = dist.new_group(list(key), use_local_synchronization=True)
+        w.made_groups.append(pg)
+        heap_size = (extra_families + 1) * parent.workspace_bytes + (1 << 20)
+        found = cache[key] = Group(w, pg, key, heap_size, parent.workspace_bytes)
+        w.groups[found.name] = found
+    return found
+
+
+def hierarchy(group: Group) -> Hierarchy | None:
+    """The group's Hierarchy (made on first use, collectively among its members), or None when its nodes hold
+    different numbers of its members (no rails)."""
+    if not group.topology.uniform:
+        return None
+    return group.context("hierarchy", lambda: Hierarchy(group))
+
+
+# -- the ops ------------------------------------------------------------------------------------------------------
+
+def _finish_avg(t: torch.Tensor, size: int) -> torch.Tensor:
+    """The average from the sum: an integer's divided toward zero (NCCL's), a float's divided."""
+    if t.is_floating_point():
+        return t.div_(size)
+    return t.div_(size, rounding_mode="trunc")
+
+
+class AllReduce:
+    """all_reduce of n elements over a spanning group: node reduce_scatter, rail all_reduce, node all_gather.
+    `run(x, out)` is the plan's run: `check(x, out)` first (the plan's own), the result into `out` when given."""
+
+    def __init__(self, group: Group, h: Hierarchy, shape, op: str, check):
+        self.group, self.h, self.shape, self.op, self.check = group, h, tuple(shape), op, check
+        self.n = n = int(torch.Size(shape).numel())
+        self.chunk = triton.cdiv(n, h.local_size)
+
+    def run(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        self.check(x, out)
+        res = self.reduce(x)
+        return res if out is None else out.copy_(res)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The reduced values, a new contiguous tensor of x's shape."""
+        from .all_gather import all_gather
+        from .all_reduce import reduce_scatter
+
+        h, n, chunk = self.h, self.n, self.chunk
+        hop = "sum" if self.op == "avg" else self.op
+        flat = x.reshape(-1)
+        if h.local_size > 1:
+            padded = torch.empty(h.local_size * chunk, dtype=x.dtype, device=x.device)
+            padded[:n] = flat
+            padded[n:] = 0  # the padding's results are dropped; zeros keep them finite
+            part = reduce_scatter(padded.view(h.local_size, chunk), op=hop, group=h.node)
+        else:
+            part = flat.clone()
+        part = _rail_all_reduce(h.rail, part, hop)
+        if self.op == "avg":
+            part = _finish_avg(part, self.group.size)
+        if h.local_size > 1:
+            part = all_gather(part.view(1, chunk), group=h.node).view(-1)[:n]
+        return part.view(self.shape)
+
+
+class ReduceScatter:
+    """reduce_scatter over a spanning group: blocks reordered by rail, node reduce_scatter, rail reduce_scatter.
+    `run(x, out)` as AllReduce's."""
+
+    def __init__(self, group: Group, h: Hierarchy, shape, op: str, check):
+        self.group, self.h, self.shape, self.op, self.check = group, h, tuple(shape), op, check
+        self.order = torch.tensor([g for rail in h.rails for g in rail], device=group.device)
+
+    def run(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        self.check(x, out)
+        res = self.reduce(x)  # from a reordered copy of x: an in-place out (a block of x) is safe
+        return res if out is None else out.copy_(res)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        from .all_reduce import reduce_scatter
+
+        h, w = self.h, self.group.size
+        hop = "sum" if self.op == "avg" else self.op
+        blocks = x.reshape(w, -1)
+        m = blocks.shape[1]
+        stacked = blocks.index_select(0, self.order)  # [rail j][rail member i]
+        if h.local_size > 1:
+            mine = reduce_scatter(stacked.view(h.local_size, -1), op=hop, group=h.node).view(-1, m)
+        else:
+            mine = stacked
+        res = _rail_reduce_scatter(h.rail, mine, hop).reshape(self.shape)
+        if self.op == "avg":
+            res = _finish_avg(res, w)
+        return res
+
+
+class AllGather:
+    """all_gather over a spanning group: rail all_gather, node all_gather, blocks back in group order.
+    `run(x, out)` as AllReduce's."""
+
+    def __init__(self, group: Group, h: Hierarchy, shape, dtype: torch.dtype, check):
+        self.group, self.h, self.shape, self.dtype, self.check = group, h, tuple(shape), dtype, check
+        self.order = torch.tensor([g for rail in h.rails for g in rail], device=group.device)
+
+    def run(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        self.check(x, out)
+        if out is not None and out.is_contiguous():
+            self.gather(x, out)
+            return out
+        dst = torch.empty(self.shape, dtype=self.dtype, device=x.device)
+        self.gather(x, dst)
+        return dst if out is None else out.copy_(dst)
+
+    def gather(self, x: torch.Tensor, dst: torch.Tensor) -> None:
+        """Gather x into `dst` (contiguous, the op's output shape)."""
+        from .all_gather import all_gather
+
+        h = self.h
+        shard = x.reshape(-1)
+        if not shard.is_contiguous():
+            shard = shard.contiguous()
+        rail_rows = _rail_all_gather(h.rail, shard)
+        if h.local_size > 1:
+            gathered = all_gather(rail_rows.reshape(1, -1), group=h.node)
+        else:
+            gathered = rail_rows
+        dst.view(self.group.size, -1).index_copy_(0, self.order, gathered.reshape(self.group.size, -1))
+
+
+# The sm_90 compile check (weft.testing.compile): the rail exchange is cpu-only for now, but must stay compilable
+# for the day the network primitives have a GPU backend.
+COMPILE_CASES = [
+    (network_exchange_kernel, dict(src="*u8", recv="*u8", flags="*i32", heap="*i64", nbytes="i32", src_stride="i32",
+                                   slot_bytes="i32", epoch="i32"), dict(W=w, BLOCK=1024))
+    for w in (2, 4)
+]
