@@ -5,12 +5,14 @@ ranks:
   and SiLU formulas) on fresh random inputs, fp32 and bf16, row counts and widths that leave every block ragged,
   shapes that take the split-K path and shapes that do not, each plan called twice (the split-K counters are
   zeroed for the next call), outputs that start poisoned; bad arguments refused, naming them;
+- the decoder's decode steps and greedy generation on the fused path against the layers path and transformers
+  (Qwen3 and Llama configs, 1 and 2 ranks, batch 1 and 3).
 """
 import pytest
 
 from weft.testing import run_ranks
 
-TIMEOUT = 240
+TIMEOUT = 600
 
 
 def _hf_norm(x, w, eps):
@@ -165,3 +167,72 @@ def _bad_arguments():
 def test_bad_arguments_are_refused():
     assert run_ranks(_bad_arguments, 1, timeout=TIMEOUT)[0]
 
+
+def _decode_paths(kind, rope):
+    """Decode steps on the fused path against the layers path and transformers, and greedy generation on it against
+    transformers', batch 1 and 3 (3 runs padded to its bucket of 4 in generate), the same tiny model."""
+    import torch
+
+    import weft
+    from test_model import _close, _hf_model
+    from weft.models import from_hf
+
+    ref = _hf_model(kind, 4, 2, 96, rope=rope)
+    model = from_hf(ref.config, state_dict=ref.state_dict())
+    assert model.decode_path(1) == "fused" and model.decode_path(64) == "layers"  # the default: fused to M = 16
+    assert model.with_comm("nccl").decode_path(1) == "layers"  # the NCCL+cuBLAS baseline stays on the layers
+    g = torch.Generator().manual_seed(2 + weft.world_size())
+    tokens = {}
+    for batch in (1, 3):
+        prompts = torch.randint(0, 96, (batch, 5), generator=g)
+        cont = torch.randint(0, 96, (batch, 2), generator=g)
+        with torch.no_grad():
+            want = ref(torch.cat([prompts, cont], dim=1)).logits
+            got = {}
+            for path in ("fused", "layers"):
+                cache = model.new_cache(batch, 16)
+                model.prefill(prompts, cache)
+                got[path] = [model.decode(cont[:, j], torch.full((batch,), 5 + j), cache, path=path) for j in range(2)]
+            for j in range(2):
+                _close(got["fused"][j], got["layers"][j], f"{kind} batch {batch} step {j}: fused against layers")
+                _close(got["fused"][j], want[:, 5 + j], f"{kind} batch {batch} step {j}: fused against transformers")
+            # Greedy tokens: the layers path's (test_model.py) are transformers' too.
+            fused = model.generate(prompts, 3, decode_path="fused")
+            mask = torch.ones_like(prompts)
+            assert fused.tolist() == ref.generate(prompts, attention_mask=mask, max_new_tokens=3,
+                                                  do_sample=False).tolist(), (kind, batch)
+            tokens[batch] = fused.tolist()
+    return tokens
+
+
+@pytest.mark.parametrize("kind, world_size", [("qwen3", 1), ("llama", 2)])
+def test_fused_decode_matches_layers_and_transformers(kind, world_size):
+    from test_model import ENV, LLAMA3_ROPE
+
+    results = run_ranks(_decode_paths, world_size, kind, LLAMA3_ROPE if kind == "llama" else None, timeout=TIMEOUT,
+                        env=ENV)
+    assert all(r == results[0] for r in results), "ranks generated different tokens"
+
+
+def test_decode_path_setting():
+    """WEFT_DECODE picks the path, and a bad value (or a bad path argument) is refused naming it."""
+    assert run_ranks(_path_setting, 1, timeout=TIMEOUT)[0]
+
+
+def _path_setting():
+    import os
+
+    from test_model import _hf_model
+    from weft.models import from_hf
+    from weft.runtime import settings
+    from weft.testing.checks import rejects
+
+    model = from_hf(_hf_model("qwen3", 4, 2, 96).config)
+    for value, small, large in (("layers", "layers", "layers"), ("fused", "fused", "fused")):
+        os.environ["WEFT_DECODE"] = value
+        assert (model.decode_path(1), model.decode_path(64)) == (small, large), value
+    os.environ["WEFT_DECODE"] = "fast"
+    rejects(lambda: settings.check_all(), ValueError, "WEFT_DECODE='fast'", [])
+    del os.environ["WEFT_DECODE"]
+    rejects(lambda: model.decode_path(1, "fast"), ValueError, "path must be one of", [])
+    return True

@@ -48,7 +48,9 @@ MIN_BLOCK = 16
 # Under the interpreter (cpu): columns per accumulator, K block, programs per "SM" (num_sms is 2 there), so that
 # the tests' small shapes take the split-K path as well as the direct one.
 CPU_SETTINGS = dict(block_n=16, block_k=32, num_warps=4, num_stages=1, programs_per_sm=2)
-NORM_BLOCK_K = 1024  # columns of x per step of the epilogue's sum of squares
+# Elements of x per step of the epilogue's sum of squares (BLOCK_M rows x NORM_K columns): 32 registers a thread
+# at 4 warps, beside the accumulators.
+NORM_ELEMENTS = 4096
 
 
 # -- device helpers -------------------------------------------------------------
@@ -374,7 +376,7 @@ class GemvPlan(Plan):
         self.counter = torch.zeros((m_blocks, tiles), dtype=torch.int32, device=device)
         self.common = dict(SPLIT=self.split, BLOCK_M=self.block_m)
         self.even_k, self.ieee = k % self.block_k == 0, dtype == torch.float32
-        self.norm_k = min(NORM_BLOCK_K, triton.next_power_of_2(max(k, 1)))
+        self.norm_k = max(MIN_BLOCK, min(NORM_ELEMENTS // self.block_m, triton.next_power_of_2(max(k, 1))))
         self.launch = None
 
 
@@ -622,7 +624,7 @@ def _compile_cases():
             out.append((norm_gate_up_silu_kernel,
                         dict(x=t, norm_w=t, w=t, out=t, partial="*fp32", counter="*i32", M="i32", K="i32", I="i32",
                              KB="i32", BPS="i32", eps="fp32"),
-                        dict(**common, BLOCK_N=s["block_n"], EVEN_N=True, NORM_K=NORM_BLOCK_K),
+                        dict(**common, BLOCK_N=s["block_n"], EVEN_N=True, NORM_K=NORM_ELEMENTS // block_m),
                         dict(num_warps=s["num_warps"], divisible=("K", "I"))))
             for qk_norm in (True, False):
                 out.append((norm_qkv_rope_kernel,
@@ -630,7 +632,7 @@ def _compile_cases():
                                  inv_freq="*fp32", q_weight=t, k_weight=t, partial="*fp32", counter="*i32", M="i32",
                                  K="i32", KB="i32", BPS="i32", eps="fp32", dst_sb="i64", dst_sp="i64", dst_sh="i64"),
                             dict(HEADS=32, KV_HEADS=8, HALF=64, QK_NORM=qk_norm, **common, HALF_P=64,
-                                 NORM_K=NORM_BLOCK_K), dict(num_warps=s["num_warps"], divisible=("K",))))
+                                 NORM_K=NORM_ELEMENTS // block_m), dict(num_warps=s["num_warps"], divisible=("K",))))
     return out
 
 

@@ -70,6 +70,13 @@ def _flag(text: str) -> bool:
     return text == "1"
 
 
+def _decode_path(text: str) -> str:
+    value = text.lower()
+    if value not in ("fused", "layers"):
+        raise ValueError(text)
+    return value
+
+
 def _backend(text: str) -> str:
     value = text.lower()
     if value not in ("cpu", "cuda"):
@@ -110,6 +117,11 @@ SETTINGS = {s.name: s for s in (
     Setting("WEFT_P2P_KERNEL", _flag, "0 or 1", "0: on GPUs the process group's send/recv",
             "1: send/recv on GPUs through weft's device kernel, whose transfers of more than one chunk are not yet "
             "correct there (the cpu backend always uses it)"),
+    Setting("WEFT_DECODE", _decode_path, "fused or layers",
+            "fused at decode batch buckets up to weft.tuning's decode.fused_max_m, layers above",
+            "the decoder's decode step (weft.models): fused (weft/kernels/decode.py: a GEMV with the norm, rotary, "
+            "SiLU or residual add fused in, five launches a layer) or layers (the layers' GEMMs and pointwise "
+            "kernels)"),
     Setting("WEFT_BENCH_OUT", str, "a directory", "bench_results", "`weft bench`'s output folder (or --out)"),
 )}
 
@@ -140,6 +152,11 @@ def wait_timeout_s() -> float:
 def test_delay() -> Delay | None:
     """WEFT_TEST_DELAY, None when unset."""
     return get("WEFT_TEST_DELAY")
+
+
+def decode_path() -> str | None:
+    """WEFT_DECODE ("fused" or "layers"), None when unset (the tuning data decides per batch)."""
+    return get("WEFT_DECODE")
 
 
 def init_timeout_s() -> float:
