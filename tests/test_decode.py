@@ -28,7 +28,6 @@ def _fused_ops(seed):
     import torch.nn.functional as F
 
     import weft
-    from weft.kernels import decode
 
     g = torch.Generator().manual_seed(seed)
     eps = 1e-5
@@ -131,6 +130,8 @@ def _bad_arguments():
         (lambda: ops.linear_residual(x, w[:16], res), ValueError, "weight has shape (16, 48)"),
         (lambda: ops.linear_residual(x, w, res[:, :8]), ValueError, "residual has shape (2, 8)"),
         (lambda: ops.linear_residual(x, w.t().contiguous().t(), res), ValueError, "weight must be contiguous"),
+        (lambda: ops.linear_residual(x[:, :0], w[:0], res), ValueError, "x has no columns"),
+        (lambda: ops.norm_gate_up_silu(x[:, :0], nw[:0], gu[:0]), ValueError, "x has no columns"),
         (lambda: ops.norm_gate_up_silu(x, nw[:8], gu), ValueError, "norm_weight has shape (8,)"),
         (lambda: ops.norm_gate_up_silu(x, nw, torch.randn(32, 39)), ValueError,
          "gate_up_weight's columns (39) must be even"),

@@ -39,7 +39,7 @@ from .. import tuning
 from .blocks import cast
 from .common import Launch, Plan, plan, signature, world_or_raise
 from .gemm import num_sms
-from .pointwise import DTYPES, _check, _rotate
+from .pointwise import _check, _rotate
 from .registry import declare_op
 
 # Rows a program takes at most (more rows: more row blocks); tl.dot needs 16 at least.
@@ -336,7 +336,7 @@ def fused_max_m(device: torch.device) -> int:
 
 
 def _operand(name: str, t, dtype, shape: tuple) -> None:
-    """TypeError/ValueError naming `name` unless t is a contiguous tensor of `dtype` (None: one of DTYPES) and
+    """TypeError/ValueError naming `name` unless t is a contiguous tensor of `dtype` (None: bf16, fp16, fp32) and
     `shape` (None: any size there)."""
     _check(name, t, dtype, len(shape))
     if any(want is not None and got != want for got, want in zip(t.shape, shape)):
@@ -399,6 +399,8 @@ class LinearResidualPlan(GemvPlan):
         n = weight.shape[1]
         _operand("residual", residual, x.dtype, (m, n))
         _same_device(group.device, x=x, weight=weight, residual=residual)
+        if k == 0:
+            raise ValueError("x has no columns (K = 0): nothing to project")
         self.shape = (m, n)
         s = launch_settings(group.device)
         super().__init__(group, m, k, n, triton.cdiv(n, 2 * s["block_n"]), x.dtype)
@@ -416,8 +418,6 @@ class LinearResidualPlan(GemvPlan):
         if self.launch is not None:
             a = self.launch.address
             self.launch(a(x), a(weight), a(residual), a(out), a(self.partial), a(self.counter), *self.args)
-        elif out.numel():  # K = 0: the product is zero
-            out.copy_(residual)
         return out
 
 
