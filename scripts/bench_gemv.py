@@ -2,7 +2,7 @@
 the same weight, as a fraction of the copy bandwidth; on one GPU.
 
     python3 -m weft run -n 1 scripts/bench_gemv.py --out $OUT/bench_gemv.json                   # Qwen3-8B, M 1,8,16,64
-    python3 -m weft run -n 1 scripts/bench_gemv.py --sweep --ms 1,16 --out $OUT/bench_gemv_sweep.json
+    python3 -m weft run -n 1 scripts/bench_gemv.py --sweep --ms 1 --ops o,qkv --out $OUT/bench_gemv_sweep.json
     python3 -m weft run -n 1 scripts/bench_gemv.py --model tiny --ms 1,3 --samples 2 --out /tmp/bench_gemv.json
                                                                                                 # cpu smoke run
 
@@ -13,8 +13,9 @@ device-to-device copy, read + write bytes over its time, measured in the same ru
 (weight, x, outputs) over its time. Calls replay from a CUDA graph, and go round a set of weight copies larger
 than L2, so the weights come from HBM as in a decode step. --sweep: every launch setting of a small grid (weft.tuning
 decode.gemv: block_n, block_k, num_stages, num_warps, programs_per_sm) for the fused ops, best per op and M
-reported (36 settings: minutes per op and M), to be written into weft/tuning/data as measured values. The issue's
-target: >= 95 % of the copy bandwidth at M = 1..16.
+reported (12 settings by default, --grid for others; each prints as it is timed; GPUs only: the cpu backend keeps
+its interpreter settings), to be written into weft/tuning/data as measured values. The issue's target: >= 95 % of
+the copy bandwidth at M = 1..16.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ from weft.bench.timing import time_calls  # noqa: E402
 from weft.kernels.decode import launch_settings  # noqa: E402
 
 L2_BYTES = {"cuda": 256 << 20, "cpu": 0}  # weight bytes cycled through per call: well past an H100/H200's L2
-SWEEP = dict(block_n=(32, 64, 128), block_k=(64, 128, 256), num_stages=(3, 5), num_warps=(4,), programs_per_sm=(2, 4))
+# --sweep's default grid (--grid replaces it): 12 settings, a compile each per op and M.
+SWEEP = dict(block_n=(64,), block_k=(128, 256), num_stages=(3, 4), num_warps=(4,), programs_per_sm=(1, 2, 4))
 
 
 def parse(argv=None):
@@ -43,7 +45,10 @@ def parse(argv=None):
     p.add_argument("--model", default="Qwen3-8B", choices=sorted(MODELS))
     p.add_argument("--ms", default="1,8,16,64", help="rows (tokens) per call")
     p.add_argument("--samples", type=int, default=30)
+    p.add_argument("--ops", default=",".join(OPS), help=f"of {', '.join(OPS)}")
     p.add_argument("--sweep", action="store_true", help="every launch setting of a small grid (module doc)")
+    p.add_argument("--grid", default=None,
+                   help='the sweep\'s grid as JSON, each decode.gemv field a list: {"block_n": [64, 128], ...}')
     p.add_argument("--out", required=True, help="the JSON report's path")
     return p.parse_args(argv)
 
@@ -139,12 +144,18 @@ def main(argv=None) -> int:
     gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
     print(f"{args.model}, {gpu_name}, copy bandwidth {bandwidth / 1e9:,.0f} GB/s, {dtype}", flush=True)
     rows = []
-    for op, m in itertools.product(OPS, [int(v) for v in args.ms.split(",") if v]):
+    ops = [op for op in args.ops.split(",") if op]
+    for op in ops:
+        if op not in OPS:
+            raise SystemExit(f"--ops: {op!r} is not one of {', '.join(OPS)}")
+    grid = SWEEP if args.grid is None else json.loads(args.grid)
+    for op, m in itertools.product(ops, [int(v) for v in args.ms.split(",") if v]):
         case = Case(op, config, m, dtype, device, L2_BYTES[device.type])
         error = case.error()
         settings = [None]
         if args.sweep:
-            settings = [dict(zip(SWEEP, values)) for values in itertools.product(*SWEEP.values())]
+            base = launch_settings(device)
+            settings = [dict(base, **dict(zip(grid, values))) for values in itertools.product(*grid.values())]
         fused = {}
         for s in settings:
             with tuning.overrides({} if s is None else {"decode.gemv": s}):
@@ -155,6 +166,8 @@ def main(argv=None) -> int:
                     print(f"  {NAMES[op]} M={m} {s}: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
                     continue
                 fused[json.dumps(s)] = next(iter(ms.values())) / case.copies
+                if s is not None:
+                    print(f"  {NAMES[op]} M={m} {s}: {fused[json.dumps(s)] * 1e3:.1f} µs", flush=True)
             w.plans.clear()
         best, fused_ms = min(fused.items(), key=lambda kv: kv[1])
         matmul_ms = _time({"torch.matmul": case.torch_matmul}, args.samples)

@@ -105,26 +105,29 @@ def _gemv_pair(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_
 
 
 @triton.jit
-def _store_partials(acc_a, acc_b, partial, row0, cols_a, cols_b, col_mask_a, col_mask_b, N,
+def _store_partials(acc_a, acc_b, partial, row0, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N,
                     BLOCK_M: tl.constexpr):
-    """This split's fp32 sums into its slab of the workspace: rows [row0, +BLOCK_M) of partial (.., N)."""
+    """This split's fp32 sums into its slab of the workspace: rows [row0, +BLOCK_M) of partial (.., N), the valid
+    rows only (M = 1 would otherwise write 16 rows)."""
     r = (row0 + tl.arange(0, BLOCK_M))[:, None].to(tl.int64) * N
-    tl.store(partial + r + cols_a[None, :], acc_a, mask=col_mask_a[None, :])
-    tl.store(partial + r + cols_b[None, :], acc_b, mask=col_mask_b[None, :])
+    tl.store(partial + r + cols_a[None, :], acc_a, mask=m_mask[:, None] & col_mask_a[None, :])
+    tl.store(partial + r + cols_b[None, :], acc_b, mask=m_mask[:, None] & col_mask_b[None, :])
 
 
 @triton.jit
-def _sum_partials(partial, slab0, cols_a, cols_b, col_mask_a, col_mask_b, N, SPLIT: tl.constexpr,
+def _sum_partials(partial, slab0, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N, SPLIT: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The sums of every split's slab (slabs slab0 .. slab0 + SPLIT - 1, BLOCK_M rows each), read past L1 (other
-    programs wrote them)."""
+    """The sums of every split's slab (slabs slab0 .. slab0 + SPLIT - 1, BLOCK_M rows each, the valid ones read),
+    read past L1 (other programs wrote them)."""
     acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     rr = tl.arange(0, BLOCK_M)[:, None]
+    mask_a = m_mask[:, None] & col_mask_a[None, :]
+    mask_b = m_mask[:, None] & col_mask_b[None, :]
     for s in range(SPLIT):
         r = ((slab0 + s) * BLOCK_M + rr).to(tl.int64) * N
-        acc_a += tl.load(partial + r + cols_a[None, :], mask=col_mask_a[None, :], other=0.0, cache_modifier=".cg")
-        acc_b += tl.load(partial + r + cols_b[None, :], mask=col_mask_b[None, :], other=0.0, cache_modifier=".cg")
+        acc_a += tl.load(partial + r + cols_a[None, :], mask=mask_a, other=0.0, cache_modifier=".cg")
+        acc_b += tl.load(partial + r + cols_b[None, :], mask=mask_b, other=0.0, cache_modifier=".cg")
     return acc_a, acc_b
 
 
@@ -254,11 +257,11 @@ def linear_residual_kernel(x, w, residual, out, partial, counter, M, K, N, KB, B
     if SPLIT == 1:
         _residual_out(acc_a, acc_b, residual, out, m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N)
     else:
-        _store_partials(acc_a, acc_b, partial, (mb * SPLIT + split) * BLOCK_M, cols_a, cols_b, col_mask_a,
+        _store_partials(acc_a, acc_b, partial, (mb * SPLIT + split) * BLOCK_M, m_mask, cols_a, cols_b, col_mask_a,
                         col_mask_b, N, BLOCK_M)
         if _split_done(counter + mb * tl.num_programs(0) + tile, SPLIT):
-            acc_a, acc_b = _sum_partials(partial, mb * SPLIT, cols_a, cols_b, col_mask_a, col_mask_b, N, SPLIT,
-                                         BLOCK_M, BLOCK_N)
+            acc_a, acc_b = _sum_partials(partial, mb * SPLIT, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N,
+                                         SPLIT, BLOCK_M, BLOCK_N)
             _residual_out(acc_a, acc_b, residual, out, m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N)
 
 
@@ -282,11 +285,11 @@ def norm_gate_up_silu_kernel(x, norm_w, w, out, partial, counter, M, K, I, KB, B
     if SPLIT == 1:
         _gate_up_out(acc_a, acc_b, x, out, m, m_mask, K, cols_a, col_mask_a, I, eps, BLOCK_M, NORM_K)
     else:
-        _store_partials(acc_a, acc_b, partial, (mb * SPLIT + split) * BLOCK_M, cols_a, cols_b, col_mask_a,
+        _store_partials(acc_a, acc_b, partial, (mb * SPLIT + split) * BLOCK_M, m_mask, cols_a, cols_b, col_mask_a,
                         col_mask_a, 2 * I, BLOCK_M)
         if _split_done(counter + mb * tl.num_programs(0) + tile, SPLIT):
-            acc_a, acc_b = _sum_partials(partial, mb * SPLIT, cols_a, cols_b, col_mask_a, col_mask_a, 2 * I, SPLIT,
-                                         BLOCK_M, BLOCK_N)
+            acc_a, acc_b = _sum_partials(partial, mb * SPLIT, m_mask, cols_a, cols_b, col_mask_a, col_mask_a,
+                                         2 * I, SPLIT, BLOCK_M, BLOCK_N)
             _gate_up_out(acc_a, acc_b, x, out, m, m_mask, K, cols_a, col_mask_a, I, eps, BLOCK_M, NORM_K)
 
 
@@ -314,11 +317,11 @@ def norm_qkv_rope_kernel(x, norm_w, w, q_out, k_dst, v_dst, rows, positions, inv
         _qkv_out(acc_a, acc_b, head, x, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, m,
                  m_mask, K, eps, dst_sb, dst_sp, dst_sh, HEADS, KV_HEADS, HALF, QK_NORM, BLOCK_M, NORM_K)
     else:
-        _store_partials(acc_a, acc_b, partial, (mb * SPLIT + split) * BLOCK_M, cols_a, cols_b, j_mask, j_mask, N,
-                        BLOCK_M)
+        _store_partials(acc_a, acc_b, partial, (mb * SPLIT + split) * BLOCK_M, m_mask, cols_a, cols_b, j_mask,
+                        j_mask, N, BLOCK_M)
         if _split_done(counter + mb * tl.num_programs(0) + head, SPLIT):
-            acc_a, acc_b = _sum_partials(partial, mb * SPLIT, cols_a, cols_b, j_mask, j_mask, N, SPLIT, BLOCK_M,
-                                         HALF_P)
+            acc_a, acc_b = _sum_partials(partial, mb * SPLIT, m_mask, cols_a, cols_b, j_mask, j_mask, N, SPLIT,
+                                         BLOCK_M, HALF_P)
             _qkv_out(acc_a, acc_b, head, x, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, m,
                      m_mask, K, eps, dst_sb, dst_sp, dst_sh, HEADS, KV_HEADS, HALF, QK_NORM, BLOCK_M, NORM_K)
 
