@@ -20,9 +20,12 @@
 #     probe_moe_tp.py; not in all);
 #     e2e: the tensor-parallel decoder (weft.models): GPU tests on 2 and all GPUs (logits against transformers,
 #     graph-replayed decode), `weft demo`, `weft bench e2e` (Qwen3-8B and -32B, prefill and decode) on all GPUs;
-#     decode: one GPU against the HBM floor: `weft bench -n 1 e2e` at Qwen3-8B's decode cases b1/b8/b64 ctx 512
-#     and b8/b64 ctx 4096 (weft, NCCL+cuBLAS, transformers' own model, the floor), and scripts/profile_decode.py
-#     (each kernel's GPU µs per replayed step and its bytes' share of the copy bandwidth) at b1 and b64 ctx 512;
+#     decode: one GPU against the HBM floor: the sm_90 compile of the fused decode kernels (weft/kernels/decode.py,
+#     registers), tests/test_gpu_model.py on 1 GPU, scripts/bench_gemv.py (the fused GEMVs alone against
+#     torch.matmul, % of copy bandwidth), `weft bench -n 1 e2e` at Qwen3-8B's and Llama-3-8B's decode cases
+#     b1/b8/b64 ctx 512 and b8 ctx 4096 (weft fused and layers, NCCL+cuBLAS, transformers' own model, the floor),
+#     and scripts/profile_decode.py (each kernel's GPU µs per replayed step and its bytes' share of the copy
+#     bandwidth) at b1 ctx 512 on both decode paths;
 #     groups: tests/test_gpu_groups.py on 1 and all GPUs, examples/train_tp_dp.py, overhead rows with group=
 # WEFT_COMMIT names the commit in the log where the tree was copied without its git history.
 # Logs and bench JSON/markdown/PNG end up packed in $OUT/weft_results.tar.gz (*.log, bench/).
@@ -144,12 +147,18 @@ if has groups; then
       --ops all_reduce,all_gather,reduce_scatter,broadcast,device_barrier,gemm_ar --samples 15 --out "$OUT/bench"
   done
 fi
-if has decode; then  # one GPU: bench/e2e_1.{json,md,png}, bench/profile_decode_*.json
-  step bench_e2e_decode_1 timeout 400 env CUDA_VISIBLE_DEVICES=0 python3 -m weft bench -n 1 e2e --models Qwen3-8B \
-    --prefill none --decode 1x512,8x512,64x512,8x4096,64x4096 --samples 20 --out "$OUT/bench"
-  for b in 1 64; do
-    step "profile_decode_b${b}_ctx512" timeout 200 env CUDA_VISIBLE_DEVICES=0 python3 -m weft run -n 1 \
-      scripts/profile_decode.py --batch "$b" --context 512 --out "$OUT/bench/profile_decode_b${b}_ctx512.json"
+if has decode; then  # one GPU: bench/bench_gemv.json, bench/e2e_1.{json,md,png}, bench/profile_decode_*.json
+  step compile_decode timeout 240 env WEFT_BACKEND=cuda python3 -m weft.testing.compile 90 decode --registers
+  step gpu_model_tests_1 timeout 200 env CUDA_VISIBLE_DEVICES=0 python3 -m weft run -n 1 -m pytest \
+    tests/test_gpu_model.py -m gpu -q -x -p no:cacheprovider
+  step bench_gemv timeout 200 env CUDA_VISIBLE_DEVICES=0 python3 -m weft run -n 1 scripts/bench_gemv.py \
+    --out "$OUT/bench/bench_gemv.json"
+  step bench_e2e_decode_1 timeout 420 env CUDA_VISIBLE_DEVICES=0 python3 -m weft bench -n 1 e2e \
+    --models Qwen3-8B,Llama-3-8B --prefill none --decode 1x512,8x512,64x512,8x4096 --samples 20 --out "$OUT/bench"
+  for path in fused layers; do
+    step "profile_decode_b1_ctx512_$path" timeout 200 env CUDA_VISIBLE_DEVICES=0 python3 -m weft run -n 1 \
+      scripts/profile_decode.py --batch 1 --context 512 --path "$path" \
+      --out "$OUT/bench/profile_decode_b1_ctx512_$path.json"
   done
 fi
 cat "$OUT"/bench/*.md 2>/dev/null

@@ -3,6 +3,7 @@ graph under torch.profiler, on one GPU.
 
     python3 -m weft run -n 1 scripts/profile_decode.py --out $OUT/profile_decode.json      # Qwen3-8B, b1 ctx512
     python3 -m weft run -n 1 scripts/profile_decode.py --batch 8 --context 4096 --out ...
+    python3 -m weft run -n 1 scripts/profile_decode.py --path layers --out ...             # the layers path
     python3 -m weft run -n 1 scripts/profile_decode.py --model tiny --layers 1 --batch 2 --context 4 --steps 2 \
         --out /tmp/profile_decode.json                                                      # cpu smoke run
 
@@ -10,7 +11,8 @@ Prints and writes (JSON, --out) per kernel name: GPU µs per step, launches per 
 time, and where it can be computed the bytes the kernel must read per step and the fraction of the copy
 bandwidth (a large device-to-device copy in the same run, read + write) that makes: projections (the
 torch.matmul / cuBLAS GEMMs, their weights' bytes by the shapes an eager step's profile records),
-flash_decode (the KV cache read), gemm_ar_kernel (the O and down projections' weights). Also the step's
+flash_decode (the KV cache read), gemm_ar_kernel (the O and down projections' weights), the fused decode
+path's kernels (norm_qkv_rope, linear_residual, norm_gate_up_silu: their projections' weights). Also the step's
 replayed time against its HBM floor (weights + KV bytes over the copy bandwidth) and the kernels' sum (the
 rest is gaps between kernels). On the cpu backend the same report of CPU ops' self time (a check of the
 script, not a profile).
@@ -31,6 +33,7 @@ import weft  # noqa: E402
 from weft.bench.e2e import MODELS, copy_bandwidth  # noqa: E402
 from weft.bench.timing import time_calls  # noqa: E402
 from weft.models import DecodeSession, from_hf  # noqa: E402
+from weft.models.decoder import DECODE_PATHS  # noqa: E402
 
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm")  # the ops whose second operand is a projection's weight
 
@@ -42,6 +45,8 @@ def parse(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=512, help="tokens already cached")
     p.add_argument("--comm", default="weft", choices=("weft", "nccl"))
+    p.add_argument("--path", default=None, choices=DECODE_PATHS,
+                   help="the decode path (default: the model's for this batch: WEFT_DECODE, else the tuning data)")
     p.add_argument("--steps", type=int, default=20, help="steps profiled (and timed samples x 2)")
     p.add_argument("--out", required=True, help="the JSON report's path")
     return p.parse_args(argv)
@@ -102,7 +107,7 @@ def main(argv=None) -> int:
         config["num_hidden_layers"] = min(args.layers, config["num_hidden_layers"])
     model = from_hf(config, comm=args.comm)
     cache = model.new_cache(args.batch, args.context + 1)
-    session = DecodeSession(model, cache)
+    session = DecodeSession(model, cache, path=args.path)
     session.tokens.copy_(torch.randint(0, model.config.vocab_size, (args.batch,)))
     session.positions.fill_(args.context)
     graph = session.graph is not None
@@ -119,11 +124,18 @@ def main(argv=None) -> int:
 
     bytes_of = gemm_weight_bytes(session.run, model.dtype.itemsize)
     gemm_ar = sum(b.attn.o_weight.nbytes + b.mlp.down_weight.nbytes for b in model.blocks)
+    # The fused decode kernels (weft/kernels/decode.py), each named for the weights it reads.
+    fused = {"norm_qkv_rope_kernel": sum(b.attn.qkv_weight.nbytes for b in model.blocks),
+             "linear_residual_kernel": gemm_ar,
+             "norm_gate_up_silu_kernel": sum(b.mlp.gate_up_weight.nbytes for b in model.blocks)}
     for name in times:
         if "flash_decode_split" in name:
             bytes_of[name] = need["kv"]
         elif "gemm_ar_kernel" in name:
             bytes_of[name] = gemm_ar
+        for kernel, nbytes in fused.items():
+            if kernel in name:
+                bytes_of[name] = nbytes
     total_us = sum(us for us, _ in times.values())
     kernels = []
     for name, (us, launches) in times.items():
@@ -133,7 +145,8 @@ def main(argv=None) -> int:
                             share=round(us / total_us, 4), bytes_per_step=nbytes, copy_bandwidth_fraction=fraction))
     device = torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else "cpu (interpreter)"
     report = dict(meta=dict(device=device, torch=torch.__version__, model=args.model, layers=model.config.num_layers,
-                            batch=args.batch, context=args.context, comm=args.comm, steps=args.steps,
+                            batch=args.batch, context=args.context, comm=args.comm, path=session.path,
+                            steps=args.steps,
                             profiled=profiled, commit=os.environ.get("WEFT_COMMIT")),
                   copy_bandwidth_gbps=round(bandwidth / 1e9, 1), decode_bytes=need, step_us=round(step_us, 1),
                   floor_us=round(floor_us, 1), kernels_us=round(total_us, 1), kernels=kernels)
@@ -142,7 +155,7 @@ def main(argv=None) -> int:
         json.dump(report, f, indent=1)
 
     print(f"{args.model} ({model.config.num_layers} layers) decode b{args.batch} ctx{args.context}, comm={args.comm}, "
-          f"{device}, {profiled}")
+          f"{session.path} path, {device}, {profiled}")
     print(f"step {step_us:.0f} µs, HBM floor {floor_us:.0f} µs ({floor_us / step_us:.0%}; weights "
           f"{need['weights'] / 2**30:.2f} GiB + KV {need['kv'] / 2**30:.3f} GiB at {bandwidth / 1e9:,.0f} GB/s copy); "
           f"kernels {total_us:.0f} µs, gaps {step_us - total_us:.0f} µs")

@@ -215,12 +215,14 @@ def test_bench_e2e_suite(tmp_path, n):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = json.loads((tmp_path / f"e2e_{n}.json").read_text())["rows"]
     prefill, decode = "tiny (1 layers) prefill 1×5", "tiny (1 layers) decode b2 ctx4"
-    decoders = {"weft", "NCCL+cuBLAS", "HBM floor"} | ({"transformers"} if n == 1 else set())
+    decoders = {"weft (fused)", "weft (layers)", "NCCL+cuBLAS", "HBM floor"} | ({"transformers"} if n == 1 else set())
     assert {(r["case"], r["impl"]) for r in rows} == {(prefill, "weft"), (prefill, "NCCL+cuBLAS"),
                                                       *((decode, i) for i in decoders)}
     assert all(r["ms"] > 0 for r in rows)
     assert "weft vs NCCL+cuBLAS logits differ by" in res.stdout
-    assert ("weft vs transformers logits differ by" in res.stdout) == (n == 1)
+    assert "weft (fused) vs NCCL+cuBLAS logits differ by" in res.stdout
+    assert "weft (layers) vs NCCL+cuBLAS logits differ by" in res.stdout
+    assert ("weft (fused) vs transformers logits differ by" in res.stdout) == (n == 1)
     assert "note: transformers: its model runs on one device, at -n 1 only" in res.stdout or n == 1
     by = {r["impl"]: r["ms"] for r in rows if r["case"] == decode}
     # The floor: (this rank's weights + the KV cache read) over the copy bandwidth printed at the start.
@@ -237,19 +239,22 @@ def test_bench_e2e_suite(tmp_path, n):
 
 
 def test_profile_decode_script(tmp_path):
-    """scripts/profile_decode.py on one cpu rank (its smoke run): the JSON report, the GEMMs' weight bytes (at
-    one rank the O and down projections are torch.matmul too: 5 GEMMs of the tiny model's one layer)."""
-    out = tmp_path / "profile.json"
-    res = weft_cmd("run", "-n", "1", "scripts/profile_decode.py", "--model", "tiny", "--layers", "1", "--batch", "2",
-                   "--context", "4", "--steps", "1", "--out", str(out), timeout=300)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert report["meta"]["batch"] == 2 and report["step_us"] > 0 and report["floor_us"] > 0
+    """scripts/profile_decode.py on one cpu rank (its smoke run), on both decode paths: the JSON report, the GEMMs'
+    weight bytes (layers: at one rank the O and down projections are torch.matmul too, 5 GEMMs of the tiny model's
+    one layer; fused: the LM head's alone, the projections being the fused kernels)."""
     hidden, inter, vocab, q, kv = 64, 128, 512, 8 * 16, 2 * 4 * 16
-    weights = 4 * (hidden * (q + kv) + q * hidden + 2 * hidden * inter + inter * hidden + hidden * vocab)
-    gemms = [k for k in report["kernels"] if k["bytes_per_step"] is not None]
-    assert [k["name"] for k in gemms] == ["aten::mm"] and gemms[0]["bytes_per_step"] == weights
-    assert all(k["us_per_step"] > 0 for k in report["kernels"]) and "written to" in res.stdout
+    layers = 4 * (hidden * (q + kv) + q * hidden + 2 * hidden * inter + inter * hidden + hidden * vocab)
+    for path, weights in (("layers", layers), ("fused", 4 * hidden * vocab)):
+        out = tmp_path / f"profile_{path}.json"
+        res = weft_cmd("run", "-n", "1", "scripts/profile_decode.py", "--model", "tiny", "--layers", "1", "--batch",
+                       "2", "--context", "4", "--steps", "1", "--path", path, "--out", str(out), timeout=300)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        report = json.loads(out.read_text())
+        assert report["meta"]["batch"] == 2 and report["step_us"] > 0 and report["floor_us"] > 0
+        assert report["meta"]["path"] == path
+        gemms = [k for k in report["kernels"] if k["bytes_per_step"] is not None]
+        assert [k["name"] for k in gemms] == ["aten::mm"] and gemms[0]["bytes_per_step"] == weights, path
+        assert all(k["us_per_step"] > 0 for k in report["kernels"]) and "written to" in res.stdout
 
 
 def test_readme_within_its_limits_and_lists_every_op():

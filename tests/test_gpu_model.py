@@ -7,7 +7,8 @@ the same weights on one GPU (every rank runs it on its own):
   overlapped GEMMs (ag_gemm / gemm_rs) and not a multiple of every world size;
 - prefill into the KV cache then decode steps, against transformers' full forward at those positions;
 - decode replayed from the CUDA graph against eager decode, and generate() with graphs (batch 3 in the
-  bucket of 4) against generate() without.
+  bucket of 4) against generate() without;
+- the fused decode path (WEFT_DECODE=fused) against the layers path and transformers, both graph-replayed.
 """
 import pytest
 import torch
@@ -91,10 +92,28 @@ def test_prefill_and_graph_decode_match_transformers(reference, models, comm):
         assert _rel(replayed, eager) < 1e-3, (j, _rel(replayed, eager))
 
 
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_fused_decode_matches_layers_under_graph_replay(reference, models, batch):
+    """The fused decode path (weft/kernels/decode.py; split-K GEMVs at these shapes) against the layers path and
+    transformers, both replayed from their CUDA graphs, steps after a prefill of the same prompts."""
+    model = models["weft"]
+    seqs = _ids(batch, 68, 4 + batch)
+    with torch.no_grad():
+        want = reference(seqs).logits
+    sessions = {path: DecodeSession(model, model.new_cache(batch, 128), path=path) for path in ("fused", "layers")}
+    for s in sessions.values():
+        assert s.graph is not None and s.path in sessions
+        model.prefill(seqs[:, :64], s.cache)
+    for j in range(4):
+        got = {path: s.step(seqs[:, 64 + j], 64 + j).clone() for path, s in sessions.items()}
+        assert _rel(got["fused"], want[:, 64 + j]) < TOL, (j, _rel(got["fused"], want[:, 64 + j]))
+        assert _rel(got["fused"], got["layers"]) < TOL, (j, _rel(got["fused"], got["layers"]))
+
+
 def test_generate_with_graphs_equals_eager(models):
     prompts = _ids(3, 40, 3)  # batch 3 runs in the bucket of 4, with graphs and without
     with_graphs = models["weft"].generate(prompts, 16)
-    assert models["weft"].sessions.keys() >= {(4, True)}
+    assert models["weft"].sessions.keys() >= {(4, True, models["weft"].decode_path(4))}
     assert torch.equal(with_graphs, models["weft"].generate(prompts, 16, cuda_graph=False))  # the same kernels
     sampled = models["weft"].generate(prompts, 8, do_sample=True, top_k=50, seed=1)
     everyone = [torch.empty_like(sampled) for _ in range(weft.world_size())]

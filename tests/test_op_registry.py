@@ -62,6 +62,21 @@ def _cases(w: int, me: int) -> dict:
                                             1.0 / 10000 ** (torch.arange(hd // 2) / (hd // 2)),
                                             _randn(s + 24, hd), _randn(s + 25, hd), _randn(s + 26, 2, 4, 1, hd)])
 
+    # The fused decode ops (weft/kernels/decode.py); norm_qkv_rope writes k and v into the cache as qk_norm_rope.
+    def norm_qkv_rope(x, nw, wqkv, inv_freq, qw, kw, cache):
+        k_dst, v_dst = cache.clone(), cache.clone()
+        rows, positions = torch.tensor([1, 0]), torch.tensor([2, 3])
+        q = ops.norm_qkv_rope(x, nw, wqkv, heads, kv_heads, inv_freq, rows, positions, k_dst, v_dst, qw, kw)
+        return q, k_dst, v_dst
+    cases["norm_qkv_rope"] = (norm_qkv_rope, [_randn(s + 27, 2, 32), _randn(s + 28, 32),
+                                              _randn(s + 29, 32, (heads + 2 * kv_heads) * hd),
+                                              1.0 / 10000 ** (torch.arange(hd // 2) / (hd // 2)),
+                                              _randn(s + 24, hd), _randn(s + 25, hd), _randn(s + 26, 2, 4, 1, hd)])
+    cases["linear_residual"] = (lambda x, wo, r: ops.linear_residual(x, wo, r),
+                                [_randn(s + 33, 2, 32), _randn(s + 34, 32, 24), _randn(s + 35, 2, 24)])
+    cases["norm_gate_up_silu"] = (lambda x, nw, wgu: ops.norm_gate_up_silu(x, nw, wgu),
+                                  [_randn(s + 36, 2, 32), _randn(s + 37, 32), _randn(s + 38, 32, 48)])
+
     # MoE: routing, then each dispatch with its combine (a handle joins them), each grouped GEMM with its sum.
     e = 4 * w
     idx = torch.stack([torch.randperm(e, generator=torch.Generator().manual_seed(s + 30 + t))[:2] for t in range(5)])

@@ -1,12 +1,14 @@
 """e2e: a whole tensor-parallel decoder (weft.models) on weft's ops against the same model on NCCL + cuBLAS.
 
-Qwen3-8B and Qwen3-32B shapes with random bf16 weights, every layer (--layers cuts them where memory
+Qwen3-8B, Qwen3-32B and Llama-3-8B shapes with random bf16 weights, every layer (--layers cuts them where memory
 forces it), split over all ranks; both implementations share the weights (Transformer.with_comm):
 - prefill: --prefill batches × prompt lengths (default 1 × 8192 and 8 × 2048) into a KV cache, to the last
   tokens' logits, eager calls (a prefill is tens of ms of GEMMs);
 - decode: one step of every sequence (embedding, every layer with flash_decode over the cache, LM head) at
   --batches (1, 8, 64, 128) and --contexts tokens already cached (512, 4096), replayed from a CUDA graph in
-  both (the decode session of weft.models), on one KV cache shared by both.
+  both (the decode session of weft.models), on one KV cache shared by both; weft on both of its decode paths,
+  a row each: "weft (fused)" (weft/kernels/decode.py's GEMVs with the pointwise work fused in) and "weft
+  (layers)" (the layers' GEMMs and pointwise kernels), whatever WEFT_DECODE says.
 Beside them, for decode:
 - "HBM floor": the bytes a step must read on a rank (its weights and the KV cache it attends over,
   Transformer.decode_bytes) over the copy bandwidth measured at the start of the same run (a large
@@ -38,6 +40,7 @@ from .sweep import note
 from .timing import time_calls
 
 SUITE = "e2e"
+WEFT_PATHS = {"fused": "weft (fused)", "layers": "weft (layers)"}  # decode rows: weft's two decode paths
 BASELINE = "NCCL+cuBLAS"
 TRANSFORMERS = "transformers"
 FLOOR = "HBM floor"
@@ -50,6 +53,12 @@ _QWEN3 = dict(model_type="qwen3", num_key_value_heads=8, head_dim=128, vocab_siz
 MODELS = {
     "Qwen3-8B": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32),
     "Qwen3-32B": dict(_QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64),
+    # Llama-3.1-8B's config.json (rope scaling included), but for the weights.
+    "Llama-3-8B": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                       rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, hidden_act="silu",
+                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     # The same architecture at a size Triton's interpreter runs (cpu smoke runs of the harness).
     "tiny": dict(_QWEN3, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=4, head_dim=16, vocab_size=512),
@@ -86,12 +95,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 AGREE = 0.1
 
 
-def _agree(what: str, got: torch.Tensor, want: torch.Tensor, against: str = BASELINE) -> bool:
+def _agree(what: str, got: torch.Tensor, want: torch.Tensor, against: str = BASELINE, impl: str = "weft") -> bool:
     err = _rel(got, want)
     if weft.rank() == 0:
-        print(f"{what}: weft vs {against} logits differ by {err:.1e} (relative)", flush=True)
+        print(f"{what}: {impl} vs {against} logits differ by {err:.1e} (relative)", flush=True)
     if not err < AGREE and against == BASELINE:
-        raise RuntimeError(f"{what}: weft's logits are off by {err:.2e} against {BASELINE}'s")
+        raise RuntimeError(f"{what}: {impl}'s logits are off by {err:.2e} against {BASELINE}'s")
     return err < AGREE
 
 
@@ -214,7 +223,9 @@ def _decode_rows(label, models, hf, cases, samples, bandwidth, w) -> list[Row]:
             continue
         cache = model.new_cache(batch, ctx + 1)
         tokens = torch.randint(0, cfg.vocab_size, (batch,), generator=torch.Generator().manual_seed(batch))
-        sessions = {name: DecodeSession(m, cache) for name, m in models.items()}
+        # weft on both decode paths (WEFT_DECODE's two values), one row each, on the same cache and weights.
+        sessions = {WEFT_PATHS[path]: DecodeSession(model, cache, path=path) for path in WEFT_PATHS}
+        sessions[BASELINE] = DecodeSession(models[BASELINE], cache)
         steps = {name: s.run if s.graph is None else s.graph.replay for name, s in sessions.items()}
         graph = all(s.graph is not None for s in sessions.values())
         hf_session = None
@@ -232,10 +243,11 @@ def _decode_rows(label, models, hf, cases, samples, bandwidth, w) -> list[Row]:
             s.positions.fill_(ctx)
             steps[name]()
             logits[name] = s.logits.clone()
-        _agree(case, logits["weft"], logits[BASELINE])
+        for impl in WEFT_PATHS.values():
+            _agree(case, logits[impl], logits[BASELINE], impl=impl)
         if hf_session is not None:
             hf_session.replay()
-            if _agree(case, logits["weft"], hf_session.logits, TRANSFORMERS):
+            if _agree(case, logits[WEFT_PATHS["fused"]], hf_session.logits, TRANSFORMERS, WEFT_PATHS["fused"]):
                 eager_only = graph and hf_session.graph is None  # named so: not the same protocol as weft's
                 if eager_only:
                     note(f"{case}: {TRANSFORMERS} timed eagerly ({hf_session.why_eager})")

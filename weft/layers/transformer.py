@@ -304,17 +304,35 @@ class TensorParallelAttention(nn.Module):
     def decode(self, x: torch.Tensor, pos: Positions, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """One token per sequence, plain TP: x (batch, hidden) on every rank, `kv` this layer's cache of `batch`
         sequences (any strides but the last dimension's). Returns (batch, hidden), the same on every rank."""
-        batch, d = x.shape[0], self.head_dim
         k_cache, v_cache = kv
         q = self._qk(x @ self.qkv_weight, pos, k_cache, v_cache)
+        return self.comm.gemm_ar(self._attend(q, pos, kv), self.o_weight)
+
+    def _attend(self, q: torch.Tensor, pos: Positions, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Decode attention of q (batch, heads, d) over the cache (the step's k and v already in it): (batch,
+        heads d)."""
+        k_cache, v_cache = kv
         if self.decode_attention == "flash_decode":
             attn = ops.flash_decode(q, k_cache, v_cache, pos.lengths)
         else:
-            live = torch.arange(k_cache.shape[1], device=x.device) < pos.lengths.unsqueeze(-1)
+            live = torch.arange(k_cache.shape[1], device=q.device) < pos.lengths.unsqueeze(-1)
             attn = F.scaled_dot_product_attention(q.unsqueeze(2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
                                                   attn_mask=live[:, None, None, :],
                                                   enable_gqa=self.kv_heads != self.heads).squeeze(2)
-        return self.comm.gemm_ar(attn.reshape(batch, self.heads * d), self.o_weight)
+        return attn.reshape(q.shape[0], self.heads * self.head_dim)
+
+    def decode_fused(self, h: torch.Tensor, norm: RMSNorm, pos: Positions,
+                     kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The fused decode form of h + decode(norm(h)) (weft/kernels/decode.py): h (batch, hidden) the residual
+        stream on every rank, returns the stream after attention. norm, the QKV projection, q/k norm, rotary and
+        the KV-cache write in one kernel (ops.norm_qkv_rope, which takes one eps: the q/k norms' must be norm's),
+        attention, then the O projection with the residual add (ops.linear_residual; at W > 1 comm.gemm_ar,
+        then the add)."""
+        qk = self.q_norm is not None
+        q = ops.norm_qkv_rope(h, norm.weight, self.qkv_weight, self.heads, self.kv_heads, pos.inv_freq, pos.rows,
+                              pos.positions, *kv, self.q_norm.weight if qk else None,
+                              self.k_norm.weight if qk else None, norm.eps)
+        return _project_residual(self.comm, self._attend(q, pos, kv), self.o_weight, h, self.world_size)
 
 
 class TensorParallelMLP(nn.Module):
@@ -354,3 +372,17 @@ class TensorParallelMLP(nn.Module):
         h = self.comm.ag_gemm(x, self.gate_up_weight) if sequence_parallel else x @ self.gate_up_weight
         h = ops.silu_mul(h)
         return self.comm.gemm_rs(h, self.down_weight) if sequence_parallel else self.comm.gemm_ar(h, self.down_weight)
+
+    def decode_fused(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """The fused decode form of h + forward(norm(h), sequence_parallel=False): norm, the gate/up projection and
+        SiLU(gate) * up in one kernel (ops.norm_gate_up_silu), then the down projection with the residual add."""
+        g = ops.norm_gate_up_silu(h, norm.weight, self.gate_up_weight, norm.eps)
+        return _project_residual(self.comm, g, self.down_weight, h, self.world_size)
+
+
+def _project_residual(comm, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, world_size: int):
+    """residual + x @ weight summed over the group: one kernel on one rank (ops.linear_residual), else the row
+    projection's all-reduce (comm.gemm_ar) and the add."""
+    if world_size == 1:
+        return ops.linear_residual(x, weight, residual)
+    return comm.gemm_ar(x, weight) + residual

@@ -39,12 +39,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import weft
+from weft.kernels import decode as decode_kernels
 from weft.layers.comm import Comm, make_comm
+from weft.runtime import settings
 from weft.layers.transformer import (ParallelLMHead, Positions, RMSNorm, RotaryEmbedding, TensorParallelAttention,
                                      TensorParallelMLP, VocabParallelEmbedding)
 
 from .weights import CheckpointWeights, RandomWeights, StateDictWeights, hf_shapes, read_config
 
+DECODE_PATHS = ("fused", "layers")
 # KV cache capacity is rounded up to a multiple of this, so that a session serves prompts of nearby lengths.
 CACHE_ROUND = 128
 
@@ -164,6 +167,17 @@ class Block(nn.Module):
         x, residual = self.mlp_norm(self.attn.decode(x, pos, kv), residual)
         return self.mlp(x, sequence_parallel=False), residual
 
+    def decode_fused(self, h, pos, kv):
+        """One token per sequence on the fused decode kernels: h the residual stream (batch, hidden), every token
+        on every rank; returns the stream after the block (the adds are in the projections' epilogues)."""
+        h = self.attn.decode_fused(h, self.attn_norm, pos, kv)
+        return self.mlp.decode_fused(h, self.mlp_norm)
+
+    def fusable(self) -> bool:
+        """Whether decode_fused computes this block: norm_qkv_rope takes one eps for the block's norm and q/k's."""
+        q_norm = self.attn.q_norm
+        return q_norm is None or q_norm.eps == self.attn.k_norm.eps == self.attn_norm.eps
+
 
 class Transformer(nn.Module):
     """The decoder on this rank (see the module doc). Made by from_hf."""
@@ -177,7 +191,7 @@ class Transformer(nn.Module):
         self.world_size = comm.group.size  # the tensor-parallel size
         weight = blocks[0].attn.qkv_weight
         self.dtype, self.device = weight.dtype, weight.device
-        self.sessions: dict[tuple[int, bool], DecodeSession] = {}
+        self.sessions: dict[tuple[int, bool, str], DecodeSession] = {}
 
     def with_comm(self, comm) -> "Transformer":
         """This model with another communication ("weft" or "nccl"), sharing its weights (no copy)."""
@@ -282,18 +296,44 @@ class Transformer(nn.Module):
             return None
         return self.lm_head(self.comm.all_gather(normed)[seq - 1:batch * seq:seq])
 
+    def decode_path(self, batch: int, path: str | None = None) -> str:
+        """The kernels a decode step of `batch` sequences runs on: "fused" (weft/kernels/decode.py: per layer
+        norm + QKV + q/k norm + rotary + cache write, attention, O + residual, norm + gate/up + SiLU, down +
+        residual) or "layers" (the layers' GEMMs and pointwise kernels). `path` if given, else WEFT_DECODE, else
+        fused where the batch's bucket is at most weft.tuning's decode.fused_max_m. Always layers on the NCCL
+        comm (the NCCL+cuBLAS baseline), in a pipeline (the stages hand on the layers path's stream) and where a
+        block's norms do not share one eps."""
+        path = path or settings.decode_path()
+        if path is not None and path not in DECODE_PATHS:
+            raise ValueError(f"path must be one of {DECODE_PATHS}, got {path!r}")
+        if self.comm.name != "weft" or (self.stage is not None and self.stage.count > 1) or \
+                not all(b.fusable() for b in self.blocks):
+            return "layers"
+        if path is None:
+            bucket = 1 << (batch - 1).bit_length()
+            path = "fused" if bucket <= decode_kernels.fused_max_m(self.device) else "layers"
+        return path
+
     @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+               path: str | None = None) -> torch.Tensor:
         """One decode step of every sequence of the cache: tokens (batch,) int64 at positions (batch,) int64 (each
         sequence's length so far; not checked against the cache, which would need a host sync). Returns the
-        logits (batch, vocab)."""
-        return self._from_last(self._decode_logits(tokens, positions, cache), (tokens.shape[0],
-                                                                                self.config.vocab_size), self.dtype)
+        logits (batch, vocab). path: "fused" or "layers" (decode_path; default: WEFT_DECODE, else by batch)."""
+        path = self.decode_path(tokens.shape[0], path)
+        return self._from_last(self._decode_logits(tokens, positions, cache, path),
+                               (tokens.shape[0], self.config.vocab_size), self.dtype)
 
-    def _decode_logits(self, tokens: torch.Tensor | None, positions: torch.Tensor, cache: KVCache):
+    def _decode_logits(self, tokens: torch.Tensor | None, positions: torch.Tensor, cache: KVCache,
+                       path: str = "layers"):
         """One decode step through this stage: the logits on the last stage, None before it (tokens: the first
         stage's input, None elsewhere)."""
         pos = Positions.decode(positions, self.rope)
+        if path == "fused":  # one stage (decode_path): the stream is one tensor, the adds in the epilogues
+            h = self.embed(tokens)
+            for i, block in enumerate(self.blocks):
+                h = block.decode_fused(h, pos, cache.layer(i))
+            return self.lm_head(self.norm(h))
         x, residual = self._stream_in(lambda: self.embed(tokens), positions.shape[0])
         for i, block in enumerate(self.blocks):
             x, residual = block.decode(x, residual, pos, cache.layer(i))
@@ -315,15 +355,17 @@ class Transformer(nn.Module):
         kv = len(self.blocks) * 2 * batch * (context + 1) * attn.kv_heads * attn.head_dim * self.dtype.itemsize
         return {"weights": weights, "kv": kv}
 
-    def session(self, batch: int, max_len: int, cuda_graph: bool = True) -> "DecodeSession":
+    def session(self, batch: int, max_len: int, cuda_graph: bool = True, path: str | None = None) -> "DecodeSession":
         """The decode session of `batch`'s bucket (the next power of two: a batch runs padded to it, with or
-        without graphs, so both compute the same) with a cache of at least max_len positions, kept and reused."""
+        without graphs, so both compute the same) with a cache of at least max_len positions, kept and reused.
+        path: the decode path ("fused" or "layers", decode_path; default: WEFT_DECODE, else by the bucket)."""
         graph = cuda_graph and self.device.type == "cuda"
         bucket = 1 << (batch - 1).bit_length()
-        found = self.sessions.get((bucket, graph))
+        path = self.decode_path(bucket, path)
+        found = self.sessions.get((bucket, graph, path))
         if found is None or found.cache.max_len < max_len:
             cache = self.new_cache(bucket, -(-max_len // CACHE_ROUND) * CACHE_ROUND)
-            found = self.sessions[(bucket, graph)] = DecodeSession(self, cache, graph)
+            found = self.sessions[(bucket, graph, path)] = DecodeSession(self, cache, graph, path)
         return found
 
     @torch.no_grad()
@@ -331,7 +373,7 @@ class Transformer(nn.Module):
                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                  eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None, seed: int = 0,
                  cuda_graph: bool = True, callback: Callable[[int, torch.Tensor], None] | None = None,
-                 micro_batches: int | None = None) -> torch.Tensor:
+                 micro_batches: int | None = None, decode_path: str | None = None) -> torch.Tensor:
         """The prompts (batch, seq), the same on every rank, followed by up to max_new_tokens new tokens each
         (batch, seq + new), as transformers' generate: greedy, or sampled (do_sample) from the softmax of the
         logits / temperature, cut to the top_k tokens and the top_p probability mass. A sequence that emits
@@ -344,7 +386,8 @@ class Transformer(nn.Module):
         each other through the stages, each stage working on one while the next works on the one before; the last
         stage samples (per micro-batch: sampled tokens differ from one stage's for the same seed, greedy ones do
         not) and sends each micro-batch's token back to the first stage; every stage returns the same tokens.
-        The steps run eagerly there (cuda_graph is for the one-stage model), callback on the last stage only."""
+        The steps run eagerly there (cuda_graph is for the one-stage model), callback on the last stage only.
+        decode_path: "fused" or "layers" (see decode_path; default: WEFT_DECODE, else by the batch's bucket)."""
         ids = self._ids(input_ids)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
@@ -360,7 +403,7 @@ class Transformer(nn.Module):
             def pick(logits):
                 return sample(logits, do_sample, temperature, top_k, top_p, generator)
             return self._generate_pipelined(ids, max_new_tokens, pick, eos, pad, micro_batches, callback)
-        session = self.session(batch, seq + max_new_tokens, cuda_graph)
+        session = self.session(batch, seq + max_new_tokens, cuda_graph, decode_path)
         logits = self.prefill(ids, session.cache)
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
         new = []
@@ -451,12 +494,14 @@ def sample(logits: torch.Tensor, do_sample: bool, temperature: float = 1.0, top_
 
 
 class DecodeSession:
-    """Decode steps of the sequences of one KV cache from static input buffers (tokens, positions); on GPUs
-    the step is captured once in a CUDA graph and replayed. The capture's warm-up step writes position 0 of
+    """Decode steps of the sequences of one KV cache from static input buffers (tokens, positions), on the decode
+    path `path` ("fused" or "layers": Transformer.decode_path); on GPUs the step is captured once in a CUDA graph
+    and replayed. The capture's warm-up step writes position 0 of
     every row: make the session before prefilling its cache."""
 
-    def __init__(self, model: Transformer, cache: KVCache, cuda_graph: bool = True):
+    def __init__(self, model: Transformer, cache: KVCache, cuda_graph: bool = True, path: str | None = None):
         self.model, self.cache = model, cache
+        self.path = model.decode_path(cache.batch, path)
         self.tokens = torch.zeros(cache.batch, dtype=torch.int64, device=model.device)
         self.positions = torch.zeros(cache.batch, dtype=torch.int64, device=model.device)
         self.graph = None
@@ -468,7 +513,7 @@ class DecodeSession:
 
     def run(self) -> None:
         """One step on the static buffers (what the graph replays): self.logits (batch, vocab)."""
-        self.logits = self.model.decode(self.tokens, self.positions, self.cache)
+        self.logits = self.model.decode(self.tokens, self.positions, self.cache, self.path)
 
     def step(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
         """Feed tokens (n,) of the first n sequences, all at `position`; returns their logits (n, vocab), valid

@@ -77,6 +77,13 @@ def _flag(text: str) -> bool:
     return text == "1"
 
 
+def _decode_path(text: str) -> str:
+    value = text.lower()
+    if value not in ("fused", "layers"):
+        raise ValueError(text)
+    return value
+
+
 def _backend(text: str) -> str:
     value = text.lower()
     if value not in ("cpu", "cuda"):
@@ -121,6 +128,11 @@ SETTINGS = {s.name: s for s in (
             "unset: LOCAL_WORLD_SIZE (torchrun's ranks per node), else every rank on one node",
             "ranks per node: splits one machine's ranks into simulated nodes of this many (`weft run "
             "--local-world-size`), whose peers are reached only through the network primitives"),
+    Setting("WEFT_DECODE", _decode_path, "fused or layers",
+            "fused at decode batch buckets up to weft.tuning's decode.fused_max_m, layers above",
+            "the decoder's decode step (weft.models): fused (weft/kernels/decode.py: a GEMV with the norm, rotary, "
+            "SiLU or residual add fused in, five launches a layer) or layers (the layers' GEMMs and pointwise "
+            "kernels)"),
     Setting("WEFT_BENCH_OUT", str, "a directory", "bench_results", "`weft bench`'s output folder (or --out)"),
 )}
 
@@ -151,6 +163,11 @@ def wait_timeout_s() -> float:
 def test_delay() -> Delay | None:
     """WEFT_TEST_DELAY, None when unset."""
     return get("WEFT_TEST_DELAY")
+
+
+def decode_path() -> str | None:
+    """WEFT_DECODE ("fused" or "layers"), None when unset (the tuning data decides per batch)."""
+    return get("WEFT_DECODE")
 
 
 def init_timeout_s() -> float:

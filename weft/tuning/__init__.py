@@ -32,7 +32,7 @@ import torch
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
 # Families whose values depend on the GPU alone (local ops): world size only breaks ties between tables.
-PER_GPU = frozenset({"gemm", "flash_decode", "grouped_gemm"})
+PER_GPU = frozenset({"gemm", "flash_decode", "grouped_gemm", "decode"})
 
 # GPU models by architecture, for "the nearest known GPU model".
 ARCHITECTURES = {"H100": "sm_90", "H200": "sm_90", "H800": "sm_90", "H20": "sm_90", "GH200": "sm_90",
@@ -133,6 +133,8 @@ KEYS = {
     "flash_decode.split_programs_per_sm": _count,
     "flash_decode.min_blocks_per_split": _count,
     "flash_decode.max_splits": _count,
+    "decode.gemv": _settings,
+    "decode.fused_max_m": _count,
     "ulysses.nccl_above": _limit,
     "ulysses.auto_fused": _flag,
     "ulysses.push": _settings,

@@ -1,0 +1,239 @@
+"""The fused decode kernels (weft/kernels/decode.py) and the decode path built on them (WEFT_DECODE=fused), on cpu
+ranks:
+
+- norm_qkv_rope, linear_residual and norm_gate_up_silu against torch's own ops (transformers' RMSNorm, rotary
+  and SiLU formulas) on fresh random inputs, fp32 and bf16, row counts and widths that leave every block ragged,
+  shapes that take the split-K path and shapes that do not, each plan called twice (the split-K counters are
+  zeroed for the next call), outputs that start poisoned; bad arguments refused, naming them;
+- the decoder's decode steps and greedy generation on the fused path against the layers path and transformers
+  (Qwen3 and Llama configs, 1 and 2 ranks, batch 1 and 3).
+"""
+import pytest
+
+from weft.testing import run_ranks
+
+TIMEOUT = 600
+
+
+def _hf_norm(x, w, eps):
+    """transformers' LlamaRMSNorm: in fp32, rounded to x's dtype, times the weight."""
+    import torch
+
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _fused_ops(seed):
+    import torch
+    import torch.nn.functional as F
+
+    import weft
+
+    g = torch.Generator().manual_seed(seed)
+    eps = 1e-5
+    for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2)):
+        def randn(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+        # (M, K, N): a K of one block (no split), K and N ragged against the blocks (split K), several row blocks.
+        for m, k, n in ((1, 32, 64), (3, 200, 72), (70, 96, 40)):
+            for call in range(2):
+                x, w, res = randn(m, k), randn(k, n, scale=k ** -0.5), randn(m, n)
+                torch.manual_seed(call)
+                got = weft.ops.linear_residual(x, w, res)
+                want = ((x.float() @ w.float()).to(dtype).float() + res.float()).to(dtype)
+                torch.testing.assert_close(got, want, rtol=tol, atol=tol,
+                                           msg=lambda s: f"linear_residual {m, k, n}: {s}")
+
+        for m, k, inter in ((1, 32, 16), (5, 136, 40), (17, 64, 24)):
+            for call in range(2):
+                x, nw, w = randn(m, k), randn(k, scale=0.5) + 1, randn(k, 2 * inter, scale=k ** -0.5)
+                got = weft.ops.norm_gate_up_silu(x, nw, w, eps)
+                gate, up = (_hf_norm(x, nw, eps) @ w).chunk(2, dim=-1)
+                torch.testing.assert_close(got, F.silu(gate) * up, rtol=tol, atol=tol,
+                                           msg=lambda s: f"norm_gate_up_silu {m, k, inter}: {s}")
+
+        # Heads of 16 (halves of 8, padded to the 16 columns tl.dot takes) and of 40 (halves of 20).
+        for m, k, heads, kv, d in ((1, 48, 4, 2, 16), (3, 160, 3, 1, 40)):
+            for qk_norm in (True, False):
+                x, nw = randn(m, k), randn(k, scale=0.5) + 1
+                w = randn(k, (heads + 2 * kv) * d, scale=k ** -0.5)
+                inv_freq = 1.0 / 100.0 ** (torch.arange(0, d, 2).float() / d)
+                rows = torch.randperm(4, generator=g)[:m]
+                positions = torch.randint(0, 9, (m,), generator=g)
+                qw, kw = (randn(d, scale=0.5) + 1 if qk_norm else None for _ in range(2))
+                poison = torch.full((4, 9, kv, d), float("nan"), dtype=dtype)
+                k_cache, v_cache = poison.clone(), poison.clone()
+                q = weft.ops.norm_qkv_rope(x, nw, w, heads, kv, inv_freq, rows, positions, k_cache, v_cache, qw, kw,
+                                           eps)
+                qkv = _hf_norm(x, nw, eps) @ w
+                q_ref, k_ref, v_ref = qkv.split([heads * d, kv * d, kv * d], -1)
+                q_ref, k_ref = q_ref.view(m, heads, d), k_ref.view(m, kv, d)
+                if qk_norm:
+                    q_ref, k_ref = _hf_norm(q_ref, qw, eps), _hf_norm(k_ref, kw, eps)
+                angles = positions[:, None].float() * inv_freq
+                cos, sin = (f(torch.cat([angles, angles], -1)).to(dtype)[:, None] for f in (torch.cos, torch.sin))
+
+                def rotate(t):  # transformers' apply_rotary_pos_emb
+                    return t * cos + torch.cat([-t[..., d // 2:], t[..., :d // 2]], -1) * sin
+
+                what = f"norm_qkv_rope {m, k, heads, kv, d} qk_norm={qk_norm} {dtype}"
+                torch.testing.assert_close(q, rotate(q_ref), rtol=tol, atol=tol, msg=lambda s: f"{what} q: {s}")
+                torch.testing.assert_close(k_cache[rows, positions], rotate(k_ref), rtol=tol, atol=tol,
+                                           msg=lambda s: f"{what} k: {s}")
+                torch.testing.assert_close(v_cache[rows, positions], v_ref.view(m, kv, d), rtol=tol, atol=tol,
+                                           msg=lambda s: f"{what} v: {s}")
+                assert int((~k_cache.isnan()).sum()) == m * kv * d, f"{what}: k written outside its slots"
+                assert int((~v_cache.isnan()).sum()) == m * kv * d, f"{what}: v written outside its slots"
+    return True
+
+
+def test_fused_ops_match_torch():
+    assert run_ranks(_fused_ops, 1, 0, timeout=TIMEOUT)[0]
+
+
+def _splits_taken():
+    """The shapes of _fused_ops take both paths: one split, and split K (the tests' cpu launch settings)."""
+    import torch
+
+    import weft
+    from weft.kernels.decode import LinearResidualPlan
+
+    splits = []
+    for k in (32, 200):
+        x, w, res = torch.randn(1, k), torch.randn(k, 64), torch.randn(1, 64)
+        splits.append(LinearResidualPlan(weft.world(), x, w, res).split)
+    assert splits[0] == 1 and splits[1] > 1, splits
+    return True
+
+
+def test_fused_ops_take_split_k_and_not():
+    assert run_ranks(_splits_taken, 1, timeout=TIMEOUT)[0]
+
+
+def _bad_arguments():
+    import torch
+
+    import weft
+    from weft.testing.checks import rejects
+
+    x, w, res = torch.randn(2, 32), torch.randn(32, 48), torch.randn(2, 48)
+    nw, gu = torch.randn(32), torch.randn(32, 40)
+    inv = torch.ones(4)
+    rows, pos = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    cache = torch.zeros(3, 8, 1, 8)
+    qkv = torch.randn(32, 4 * 8)
+    ops = weft.ops
+    cases = [
+        (lambda: ops.linear_residual(x.numpy(), w, res), TypeError, "x must be a torch.Tensor"),
+        (lambda: ops.linear_residual(x, w.double(), res), TypeError, "weight has dtype torch.float64"),
+        (lambda: ops.linear_residual(x, w[:16], res), ValueError, "weight has shape (16, 48)"),
+        (lambda: ops.linear_residual(x, w, res[:, :8]), ValueError, "residual has shape (2, 8)"),
+        (lambda: ops.linear_residual(x, w.t().contiguous().t(), res), ValueError, "weight must be contiguous"),
+        (lambda: ops.linear_residual(x[:, :0], w[:0], res), ValueError, "x has no columns"),
+        (lambda: ops.norm_gate_up_silu(x[:, :0], nw[:0], gu[:0]), ValueError, "x has no columns"),
+        (lambda: ops.norm_gate_up_silu(x, nw[:8], gu), ValueError, "norm_weight has shape (8,)"),
+        (lambda: ops.norm_gate_up_silu(x, nw, torch.randn(32, 39)), ValueError,
+         "gate_up_weight's columns (39) must be even"),
+        (lambda: ops.norm_gate_up_silu(x, nw, gu, eps="1"), TypeError, "eps must be a float"),
+        (lambda: ops.norm_gate_up_silu(x, nw, gu, eps=-1.0), ValueError, "eps must be >= 0"),
+        (lambda: ops.norm_qkv_rope(x, nw, qkv, 2, 1, inv, rows, pos, cache, cache), None, None),
+        (lambda: ops.norm_qkv_rope(x, nw, qkv, 2.0, 1, inv, rows, pos, cache, cache), TypeError,
+         "heads must be an int"),
+        (lambda: ops.norm_qkv_rope(x, nw, qkv, 3, 1, inv, rows, pos, cache, cache), ValueError, "qkv_weight has shape"),
+        (lambda: ops.norm_qkv_rope(x, nw, qkv, 2, 1, inv.double(), rows, pos, cache, cache), TypeError,
+         "inv_freq has dtype torch.float64"),
+        (lambda: ops.norm_qkv_rope(x, nw, qkv, 2, 1, inv, rows.int(), pos, cache, cache), TypeError,
+         "rows has dtype torch.int32"),
+        (lambda: ops.norm_qkv_rope(x, nw, qkv, 2, 1, inv, rows, pos[:1], cache, cache), ValueError,
+         "positions has shape (1,)"),
+        (lambda: ops.norm_qkv_rope(x, nw, qkv, 2, 1, inv, rows, pos, cache[..., :4], cache), ValueError,
+         "k_dst must be (sequences, positions, 1, 8)"),
+        (lambda: ops.norm_qkv_rope(x, nw, qkv, 2, 1, inv, rows, pos, cache, torch.zeros(8, 3, 1, 8).transpose(0, 1)),
+         ValueError,
+         "k_dst and v_dst must have the same strides"),
+        (lambda: ops.norm_qkv_rope(x, nw, qkv, 2, 1, inv, rows, pos, cache, cache, torch.ones(8)), ValueError,
+         "give both q_weight and k_weight"),
+        (lambda: ops.norm_qkv_rope(x, nw, qkv, 2, 1, inv, rows, pos, cache, cache, torch.ones(6), torch.ones(6)),
+         ValueError, "q_weight has shape (6,)"),
+    ]
+    for call, error, text in cases:
+        if error is None:
+            call()  # the valid call the others are variations of
+        else:
+            rejects(call, error, text, [])
+    return True
+
+
+def test_bad_arguments_are_refused():
+    assert run_ranks(_bad_arguments, 1, timeout=TIMEOUT)[0]
+
+
+def _decode_paths(kind, rope):
+    """Decode steps on the fused path against the layers path and transformers, and greedy generation on it against
+    transformers', batch 1 and 3 (3 runs padded to its bucket of 4 in generate), the same tiny model."""
+    import torch
+
+    import weft
+    from test_model import _close, _hf_model
+    from weft.models import from_hf
+
+    ref = _hf_model(kind, 4, 2, 96, rope=rope)
+    model = from_hf(ref.config, state_dict=ref.state_dict())
+    assert model.decode_path(1) == "fused" and model.decode_path(64) == "layers"  # the default: fused to M = 16
+    assert model.with_comm("nccl").decode_path(1) == "layers"  # the NCCL+cuBLAS baseline stays on the layers
+    g = torch.Generator().manual_seed(2 + weft.world_size())
+    tokens = {}
+    for batch in (1, 3):
+        prompts = torch.randint(0, 96, (batch, 5), generator=g)
+        cont = torch.randint(0, 96, (batch, 2), generator=g)
+        with torch.no_grad():
+            want = ref(torch.cat([prompts, cont], dim=1)).logits
+            got = {}
+            for path in ("fused", "layers"):
+                cache = model.new_cache(batch, 16)
+                model.prefill(prompts, cache)
+                got[path] = [model.decode(cont[:, j], torch.full((batch,), 5 + j), cache, path=path) for j in range(2)]
+            for j in range(2):
+                _close(got["fused"][j], got["layers"][j], f"{kind} batch {batch} step {j}: fused against layers")
+                _close(got["fused"][j], want[:, 5 + j], f"{kind} batch {batch} step {j}: fused against transformers")
+            # Greedy tokens: the layers path's (test_model.py) are transformers' too.
+            fused = model.generate(prompts, 3, decode_path="fused")
+            mask = torch.ones_like(prompts)
+            assert fused.tolist() == ref.generate(prompts, attention_mask=mask, max_new_tokens=3,
+                                                  do_sample=False).tolist(), (kind, batch)
+            tokens[batch] = fused.tolist()
+    return tokens
+
+
+@pytest.mark.parametrize("kind, world_size", [("qwen3", 1), ("llama", 2)])
+def test_fused_decode_matches_layers_and_transformers(kind, world_size):
+    from test_model import ENV, LLAMA3_ROPE
+
+    results = run_ranks(_decode_paths, world_size, kind, LLAMA3_ROPE if kind == "llama" else None, timeout=TIMEOUT,
+                        env=ENV)
+    assert all(r == results[0] for r in results), "ranks generated different tokens"
+
+
+def test_decode_path_setting():
+    """WEFT_DECODE picks the path, and a bad value (or a bad path argument) is refused naming it."""
+    assert run_ranks(_path_setting, 1, timeout=TIMEOUT)[0]
+
+
+def _path_setting():
+    import os
+
+    from test_model import _hf_model
+    from weft.models import from_hf
+    from weft.runtime import settings
+    from weft.testing.checks import rejects
+
+    model = from_hf(_hf_model("qwen3", 4, 2, 96).config)
+    for value, small, large in (("layers", "layers", "layers"), ("fused", "fused", "fused")):
+        os.environ["WEFT_DECODE"] = value
+        assert (model.decode_path(1), model.decode_path(64)) == (small, large), value
+    os.environ["WEFT_DECODE"] = "fast"
+    rejects(lambda: settings.check_all(), ValueError, "WEFT_DECODE='fast'", [])
+    del os.environ["WEFT_DECODE"]
+    rejects(lambda: model.decode_path(1, "fast"), ValueError, "path must be one of", [])
+    return True

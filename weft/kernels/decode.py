@@ -1,0 +1,642 @@
+"""A decode step's GEMVs with the pointwise work around them fused in: one kernel where the layers path runs two
+to four (weft/models/decoder.py's WEFT_DECODE=fused path, a few tokens per step).
+
+- norm_qkv_rope(x, norm_weight, qkv_weight, ...): RMSNorm of x (prologue), the fused QKV projection, and per head
+  (a program owns whole heads) Qwen3's q/k RMSNorm, the rotary embedding and the KV-cache write (epilogue): q out,
+  k and v straight into their cache slots;
+- linear_residual(x, weight, residual): residual + x @ weight (the O and down projections at one rank);
+- norm_gate_up_silu(x, norm_weight, gate_up_weight, eps): RMSNorm of x, the fused [gate | up] projection, and
+  silu(gate) * up, a program computing matching gate and up columns.
+
+Weights are (K, N), contiguous, as the layers keep them. The kernels are memory-bound GEMVs for M = 1..16 rows
+(tokens): a program streams a [K range, its columns] slab of the weight once through `tl.range`'s pipelined
+loads and multiplies it by the few rows with tl.dot (rows padded to 16, compute is free here). A 4096-wide
+projection has too few column tiles for two programs per SM, so K is split as well (the grid is tiles x splits x
+row blocks): each split stores its fp32 partial sums to a workspace and counts itself done on the tile's counter;
+the split that counts last sums the partials and runs the epilogue (then zeroes the counter for the next call,
+so a CUDA graph replays it). The RMSNorm prologue is folded into the GEMV: norm(x) @ W = diag(1 / rms(x)) ((x g)
+@ W) for the norm's weight g, so a program multiplies x g by its slab and the epilogue (which reads x's whole
+rows, a few KB) applies 1 / rms.
+
+Roundings follow the layers path where the fusion allows: the projection's output is rounded to the dtype before
+the epilogue's norm, rotary, SiLU and residual add, which round as the pointwise kernels do (pointwise.py); the
+prologue rounds x g, not (x / rms) g, before the GEMV (a last-bit difference in the projection's inputs).
+
+Launch settings (columns per program, K block, stages, warps, programs per SM) come from weft.tuning's "decode"
+family, as does the largest M the decode path takes these kernels at (the layers' cuBLAS GEMMs above).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+import weft.language as wl
+
+from .. import tuning
+from .blocks import cast
+from .common import Launch, Plan, plan, signature, world_or_raise
+from .gemm import num_sms
+from .pointwise import _check, _rotate
+from .registry import declare_op
+
+# Rows a program takes at most (more rows: more row blocks); tl.dot needs 16 at least.
+MAX_BLOCK_M = 64
+MIN_BLOCK = 16
+# Under the interpreter (cpu): columns per accumulator, K block, programs per "SM" (num_sms is 2 there), so that
+# the tests' small shapes take the split-K path as well as the direct one.
+CPU_SETTINGS = dict(block_n=16, block_k=32, num_warps=4, num_stages=1, programs_per_sm=2)
+# Elements of x per step of the epilogue's sum of squares (BLOCK_M rows x NORM_K columns): 32 registers a thread
+# at 4 warps, beside the accumulators.
+NORM_ELEMENTS = 4096
+
+
+# -- device helpers -------------------------------------------------------------
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b; fp32 operands in IEEE fp32 (not TF32). (Triton 3.6's interpreter gets bf16 dots wrong: on the
+    cpu backend, multiply in fp32.)"""
+    if wl.INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _gemv_pair(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_mask_b, k_first, k_blocks,
+               NORM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """(x[m, K range] @ w[K range, cols_a], ... @ w[K range, cols_b]) in fp32, the K range k_blocks blocks of BLOCK_K
+    from k_first; NORM: x's columns times norm_w (rounded to x's dtype) first. Weight rows are contiguous along
+    the columns: each [BLOCK_K, BLOCK_N] tile is BLOCK_K contiguous runs, pipelined STAGES deep."""
+    acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    kk = tl.arange(0, BLOCK_K)
+    x_rows = x + m[:, None].to(tl.int64) * K
+    for i in tl.range(0, k_blocks, num_stages=STAGES):
+        k = k_first + i * BLOCK_K + kk
+        w_rows = w + k[:, None].to(tl.int64) * ldw
+        if EVEN_K:
+            a = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0)
+            if EVEN_N:
+                wa = tl.load(w_rows + cols_a[None, :])
+                wb = tl.load(w_rows + cols_b[None, :])
+            else:
+                wa = tl.load(w_rows + cols_a[None, :], mask=col_mask_a[None, :], other=0.0)
+                wb = tl.load(w_rows + cols_b[None, :], mask=col_mask_b[None, :], other=0.0)
+        else:
+            k_mask = k < K
+            a = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            wa = tl.load(w_rows + cols_a[None, :], mask=k_mask[:, None] & col_mask_a[None, :], other=0.0)
+            wb = tl.load(w_rows + cols_b[None, :], mask=k_mask[:, None] & col_mask_b[None, :], other=0.0)
+        if NORM:
+            if EVEN_K:
+                g = tl.load(norm_w + k)
+            else:
+                g = tl.load(norm_w + k, mask=k < K, other=0.0)
+            a = cast(a.to(tl.float32) * g.to(tl.float32)[None, :], w.dtype.element_ty)
+        acc_a = _dot(a, wa, acc_a, IEEE)
+        acc_b = _dot(a, wb, acc_b, IEEE)
+    return acc_a, acc_b
+
+
+@triton.jit
+def _store_partials(acc_a, acc_b, partial, row0, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N,
+                    BLOCK_M: tl.constexpr):
+    """This split's fp32 sums into its slab of the workspace: rows [row0, +BLOCK_M) of partial (.., N), the valid
+    rows only (M = 1 would otherwise write 16 rows)."""
+    r = (row0 + tl.arange(0, BLOCK_M))[:, None].to(tl.int64) * N
+    tl.store(partial + r + cols_a[None, :], acc_a, mask=m_mask[:, None] & col_mask_a[None, :])
+    tl.store(partial + r + cols_b[None, :], acc_b, mask=m_mask[:, None] & col_mask_b[None, :])
+
+
+@triton.jit
+def _sum_partials(partial, slab0, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N, SPLIT: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The sums of every split's slab (slabs slab0 .. slab0 + SPLIT - 1, BLOCK_M rows each, the valid ones read),
+    read past L1 (other programs wrote them)."""
+    acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    rr = tl.arange(0, BLOCK_M)[:, None]
+    mask_a = m_mask[:, None] & col_mask_a[None, :]
+    mask_b = m_mask[:, None] & col_mask_b[None, :]
+    for s in range(SPLIT):
+        r = ((slab0 + s) * BLOCK_M + rr).to(tl.int64) * N
+        acc_a += tl.load(partial + r + cols_a[None, :], mask=mask_a, other=0.0, cache_modifier=".cg")
+        acc_b += tl.load(partial + r + cols_b[None, :], mask=mask_b, other=0.0, cache_modifier=".cg")
+    return acc_a, acc_b
+
+
+@triton.jit
+def _inv_rms(x, m, m_mask, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / sqrt(mean(x[m]²) + eps) per row (fp32), as RMSNorm computes it."""
+    ss = tl.zeros([BLOCK_M], tl.float32)
+    rows = x + m[:, None].to(tl.int64) * K
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)[None, :]
+        v = tl.load(rows + k, mask=m_mask[:, None] & (k < K), other=0.0).to(tl.float32)
+        ss += tl.sum(v * v, axis=1)
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def _split_done(counter, SPLIT: tl.constexpr):
+    """Count this split done on its tile's counter; whether it was the last (then the counter is zeroed for the
+    next call). The barrier orders every thread's partial stores before the release."""
+    tl.debug_barrier()
+    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    last = done == SPLIT - 1
+    if last:
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+# -- epilogues ------------------------------------------------------------------
+
+@triton.jit
+def _residual_out(acc_a, acc_b, residual, out, m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N):
+    """out = residual + the projection (rounded to the dtype first, as the layers path rounds x @ W)."""
+    dt = out.dtype.element_ty
+    r = m[:, None].to(tl.int64) * N
+    for_a = m_mask[:, None] & col_mask_a[None, :]
+    for_b = m_mask[:, None] & col_mask_b[None, :]
+    res_a = tl.load(residual + r + cols_a[None, :], mask=for_a, other=0.0).to(tl.float32)
+    res_b = tl.load(residual + r + cols_b[None, :], mask=for_b, other=0.0).to(tl.float32)
+    tl.store(out + r + cols_a[None, :], cast(cast(acc_a, dt).to(tl.float32) + res_a, dt), mask=for_a)
+    tl.store(out + r + cols_b[None, :], cast(cast(acc_b, dt).to(tl.float32) + res_b, dt), mask=for_b)
+
+
+@triton.jit
+def _gate_up_out(acc_a, acc_b, x, out, m, m_mask, K, cols_a, col_mask_a, I, eps, BLOCK_M: tl.constexpr,
+                 NORM_K: tl.constexpr):
+    """out[m, cols] = silu(gate) * up, gate and up the normed projection's columns rounded to the dtype (rounded
+    as silu_mul rounds them)."""
+    dt = out.dtype.element_ty
+    inv = _inv_rms(x, m, m_mask, K, eps, BLOCK_M, NORM_K)[:, None]
+    gate = cast(acc_a * inv, dt).to(tl.float32)
+    up = cast(acc_b * inv, dt).to(tl.float32)
+    y = cast(cast(gate / (1.0 + tl.exp(-gate)), dt).to(tl.float32) * up, dt)
+    tl.store(out + m[:, None].to(tl.int64) * I + cols_a[None, :], y, mask=m_mask[:, None] & col_mask_a[None, :])
+
+
+@triton.jit
+def _head_norm(x1, x2, weight, eps, j_mask, HALF: tl.constexpr):
+    """RMSNorm over head_dim of one head's halves x1, x2 [rows, HALF_P] (fp32): transformers' roundings (as
+    pointwise._rms_heads)."""
+    j = tl.arange(0, x1.shape[1])[None, :]
+    rs = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+    w1 = tl.load(weight + j, mask=j_mask, other=0.0).to(tl.float32)
+    w2 = tl.load(weight + HALF + j, mask=j_mask, other=0.0).to(tl.float32)
+    dt = weight.dtype.element_ty
+    return (cast(cast(x1 * rs, dt).to(tl.float32) * w1, dt).to(tl.float32),
+            cast(cast(x2 * rs, dt).to(tl.float32) * w2, dt).to(tl.float32))
+
+
+@triton.jit
+def _qkv_out(acc_a, acc_b, head, x, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, m, m_mask,
+             K, eps, dst_sb, dst_sp, dst_sh, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+             QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, NORM_K: tl.constexpr):
+    """One head of the normed projection (halves acc_a, acc_b): a q head normed (QK_NORM) and rotated into q_out
+    (M, HEADS, 2 HALF); a k head likewise into k_dst[rows[m], positions[m], h]; a v head as it is into v_dst."""
+    dt = q_out.dtype.element_ty
+    j = tl.arange(0, acc_a.shape[1])[None, :]
+    j_mask = j < HALF
+    mask = m_mask[:, None] & j_mask
+    inv = _inv_rms(x, m, m_mask, K, eps, BLOCK_M, NORM_K)[:, None]
+    x1 = cast(acc_a * inv, dt).to(tl.float32)
+    x2 = cast(acc_b * inv, dt).to(tl.float32)
+    pos = tl.load(positions + m, mask=m_mask, other=0)[:, None]
+    slot = tl.load(rows + m, mask=m_mask, other=0)[:, None] * dst_sb + pos * dst_sp + j
+    if head < HEADS + KV_HEADS:
+        angle = pos.to(tl.float32) * tl.load(inv_freq + j, mask=j_mask, other=0.0)
+        cos = cast(tl.cos(angle), dt).to(tl.float32)
+        sin = cast(tl.sin(angle), dt).to(tl.float32)
+        if head < HEADS:
+            if QK_NORM:
+                x1, x2 = _head_norm(x1, x2, q_weight, eps, j_mask, HALF)
+            y1, y2 = _rotate(x1, x2, cos, sin, dt)
+            dst = q_out + (m[:, None].to(tl.int64) * HEADS + head) * 2 * HALF + j
+            tl.store(dst, y1, mask=mask)
+            tl.store(dst + HALF, y2, mask=mask)
+        else:
+            if QK_NORM:
+                x1, x2 = _head_norm(x1, x2, k_weight, eps, j_mask, HALF)
+            y1, y2 = _rotate(x1, x2, cos, sin, dt)
+            dst = k_dst + slot + (head - HEADS) * dst_sh
+            tl.store(dst, y1, mask=mask)
+            tl.store(dst + HALF, y2, mask=mask)
+    else:
+        dst = v_dst + slot + (head - HEADS - KV_HEADS) * dst_sh
+        tl.store(dst, cast(x1, dt), mask=mask)
+        tl.store(dst + HALF, cast(x2, dt), mask=mask)
+
+
+# -- kernels --------------------------------------------------------------------
+# Grid (column tiles, splits, row blocks). A split covers BPS blocks of BLOCK_K of K's KB blocks. partial: (row
+# blocks, SPLIT, BLOCK_M, N) fp32; counter: (row blocks, tiles) int32, zero between calls.
+
+@triton.jit
+def linear_residual_kernel(x, w, residual, out, partial, counter, M, K, N, KB, BPS, SPLIT: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           STAGES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr):
+    """out = residual + x @ w; a program's columns are two runs of BLOCK_N, [2 BLOCK_N tile, +2 BLOCK_N)."""
+    tile, split, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = m < M
+    cols_a = tile * 2 * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_b = cols_a + BLOCK_N
+    col_mask_a, col_mask_b = cols_a < N, cols_b < N
+    kb0 = split * BPS
+    acc_a, acc_b = _gemv_pair(x, w, x, m, m_mask, K, N, cols_a, cols_b, col_mask_a, col_mask_b, kb0 * BLOCK_K,
+                              tl.minimum(BPS, KB - kb0), False, EVEN_K, EVEN_N, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+                              STAGES)
+    if SPLIT == 1:
+        _residual_out(acc_a, acc_b, residual, out, m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N)
+    else:
+        _store_partials(acc_a, acc_b, partial, (mb * SPLIT + split) * BLOCK_M, m_mask, cols_a, cols_b, col_mask_a,
+                        col_mask_b, N, BLOCK_M)
+        if _split_done(counter + mb * tl.num_programs(0) + tile, SPLIT):
+            acc_a, acc_b = _sum_partials(partial, mb * SPLIT, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N,
+                                         SPLIT, BLOCK_M, BLOCK_N)
+            _residual_out(acc_a, acc_b, residual, out, m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N)
+
+
+@triton.jit
+def norm_gate_up_silu_kernel(x, norm_w, w, out, partial, counter, M, K, I, KB, BPS, eps, SPLIT: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             STAGES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                             IEEE: tl.constexpr, NORM_K: tl.constexpr):
+    """out (M, I) = silu(gate) * up of norm(x) @ w, w (K, 2 I) = [gate | up]: a program's columns are gate's
+    [BLOCK_N tile, +BLOCK_N) and the same of up."""
+    tile, split, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = m < M
+    cols_a = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask_a = cols_a < I
+    cols_b = cols_a + I
+    kb0 = split * BPS
+    acc_a, acc_b = _gemv_pair(x, w, norm_w, m, m_mask, K, 2 * I, cols_a, cols_b, col_mask_a, col_mask_a,
+                              kb0 * BLOCK_K, tl.minimum(BPS, KB - kb0), True, EVEN_K, EVEN_N, IEEE, BLOCK_M, BLOCK_N,
+                              BLOCK_K, STAGES)
+    if SPLIT == 1:
+        _gate_up_out(acc_a, acc_b, x, out, m, m_mask, K, cols_a, col_mask_a, I, eps, BLOCK_M, NORM_K)
+    else:
+        _store_partials(acc_a, acc_b, partial, (mb * SPLIT + split) * BLOCK_M, m_mask, cols_a, cols_b, col_mask_a,
+                        col_mask_a, 2 * I, BLOCK_M)
+        if _split_done(counter + mb * tl.num_programs(0) + tile, SPLIT):
+            acc_a, acc_b = _sum_partials(partial, mb * SPLIT, m_mask, cols_a, cols_b, col_mask_a, col_mask_a,
+                                         2 * I, SPLIT, BLOCK_M, BLOCK_N)
+            _gate_up_out(acc_a, acc_b, x, out, m, m_mask, K, cols_a, col_mask_a, I, eps, BLOCK_M, NORM_K)
+
+
+@triton.jit
+def norm_qkv_rope_kernel(x, norm_w, w, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, partial,
+                         counter, M, K, KB, BPS, eps, dst_sb, dst_sp, dst_sh, HEADS: tl.constexpr,
+                         KV_HEADS: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, SPLIT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, HALF_P: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                         EVEN_K: tl.constexpr, IEEE: tl.constexpr, NORM_K: tl.constexpr):
+    """q, k, v of norm(x) @ w, w (K, (HEADS + 2 KV_HEADS) 2 HALF) = [q | k | v]: program `tile` owns head `tile`
+    (its halves, HALF columns each), so the head's norm and rotation happen in registers."""
+    head, split, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    N: tl.constexpr = (HEADS + 2 * KV_HEADS) * 2 * HALF
+    m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = m < M
+    j = tl.arange(0, HALF_P)
+    cols_a = head * 2 * HALF + j
+    cols_b = cols_a + HALF
+    j_mask = j < HALF
+    kb0 = split * BPS
+    acc_a, acc_b = _gemv_pair(x, w, norm_w, m, m_mask, K, N, cols_a, cols_b, j_mask, j_mask, kb0 * BLOCK_K,
+                              tl.minimum(BPS, KB - kb0), True, EVEN_K, HALF == HALF_P, IEEE, BLOCK_M, HALF_P,
+                              BLOCK_K, STAGES)
+    if SPLIT == 1:
+        _qkv_out(acc_a, acc_b, head, x, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, m,
+                 m_mask, K, eps, dst_sb, dst_sp, dst_sh, HEADS, KV_HEADS, HALF, QK_NORM, BLOCK_M, NORM_K)
+    else:
+        _store_partials(acc_a, acc_b, partial, (mb * SPLIT + split) * BLOCK_M, m_mask, cols_a, cols_b, j_mask,
+                        j_mask, N, BLOCK_M)
+        if _split_done(counter + mb * tl.num_programs(0) + head, SPLIT):
+            acc_a, acc_b = _sum_partials(partial, mb * SPLIT, m_mask, cols_a, cols_b, j_mask, j_mask, N, SPLIT,
+                                         BLOCK_M, HALF_P)
+            _qkv_out(acc_a, acc_b, head, x, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, m,
+                     m_mask, K, eps, dst_sb, dst_sp, dst_sh, HEADS, KV_HEADS, HALF, QK_NORM, BLOCK_M, NORM_K)
+
+
+# -- host side ------------------------------------------------------------------
+
+def launch_settings(device: torch.device) -> dict:
+    """{block_n, block_k, num_warps, num_stages, programs_per_sm}: weft.tuning's decode.gemv on GPUs."""
+    return CPU_SETTINGS if device.type != "cuda" else tuning.value("decode.gemv", device)
+
+
+def fused_max_m(device: torch.device) -> int:
+    """The largest number of rows (a decode step's batch bucket) the fused decode path takes by default."""
+    return tuning.value("decode.fused_max_m", device)
+
+
+def _operand(name: str, t, dtype, shape: tuple) -> None:
+    """TypeError/ValueError naming `name` unless t is a contiguous tensor of `dtype` (None: bf16, fp16, fp32) and
+    `shape` (None: any size there)."""
+    _check(name, t, dtype, len(shape))
+    if any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        want = tuple("any" if s is None else s for s in shape)
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+
+
+def _same_device(device, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device}, but this rank's device is {device}")
+
+
+class GemvPlan(Plan):
+    """The grid of one fused GEMV call signature: M rows in row blocks, `tiles` column tiles, K in splits of BPS
+    blocks (enough programs for programs_per_sm per SM), the split-K workspace and counters."""
+
+    def __init__(self, group, m: int, k: int, n: int, tiles: int, dtype: torch.dtype):
+        super().__init__(group)
+        device = group.device
+        s = launch_settings(device)
+        self.block_m = min(MAX_BLOCK_M, max(MIN_BLOCK, triton.next_power_of_2(max(m, 1))))
+        self.block_k = max(MIN_BLOCK, min(s["block_k"], triton.next_power_of_2(max(k, 1))))
+        self.block_n = s["block_n"]
+        m_blocks = triton.cdiv(m, self.block_m)
+        self.kb = triton.cdiv(k, self.block_k)
+        want = num_sms(device) * s["programs_per_sm"]
+        split = max(1, min(self.kb, triton.cdiv(want, max(tiles * m_blocks, 1))))
+        self.bps = triton.cdiv(self.kb, split)
+        self.split = triton.cdiv(self.kb, self.bps)
+        self.grid = (tiles, self.split, m_blocks)
+        self.num_warps, self.stages = s["num_warps"], s["num_stages"]
+        shape = (m_blocks, self.split, self.block_m, n) if self.split > 1 else (1,)
+        self.partial = torch.empty(shape, dtype=torch.float32, device=device)
+        self.counter = torch.zeros((m_blocks, tiles), dtype=torch.int32, device=device)
+        self.common = dict(SPLIT=self.split, BLOCK_M=self.block_m)
+        self.even_k, self.ieee = k % self.block_k == 0, dtype == torch.float32
+        self.norm_k = max(MIN_BLOCK, min(NORM_ELEMENTS // self.block_m, triton.next_power_of_2(max(k, 1))))
+        self.launch = None
+
+
+@declare_op()
+def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + x @ weight in one kernel: x (M, K), weight (K, N), residual (M, N), one dtype (bf16, fp16, fp32),
+    contiguous; x @ weight is rounded to the dtype before the add (as `x @ weight + residual` rounds). A decode
+    step's O and down projections at one rank, M a few tokens (module doc)."""
+    world = world_or_raise()
+    found = plan(world, lambda: ("linear_residual", signature(x), signature(weight), signature(residual)),
+                 lambda: LinearResidualPlan(world, x, weight, residual))
+    return found.run(x, weight, residual)
+
+
+class LinearResidualPlan(GemvPlan):
+    def __init__(self, group, x, weight, residual):
+        _operand("x", x, None, (None, None))
+        m, k = x.shape
+        _operand("weight", weight, x.dtype, (k, None))
+        n = weight.shape[1]
+        _operand("residual", residual, x.dtype, (m, n))
+        _same_device(group.device, x=x, weight=weight, residual=residual)
+        if k == 0:
+            raise ValueError("x has no columns (K = 0): nothing to project")
+        self.shape = (m, n)
+        s = launch_settings(group.device)
+        super().__init__(group, m, k, n, triton.cdiv(n, 2 * s["block_n"]), x.dtype)
+        self.args = (m, k, n, self.kb, self.bps)
+        if min(m, n) > 0:
+            out = torch.empty(self.shape, dtype=x.dtype, device=x.device)
+            self.launch = Launch(linear_residual_kernel, self.grid,
+                                 (x, weight, residual, out, self.partial, self.counter, *self.args),
+                                 dict(**self.common, BLOCK_N=self.block_n, BLOCK_K=self.block_k, STAGES=self.stages,
+                                      EVEN_K=self.even_k, EVEN_N=n % (2 * self.block_n) == 0, IEEE=self.ieee),
+                                 self.num_warps)
+
+    def run(self, x, weight, residual):
+        out = torch.empty(self.shape, dtype=x.dtype, device=x.device)
+        if self.launch is not None:
+            a = self.launch.address
+            self.launch(a(x), a(weight), a(residual), a(out), a(self.partial), a(self.counter), *self.args)
+        return out
+
+
+@declare_op()
+def norm_gate_up_silu(x: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight: torch.Tensor,
+                      eps: float = 1e-6) -> torch.Tensor:
+    """silu(gate) * up of RMSNorm(x) @ gate_up_weight, in one kernel: x (M, K), norm_weight (K,) (the norm's
+    weight, transformers' LlamaRMSNorm), gate_up_weight (K, 2 I) = [gate | up] columns; returns (M, I). One dtype
+    (bf16, fp16, fp32), contiguous. A decode step's MLP up to the down projection (module doc for the roundings)."""
+    world = world_or_raise()
+    found = plan(world, lambda: ("norm_gate_up_silu", signature(x), signature(norm_weight), signature(gate_up_weight)),
+                 lambda: GateUpPlan(world, x, norm_weight, gate_up_weight, eps))
+    return found.run(x, norm_weight, gate_up_weight, eps)
+
+
+def _eps(eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    return float(eps)
+
+
+class GateUpPlan(GemvPlan):
+    def __init__(self, group, x, norm_weight, gate_up_weight, eps):
+        _operand("x", x, None, (None, None))
+        m, k = x.shape
+        _operand("norm_weight", norm_weight, x.dtype, (k,))
+        _operand("gate_up_weight", gate_up_weight, x.dtype, (k, None))
+        _same_device(group.device, x=x, norm_weight=norm_weight, gate_up_weight=gate_up_weight)
+        if gate_up_weight.shape[1] % 2:
+            raise ValueError(f"gate_up_weight's columns ({gate_up_weight.shape[1]}) must be even: [gate | up]")
+        _eps(eps)
+        if k == 0:
+            raise ValueError("x has no columns: RMSNorm of an empty row is undefined")
+        inter = gate_up_weight.shape[1] // 2
+        self.shape = (m, inter)
+        s = launch_settings(group.device)
+        super().__init__(group, m, k, 2 * inter, triton.cdiv(inter, s["block_n"]), x.dtype)
+        self.args = (m, k, inter, self.kb, self.bps)
+        if min(m, inter) > 0:
+            out = torch.empty(self.shape, dtype=x.dtype, device=x.device)
+            self.launch = Launch(norm_gate_up_silu_kernel, self.grid,
+                                 (x, norm_weight, gate_up_weight, out, self.partial, self.counter, *self.args, eps),
+                                 dict(**self.common, BLOCK_N=self.block_n, BLOCK_K=self.block_k, STAGES=self.stages,
+                                      EVEN_K=self.even_k, EVEN_N=inter % self.block_n == 0, IEEE=self.ieee,
+                                      NORM_K=self.norm_k), self.num_warps)
+
+    def run(self, x, norm_weight, gate_up_weight, eps):
+        out = torch.empty(self.shape, dtype=x.dtype, device=x.device)
+        if self.launch is not None:
+            a = self.launch.address
+            self.launch(a(x), a(norm_weight), a(gate_up_weight), a(out), a(self.partial), a(self.counter),
+                        *self.args, _eps(eps))
+        return out
+
+
+@declare_op()
+def norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor, heads: int, kv_heads: int,
+                  inv_freq: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, k_dst: torch.Tensor,
+                  v_dst: torch.Tensor, q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                  eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm(x) @ qkv_weight, then per head what qk_norm_rope does with it, in one kernel: x (M, K),
+    norm_weight (K,), qkv_weight (K, (heads + 2 kv_heads) head_dim) = [q | k | v] columns, head_dim =
+    2 inv_freq.shape[0]. Returns q (M, heads, head_dim), RMS-normed over head_dim by q_weight (if given, Qwen3) and
+    rotated (angles positions[t] * inv_freq, rotate_half form); k (normed by k_weight, rotated) and v go to
+    k_dst / v_dst[rows[t], positions[t]] ((sequences, positions, kv_heads, head_dim), head_dim contiguous).
+    rows, positions: (M,) int64 (not checked against k_dst's size: that would need a host sync). eps: both
+    norms'. One dtype (bf16, fp16, fp32), x and the weights contiguous."""
+    world = world_or_raise()
+    _head_counts(heads, kv_heads)  # before the plan's key, where 2.0 would find the plan of 2
+    found = plan(world, lambda: ("norm_qkv_rope", signature(x), signature(norm_weight), signature(qkv_weight), heads,
+                                 kv_heads, signature(inv_freq), signature(rows), signature(positions), signature(k_dst),
+                                 k_dst.stride(), signature(v_dst), v_dst.stride(),
+                                 *(None if t is None else signature(t) for t in (q_weight, k_weight))),
+                 lambda: QkvPlan(world, x, norm_weight, qkv_weight, heads, kv_heads, inv_freq, rows, positions, k_dst,
+                                 v_dst, q_weight, k_weight, eps))
+    return found.run(x, norm_weight, qkv_weight, inv_freq, rows, positions, k_dst, v_dst, q_weight, k_weight, eps)
+
+
+def _head_counts(heads, kv_heads) -> None:
+    for name, v in (("heads", heads), ("kv_heads", kv_heads)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+
+
+class QkvPlan(GemvPlan):
+    def __init__(self, group, x, norm_weight, qkv_weight, heads, kv_heads, inv_freq, rows, positions, k_dst, v_dst,
+                 q_weight, k_weight, eps):
+        _operand("x", x, None, (None, None))
+        m, k = x.shape
+        _head_counts(heads, kv_heads)
+        _operand("inv_freq", inv_freq, torch.float32, (None,))
+        half = inv_freq.shape[0]
+        if half < 1:
+            raise ValueError("inv_freq is empty: head_dim = 2 inv_freq.shape[0] must be >= 2")
+        d = 2 * half
+        _operand("norm_weight", norm_weight, x.dtype, (k,))
+        _operand("qkv_weight", qkv_weight, x.dtype, (k, (heads + 2 * kv_heads) * d))
+        for name, t in (("rows", rows), ("positions", positions)):
+            _operand(name, t, torch.int64, (m,))
+        for name, t in (("k_dst", k_dst), ("v_dst", v_dst)):
+            _check(name, t, x.dtype, 4)
+            if t.shape[2:] != (kv_heads, d) or t.stride(3) != 1:
+                raise ValueError(f"{name} must be (sequences, positions, {kv_heads}, {d}) with head_dim contiguous, "
+                                 f"got {tuple(t.shape)}, strides {t.stride()}")
+        if k_dst.stride() != v_dst.stride():
+            raise ValueError(f"k_dst and v_dst must have the same strides, got {k_dst.stride()} and {v_dst.stride()}")
+        for name, t in (("q_weight", q_weight), ("k_weight", k_weight)):
+            if t is not None:
+                _operand(name, t, x.dtype, (d,))
+        if (q_weight is None) != (k_weight is None):
+            raise ValueError("give both q_weight and k_weight, or neither")
+        _same_device(group.device, x=x, norm_weight=norm_weight, qkv_weight=qkv_weight, inv_freq=inv_freq,
+                     rows=rows, positions=positions, k_dst=k_dst, v_dst=v_dst, q_weight=q_weight, k_weight=k_weight)
+        _eps(eps)
+        if k == 0:
+            raise ValueError("x has no columns: RMSNorm of an empty row is undefined")
+        self.q_shape, self.dtype = (m, heads, d), x.dtype
+        self.qk_norm = q_weight is not None
+        half_p = max(MIN_BLOCK, triton.next_power_of_2(half))
+        super().__init__(group, m, k, (heads + 2 * kv_heads) * d, heads + 2 * kv_heads, x.dtype)
+        self.args = (m, k, self.kb, self.bps)
+        self.strides = k_dst.stride()[:3]
+        if m > 0:
+            q = torch.empty(self.q_shape, dtype=x.dtype, device=x.device)
+            norms = (q_weight, k_weight) if self.qk_norm else (norm_weight, norm_weight)  # not read without QK_NORM
+            self.launch = Launch(norm_qkv_rope_kernel, self.grid,
+                                 (x, norm_weight, qkv_weight, q, k_dst, v_dst, rows, positions, inv_freq, *norms,
+                                  self.partial, self.counter, *self.args, eps, *self.strides),
+                                 dict(HEADS=heads, KV_HEADS=kv_heads, HALF=half, QK_NORM=self.qk_norm, **self.common,
+                                      HALF_P=half_p, BLOCK_K=self.block_k, STAGES=self.stages, EVEN_K=self.even_k,
+                                      IEEE=self.ieee, NORM_K=self.norm_k), self.num_warps)
+
+    def run(self, x, norm_weight, qkv_weight, inv_freq, rows, positions, k_dst, v_dst, q_weight, k_weight, eps):
+        q = torch.empty(self.q_shape, dtype=self.dtype, device=x.device)
+        if self.launch is not None:
+            a = self.launch.address
+            norms = (q_weight, k_weight) if self.qk_norm else (norm_weight, norm_weight)
+            self.launch(a(x), a(norm_weight), a(qkv_weight), a(q), a(k_dst), a(v_dst), a(rows), a(positions),
+                        a(inv_freq), *(a(t) for t in norms), a(self.partial), a(self.counter), *self.args, _eps(eps),
+                        *self.strides)
+        return q
+
+
+# -- the operators (inference only: not differentiable) ---------------------------------------------------------
+#   torch.ops.weft.linear_residual(x, weight, residual) -> out
+#   torch.ops.weft.norm_gate_up_silu(x, norm_weight, gate_up_weight, eps) -> out
+#   torch.ops.weft.norm_qkv_rope(x, norm_weight, qkv_weight, heads, kv_heads, inv_freq, rows, positions, k_dst!,
+#                                v_dst!, q_weight, k_weight, eps) -> q   (k and v written into k_dst / v_dst)
+
+@linear_residual.define
+def linear_residual_op(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    return linear_residual.eager(x, weight, residual)
+
+
+@linear_residual_op.register_fake
+def _(x, weight, residual):
+    return x.new_empty((x.shape[0], weight.shape[1]))
+
+
+@norm_gate_up_silu.define
+def norm_gate_up_silu_op(x: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight: torch.Tensor,
+                         eps: float = 1e-6) -> torch.Tensor:
+    return norm_gate_up_silu.eager(x, norm_weight, gate_up_weight, eps)
+
+
+@norm_gate_up_silu_op.register_fake
+def _(x, norm_weight, gate_up_weight, eps=1e-6):
+    return x.new_empty((x.shape[0], gate_up_weight.shape[1] // 2))
+
+
+@norm_qkv_rope.define(mutates_args=("k_dst", "v_dst"))
+def norm_qkv_rope_op(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor, heads: int, kv_heads: int,
+                     inv_freq: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, k_dst: torch.Tensor,
+                     v_dst: torch.Tensor, q_weight: Optional[torch.Tensor] = None,
+                     k_weight: Optional[torch.Tensor] = None, eps: float = 1e-6) -> torch.Tensor:
+    return norm_qkv_rope.eager(x, norm_weight, qkv_weight, heads, kv_heads, inv_freq, rows, positions, k_dst, v_dst,
+                               q_weight, k_weight, eps)
+
+
+@norm_qkv_rope_op.register_fake
+def _(x, norm_weight, qkv_weight, heads, kv_heads, inv_freq, rows, positions, k_dst, v_dst, q_weight=None,
+      k_weight=None, eps=1e-6):
+    return x.new_empty((x.shape[0], heads, 2 * inv_freq.shape[0]))
+
+
+def _compile_cases():
+    """Qwen3-8B's decode shapes at one rank (hidden 4096, 32 + 2 x 8 heads of 128, intermediate 12288) and M = 1 and
+    16 rows in a block, bf16, split-K and not; a Llama-shaped QKV without the q/k norm; fp32."""
+    out = []
+    s = dict(block_n=64, block_k=128, num_warps=4, num_stages=4)
+    for t, ieee in (("*bf16", False), ("*fp32", True)):
+        for block_m, split in ((16, 8), (16, 1), (64, 2)):
+            common = dict(SPLIT=split, BLOCK_M=block_m, BLOCK_K=s["block_k"], STAGES=s["num_stages"], EVEN_K=True,
+                          IEEE=ieee)
+            out.append((linear_residual_kernel,
+                        dict(x=t, w=t, residual=t, out=t, partial="*fp32", counter="*i32", M="i32", K="i32", N="i32",
+                             KB="i32", BPS="i32"),
+                        dict(**common, BLOCK_N=s["block_n"], EVEN_N=True), dict(num_warps=s["num_warps"],
+                                                                                 divisible=("K", "N"))))
+            out.append((norm_gate_up_silu_kernel,
+                        dict(x=t, norm_w=t, w=t, out=t, partial="*fp32", counter="*i32", M="i32", K="i32", I="i32",
+                             KB="i32", BPS="i32", eps="fp32"),
+                        dict(**common, BLOCK_N=s["block_n"], EVEN_N=True, NORM_K=NORM_ELEMENTS // block_m),
+                        dict(num_warps=s["num_warps"], divisible=("K", "I"))))
+            for qk_norm in (True, False):
+                out.append((norm_qkv_rope_kernel,
+                            dict(x=t, norm_w=t, w=t, q_out=t, k_dst=t, v_dst=t, rows="*i64", positions="*i64",
+                                 inv_freq="*fp32", q_weight=t, k_weight=t, partial="*fp32", counter="*i32", M="i32",
+                                 K="i32", KB="i32", BPS="i32", eps="fp32", dst_sb="i64", dst_sp="i64", dst_sh="i64"),
+                            dict(HEADS=32, KV_HEADS=8, HALF=64, QK_NORM=qk_norm, **common, HALF_P=64,
+                                 NORM_K=NORM_ELEMENTS // block_m), dict(num_warps=s["num_warps"], divisible=("K",))))
+    return out
+
+
+COMPILE_CASES = _compile_cases()
