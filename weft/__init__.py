@@ -7,7 +7,7 @@
 """
 from .runtime import backend as _backend  # first: sets TRITON_INTERPRET on the cpu backend
 from .runtime import world as _world
-from .runtime.errors import WaitTimeout, check_errors
+from .runtime.errors import SignatureMismatch, WaitTimeout, check_errors
 from .runtime.group import Group
 from .runtime.world import finalize, init, is_initialized, new_group, new_subgroups
 
@@ -70,5 +70,5 @@ from . import distributed  # noqa: E402  (registers the "weft" torch.distributed
 
 distributed.register()
 
-__all__ = ["init", "finalize", "is_initialized", "check_errors", "WaitTimeout", "rank", "world_size", "device",
+__all__ = ["init", "finalize", "is_initialized", "check_errors", "WaitTimeout", "SignatureMismatch", "rank", "world_size", "device",
            "Group", "new_group", "new_subgroups", "get_group", "barrier", "empty", "zeros", "peer", "is_symmetric", "ops", "distributed", "world", "BACKEND"]

@@ -6,6 +6,10 @@ each `@triton.jit` function it passed through, in an InterpreterError; `unwrap_w
 a kernel launch raise the WaitTimeout itself instead, so `except weft.WaitTimeout` catches it. On GPUs
 the wait prints its report and traps: the launch's CUDA error surfaces at the next synchronisation.
 
+`SignatureMismatch`: the members of a group called a collective with plans that disagree (another op, shape,
+dtype, method, root, ...): the cross-rank signature check (weft.kernels.common.SignatureWord) raises it on
+every involved member, naming the op, both ranks and both plans.
+
 `check_errors()`: synchronise, then raise whatever device-side error an op family has recorded. A family
 that keeps an error word registers its check in `world.error_checks` when it makes its workspace.
 """
@@ -17,6 +21,12 @@ import functools
 class WaitTimeout(RuntimeError):
     """A device-side wait did not complete within WEFT_WAIT_TIMEOUT_S. The message names the waiting rank,
     the op, the rank whose signal is missing, the expected and the seen value."""
+
+
+class SignatureMismatch(ValueError):
+    """Members of a group called a collective with disagreeing arguments (each rank's call is valid alone, the
+    set of calls is not): a ValueError, as a bad argument is. Raised on every involved member, in place of a
+    wrong result or a hang; the message names the op, this rank and the peer, and both plans' signatures."""
 
 
 def _wait_timeout_in(error: BaseException) -> WaitTimeout | None:
