@@ -155,7 +155,8 @@ class Plan:
     def sign(self, name: str, /, **parts) -> int:
         """Set this plan's `fingerprint` and `signature_text` from the op's name and what the members must agree
         on (`parts`, in the order given); returns the fingerprint, which the plan's kernels take as an argument."""
-        self.signature_text = text = f"{name}({', '.join(f'{k}={v}' for k, v in (('W', self.group.size), *parts.items()))})"
+        fields = ", ".join(f"{k}={v}" for k, v in (("W", self.group.size), *parts.items()))
+        self.signature_text = text = f"{name}({fields})"
         self.fingerprint = fingerprint(text)
         if self.group.size > 1:
             _publish(self.fingerprint, text)
@@ -278,8 +279,9 @@ class ErrorWord:
 
 class SignatureWord(ErrorWord):
     """The group's record of a signature mismatch a kernel found (signals.check_signed): [1, peer, mine, theirs],
-    raised as weft.SignatureMismatch. Families register their workspaces (`families`: objects with `counter`,
-    their epoch counter, and `sig`, their signature words and tripped word): before raising, every member
+    raised as weft.SignatureMismatch. Families register their workspaces (`families`: objects with `sig`, their
+    signature words and tripped word, and `counter`, their epoch counter (wl.next_epoch), where a mismatch can
+    make members take different numbers of epochs): before raising, every member
     resynchronises them, since members that ran different pass counts took different numbers of epochs, and a
     tripped family skips its launches: after host barriers, each family's epoch counter is set to the largest
     epoch any member reached (every flag, LL word and signature word of the past then carries an older epoch
@@ -305,12 +307,14 @@ class SignatureWord(ErrorWord):
     def resync(self) -> None:
         g = self.group
         g.barrier()  # every member's launches of the mismatched calls are done
-        epochs = torch.tensor([int(ws.counter[0].item()) >> 32 for ws in self.families], dtype=torch.int64,
+        counted = [ws for ws in self.families if hasattr(ws, "counter")]
+        epochs = torch.tensor([int(ws.counter[0].item()) >> 32 for ws in counted], dtype=torch.int64,
                               device=g.device)
-        if g.size > 1 and len(self.families):
+        if g.size > 1 and counted:
             dist.all_reduce(epochs, op=dist.ReduceOp.MAX, group=g.process_group)
-        for ws, epoch in zip(self.families, epochs.tolist()):
+        for ws, epoch in zip(counted, epochs.tolist()):
             ws.counter.fill_(epoch << 32)
+        for ws in self.families:
             ws.sig[-1] = 0
         g.barrier()
 

@@ -11,8 +11,8 @@ from .tile import (ALL_RANKS, ShardMapping, TileMapping, tile_count, tile_flag, 
                    tile_offsets, tile_owner, tile_pull, tile_push, tile_rect, tile_wait, tile_wait_tiles)
 
 __all__ = [
-    "rank", "num_ranks", "symm_at", "remote_ptr", "notify", "notify_all", "wait", "next_epoch", "last_epoch", "pack_ll", "wait_ll", "sign", "check_signed",
-    "signature_live", "consume_token", "fence", "quiet",
+    "rank", "num_ranks", "symm_at", "remote_ptr", "notify", "notify_all", "wait", "next_epoch", "last_epoch", "pack_ll", "wait_ll",
+    "sign", "check_signed", "signature_live", "consume_token", "fence", "quiet",
     "barrier_all", "putmem_block", "putmem_nbi_block", "getmem_block", "putmem_signal_block",
     "putmem_signal_nbi_block", "signal_op", "signal_wait_until", "tid", "lane_id", "sm_id", "global_timer",
     "CMP_EQ", "CMP_NE", "CMP_GT", "CMP_LE", "CMP_LT", "CMP_GE", "SIGNAL_SET", "SIGNAL_ADD", "SCOPE_SYS", "SCOPE_GPU", "INTERPRET",

@@ -1,0 +1,183 @@
+"""The cross-rank signature check (on cpu ranks): members that call a collective with plans that disagree get
+weft.SignatureMismatch on every member, naming the op, both ranks and both plans, instead of a wrong result or a
+hang; the output is not written; then a matching call works.
+
+Each case is a mismatch at the plan's first call, and one injected after both ranks have made (warmed) both plans:
+the check runs on every call, not only when a plan is made. Cases where the members' launches differ in grid or
+pass count (what used to hang) are among them.
+"""
+import re
+
+import pytest
+import torch
+
+from weft.testing import run_ranks
+
+SENTINEL = -7.0
+# A wait that would otherwise hang ends here, well inside the test's own timeout.
+ENV = {"WEFT_WAIT_TIMEOUT_S": "60"}
+
+
+def _mismatch(call):
+    """Run `call()` (this rank's half of a mismatched collective): the error's message, or None if none."""
+    import weft
+
+    try:
+        call()
+    except weft.SignatureMismatch as e:
+        assert isinstance(e, ValueError)
+        return str(e)
+    return None
+
+
+def _matching_all_reduce():
+    import weft
+
+    x = torch.arange(1000, dtype=torch.float32) * (weft.rank() + 1)
+    expected = torch.arange(1000, dtype=torch.float32) * sum(range(1, weft.world_size() + 1))
+    torch.testing.assert_close(weft.ops.all_reduce(x), expected, rtol=0, atol=0)
+
+
+def _reduce_family():
+    import weft
+
+    r = weft.rank()
+    messages = {}
+
+    def out_untouched(n):
+        return torch.full((n,), SENTINEL)
+
+    # all_reduce: sizes differ (100k / 200k elements: one-shot, the same grid) at the first call; the output is
+    # not written.
+    n = 100_000 if r == 0 else 200_000
+    out = out_untouched(n)
+    messages["all_reduce size"] = _mismatch(lambda: weft.ops.all_reduce(torch.ones(n), out=out))
+    assert torch.all(out == SENTINEL)
+    _matching_all_reduce()
+
+    # A grid that differs (1 program / 4 programs on cpu) and a dtype that differs: what used to hang.
+    n = 256 if r == 0 else 40_000
+    messages["all_reduce grid"] = _mismatch(lambda: weft.ops.all_reduce(torch.ones(n), method="two_shot"))
+    dtype = torch.float32 if r == 0 else torch.bfloat16
+    messages["all_reduce dtype"] = _mismatch(lambda: weft.ops.all_reduce(torch.ones(4096, dtype=dtype)))
+    _matching_all_reduce()
+
+    # Warmed: both ranks make both plans (sum and max over the same x), then call different ones.
+    x = torch.full((3000,), float(r + 1))
+    for op in ("sum", "max"):
+        weft.ops.all_reduce(x, op=op)
+    out = out_untouched(3000)
+    messages["all_reduce warm op"] = _mismatch(lambda: weft.ops.all_reduce(x, op="sum" if r == 0 else "max",
+                                                                            out=out))
+    assert torch.all(out == SENTINEL)
+    assert torch.all(weft.ops.all_reduce(x, op="max") == weft.world_size())
+
+    # Warmed, pass counts that differ: 1 pass on rank 0, 3 on rank 1 (more than the workspace holds).
+    small, large = torch.ones(1000), torch.ones(1_000_000)
+    for t in (small, large):
+        weft.ops.reduce_scatter(t)
+    messages["reduce_scatter warm passes"] = _mismatch(lambda: weft.ops.reduce_scatter(small if r == 0 else large))
+    torch.testing.assert_close(weft.ops.reduce_scatter(small), torch.full((1000 // weft.world_size(),),
+                                                                          float(weft.world_size())))
+
+    # broadcast: roots that differ, warmed (each root's plan made on both ranks); x is left as it was.
+    y = torch.full((5000,), float(r))
+    for root in (0, 1):
+        weft.ops.broadcast(y.clone(), root=root)
+    messages["broadcast warm root"] = _mismatch(lambda: weft.ops.broadcast(y, root=r))
+    assert torch.all(y == r)
+    assert torch.all(weft.ops.broadcast(y, root=1) == 1)
+    # all_reduce on one rank, broadcast on the other: the same workspace, another op.
+    messages["all_reduce / broadcast"] = _mismatch(
+        lambda: weft.ops.all_reduce(torch.ones(5000)) if r == 0 else weft.ops.broadcast(torch.ones(5000)))
+    _matching_all_reduce()
+    return messages
+
+
+def _check(messages_per_rank, case, op, texts):
+    """Every rank's message of `case` names the op, itself and the peer, and both plans' texts (rank: text)."""
+    for rank, messages in enumerate(messages_per_rank):
+        message = messages[case]
+        assert message is not None, f"{case}: rank {rank} raised nothing"
+        assert message.startswith(f"weft.ops.{op}: the members of weft.Group("), message
+        for r, text in texts.items():
+            assert re.search(rf"rank {r}: {re.escape(text)} \[[0-9a-f]{{8}}\]", message), (case, message)
+
+
+def test_the_reduction_family_reports_every_mismatch_on_every_rank():
+    messages = run_ranks(_reduce_family, 2, timeout=240, env=ENV)
+    _check(messages, "all_reduce size", "all_reduce",
+           {0: "all_reduce(W=2, n=100000, dtype=float32, op=sum, path=one_shot)",
+            1: "all_reduce(W=2, n=200000, dtype=float32, op=sum, path=one_shot)"})
+    _check(messages, "all_reduce grid", "all_reduce", {0: "all_reduce(W=2, n=256, dtype=float32, op=sum, path=",
+                                                       1: "all_reduce(W=2, n=40000, dtype=float32, op=sum, path="})
+    _check(messages, "all_reduce dtype", "all_reduce", {0: "dtype=float32", 1: "dtype=bfloat16"})
+    _check(messages, "all_reduce warm op", "all_reduce", {0: "op=sum", 1: "op=max"})
+    _check(messages, "reduce_scatter warm passes", "reduce_scatter",
+           {0: "reduce_scatter(W=2, n=1000, dtype=float32, op=sum)",
+            1: "reduce_scatter(W=2, n=1000000, dtype=float32, op=sum)"})
+    _check(messages, "broadcast warm root", "broadcast", {0: "root=0)", 1: "root=1)"})
+    assert "rank 1: broadcast(W=2, bytes=20000" in messages[0]["all_reduce / broadcast"]
+    assert messages[1]["all_reduce / broadcast"].startswith("weft.ops.broadcast:")
+
+
+def _all_gather_family():
+    import weft
+
+    r = weft.rank()
+    messages = {}
+    rows = 100 if r == 0 else 300
+    out = torch.full((2 * rows, 8), SENTINEL)
+    messages["size"] = _mismatch(lambda: weft.ops.all_gather(torch.ones(rows, 8), out=out))
+    assert torch.all(out == SENTINEL)
+    x = torch.full((64, 8), float(r))
+    for method in ("push", "pull"):
+        weft.ops.all_gather(x, method=method)
+    messages["warm method"] = _mismatch(lambda: weft.ops.all_gather(x, method="push" if r == 0 else "pull"))
+    # Into a symmetric out on one rank, a plain one on the other: the zero-copy push would write into memory
+    # the peer does not expect.
+    sym = weft.empty((128, 8), torch.float32)
+    weft.ops.all_gather(x, out=sym)
+    weft.ops.all_gather(x, out=torch.empty(128, 8))
+    plain = torch.full((128, 8), SENTINEL)
+    messages["warm out kind"] = _mismatch(lambda: weft.ops.all_gather(x, out=sym if r == 0 else plain))
+    assert torch.all(plain == SENTINEL)
+    got = weft.ops.all_gather(x, method="pull")
+    assert torch.all(got[:64] == 0) and torch.all(got[64:] == 1)
+    return messages
+
+
+def test_all_gather_reports_every_mismatch_on_every_rank():
+    messages = run_ranks(_all_gather_family, 2, timeout=240, env=ENV)
+    _check(messages, "size", "all_gather", {0: "all_gather(W=2, bytes=3200, word=int32, method=push)",
+                                            1: "all_gather(W=2, bytes=9600, word=int32, method=push)"})
+    _check(messages, "warm method", "all_gather", {0: "method=push)", 1: "method=pull)"})
+    _check(messages, "warm out kind", "all_gather", {0: "method=push into a symmetric out)", 1: "method=push)"})
+
+
+def _one_of_three_differs():
+    import weft
+
+    r = weft.rank()
+    x = torch.ones(2000 if r != 2 else 4000)
+    weft.ops.all_reduce(torch.ones(2000))
+    weft.ops.all_reduce(torch.ones(4000))
+    message = _mismatch(lambda: weft.ops.all_reduce(x))
+    _matching_all_reduce()
+    return message
+
+
+def test_one_member_of_three_that_differs_is_named_by_every_member():
+    messages = run_ranks(_one_of_three_differs, 3, timeout=240, env=ENV)
+    assert all(m is not None for m in messages), messages
+    assert "rank 2: all_reduce(W=3, n=4000" in messages[0] and "rank 2: all_reduce(W=3, n=4000" in messages[1]
+    assert "rank 0: all_reduce(W=3, n=2000" in messages[2] or "rank 1: all_reduce(W=3, n=2000" in messages[2]
+
+
+def test_the_fingerprint_is_stable_and_never_zero():
+    from weft.kernels.common import fingerprint
+
+    assert fingerprint("all_reduce(W=2, n=100000, dtype=float32, op=sum, path=one_shot)") == \
+        fingerprint("all_reduce(W=2, n=100000, dtype=float32, op=sum, path=one_shot)")
+    values = {fingerprint(f"all_gather(W=2, bytes={b})") for b in range(2000)}
+    assert len(values) == 2000 and all(0 < v < 2 ** 31 for v in values)
