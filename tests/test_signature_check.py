@@ -190,3 +190,64 @@ def test_the_fingerprint_is_stable_and_never_zero():
         fingerprint("all_reduce(W=2, n=100000, dtype=float32, op=sum, path=one_shot)")
     values = {fingerprint(f"all_gather(W=2, bytes={b})") for b in range(2000)}
     assert len(values) == 2000 and all(0 < v < 2 ** 31 for v in values)
+
+
+def _gemm_and_ulysses_families():
+    import weft
+
+    r = weft.rank()
+    torch.manual_seed(r)
+    messages = {}
+    b = torch.randn(32, 32)
+
+    # ag_gemm: m differs (rank 1's shard has twice the rows), warmed; no output written.
+    shards = {m: torch.randn(m, 32) for m in (16, 32)}
+    for a in shards.values():
+        weft.ops.ag_gemm(a, b, method="overlap")
+    m = 16 if r == 0 else 32
+    out = torch.full((2 * m, 32), SENTINEL)
+    messages["ag_gemm"] = _mismatch(lambda: weft.ops.ag_gemm(shards[m], b, method="overlap", out=out))
+    assert torch.all(out == SENTINEL)
+    a = shards[16]
+    gathered = weft.ops.all_gather(a)
+    torch.testing.assert_close(weft.ops.ag_gemm(a, b, method="overlap"), gathered @ b)
+
+    # gemm_rs: N differs, at the first call.
+    n = 32 if r == 0 else 48
+    a2 = torch.randn(32, 32)
+    messages["gemm_rs"] = _mismatch(lambda: weft.ops.gemm_rs(a2, torch.randn(32, n), method="overlap"))
+    torch.testing.assert_close(weft.ops.gemm_rs(a2, b, method="overlap"),
+                               weft.ops.reduce_scatter(a2 @ b), rtol=1e-4, atol=1e-4)
+
+    # gemm_ar: N differs (another grid), warmed.
+    wide = torch.randn(32, 64)
+    for w in (b, wide):
+        weft.ops.gemm_ar(a, w, method="fused")
+    out = torch.full((16, 32 if r == 0 else 64), SENTINEL)
+    messages["gemm_ar"] = _mismatch(lambda: weft.ops.gemm_ar(a, b if r == 0 else wide, method="fused", out=out))
+    assert torch.all(out == SENTINEL)
+    torch.testing.assert_close(weft.ops.gemm_ar(a, b, method="fused"), weft.ops.all_reduce(a @ b),
+                               rtol=1e-4, atol=1e-4)
+
+    # ulysses: the sequence length differs, warmed.
+    xs = {s: torch.randn(s, 4, 16) for s in (8, 24)}
+    for x in xs.values():
+        weft.ops.ulysses_all_to_all(x, method="push")
+    messages["ulysses"] = _mismatch(lambda: weft.ops.ulysses_all_to_all(xs[8 if r == 0 else 24], method="push"))
+    x = xs[8]
+    assert torch.equal(weft.ops.ulysses_all_to_all(weft.ops.ulysses_all_to_all(x, method="push"), scatter="seq",
+                                                   method="push"), x)
+    return messages
+
+
+def test_the_gemm_and_ulysses_families_report_every_mismatch_on_every_rank():
+    messages = run_ranks(_gemm_and_ulysses_families, 2, timeout=300, env=ENV)
+    _check(messages, "ag_gemm", "ag_gemm", {0: "ag_gemm(W=2, m=16, n=32, k=32, dtype=float32)",
+                                            1: "ag_gemm(W=2, m=32, n=32, k=32, dtype=float32)"})
+    _check(messages, "gemm_rs", "gemm_rs", {0: "gemm_rs(W=2, m=16, n=32, k=32, dtype=float32)",
+                                            1: "gemm_rs(W=2, m=16, n=48, k=32, dtype=float32)"})
+    _check(messages, "gemm_ar", "gemm_ar", {0: "gemm_ar(W=2, m=16, n=32, k=32, dtype=float32)",
+                                            1: "gemm_ar(W=2, m=16, n=64, k=32, dtype=float32)"})
+    _check(messages, "ulysses", "ulysses_all_to_all",
+           {0: "ulysses_all_to_all(W=2, scatter=heads, seq=8, packed=1, row_bytes=128, dtype=float32)",
+            1: "ulysses_all_to_all(W=2, scatter=heads, seq=24, packed=1, row_bytes=128, dtype=float32)"})

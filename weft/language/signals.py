@@ -227,14 +227,17 @@ def sign(sig, epoch, fp, heap):
     """Publish this launch's fingerprint `fp` as the LL word (epoch, fp) into slot [epoch % 2][me] of every
     member's `sig`, all members at once (a lane each). Issued before the program's signals, whose release
     then covers it too."""
-    me = rank(heap)
-    n = num_ranks(heap)
-    word = pack_ll(fp + tl.zeros([], tl.int32), epoch + tl.zeros([], tl.int32))
-    for base in range(0, n, LANES):
-        peers = base + tl.arange(0, LANES)
-        live = peers < n
-        slot = sig + (epoch % 2) * n + me
-        tl.store(symm_at(slot, tl.where(live, peers, 0), heap), tl.full([LANES], 0, tl.int64) + word, mask=live)
+    if INTERPRET:
+        interpreter.sign_words(sig, epoch, fp, heap)
+    else:
+        me = rank(heap)
+        n = num_ranks(heap)
+        word = pack_ll(fp + tl.zeros([], tl.int32), epoch + tl.zeros([], tl.int32))
+        for base in range(0, n, LANES):
+            peers = base + tl.arange(0, LANES)
+            live = peers < n
+            slot = sig + (epoch % 2) * n + me
+            tl.store(symm_at(slot, tl.where(live, peers, 0), heap), tl.full([LANES], 0, tl.int64) + word, mask=live)
 
 
 @triton.jit
@@ -243,6 +246,8 @@ def check_signed(sig, epoch, fp, heap, err):
     (LL: no flag needed), compares. On a mismatch records [1, peer, mine, theirs] in the error word `err`
     (words 1.. first, word 0 last) and trips this rank's family (`signature_live`), and returns False: the
     program must not write its output."""
+    if INTERPRET:
+        return interpreter.check_signed_words(sig, epoch, fp, heap, err)
     n = num_ranks(heap)
     bad_peer = n
     theirs = fp + tl.zeros([], tl.int32)
