@@ -251,3 +251,31 @@ def test_the_gemm_and_ulysses_families_report_every_mismatch_on_every_rank():
     _check(messages, "ulysses", "ulysses_all_to_all",
            {0: "ulysses_all_to_all(W=2, scatter=heads, seq=8, packed=1, row_bytes=128, dtype=float32)",
             1: "ulysses_all_to_all(W=2, scatter=heads, seq=24, packed=1, row_bytes=128, dtype=float32)"})
+
+
+def _ep_low_latency():
+    import weft
+
+    r = weft.rank()
+    torch.manual_seed(r)
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2]])  # 4 experts over 2 ranks
+    x, wide = torch.randn(3, 16), torch.randn(3, 32)
+    for t in (x, wide):
+        weft.ops.ep_dispatch_ll(t, idx, 4, 4)
+    messages = {"dispatch": _mismatch(lambda: weft.ops.ep_dispatch_ll(x if r == 0 else wide, idx, 4, 4)),
+                "max_tokens": _mismatch(lambda: weft.ops.ep_dispatch_ll(x, idx, 4, 4 if r == 0 else 8))}
+    # Then a matching dispatch and combine, with identity experts: each token comes back weighted by its weights.
+    recv, counts, scales, handle = weft.ops.ep_dispatch_ll(x, idx, 4, 4)
+    weights = torch.rand(3, 2)
+    torch.testing.assert_close(weft.ops.ep_combine_ll(recv, idx, weights, handle), weights.sum(1, keepdim=True) * x)
+    return messages
+
+
+def test_the_low_latency_ep_ops_report_a_mismatch_on_every_rank():
+    messages = run_ranks(_ep_low_latency, 2, timeout=300, env=ENV)
+    _check(messages, "dispatch", "ep_dispatch_ll",
+           {0: "ep_dispatch_ll(W=2, experts=4, hidden=16, dtype=float32, k=2, max_tokens=4, fp8=False)",
+            1: "ep_dispatch_ll(W=2, experts=4, hidden=32, dtype=float32, k=2, max_tokens=4, fp8=False)"})
+    _check(messages, "max_tokens", "ep_dispatch_ll",
+           {0: "ep_dispatch_ll(W=2, experts=4, hidden=16, dtype=float32, k=2, max_tokens=4, fp8=False)",
+            1: "ep_dispatch_ll(W=2, experts=4, hidden=16, dtype=float32, k=2, max_tokens=8, fp8=False)"})

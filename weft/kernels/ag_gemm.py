@@ -170,7 +170,7 @@ class AgGemmWorkspace:
         # launch on every member, whatever its shapes, so the barrier's epochs stay in step.
         self.sig = signature_words(group, w)
         self.errors = signatures(group)
-        self.errors.families.append(self)
+        self.errors.register(self.sig)
         zero_everywhere(group, self.bar, self.ready, self.sig)
 
 

@@ -159,7 +159,7 @@ class AllGatherWorkspace:
         self.counter = heap.empty((1,), torch.int64)
         self.sig = signature_words(group, w)
         self.errors = signatures(group)
-        self.errors.families.append(self)
+        self.errors.register(self.sig, self.counter)
         zero_everywhere(group, self.push_flags, self.pull_flags, self.counter, self.sig)
 
     def data_as(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:

@@ -532,7 +532,7 @@ class ReduceWorkspace:
         self.counter = heap.empty((1,), torch.int64)
         self.sig = signature_words(group, w)
         self.errors = signatures(group)
-        self.errors.families.append(self)
+        self.errors.register(self.sig, self.counter)
         zero_everywhere(group, self.ll, self.flags, self.counter, self.sig)
 
     def data_as(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:

@@ -279,9 +279,9 @@ class ErrorWord:
 
 class SignatureWord(ErrorWord):
     """The group's record of a signature mismatch a kernel found (signals.check_signed): [1, peer, mine, theirs],
-    raised as weft.SignatureMismatch. Families register their workspaces (`families`: objects with `sig`, their
-    signature words and tripped word, and `counter`, their epoch counter (wl.next_epoch), where a mismatch can
-    make members take different numbers of epochs): before raising, every member
+    raised as weft.SignatureMismatch. Families register their signature words (`register`: with the epoch counter
+    (wl.next_epoch) of a family where a mismatch can make members take different numbers of epochs): before
+    raising, every member
     resynchronises them, since members that ran different pass counts took different numbers of epochs, and a
     tripped family skips its launches: after host barriers, each family's epoch counter is set to the largest
     epoch any member reached (every flag, LL word and signature word of the past then carries an older epoch
@@ -291,7 +291,10 @@ class SignatureWord(ErrorWord):
     def __init__(self, group):
         super().__init__(group, self._mismatch, words=4)
         self.group = group
-        self.families: list = []
+        self.families: list = []  # (signature words, epoch counter or None)
+
+    def register(self, sig: torch.Tensor, counter: torch.Tensor | None = None) -> None:
+        self.families.append((sig, counter))
 
     def _mismatch(self, words) -> SignatureMismatch:
         _, peer, mine, theirs = words
@@ -307,15 +310,15 @@ class SignatureWord(ErrorWord):
     def resync(self) -> None:
         g = self.group
         g.barrier()  # every member's launches of the mismatched calls are done
-        counted = [ws for ws in self.families if hasattr(ws, "counter")]
-        epochs = torch.tensor([int(ws.counter[0].item()) >> 32 for ws in counted], dtype=torch.int64,
+        counters = [counter for _, counter in self.families if counter is not None]
+        epochs = torch.tensor([int(counter[0].item()) >> 32 for counter in counters], dtype=torch.int64,
                               device=g.device)
-        if g.size > 1 and counted:
+        if g.size > 1 and counters:
             dist.all_reduce(epochs, op=dist.ReduceOp.MAX, group=g.process_group)
-        for ws, epoch in zip(counted, epochs.tolist()):
-            ws.counter.fill_(epoch << 32)
-        for ws in self.families:
-            ws.sig[-1] = 0
+        for counter, epoch in zip(counters, epochs.tolist()):
+            counter.fill_(epoch << 32)
+        for sig, _ in self.families:
+            sig[-1] = 0
         g.barrier()
 
 

@@ -220,7 +220,7 @@ class GemmArWorkspace:
         self.counter = heap.empty((1,), torch.int64)
         self.sig = signature_words(group, group.size)
         self.errors = signatures(group)
-        self.errors.families.append(self)
+        self.errors.register(self.sig, self.counter)
         zero_everywhere(group, self.flags, self.counter, self.sig)
 
 

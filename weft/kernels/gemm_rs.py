@@ -254,7 +254,7 @@ class GemmRSWorkspace:
         # launch on every member, whatever its shapes, so the barrier's epochs stay in step.
         self.sig = signature_words(group, w)
         self.errors = signatures(group)
-        self.errors.families.append(self)
+        self.errors.register(self.sig)
         zero_everywhere(group, self.ready, self.bar, self.sig)
 
 

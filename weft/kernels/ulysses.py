@@ -311,7 +311,7 @@ class UlyssesWorkspace:
         self.counter = heap.empty((1,), torch.int64)
         self.sig = signature_words(group, w)
         self.errors = signatures(group)
-        self.errors.families.append(self)
+        self.errors.register(self.sig, self.counter)
         zero_everywhere(group, self.a2a_flags, self.qkv_flags, self.o_flags, self.counter, self.sig)
 
     def data_as(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
