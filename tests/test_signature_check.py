@@ -279,3 +279,30 @@ def test_the_low_latency_ep_ops_report_a_mismatch_on_every_rank():
     _check(messages, "max_tokens", "ep_dispatch_ll",
            {0: "ep_dispatch_ll(W=2, experts=4, hidden=16, dtype=float32, k=2, max_tokens=4, fp8=False)",
             1: "ep_dispatch_ll(W=2, experts=4, hidden=16, dtype=float32, k=2, max_tokens=8, fp8=False)"})
+
+
+def _sp_decode():
+    import weft
+
+    r = weft.rank()
+    g = torch.Generator().manual_seed(r)
+
+    def inputs(q_heads):  # the same query on every rank; this rank's 5 positions of each of 2 sequences
+        q = torch.randn(2, q_heads, 64, generator=torch.Generator().manual_seed(0))
+        kv = [torch.randn(2, 5, 2, 64, generator=g) for _ in range(2)]
+        return q, *kv, torch.tensor([5, 3], dtype=torch.int32)
+
+    narrow, wide = inputs(2), inputs(4)
+    for args in (narrow, wide):
+        weft.ops.sp_flash_decode(*args)
+    message = _mismatch(lambda: weft.ops.sp_flash_decode(*(narrow if r == 0 else wide)))
+    out = weft.ops.sp_flash_decode(*narrow)
+    return message, out.numpy().tobytes()  # bytes: a tensor through the result queue would need this rank alive
+
+
+def test_sp_flash_decode_reports_a_mismatch_on_every_rank():
+    results = run_ranks(_sp_decode, 2, timeout=300, env=ENV)
+    _check([{"heads": m} for m, _ in results], "heads", "sp_flash_decode",
+           {0: "sp_flash_decode(W=2, batch=2, q_heads=2, head_dim=64, dtype=float32)",
+            1: "sp_flash_decode(W=2, batch=2, q_heads=4, head_dim=64, dtype=float32)"})
+    assert results[0][1] == results[1][1]  # then a matching call: the same bits on every rank
