@@ -127,7 +127,7 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
         epoch = wl.next_epoch(counter)
     else:
         epoch = wl.last_epoch(counter)
-    live = wl.signature_live(sig, heap)
+    running = wl.signature_live(sig, heap)  # not tripped by a signature mismatch
     # half_words is a multiple of 32 (MoeWorkspace): said so, Triton keeps 16-byte vectors through the halves.
     half = buf + (epoch % 2) * (half_words // 32 * 32)
     EXPERTS: tl.constexpr = LOCAL * WORLD
@@ -141,12 +141,12 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
     m = offs < HW
     gg = c * G + tl.arange(0, G)
     if SEND:  # the header (program 0), then chunk c of my tokens in this lane
-        if live:
+        if running:
             wl.sign(sig, epoch, fp, heap)
         else:
             tokens = tokens * 0
         ee = tl.arange(0, BLOCK_E)
-        if (lane == 0) & (c == 0) & live:
+        if (lane == 0) & (c == 0) & running:
             head = tl.where(ee < EXPERTS, _tokens_per_expert(topk, tokens, K, EXPERTS, BLOCK_K, BLOCK_E, BLOCK_T),
                             tokens)
             for r in range(WORLD):
@@ -175,8 +175,8 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
                     if FP8:
                         tl.store(wl.symm_at(mine, r, heap) + K + HW + gg, packed_scale, mask=gg < GROUPS)
     if RECV:  # chunk c of every rank's tokens in this lane into their recv rows
-        ok = live
-        if live:
+        ok = running
+        if running:
             ok = wl.check_signed(sig, epoch, fp, heap, sig_err)
         first = (lane == 0) & (c == 0) & ok
         base = tl.zeros([BLOCK_L], tl.int32)  # rows of each of my experts taken by senders before s
