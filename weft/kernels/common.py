@@ -279,14 +279,13 @@ class ErrorWord:
 
 class SignatureWord(ErrorWord):
     """The group's record of a signature mismatch a kernel found (signals.check_signed): [1, peer, mine, theirs],
-    raised as weft.SignatureMismatch. Families register their signature words (`register`: with the epoch counter
-    (wl.next_epoch) of a family where a mismatch can make members take different numbers of epochs): before
-    raising, every member
-    resynchronises them, since members that ran different pass counts took different numbers of epochs, and a
-    tripped family skips its launches: after host barriers, each family's epoch counter is set to the largest
-    epoch any member reached (every flag, LL word and signature word of the past then carries an older epoch
-    than any later launch's) and untripped, so that the next matching call works. Every involved member
-    raises (each compares every member's word), so the resynchronisation's collectives pair up."""
+    raised as weft.SignatureMismatch. Families register their signature words (`register`), with their epoch
+    counter (wl.next_epoch) where a mismatch can make members take different numbers of epochs (different pass
+    counts). Before raising, every member resynchronises them: after a host barrier, each such counter is set to
+    the largest epoch any member reached (every flag, LL word and signature word of the past then carries an
+    older epoch than any later launch's) and every family is untripped, so that the next matching call works.
+    Every involved member raises (each compares every member's word), so the resynchronisation's collectives
+    pair up."""
 
     def __init__(self, group):
         super().__init__(group, self._mismatch, words=4)
