@@ -289,6 +289,9 @@ class SignatureWord(ErrorWord):
 
     def __init__(self, group):
         super().__init__(group, self._mismatch, words=4)
+        if group.device.type != "cuda":  # a plan keeps no memory outside the heap: the cpu word is the heap's
+            self.tensor = group.heap.empty((4,), torch.int64).zero_()
+            self.host = self.tensor.numpy()
         self.group = group
         self.families: list = []  # (signature words, epoch counter or None)
 
