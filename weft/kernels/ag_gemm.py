@@ -96,7 +96,7 @@ def ag_gemm_start_kernel(a_shard, local, bar, ready, heap, n, chunk, sig, err, f
         epoch = tl.load(bar) + 1  # the epoch barrier_all takes
         wl.sign(sig, epoch, fp, heap)
         wl.barrier_all(bar, heap)
-        wl.check_signed(sig, epoch, fp, heap, err)
+        wl.check_signed(sig, epoch, fp, heap, err, op="ag_gemm")
 
 
 @triton.jit

@@ -79,12 +79,12 @@ def all_gather_push_kernel(x, gathered, out, flags, counter, heap, n, chunk, out
             buf = gathered + (epoch % 2) * half_len
             copy(wl.symm_at(buf, q, heap) + me * n, x, lo, hi, BLOCK, VEC)
             wl.notify(f + 1, q, heap, epoch)
-            if wl.check_signed(sig, epoch, fp, heap, err):
+            if wl.check_signed(sig, epoch, fp, heap, err, op="all_gather push"):
                 token = wl.wait(f + 1, 1, epoch, wl.CMP_GE, heap=heap, peer=q, op="all_gather push")
                 copy(out + q * out_stride, wl.consume_token(buf, token) + q * n, lo, hi, BLOCK, VEC)
         else:
             wl.notify(f, q, heap, epoch)
-            if wl.check_signed(sig, epoch, fp, heap, err):
+            if wl.check_signed(sig, epoch, fp, heap, err, op="all_gather push"):
                 token = wl.wait(f, 1, epoch, wl.CMP_GE, heap=heap, peer=q, op="all_gather push (ready)")
                 buf = wl.consume_token(gathered, token)
                 copy(wl.symm_at(buf, q, heap) + me * out_stride, x, lo, hi, BLOCK, VEC)
@@ -108,7 +108,7 @@ def all_gather_pull_kernel(x, stage, out, flags, counter, heap, n, chunk, out_st
         hi = tl.minimum(lo + chunk, n)
         copy(half, x, lo, hi, BLOCK, VEC)
         wl.notify_all(ready + me, heap, epoch)
-        if wl.check_signed(sig, epoch, fp, heap, err):
+        if wl.check_signed(sig, epoch, fp, heap, err, op="all_gather pull"):
             for i in range(world):
                 q = (me + 1 + p + i) % world
                 token = wl.wait(ready + q, 1, epoch, wl.CMP_GE, heap=heap, peer=q, op="all_gather pull")

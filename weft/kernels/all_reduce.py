@@ -263,7 +263,7 @@ def all_reduce_one_shot_kernel(x, recv, out, flags, counter, heap, n, chunk, slo
         hi = tl.maximum(tl.minimum(lo + chunk, n), lo)
         _push_all(half + me * slot_len, x, lo, hi, heap, WORLD, BLOCK, VEC)
         wl.notify_all(arrived + me, heap, epoch)
-        if wl.check_signed(sig, epoch, fp, heap, err):
+        if wl.check_signed(sig, epoch, fp, heap, err, op="all_reduce one-shot"):
             token = wl.wait(arrived, WORLD, epoch, wl.CMP_GE, heap=heap, op="all_reduce one-shot")
             _reduce(out, wl.consume_token(half, token), slot_len, lo, hi, heap, False, OP, WORLD, BLOCK, VEC)
 
@@ -308,7 +308,7 @@ def all_reduce_ll_kernel(x, ll, out, counter, heap, words, chunk, half_words, si
             packed = wl.pack_ll(tl.load(x + offs, mask=mask, other=0), epoch)
             for q in tl.static_range(WORLD):
                 tl.store(wl.symm_at(half + me * words, q, heap) + offs, packed, mask=mask)
-        if wl.check_signed(sig, epoch, fp, heap, err):
+        if wl.check_signed(sig, epoch, fp, heap, err, op="all_reduce LL"):
             for start in range(lo, hi, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 mask = offs < hi
@@ -345,7 +345,7 @@ def all_reduce_ll_two_shot_kernel(x, ll, out, counter, heap, words, slice_len, c
                 mask = offs < hi
                 tl.store(dst + offs, wl.pack_ll(tl.load(x + offs, mask=mask, other=0), epoch), mask=mask)
         # Checked before anything a peer sent is consumed: the gathered slices go into my `out` as they are.
-        if wl.check_signed(sig, epoch, fp, heap, err):
+        if wl.check_signed(sig, epoch, fp, heap, err, op="all_reduce LL two-shot"):
             lo, hi = _span(me, p, words, slice_len, chunk)
             for start in range(lo, hi, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
@@ -397,7 +397,7 @@ def all_reduce_two_shot_kernel(x, recv, gathered, out, flags, counter, heap, n, 
             # Element i of slice s lands at slots[me * slice_len + i - s * slice_len] on rank s.
             copy(wl.symm_at(slots, s, heap) + (me - s) * slice_len, x, lo, hi, BLOCK, VEC)
         wl.notify_all(arrived + me, heap, epoch)
-        if wl.check_signed(sig, epoch, fp, heap, err):
+        if wl.check_signed(sig, epoch, fp, heap, err, op="all_reduce/reduce_scatter two-shot"):
             token = wl.wait(arrived, WORLD, epoch, wl.CMP_GE, heap=heap, op="all_reduce/reduce_scatter two-shot")
             mine = wl.consume_token(slots, token)
             lo, hi = _span(me, p, n, slice_len, chunk)
@@ -441,7 +441,7 @@ def broadcast_kernel(x, recv, flags, counter, heap, n, chunk, half_len, root, si
             for i in range(1, world):
                 copy(wl.symm_at(half, (me + i) % world, heap), x, lo, hi, BLOCK, VEC)
         wl.notify_all(arrived + me, heap, epoch)
-        if wl.check_signed(sig, epoch, fp, heap, err):
+        if wl.check_signed(sig, epoch, fp, heap, err, op="broadcast"):
             token = wl.wait(arrived, world, epoch, wl.CMP_GE, heap=heap, op="broadcast")
             if me != root:
                 copy(x, wl.consume_token(half, token), lo, hi, BLOCK, VEC)

@@ -311,7 +311,7 @@ def sp_flash_decode_merge_kernel(part_out, part_lse, seqlens, ll, counter, heap,
         tl.store(dst + rows * D + row, lse_word, mask=live)
 
     if ok:
-        ok = wl.check_signed(sig, epoch, fp, heap, sig_err)
+        ok = wl.check_signed(sig, epoch, fp, heap, sig_err, op="sp_flash_decode")
     if ok == 0:
         rows = rows * 0  # another call on a peer: nothing received
     # Phase 2: all W ranks' words of a row are waited for at once (one spin, not W after each other) and

@@ -159,7 +159,7 @@ def gemm_ar_kernel(a, b, stage, out, flags, counter, heap, M, N, K, half_len, si
 
         # Sum the WORLD partials of this tile in rank order (the same bits on every rank). The loop is unrolled,
         # so all WORLD loads are in flight before the adds need them.
-        if wl.check_signed(sig, epoch, fp, heap, err):
+        if wl.check_signed(sig, epoch, fp, heap, err, op="gemm_ar"):
             token = wl.wait(arrived, WORLD, epoch, wl.CMP_GE, heap=heap, op="gemm_ar")
             slots = wl.consume_token(slots, token)
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)

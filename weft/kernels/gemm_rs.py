@@ -195,7 +195,7 @@ def gemm_rs_start_kernel(bar, ready, heap, sig, err, fp):
     epoch = tl.load(bar) + 1  # the epoch barrier_all takes
     wl.sign(sig, epoch, fp, heap)
     wl.barrier_all(bar, heap)
-    wl.check_signed(sig, epoch, fp, heap, err)
+    wl.check_signed(sig, epoch, fp, heap, err, op="gemm_rs")
 
 
 @triton.jit

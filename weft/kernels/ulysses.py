@@ -152,7 +152,7 @@ def ulysses_all_to_all_kernel(x, buf, out, flags, counter, heap, rows, chunk, ro
             _copy_rows(wl.symm_at(half + me * slot, q, heap), row_len, src, src_stride, lo, hi, row_len, ROWS, COLS,
                        VEC)
             wl.notify(f, q, heap, epoch)
-        if wl.check_signed(sig, epoch, fp, heap, err):
+        if wl.check_signed(sig, epoch, fp, heap, err, op="ulysses_all_to_all"):
             if q == me:
                 _copy_rows(out + me.to(tl.int64) * (dst_block_v * VEC), dst_stride, src, src_stride, lo, hi, row_len,
                            ROWS, COLS, VEC)
@@ -221,7 +221,7 @@ def qkv_all_to_all_kernel(x, w, out, buf, flags, counter, heap, rows, S, K, N, h
             tl.store(wl.symm_at(half, q, heap) + offs, val, mask=mask)
             wl.notify(flags + me * max_tiles + t, q, heap, epoch)
     if live:
-        if wl.check_signed(sig, epoch, fp, heap, err) == 0:
+        if wl.check_signed(sig, epoch, fp, heap, err, op="qkv_all_to_all") == 0:
             tiles = tiles * 0  # another call on a peer: nothing received
     for t in range(p, tiles, programs):
         mb = t // num_n
@@ -276,7 +276,7 @@ def all_to_all_o_proj_kernel(attn, w, out, buf, flags, counter, heap, rows, S, N
                        ROWS, COLS, 1)
             wl.notify(flags + me * max_items + item, q, heap, epoch)
     if live:
-        if wl.check_signed(sig, epoch, fp, heap, err) == 0:
+        if wl.check_signed(sig, epoch, fp, heap, err, op="all_to_all_o_proj") == 0:
             items = items * 0  # another call on a peer: nothing received
     for item in range(p, items, programs):
         mb = item // groups

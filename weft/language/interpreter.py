@@ -134,7 +134,7 @@ def sign_words(sig, epoch, fp, heap):
 
 
 @interpreter_only
-def check_signed_words(sig, epoch, fp, heap, err):
+def check_signed_words(sig, epoch, fp, heap, err, op="signature check"):
     """Await every member's signature word of `epoch`; on a mismatch record it in `err` and trip the family."""
     me, n, _ = _members(heap)
     epoch, fp = int(_scalar(epoch)), int(_scalar(fp))
@@ -147,7 +147,7 @@ def check_signed_words(sig, epoch, fp, heap, err):
         while word.value >> 32 != epoch:
             if timeout > 0 and time.monotonic() - start > timeout:
                 raise WaitTimeout(
-                    f"weft signature check: rank {me} timed out after {timeout:g} s waiting for the signature of rank "
+                    f"weft {_scalar(op)}: rank {me} timed out after {timeout:g} s waiting for the signature of rank "
                     f"{q}: expected epoch {epoch}, seen {word.value >> 32} (rank {q} runs no call of this op family)")
             time.sleep(nap)
             nap = min(1e-3, nap * 2 + 2e-5)

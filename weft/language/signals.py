@@ -241,20 +241,21 @@ def sign(sig, epoch, fp, heap):
 
 
 @triton.jit
-def check_signed(sig, epoch, fp, heap, err):
+def check_signed(sig, epoch, fp, heap, err, op: tl.constexpr = tl.constexpr("signature check")):
     """Whether every member's launch of `epoch` carries `fp`: awaits each member's signature word of this epoch
     (LL: no flag needed), compares. On a mismatch records [1, peer, mine, theirs] in the error word `err`
     (words 1.. first, word 0 last) and trips this rank's family (`signature_live`), and returns False: the
-    program must not write its output."""
+    program must not write its output. `op` names the op in a wait timeout's report (a member that runs no call
+    of the family)."""
     if INTERPRET:
-        return interpreter.check_signed_words(sig, epoch, fp, heap, err)
+        return interpreter.check_signed_words(sig, epoch, fp, heap, err, op)
     n = num_ranks(heap)
     bad_peer = n
     theirs = fp + tl.zeros([], tl.int32)
     for base in range(0, n, LANES):
         peers = base + tl.arange(0, LANES)
         live = peers < n
-        got = wait_ll(sig + (epoch % 2) * n + tl.where(live, peers, 0), live, epoch, heap=heap, op="signature check")
+        got = wait_ll(sig + (epoch % 2) * n + tl.where(live, peers, 0), live, epoch, heap=heap, op=op)
         other = live & (got != fp)
         first = tl.min(tl.where(other, peers, n), axis=0)
         if (first < n) & (bad_peer == n):

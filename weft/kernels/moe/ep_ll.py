@@ -177,7 +177,7 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
     if RECV:  # chunk c of every rank's tokens in this lane into their recv rows
         ok = running
         if running:
-            ok = wl.check_signed(sig, epoch, fp, heap, sig_err)
+            ok = wl.check_signed(sig, epoch, fp, heap, sig_err, op="ep_dispatch_ll")
         first = (lane == 0) & (c == 0) & ok
         base = tl.zeros([BLOCK_L], tl.int32)  # rows of each of my experts taken by senders before s
         for s in range(tl.where(ok, WORLD, 0)):
@@ -270,7 +270,7 @@ def ep_combine_ll_kernel(y, topk, weights, out, src_rows, src_tokens, buf, count
                     if tl.sum((dest == r).to(tl.int32), axis=0) > 0:
                         tl.store(wl.symm_at(wslots + (me * MAX_T + t) * K, r, heap) + jj, wt, mask=jj < K)
         if live:
-            ok = wl.check_signed(sig, epoch, fp, heap, sig_err)
+            ok = wl.check_signed(sig, epoch, fp, heap, sig_err, op="ep_combine_ll")
         for s in range(tl.where(ok, WORLD, 0)):
             n_s = tl.load(src_tokens + s)
             for t in range(lane, n_s, LANES):
