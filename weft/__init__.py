@@ -16,7 +16,7 @@ from types import ModuleType
 
 from .runtime import backend as _backend  # first: sets TRITON_INTERPRET on the cpu backend
 from .runtime import world as _world
-from .runtime.errors import OffNodeAccess, WaitTimeout, check_errors
+from .runtime.errors import OffNodeAccess, SignatureMismatch, WaitTimeout, check_errors
 from .runtime.group import Group, GroupLike
 from .runtime.world import World, finalize, init, is_initialized, new_group, new_subgroups
 
@@ -100,6 +100,6 @@ def __getattr__(name: str) -> ModuleType:
 def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY})
 
-__all__ = ["init", "finalize", "is_initialized", "check_errors", "WaitTimeout", "OffNodeAccess", "rank", "world_size", "device",
-           "Group", "GroupLike", "new_group", "new_subgroups", "get_group", "barrier", "empty", "zeros", "peer",
-           "is_symmetric", "ops", "distributed", "world", "BACKEND"]
+__all__ = ["init", "finalize", "is_initialized", "check_errors", "WaitTimeout", "SignatureMismatch", "OffNodeAccess",
+           "rank", "world_size", "device", "Group", "GroupLike", "new_group", "new_subgroups", "get_group", "barrier",
+           "empty", "zeros", "peer", "is_symmetric", "ops", "distributed", "world", "BACKEND"]

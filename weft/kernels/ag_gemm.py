@@ -66,7 +66,7 @@ from . import gemm
 from .all_gather import all_gather
 from .blocks import copy, first_item
 from .common import (Launch, Plan, check_method, check_out, group_name, group_size, matmul_operands, plan,
-                     resolve, signature, workspace, zero_everywhere)
+                     resolve, signature, signature_words, signatures, workspace, zero_everywhere)
 from .registry import declare_op, fresh, into, no_config
 
 METHODS = ("auto", "overlap", "baseline")
@@ -78,23 +78,29 @@ CPU_START = dict(block=256, max_programs=2, program_bytes=256 << 10)
 
 # -- kernels --------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["n", "chunk"])
-def ag_gemm_start_kernel(a_shard, local, bar, ready, heap, n, chunk, BLOCK: tl.constexpr, VEC: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "chunk", "fp"])
+def ag_gemm_start_kernel(a_shard, local, bar, ready, heap, n, chunk, sig, err, fp, BLOCK: tl.constexpr,
+                         VEC: tl.constexpr):
     """Start of a call. Program p copies elements [p * chunk, (p + 1) * chunk) of a_shard (n elements) into
     `local`, my own chunk of the gathered buffer; program 0 then lowers my flags ready[0..W), which this
     call's pushes raise to 1, and joins the barrier (bar[0] = the epoch), which no rank passes before every
-    rank's previous GEMM is done reading its gathered buffer and its flags."""
+    rank's previous GEMM is done reading its gathered buffer and its flags. Program 0 signs the call (the
+    barrier's epoch) before the barrier and checks every member's signature after it: a mismatch trips the
+    family, and the GEMM kernel then writes nothing."""
     p = tl.program_id(0)
     lo = p * chunk
     copy(local, a_shard, lo, tl.maximum(tl.minimum(lo + chunk, n), lo), BLOCK, VEC)
     if p == 0:
         for q in range(wl.num_ranks(heap)):
             tl.store(ready + q, 0)
+        epoch = tl.load(bar) + 1  # the epoch barrier_all takes
+        wl.sign(sig, epoch, fp, heap)
         wl.barrier_all(bar, heap)
+        wl.check_signed(sig, epoch, fp, heap, err, op="ag_gemm")
 
 
 @triton.jit
-def ag_gemm_kernel(a_desc, b_desc, c_desc, ready, heap, m, N, K, RAGGED: tl.constexpr,
+def ag_gemm_kernel(a_desc, b_desc, c_desc, ready, heap, m, N, K, sig, RAGGED: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                    NUM_STAGES: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     """c = G @ b, chunk by chunk in arrival order: me, me + 1, ..., me - 1 (mod W).
@@ -110,8 +116,11 @@ def ag_gemm_kernel(a_desc, b_desc, c_desc, ready, heap, m, N, K, RAGGED: tl.cons
     with WEFT_WAIT_TIMEOUT_S set). A GEMM tile never straddles two chunks:
     with RAGGED (m not a multiple of BLOCK_M) the descriptors of G and c are
     3-D (W, m, ·), which zero-fills loads and clips stores at the chunk's
-    edge; otherwise they are 2-D (W * m, ·).
+    edge; otherwise they are 2-D (W * m, ·). A family tripped by a signature
+    mismatch (the start kernel's check) writes nothing.
     """
+    if not wl.signature_live(sig, heap):
+        return
     me = wl.rank(heap)
     world = wl.num_ranks(heap)
     chunks = wl.ShardMapping(world, m, K)
@@ -157,7 +166,12 @@ class AgGemmWorkspace:
         self.bar = heap.empty((1 + w,), torch.int32)
         self.ready = heap.empty((w,), torch.int32)
         self.streams = StreamSet(group.device, 1) if group.device.type == "cuda" else None  # the pushes' stream
-        zero_everywhere(group, self.bar, self.ready)
+        # The signature words; no epoch counter to resynchronise after a mismatch: every call makes one start
+        # launch on every member, whatever its shapes, so the barrier's epochs stay in step.
+        self.sig = signature_words(group, w)
+        self.errors = signatures(group)
+        self.errors.register(self.sig)
+        zero_everywhere(group, self.bar, self.ready, self.sig)
 
 
 def overlap_refusal(group, a_shard, b, out) -> str | None:
@@ -297,18 +311,23 @@ class AgGemmPlan(Plan):
         wanted = min(start_rule["max_programs"],
                      triton.cdiv(self.elements * a_shard.element_size(), start_rule["program_bytes"]))
         self.chunk = triton.cdiv(triton.cdiv(self.elements, wanted), block) * block
+        # The GEMM's tiling is each member's own business: not in the signature.
+        self.fp = self.sign("ag_gemm", m=m, n=n, k=k, dtype=str(a_shard.dtype).removeprefix("torch."))
         self.start = Launch(ag_gemm_start_kernel, (triton.cdiv(self.elements, self.chunk),),
-                            (a_shard, local, ws.bar, ws.ready, heap, self.elements, self.chunk),
+                            (a_shard, local, ws.bar, ws.ready, heap, self.elements, self.chunk, ws.sig,
+                             ws.errors.tensor, self.fp),
                             dict(BLOCK=block, VEC=16 // a_shard.element_size()), num_warps=4)
         self.start_fixed = tuple(map(self.start.address, (local, ws.bar, ws.ready, heap)))
+        self.sig_fixed = tuple(map(self.start.address, (ws.sig, ws.errors.tensor)))
         self.launch = Launch(ag_gemm_kernel, (programs,),
-                             (self.a_desc, self.b_desc, self.c_desc, ws.ready, heap, m, n, k),
+                             (self.a_desc, self.b_desc, self.c_desc, ws.ready, heap, m, n, k, ws.sig),
                              dict(RAGGED=ragged, **cfg.constexprs(), NUM_PROGRAMS=programs), cfg.num_warps)
 
     def run_overlap(self, a_shard, b, out):
         m, n, k, w = self.m, self.n, self.k, self.group.size
         res = self.result(out)
-        self.start(self.start.address(a_shard), *self.start_fixed, self.elements, self.chunk)
+        self.start(self.start.address(a_shard), *self.start_fixed, self.elements, self.chunk, *self.sig_fixed, self.fp)
+        self.ws.errors.raise_recorded()  # on the cpu backend, before anything is pushed to a peer
         streams = self.ws.streams
         if streams is None:
             for push in self.pushes:
@@ -319,7 +338,7 @@ class AgGemmPlan(Plan):
             for push in self.pushes:
                 push(a_shard, side[0])
         self.launch(self.a_desc, self.b_desc.on(b), self.c_desc.on(res.view(w, m, n) if self.ragged else res),
-                    self.ws.ready, self.heap, m, n, k)
+                    self.ws.ready, self.heap, m, n, k, self.sig_fixed[0])
         self.b_desc.off()  # the plan keeps no caller tensor (gemm.Descriptor)
         self.c_desc.off()
         if streams is not None:
@@ -398,13 +417,14 @@ def _case(t: str, c: gemm.GemmConfig, ragged: bool):
     sig = dict(a_desc=f"tensordesc<{t}[{lead}{c.block_m}, {c.block_k}]>",
                b_desc=f"tensordesc<{t}[{c.block_k}, {c.block_n}]>",
                c_desc=f"tensordesc<{t}[{lead}{c.block_m}, {c.block_n}]>", ready="*i32", heap="*i64",
-               m="i32", N="i32", K="i32")
+               m="i32", N="i32", K="i32", sig="*i64")
     return (ag_gemm_kernel, sig, dict(RAGGED=ragged, NUM_PROGRAMS=132, **c.constexprs()),
             dict(num_warps=c.num_warps, min_arch=90))
 
 
 COMPILE_CASES = [
-    (ag_gemm_start_kernel, dict(a_shard=t, local=t, bar="*i32", ready="*i32", heap="*i64", n="i32", chunk="i32"),
+    (ag_gemm_start_kernel, dict(a_shard=t, local=t, bar="*i32", ready="*i32", heap="*i64", n="i32", chunk="i32",
+                                sig="*i64", err="*i64", fp="i32"),
      dict(BLOCK=2048, VEC=16 // size), dict(num_warps=4))
     for t, size in (("*bf16", 2), ("*fp16", 2), ("*fp32", 4))
 ] + [

@@ -44,15 +44,15 @@ from ..runtime.backend import INTERPRET
 from . import hierarchical
 from .blocks import copy
 from .common import (Launch, Plan, as_words, check_method, check_out, check_tensor, group_name, group_size,
-                     nccl_all_gather, nccl_from, out_kind, overlaps, plan, resolve, signature, workspace,
-                     zero_everywhere)
+                     nccl_all_gather, nccl_from, out_kind, overlaps, plan, resolve, signature, signature_words,
+                     signatures, workspace, zero_everywhere)
 from .registry import declare_op, fresh, into
 
 METHODS = ("auto", "push", "pull", "nccl")
 
 
-@triton.jit(do_not_specialize=["n", "chunk", "out_stride", "half_len"])
-def all_gather_push_kernel(x, gathered, out, flags, counter, heap, n, chunk, out_stride, half_len,
+@triton.jit(do_not_specialize=["n", "chunk", "out_stride", "half_len", "fp"])
+def all_gather_push_kernel(x, gathered, out, flags, counter, heap, n, chunk, out_stride, half_len, sig, err, fp,
                            COPY_OUT: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
     """Program (p, i) pairs me with rank q = (i - me) mod W, and q's program (p, i) pairs back
     with me: it pushes my slice p into q's buffer and waits for q's slice p to arrive in mine.
@@ -62,51 +62,59 @@ def all_gather_push_kernel(x, gathered, out, flags, counter, heap, n, chunk, out
     COPY_OUT: `gathered` is the workspace's data region (W slots of n in half epoch % 2) and
     the slice is copied to `out` afterwards (no handshake: see the module doc). Otherwise
     `gathered` is the caller's symmetric output, which q may still be reading: wait until q
-    says it is free ("ready") before writing.
+    says it is free ("ready") before writing; the signatures are checked before that wait (a peer's `out`
+    takes no push from a call that does not match), and with COPY_OUT before the wait for q's slice.
     """
     p = tl.program_id(0)
     i = tl.program_id(1)
     me = wl.rank(heap)
     world = wl.num_ranks(heap)
     epoch = wl.next_epoch(counter)
-    q = (i - me + world) % world
-    f = flags + (p * world + i) * 2  # [ready from q, arrived from q]
-    lo = p * chunk
-    hi = tl.minimum(lo + chunk, n)
-    if COPY_OUT:
-        buf = gathered + (epoch % 2) * half_len
-        stride = n
-    else:
-        wl.notify(f, q, heap, epoch)
-        token = wl.wait(f, 1, epoch, wl.CMP_GE, heap=heap, peer=q, op="all_gather push (ready)")
-        buf = wl.consume_token(gathered, token)
-        stride = out_stride
-    copy(wl.symm_at(buf, q, heap) + me * stride, x, lo, hi, BLOCK, VEC)
-    wl.notify(f + 1, q, heap, epoch)
-    token = wl.wait(f + 1, 1, epoch, wl.CMP_GE, heap=heap, peer=q, op="all_gather push")
-    if COPY_OUT:
-        copy(out + q * out_stride, wl.consume_token(buf, token) + q * n, lo, hi, BLOCK, VEC)
+    if wl.signature_live(sig, heap):
+        wl.sign(sig, epoch, fp, heap)
+        q = (i - me + world) % world
+        f = flags + (p * world + i) * 2  # [ready from q, arrived from q]
+        lo = p * chunk
+        hi = tl.minimum(lo + chunk, n)
+        if COPY_OUT:
+            buf = gathered + (epoch % 2) * half_len
+            copy(wl.symm_at(buf, q, heap) + me * n, x, lo, hi, BLOCK, VEC)
+            wl.notify(f + 1, q, heap, epoch)
+            if wl.check_signed(sig, epoch, fp, heap, err, op="all_gather push"):
+                token = wl.wait(f + 1, 1, epoch, wl.CMP_GE, heap=heap, peer=q, op="all_gather push")
+                copy(out + q * out_stride, wl.consume_token(buf, token) + q * n, lo, hi, BLOCK, VEC)
+        else:
+            wl.notify(f, q, heap, epoch)
+            if wl.check_signed(sig, epoch, fp, heap, err, op="all_gather push"):
+                token = wl.wait(f, 1, epoch, wl.CMP_GE, heap=heap, peer=q, op="all_gather push (ready)")
+                buf = wl.consume_token(gathered, token)
+                copy(wl.symm_at(buf, q, heap) + me * out_stride, x, lo, hi, BLOCK, VEC)
+                wl.notify(f + 1, q, heap, epoch)
+                wl.wait(f + 1, 1, epoch, wl.CMP_GE, heap=heap, peer=q, op="all_gather push")
 
 
-@triton.jit(do_not_specialize=["n", "chunk", "out_stride", "half_len"])
-def all_gather_pull_kernel(x, stage, out, flags, counter, heap, n, chunk, out_stride, half_len, BLOCK: tl.constexpr,
-                           VEC: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "chunk", "out_stride", "half_len", "fp"])
+def all_gather_pull_kernel(x, stage, out, flags, counter, heap, n, chunk, out_stride, half_len, sig, err, fp,
+                           BLOCK: tl.constexpr, VEC: tl.constexpr):
     """Publish my slice in my `stage` (half epoch % 2), then read every rank's slice into `out`."""
     p = tl.program_id(0)
     me = wl.rank(heap)
     world = wl.num_ranks(heap)
     epoch = wl.next_epoch(counter)
-    ready = flags + p * world
-    half = stage + (epoch % 2) * half_len
-    lo = p * chunk
-    hi = tl.minimum(lo + chunk, n)
-    copy(half, x, lo, hi, BLOCK, VEC)
-    wl.notify_all(ready + me, heap, epoch)
-    for i in range(world):
-        q = (me + 1 + p + i) % world
-        token = wl.wait(ready + q, 1, epoch, wl.CMP_GE, heap=heap, peer=q, op="all_gather pull")
-        src = wl.consume_token(wl.symm_at(half, q, heap), token)
-        copy(out + q * out_stride, src, lo, hi, BLOCK, VEC)
+    if wl.signature_live(sig, heap):
+        wl.sign(sig, epoch, fp, heap)
+        ready = flags + p * world
+        half = stage + (epoch % 2) * half_len
+        lo = p * chunk
+        hi = tl.minimum(lo + chunk, n)
+        copy(half, x, lo, hi, BLOCK, VEC)
+        wl.notify_all(ready + me, heap, epoch)
+        if wl.check_signed(sig, epoch, fp, heap, err, op="all_gather pull"):
+            for i in range(world):
+                q = (me + 1 + p + i) % world
+                token = wl.wait(ready + q, 1, epoch, wl.CMP_GE, heap=heap, peer=q, op="all_gather pull")
+                src = wl.consume_token(wl.symm_at(half, q, heap), token)
+                copy(out + q * out_stride, src, lo, hi, BLOCK, VEC)
 
 
 # On GPUs a program moves its part of the shard block after block, so a part too large makes the call as slow
@@ -140,7 +148,8 @@ MAX_PROGRAMS = 64
 
 class AllGatherWorkspace:
     """The all_gather workspace: a data region in two halves (by call parity), flags per program slot
-    (push: [ready, arrived] per peer pair; pull: ready[W]), the epoch counter."""
+    (push: [ready, arrived] per peer pair; pull: ready[W]), the epoch counter, the signature words and the
+    group's SignatureWord (`errors`)."""
 
     def __init__(self, group):
         heap, w = group.heap, group.size
@@ -149,7 +158,10 @@ class AllGatherWorkspace:
         self.push_flags = heap.empty((MAX_PROGRAMS * w * 2,), torch.int32)
         self.pull_flags = heap.empty((MAX_PROGRAMS * w,), torch.int32)
         self.counter = heap.empty((1,), torch.int64)
-        zero_everywhere(group, self.push_flags, self.pull_flags, self.counter)
+        self.sig = signature_words(group, w)
+        self.errors = signatures(group)
+        self.errors.register(self.sig, self.counter)
+        zero_everywhere(group, self.push_flags, self.pull_flags, self.counter, self.sig)
 
     def data_as(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
         return self.data.view(dtype), self.half_bytes // dtype.itemsize
@@ -266,6 +278,11 @@ class AllGatherPlan(Plan):
         self.word = xw.dtype
         n = xw.numel()
         zero_copy = method == "push" and symmetric
+        # The word size follows x's and out's alignment (as_words): members that differ in it split the shard's
+        # bytes differently, which the signature check reports.
+        fp = self.sign("all_gather", bytes=n * xw.element_size(), word=str(self.word).removeprefix("torch."),
+                       method=method + (" into a symmetric out" if zero_copy else ""))
+        self.errors = ws.errors
         buf, half_len = ws.data_as(self.word)
         most = half_len if method == "pull" else half_len // w
         most = max(16, most // 16 * 16)
@@ -285,8 +302,8 @@ class AllGatherPlan(Plan):
                 kernel, flags, consts = all_gather_pull_kernel, ws.pull_flags, {}
 
             def args(xs, os, f, k=k, chunk=chunk):
-                return (xs, os if zero_copy else f[0], os, f[1], f[2], f[3], k, chunk, n, half_len)
-            fixed = (buf, flags, ws.counter, heap)
+                return (xs, os if zero_copy else f[0], os, f[1], f[2], f[3], k, chunk, n, half_len, f[4], f[5], fp)
+            fixed = (buf, flags, ws.counter, heap, ws.sig, ws.errors.tensor)
             launch = Launch(kernel, grid, args(xw[lo:hi], ow[lo:], fixed), dict(**consts, BLOCK=block, VEC=vec),
                             warps)
             self.passes.append((lo, hi, launch, args, tuple(map(launch.address, fixed))))  # GPUs: addresses, once
@@ -299,6 +316,7 @@ class AllGatherPlan(Plan):
         res = self.result(out)
         _, _, launch, args, fixed = self.passes[0]
         launch(*args(launch.address(x), launch.address(res), fixed))
+        self.errors.raise_recorded()
         return res
 
     def run_passes(self, x, out):
@@ -310,6 +328,7 @@ class AllGatherPlan(Plan):
         os = as_words(dst).view(self.word)
         for lo, hi, launch, args, fixed in self.passes:
             launch(*args(xs[lo:hi], os[lo:], fixed))
+            self.errors.raise_recorded()
         if dst is not res:
             res.copy_(dst)
         return res
@@ -355,11 +374,13 @@ all_gather_op.register_autograd(_all_gather_backward, setup_context=_all_gather_
 # Signatures for the sm_90 compile check (weft.testing.compile).
 COMPILE_CASES = [
     (all_gather_push_kernel, dict(x="*i32", gathered="*i32", out="*i32", flags="*i32", counter="*i64", heap="*i64",
-                                  n="i32", chunk="i32", out_stride="i32", half_len="i32"),
+                                  n="i32", chunk="i32", out_stride="i32", half_len="i32", sig="*i64", err="*i64",
+                                  fp="i32"),
      dict(COPY_OUT=c, BLOCK=2048, VEC=v))
     for c in (False, True) for v in (1, 4)
 ] + [
     (all_gather_pull_kernel, dict(x="*i32", stage="*i32", out="*i32", flags="*i32", counter="*i64", heap="*i64",
-                                  n="i32", chunk="i32", out_stride="i32", half_len="i32"), dict(BLOCK=2048, VEC=v))
+                                  n="i32", chunk="i32", out_stride="i32", half_len="i32", sig="*i64", err="*i64",
+                                  fp="i32"), dict(BLOCK=2048, VEC=v))
     for v in (1, 4)
 ]

@@ -99,7 +99,7 @@ from . import hierarchical
 from .blocks import at, cast, copy, halves_of, word_of
 from .common import (Launch, Plan, as_words, check_method, check_out, check_tensor, group_name, group_size,
                      nccl_from, nccl_reduce_scatter, out_kind, overlaps, plan, resolve, rows_divisible, signature,
-                     workspace, zero_everywhere)
+                     signature_words, signatures, workspace, zero_everywhere)
 from .registry import declare_op, fresh, into
 
 METHODS = ("auto", "one_shot", "two_shot", "nccl")
@@ -246,9 +246,9 @@ def _span(s, p, n, slice_len, chunk):
 
 # -- kernels --------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["n", "chunk", "slot_len", "half_len"])
-def all_reduce_one_shot_kernel(x, recv, out, flags, counter, heap, n, chunk, slot_len, half_len, OP: tl.constexpr,
-                               WORLD: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "chunk", "slot_len", "half_len", "fp"])
+def all_reduce_one_shot_kernel(x, recv, out, flags, counter, heap, n, chunk, slot_len, half_len, sig, err, fp,
+                               OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
     """Push part p of x into slot [me] of every rank's `recv` (half epoch % 2), then reduce my W slots.
 
     A half of `recv` holds W slots of `slot_len` elements (from `half_len` on for the second half).
@@ -256,14 +256,17 @@ def all_reduce_one_shot_kernel(x, recv, out, flags, counter, heap, n, chunk, slo
     p = tl.program_id(0)
     me = wl.rank(heap)
     epoch = wl.next_epoch(counter)
-    arrived = flags + p * 2 * WORLD
-    half = recv + (epoch % 2) * half_len
-    lo = p * chunk
-    hi = tl.maximum(tl.minimum(lo + chunk, n), lo)
-    _push_all(half + me * slot_len, x, lo, hi, heap, WORLD, BLOCK, VEC)
-    wl.notify_all(arrived + me, heap, epoch)
-    token = wl.wait(arrived, WORLD, epoch, wl.CMP_GE, heap=heap, op="all_reduce one-shot")
-    _reduce(out, wl.consume_token(half, token), slot_len, lo, hi, heap, False, OP, WORLD, BLOCK, VEC)
+    if wl.signature_live(sig, heap):
+        wl.sign(sig, epoch, fp, heap)
+        arrived = flags + p * 2 * WORLD
+        half = recv + (epoch % 2) * half_len
+        lo = p * chunk
+        hi = tl.maximum(tl.minimum(lo + chunk, n), lo)
+        _push_all(half + me * slot_len, x, lo, hi, heap, WORLD, BLOCK, VEC)
+        wl.notify_all(arrived + me, heap, epoch)
+        if wl.check_signed(sig, epoch, fp, heap, err, op="all_reduce one-shot"):
+            token = wl.wait(arrived, WORLD, epoch, wl.CMP_GE, heap=heap, op="all_reduce one-shot")
+            _reduce(out, wl.consume_token(half, token), slot_len, lo, hi, heap, False, OP, WORLD, BLOCK, VEC)
 
 
 @triton.jit
@@ -283,9 +286,9 @@ def _ll_reduce(slots, slot_len, offs, mask, epoch, heap, OP: tl.constexpr, ELEM:
     return word_of(_finish(acc_lo, OP, WORLD), _finish(acc_hi, OP, WORLD), ELEM)
 
 
-@triton.jit(do_not_specialize=["words", "chunk", "half_words"])
-def all_reduce_ll_kernel(x, ll, out, counter, heap, words, chunk, half_words, OP: tl.constexpr, ELEM: tl.constexpr,
-                         WORLD: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["words", "chunk", "half_words", "fp"])
+def all_reduce_ll_kernel(x, ll, out, counter, heap, words, chunk, half_words, sig, err, fp, OP: tl.constexpr,
+                         ELEM: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
     """One-shot with the data's own words as flags: push part p of x (int32 words) as LL words into
     slot [me] of every rank's `ll` (half epoch % 2), then reduce my W slots as their words arrive.
 
@@ -295,24 +298,28 @@ def all_reduce_ll_kernel(x, ll, out, counter, heap, words, chunk, half_words, OP
     p = tl.program_id(0)
     me = wl.rank(heap)
     epoch = wl.next_epoch(counter)
-    half = ll + (epoch % 2) * half_words
-    lo = p * chunk
-    hi = tl.minimum(lo + chunk, words)
-    for start in range(lo, hi, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < hi
-        packed = wl.pack_ll(tl.load(x + offs, mask=mask, other=0), epoch)
-        for q in tl.static_range(WORLD):
-            tl.store(wl.symm_at(half + me * words, q, heap) + offs, packed, mask=mask)
-    for start in range(lo, hi, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < hi
-        tl.store(out + offs, _ll_reduce(half, words, offs, mask, epoch, heap, OP, ELEM, WORLD, BLOCK), mask=mask)
+    if wl.signature_live(sig, heap):
+        wl.sign(sig, epoch, fp, heap)
+        half = ll + (epoch % 2) * half_words
+        lo = p * chunk
+        hi = tl.minimum(lo + chunk, words)
+        for start in range(lo, hi, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < hi
+            packed = wl.pack_ll(tl.load(x + offs, mask=mask, other=0), epoch)
+            for q in tl.static_range(WORLD):
+                tl.store(wl.symm_at(half + me * words, q, heap) + offs, packed, mask=mask)
+        if wl.check_signed(sig, epoch, fp, heap, err, op="all_reduce LL"):
+            for start in range(lo, hi, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < hi
+                tl.store(out + offs, _ll_reduce(half, words, offs, mask, epoch, heap, OP, ELEM, WORLD, BLOCK),
+                         mask=mask)
 
 
-@triton.jit(do_not_specialize=["words", "slice_len", "chunk", "half_words"])
-def all_reduce_ll_two_shot_kernel(x, ll, out, counter, heap, words, slice_len, chunk, half_words, OP: tl.constexpr,
-                                  ELEM: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["words", "slice_len", "chunk", "half_words", "fp"])
+def all_reduce_ll_two_shot_kernel(x, ll, out, counter, heap, words, slice_len, chunk, half_words, sig, err, fp,
+                                  OP: tl.constexpr, ELEM: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
     """Two-shot in LL words: three one-way trips and no fence, for mid-size messages.
 
     Rank r owns slice r (words [r * slice_len, (r + 1) * slice_len) of x); program p handles sub-chunk p
@@ -326,37 +333,42 @@ def all_reduce_ll_two_shot_kernel(x, ll, out, counter, heap, words, slice_len, c
     p = tl.program_id(0)
     me = wl.rank(heap)
     epoch = wl.next_epoch(counter)
-    recv = ll + (epoch % 2) * half_words
-    gathered = recv + WORLD * slice_len
-    for k in range(WORLD):
-        s = (me + p + k) % WORLD  # staggered destinations, as in the two-shot kernel
-        lo, hi = _span(s, p, words, slice_len, chunk)
-        dst = wl.symm_at(recv, s, heap) + (me - s) * slice_len  # word i of slice s -> slot me, i - s * slice_len
-        for start in range(lo, hi, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < hi
-            tl.store(dst + offs, wl.pack_ll(tl.load(x + offs, mask=mask, other=0), epoch), mask=mask)
-    lo, hi = _span(me, p, words, slice_len, chunk)
-    for start in range(lo, hi, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < hi
-        word = _ll_reduce(recv - me * slice_len, slice_len, offs, mask, epoch, heap, OP, ELEM, WORLD, BLOCK)
-        packed = wl.pack_ll(word, epoch)
-        for j in tl.static_range(WORLD):
-            tl.store(wl.symm_at(gathered, (me + j) % WORLD, heap) + offs, packed, mask=mask)
-    for k in range(WORLD):
-        s = (me + p + k) % WORLD
-        lo, hi = _span(s, p, words, slice_len, chunk)
-        for start in range(lo, hi, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < hi
-            got = wl.wait_ll(gathered + offs, mask, epoch, heap=heap, peer=s, op="all_reduce LL two-shot gather")
-            tl.store(out + offs, got, mask=mask)
+    if wl.signature_live(sig, heap):
+        wl.sign(sig, epoch, fp, heap)
+        recv = ll + (epoch % 2) * half_words
+        gathered = recv + WORLD * slice_len
+        for k in range(WORLD):
+            s = (me + p + k) % WORLD  # staggered destinations, as in the two-shot kernel
+            lo, hi = _span(s, p, words, slice_len, chunk)
+            dst = wl.symm_at(recv, s, heap) + (me - s) * slice_len  # word i of slice s -> slot me, i - s * slice_len
+            for start in range(lo, hi, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < hi
+                tl.store(dst + offs, wl.pack_ll(tl.load(x + offs, mask=mask, other=0), epoch), mask=mask)
+        # Checked before anything a peer sent is consumed: the gathered slices go into my `out` as they are.
+        if wl.check_signed(sig, epoch, fp, heap, err, op="all_reduce LL two-shot"):
+            lo, hi = _span(me, p, words, slice_len, chunk)
+            for start in range(lo, hi, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < hi
+                word = _ll_reduce(recv - me * slice_len, slice_len, offs, mask, epoch, heap, OP, ELEM, WORLD, BLOCK)
+                packed = wl.pack_ll(word, epoch)
+                for j in tl.static_range(WORLD):
+                    tl.store(wl.symm_at(gathered, (me + j) % WORLD, heap) + offs, packed, mask=mask)
+            for k in range(WORLD):
+                s = (me + p + k) % WORLD
+                lo, hi = _span(s, p, words, slice_len, chunk)
+                for start in range(lo, hi, BLOCK):
+                    offs = start + tl.arange(0, BLOCK)
+                    mask = offs < hi
+                    got = wl.wait_ll(gathered + offs, mask, epoch, heap=heap, peer=s,
+                                     op="all_reduce LL two-shot gather")
+                    tl.store(out + offs, got, mask=mask)
 
 
-@triton.jit(do_not_specialize=["n", "slice_len", "chunk", "half_len"])
-def all_reduce_two_shot_kernel(x, recv, gathered, out, flags, counter, heap, n, slice_len, chunk, half_len,
-                               GATHER: tl.constexpr, COPY_OUT: tl.constexpr, OP: tl.constexpr, WORLD: tl.constexpr,
+@triton.jit(do_not_specialize=["n", "slice_len", "chunk", "half_len", "fp"])
+def all_reduce_two_shot_kernel(x, recv, gathered, out, flags, counter, heap, n, slice_len, chunk, half_len, sig, err,
+                               fp, GATHER: tl.constexpr, COPY_OUT: tl.constexpr, OP: tl.constexpr, WORLD: tl.constexpr,
                                BLOCK: tl.constexpr, VEC: tl.constexpr):
     """Reduce-scatter, then (GATHER) all-gather, of sub-chunk p of every slice.
 
@@ -373,42 +385,46 @@ def all_reduce_two_shot_kernel(x, recv, gathered, out, flags, counter, heap, n, 
     p = tl.program_id(0)
     me = wl.rank(heap)
     epoch = wl.next_epoch(counter)
-    arrived = flags + p * 2 * WORLD
-    reduced = arrived + WORLD
-    slots = recv + (epoch % 2) * half_len
-    for k in range(WORLD):
-        # Destinations staggered by rank and program: were every program of every rank to push to
-        # rank 0 first, then rank 1, ..., each rank's incoming links would carry W - 1 senders in turn.
-        s = (me + p + k) % WORLD
-        lo, hi = _span(s, p, n, slice_len, chunk)
-        # Element i of slice s lands at slots[me * slice_len + i - s * slice_len] on rank s.
-        copy(wl.symm_at(slots, s, heap) + (me - s) * slice_len, x, lo, hi, BLOCK, VEC)
-    wl.notify_all(arrived + me, heap, epoch)
-    token = wl.wait(arrived, WORLD, epoch, wl.CMP_GE, heap=heap, op="all_reduce/reduce_scatter two-shot")
-    mine = wl.consume_token(slots, token)
-    lo, hi = _span(me, p, n, slice_len, chunk)
-    base = me * slice_len
-    if GATHER:
-        if COPY_OUT:
-            # My slice's sum goes straight into my out; only the peers' slices pass through `gathered`.
-            dst = slots + WORLD * slice_len
-            _reduce(dst, mine - base, slice_len, lo, hi, heap, True, OP, WORLD, BLOCK, VEC, out)
-        else:
-            dst = gathered
-            _reduce(dst, mine - base, slice_len, lo, hi, heap, True, OP, WORLD, BLOCK, VEC)
-        wl.notify_all(reduced + me, heap, epoch)
-        token = wl.wait(reduced, WORLD, epoch, wl.CMP_GE, heap=heap, op="all_reduce two-shot gather")
-        if COPY_OUT:
-            res = wl.consume_token(dst, token)
-            for k in range(1, WORLD):
-                lo, hi = _span((me + k) % WORLD, p, n, slice_len, chunk)
-                copy(out, res, lo, hi, BLOCK, VEC)
-    else:
-        _reduce(out - base, mine - base, slice_len, lo, hi, heap, False, OP, WORLD, BLOCK, VEC)
+    if wl.signature_live(sig, heap):
+        wl.sign(sig, epoch, fp, heap)
+        arrived = flags + p * 2 * WORLD
+        reduced = arrived + WORLD
+        slots = recv + (epoch % 2) * half_len
+        for k in range(WORLD):
+            # Destinations staggered by rank and program: were every program of every rank to push to
+            # rank 0 first, then rank 1, ..., each rank's incoming links would carry W - 1 senders in turn.
+            s = (me + p + k) % WORLD
+            lo, hi = _span(s, p, n, slice_len, chunk)
+            # Element i of slice s lands at slots[me * slice_len + i - s * slice_len] on rank s.
+            copy(wl.symm_at(slots, s, heap) + (me - s) * slice_len, x, lo, hi, BLOCK, VEC)
+        wl.notify_all(arrived + me, heap, epoch)
+        if wl.check_signed(sig, epoch, fp, heap, err, op="all_reduce/reduce_scatter two-shot"):
+            token = wl.wait(arrived, WORLD, epoch, wl.CMP_GE, heap=heap, op="all_reduce/reduce_scatter two-shot")
+            mine = wl.consume_token(slots, token)
+            lo, hi = _span(me, p, n, slice_len, chunk)
+            base = me * slice_len
+            if GATHER:
+                if COPY_OUT:
+                    # My slice's sum goes straight into my out; only the peers' slices pass through `gathered`.
+                    dst = slots + WORLD * slice_len
+                    _reduce(dst, mine - base, slice_len, lo, hi, heap, True, OP, WORLD, BLOCK, VEC, out)
+                else:
+                    dst = gathered
+                    _reduce(dst, mine - base, slice_len, lo, hi, heap, True, OP, WORLD, BLOCK, VEC)
+                wl.notify_all(reduced + me, heap, epoch)
+                token = wl.wait(reduced, WORLD, epoch, wl.CMP_GE, heap=heap, op="all_reduce two-shot gather")
+                if COPY_OUT:
+                    res = wl.consume_token(dst, token)
+                    for k in range(1, WORLD):
+                        lo, hi = _span((me + k) % WORLD, p, n, slice_len, chunk)
+                        copy(out, res, lo, hi, BLOCK, VEC)
+            else:
+                _reduce(out - base, mine - base, slice_len, lo, hi, heap, False, OP, WORLD, BLOCK, VEC)
 
 
-@triton.jit(do_not_specialize=["n", "chunk", "half_len", "root"])
-def broadcast_kernel(x, recv, flags, counter, heap, n, chunk, half_len, root, BLOCK: tl.constexpr, VEC: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "chunk", "half_len", "root", "fp"])
+def broadcast_kernel(x, recv, flags, counter, heap, n, chunk, half_len, root, sig, err, fp, BLOCK: tl.constexpr,
+                     VEC: tl.constexpr):
     """The root pushes part p of x into every rank's `recv` (half epoch % 2); every rank signals every
     rank, so that program 0 waits on everybody (what the halves' reuse relies on); the others copy the
     part into x."""
@@ -416,17 +432,20 @@ def broadcast_kernel(x, recv, flags, counter, heap, n, chunk, half_len, root, BL
     me = wl.rank(heap)
     world = wl.num_ranks(heap)
     epoch = wl.next_epoch(counter)
-    arrived = flags + p * 2 * world
-    half = recv + (epoch % 2) * half_len
-    lo = p * chunk
-    hi = tl.maximum(tl.minimum(lo + chunk, n), lo)
-    if me == root:
-        for i in range(1, world):
-            copy(wl.symm_at(half, (me + i) % world, heap), x, lo, hi, BLOCK, VEC)
-    wl.notify_all(arrived + me, heap, epoch)
-    token = wl.wait(arrived, world, epoch, wl.CMP_GE, heap=heap, op="broadcast")
-    if me != root:
-        copy(x, wl.consume_token(half, token), lo, hi, BLOCK, VEC)
+    if wl.signature_live(sig, heap):
+        wl.sign(sig, epoch, fp, heap)
+        arrived = flags + p * 2 * world
+        half = recv + (epoch % 2) * half_len
+        lo = p * chunk
+        hi = tl.maximum(tl.minimum(lo + chunk, n), lo)
+        if me == root:
+            for i in range(1, world):
+                copy(wl.symm_at(half, (me + i) % world, heap), x, lo, hi, BLOCK, VEC)
+        wl.notify_all(arrived + me, heap, epoch)
+        if wl.check_signed(sig, epoch, fp, heap, err, op="broadcast"):
+            token = wl.wait(arrived, world, epoch, wl.CMP_GE, heap=heap, op="broadcast")
+            if me != root:
+                copy(x, wl.consume_token(half, token), lo, hi, BLOCK, VEC)
 
 
 # -- host side ------------------------------------------------------------------
@@ -499,7 +518,9 @@ def _pg_reduce_scatter(out: torch.Tensor, x: torch.Tensor, op: str, process_grou
 class ReduceWorkspace:
     """The family's symmetric workspace in one group, the same for every call whatever its size: an LL region
     (int64 words, zeroed: epoch 0 is never awaited) and a data region, each in two halves used by call parity;
-    flags [arrived[W], reduced[W]] per program slot; the epoch counter (`wl.next_epoch`)."""
+    flags [arrived[W], reduced[W]] per program slot; the epoch counter (`wl.next_epoch`); the signature words
+    (`wl.sign`, `wl.check_signed`) and the group's SignatureWord (`errors`), where the kernels record a
+    mismatch."""
 
     def __init__(self, group):
         heap, w = group.heap, group.size
@@ -510,7 +531,10 @@ class ReduceWorkspace:
         self.data = heap.empty((2 * self.data_half_bytes,), torch.uint8)
         self.flags = heap.empty((MAX_PROGRAMS * 2 * w,), torch.int32)
         self.counter = heap.empty((1,), torch.int64)
-        zero_everywhere(group, self.ll, self.flags, self.counter)
+        self.sig = signature_words(group, w)
+        self.errors = signatures(group)
+        self.errors.register(self.sig, self.counter)
+        zero_everywhere(group, self.ll, self.flags, self.counter, self.sig)
 
     def data_as(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
         """The data region as `dtype` elements, and the elements in one half."""
@@ -569,7 +593,8 @@ class _Pass:
 
     def __init__(self, kernel, grid, args, fixed: tuple, constexprs: dict, warps: int, xf, of, lo: int, hi: int,
                  typed=None):
-        self.lo, self.hi, self.args = lo, hi, args
+        self.lo, self.hi = lo, hi
+        self.args = args
         self.typed = typed or (lambda t: t)
         self.launch = Launch(kernel, grid, args(self.typed(xf[lo:hi]), self.typed(of[lo:hi]), fixed), constexprs,
                              warps)
@@ -589,30 +614,31 @@ def _words32(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
 
-def _one_shot_ll_pass(group, ws, xf, of, lo, hi, op):
+def _one_shot_ll_pass(group, ws, xf, of, lo, hi, op, fp):
     words = (hi - lo) * xf.element_size() // 4
     programs, block, warps = _ll_launch(words, xf.device, group.size)
     chunk = triton.cdiv(triton.cdiv(words, programs), block) * block
     heap = group.heap.descriptor
-    args = lambda xs, os, f: (xs, f[0], os, f[1], f[2], words, chunk, ws.ll_half_words)
-    return _Pass(all_reduce_ll_kernel, (programs,), args, (ws.ll, ws.counter, heap),
+    args = lambda xs, os, f: (xs, f[0], os, f[1], f[2], words, chunk, ws.ll_half_words, f[3], f[4], fp)
+    return _Pass(all_reduce_ll_kernel, (programs,), args, (ws.ll, ws.counter, heap, ws.sig, ws.errors.tensor),
                  dict(OP=OPS[op], ELEM=_ELEM[xf.dtype], WORLD=group.size, BLOCK=block), warps, xf, of, lo, hi,
                  _words32)
 
 
-def _two_shot_ll_pass(group, ws, xf, of, lo, hi, op):
+def _two_shot_ll_pass(group, ws, xf, of, lo, hi, op, fp):
     words = (hi - lo) * xf.element_size() // 4
     slice_len = triton.cdiv(words, group.size)
     programs, block, warps = _ll_launch(slice_len, xf.device, group.size)
     chunk = triton.cdiv(triton.cdiv(slice_len, programs), block) * block
     heap = group.heap.descriptor
-    args = lambda xs, os, f: (xs, f[0], os, f[1], f[2], words, slice_len, chunk, ws.ll_half_words)
-    return _Pass(all_reduce_ll_two_shot_kernel, (programs,), args, (ws.ll, ws.counter, heap),
+    args = lambda xs, os, f: (xs, f[0], os, f[1], f[2], words, slice_len, chunk, ws.ll_half_words, f[3], f[4], fp)
+    return _Pass(all_reduce_ll_two_shot_kernel, (programs,), args, (ws.ll, ws.counter, heap, ws.sig,
+                                                                    ws.errors.tensor),
                  dict(OP=OPS[op], ELEM=_ELEM[xf.dtype], WORLD=group.size, BLOCK=block), warps, xf, of, lo, hi,
                  _words32)
 
 
-def _one_shot_pass(group, ws, xf, of, lo, hi, op):
+def _one_shot_pass(group, ws, xf, of, lo, hi, op, fp):
     n = hi - lo
     recv, half_len = ws.data_as(xf.dtype)
     programs, block, warps = _launch_shape(n, xf.element_size(), xf.device, group.size)
@@ -620,12 +646,13 @@ def _one_shot_pass(group, ws, xf, of, lo, hi, op):
     chunk = triton.cdiv(triton.cdiv(n, programs), block) * block  # whole blocks but the last
     vec = _vector_width(xf.element_size(), xf[lo:hi], of[lo:hi])
     heap = group.heap.descriptor
-    args = lambda xs, os, f: (xs, f[0], os, f[1], f[2], f[3], n, chunk, slot_len, half_len)
-    return _Pass(all_reduce_one_shot_kernel, (programs,), args, (recv, ws.flags, ws.counter, heap),
+    args = lambda xs, os, f: (xs, f[0], os, f[1], f[2], f[3], n, chunk, slot_len, half_len, f[4], f[5], fp)
+    return _Pass(all_reduce_one_shot_kernel, (programs,), args, (recv, ws.flags, ws.counter, heap, ws.sig,
+                                                                 ws.errors.tensor),
                  dict(OP=OPS[op], WORLD=group.size, BLOCK=block, VEC=vec), warps, xf, of, lo, hi)
 
 
-def _two_shot_pass(group, ws, xf, of, lo, hi, gather: bool, copy_out: bool, op):
+def _two_shot_pass(group, ws, xf, of, lo, hi, gather: bool, copy_out: bool, op, fp):
     """all_reduce (gather) or reduce_scatter (not) of [lo, hi): two-shot through the data region. Into a
     symmetric `out` the reduced slices go straight to every rank's out (passed as `gathered`); else into
     the half's gathered part (COPY_OUT); reduce_scatter writes my own out only."""
@@ -640,8 +667,9 @@ def _two_shot_pass(group, ws, xf, of, lo, hi, gather: bool, copy_out: bool, op):
     if slice_len % vec:
         vec = 1
     heap = group.heap.descriptor
-    args = lambda xs, os, f: (xs, f[0], os, os, f[1], f[2], f[3], n, slice_len, chunk, half_len)
-    return _Pass(all_reduce_two_shot_kernel, (programs,), args, (recv, ws.flags, ws.counter, heap),
+    args = lambda xs, os, f: (xs, f[0], os, os, f[1], f[2], f[3], n, slice_len, chunk, half_len, f[4], f[5], fp)
+    return _Pass(all_reduce_two_shot_kernel, (programs,), args, (recv, ws.flags, ws.counter, heap, ws.sig,
+                                                                 ws.errors.tensor),
                  dict(GATHER=gather, COPY_OUT=copy_out, OP=OPS[op], WORLD=w, BLOCK=block, VEC=vec), warps, xf, of,
                  lo, hi)
 
@@ -652,15 +680,17 @@ def _pieces(n: int, most: int, align: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + most, n)) for lo in range(0, n, most)]
 
 
-def _run_passes(passes, x, out, shape, x_contig: bool, out_contig: bool):
+def _run_passes(passes, x, out, shape, x_contig: bool, out_contig: bool, errors):
     """Run `passes` over x's and out's flat elements; a non-contiguous x is copied first, a non-contiguous
-    out is written through a contiguous temporary."""
+    out is written through a contiguous temporary. A signature mismatch recorded in `errors` raises after the
+    pass that found it (on the cpu backend, where launches are synchronous; on GPUs a later check raises)."""
     res = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
     src = x if x_contig else x.contiguous()
     dst = res if out_contig else torch.empty(shape, dtype=x.dtype, device=x.device)
     xf, of = src.view(-1), dst.view(-1)
     for p in passes:
         p(xf, of)
+        errors.raise_recorded()
     if dst is not res:
         res.copy_(dst)
     return res
@@ -789,22 +819,31 @@ class AllReducePlan(Plan):
         ll_max = tuning.value("all_reduce.ll_max_bytes", x.device, w)
         ll_two_shot_max = tuning.value("all_reduce.ll_two_shot_symmetric_max_bytes" if symmetric
                                        else "all_reduce.ll_two_shot_max_bytes", x.device, w)
+        # The members must agree on the path (the LL paths also depend on 4-byte alignment: a member whose x or out
+        # is not 4-byte aligned takes another path, which the signature check reports), and into a symmetric out
+        # on where the gathered slices go.
+        sign = lambda path: self.sign("all_reduce", n=n, dtype=_dtype_name(x.dtype), op=op, path=path)
         if method == "one_shot" and _ll_fits(nbytes, min(ll_max, ll_words // w * 4), xf, of):
-            self.passes, self.path = [_one_shot_ll_pass(group, ws, xf, of, 0, n, op)], "ll"
+            self.path = "ll"
+            self.passes = [_one_shot_ll_pass(group, ws, xf, of, 0, n, op, sign(self.path))]
         elif method == "one_shot":
-            self.passes = [_one_shot_pass(group, ws, xf, of, lo, hi, op)
-                           for lo, hi in _pieces(n, half_len // w - 16, 16)]
             self.path = "one_shot"
+            fp = sign(self.path)
+            self.passes = [_one_shot_pass(group, ws, xf, of, lo, hi, op, fp)
+                           for lo, hi in _pieces(n, half_len // w - 16, 16)]
         elif _ll_fits(nbytes, min(ll_two_shot_max, (ll_words // (2 * w) - 1) * w * 4), xf, of):
-            self.passes, self.path = [_two_shot_ll_pass(group, ws, xf, of, 0, n, op)], "ll_two_shot"
+            self.path = "ll_two_shot"
+            self.passes = [_two_shot_ll_pass(group, ws, xf, of, 0, n, op, sign(self.path))]
         else:
             # Into a plain out a half holds W slots and the gathered slices; into a symmetric one just the slots.
             copy_out = not symmetric
             align = 16 // x.element_size()
             most = (half_len // (2 * w if copy_out else w) - align) // align * align * w
-            self.passes = [_two_shot_pass(group, ws, xf, of, lo, hi, True, copy_out, op)
-                           for lo, hi in _pieces(n, most, align * w)]
             self.path = "two_shot"
+            fp = sign("two_shot" if copy_out else "two_shot into a symmetric out")
+            self.passes = [_two_shot_pass(group, ws, xf, of, lo, hi, True, copy_out, op, fp)
+                           for lo, hi in _pieces(n, most, align * w)]
+        self.errors = ws.errors
         if len(self.passes) == 1 and self.x_contig and self.out_contig and not backend.INTERPRET:
             self.direct, self.run = self.passes[0].direct, self.run_direct
         else:
@@ -816,11 +855,12 @@ class AllReducePlan(Plan):
             _check_outside(x, out)
         res = torch.empty_like(x) if out is None else out  # x is contiguous here; empty_like parses less
         self.direct(x, res)
+        self.errors.raise_recorded()
         return res
 
     def run_passes(self, x, out):
         self.check(x, out)
-        return _run_passes(self.passes, x, out, self.shape, self.x_contig, self.out_contig)
+        return _run_passes(self.passes, x, out, self.shape, self.x_contig, self.out_contig, self.errors)
 
 
 @declare_op(tensors=("x", "out"), collective=True)
@@ -924,12 +964,14 @@ class ReduceScatterPlan(Plan):
     def prepare_passes(self, group, x):
         w, n, m, op = group.size, self.n, self.m, self.op
         ws = _workspace(group)
+        self.errors = ws.errors
+        fp = self.sign("reduce_scatter", n=n, dtype=_dtype_name(x.dtype), op=op)
         recv, half_len = ws.data_as(x.dtype)
         most = half_len // w  # elements of each rank's block per pass
         xf = (x if self.x_contig else torch.empty(x.shape, dtype=x.dtype, device=x.device)).reshape(-1)
         of = torch.empty(m, dtype=x.dtype, device=x.device)
         if m <= most:
-            self.passes = [_two_shot_pass(group, ws, xf, of, 0, n, False, False, op)]
+            self.passes = [_two_shot_pass(group, ws, xf, of, 0, n, False, False, op, fp)]
             if self.x_contig and self.out_contig and not backend.INTERPRET:
                 self.direct, self.run = self.passes[0].direct, self.run_direct
             else:
@@ -941,7 +983,7 @@ class ReduceScatterPlan(Plan):
         self.pieces = _pieces(m, most, 16)
         sample = torch.empty(w * self.pieces[0][1], dtype=x.dtype, device=x.device)
         self.passes = [_two_shot_pass(group, ws, sample[:w * (hi - lo)], of[:hi - lo], 0, w * (hi - lo), False,
-                                      False, op) for lo, hi in self.pieces]
+                                      False, op, fp) for lo, hi in self.pieces]
         self.run = self.run_pieces
 
     def run_direct(self, x, out):
@@ -950,6 +992,7 @@ class ReduceScatterPlan(Plan):
             self.check(x, out)
         res = self.result(out)
         self.direct(x, res)
+        self.errors.raise_recorded()
         return res
 
     def run_one_pass(self, x, out):
@@ -961,6 +1004,7 @@ class ReduceScatterPlan(Plan):
             self.passes[0](src.view(-1), dst.view(-1))
         else:
             self.passes[0].direct(src, dst)
+        self.errors.raise_recorded()
         if dst is not res:
             res.copy_(dst)
         return res
@@ -976,6 +1020,7 @@ class ReduceScatterPlan(Plan):
             part = stage[:w * (hi - lo)].view(w, hi - lo)
             part.copy_(blocks[:, lo:hi])
             p.direct(part.view(-1), dst[lo:hi])
+            self.errors.raise_recorded()
         res.copy_(dst.view(self.shape))
         return res
 
@@ -1009,8 +1054,12 @@ class BroadcastPlan(Plan):
             return
         self.contig = contig = x.is_contiguous()
         ws = _workspace(group)
+        self.errors = ws.errors
         xw = as_words(x if contig else torch.empty(x.shape, dtype=x.dtype, device=x.device))
         n = xw.numel()
+        # The word size follows x's alignment (as_words): members whose x differ in it split the bytes
+        # differently, which the signature check reports.
+        fp = self.sign("broadcast", bytes=n * xw.element_size(), word=_dtype_name(xw.dtype), root=root)
         data, half_len = ws.data_as(xw.dtype)
         heap = group.heap.descriptor
         self.passes = []
@@ -1018,8 +1067,9 @@ class BroadcastPlan(Plan):
             programs, block, warps = _launch_shape(hi - lo, xw.element_size(), x.device, group.size)
             chunk = triton.cdiv(triton.cdiv(hi - lo, programs), block) * block
             vec = _vector_width(xw.element_size(), xw[lo:hi])
-            args = lambda xs, os, f, k=hi - lo, chunk=chunk: (xs, *f, k, chunk, half_len, root)
-            self.passes.append(_Pass(broadcast_kernel, (programs,), args, (data, ws.flags, ws.counter, heap),
+            args = lambda xs, os, f, k=hi - lo, chunk=chunk: (xs, *f[:4], k, chunk, half_len, root, *f[4:], fp)
+            self.passes.append(_Pass(broadcast_kernel, (programs,), args, (data, ws.flags, ws.counter, heap, ws.sig,
+                                                                            ws.errors.tensor),
                                      dict(BLOCK=block, VEC=vec), warps, xw, xw, lo, hi))
         if len(self.passes) == 1 and contig and not backend.INTERPRET:
             self.direct, self.run = self.passes[0].direct, self.run_direct
@@ -1031,6 +1081,7 @@ class BroadcastPlan(Plan):
 
     def run_direct(self, x):
         self.direct(x, x)
+        self.errors.raise_recorded()
         return x
 
     def run_passes(self, x):
@@ -1038,6 +1089,7 @@ class BroadcastPlan(Plan):
         words = as_words(buf)
         for p in self.passes:
             p(words, words)
+            self.errors.raise_recorded()
         if buf is not x:
             x.copy_(buf)
         return x
@@ -1182,37 +1234,40 @@ _MORE = [("*fp64", AVG), ("*i8", AVG), ("*u8", PRODUCT), ("*i32", MAX), ("*i64",
          ("*bf16", AVG), ("*fp16", PRODUCT)]
 COMPILE_CASES = [
     (all_reduce_one_shot_kernel, dict(x=t, recv=t, out=t, flags="*i32", counter="*i64", heap="*i64", n="i32",
-                                      chunk="i32", slot_len="i32", half_len="i32"),
+                                      chunk="i32", slot_len="i32", half_len="i32", sig="*i64", err="*i64", fp="i32"),
      dict(OP=SUM.value, WORLD=wd, BLOCK=2048, VEC=v), dict(num_warps=8))
     for dt, t in _PTR.items() for wd in (2, 8) for v in (1, 16 // dt.itemsize)
 ] + [
     (all_reduce_two_shot_kernel, dict(x=t, recv=t, gathered=t, out=t, flags="*i32", counter="*i64", heap="*i64",
-                                      n="i32", slice_len="i32", chunk="i32", half_len="i32"),
+                                      n="i32", slice_len="i32", chunk="i32", half_len="i32", sig="*i64", err="*i64",
+                                      fp="i32"),
      dict(GATHER=g, COPY_OUT=c, OP=SUM.value, WORLD=8, BLOCK=2048, VEC=v), dict(num_warps=8))
     for dt, t in _PTR.items() for g, c in ((True, True), (True, False), (False, False)) for v in (1, 16 // dt.itemsize)
 ] + [
     (all_reduce_one_shot_kernel, dict(x=t, recv=t, out=t, flags="*i32", counter="*i64", heap="*i64", n="i32",
-                                      chunk="i32", slot_len="i32", half_len="i32"),
+                                      chunk="i32", slot_len="i32", half_len="i32", sig="*i64", err="*i64", fp="i32"),
      dict(OP=op.value, WORLD=4, BLOCK=1024, VEC=1), dict(num_warps=4))
     for t, op in _MORE
 ] + [
     (all_reduce_two_shot_kernel, dict(x=t, recv=t, gathered=t, out=t, flags="*i32", counter="*i64", heap="*i64",
-                                      n="i32", slice_len="i32", chunk="i32", half_len="i32"),
+                                      n="i32", slice_len="i32", chunk="i32", half_len="i32", sig="*i64", err="*i64",
+                                      fp="i32"),
      dict(GATHER=g, COPY_OUT=True, OP=op.value, WORLD=4, BLOCK=1024, VEC=1), dict(num_warps=4))
     for t, op in _MORE for g in (True, False)
 ] + [
     (all_reduce_ll_kernel, dict(x="*i32", ll="*i64", out="*i32", counter="*i64", heap="*i64", words="i32",
-                                chunk="i32", half_words="i32"),
+                                chunk="i32", half_words="i32", sig="*i64", err="*i64", fp="i32"),
      dict(OP=op.value, ELEM=e, WORLD=wd, BLOCK=256), dict(num_warps=4))
     for e in (tl.float32, tl.bfloat16, tl.float16) for wd in (2, 8) for op in (SUM, AVG, MAX)
 ] + [
     (all_reduce_ll_two_shot_kernel, dict(x="*i32", ll="*i64", out="*i32", counter="*i64", heap="*i64", words="i32",
-                                         slice_len="i32", chunk="i32", half_words="i32"),
+                                         slice_len="i32", chunk="i32", half_words="i32", sig="*i64", err="*i64",
+                                         fp="i32"),
      dict(OP=op.value, ELEM=e, WORLD=wd, BLOCK=256), dict(num_warps=4))
     for e in (tl.float32, tl.bfloat16, tl.float16) for wd in (2, 8) for op in (SUM, MIN, PRODUCT)
 ] + [
     (broadcast_kernel, dict(x=t, recv=t, flags="*i32", counter="*i64", heap="*i64", n="i32", chunk="i32",
-                            half_len="i32", root="i32"),
+                            half_len="i32", root="i32", sig="*i64", err="*i64", fp="i32"),
      dict(BLOCK=2048, VEC=v), dict(num_warps=8))
     for t in ("*i32", "*i16", "*i8") for v in (1, 16 // {"*i32": 4, "*i16": 2, "*i8": 1}[t])
 ]

@@ -19,10 +19,21 @@ collectively (among the group's members) on its first call there (the only time 
 makes a host barrier) and reused by every later call whatever its size; messages that do not fit go
 through in passes.
 
+The cross-rank signature check: a plan of a collective has a `fingerprint` (a non-zero 31-bit CRC of its
+`signature_text`: the op, the group size and everything its protocol depends on: sizes, dtype, method,
+root, ...; not what may legitimately differ across members, such as pointer alignment where the protocol does
+not depend on it), which its kernels publish to the members and compare with theirs (weft.language.signals:
+`sign`, `check_signed`). A mismatch is recorded in the group's `SignatureWord` and raised as
+weft.SignatureMismatch on every member: on the cpu backend by the call itself, on GPUs at the family's next
+call or weft.check_errors(). Each rank puts its plans' texts in the store at plan creation, under their
+fingerprints, so the error names both.
+
 Operators (`torch.ops.weft.X`) take the group by name (`group_name`), as torch's symmetric-memory ops do;
 their fake implementations read the group's size with `group_size(name)`.
 """
 from __future__ import annotations
+
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -32,6 +43,7 @@ from triton.backends.nvidia.driver import make_tensordesc_arg as _make_tensordes
 from .. import tuning
 from ..runtime import backend, process_group
 from ..runtime import world as _world
+from ..runtime.errors import SignatureMismatch
 from ..runtime.world import resolve  # noqa: F401  (the families resolve their `group=` through here)
 
 # Plans kept per group; a program calling with ever new shapes evicts the oldest.
@@ -140,6 +152,49 @@ class Plan:
     def __init__(self, group):
         self.group = group
 
+    def sign(self, name: str, /, **parts) -> int:
+        """Set this plan's `fingerprint` and `signature_text` from the op's name and what the members must agree
+        on (`parts`, in the order given); returns the fingerprint, which the plan's kernels take as an argument."""
+        fields = ", ".join(f"{k}={v}" for k, v in (("W", self.group.size), *parts.items()))
+        self.signature_text = text = f"{name}({fields})"
+        self.fingerprint = fingerprint(text)
+        if self.group.size > 1:
+            _publish(self.fingerprint, text)
+        return self.fingerprint
+
+
+def fingerprint(text: str) -> int:
+    """The fingerprint of a signature text: its CRC-32 folded into 31 bits, never 0 (the same in every process,
+    unlike Python's hash)."""
+    return (zlib.crc32(text.encode()) & 0x7FFFFFFF) or 1
+
+
+# Signature texts this process has put in the store (and its own, for the error message), by fingerprint.
+_TEXTS: dict[int, str] = {}
+
+
+def _store_key(fp: int) -> str:
+    return f"weft/signature/{fp:08x}"
+
+
+def _publish(fp: int, text: str) -> None:
+    if _TEXTS.get(fp) != text:
+        _TEXTS[fp] = text
+        dist.distributed_c10d._get_default_store().set(_store_key(fp), text)
+
+
+def _text_of(fp: int) -> str:
+    """The signature text of a fingerprint: this process's, else what a peer put in the store."""
+    if fp in _TEXTS:
+        return _TEXTS[fp]
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if store.check([_store_key(fp)]):
+            return store.get(_store_key(fp)).decode()
+    except Exception:  # noqa: BLE001 - the message still names the fingerprint
+        pass
+    return "?"
+
 
 def handle_group(handle, group, cls, op: str):
     """The group the second op of a pair (a combine) runs over: the group of the first one's call (its plan's),
@@ -220,6 +275,64 @@ class ErrorWord:
         error = self.take()
         if error is not None:
             raise error
+
+
+class SignatureWord(ErrorWord):
+    """The group's record of a signature mismatch a kernel found (signals.check_signed): [1, peer, mine, theirs],
+    raised as weft.SignatureMismatch. Families register their signature words (`register`), with their epoch
+    counter (wl.next_epoch) where a mismatch can make members take different numbers of epochs (different pass
+    counts). Before raising, every member resynchronises them: after a host barrier, each such counter is set to
+    the largest epoch any member reached (every flag, LL word and signature word of the past then carries an
+    older epoch than any later launch's) and every family is untripped, so that the next matching call works.
+    Every involved member raises (each compares every member's word), so the resynchronisation's collectives
+    pair up."""
+
+    def __init__(self, group):
+        super().__init__(group, self._mismatch, words=4)
+        if group.device.type != "cuda":  # a plan keeps no memory outside the heap: the cpu word is the heap's
+            self.tensor = group.heap.empty((4,), torch.int64).zero_()
+            self.host = self.tensor.numpy()
+        self.group = group
+        self.families: list = []  # (signature words, epoch counter or None)
+
+    def register(self, sig: torch.Tensor, counter: torch.Tensor | None = None) -> None:
+        self.families.append((sig, counter))
+
+    def _mismatch(self, words) -> SignatureMismatch:
+        _, peer, mine, theirs = words
+        self.resync()
+        g = self.group
+        text = _text_of(mine)
+        op = text.split("(", 1)[0]
+        return SignatureMismatch(
+            f"weft.ops.{op}: the members of {g!r} called it with plans that differ: rank {g.rank}: {text} "
+            f"[{mine:08x}]; rank {peer}: {_text_of(theirs)} [{theirs:08x}]. Every member must call a collective "
+            f"with the same arguments (shapes, dtypes, op, method, root).")
+
+    def resync(self) -> None:
+        g = self.group
+        g.barrier()  # every member's launches of the mismatched calls are done
+        counters = [counter for _, counter in self.families if counter is not None]
+        epochs = torch.tensor([int(counter[0].item()) >> 32 for counter in counters], dtype=torch.int64,
+                              device=g.device)
+        if g.size > 1 and counters:
+            dist.all_reduce(epochs, op=dist.ReduceOp.MAX, group=g.process_group)
+        for counter, epoch in zip(counters, epochs.tolist()):
+            counter.fill_(epoch << 32)
+        for sig, _ in self.families:
+            sig[-1] = 0
+        g.barrier()
+
+
+def signatures(group) -> SignatureWord:
+    """The group's SignatureWord (made on first use)."""
+    return group.context("signatures", lambda: SignatureWord(group))
+
+
+def signature_words(group, world_size: int) -> torch.Tensor:
+    """A family workspace's signature words in the group's heap: [2][W] LL words and the tripped word, zeroed by
+    the workspace's zero_everywhere."""
+    return group.heap.empty((2 * world_size + 1,), torch.int64)
 
 
 # -- launches ---------------------------------------------------------------------

@@ -90,8 +90,8 @@ import weft.language as wl
 from .. import tuning
 from .blocks import cast
 from ..runtime.world import is_initialized
-from .common import (ErrorWord, Launch, Plan, group_name, plan, resolve, signature, workspace, world_or_raise,
-                     zero_everywhere)
+from .common import (ErrorWord, Launch, Plan, group_name, plan, resolve, signature, signature_words, signatures,
+                     workspace, world_or_raise, zero_everywhere)
 from .registry import declare_op
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -273,10 +273,10 @@ def flash_decode_merge_kernel(part_out, part_lse, seqlens, out, lse, max_len, sp
         tl.store(lse + row, lse2 * LN2)  # log(x) = log2(x) * ln(2)
 
 
-@triton.jit(do_not_specialize=["max_len", "split_len", "splits", "rows", "slot_len"])
+@triton.jit(do_not_specialize=["max_len", "split_len", "splits", "rows", "slot_len", "fp"])
 def sp_flash_decode_merge_kernel(part_out, part_lse, seqlens, ll, counter, heap, out, max_len, split_len, splits,
-                                 q_heads, rows, slot_len, D: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
-                                 WORLD: tl.constexpr, RANKS: tl.constexpr):
+                                 q_heads, rows, slot_len, sig, sig_err, fp, D: tl.constexpr,
+                                 SPLIT_BLOCK: tl.constexpr, WORLD: tl.constexpr, RANKS: tl.constexpr):
     """out[row] = attention over all ranks' slices, for rows p, p + P, ... (program p of P).
 
     Phase 1 merges my splits of each of my rows and pushes the result as LL words into slot [me] of half
@@ -284,11 +284,17 @@ def sp_flash_decode_merge_kernel(part_out, part_lse, seqlens, ll, counter, heap,
     row the lse (base 2). Phase 2 waits for the W slots' words of each of my rows and merges them. All of a
     program's pushes come before its first wait, so no rank waits for words that a waiting program of a
     peer still has to push (and with P <= SM count every program is resident). RANKS: WORLD rounded up to a
-    power of two (at least 2), the lanes of the cross-rank merge.
+    power of two (at least 2), the lanes of the cross-rank merge. The call is signed first and every member's
+    signature checked (wl.check_signed) before phase 2: on a mismatch nothing is written.
     """
     p = tl.program_id(0)
     programs = tl.num_programs(0)
     epoch = wl.next_epoch(counter)
+    ok = wl.signature_live(sig, heap)
+    if ok:
+        wl.sign(sig, epoch, fp, heap)
+    else:
+        rows = rows * 0  # a tripped family: nothing pushed, nothing awaited
     half = ll + (epoch % 2) * WORLD * slot_len
     offs_d = tl.arange(0, D)
     lanes = tl.arange(0, RANKS)  # lane q: rank q
@@ -304,6 +310,10 @@ def sp_flash_decode_merge_kernel(part_out, part_lse, seqlens, ll, counter, heap,
                  mask=live[:, None])
         tl.store(dst + rows * D + row, lse_word, mask=live)
 
+    if ok:
+        ok = wl.check_signed(sig, epoch, fp, heap, sig_err, op="sp_flash_decode")
+    if ok == 0:
+        rows = rows * 0  # another call on a peer: nothing received
     # Phase 2: all W ranks' words of a row are waited for at once (one spin, not W after each other) and
     # merged as one vector over ranks: every rank runs the same code on the same words in the same lanes
     # (lane q holds rank q's partial everywhere), so every rank gets the same bits.
@@ -568,12 +578,16 @@ def _bad_value(words) -> ValueError:
 
 class _SpContext:
     """The symmetric LL exchange buffer of a group (2 halves x W slots x SP_MAX_ENTRIES int64 words, epoch 0
-    in every word) and the merge kernel's epoch counter (wl.next_epoch)."""
+    in every word), the merge kernel's epoch counter (wl.next_epoch), its signature words and the group's
+    SignatureWord."""
 
     def __init__(self, group):
         self.ll = group.heap.empty((2 * group.size * SP_MAX_ENTRIES,), torch.int64)
         self.counter = group.heap.empty((1,), torch.int64)
-        zero_everywhere(group, self.ll, self.counter)
+        self.sig = signature_words(group, group.size)
+        self.signatures = signatures(group)
+        self.signatures.register(self.sig, self.counter)
+        zero_everywhere(group, self.ll, self.counter, self.sig)
 
 
 def _sp_split_block(splits: int, head_dim: int) -> int:
@@ -658,6 +672,10 @@ class SpFlashDecodePlan(Plan):
         self.errors = _errors(group)
         self.heap = group.heap.descriptor
         per_pass = max(1, SP_MAX_ENTRIES // (q_heads * (head_dim + 1)))  # sequences per pass
+        # What the members must agree on: the rows and their width (each member's cache and splits are its own).
+        self.fp = self.sign("sp_flash_decode", batch=batch, q_heads=q_heads, head_dim=head_dim,
+                            dtype=str(q.dtype).removeprefix("torch."))
+        self.sig_args = (ctx.sig, ctx.signatures.tensor, self.fp)
         qc = _prepare_q(q)
         sample = torch.empty_like(q, memory_format=torch.contiguous_format)
         for b0 in range(0, batch, per_pass):
@@ -671,7 +689,7 @@ class SpFlashDecodePlan(Plan):
             part_out, part_lse = _partial_buffers(rows, splits, head_dim, q.device)
             merge = Launch(sp_flash_decode_merge_kernel, (min(rows, _sp_max_programs(q.device)),),
                            (part_out, part_lse, seqlens[b0:b1], ctx.ll, ctx.counter, self.heap, sample[b0:b1],
-                            max_len, split_len, splits, q_heads, rows, SP_MAX_ENTRIES),
+                            max_len, split_len, splits, q_heads, rows, SP_MAX_ENTRIES, *self.sig_args),
                            dict(D=head_dim, SPLIT_BLOCK=_sp_split_block(splits, head_dim), WORLD=group.size,
                                 RANKS=_sp_lanes(group.size)), num_warps=SP_NUM_WARPS)
             self.passes.append(_SpPass(b0, b1, batch, rows, split, split_args, splits, split_len, merge))
@@ -695,7 +713,7 @@ class SpFlashDecodePlan(Plan):
         """The pass's merge kernel: its rows of `out` from every rank's partials."""
         step.merge_launch(part_out, part_lse, seqlens, self.ctx.ll, self.ctx.counter, self.heap,
                           out if step.whole else out[step.b0:step.b1], self.max_len, step.split_len, step.splits,
-                          self.q_heads, step.rows, SP_MAX_ENTRIES)
+                          self.q_heads, step.rows, SP_MAX_ENTRIES, *self.sig_args)
 
     def run(self, q, k_cache, v_cache, seqlens, block_table):
         q = _prepare_q(q)
@@ -707,6 +725,7 @@ class SpFlashDecodePlan(Plan):
         recorded = self.errors.take()
         for step in self.passes:
             self.merge(step, *self.split(step, q, k_cache, v_cache, seqlens, block_table), out)
+            self.ctx.signatures.raise_recorded()
         if recorded is not None:
             raise recorded
         return out
@@ -778,7 +797,8 @@ COMPILE_CASES = [
 ] + [
     (sp_flash_decode_merge_kernel, dict(part_out="*fp32", part_lse="*fp32", seqlens="*i32", ll="*i64", counter="*i64",
                                         heap="*i64", out=t, max_len="i32", split_len="i32", splits="i32",
-                                        q_heads="i32", rows="i32", slot_len="i32"),
+                                        q_heads="i32", rows="i32", slot_len="i32", sig="*i64", sig_err="*i64",
+                                        fp="i32"),
      dict(D=d, SPLIT_BLOCK=_sp_split_block(64, d), WORLD=wd, RANKS=_sp_lanes(wd)),
      dict(num_warps=SP_NUM_WARPS))
     for t, d, wd in [("*bf16", d, 8) for d in HEAD_DIMS] + [("*bf16", 128, 2), ("*fp32", 128, 1), ("*fp16", 128, 3)]

@@ -61,7 +61,8 @@ from .. import tuning
 from .all_reduce import all_reduce
 from .blocks import cast
 from .common import (Launch, Plan, check_method, check_out, check_tensor, group_name, matmul_operands,
-                     overlaps, plan, resolve, signature, workspace, zero_everywhere)
+                     overlaps, plan, resolve, signature, signature_words, signatures, workspace,
+                     zero_everywhere)
 from .registry import declare_op, into
 from .gemm import dot
 
@@ -122,14 +123,15 @@ def _tile_at(base, in_tile, ALIGNED: tl.constexpr):
 
 # -- kernel ---------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["half_len"])
-def gemm_ar_kernel(a, b, stage, out, flags, counter, heap, M, N, K, half_len, WORLD: tl.constexpr,
+@triton.jit(do_not_specialize=["half_len", "fp"])
+def gemm_ar_kernel(a, b, stage, out, flags, counter, heap, M, N, K, half_len, sig, err, fp, WORLD: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr):
     """out tile t = sum over ranks of (a @ b) tile t: compute, push to every rank, wait, sum.
 
     `stage` holds 2 halves (call parity, `half_len` elements apart) of WORLD slots of M x N, one slot
-    per source rank, in the stage dtype; `flags` holds arrived[WORLD] per tile.
+    per source rank, in the stage dtype; `flags` holds arrived[WORLD] per tile. The call's signature is
+    checked before the wait (wl.check_signed): a mismatch writes no output.
     """
     t = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -137,29 +139,33 @@ def gemm_ar_kernel(a, b, stage, out, flags, counter, heap, M, N, K, half_len, WO
     offs_n = (t % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     me = wl.rank(heap)
     epoch = wl.next_epoch(counter)
-    arrived = flags + t * WORLD
+    if wl.signature_live(sig, heap):
+        wl.sign(sig, epoch, fp, heap)
+        arrived = flags + t * WORLD
 
-    acc = _partial_tile(a, b, offs_m, offs_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_N, EVEN_K)
+        acc = _partial_tile(a, b, offs_m, offs_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_N, EVEN_K)
 
-    # Push my partial into slot [me] of this epoch's half on every rank (myself included: my own share is read
-    # back rounded like the others'). Each rank starts with itself and goes round, so all do not hit rank 0 first.
-    in_tile = offs_m[:, None] * N + offs_n[None, :]
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    slots = stage + (epoch % 2) * half_len
-    mine = cast(acc, stage.dtype.element_ty)
-    for i in tl.static_range(WORLD):
-        peer = (me + i) % WORLD
-        tl.store(_tile_at(wl.symm_at(slots + me * (M * N), peer, heap), in_tile, ALIGNED), mine, mask=mask)
-    wl.notify_all(arrived + me, heap, epoch)
+        # Push my partial into slot [me] of this epoch's half on every rank (myself included: my own share is read
+        # back rounded like the others'). Each rank starts with itself and goes round, so all do not hit rank 0
+        # first.
+        in_tile = offs_m[:, None] * N + offs_n[None, :]
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        slots = stage + (epoch % 2) * half_len
+        mine = cast(acc, stage.dtype.element_ty)
+        for i in tl.static_range(WORLD):
+            peer = (me + i) % WORLD
+            tl.store(_tile_at(wl.symm_at(slots + me * (M * N), peer, heap), in_tile, ALIGNED), mine, mask=mask)
+        wl.notify_all(arrived + me, heap, epoch)
 
-    # Sum the WORLD partials of this tile in rank order (the same bits on every rank). The loop is unrolled,
-    # so all WORLD loads are in flight before the adds need them.
-    token = wl.wait(arrived, WORLD, epoch, wl.CMP_GE, heap=heap, op="gemm_ar")
-    slots = wl.consume_token(slots, token)
-    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for q in tl.static_range(WORLD):
-        total += tl.load(_tile_at(slots + q * (M * N), in_tile, ALIGNED), mask=mask, other=0.0).to(tl.float32)
-    tl.store(out + in_tile, cast(total, out.dtype.element_ty), mask=mask)
+        # Sum the WORLD partials of this tile in rank order (the same bits on every rank). The loop is unrolled,
+        # so all WORLD loads are in flight before the adds need them.
+        if wl.check_signed(sig, epoch, fp, heap, err, op="gemm_ar"):
+            token = wl.wait(arrived, WORLD, epoch, wl.CMP_GE, heap=heap, op="gemm_ar")
+            slots = wl.consume_token(slots, token)
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for q in tl.static_range(WORLD):
+                total += tl.load(_tile_at(slots + q * (M * N), in_tile, ALIGNED), mask=mask, other=0.0).to(tl.float32)
+            tl.store(out + in_tile, cast(total, out.dtype.element_ty), mask=mask)
 
 
 # -- configs --------------------------------------------------------------------
@@ -203,7 +209,8 @@ MAX_TILES = 4096
 
 class GemmArWorkspace:
     """The stage (two halves by call parity, as bytes: viewed in each call's stage dtype), flags arrived[W]
-    per tile slot, and the epoch counter; one for every shape, one per group."""
+    per tile slot, the epoch counter, the signature words and the group's SignatureWord; one for every shape,
+    one per group."""
 
     def __init__(self, group):
         heap = group.heap
@@ -211,7 +218,10 @@ class GemmArWorkspace:
         self.stage = heap.empty((2 * self.half_bytes,), torch.uint8)
         self.flags = heap.empty((MAX_TILES * group.size,), torch.int32)
         self.counter = heap.empty((1,), torch.int64)
-        zero_everywhere(group, self.flags, self.counter)
+        self.sig = signature_words(group, group.size)
+        self.errors = signatures(group)
+        self.errors.register(self.sig, self.counter)
+        zero_everywhere(group, self.flags, self.counter, self.sig)
 
 
 def _check_operands(a, b_shard, out, group) -> None:
@@ -321,20 +331,25 @@ class GemmArPlan(Plan):
         stage = ws.stage.view(sdtype)
         self.half_len = ws.half_bytes // sdtype.itemsize
         heap = group.heap.descriptor
+        self.fp = self.sign("gemm_ar", m=m, n=n, k=k, dtype=str(a.dtype).removeprefix("torch."))
+        self.errors = ws.errors
         self.launch = Launch(gemm_ar_kernel, (tiles,),
-                             (a, b_shard, stage, self.result(out), ws.flags, ws.counter, heap, m, n, k, self.half_len),
+                             (a, b_shard, stage, self.result(out), ws.flags, ws.counter, heap, m, n, k, self.half_len,
+                              ws.sig, ws.errors.tensor, self.fp),
                              dict(WORLD=group.size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                   NUM_STAGES=cfg.num_stages, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
                                   ALIGNED=n * sdtype.itemsize % 16 == 0), cfg.num_warps)
         self.mnk = (m, n, k)
         # On GPUs the workspace's addresses are taken once, the caller's per call.
-        self.fixed = tuple(map(self.launch.address, (stage, ws.flags, ws.counter, heap)))
+        self.fixed = tuple(map(self.launch.address, (stage, ws.flags, ws.counter, heap, ws.sig, ws.errors.tensor)))
 
     def run_fused(self, a, b_shard, out):
         self.check(a, b_shard, out)
         res = self.result(out)
         address, f = self.launch.address, self.fixed
-        self.launch(address(a), address(b_shard), f[0], address(res), f[1], f[2], f[3], *self.mnk, self.half_len)
+        self.launch(address(a), address(b_shard), f[0], address(res), f[1], f[2], f[3], *self.mnk, self.half_len,
+                    f[4], f[5], self.fp)
+        self.errors.raise_recorded()
         return res
 
 
@@ -381,7 +396,7 @@ _SHIPPED_CONFIGS = list(dict.fromkeys((max_m, GemmArConfig(**cfg)) for rows in t
 COMPILE_CASES = [
     (gemm_ar_kernel,
      dict(a=t, b=t, stage="*fp32" if max_m == 16 else t, out=t, flags="*i32", counter="*i64", heap="*i64", M="i32",
-          N="i32", K="i32", half_len="i32"),
+          N="i32", K="i32", half_len="i32", sig="*i64", err="*i64", fp="i32"),
      dict(WORLD=wd, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, NUM_STAGES=c.num_stages,
           EVEN_N=even, EVEN_K=even, ALIGNED=even),
      dict(num_warps=c.num_warps, divisible=("N", "K") if even else ()))  # as the JIT specialises a real call

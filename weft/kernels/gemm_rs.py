@@ -111,7 +111,8 @@ from . import gemm
 from .all_reduce import reduce_scatter
 from .blocks import cast
 from .common import (Launch, Plan, check_method, check_out, group_name, group_size, matmul_operands, plan,
-                     resolve, rows_divisible, signature, workspace, zero_everywhere)
+                     resolve, rows_divisible, signature, signature_words, signatures, workspace,
+                     zero_everywhere)
 from .registry import declare_op, into, no_config
 
 METHODS = ("auto", "overlap", "baseline")
@@ -182,27 +183,34 @@ def _reduce_tile(acc, recv, out, me, row0, col0, m, N, FULL: tl.constexpr, OUT_T
 
 # -- kernels --------------------------------------------------------------------
 
-@triton.jit
-def gemm_rs_start_kernel(bar, ready, heap):
+@triton.jit(do_not_specialize=["fp"])
+def gemm_rs_start_kernel(bar, ready, heap, sig, err, fp):
     """Start of a call: the peers' flags down to 0 (their pushes of this call raise them), mine up to 1 (my own
     partial needs no transfer), then a barrier: every rank's previous final GEMM is done reading its `recv`
-    and its flags. bar[0] = the epoch."""
+    and its flags. bar[0] = the epoch. The call is signed before the barrier and every member's signature
+    checked after it: a mismatch trips the family, and the final GEMM then writes nothing."""
     me = wl.rank(heap)
     for q in range(wl.num_ranks(heap)):
         tl.store(ready + q, (q == me).to(tl.int32))
+    epoch = tl.load(bar) + 1  # the epoch barrier_all takes
+    wl.sign(sig, epoch, fp, heap)
     wl.barrier_all(bar, heap)
+    wl.check_signed(sig, epoch, fp, heap, err, op="gemm_rs")
 
 
 @triton.jit
-def gemm_rs_kernel(a_desc, b_desc, recv, out, ready, heap, m, N, K, OUT_TMA: tl.constexpr,
+def gemm_rs_kernel(a_desc, b_desc, recv, out, ready, heap, m, N, K, sig, OUT_TMA: tl.constexpr,
                    WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     """out = my chunk of a (a_desc, m rows) @ b_shard + the partials of my chunk that the peers pushed.
 
     Program p computes tiles p, p + NUM_PROGRAMS, ... in grouped order, as gemm.matmul_kernel does.
     Before its first epilogue it waits, once, for the W partials (tiles of `partials`): its first K
-    loop runs while the last pushes land.
+    loop runs while the last pushes land. A family tripped by a signature mismatch (the start kernel's check)
+    writes nothing.
     """
+    if not wl.signature_live(sig, heap):
+        return
     pid = tl.program_id(0)
     me = wl.rank(heap)
     partials = wl.ShardMapping(WORLD, m, N)  # of my chunk: tile q = rank q's, flag ready[q]
@@ -242,7 +250,12 @@ class GemmRSWorkspace:
         cuda = group.device.type == "cuda"
         # sides[0]: the copy engine's pushes; sides[1]: every other chunk GEMM.
         self.streams = StreamSet(group.device, 2) if cuda else None
-        zero_everywhere(group, self.ready, self.bar)
+        # The signature words; no epoch counter to resynchronise after a mismatch: every call makes one start
+        # launch on every member, whatever its shapes, so the barrier's epochs stay in step.
+        self.sig = signature_words(group, w)
+        self.errors = signatures(group)
+        self.errors.register(self.sig)
+        zero_everywhere(group, self.ready, self.bar, self.sig)
 
 
 def overlap_refusal(group, a, b_shard, out) -> str | None:
@@ -391,7 +404,11 @@ class GemmRSPlan(Plan):
             steps.append((c, send[s - 1], CopyEnginePush(group.heap.peer(recv, c)[w - 1 - s],
                                                           group.heap.peer(ws.ready, c)[me:me + 1], 1)))
         self.heap = heap = group.heap.descriptor
-        self.start = Launch(gemm_rs_start_kernel, (1,), (ws.bar, ws.ready, heap), {}, num_warps=1)
+        # How each member computes its chunks (tiling, cuBLAS) is its own business: not in the signature.
+        self.fp = self.sign("gemm_rs", m=m, n=n, k=k, dtype=str(a.dtype).removeprefix("torch."))
+        self.start_args = (ws.bar, ws.ready, heap, ws.sig, ws.errors.tensor, self.fp)
+        self.start = Launch(gemm_rs_start_kernel, (1,), self.start_args, {}, num_warps=1)
+        self.start_args = tuple(map(self.start.address, self.start_args[:5])) + (self.fp,)
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         programs = min(gemm.num_sms(a.device), tiles)
         quarter = cfg.block_n // 4  # the epilogue's column sub-tiles
@@ -402,7 +419,7 @@ class GemmRSPlan(Plan):
         self.out_desc = gemm.descriptor(sample, (cfg.block_m, quarter)) if out_tma else None
         self.final = Launch(gemm_rs_kernel, (programs,),
                             (self.a_desc, self.b_desc, recv, self.out_desc if out_tma else sample, ws.ready, heap,
-                             m, n, k),
+                             m, n, k, ws.sig),
                             dict(OUT_TMA=out_tma, WORLD=w, **cfg.constexprs(), NUM_PROGRAMS=programs), cfg.num_warps)
 
         # The chunk GEMMs' launches, made once: a descriptor per send slot (fixed), one for a's rows (swapped
@@ -427,7 +444,8 @@ class GemmRSPlan(Plan):
         m, n, k, me = self.m, self.n, self.k, self.group.rank
         ws, streams = self.ws, self.ws.streams
         res = self.result(out)
-        self.start(ws.bar, ws.ready, self.heap)
+        self.start(*self.start_args)
+        ws.errors.raise_recorded()  # on the cpu backend, before anything is pushed to a peer
         if streams is None:
             for c, src, push in self.steps:
                 self.chunk_gemm(a, b_shard, c, src)
@@ -448,7 +466,7 @@ class GemmRSPlan(Plan):
                 push(src, pushes[0])
             streams.wait(main, side)  # the final GEMM starts after every chunk GEMM (no deadlock: see above)
         self.final(self.a_desc.on(a[me * m:(me + 1) * m]), self.b_desc.on(b_shard), self.recv,
-                   self.out_desc.on(res) if self.out_tma else res, ws.ready, self.heap, m, n, k)
+                   self.out_desc.on(res) if self.out_tma else res, ws.ready, self.heap, m, n, k, self.start_args[3])
         for desc in self.swapped:  # the plan keeps no caller tensor (gemm.Descriptor)
             desc.off()
         if streams is not None:
@@ -510,7 +528,7 @@ def _case(t: str, c: gemm.GemmConfig, world: int, out_tma: bool):
     sig = dict(a_desc=f"tensordesc<{t}[{c.block_m}, {c.block_k}]>", b_desc=f"tensordesc<{t}[{c.block_k}, {c.block_n}]>",
                recv=f"*{t}",
                out=f"tensordesc<{t}[{c.block_m}, {quarter}]>" if out_tma else f"*{t}",
-               ready="*i32", heap="*i64", m="i32", N="i32", K="i32")
+               ready="*i32", heap="*i64", m="i32", N="i32", K="i32", sig="*i64")
     # The JIT's specialisation of a real call: N and K whole 16s (a TMA operand's rows), m too where aligned.
     return (gemm_rs_kernel, sig, dict(OUT_TMA=out_tma, WORLD=world, NUM_PROGRAMS=132, **c.constexprs()),
             dict(num_warps=c.num_warps, min_arch=90, divisible=("m", "N", "K") if out_tma else ("K",),
@@ -519,7 +537,8 @@ def _case(t: str, c: gemm.GemmConfig, world: int, out_tma: bool):
 
 # Signatures for the sm_90 compile check (weft.testing.compile): every GPU config, bf16/fp16, 8 ranks with a
 # TMA-stored out, 2 ranks with an unaligned one.
-COMPILE_CASES = [(gemm_rs_start_kernel, dict(bar="*i32", ready="*i32", heap="*i64"), {}, dict(num_warps=1))] + [
+COMPILE_CASES = [(gemm_rs_start_kernel, dict(bar="*i32", ready="*i32", heap="*i64", sig="*i64", err="*i64", fp="i32"),
+                  {}, dict(num_warps=1))] + [
     _case(t, c, world, out_tma) for t in ("bf16", "fp16") for c in gemm.shipped_configs()
     for world, out_tma in ((8, True), (2, False))
 ]

@@ -66,7 +66,7 @@ from .. import tuning
 from . import gemm
 from .blocks import cast
 from .common import (Launch, Plan, check_method, check_tensor, group_name, group_size, nccl_from, plan, resolve,
-                     signature, workspace, zero_everywhere)
+                     signature, signature_words, signatures, workspace, zero_everywhere)
 from .registry import declare_op, fresh
 
 METHODS = ("auto", "push", "nccl")
@@ -121,40 +121,46 @@ def _copy_rows(dst, dst_stride, src, src_stride, lo, hi, row_len, ROWS: tl.const
 
 
 @triton.jit(do_not_specialize=["rows", "chunk", "row_v", "src_stride_v", "src_block_v", "dst_stride_v",
-                               "dst_block_v", "slot_v", "half_v"])
+                               "dst_block_v", "slot_v", "half_v", "fp"])
 def ulysses_all_to_all_kernel(x, buf, out, flags, counter, heap, rows, chunk, row_v, src_stride_v, src_block_v,
-                              dst_stride_v, dst_block_v, slot_v, half_v, ROWS: tl.constexpr, COLS: tl.constexpr,
-                              VEC: tl.constexpr):
+                              dst_stride_v, dst_block_v, slot_v, half_v, sig, err, fp, ROWS: tl.constexpr,
+                              COLS: tl.constexpr, VEC: tl.constexpr):
     """Program (p, i): rows [p chunk, (p + 1) chunk) of my block for q = (i - me) mod W and of q's for me.
 
     The block for q starts at x + q src_block, rows src_stride apart; the block from q goes to out + q
-    dst_block, rows dst_stride apart; rows are row_len words. All lengths come in units of VEC words.
+    dst_block, rows dst_stride apart; rows are row_len words. All lengths come in units of VEC words. Nothing
+    is written to `out` before the call's signature is checked (wl.check_signed).
     """
     p = tl.program_id(0)
     i = tl.program_id(1)
     me = wl.rank(heap)
     world = wl.num_ranks(heap)
     epoch = wl.next_epoch(counter)
-    q = (i - me + world) % world
-    lo = p * chunk
-    hi = tl.minimum(lo + chunk, rows)
-    row_len = row_v * VEC
-    src_stride = src_stride_v * VEC
-    dst_stride = dst_stride_v * VEC
-    src = x + q.to(tl.int64) * (src_block_v * VEC)
-    if q == me:
-        _copy_rows(out + me.to(tl.int64) * (dst_block_v * VEC), dst_stride, src, src_stride, lo, hi, row_len,
-                   ROWS, COLS, VEC)
-    else:
+    if wl.signature_live(sig, heap):
+        wl.sign(sig, epoch, fp, heap)
+        q = (i - me + world) % world
+        lo = p * chunk
+        hi = tl.minimum(lo + chunk, rows)
+        row_len = row_v * VEC
+        src_stride = src_stride_v * VEC
+        dst_stride = dst_stride_v * VEC
+        src = x + q.to(tl.int64) * (src_block_v * VEC)
         half = buf + (epoch % 2) * (half_v * VEC)
         slot = slot_v * VEC
         f = flags + p * world + i
-        _copy_rows(wl.symm_at(half + me * slot, q, heap), row_len, src, src_stride, lo, hi, row_len, ROWS, COLS, VEC)
-        wl.notify(f, q, heap, epoch)
-        token = wl.wait(f, 1, epoch, wl.CMP_GE, heap=heap, peer=q, op="ulysses_all_to_all")
-        mine = wl.consume_token(half + q * slot, token)
-        _copy_rows(out + q.to(tl.int64) * (dst_block_v * VEC), dst_stride, mine, row_len, lo, hi, row_len,
-                   ROWS, COLS, VEC)
+        if q != me:
+            _copy_rows(wl.symm_at(half + me * slot, q, heap), row_len, src, src_stride, lo, hi, row_len, ROWS, COLS,
+                       VEC)
+            wl.notify(f, q, heap, epoch)
+        if wl.check_signed(sig, epoch, fp, heap, err, op="ulysses_all_to_all"):
+            if q == me:
+                _copy_rows(out + me.to(tl.int64) * (dst_block_v * VEC), dst_stride, src, src_stride, lo, hi, row_len,
+                           ROWS, COLS, VEC)
+            else:
+                token = wl.wait(f, 1, epoch, wl.CMP_GE, heap=heap, peer=q, op="ulysses_all_to_all")
+                mine = wl.consume_token(half + q * slot, token)
+                _copy_rows(out + q.to(tl.int64) * (dst_block_v * VEC), dst_stride, mine, row_len, lo, hi, row_len,
+                           ROWS, COLS, VEC)
 
 
 @triton.jit
@@ -174,19 +180,25 @@ def _tile_mm(a, b, off_m, off_n, M, N, K, sa0, sa1, sb0, sb1, BM: tl.constexpr, 
     return acc
 
 
-@triton.jit(do_not_specialize=["rows", "S", "half_len", "max_tiles"])
+@triton.jit(do_not_specialize=["rows", "S", "half_len", "max_tiles", "fp"])
 def qkv_all_to_all_kernel(x, w, out, buf, flags, counter, heap, rows, S, K, N, hd, lhd, sx0, sx1, sw0, sw1, half_len,
-                          max_tiles, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                          max_tiles, sig, err, fp, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """y = x @ w (rows, N = 3 hd), tile by tile: a pass over `rows` of this rank's S tokens, `x` and `out`
     starting at the pass's first row. Tile columns [n0, n0 + BN) are part n0 // hd (q, k or v), heads of
     owner q = (n0 % hd) // lhd, column part lhd + n0 % hd - q lhd of the (W S, 3 lhd) output, rows me S +
     ...: mine straight into `out`; the others' into rows me rows + ... of their receive buffers (W rows,
-    3 lhd), which they copy to their `out`."""
+    3 lhd), which they copy to their `out`. The call's signature is checked (wl.check_signed) before the
+    program's first wait: on a mismatch the tiles of this rank's own heads may already be in `out`, no other."""
     p = tl.program_id(0)
     programs = tl.num_programs(0)
     me = wl.rank(heap)
     world = wl.num_ranks(heap)
     epoch = wl.next_epoch(counter)
+    live = wl.signature_live(sig, heap)
+    if live:
+        wl.sign(sig, epoch, fp, heap)
+    else:
+        rows = rows * 0  # a tripped family: no tile, nothing pushed, nothing awaited
     half = buf + (epoch % 2) * half_len
     width = 3 * lhd  # a row of the head-sharded output
     num_n = N // BN
@@ -208,6 +220,9 @@ def qkv_all_to_all_kernel(x, w, out, buf, flags, counter, heap, rows, S, K, N, h
             offs = (me * rows + r)[:, None].to(tl.int64) * width + (col + cb)[None, :]
             tl.store(wl.symm_at(half, q, heap) + offs, val, mask=mask)
             wl.notify(flags + me * max_tiles + t, q, heap, epoch)
+    if live:
+        if wl.check_signed(sig, epoch, fp, heap, err, op="qkv_all_to_all") == 0:
+            tiles = tiles * 0  # another call on a peer: nothing received
     for t in range(p, tiles, programs):
         mb = t // num_n
         n0 = (t % num_n) * BN
@@ -224,9 +239,9 @@ def qkv_all_to_all_kernel(x, w, out, buf, flags, counter, heap, rows, S, K, N, h
                 tl.store(out + (src * S + r)[:, None].to(tl.int64) * width + (col + cb)[None, :], v, mask=mask)
 
 
-@triton.jit(do_not_specialize=["rows", "S", "half_len", "max_items", "groups"])
+@triton.jit(do_not_specialize=["rows", "S", "half_len", "max_items", "groups", "fp"])
 def all_to_all_o_proj_kernel(attn, w, out, buf, flags, counter, heap, rows, S, N, lhd, sw0, sw1, half_len,
-                             max_items, groups, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
+                             max_items, groups, sig, err, fp, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
                              COLS: tl.constexpr):
     """out (S, N) = A @ w, A (S, W lhd) the seq all-to-all of attn (W S, lhd): A[s, r lhd + j] = attn_r[me S +
     s, j]; a pass over `rows` of the S tokens, `attn` and `out` starting at the pass's first token (the
@@ -234,12 +249,18 @@ def all_to_all_o_proj_kernel(attn, w, out, buf, flags, counter, heap, rows, S, N
     rank; then each computes the tiles (mb, n), n = g, g + groups, ..., waiting for chunk r's `groups` flags
     of row block mb before its K steps over chunk r. Pushing first means a program waits only on pushes
     issued before any wait: on another program of the peers (all resident on a GPU), or, with one program
-    (the cpu backend's choice with several groups), on itself."""
+    (the cpu backend's choice with several groups), on itself. The call's signature is checked
+    (wl.check_signed) between the two: on a mismatch nothing is computed or written."""
     p = tl.program_id(0)
     programs = tl.num_programs(0)
     me = wl.rank(heap)
     world = wl.num_ranks(heap)
     epoch = wl.next_epoch(counter)
+    live = wl.signature_live(sig, heap)
+    if live:
+        wl.sign(sig, epoch, fp, heap)
+    else:
+        rows = rows * 0  # a tripped family: no item, nothing pushed, nothing awaited
     half = buf + (epoch % 2) * half_len
     hd = world * lhd
     num_n = tl.cdiv(N, BN)
@@ -254,6 +275,9 @@ def all_to_all_o_proj_kernel(attn, w, out, buf, flags, counter, heap, rows, S, N
             _copy_rows(wl.symm_at(half + me * lhd, q, heap), hd, attn + q.to(tl.int64) * S * lhd, lhd, lo, hi, lhd,
                        ROWS, COLS, 1)
             wl.notify(flags + me * max_items + item, q, heap, epoch)
+    if live:
+        if wl.check_signed(sig, epoch, fp, heap, err, op="all_to_all_o_proj") == 0:
+            items = items * 0  # another call on a peer: nothing received
     for item in range(p, items, programs):
         mb = item // groups
         for nb in range(item % groups, num_n, groups):
@@ -275,7 +299,7 @@ def all_to_all_o_proj_kernel(attn, w, out, buf, flags, counter, heap, rows, S, N
 
 class UlyssesWorkspace:
     """The family's workspace in a group: a data region in two halves (by call parity), the flags of each op,
-    the epoch counter."""
+    the epoch counter, the signature words and the group's SignatureWord."""
 
     def __init__(self, group):
         heap, w = group.heap, group.size
@@ -285,7 +309,10 @@ class UlyssesWorkspace:
         self.qkv_flags = heap.empty((w * MAX_TILES,), torch.int32)
         self.o_flags = heap.empty((w * MAX_ITEMS,), torch.int32)
         self.counter = heap.empty((1,), torch.int64)
-        zero_everywhere(group, self.a2a_flags, self.qkv_flags, self.o_flags, self.counter)
+        self.sig = signature_words(group, w)
+        self.errors = signatures(group)
+        self.errors.register(self.sig, self.counter)
+        zero_everywhere(group, self.a2a_flags, self.qkv_flags, self.o_flags, self.counter, self.sig)
 
     def data_as(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
         return self.data.view(dtype), self.half_bytes // dtype.itemsize
@@ -393,6 +420,10 @@ class AllToAllPlan(Plan):
         buf, half_len = ws.data_as(word)
         slot = slot_bytes // esize
         most = slot // row
+        # The word follows alignment, but every length below is whole rows: it is each member's own business.
+        fp = self.sign("ulysses_all_to_all", scatter=scatter, seq=s, packed=p, row_bytes=row_bytes,
+                       dtype=str(x.dtype).removeprefix("torch."))
+        self.errors = ws.errors
         heap = group.heap.descriptor
         gpu = group.device.type == "cuda"
         push = tuning.value("ulysses.push", group.device, w) if gpu else dict(block=1024)
@@ -409,7 +440,7 @@ class AllToAllPlan(Plan):
             def args(xw, ow, lo=lo, k=k, chunk=chunk):
                 return (xw[lo * src_stride:], buf, ow[lo * dst_stride:], ws.a2a_flags, ws.counter, heap, k, chunk,
                         row // vec, src_stride // vec, src_block // vec, dst_stride // vec, dst_block // vec,
-                        slot // vec, half_len // vec)
+                        slot // vec, half_len // vec, ws.sig, ws.errors.tensor, fp)
             xw, ow = sample_x.reshape(-1).view(word), sample_out.view(-1).view(word)
             self.passes.append((Launch(ulysses_all_to_all_kernel, (programs, w), args(xw, ow), consts,
                                        8 if gpu else 4), args))
@@ -423,6 +454,7 @@ class AllToAllPlan(Plan):
         ow = out.view(-1).view(self.word)
         for launch, args in self.passes:
             launch(*args(xw, ow))
+            self.errors.raise_recorded()
         return out
 
     def run_nccl(self, x):
@@ -519,10 +551,14 @@ class QkvPlan(Plan):
         buf, half_len = ws.data_as(x.dtype)
         heap = group.heap.descriptor
         width = 3 * lhd
+        fp = self.sign("qkv_all_to_all", seq=s, hidden=k, heads=heads, head_dim=d,
+                       dtype=str(x.dtype).removeprefix("torch."))
+        self.errors = ws.errors
 
         def args(x, w_qkv, out, lo, rows):
             return (x[lo:], w_qkv, out.view(w * s, width)[lo:], buf, ws.qkv_flags, ws.counter, heap, rows, s, k, n,
-                    heads * d, lhd, x.stride(0), x.stride(1), w_qkv.stride(0), w_qkv.stride(1), half_len, MAX_TILES)
+                    heads * d, lhd, x.stride(0), x.stride(1), w_qkv.stride(0), w_qkv.stride(1), half_len, MAX_TILES,
+                    ws.sig, ws.errors.tensor, fp)
         self.args = args
         sample = torch.empty(shape, dtype=x.dtype, device=x.device)
         self.passes = []
@@ -540,6 +576,7 @@ class QkvPlan(Plan):
         out = torch.empty(self.shape, dtype=x.dtype, device=x.device)
         for lo, rows, launch in self.passes:
             launch(*self.args(x, w_qkv, out, lo, rows))
+            self.errors.raise_recorded()
         return out
 
 
@@ -603,9 +640,13 @@ class OProjPlan(Plan):
         cols = triton.next_power_of_2(lhd)
         copy_rows = max(1, (4096 if gpu else 1024) // cols)
 
+        fp = self.sign("all_to_all_o_proj", seq=s, heads=w * hl, head_dim=d, hidden=n,
+                       dtype=str(attn.dtype).removeprefix("torch."))
+        self.errors = ws.errors
+
         def args(attn, w_o, out, lo, rows, groups):
             return (attn[lo:], w_o, out[lo:], buf, ws.o_flags, ws.counter, heap, rows, s, n, lhd, w_o.stride(0),
-                    w_o.stride(1), half_len, MAX_ITEMS, groups)
+                    w_o.stride(1), half_len, MAX_ITEMS, groups, ws.sig, ws.errors.tensor, fp)
         self.args = args
         sample = (attn if self.attn_contig else attn.contiguous()).view(w * s, lhd)
         out_sample = torch.empty((s, n), dtype=attn.dtype, device=attn.device)
@@ -637,13 +678,14 @@ class OProjPlan(Plan):
         a = (attn if self.attn_contig else attn.contiguous()).view(self.w * self.s, self.lhd)
         for lo, rows, groups, launch in self.passes:
             launch(*self.args(a, w_o, out, lo, rows, groups))
+            self.errors.raise_recorded()
         return out
 
 
 # Signatures for the sm_90 compile check (weft.testing.compile).
 _A2A_SIG = dict(x=None, buf=None, out=None, flags="*i32", counter="*i64", heap="*i64", rows="i32", chunk="i32",
                 row_v="i32", src_stride_v="i32", src_block_v="i32", dst_stride_v="i32", dst_block_v="i32",
-                slot_v="i32", half_v="i32")
+                slot_v="i32", half_v="i32", sig="*i64", err="*i64", fp="i32")
 # -- the operators ------------------------------------------------------------------------------------------
 #   torch.ops.weft.ulysses_all_to_all(x, group_name, scatter, packed, method) -> the other sharding
 #   torch.ops.weft.qkv_all_to_all(x, w_qkv, heads, group_name, method)        -> (W S, 3, heads / W, D)
@@ -721,9 +763,10 @@ def _(attn, w_o, method="auto", group=None):
 
 _QKV_SIG = dict(x=None, w=None, out=None, buf=None, flags="*i32", counter="*i64", heap="*i64", rows="i32", S="i32",
                 K="i32", N="i32", hd="i32", lhd="i32", sx0="i32", sx1="i32", sw0="i32", sw1="i32", half_len="i32",
-                max_tiles="i32")
+                max_tiles="i32", sig="*i64", err="*i64", fp="i32")
 _O_SIG = dict(attn=None, w=None, out=None, buf=None, flags="*i32", counter="*i64", heap="*i64", rows="i32", S="i32",
-              N="i32", lhd="i32", sw0="i32", sw1="i32", half_len="i32", max_items="i32", groups="i32")
+              N="i32", lhd="i32", sw0="i32", sw1="i32", half_len="i32", max_items="i32", groups="i32", sig="*i64",
+              err="*i64", fp="i32")
 COMPILE_CASES = [
     (ulysses_all_to_all_kernel, {**_A2A_SIG, "x": t, "buf": t, "out": t}, dict(ROWS=r, COLS=2048 // r, VEC=v),
      dict(num_warps=8))

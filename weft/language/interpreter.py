@@ -104,6 +104,63 @@ def spin_wait_ll(ptrs, mask, epoch, me=-1, peer=-1, op="LL wait"):
         nap = min(1e-3, nap * 2 + 2e-5)
 
 
+# The signature check's interpreter forms (signals.sign, signals.check_signed): the same words, read and written
+# through their addresses, a few Python steps instead of a few dozen interpreted tensor ops per program.
+
+def _address(ptr) -> int:
+    return int(np.asarray(ptr.handle.data).reshape(-1)[0])
+
+
+def _word(address: int) -> ctypes.c_int64:
+    return ctypes.c_int64.from_address(address)
+
+
+def _members(heap) -> tuple[int, int, list[int]]:
+    """(my rank, group size, every member's heap base) from a heap descriptor (weft.language.core)."""
+    at = _address(heap)
+    me, n = _word(at).value, _word(at + 8).value
+    return me, n, [_word(at + 16 + 8 * q).value for q in range(n)]
+
+
+@interpreter_only
+def sign_words(sig, epoch, fp, heap):
+    me, n, bases = _members(heap)
+    epoch, fp = int(_scalar(epoch)), int(_scalar(fp))
+    slot = _address(sig) + 8 * ((epoch % 2) * n + me)
+    for q in range(n):
+        if q != me:
+            stall()
+        _word(slot + bases[q] - bases[me]).value = (epoch << 32) | fp
+
+
+@interpreter_only
+def check_signed_words(sig, epoch, fp, heap, err, op="signature check"):
+    """Await every member's signature word of `epoch`; on a mismatch record it in `err` and trip the family."""
+    me, n, _ = _members(heap)
+    epoch, fp = int(_scalar(epoch)), int(_scalar(fp))
+    base = _address(sig)
+    timeout = settings.wait_timeout_s()
+    start = time.monotonic()
+    for q in range(n):
+        word = _word(base + 8 * ((epoch % 2) * n + q))
+        nap = 0.0
+        while word.value >> 32 != epoch:
+            if timeout > 0 and time.monotonic() - start > timeout:
+                raise WaitTimeout(
+                    f"weft {_scalar(op)}: rank {me} timed out after {timeout:g} s waiting for the signature of rank "
+                    f"{q}: expected epoch {epoch}, seen {word.value >> 32} (rank {q} runs no call of this op family)")
+            time.sleep(nap)
+            nap = min(1e-3, nap * 2 + 2e-5)
+        theirs = word.value & 0xFFFFFFFF
+        if theirs != fp:
+            record = _address(err)
+            for i, value in ((1, q), (2, fp), (3, theirs), (0, 1)):
+                _word(record + 8 * i).value = value
+            _word(base + 8 * 2 * n).value = 1
+            return tl.full([], 0, tl.int1)
+    return tl.full([], 1, tl.int1)
+
+
 @interpreter_only
 def monotonic_ns():
     return tl.full([], time.monotonic_ns(), tl.int64)

@@ -3,6 +3,22 @@
 Flags are int32 or int64 words. Kernels count epochs in them instead of
 resetting them, so back-to-back launches (and CUDA-graph replays) need no
 host-side clean-up.
+
+The cross-rank signature check (`sign`, `check_signed`, `signature_live`): every collective launch carries its
+plan's fingerprint `fp` (a 31-bit hash of what the members must agree on). A family's workspace holds `sig`:
+int64 words [2][W] (one per member and call parity) and one `tripped` word after them. Each program first
+publishes (epoch, fp) as an LL word into slot [epoch % 2][me] of every member (`sign`), and before its first
+wait on a peer's signal or data it awaits every member's word of its epoch and compares (`check_signed`).
+Every member's launch of an epoch writes its word whatever its grid or pass count, so the check never hangs
+on a mismatch, and once it passes the members run the same protocol. A mismatch is recorded in the error
+word `err` and trips this rank's family (`tripped`: its later launches do nothing until the host has raised
+the error and resynchronised the epochs: a launch already queued on a GPU behind the mismatched one, the
+next pass of a call, must not wait for a peer that runs no such pass), and the program skips the rest of
+the launch: no more waits, no output.
+
+The words of a parity are reused two calls later, as the families' double-buffered halves are: a member
+writes slot [e % 2] of my words in call e + 2 only after its call e + 1 waited on mine, which I signalled
+after my call e, the last reader of that slot, had completed.
 """
 import triton
 import triton.language as tl
@@ -200,6 +216,63 @@ def wait_ll(ptrs, mask, epoch, heap=None, peer=-1, op: tl.constexpr = tl.constex
                     ptx.trap()
         words = tl.load(ptrs, mask=mask, other=0, volatile=True)
     return words.to(tl.int32)
+
+
+# -- the cross-rank signature check ----------------------------------------------------------------------
+
+@triton.jit
+def signature_live(sig, heap):
+    """Whether this rank's family may run its launch: not tripped by a signature mismatch the host has not
+    raised yet (its `tripped` word, after the [2][W] signature words)."""
+    return tl.load(sig + 2 * num_ranks(heap), volatile=True) == 0
+
+
+@triton.jit
+def sign(sig, epoch, fp, heap):
+    """Publish this launch's fingerprint `fp` as the LL word (epoch, fp) into slot [epoch % 2][me] of every
+    member's `sig`, all members at once (a lane each). Issued before the program's signals, whose release
+    then covers it too."""
+    if INTERPRET:
+        interpreter.sign_words(sig, epoch, fp, heap)
+    else:
+        me = rank(heap)
+        n = num_ranks(heap)
+        word = pack_ll(fp + tl.zeros([], tl.int32), epoch + tl.zeros([], tl.int32))
+        for base in range(0, n, LANES):
+            peers = base + tl.arange(0, LANES)
+            live = peers < n
+            slot = sig + (epoch % 2) * n + me
+            tl.store(symm_at(slot, tl.where(live, peers, 0), heap), tl.full([LANES], 0, tl.int64) + word, mask=live)
+
+
+@triton.jit
+def check_signed(sig, epoch, fp, heap, err, op: tl.constexpr = tl.constexpr("signature check")):
+    """Whether every member's launch of `epoch` carries `fp`: awaits each member's signature word of this epoch
+    (LL: no flag needed), compares. On a mismatch records [1, peer, mine, theirs] in the error word `err`
+    (words 1.. first, word 0 last) and trips this rank's family (`signature_live`), and returns False: the
+    program must not write its output. `op` names the op in a wait timeout's report (a member that runs no call
+    of the family)."""
+    if INTERPRET:
+        return interpreter.check_signed_words(sig, epoch, fp, heap, err, op)
+    n = num_ranks(heap)
+    bad_peer = n
+    theirs = fp + tl.zeros([], tl.int32)
+    for base in range(0, n, LANES):
+        peers = base + tl.arange(0, LANES)
+        live = peers < n
+        got = wait_ll(sig + (epoch % 2) * n + tl.where(live, peers, 0), live, epoch, heap=heap, op=op)
+        other = live & (got != fp)
+        first = tl.min(tl.where(other, peers, n), axis=0)
+        if (first < n) & (bad_peer == n):
+            bad_peer = first
+            theirs = tl.max(tl.where(peers == first, got, 0), axis=0)
+    if bad_peer < n:
+        tl.store(err + 1, bad_peer.to(tl.int64))
+        tl.store(err + 2, (fp + tl.zeros([], tl.int32)).to(tl.int64))
+        tl.store(err + 3, theirs.to(tl.int64))
+        tl.store(err, tl.full([], 1, tl.int64))
+        tl.store(sig + 2 * n, tl.full([], 1, tl.int64))
+    return bad_peer == n
 
 
 @triton.jit

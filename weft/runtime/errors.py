@@ -7,6 +7,9 @@ a kernel launch raise the WaitTimeout itself instead, so `except weft.WaitTimeou
 the wait prints its report and traps: the launch's CUDA error surfaces at the next synchronisation.
 
 `OffNodeAccess`: on the cpu backend, a kernel's `symm_at` to a rank on another node (weft.runtime.topology).
+`SignatureMismatch`: the members of a group called a collective with plans that disagree (another op, shape,
+dtype, method, root, ...): the cross-rank signature check (weft.kernels.common.SignatureWord) raises it on
+every involved member, naming the op, both ranks and both plans.
 
 `check_errors()`: synchronise, then raise whatever device-side error an op family has recorded. A family
 that keeps an error word registers its check in `world.error_checks` when it makes its workspace.
@@ -25,6 +28,10 @@ class OffNodeAccess(RuntimeError):
     """A kernel translated a pointer with `symm_at` to a rank on another node (cpu backend: the interpreter's
     check). The message names the rank, the peer and both nodes; other nodes are reached only through the
     network primitives (putmem*, getmem*, signal_op, signal_wait_until)."""
+class SignatureMismatch(ValueError):
+    """Members of a group called a collective with disagreeing arguments (each rank's call is valid alone, the
+    set of calls is not): a ValueError, as a bad argument is. Raised on every involved member, in place of a
+    wrong result or a hang; the message names the op, this rank and the peer, and both plans' signatures."""
 
 
 def _wait_timeout_in(error: BaseException) -> WaitTimeout | None:

@@ -110,7 +110,8 @@ SETTINGS = {s.name: s for s in (
             "weft.init(workspace_bytes=...))"),
     Setting("WEFT_INIT_TIMEOUT_S", _positive_seconds, "seconds > 0", "300",
             "how long init, the process group's collectives and host barriers wait for the other ranks"),
-    Setting("WEFT_WAIT_TIMEOUT_S", _positive_seconds, "seconds > 0", "unset: waits never give up",
+    Setting("WEFT_WAIT_TIMEOUT_S", _positive_seconds, "seconds > 0",
+            "300 on the cpu backend; unset on GPUs: waits never give up",
             "every device-side wait gives up after this long with a report (compiled in on GPUs: never benchmark "
             "with it)"),
     Setting("WEFT_EXIT_GRACE_S", _positive_seconds, "seconds > 0", "60",
@@ -155,9 +156,17 @@ def check_all() -> None:
         get(name)
 
 
+# The cpu backend's default wait timeout: no interpreted wait hangs for ever (a member that never makes its half
+# of a call). On GPUs the timeout is compiled into every wait, so it stays off unless asked for.
+CPU_WAIT_TIMEOUT_S = 300.0
+
+
 def wait_timeout_s() -> float:
-    """WEFT_WAIT_TIMEOUT_S, 0 when unset (waits never give up)."""
-    return get("WEFT_WAIT_TIMEOUT_S", 0.0)
+    """WEFT_WAIT_TIMEOUT_S; unset: CPU_WAIT_TIMEOUT_S under the interpreter (the cpu backend), else 0 (GPU waits
+    never give up)."""
+    from .backend import INTERPRET
+
+    return get("WEFT_WAIT_TIMEOUT_S", CPU_WAIT_TIMEOUT_S if INTERPRET else 0.0)
 
 
 def test_delay() -> Delay | None:

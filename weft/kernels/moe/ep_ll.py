@@ -97,9 +97,9 @@ def _fp8_words(x, t, g0, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
     return tl.sum(b << (tl.arange(0, 4) * 8)[None, :], axis=1), scale
 
 
-@triton.jit(do_not_specialize=["tokens", "half_words"])
+@triton.jit(do_not_specialize=["tokens", "half_words", "fp"])
 def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, buf, counter, heap, err, tokens,
-                          half_words, HW: tl.constexpr, K: tl.constexpr, LOCAL: tl.constexpr, MAX_T: tl.constexpr,
+                          half_words, sig, sig_err, fp, HW: tl.constexpr, K: tl.constexpr, LOCAL: tl.constexpr, MAX_T: tl.constexpr,
                           WORLD: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, LANES: tl.constexpr,
                           FP8: tl.constexpr, GROUPS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
                           BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, SEND: tl.constexpr, RECV: tl.constexpr):
@@ -115,7 +115,9 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
     A bad row of topk is recorded in `err` (check_rows) and travels harmlessly: its entries outside the
     experts as none, an expert named twice to one row, which combine returns once per naming.
     SEND / RECV: which halves of the call this launch runs (both: one launch; else the receive is a second
-    launch of the same grid, which takes the send's epoch).
+    launch of the same grid, which takes the send's epoch). Every program signs the call as it sends; the
+    receive checks every member's signature (wl.check_signed) before its first wait: on a mismatch it writes
+    nothing (recv, counts, routes), and a tripped family sends nothing.
     """
     p = tl.program_id(0)
     lane = p // CHUNKS
@@ -125,6 +127,7 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
         epoch = wl.next_epoch(counter)
     else:
         epoch = wl.last_epoch(counter)
+    running = wl.signature_live(sig, heap)  # not tripped by a signature mismatch
     # half_words is a multiple of 32 (MoeWorkspace): said so, Triton keeps 16-byte vectors through the halves.
     half = buf + (epoch % 2) * (half_words // 32 * 32)
     EXPERTS: tl.constexpr = LOCAL * WORLD
@@ -138,8 +141,12 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
     m = offs < HW
     gg = c * G + tl.arange(0, G)
     if SEND:  # the header (program 0), then chunk c of my tokens in this lane
+        if running:
+            wl.sign(sig, epoch, fp, heap)
+        else:
+            tokens = tokens * 0
         ee = tl.arange(0, BLOCK_E)
-        if (lane == 0) & (c == 0):
+        if (lane == 0) & (c == 0) & running:
             head = tl.where(ee < EXPERTS, _tokens_per_expert(topk, tokens, K, EXPERTS, BLOCK_K, BLOCK_E, BLOCK_T),
                             tokens)
             for r in range(WORLD):
@@ -168,9 +175,12 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
                     if FP8:
                         tl.store(wl.symm_at(mine, r, heap) + K + HW + gg, packed_scale, mask=gg < GROUPS)
     if RECV:  # chunk c of every rank's tokens in this lane into their recv rows
-        first = (lane == 0) & (c == 0)
+        ok = running
+        if running:
+            ok = wl.check_signed(sig, epoch, fp, heap, sig_err, op="ep_dispatch_ll")
+        first = (lane == 0) & (c == 0) & ok
         base = tl.zeros([BLOCK_L], tl.int32)  # rows of each of my experts taken by senders before s
-        for s in range(WORLD):
+        for s in range(tl.where(ok, WORLD, 0)):
             head = wl.wait_ll(half + s * HEAD + tl.where(ll < LOCAL, me * LOCAL + ll, EXPERTS), ll <= LOCAL, epoch,
                               heap=heap, peer=s, op="ep_dispatch_ll header")
             sent = tl.sum(tl.where(ll == LOCAL, head, 0), axis=0)
@@ -208,9 +218,9 @@ def ep_dispatch_ll_kernel(x, topk, recv, scales, counts, src_rows, src_tokens, b
             tl.store(counts + ll, tl.minimum(tl.maximum(base, 0), WORLD * MAX_T), mask=ll < LOCAL)
 
 
-@triton.jit(do_not_specialize=["tokens", "half_words"])
-def ep_combine_ll_kernel(y, topk, weights, out, src_rows, src_tokens, buf, counter, heap, tokens, half_words,
-                         HW: tl.constexpr, K: tl.constexpr, LOCAL: tl.constexpr, MAX_T: tl.constexpr,
+@triton.jit(do_not_specialize=["tokens", "half_words", "fp"])
+def ep_combine_ll_kernel(y, topk, weights, out, src_rows, src_tokens, buf, counter, heap, tokens, half_words, sig,
+                         sig_err, fp, HW: tl.constexpr, K: tl.constexpr, LOCAL: tl.constexpr, MAX_T: tl.constexpr,
                          WORLD: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, LANES: tl.constexpr,
                          ELEM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, SEND: tl.constexpr,
                          RECV: tl.constexpr):
@@ -225,6 +235,8 @@ def ep_combine_ll_kernel(y, topk, weights, out, src_rows, src_tokens, buf, count
     chunk-0 program) and partial sums [MAX_T][W][HW] (of my token t from rank r), all LL words. A program
     waits only on the same program of its peers (partial sums, acks) and on lower ones (weights, chunk 0).
     SEND: the weights, then the partial sums and the acks (it waits for its peers' weights); RECV: the sums.
+    The send signs the call and checks every member's signature (wl.check_signed) before its first wait: on a
+    mismatch nothing more is sent or written (a separate receive launch finds the family tripped).
     """
     p = tl.program_id(0)
     lane = p // CHUNKS
@@ -234,6 +246,8 @@ def ep_combine_ll_kernel(y, topk, weights, out, src_rows, src_tokens, buf, count
         epoch = wl.next_epoch(counter)
     else:
         epoch = wl.last_epoch(counter)
+    live = wl.signature_live(sig, heap)
+    ok = live
     half = buf + (epoch % 2) * (half_words // 32 * 32)
     PROGRAMS: tl.constexpr = LANES * CHUNKS
     EXPERTS: tl.constexpr = LOCAL * WORLD
@@ -244,8 +258,10 @@ def ep_combine_ll_kernel(y, topk, weights, out, src_rows, src_tokens, buf, count
     offs = c * CHUNK + tl.arange(0, CHUNK)
     m = offs < HW
     if SEND:
+        if live:
+            wl.sign(sig, epoch, fp, heap)
         if c == 0:  # my tokens' weights, to the ranks of their experts
-            for t in range(lane, tokens, LANES):
+            for t in range(lane, tl.where(live, tokens, 0), LANES):
                 e = valid_experts(tl.load(topk + t * K + jj, mask=jj < K, other=-1), jj < K, EXPERTS)
                 dest = tl.where(e >= 0, e // LOCAL, -1)
                 wt = wl.pack_ll(tl.load(weights + t * K + jj, mask=jj < K, other=0.0).to(tl.int32, bitcast=True),
@@ -253,7 +269,9 @@ def ep_combine_ll_kernel(y, topk, weights, out, src_rows, src_tokens, buf, count
                 for r in range(WORLD):
                     if tl.sum((dest == r).to(tl.int32), axis=0) > 0:
                         tl.store(wl.symm_at(wslots + (me * MAX_T + t) * K, r, heap) + jj, wt, mask=jj < K)
-        for s in range(WORLD):
+        if live:
+            ok = wl.check_signed(sig, epoch, fp, heap, sig_err, op="ep_combine_ll")
+        for s in range(tl.where(ok, WORLD, 0)):
             n_s = tl.load(src_tokens + s)
             for t in range(lane, n_s, LANES):
                 flat = tl.load(src_rows + (s * MAX_T + t) * K + jj, mask=jj < K, other=-1).to(tl.int64)
@@ -268,8 +286,9 @@ def ep_combine_ll_kernel(y, topk, weights, out, src_rows, src_tokens, buf, count
                              mask=m)
             tl.store(wl.symm_at(half + me * PROGRAMS + p, s, heap), wl.pack_ll(p, epoch))
     if RECV:
-        wl.wait_ll(half + ww * PROGRAMS + p, ww < WORLD, epoch, heap=heap, op="ep_combine_ll ack")
-        for t in range(lane, tokens, LANES):
+        if ok:
+            wl.wait_ll(half + ww * PROGRAMS + p, ww < WORLD, epoch, heap=heap, op="ep_combine_ll ack")
+        for t in range(lane, tl.where(ok, tokens, 0), LANES):
             e = valid_experts(tl.load(topk + t * K + jj, mask=jj < K, other=-1), jj < K, EXPERTS)
             holds = tl.max(((e[None, :] >= 0) & (e[None, :] // LOCAL == ww[:, None])).to(tl.int32), axis=1) > 0
             # The chunk of every rank's partial sum at once: one round of polls, not one per rank.
@@ -389,6 +408,11 @@ class LLPlan(Plan):
                 raise _too_big(f"{what} with max_tokens_per_rank={max_tokens}, hidden={self.hidden}, k={self.k}",
                                2 * words * 8, 2 * ws.ll_half_words * 8)
         common = dict(K=self.k, LOCAL=self.local, MAX_T=max_tokens, WORLD=w)
+        # What the members must agree on (the token count of each is its own: up to max_tokens).
+        agreed = dict(experts=num_experts, hidden=self.hidden, dtype=str(x.dtype).removeprefix("torch."), k=self.k,
+                      max_tokens=max_tokens)
+        self.combine_fp = self.sign("ep_combine_ll", **agreed)
+        self.dispatch_fp = self.sign("ep_dispatch_ll", **agreed, fp8=fp8)
         blk_k = triton.next_power_of_2(self.k)
         dev = group.device
         # A call's routes in one allocation (LLHandle): counts, src_tokens, src_rows, 16-byte aligned.
@@ -405,7 +429,7 @@ class LLPlan(Plan):
         self.dispatch_args = lambda x, topk_idx: (  # noqa: E731
             x if fp8 else x.view(torch.int32), topk_idx, i32(1, sent_hw), i32(1), i32(self.local),
             i32(w, max_tokens, self.k), i32(w), ws.ll_dispatch, ws.counter(0), self.heap, ws.error, x.shape[0],
-            ws.ll_half_words)
+            ws.ll_half_words, ws.sig_dispatch, ws.signatures.tensor, self.dispatch_fp)
         self.dispatch_constexprs = dict(
             HW=sent_hw, **common, CHUNK=d_chunk, CHUNKS=d_chunks, LANES=d_lanes, FP8=fp8, GROUPS=self.groups,
             BLOCK_K=blk_k, BLOCK_L=triton.next_power_of_2(self.local + 1),
@@ -421,6 +445,8 @@ class LLPlan(Plan):
         self.sent = address if fp8 else self.words  # x: its elements (quantized on the way) or its words
         self.dispatch_fixed = tuple(map(address, (ws.ll_dispatch, ws.counter(0), self.heap, ws.error)))
         self.combine_fixed = tuple(map(address, (ws.ll_combine, ws.counter(1), self.heap)))
+        self.dispatch_sig = tuple(map(address, (ws.sig_dispatch, ws.signatures.tensor)))
+        self.combine_sig = tuple(map(address, (ws.sig_combine, ws.signatures.tensor)))
         self.combine_launches = {}
         self.combine_grid = (c_lanes * c_chunks,)
         self.combine_constexprs = dict(HW=self.hw, **common, CHUNK=c_chunk, CHUNKS=c_chunks, LANES=c_lanes,
@@ -461,12 +487,14 @@ class LLPlan(Plan):
         counts = routes[:self.local]
         src = self._src(routes)
         args = (self.sent(x), a(topk_idx), self.words(recv), a(counts) if scales is None else self.words(scales),
-                a(counts), *src, *self.dispatch_fixed, x.shape[0], self.ws.ll_half_words)
+                a(counts), *src, *self.dispatch_fixed, x.shape[0], self.ws.ll_half_words, *self.dispatch_sig,
+                self.dispatch_fp)
         if self.cols != self.hidden:
             recv = recv[..., :self.hidden]  # rows of an odd length travelled with one more column
         if not hook:
             self._dispatch_launch(True, True, x, topk_idx)(*args)
             ws.raise_routing_error()
+            ws.signatures.raise_recorded()
             return recv, counts, scales, LLHandle(self, routes, src, dispatch)
         self._dispatch_launch(True, False, x, topk_idx)(*args)
         handle = LLHandle(self, routes, src, dispatch, received=False)
@@ -474,8 +502,9 @@ class LLPlan(Plan):
 
         def receive():
             receive_launch(*args)
-            handle.received = True
             ws.raise_routing_error()
+            ws.signatures.raise_recorded()
+            handle.received = True
 
         return recv, counts, scales, handle, RecvHook("ep_dispatch_ll", ws.ll_pending, receive)
 
@@ -504,16 +533,18 @@ class LLPlan(Plan):
         # A new launch's first arguments (compiled for their specialisation), made only then.
         first = lambda: (y.view(torch.int32), topk_idx, topk_weights, out.view(torch.int32),  # noqa: E731
                          *self._src(handle.routes, views=True), ws.ll_combine, ws.counter(1), self.heap, tokens,
-                         ws.ll_half_words)
+                         ws.ll_half_words, ws.sig_combine, ws.signatures.tensor, self.combine_fp)
         a = self.address
         args = (self.words(y), a(topk_idx), a(topk_weights), self.words(out), *handle.src, *self.combine_fixed,
-                tokens, ws.ll_half_words)
+                tokens, ws.ll_half_words, *self.combine_sig, self.combine_fp)
         # rows of an odd length travelled with one more column
         result = out if self.cols == self.hidden else out[:, :self.hidden]
         if not hook:
             self._combine_launch(key, True, True, first)(*args)
+            ws.signatures.raise_recorded()
             return result
         self._combine_launch(key, True, False, first)(*args)
+        ws.signatures.raise_recorded()
         receive = self._combine_launch(key, False, True, first)
         return result, RecvHook("ep_combine_ll", ws.ll_pending, lambda: receive(*args))
 
@@ -663,7 +694,7 @@ def _(y, topk_idx, topk_weights, handle, return_recv_hook=False, group=None):
 COMPILE_CASES = [
     (ep_dispatch_ll_kernel, dict(x=xt, topk=t, recv="*i32", scales="*i32", counts="*i32", src_rows="*i32",
                                  src_tokens="*i32", buf="*i64", counter="*i64", heap="*i64", err="*i64", tokens="i32",
-                                 half_words="i32"),
+                                 half_words="i32", sig="*i64", sig_err="*i64", fp="i32"),
      dict(HW=3584 // (1 + fp8), K=8, LOCAL=local, MAX_T=128, WORLD=wd, CHUNK=512, CHUNKS=4 if fp8 else 7,
           LANES=33 if fp8 else 18, FP8=fp8, GROUPS=56 * fp8, BLOCK_K=8,
           BLOCK_L=triton.next_power_of_2(local + 1), BLOCK_E=512, BLOCK_T=32, SEND=send, RECV=receive),
@@ -673,7 +704,8 @@ COMPILE_CASES = [
     for send, receive in (((True, True), (True, False), (False, True)) if t == "*i64" and wd == 8 else ((True, True),))
 ] + [
     (ep_combine_ll_kernel, dict(y="*i32", topk=t, weights="*fp32", out="*i32", src_rows="*i32", src_tokens="*i32",
-                                buf="*i64", counter="*i64", heap="*i64", tokens="i32", half_words="i32"),
+                                buf="*i64", counter="*i64", heap="*i64", tokens="i32", half_words="i32", sig="*i64",
+                                sig_err="*i64", fp="i32"),
      dict(HW=3584, K=8, LOCAL=32, MAX_T=128, WORLD=8, CHUNK=512, CHUNKS=7, LANES=18, ELEM=e, BLOCK_K=8, BLOCK_W=8,
           SEND=send, RECV=receive), dict(num_warps=8))
     for t in ("*i64", "*i32") for e in (tl.bfloat16, tl.float16, tl.float32)

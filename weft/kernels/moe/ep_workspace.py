@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ..common import workspace, zero_everywhere
+from ..common import signature_words, signatures, workspace, zero_everywhere
 from .routing import RoutingErrorWord
 
 HT_MAX_PROGRAMS = 1024  # the workspace's push flags: [program][rank] (scripts/probe_ep_ht.py sweeps moe.ht_programs)
@@ -41,7 +41,15 @@ class MoeWorkspace:
         self.ll_pending = {}  # LL op -> its RecvHook not yet run
         self.errors = RoutingErrorWord(group)
         self.error = self.errors.tensor
-        zero_everywhere(group, self.ll_dispatch, self.ll_combine, self.table, self.flags, self.counters)
+        # The LL ops' signature words (the cross-rank signature check), one set per kernel, as the epochs they
+        # carry come from its own counter, and the group's SignatureWord; no epoch counter to resynchronise after a
+        # mismatch: every call takes one epoch per kernel on every member.
+        self.sig_dispatch, self.sig_combine = signature_words(group, w), signature_words(group, w)
+        self.signatures = signatures(group)
+        self.signatures.register(self.sig_dispatch)
+        self.signatures.register(self.sig_combine)
+        zero_everywhere(group, self.ll_dispatch, self.ll_combine, self.table, self.flags, self.counters,
+                        self.sig_dispatch, self.sig_combine)
 
     def raise_routing_error(self) -> None:
         self.errors.raise_recorded()
