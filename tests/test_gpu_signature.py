@@ -7,7 +7,12 @@ import torch
 
 import weft
 
-pytestmark = pytest.mark.gpu
+# Known failure, not run: on 2x H200 (2026-11-25) a mismatched one-shot all_reduce between warm plans was not
+# stopped by the device-side check: its LL wait timed out (WEFT_WAIT_TIMEOUT_S=10, "unspecified launch failure")
+# where the cpu backend raises SignatureMismatch (tests/test_signature_check.py). The check's compiled path needs
+# the fix this test is waiting for; it would take the CUDA context down with it today.
+pytestmark = [pytest.mark.gpu, pytest.mark.xfail(run=False, reason="the device-side signature check does not yet "
+                                                 "stop a mismatched LL all_reduce on GPUs (the wait times out)")]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,7 +45,7 @@ def _expect_mismatch():
 
 def test_a_mismatch_between_warm_plans_is_reported_on_every_rank():
     a, b = _sizes()
-    for n in (a, b):  # both plans made and run, matching, on every rank
+    for n in sorted((a, b)):  # both plans made and run, matching, on every rank (the same order)
         x = torch.ones(n, device="cuda")
         torch.testing.assert_close(weft.ops.all_reduce(x, method="one_shot"), x * weft.world_size())
     weft.ops.all_reduce(torch.ones(a, device="cuda"), method="one_shot")  # rank 0: 10k, rank 1: 12k
