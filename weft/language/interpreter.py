@@ -204,7 +204,7 @@ def stall() -> None:
         time.sleep(rng.random() * most)
 
 
-def _word(address: int) -> int:
+def _int64_at(address: int) -> int:
     return ctypes.c_int64.from_address(address).value
 
 
@@ -213,14 +213,14 @@ def check_same_node(heap, me, peer):
     """Raise OffNodeAccess unless every rank of `peer` (a rank, or a block of ranks) is on `me`'s node: the heap
     descriptor's node ids (weft.runtime.heap), read straight from memory (one call, no interpreted loads)."""
     base = int(_scalar(heap))
-    world = _word(base + 8)
+    world = _int64_at(base + 8)
     me = int(_scalar(me))
     peers = np.asarray(peer.handle.data).reshape(-1) if isinstance(peer, tl.tensor) else [_scalar(peer)]
-    mine = _word(base + 8 * (2 + world + me))
+    mine = _int64_at(base + 8 * (2 + world + me))
     for p in peers:
         p = int(p)
         if 0 <= p < world and p != me:
-            theirs = _word(base + 8 * (2 + world + p))
+            theirs = _int64_at(base + 8 * (2 + world + p))
             if theirs != mine:
                 raise OffNodeAccess(
                     f"weft symm_at: rank {me} (node {mine}) translated a pointer to rank {p} (node {theirs}) of its "
