@@ -45,8 +45,9 @@ RULES = {
     "root": ({"runtime", "ops", "distributed"}, "weft/__init__ imports only runtime/, the ops and weft.distributed"),
     "layers": ({"root", "ops", "runtime"}, "layers/ reach kernels only through weft.ops (and import no models/, "
                                            "testing/ or bench/)"),
-    "models": ({"root", "ops", "runtime", "layers"}, "models/ reach kernels only through weft.ops and layers/ "
-                                                     "(and import no testing/ or bench/)"),
+    "models": ({"root", "ops", "runtime", "layers", "tuning"}, "models/ reach kernels only through weft.ops and "
+                                                               "layers/, read tuning/'s measured choices, and "
+                                                               "import no testing/ or bench/"),
     "testing": (EVERYTHING, ""), "bench": (EVERYTHING, ""), "commands": (EVERYTHING, ""),
 }
 # What language/ may import of runtime/: what device code branches on at trace time (the backend flag, the settings

@@ -211,7 +211,8 @@ def auto_method(m: int, n: int, k: int, group) -> str:
 
 @declare_op(tensors=("a_shard", "b", "out"), collective=True)
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, method: str = "auto", out: torch.Tensor | None = None,
-            return_gathered: bool = False, config: gemm.GemmConfig | None = None, group=None):
+            return_gathered: bool = False, config: gemm.GemmConfig | None = None,
+            group=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """all_gather(a_shard, dim 0) @ b over `group` (default: the world), overlapped. Collective: every member
     calls it with the same shapes.
 

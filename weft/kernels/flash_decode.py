@@ -477,7 +477,8 @@ def _key(name, q, k_cache, v_cache, seqlens, block_table, scale, *rest):
 
 @declare_op(tensors=("q", "k_cache", "v_cache"))
 def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
-                 block_table: torch.Tensor | None = None, scale: float | None = None, return_lse: bool = False):
+                 block_table: torch.Tensor | None = None, scale: float | None = None,
+                 return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query token per sequence over its KV cache (split-KV, merged in the same op).
 
     q (batch, q_heads, head_dim), head_dim 64, 128 or 256, bf16/fp16/fp32; k_cache, v_cache of q's dtype,

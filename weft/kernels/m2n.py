@@ -28,6 +28,8 @@ interpreter, and at the family's next call or `weft.check_errors()` on GPUs.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -37,6 +39,7 @@ import weft.language as wl
 from .blocks import cast
 from .common import (Plan, check_tensor, group_name, group_size, handle_group, plan, resolve, signature, workspace,
                      zero_everywhere)
+from ..runtime.group import Group
 from .registry import declare_op, export
 
 ERROR_SET = tl.constexpr(1 << 62)
@@ -274,7 +277,9 @@ def _plan(x, dest, senders, receivers, max_tokens, group) -> M2NPlan:
 
 
 @declare_op(collective=True)
-def m2n_dispatch(x: torch.Tensor, dest: torch.Tensor, senders, receivers, max_tokens: int, group=None):
+def m2n_dispatch(x: torch.Tensor, dest: torch.Tensor, senders: Group | Sequence[int],
+                 receivers: Group | Sequence[int], max_tokens: int,
+                 group=None) -> tuple[torch.Tensor, torch.Tensor, M2NHandle]:
     """Route rows from the `senders` ranks to the `receivers` ranks (two disjoint sets making up `group`, default
     the world; each a weft.Group or a sequence of world ranks, the same on every rank). Collective over the group.
 
@@ -289,7 +294,8 @@ def m2n_dispatch(x: torch.Tensor, dest: torch.Tensor, senders, receivers, max_to
 
 
 @declare_op(collective=True)
-def m2n_combine(y, weights, handle: M2NHandle, group=None) -> torch.Tensor:
+def m2n_combine(y: torch.Tensor | None, weights: torch.Tensor | None, handle: M2NHandle,
+                group=None) -> torch.Tensor:
     """The way back: a receiver passes y (recv's shape: its processed rows; rows past counts unread), weights
     None; a sender passes y None and weights (T, k) fp32. A sender gets out (T, hidden) = sum_j weights[t, j] *
     (the processed row of entry (t, j)), 0 where a row has no receiver (fp32 sums, rounded once); a receiver

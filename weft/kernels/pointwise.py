@@ -179,7 +179,8 @@ def _rows_per_program(rows: int, device: torch.device) -> int:
 
 
 @declare_op()
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """weight * x / sqrt(mean(x²) + eps) over the last dimension (transformers' LlamaRMSNorm). With `residual`
     (x's shape and dtype): s = x + residual first, and returns (norm(s), s), as a pre-norm block's residual
     stream needs them."""
@@ -207,7 +208,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @declare_op(tensors=("h",))
-def silu_mul(h: torch.Tensor, counts: torch.Tensor | None = None, fp8: bool = False):
+def silu_mul(h: torch.Tensor, counts: torch.Tensor | None = None,
+             fp8: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """silu(gate) * up of h (..., 2 n) = [gate | up]: (..., n) of h's dtype (bf16, fp16, fp32), rounded as torch
     rounds F.silu(gate) * up, NaN and inf included (NaN in gives NaN; silu(-inf) is NaN, silu(inf) inf).
 

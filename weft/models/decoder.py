@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import weft
-from weft.kernels import decode as decode_kernels
+from weft import tuning
 from weft.layers.comm import Comm, make_comm
 from weft.runtime import settings
 from weft.layers.transformer import (ParallelLMHead, Positions, RMSNorm, RotaryEmbedding, TensorParallelAttention,
@@ -311,7 +311,7 @@ class Transformer(nn.Module):
             return "layers"
         if path is None:
             bucket = 1 << (batch - 1).bit_length()
-            path = "fused" if bucket <= decode_kernels.fused_max_m(self.device) else "layers"
+            path = "fused" if bucket <= tuning.value("decode.fused_max_m", self.device) else "layers"
         return path
 
     @torch.no_grad()

@@ -477,7 +477,7 @@ class HTPlan(Plan):
 
 @declare_op(collective=True)
 def ep_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                max_recv_tokens: int | None = None, group=None):
+                max_recv_tokens: int | None = None, group=None) -> tuple:
     """Send each token once to every member of `group` (default: the world) that holds one of its experts (high
     throughput, prefill). The experts are split contiguously over the group's ranks: group rank r holds experts
     [r L, (r + 1) L), L = num_experts / group size.

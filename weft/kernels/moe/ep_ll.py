@@ -551,7 +551,7 @@ class LLPlan(Plan):
 
 @declare_op(collective=True)
 def ep_dispatch_ll(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int,
-                   fp8: bool = False, return_recv_hook: bool = False, group=None):
+                   fp8: bool = False, return_recv_hook: bool = False, group=None) -> tuple:
     """Low-latency dispatch (decode) over `group` (default: the world; W its size, experts split contiguously
     over its ranks): one launch, no host sync, capturable in a CUDA graph.
 
@@ -589,7 +589,7 @@ def _plan(group, x, topk_idx, num_experts, max_tokens_per_rank, fp8) -> LLPlan:
 
 @declare_op(collective=True)
 def ep_combine_ll(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LLHandle,
-                  return_recv_hook: bool = False, group=None):
+                  return_recv_hook: bool = False, group=None) -> torch.Tensor | tuple:
     """Low-latency combine: out (T, hidden) = sum_j topk_weights[t, j] * (expert topk_idx[t, j]'s output for
     token t), where y (L, max_tokens_per_rank * W, hidden) holds each rank's expert outputs in recv's rows:
     each rank sums its experts' weighted outputs of a token (fp32, rounded to y's dtype) and sends that one

@@ -126,7 +126,7 @@ class _RoutedFp8Plan(Plan):
 @declare_op()
 def routed_gemm(tokens: torch.Tensor, w_experts: torch.Tensor, topk_idx: torch.Tensor,
                 out: torch.Tensor | None = None, *, x_scales: torch.Tensor | None = None,
-                w_scales: torch.Tensor | None = None):
+                w_scales: torch.Tensor | None = None) -> tuple:
     """Multiply every (token, expert) pair of this rank's routed tokens by its expert's weights: ag_group_gemm
     without the all-gather. Local, not collective: each rank its own token count (an EP rank's received rows:
     EPMoE's prefill).

@@ -633,7 +633,7 @@ class AgGroupGemmPlan(Plan):
 
 @declare_op(collective=True)
 def ag_group_gemm(tokens_shard: torch.Tensor, w_experts_shard: torch.Tensor, topk_idx: torch.Tensor,
-                  method: str = "auto", out: torch.Tensor | None = None, group=None):
+                  method: str = "auto", out: torch.Tensor | None = None, group=None) -> tuple:
     """All-gather the tokens over `group` (default: the world; W its size, ranks its group ranks) and multiply
     every (token, expert) pair by its expert's weight slice, overlapped.
 
