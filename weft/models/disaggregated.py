@@ -50,11 +50,8 @@ from weft.layers.comm import Comm
 from weft.layers.moe import EPMoE
 from weft.layers.transformer import Positions, RMSNorm, RotaryEmbedding, TensorParallelAttention
 
+from .decoder import _hf
 from .weights import RandomWeights, StateDictWeights
-
-
-def _hf(config, name: str, default=None):
-    return config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
 
 
 @dataclass(frozen=True)
