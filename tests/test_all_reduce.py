@@ -137,6 +137,7 @@ def test_all_reduce_3_ranks():  # 4 ranks: test_every_op_on_every_group_layout
     _check_same_everywhere(run_ranks(_all_reduce_cases, w, cases, 2, timeout=TIMEOUT, env=ENV))
 
 
+@pytest.mark.long  # 20 s here; 2 and 3 ranks run in CI
 def test_all_reduce_8_ranks_small():
     cases = _cases(("one_shot", "two_shot", "auto"), DTYPES, [(37,), (259,), (3, 5)], ("out",))
     cases += [("two_shot", "float32", (37,), "inplace"), ("two_shot", "float16", (259,), "symm_inplace")]
@@ -618,6 +619,7 @@ def _on_every_layout(iterations):
     torch.testing.assert_close(xg.grad, weft.ops.all_reduce(x, group=pairs), rtol=0, atol=0)
 
 
+@pytest.mark.long  # 42 s here; in CI the reductions run over groups in tests/test_nodes.py and test_distributed_backend.py
 def test_every_op_on_every_group_layout():
     run_ranks(_on_every_layout, 4, 2, timeout=TIMEOUT, env=ENV)
 

@@ -166,6 +166,7 @@ def test_bench_reduction_suites(tmp_path, suite, impls):
     assert (tmp_path / f"{suite}_2.png").stat().st_size > 1000
 
 
+@pytest.mark.long  # 30 s here: a smoke run of the overhead suite
 def test_bench_overhead(tmp_path):
     res = weft_cmd("bench", "-n", "2", "overhead", "--quick", "--samples", "1", "--out", str(tmp_path), timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -212,7 +213,8 @@ def test_bench_attention_suite(tmp_path):
     assert "best weft vs copy (same bytes)" in (tmp_path / "attention_2.md").read_text()
 
 
-@pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.long)])
+@pytest.mark.long  # 20 s at one rank here; tests/test_model.py and test_decode.py check the model in CI
+@pytest.mark.parametrize("n", [1, 2])
 def test_bench_e2e_suite(tmp_path, n):
     """weft against NCCL+cuBLAS (gloo here), the HBM floor of each decode step, and at -n 1 transformers' own
     model of the same weights; every decode implementation's logits are checked against weft's first."""
@@ -245,6 +247,7 @@ def test_bench_e2e_suite(tmp_path, n):
     assert (tmp_path / f"e2e_{n}.png").stat().st_size > 1000
 
 
+@pytest.mark.long  # 30 s here: a smoke run of a GPU profiling script
 def test_profile_decode_script(tmp_path):
     """scripts/profile_decode.py on one cpu rank (its smoke run), on both decode paths: the JSON report, the GEMMs'
     weight bytes (layers: at one rank the O and down projections are torch.matmul too, 5 GEMMs of the tiny model's
@@ -282,6 +285,7 @@ def test_readme_within_its_limits_and_lists_every_op():
     assert listed - ops == set(), "the README's table names ops that do not exist"
 
 
+@pytest.mark.long  # 50 s here; tests/test_disaggregated.py checks the model in CI
 def test_bench_disagg_suite(tmp_path):
     """The disaggregated model (2 attention + 2 expert ranks, 2 micro-batches) against DP attention + EPMoE on 4
     cpu ranks at the tiny config: a decode-step row for each, and the timeline of one decode step (both sides'

@@ -199,6 +199,6 @@ def _backend(store_path: str):
     return True
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.long)])
 def test_weft_backend(world_size, tmp_path):
     assert all(run_ranks(_backend, world_size, os.path.join(tmp_path, "store"), timeout=300))

@@ -215,7 +215,8 @@ def _sizes_differ():
 def test_ranks_asking_for_different_heap_sizes_are_told_on_every_rank():
     messages = run_ranks(_sizes_differ, 2, timeout=120)
     assert messages == ["weft.init: heap_size differs across ranks (rank 0: 1048576, rank 1: 2097152); every rank "
-                        "must pass the same value (WEFT_HEAP_SIZE / WEFT_WORKSPACE_BYTES or weft.init's arguments)"] * 2
+                        "must pass the same value (WEFT_HEAP_SIZE / WEFT_WORKSPACE_BYTES or weft.init's arguments; "
+                        "WEFT_LOCAL_WORLD_SIZE / LOCAL_WORLD_SIZE for the ranks per node)"] * 2
 
 
 # -- errors ----------------------------------------------------------------------------------------------

@@ -103,6 +103,7 @@ def test_gemm_rs_3_ranks():
     run_ranks(_gemm_rs_cases, 3, cases, 3, timeout=TIMEOUT, env=ENV)
 
 
+@pytest.mark.long  # 11 s here; 2 and 3 ranks run in CI
 def test_gemm_rs_4_ranks():
     cases = _cases(("overlap",), ("float32", "bfloat16"), SHAPES[:2], ("nan", "unaligned"))
     cases += [("baseline", "bfloat16", 5, 40, 24, "nan"), ("auto", "float32", 37, 40, 24, "none")]

@@ -103,6 +103,7 @@ def _weft(*args, env):
                           timeout=240)
 
 
+@pytest.mark.long  # 17 s here: a whole `weft tune` run on cpu ranks
 def test_tune_writes_a_local_table_that_info_then_reports(tmp_path):
     env = {"WEFT_TUNING_DIR": str(tmp_path)}
     res = _weft("tune", "-n", "2", "--quick", env=env)
