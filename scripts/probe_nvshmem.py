@@ -1,4 +1,4 @@
-"""Probe: NVSHMEM device calls from stock Triton through torch's NVSHMEM symmetric memory, on one GPU (PE 0 to
+"""Probe: NVSHMEM device calls from stock Triton through torch's NVSHMEM symmetric memory, on a single H100 or H200 (PE 0 to
 itself). Each experiment runs in its own process with a time limit, so a hang is reported and the next one runs.
 
     python scripts/probe_nvshmem.py [--timeout 60] [--out results.json]
