@@ -93,6 +93,9 @@ def p2p_kernel(sends, recvs, send_peer, send_bytes, send_first, recv_peer, recv_
     rnd = 0
     busy = 1
     while busy > 0:
+        # sent, recvd and state are this program's own words, stored by one thread and loaded by all: the last
+        # round's stores must be visible to every thread before they are read again.
+        wl.program_sync()
         busy = 0
         for i in tl.static_range(NS):
             peer = send_peer[i]
@@ -122,6 +125,7 @@ def p2p_kernel(sends, recvs, send_peer, send_bytes, send_first, recv_peer, recv_
                     ready = ((p0 >= 0) & (p0 + pn <= rnd)).to(tl.int32)
                 if ready > 0:
                     tl.store(state + 2 * i, rnd)
+                wl.program_sync()
             start = tl.load(state + 2 * i)
             j = rnd - start
             if start >= 0:
@@ -135,6 +139,7 @@ def p2p_kernel(sends, recvs, send_peer, send_bytes, send_first, recv_peer, recv_
                     if j == 0:
                         chunks = tl.maximum(tl.cdiv(got, slot_bytes), 1)
                         tl.store(state + 2 * i + 1, chunks)
+                        wl.program_sync()
                         if got != want:  # mine and the sender's error words; drain the sender's chunks
                             tl.store(err + 1, peer.to(tl.int64))
                             tl.store(err + 2, got)

@@ -295,6 +295,15 @@ def fence():
 
 
 @triton.jit
+def program_sync():
+    """Make this program's earlier stores visible to all of its threads (a CTA barrier). A scalar store is made by
+    one thread and a later scalar load by every thread: a kernel that reads back its own words (counters, state)
+    needs this between the two."""
+    if not INTERPRET:
+        tl.debug_barrier()
+
+
+@triton.jit
 def quiet():
     """Complete this program's outstanding puts (stores through NVLink are fenced)."""
     if not INTERPRET:
