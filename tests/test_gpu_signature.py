@@ -7,12 +7,7 @@ import torch
 
 import weft
 
-# Known failure, not run: on 2x H200 (2026-11-25) a mismatched one-shot all_reduce between warm plans was not
-# stopped by the device-side check: its LL wait timed out (WEFT_WAIT_TIMEOUT_S=10, "unspecified launch failure")
-# where the cpu backend raises SignatureMismatch (tests/test_signature_check.py). The check's compiled path needs
-# the fix this test is waiting for; it would take the CUDA context down with it today.
-pytestmark = [pytest.mark.gpu, pytest.mark.xfail(run=False, reason="the device-side signature check does not yet "
-                                                 "stop a mismatched LL all_reduce on GPUs (the wait times out)")]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -37,9 +32,12 @@ def _matching(n=4096):
     assert torch.all(got == sum(range(1, weft.world_size() + 1)))
 
 
-def _expect_mismatch():
-    torch.cuda.synchronize()
+def _expect_mismatch(call):
+    """`call()` disagrees with the peer's call: the mismatch raises at that call (when the record is already
+    there as the host looks) or at weft.check_errors() after it, never later."""
     with pytest.raises(weft.SignatureMismatch, match="all_reduce"):
+        call()
+        torch.cuda.synchronize()
         weft.check_errors()
 
 
@@ -48,13 +46,11 @@ def test_a_mismatch_between_warm_plans_is_reported_on_every_rank():
     for n in sorted((a, b)):  # both plans made and run, matching, on every rank (the same order)
         x = torch.ones(n, device="cuda")
         torch.testing.assert_close(weft.ops.all_reduce(x, method="one_shot"), x * weft.world_size())
-    weft.ops.all_reduce(torch.ones(a, device="cuda"), method="one_shot")  # rank 0: 10k, rank 1: 12k
-    _expect_mismatch()
+    _expect_mismatch(lambda: weft.ops.all_reduce(torch.ones(a, device="cuda"), method="one_shot"))  # 10k / 12k
     _matching()
 
 
 def test_a_replayed_call_that_disagrees_is_reported():
-    a, _ = _sizes()
     n = 10_000
     x = torch.ones(n, device="cuda")
     weft.ops.all_reduce(x, method="one_shot")  # plan made outside capture
@@ -66,8 +62,7 @@ def test_a_replayed_call_that_disagrees_is_reported():
     torch.cuda.synchronize()
     torch.testing.assert_close(y, x * weft.world_size())
     if weft.rank() == 0:
-        graph.replay()  # 10k from the graph
+        _expect_mismatch(graph.replay)  # 10k from the graph
     else:
-        weft.ops.all_reduce(torch.ones(12_000, device="cuda"), method="one_shot")  # 12k eagerly
-    _expect_mismatch()
+        _expect_mismatch(lambda: weft.ops.all_reduce(torch.ones(12_000, device="cuda"), method="one_shot"))
     _matching()

@@ -1,10 +1,11 @@
 """Soak: many calls of random collective ops, sizes, dtypes and groups on 3 cpu ranks with random per-rank
-delays (WEFT_TEST_DELAY), every result checked against torch, heap use and RSS constant after warm-up.
+delays (WEFT_TEST_DELAY), every result checked against torch, heap use, RSS (and GPU memory) constant over the second half.
 
 Every rank draws the same op, shapes, dtype and layout from the call's number, and builds every member's input
 from (call, rank) seeds, so each rank computes its reference alone (no collective beside the op under test).
 Inputs are small integers in floating point: sums and products are exact, so reductions compare bit for bit.
-CI runs SOAK_CALLS_CI calls (under 40 s); WEFT_SOAK_CALLS=10000 runs the full soak.
+CI runs SOAK_CALLS_CI calls (under 40 s); WEFT_SOAK_CALLS=10000 runs the full soak. On GPUs the same soak runs
+from tests/test_gpu_faults.py (`_soak(calls, device)`), the inputs made on the CPU and moved to the rank's GPU.
 """
 import os
 import random
@@ -31,9 +32,12 @@ def _members(group, world_size: int) -> list:
     return list(group.ranks)
 
 
+_DEVICE = [torch.device("cpu")]  # where the cases' tensors live: soak() sets it
+
+
 def _ints(seed: int, shape, dtype) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(-4, 5, shape, generator=g).to(dtype)
+    return torch.randint(-4, 5, shape, generator=g).to(dtype).to(_DEVICE[0])
 
 
 # Each case: (rng, call, members, me, group kwargs) -> None, asserting its result. `rng` is the call's generator
@@ -44,7 +48,7 @@ def _all_gather(rng, call, members, me, group):
 
     shape, dtype = (rng.choice((1, 3, 8)), rng.choice((5, 16))), rng.choice(DTYPES + (torch.int32,))
     xs = [_ints(call * 64 + r, shape, dtype) for r in members]
-    out = torch.empty((len(members) * shape[0], shape[1]), dtype=dtype)
+    out = torch.empty((len(members) * shape[0], shape[1]), dtype=dtype, device=_DEVICE[0])
     out.view(torch.uint8).fill_(0xAB)
     got = weft.ops.all_gather(xs[members.index(me)], out=out, method=rng.choice(("push", "pull", "auto")), **group)
     assert torch.equal(got, torch.cat(xs)), f"all_gather {shape} {dtype} over {members}"
@@ -125,8 +129,8 @@ def _ep(rng, call, members, me, group):
     for r in members:
         g = torch.Generator().manual_seed(call * 64 + r)
         xs.append(_ints(call * 64 + r, (tokens, hidden), dtype))
-        idxs.append(torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]))
-    wts = torch.ones(tokens, k)
+        idxs.append(torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]).to(_DEVICE[0]))
+    wts = torch.ones(tokens, k, device=_DEVICE[0])
     recv_x, _, _, _, handle = weft.ops.ep_dispatch(xs[i], idxs[i], wts, experts, **group)
     expected = torch.cat([x[(idx // local == i).any(1)] for x, idx in zip(xs, idxs)])
     assert torch.equal(recv_x, expected), f"ep_dispatch {tokens} {hidden} {dtype}"
@@ -145,6 +149,11 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _gpu_bytes() -> int:
+    """The caching allocator's bytes in use on this rank's GPU (0 on the cpu backend)."""
+    return torch.cuda.memory_allocated() if _DEVICE[0].type == "cuda" else 0
+
+
 def _heaps(layouts) -> dict:
     import weft
 
@@ -156,10 +165,11 @@ def _heaps(layouts) -> dict:
     return used
 
 
-def _soak(calls: int):
+def _soak(calls: int, device: str = "cpu"):
     import weft
     from weft.testing.groups import layouts
 
+    _DEVICE[0] = torch.device(device)
     me, w = weft.rank(), weft.world_size()
     groups = layouts()
     schedule = [(op, name) for op in CASES for name in groups]  # every op on every layout of weft.testing.groups
@@ -170,14 +180,17 @@ def _soak(calls: int):
 
     for call, (op, name) in enumerate(schedule):  # warm-up: every op on every layout once
         run(call, op, name)
+    # Memory is compared from the soak's middle on: a family's workspace is made at its first use, and a method
+    # the warm-up did not draw (methods are drawn at random) may come later; then nothing may grow.
     heaps, rss = _heaps(groups), None
     for call in range(len(schedule), len(schedule) + calls):
         op, name = random.Random(call).choice(schedule)  # the same on every rank
         run(call, op, name)
         if call == len(schedule) + calls // 2:
-            rss = _rss()
-    assert _heaps(groups) == heaps, "heap use grew after warm-up"
+            heaps, rss, gpu_bytes = _heaps(groups), _rss(), _gpu_bytes()
+    assert _heaps(groups) == heaps, "heap use grew in the second half of the soak"
     if rss is not None:
+        assert _gpu_bytes() <= gpu_bytes + RSS_SLACK, f"GPU memory grew by {(_gpu_bytes() - gpu_bytes) >> 20} MiB"
         assert _rss() - rss <= RSS_SLACK, f"RSS grew by {(_rss() - rss) >> 20} MiB in the second half of the soak"
     return True
 
