@@ -6,40 +6,51 @@ sits in the receiver's workspace (it waits only for a free slot), so two ranks t
 before receiving wait for each other for ever, as with NCCL: exchange through `batch_isend_irecv`, whose one
 launch moves all its sends and receives forward together.
 
-Protocol (per group, in its workspace). Every ordered pair (s, d) has a ring of SLOTS chunk slots in d's heap
-(`data[s][slot]`, the message's byte count in `head[s][slot]`, the chunk's sequence number in `full[s][slot]`)
-and, in s's heap, a credit word `credit[d]` (the last chunk d consumed) and a mismatch word `rerr[d]`. Chunks
-are numbered per pair from 1 and never reset (s counts in `sent[d]`, d in `recvd[s]`, both local words), so
-back-to-back calls and CUDA-graph replays need no clean-up. A message of n bytes is max(1, cdiv(n, slot bytes))
-chunks, each carrying n.
+Protocol (per group, in its workspace). The kernel runs P programs (P fixed per workspace: WEFT_P2P_PROGRAMS,
+else the tuning table's p2p.programs on GPUs, 1 on cpu; the same on every rank of a group, as the workspace size
+is), and program p moves part p of every message through a stream of its own: one SM copies a fraction of what
+NVLink carries, P of them the whole. A message of n bytes is cut into P parts of equal whole 256-byte blocks, each
+at least p2p.part_min_bytes, so a small message is all in part 0 (the other programs carry an empty part) and
+only a large one spreads over every program. The parts depend on n alone, the sender's byte count, which every
+chunk carries. P is not chosen per message: a receiver whose tensor is not the size sent could not know which of
+its programs to run, and one that waited for a part never sent would hang. Each program's stream is the one-program protocol below, on words and slots of its own, so the
+programs never wait on each other: program p waits only on program p of its peers.
+Every ordered pair (s, d) has, per program, a ring of SLOTS chunk slots in d's heap (`data[s][slot]`, the
+message's byte count in `head[s][slot]`, the chunk's sequence number in `full[s][slot]`) and, in s's heap, a
+credit word `credit[d]` (the last chunk d consumed). Chunks are numbered per pair and program from 1 and never
+reset (s counts in `sent[d]`, d in `recvd[s]`, both local words), so back-to-back calls and CUDA-graph replays
+need no clean-up. A part of b bytes is max(1, cdiv(b, slot bytes)) chunks, each carrying n: an empty part is
+one chunk of no data, so every program takes part in every message.
 - The sender of chunk k waits until credit[d] >= k - SLOTS (d has copied chunk k - SLOTS out of the slot), writes
   the data and head of slot (k - 1) % SLOTS in d's heap, then releases full = k (`notify`).
 - The receiver waits (acquire) for full >= k, reads head and data, copies them out, then releases credit = k
   into s's heap.
 Who writes what: a slot's data, head and full only its sender, and only between the receiver's credit for the
 chunk before in that slot (acquired) and its own release; the receiver reads them only between that release
-(acquired) and its credit (released after its loads). credit and rerr only the receiver. So no word is ever
-written by two ranks, and no slot is rewritten while it is read.
+(acquired) and its credit (released after its loads). credit and the mismatch words only the receiver. So no
+word is ever written by two ranks, and no slot is rewritten while it is read.
 
-Progress: a launch runs rounds. In round r every send op moves chunk r of its pair's stream (the concatenated
-chunks of the launch's sends to that peer, in order), then every receive op takes the next chunk from its
-peer. Chunk r of a pair is thus sent and taken in round r on both ranks, whatever else either launch does;
-sending it needs only the peer's round r - SLOTS, taking it only the peer's round-r sends, which come first: no
-cycle, so a batch's exchanges cannot deadlock (one program: the interpreter's rule that a program waits only on
-the same program of its peers holds).
+Progress: a launch runs rounds in each program. In round r every send op moves chunk r of its pair's stream (the
+concatenated chunks of the launch's sends to that peer in this program, in order), then every receive op takes
+the next chunk from its peer. Chunk r of a pair is thus sent and taken in round r on both ranks, whatever else
+either launch does; sending it needs only the peer's round r - SLOTS, taking it only the peer's round-r sends,
+which come first: no cycle, so a batch's exchanges cannot deadlock, in each program alone (the interpreter runs
+a rank's programs one after the other: its rule that a program waits only on the same program of its peers holds).
 
-A size mismatch is never a wrong result or a hang: the receiver follows the sender's framing (the byte count in
-head), so it drains exactly the sender's chunks and the pair stays in step; it writes nothing into its tensor,
-records the error in its error word and stores the byte count it expected into the sender's rerr word. The
-receiver's call raises a ValueError naming both counts; the sender's kernel moves rerr into its own error word at
-its next p2p launch, and raises then (or at `weft.check_errors()`, which reads both). Under the interpreter the
+A size mismatch is never a wrong result or a hang: every program of the receiver follows the sender's framing
+(the byte count in head sets its part and chunk count), so it drains exactly the sender's chunks and the pair
+stays in step; it writes nothing into its tensor. Program 0 records the error in the error word and stores the
+byte count it expected into the sender's mismatch word `rerr[d]` (one per peer, program 0's). The receiver's
+call raises a ValueError naming both counts; the sender's program 0 moves rerr into its own error word at its
+next p2p launch, and raises then (or at `weft.check_errors()`, which reads both). Under the interpreter the
 receiver's call raises at once; on GPUs the error words are read at `weft.check_errors()`.
 
-On GPUs the transfers go through the process group's send / recv (NCCL) unless WEFT_P2P_KERNEL=1: on 2x H100
-(2026-11-25) the kernel delivered a message of one chunk intact but, of a message of four chunks, only the first,
-in 3 calls of 3; a later run of tests/test_gpu_p2p.py passed: a race on the GPU, not found yet. Until it is, the
-kernel runs on the cpu backend, where its tests pass, and on GPUs only when asked for. Same ordering either way (per pair, on the caller's stream); a size mismatch on the
-process group's route is what NCCL makes of it.
+Route on GPUs: the kernel when WEFT_P2P_KERNEL=1, the process group's send / recv (NCCL) when 0; unset, as
+KERNEL_ON_GPUS says (False until the kernel is measured on GPUs: on 2x H100 (2026-11-25) it once delivered only
+the first chunk of a four-chunk message, a race that the CTA barriers before it reads back its own words (sent,
+recvd, state) are meant to close). `forced_route` picks one for the calls made within it (`weft bench p2p` times
+both). Same ordering either way (per pair, on the caller's stream); a size mismatch on the process group's route
+is what NCCL makes of it. The cpu backend always runs the kernel.
 
 Workspace: the group's p2p workspace lives in its heap's tail, made by each rank at its own first p2p call with
 no collective step (weft/runtime/heap.py), so a first send between two members needs nothing of the others. A
