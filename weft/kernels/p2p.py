@@ -13,8 +13,9 @@ NVLink carries, P of them the whole. A message of n bytes is cut into P parts of
 at least p2p.part_min_bytes, so a small message is all in part 0 (the other programs carry an empty part) and
 only a large one spreads over every program. The parts depend on n alone, the sender's byte count, which every
 chunk carries. P is not chosen per message: a receiver whose tensor is not the size sent could not know which of
-its programs to run, and one that waited for a part never sent would hang. Each program's stream is the one-program protocol below, on words and slots of its own, so the
-programs never wait on each other: program p waits only on program p of its peers.
+its programs to run, and one that waited for a part never sent would hang. Each program's stream is the
+one-program protocol below, on words and slots of its own, so the programs never wait on each other: program p
+waits only on program p of its peers.
 Every ordered pair (s, d) has, per program, a ring of SLOTS chunk slots in d's heap (`data[s][slot]`, the
 message's byte count in `head[s][slot]`, the chunk's sequence number in `full[s][slot]`) and, in s's heap, a
 credit word `credit[d]` (the last chunk d consumed). Chunks are numbered per pair and program from 1 and never
