@@ -285,6 +285,29 @@ def test_readme_within_its_limits_and_lists_every_op():
     assert listed - ops == set(), "the README's table names ops that do not exist"
 
 
+@pytest.mark.long  # 40 s here; tests/test_p2p.py and tests/test_m2n.py check the ops in CI
+def test_bench_p2p_suite(tmp_path):
+    """send / recv ping-pong between 2 cpu ranks at 4 and 16 KiB and M2N at 4 tokens x 64 (1 + 1), both views:
+    every row there, the NVLink bound beside M2N."""
+    res = weft_cmd("bench", "-n", "2", "p2p", "--out", str(tmp_path), "--max-bytes", "16384", "--samples", "1",
+                   "--m2n-tokens", "4", "--m2n-hidden", "64", timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "no 'weft via process group' rows" in res.stdout
+    rows = json.loads((tmp_path / "p2p_2.json").read_text())["rows"]
+    bound = "NVLink bound (450 GB/s per direction)"
+    m2n = [f"m2n 4x64 top-{k} (1+1; gloo: 2 all_to_all_single)" for k in (1, 8)]
+    want = {(case, impl) for case in ("send/recv 4 KiB", "send/recv 16 KiB") for impl in ("weft kernel", "gloo")}
+    want |= {(case, impl) for case in m2n for impl in ("weft kernel", "gloo", bound)}
+    for view in ("graph", "eager"):
+        assert {(r["case"], r["impl"]) for r in rows if r["view"] == view} == want, view
+    assert all(r["ms"] > 0 and r["gbps"] > 0 for r in rows)
+    assert all(r["nbytes"] == 2 * 4 * k * 64 * 2 for r in rows for k in (1, 8) if r["case"] == m2n[k > 1])
+    assert all(abs(r["gbps"] - 450) < 1e-6 for r in rows if r["impl"] == bound)
+    table = (tmp_path / "p2p_2.md").read_text()
+    assert "### CUDA-graph replay" in table and "| send/recv 16 KiB |" in table and "weft kernel vs gloo" in table
+    assert (tmp_path / "p2p_2.png").stat().st_size > 1000
+
+
 @pytest.mark.long  # 50 s here; tests/test_disaggregated.py checks the model in CI
 def test_bench_disagg_suite(tmp_path):
     """The disaggregated model (2 attention + 2 expert ranks, 2 micro-batches) against DP attention + EPMoE on 4

@@ -1,17 +1,20 @@
-"""send / recv on GPUs: `weft run -n 2 -m pytest tests/test_gpu_p2p.py -m gpu`. The default route (the process
-group's send / recv) bit-exact at one and several chunks' sizes. With WEFT_P2P_KERNEL=1 in the environment the
-device kernel too: on 2x H100 it once delivered only the first chunk of a four-chunk message, 3 calls of 3, and
-passed in a later run, so the suite runs it with the variable set until the race is found (docs/performance/groups.md)."""
-import os
-
+"""send / recv on GPUs: `weft run -n 2 -m pytest tests/test_gpu_p2p.py -m gpu`. The route WEFT_P2P_KERNEL picks
+(unset: weft.kernels.p2p.KERNEL_ON_GPUS) and weft's device kernel whatever it says (`forced_route`), bit-exact
+from one chunk to messages spread over every program of the kernel in several chunks each, many times over (on
+2x H100 the kernel once delivered only the first chunk of a four-chunk message: a race shows in some calls only);
+a batch exchange both ways; send / recv captured in a CUDA graph and replayed on new data."""
 import pytest
 import torch
 
 import weft
+from weft.kernels import p2p
+from weft.testing.graphs import capture
 
 pytestmark = pytest.mark.gpu
 
-SHAPES = [(8,), (3, 5), (2, 111, 4096)]  # the last: four chunks of the kernel's slots on 2 GPUs
+# The last two: four chunks of the kernel's slots in one program at the old slot size; a message of 64 MiB that
+# every program's part carries in more than one chunk at 2 GPUs' slots.
+SHAPES = [(8,), (3, 5), (1000, 333), (2, 111, 4096), (8, 4096, 1024)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -20,10 +23,15 @@ def world():
     yield weft.world()
 
 
+def _message(shape, it):
+    gen = torch.Generator(device="cuda").manual_seed(it)
+    return torch.randn(shape, device="cuda", generator=gen).to(torch.bfloat16)
+
+
 def _exchange(shape, it):
     """Rank 0 sends, rank 1 receives into a NaN-poisoned tensor; the mismatched elements on rank 1."""
     me = weft.rank()
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(it)).to(torch.bfloat16).cuda()
+    x = _message(shape, it)
     if me == 0:
         weft.ops.send(x * 1, 1)
         return 0
@@ -36,6 +44,9 @@ def _exchange(shape, it):
 def _all_intact():
     if weft.world_size() < 2:
         pytest.skip("needs 2 GPUs")
+    if weft.rank() > 1:
+        weft.barrier()
+        return
     bad = [_exchange(shape, it) for shape in SHAPES for it in range(2)]
     weft.barrier()
     assert sum(bad) == 0, bad
@@ -45,7 +56,45 @@ def test_send_recv_bit_exact():
     _all_intact()
 
 
-@pytest.mark.skipif(os.environ.get("WEFT_P2P_KERNEL") != "1", reason="the kernel's route: WEFT_P2P_KERNEL=1")
 def test_send_recv_kernel_bit_exact():
-    for _ in range(20):  # a race shows in some calls only
-        _all_intact()
+    with p2p.forced_route(kernel=True):
+        ws = p2p._workspace(weft.runtime.world.resolve(None))
+        parts = [p2p.part_chunks(2 * 8 * 4096 * 1024, pid, ws) for pid in range(ws.programs)]
+        assert ws.programs == 1 or min(parts) > 1, (ws.programs, ws.slot_bytes, parts)
+        for _ in range(10):
+            _all_intact()
+
+
+def test_kernel_batch_exchange_and_graph_replay():
+    if weft.world_size() < 2:
+        pytest.skip("needs 2 GPUs")
+    me = weft.rank()
+    if me > 1:
+        weft.barrier()
+        return
+    peer = 1 - me
+    with p2p.forced_route(kernel=True):
+        for n in (1, 4099, 3 << 20, 33 << 20):  # elements of bf16
+            x = _message((n,), 10 * n + me)
+            y = torch.full((n,), float("nan"), dtype=torch.bfloat16, device="cuda")
+            for work in weft.ops.batch_isend_irecv([weft.ops.P2POp(weft.ops.isend, x, peer),
+                                                    weft.ops.P2POp(weft.ops.irecv, y, peer)]):
+                work.wait()
+            assert torch.equal(y.view(torch.int16), _message((n,), 10 * n + peer).view(torch.int16)), n
+        x = torch.empty(5 << 20, dtype=torch.bfloat16, device="cuda")
+        y = torch.empty_like(x)
+
+        def step():
+            if me == 0:
+                weft.ops.send(x, 1)
+                weft.ops.recv(y, 1)
+            else:
+                weft.ops.recv(y, 0)
+                weft.ops.send(x, 0)
+        graph = capture(step, warmups=1)
+        for it in range(5):
+            x.copy_(_message(x.shape, 100 * it + me))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y.view(torch.int16), _message(x.shape, 100 * it + peer).view(torch.int16)), it
+    weft.barrier()

@@ -183,6 +183,84 @@ def _check_leftover_rank():
     return True
 
 
+def _check_programs():
+    """WEFT_P2P_PROGRAMS=3 (PROGRAMS_ENV): every message of more than 256 bytes spreads over 3 programs, each part
+    in several chunks through its own ring of 2 slots; odd sizes and layouts, back-to-back calls, batch rings, and
+    size mismatches both ways (the sender's parts spread, the receiver's not, and the reverse)."""
+    import torch
+    import torch.distributed as dist
+
+    import weft
+    import weft.ops as ops
+    from weft.kernels import p2p
+
+    me, w = weft.rank(), weft.world_size()
+    ws = p2p._workspace(weft.runtime.world.resolve(None))
+    assert ws.programs == 3
+    big = 3 * 3 * ws.slot_bytes // 4 + 5  # fp32 elements: each of the 3 parts is 3 slots and more
+    assert all(p2p.part_chunks(big * 4, pid, ws) >= 3 for pid in range(3))
+    gen = torch.Generator().manual_seed(300 + me)
+    nxt, prv = (me + 1) % w, (me - 1) % w
+
+    def gathered(x):
+        every = [None] * w
+        dist.all_gather_object(every, x)
+        return every
+
+    # Batch rings: odd sizes, byte-sized words, strided tensors on both ends.
+    cases = [((1,), torch.float32), ((67,), torch.int8), ((3, 1001), torch.float32), ((2, 777), torch.bfloat16),
+             ((0,), torch.float32), ((big,), torch.float32), ((5, 3, 131), torch.int16)]
+    for it in range(2):
+        for shape, dtype in cases:
+            x = _fresh(gen, shape, dtype)
+            if x.dim() > 1 and it:
+                x = _fresh(gen, shape[::-1], dtype).permute(*reversed(range(len(shape))))
+            got = torch.zeros(tuple(reversed(shape)), dtype=dtype).permute(*reversed(range(len(shape)))) if it \
+                else torch.zeros(shape, dtype=dtype)
+            for work in ops.batch_isend_irecv([ops.P2POp(ops.irecv, got, prv), ops.P2POp(ops.isend, x, nxt)]):
+                work.wait()
+            assert torch.equal(got, gathered(x)[prv]), (it, shape, dtype)
+    # Back-to-back blocking calls along the ring, each rank sending all its messages before receiving any: each
+    # send returns once its chunks sit in the receiver's slots, which the receiver frees as it takes them; rank 0
+    # receives first, so the ring is not a cycle.
+    sizes = [1, 257, 4099, 5, big, 70, 3 * 256 + 1, 2 * big + 3, 11, 999]
+    msgs = [_fresh(gen, (n,), torch.float32) for n in sizes]
+    outs = [torch.full((n,), float("nan")) for n in sizes]
+    if me == 0:
+        for o in outs:
+            ops.recv(o, prv)
+    for m in msgs:
+        ops.send(m, nxt)
+    if me != 0:
+        for o in outs:
+            ops.recv(o, prv)
+    for o, want in zip(outs, gathered(msgs)[prv]):
+        assert torch.equal(o, want)
+    # Mismatches between ranks 0 and 1: the sender's message spread over the programs, the receiver's tensor
+    # small (its part 0 alone), then the reverse; the receiver raises, its tensor untouched, the sender at
+    # weft.check_errors(); each time the pair works again.
+    for sent_n, want_n in ((big, 10), (10, big)):
+        if me == 0:
+            ops.send(torch.arange(float(sent_n)), 1)
+        elif me == 1:
+            y = torch.full((want_n,), -1.0)
+            with pytest.raises(ValueError, match=f"sent a message of {4 * sent_n} bytes.*{4 * want_n} bytes"):
+                ops.recv(y, 0)
+            assert torch.equal(y, torch.full((want_n,), -1.0))
+        dist.barrier()
+        if me == 0:
+            with pytest.raises(ValueError, match=f"into a tensor of {4 * want_n} bytes"):
+                weft.check_errors()
+        weft.check_errors()
+        z = torch.empty(big)
+        if me == 0:
+            ops.send(torch.arange(float(big)) * 3, 1)
+        elif me == 1:
+            ops.recv(z, 0)
+            assert torch.equal(z, torch.arange(float(big)) * 3)
+    return True
+
+
 def _check_all():
     return _check_rings_and_pairs() and _check_groups_and_mismatch()
 
@@ -194,3 +272,11 @@ def test_send_recv_against_torch():
 
 def test_pair_beside_a_leftover_rank():
     assert run_ranks(_check_leftover_rank, 3, timeout=300, env=ENV) == [True] * 3
+
+
+# 3 programs; a 64 KiB workspace: ~4 KiB slots per program and pair at 3 ranks.
+PROGRAMS_ENV = dict(ENV, WEFT_P2P_PROGRAMS="3", WEFT_WORKSPACE_BYTES="65536")
+
+
+def test_programs_streams():
+    assert run_ranks(_check_programs, 3, timeout=300, env=PROGRAMS_ENV) == [True] * 3

@@ -11,7 +11,7 @@ SUITES = {"allgather": "weft.bench.allgather", "matmul": "weft.bench.matmul", "g
           "allreduce": "weft.bench.allreduce", "reducescatter": "weft.bench.reducescatter",
           "overhead": "weft.bench.overhead", "attention": "weft.bench.attention",
           "ulysses": "weft.bench.ulysses", "tpmlp": "weft.bench.tpmlp", "moe": "weft.bench.moe",
-          "e2e": "weft.bench.e2e", "disagg": "weft.bench.disagg"}
+          "e2e": "weft.bench.e2e", "disagg": "weft.bench.disagg", "p2p": "weft.bench.p2p"}
 # The symmetric heap per rank on GPUs unless WEFT_HEAP_SIZE is set: op workspaces are cached per size and
 # never freed, so a sweep to 512 MiB needs ~1 GiB of them per op (weft's default heap is 2 GiB).
 BENCH_HEAP_SIZE = "24GiB"

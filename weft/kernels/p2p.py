@@ -6,40 +6,52 @@ sits in the receiver's workspace (it waits only for a free slot), so two ranks t
 before receiving wait for each other for ever, as with NCCL: exchange through `batch_isend_irecv`, whose one
 launch moves all its sends and receives forward together.
 
-Protocol (per group, in its workspace). Every ordered pair (s, d) has a ring of SLOTS chunk slots in d's heap
-(`data[s][slot]`, the message's byte count in `head[s][slot]`, the chunk's sequence number in `full[s][slot]`)
-and, in s's heap, a credit word `credit[d]` (the last chunk d consumed) and a mismatch word `rerr[d]`. Chunks
-are numbered per pair from 1 and never reset (s counts in `sent[d]`, d in `recvd[s]`, both local words), so
-back-to-back calls and CUDA-graph replays need no clean-up. A message of n bytes is max(1, cdiv(n, slot bytes))
-chunks, each carrying n.
+Protocol (per group, in its workspace). The kernel runs P programs (P fixed per workspace: WEFT_P2P_PROGRAMS,
+else the tuning table's p2p.programs on GPUs, 1 on cpu; the same on every rank of a group, as the workspace size
+is), and program p moves part p of every message through a stream of its own: one SM copies a fraction of what
+NVLink carries, P of them the whole. A message of n bytes is cut into P parts of equal whole 256-byte blocks, each
+at least p2p.part_min_bytes, so a small message is all in part 0 (the other programs carry an empty part) and
+only a large one spreads over every program. The parts depend on n alone, the sender's byte count, which every
+chunk carries. P is not chosen per message: a receiver whose tensor is not the size sent could not know which of
+its programs to run, and one that waited for a part never sent would hang. Each program's stream is the
+one-program protocol below, on words and slots of its own, so the programs never wait on each other: program p
+waits only on program p of its peers.
+Every ordered pair (s, d) has, per program, a ring of SLOTS chunk slots in d's heap (`data[s][slot]`, the
+message's byte count in `head[s][slot]`, the chunk's sequence number in `full[s][slot]`) and, in s's heap, a
+credit word `credit[d]` (the last chunk d consumed). Chunks are numbered per pair and program from 1 and never
+reset (s counts in `sent[d]`, d in `recvd[s]`, both local words), so back-to-back calls and CUDA-graph replays
+need no clean-up. A part of b bytes is max(1, cdiv(b, slot bytes)) chunks, each carrying n: an empty part is
+one chunk of no data, so every program takes part in every message.
 - The sender of chunk k waits until credit[d] >= k - SLOTS (d has copied chunk k - SLOTS out of the slot), writes
   the data and head of slot (k - 1) % SLOTS in d's heap, then releases full = k (`notify`).
 - The receiver waits (acquire) for full >= k, reads head and data, copies them out, then releases credit = k
   into s's heap.
 Who writes what: a slot's data, head and full only its sender, and only between the receiver's credit for the
 chunk before in that slot (acquired) and its own release; the receiver reads them only between that release
-(acquired) and its credit (released after its loads). credit and rerr only the receiver. So no word is ever
-written by two ranks, and no slot is rewritten while it is read.
+(acquired) and its credit (released after its loads). credit and the mismatch words only the receiver. So no
+word is ever written by two ranks, and no slot is rewritten while it is read.
 
-Progress: a launch runs rounds. In round r every send op moves chunk r of its pair's stream (the concatenated
-chunks of the launch's sends to that peer, in order), then every receive op takes the next chunk from its
-peer. Chunk r of a pair is thus sent and taken in round r on both ranks, whatever else either launch does;
-sending it needs only the peer's round r - SLOTS, taking it only the peer's round-r sends, which come first: no
-cycle, so a batch's exchanges cannot deadlock (one program: the interpreter's rule that a program waits only on
-the same program of its peers holds).
+Progress: a launch runs rounds in each program. In round r every send op moves chunk r of its pair's stream (the
+concatenated chunks of the launch's sends to that peer in this program, in order), then every receive op takes
+the next chunk from its peer. Chunk r of a pair is thus sent and taken in round r on both ranks, whatever else
+either launch does; sending it needs only the peer's round r - SLOTS, taking it only the peer's round-r sends,
+which come first: no cycle, so a batch's exchanges cannot deadlock, in each program alone (the interpreter runs
+a rank's programs one after the other: its rule that a program waits only on the same program of its peers holds).
 
-A size mismatch is never a wrong result or a hang: the receiver follows the sender's framing (the byte count in
-head), so it drains exactly the sender's chunks and the pair stays in step; it writes nothing into its tensor,
-records the error in its error word and stores the byte count it expected into the sender's rerr word. The
-receiver's call raises a ValueError naming both counts; the sender's kernel moves rerr into its own error word at
-its next p2p launch, and raises then (or at `weft.check_errors()`, which reads both). Under the interpreter the
+A size mismatch is never a wrong result or a hang: every program of the receiver follows the sender's framing
+(the byte count in head sets its part and chunk count), so it drains exactly the sender's chunks and the pair
+stays in step; it writes nothing into its tensor. Program 0 records the error in the error word and stores the
+byte count it expected into the sender's mismatch word `rerr[d]` (one per peer, program 0's). The receiver's
+call raises a ValueError naming both counts; the sender's program 0 moves rerr into its own error word at its
+next p2p launch, and raises then (or at `weft.check_errors()`, which reads both). Under the interpreter the
 receiver's call raises at once; on GPUs the error words are read at `weft.check_errors()`.
 
-On GPUs the transfers go through the process group's send / recv (NCCL) unless WEFT_P2P_KERNEL=1: on 2x H100
-(2026-11-25) the kernel delivered a message of one chunk intact but, of a message of four chunks, only the first,
-in 3 calls of 3; a later run of tests/test_gpu_p2p.py passed: a race on the GPU, not found yet. Until it is, the
-kernel runs on the cpu backend, where its tests pass, and on GPUs only when asked for. Same ordering either way (per pair, on the caller's stream); a size mismatch on the
-process group's route is what NCCL makes of it.
+Route on GPUs: the kernel when WEFT_P2P_KERNEL=1, the process group's send / recv (NCCL) when 0; unset, as
+KERNEL_ON_GPUS says (False until the kernel is measured on GPUs: on 2x H100 (2026-11-25) it once delivered only
+the first chunk of a four-chunk message, a race that the CTA barriers before it reads back its own words (sent,
+recvd, state) are meant to close). `forced_route` picks one for the calls made within it (`weft bench p2p` times
+both). Same ordering either way (per pair, on the caller's stream); a size mismatch on the process group's route
+is what NCCL makes of it. The cpu backend always runs the kernel.
 
 Workspace: the group's p2p workspace lives in its heap's tail, made by each rank at its own first p2p call with
 no collective step (weft/runtime/heap.py), so a first send between two members needs nothing of the others. A
@@ -60,33 +72,97 @@ import triton.language as tl
 import weft.language as wl
 
 from .blocks import copy
+from .. import tuning
 from ..runtime import settings
 from .common import Plan, as_words, check_tensor, group_name, plan, resolve, signature, workspace
 from .registry import declare_op, export
 
-SLOTS = 2  # chunk slots per ordered pair: double-buffered
+SLOTS = 2  # chunk slots per ordered pair and program: double-buffered
 BLOCK = 1024  # words a program moves per step
+# The route on GPUs when WEFT_P2P_KERNEL is unset: the process group's send / recv until the kernel's is measured
+# there (module doc). The one place that default lives.
+KERNEL_ON_GPUS = False
+CPU_PART_MIN_BYTES = 256  # on the interpreter: any message of more than 256 bytes spreads over the programs
+
+
+def programs(device: torch.device, world_size: int) -> int:
+    """Programs of the kernel (streams per pair): WEFT_P2P_PROGRAMS, else the tuning table's on GPUs, 1 on cpu."""
+    found = settings.get("WEFT_P2P_PROGRAMS")
+    if found is None:
+        found = tuning.value("p2p.programs", device, world_size) if device.type == "cuda" else 1
+    if found < 1:
+        raise ValueError(f"p2p.programs must be at least 1, got {found}")
+    return found
+
+
+def part_min_bytes(device: torch.device, world_size: int) -> int:
+    """Bytes a program's part of a message holds at least (a multiple of 256): the tuning table's on GPUs."""
+    found = tuning.value("p2p.part_min_bytes", device, world_size) if device.type == "cuda" else CPU_PART_MIN_BYTES
+    return -(-max(found, 1) // 256) * 256
+
+
+def kernel_route(device: torch.device) -> bool:
+    """Whether send / recv on `device` run weft's kernel (else the process group's send / recv): always on cpu; on
+    GPUs as `forced_route` says within it, else WEFT_P2P_KERNEL, else KERNEL_ON_GPUS."""
+    if device.type != "cuda":
+        return True
+    if _forced:
+        return _forced[-1]
+    return settings.get("WEFT_P2P_KERNEL", KERNEL_ON_GPUS)
+
+
+_forced: list[bool] = []
+
+
+class forced_route:
+    """`with forced_route(kernel=True):` send / recv calls made (or captured) within take that route on GPUs
+    whatever WEFT_P2P_KERNEL says: for benchmarks that time both."""
+
+    def __init__(self, kernel: bool):
+        self.kernel = bool(kernel)
+
+    def __enter__(self):
+        _forced.append(self.kernel)
+        return self
+
+    def __exit__(self, *exc):
+        _forced.pop()
+        return False
 
 
 @triton.jit
 def p2p_kernel(sends, recvs, send_peer, send_bytes, send_first, recv_peer, recv_bytes, recv_prev,
-               data, head, full, credit, rerr, sent, recvd, state, err, heap, slot_bytes,
-               NS: tl.constexpr, NR: tl.constexpr, WORD: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
-    """Run the launch's NS sends and NR receives to completion, round by round (module doc). Tuples: sends[i]
-    (words) goes to group rank send_peer[i], send_bytes[i] bytes, its first chunk in round send_first[i];
-    recvs[i] takes recv_bytes[i] bytes from recv_peer[i], after the receive recv_prev[i] (-1: none) of the same
-    peer. state[2 i], state[2 i + 1]: receive i's first round and chunk count (-1 until known)."""
+               data, head, full, credit, rerr, sent, recvd, state, err, heap, slot_bytes, part_min_bytes,
+               NS: tl.constexpr, NR: tl.constexpr, WORD: tl.constexpr, SLOTS: tl.constexpr, STATE: tl.constexpr,
+               BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """Run this program's stream of the launch's NS sends and NR receives to completion, round by round (module
+    doc). Tuples: sends[i] (words) goes to group rank send_peer[i], send_bytes[i] bytes; recvs[i] takes
+    recv_bytes[i] bytes from recv_peer[i], after the receive recv_prev[i] (-1: none) of the same peer.
+    send_first[p, i]: the round of send i's first chunk in program p's stream. Program p's words: head, full,
+    data [p][source][slot], credit, sent, recvd [p][peer], state [p][STATE] (state[2 i], state[2 i + 1]: receive
+    i's first round and chunk count, -1 until known); rerr and err are program 0's."""
     me = wl.rank(heap)
     world = wl.num_ranks(heap)
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
     sw = slot_bytes // WORD  # words of a slot
-    for q in range(world):  # mismatches peers reported for my earlier sends
-        bad = tl.atomic_add(rerr + q, 0, sem="acquire", scope="sys")
-        if bad != 0:
-            tl.store(rerr + q, 0)
-            tl.store(err + 1, q.to(tl.int64))
-            tl.store(err + 2, -1)
-            tl.store(err + 3, bad - 1)
-            tl.store(err, 2)
+    # This program's stream: its own slots and words, the same offsets on every rank.
+    data += pid * world * SLOTS * sw
+    head += pid * world * SLOTS
+    full += pid * world * SLOTS
+    credit += pid * world
+    sent += pid * world
+    recvd += pid * world
+    state += pid * STATE
+    if pid == 0:
+        for q in range(world):  # mismatches peers reported for my earlier sends
+            bad = tl.atomic_add(rerr + q, 0, sem="acquire", scope="sys")
+            if bad != 0:
+                tl.store(rerr + q, 0)
+                tl.store(err + 1, q.to(tl.int64))
+                tl.store(err + 2, -1)
+                tl.store(err + 3, bad - 1)
+                tl.store(err, 2)
     for i in tl.static_range(NR):
         tl.store(state + 2 * i, -1)
         tl.store(state + 2 * i + 1, -1)
@@ -100,16 +176,17 @@ def p2p_kernel(sends, recvs, send_peer, send_bytes, send_first, recv_peer, recv_
         for i in tl.static_range(NS):
             peer = send_peer[i]
             nbytes = send_bytes[i]
-            chunks = tl.maximum(tl.cdiv(nbytes, slot_bytes), 1)
-            j = rnd - send_first[i]
+            lo_b, part = _part(nbytes, pid, programs, part_min_bytes)
+            chunks = tl.maximum(tl.cdiv(part, slot_bytes), 1)
+            j = rnd - tl.load(send_first + pid * NS + i)
             if (j >= 0) & (j < chunks):
                 seq = tl.load(sent + peer) + 1
                 slot = (seq - 1) % SLOTS
                 wl.wait(credit + peer, 1, seq - SLOTS, wl.CMP_GE, heap=heap, peer=peer, op="send (credit)")
-                lo = j * sw
-                hi = tl.minimum(lo + sw, nbytes // WORD)
+                lo = (lo_b + j * slot_bytes) // WORD
+                hi = tl.minimum(lo + sw, (lo_b + part) // WORD)
                 dst = wl.symm_at(data + (me * SLOTS + slot) * sw, peer, heap)
-                copy(dst - lo, sends[i], lo, hi, BLOCK, 1)
+                copy(dst - lo, sends[i], lo, hi, BLOCK, VEC)
                 tl.store(wl.symm_at(head + me * SLOTS + slot, peer, heap), nbytes.to(tl.int64))
                 wl.notify(full + me * SLOTS + slot, peer, heap, seq)
                 tl.store(sent + peer, seq)
@@ -136,21 +213,23 @@ def p2p_kernel(sends, recvs, send_peer, send_bytes, send_first, recv_peer, recv_
                     token = wl.wait(full + peer * SLOTS + slot, 1, seq, wl.CMP_GE, heap=heap, peer=peer, op="recv")
                     got = tl.load(wl.consume_token(head + peer * SLOTS + slot, token), volatile=True)
                     want = recv_bytes[i]
+                    # The sender's framing: its byte count sets this program's part and chunk count.
+                    lo_b, part = _part(got, pid, programs, part_min_bytes)
                     if j == 0:
-                        chunks = tl.maximum(tl.cdiv(got, slot_bytes), 1)
+                        chunks = tl.maximum(tl.cdiv(part, slot_bytes), 1)
                         tl.store(state + 2 * i + 1, chunks)
                         wl.program_sync()
-                        if got != want:  # mine and the sender's error words; drain the sender's chunks
+                        if (got != want) & (pid == 0):  # mine and the sender's error words; all drain
                             tl.store(err + 1, peer.to(tl.int64))
                             tl.store(err + 2, got)
                             tl.store(err + 3, want.to(tl.int64))
                             tl.store(err, 1)
                             wl.notify(rerr + me, peer, heap, want.to(tl.int64) + 1)
                     if got == want:
-                        lo = j * sw
-                        hi = tl.minimum(lo + sw, want // WORD)
+                        lo = (lo_b + j * slot_bytes) // WORD
+                        hi = tl.minimum(lo + sw, (lo_b + part) // WORD)
                         src = wl.consume_token(data + (peer * SLOTS + slot) * sw, token)
-                        copy(recvs[i], src - lo, lo, hi, BLOCK, 1)
+                        copy(recvs[i], src - lo, lo, hi, BLOCK, VEC)
                     tl.store(recvd + peer, seq)
                     wl.notify(credit + me, peer, heap, seq)
                 if j < chunks - 1:
@@ -160,9 +239,21 @@ def p2p_kernel(sends, recvs, send_peer, send_bytes, send_first, recv_peer, recv_
         rnd += 1
 
 
+@triton.jit
+def _part(nbytes, pid, programs, part_min_bytes):
+    """(first byte, bytes) of program `pid`'s part of a message of `nbytes`: equal parts of whole 256-byte blocks,
+    each at least part_min_bytes (a multiple of 256), so a small message is all in part 0 and the last parts of
+    a middling one are empty."""
+    nbytes = nbytes.to(tl.int64)
+    each = tl.maximum(tl.cdiv(tl.cdiv(nbytes, programs), 256) * 256, part_min_bytes)
+    lo_b = tl.minimum(pid * each, nbytes)
+    return lo_b, tl.minimum(each, nbytes - lo_b)
+
+
 class P2PWorkspace:
-    """A group's p2p workspace: per source rank SLOTS chunk slots (data, head, full), per peer credit and mismatch
-    words, this rank's chunk counters, the launch's receive state and the error word. On GPUs the p2p stream."""
+    """A group's p2p workspace: per program (stream) and source rank SLOTS chunk slots (data, head, full), per
+    program and peer credit words and this rank's chunk counters, per program the launch's receive state; per
+    peer the mismatch words, and the error word. On GPUs the p2p stream."""
 
     MAX_RECVS = 256  # receives one launch may hold (state words)
 
@@ -171,21 +262,26 @@ class P2PWorkspace:
         # made, so the two ends of a first transfer make it alone, with no allocation or barrier the other members
         # would have to join (a send between 2 of 4 ranks at first use).
         w = group.size
+        self.programs = p = programs(group.device, w)
+        self.part_min_bytes = part_min_bytes(group.device, w)
         tail = group.heap.tail()
-        n_words = 2 * w * SLOTS + 4 * w + 2 * self.MAX_RECVS + 4
+        n_words = 2 * p * w * SLOTS + 3 * p * w + w + 2 * p * self.MAX_RECVS + 4
         words_bytes = -(-n_words * 8 // 256) * 256
-        self.slot_bytes = (tail.numel() - words_bytes) // (w * SLOTS) // 256 * 256
+        self.slot_bytes = (tail.numel() - words_bytes) // (p * w * SLOTS) // 256 * 256 if words_bytes < \
+            tail.numel() else 0
         if self.slot_bytes < 256:
             raise ValueError(f"the group's p2p workspace ({tail.numel()} bytes: WEFT_WORKSPACE_BYTES) leaves no "
-                             f"256-byte slot per peer for {w} ranks")
+                             f"256-byte slot per peer for {w} ranks and {p} programs (WEFT_P2P_PROGRAMS)")
         self.words = tail[:n_words * 8].view(torch.int64)
-        self.data = tail[words_bytes:words_bytes + w * SLOTS * self.slot_bytes]
-        n = w * SLOTS
+        self.data = tail[words_bytes:words_bytes + p * w * SLOTS * self.slot_bytes]
+        n = p * w * SLOTS
         self.head, self.full = self.words[:n], self.words[n:2 * n]
         rest = self.words[2 * n:]
-        self.credit, self.rerr, self.sent, self.recvd = (rest[k * w:(k + 1) * w] for k in range(4))
-        self.state = rest[4 * w:4 * w + 2 * self.MAX_RECVS]
-        self.err = rest[4 * w + 2 * self.MAX_RECVS:]
+        self.credit, self.sent, self.recvd = (rest[k * p * w:(k + 1) * p * w] for k in range(3))
+        rest = rest[3 * p * w:]
+        self.rerr = rest[:w]
+        self.state = rest[w:w + 2 * p * self.MAX_RECVS]
+        self.err = rest[w + 2 * p * self.MAX_RECVS:]
         self.stream = torch.cuda.Stream(group.device) if group.device.type == "cuda" else None
         group.error_checks.append(self.raise_recorded)
 
@@ -233,25 +329,33 @@ def check_batch(group, sends, recvs) -> None:
 
 
 class P2PPlan(Plan):
-    """A launch of sends and receives of one signature: word size, the rounds of each send, the order of each
-    peer's receives."""
+    """A launch of sends and receives of one signature: word size, the rounds of each send in each program's
+    stream, the order of each peer's receives."""
 
     def __init__(self, group, sends, recvs):
         super().__init__(group)
         check_batch(group, sends, recvs)
         self.ws = ws = _workspace(group)
         nbytes = [t.numel() * t.element_size() for t, _ in sends + recvs]
-        aligned = all(n % 4 == 0 for n in nbytes) and all(t.data_ptr() % 4 == 0 for t, _ in sends + recvs
-                                                          if t.is_contiguous())
+        # Non-contiguous tensors are staged through fresh (aligned) copies: only the contiguous ones' addresses count.
+        addresses = [t.data_ptr() for t, _ in sends + recvs if t.is_contiguous()]
+        aligned = all(n % 4 == 0 for n in nbytes) and all(a % 4 == 0 for a in addresses)
         self.word = torch.int32 if aligned else torch.uint8
+        # 16-byte vectors where every address allows (parts and chunks start at multiples of 256 bytes).
+        self.vec = 4 if aligned and all(a % 16 == 0 for a in addresses) else 1
         self.contig = [t.is_contiguous() for t, _ in sends + recvs]
         self.send_peer = tuple(p for _, p in sends)
         self.send_bytes = tuple(nbytes[:len(sends)])
-        firsts, stream_len = [], {}
-        for p, n in zip(self.send_peer, self.send_bytes):
-            firsts.append(stream_len.get(p, 0))
-            stream_len[p] = firsts[-1] + max(1, triton.cdiv(n, ws.slot_bytes))
-        self.send_first = tuple(firsts)
+        # send_first[p][i]: the round of send i's first chunk in program p's stream to its peer (the chunks of the
+        # launch's earlier sends to that peer come first).
+        firsts = []
+        for pid in range(ws.programs):
+            row, stream_len = [], {}
+            for peer, n in zip(self.send_peer, self.send_bytes):
+                row.append(stream_len.get(peer, 0))
+                stream_len[peer] = row[-1] + part_chunks(n, pid, ws)
+            firsts.append(row or [0])
+        self.send_first = torch.tensor(firsts, dtype=torch.int32, device=group.device)
         self.recv_peer = tuple(p for _, p in recvs)
         self.recv_bytes = tuple(nbytes[len(sends):])
         prev, last = [], {}
@@ -278,12 +382,13 @@ class P2PPlan(Plan):
             stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream) if stream is not None else _nothing():
             # A tuple argument may not be empty: an unused placeholder then (NS / NR say how many are real).
-            p2p_kernel[(1,)](tuple(sends) or (self.data,), tuple(recvs) or (self.data,),
-                             self.send_peer or (0,), self.send_bytes or (0,), self.send_first or (0,),
-                             self.recv_peer or (0,), self.recv_bytes or (0,), self.recv_prev or (0,),
-                             self.data, ws.head, ws.full, ws.credit, ws.rerr, ws.sent, ws.recvd, ws.state, ws.err,
-                             self.heap, ws.slot_bytes, NS=self.ns, NR=self.nr, WORD=self.word.itemsize,
-                             SLOTS=SLOTS, BLOCK=BLOCK)
+            p2p_kernel[(ws.programs,)](
+                tuple(sends) or (self.data,), tuple(recvs) or (self.data,),
+                self.send_peer or (0,), self.send_bytes or (0,), self.send_first,
+                self.recv_peer or (0,), self.recv_bytes or (0,), self.recv_prev or (0,),
+                self.data, ws.head, ws.full, ws.credit, ws.rerr, ws.sent, ws.recvd, ws.state, ws.err,
+                self.heap, ws.slot_bytes, ws.part_min_bytes, NS=self.ns, NR=self.nr, WORD=self.word.itemsize,
+                SLOTS=SLOTS, STATE=2 * ws.MAX_RECVS, BLOCK=BLOCK, VEC=self.vec)
             for i, t in enumerate(recv_tensors):
                 if staged[i] is not t:
                     t.copy_(staged[i])
@@ -297,6 +402,13 @@ class P2PPlan(Plan):
         event = torch.cuda.Event()
         event.record(stream)
         return event
+
+
+def part_chunks(nbytes: int, pid: int, ws: P2PWorkspace) -> int:
+    """Chunks of program `pid`'s part of a message of `nbytes` (the kernel's `_part`): at least one."""
+    each = max(-(-(-(-nbytes // ws.programs)) // 256) * 256, ws.part_min_bytes)
+    part = max(0, min(each, nbytes - pid * each))
+    return max(1, -(-part // ws.slot_bytes))
 
 
 def _run_process_group(group, sends, recvs):
@@ -332,7 +444,7 @@ def _run(group, sends, recvs):
     """Launch `sends` [(tensor, peer)] and `recvs` as one batch on `group`; the GPU event that ends it (None on
     cpu, where it has run)."""
     g = resolve(group)
-    if g.device.type == "cuda" and not settings.get("WEFT_P2P_KERNEL", False):
+    if not kernel_route(g.device):
         return _run_process_group(g, sends, recvs)
     found = plan(g, lambda: ("p2p", tuple((signature(t), p) for t, p in sends),
                              tuple((signature(t), p) for t, p in recvs)),
@@ -527,9 +639,10 @@ def _(p2p_ops, group=None):
 # Signatures for the sm_90 compile check (weft.testing.compile).
 COMPILE_CASES = [
     (p2p_kernel, dict(sends=("*i32",) * ns, recvs=("*i32",) * nr, send_peer=("i32",) * ns, send_bytes=("i64",) * ns,
-                      send_first=("i32",) * ns, recv_peer=("i32",) * nr, recv_bytes=("i64",) * nr,
+                      send_first="*i32", recv_peer=("i32",) * nr, recv_bytes=("i64",) * nr,
                       recv_prev=("i32",) * nr, data="*i32", head="*i64", full="*i64", credit="*i64", rerr="*i64",
-                      sent="*i64", recvd="*i64", state="*i64", err="*i64", heap="*i64", slot_bytes="i64"),
-     dict(NS=ns, NR=nr, WORD=4, SLOTS=SLOTS, BLOCK=BLOCK))
-    for ns, nr in ((1, 1), (2, 2))
+                      sent="*i64", recvd="*i64", state="*i64", err="*i64", heap="*i64", slot_bytes="i64",
+                      part_min_bytes="i64"),
+     dict(NS=ns, NR=nr, WORD=4, SLOTS=SLOTS, STATE=2 * P2PWorkspace.MAX_RECVS, BLOCK=BLOCK, VEC=vec))
+    for ns, nr, vec in ((1, 1, 4), (2, 2, 1))
 ]

@@ -122,9 +122,12 @@ SETTINGS = {s.name: s for s in (
             "probability in (0, 1], max_us > 0)", "unset: no delay",
             "cpu backend, for tests: the chosen ranks stall at random before each access to a peer (a push, a "
             "notify, a copy-engine copy): each stall point sleeps, with that probability, up to max_us"),
-    Setting("WEFT_P2P_KERNEL", _flag, "0 or 1", "0: on GPUs the process group's send/recv",
-            "1: send/recv on GPUs through weft's device kernel, whose transfers of more than one chunk are not yet "
-            "correct there (the cpu backend always uses it)"),
+    Setting("WEFT_P2P_KERNEL", _flag, "0 or 1",
+            "weft.kernels.p2p.KERNEL_ON_GPUS (0 for now: the process group's send/recv on GPUs)",
+            "1: send/recv on GPUs through weft's device kernel; 0: through the process group's send/recv (NCCL) "
+            "(the cpu backend always uses the kernel)"),
+    Setting("WEFT_P2P_PROGRAMS", _positive_int, "an integer > 0", "weft.tuning's p2p.programs on GPUs, 1 on cpu",
+            "programs of the p2p kernel: each moves its part of every message through a stream of its own"),
     Setting("WEFT_LOCAL_WORLD_SIZE", _positive_int, "an integer > 0 that divides the world size",
             "unset: LOCAL_WORLD_SIZE (torchrun's ranks per node), else every rank on one node",
             "ranks per node: splits one machine's ranks into simulated nodes of this many (`weft run "

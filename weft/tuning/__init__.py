@@ -138,6 +138,8 @@ KEYS = {
     "ulysses.nccl_above": _limit,
     "ulysses.auto_fused": _flag,
     "ulysses.push": _settings,
+    "p2p.programs": _count,
+    "p2p.part_min_bytes": _count,
     "moe.ht_programs": _count,
     "moe.ht_block": _settings,
     "moe.ht_copy_programs": _count,
