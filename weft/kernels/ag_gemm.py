@@ -62,7 +62,7 @@ import weft.language as wl
 from .. import tuning
 from ..runtime.streams import StreamSet
 from ..runtime.tiles import CopyEnginePush
-from . import gemm
+from . import gemm, hierarchical
 from .all_gather import all_gather
 from .blocks import copy, first_item
 from .common import (Launch, Plan, check_method, check_out, group_name, group_size, matmul_operands, plan,
@@ -259,6 +259,13 @@ class AgGemmPlan(Plan):
             self.run = self.run_matmul
         elif method == "baseline":
             self.run = self.run_baseline
+        elif group.topology.spans_nodes:
+            # Across nodes: the node's overlap and the rail's all_gather (weft/kernels/hierarchical.py), with the
+            # flat op's tiling (the same bits); nodes of unequal member counts have no rails: the baseline.
+            h = hierarchical.hierarchy(group)
+            cfg = config or gemm.config_for(w * m, n, k, group.device)
+            self.run = self.run_baseline if h is None else \
+                hierarchical.AgGemm(group, h, a_shard, b, cfg, self.return_gathered).run
         else:
             self.prepare_overlap(group, a_shard, b, out, config)
             self.run = self.run_overlap
