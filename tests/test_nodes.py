@@ -302,4 +302,14 @@ def test_cost_model():
         assert abs(predicted - measured) <= 0.05 * measured, (gpus, nbytes, predicted, measured)
     with pytest.raises(ValueError, match="op must be one of"):
         model.weft_cost("broadcast", size, c)
-    assert "| all_reduce | 1 GiB |" in model.tables()
+    # ag_gemm moves the gathered A (m x k), gemm_rs the partial products (m x n), as all_gather / reduce_scatter.
+    m, k, n = 16384, 8192, 1792
+    for op, moved in (("ag_gemm", m * k * 2), ("gemm_rs", m * n * 2)):
+        g = model.gemm_cost(op, m, k, n, c)
+        assert g.nvlink_bytes == 7 / 8 * moved and g.ib_bytes == moved / 2 / 8
+        assert g.gemm_us == 2 * m * k * n / 700e6
+        assert g.gemm_us < g.us < g.baseline_us  # the network hop partly hidden: between the GEMM and the two in turn
+    with pytest.raises(ValueError, match="op must be one of"):
+        model.gemm_cost("gemm_ar", m, k, n, c)
+    tables = model.tables()
+    assert "| all_reduce | 1 GiB |" in tables and "| ag_gemm | 16384×8192×1792 |" in tables

@@ -49,7 +49,10 @@ Every call runs over a group (default the world; W is its size, ranks are
 group ranks). The workspace is one per group (`AgGemmWorkspace`), viewed as
 (W * m, K) by each call: the start barrier makes any change of shape between
 calls safe. On a group of one there is nothing to gather: the call is
-torch.matmul alone, with no workspace and no communication kernel.
+torch.matmul alone, with no workspace and no communication kernel. On a group
+that spans nodes the overlap is this op on each node's members and the
+network between them (`hierarchical.AgGemm`, docs/nodes.md), bit for bit the
+same result.
 """
 from __future__ import annotations
 

@@ -94,7 +94,9 @@ measurement shows the overlap loses.
 Every call runs over a group (default the world): W is its size, ranks are
 group ranks, and the workspace is the group's own. On a group of one there
 is nothing to reduce: the call is torch.matmul alone, with no workspace and
-no communication kernel.
+no communication kernel. On a group that spans nodes the overlap is this op on
+each node's members, once per node's rows, and the network between them
+(`hierarchical.GemmRS`, docs/nodes.md), summed in two levels.
 """
 from __future__ import annotations
 

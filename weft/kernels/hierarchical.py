@@ -1,4 +1,4 @@
-"""The collectives of a group that spans nodes: all_reduce, reduce_scatter and all_gather in two levels.
+"""The ops of a group that spans nodes: all_reduce, reduce_scatter, all_gather, ag_gemm and gemm_rs in two levels.
 
 A group whose members run on several nodes (weft.runtime.topology) reaches another node only through the
 network; inside a node its members keep NVLink. So each op splits into the node's own collective (weft's kernels
@@ -12,12 +12,17 @@ node:
   reduce_scatter inside the node, reduce_scatter over the rail;
 - all_gather: all_gather over the rail (one shard per node), all_gather inside the node, the blocks put back in
   group order. Bit for bit the flat op's result.
+- ag_gemm (`AgGemm`): all_gather over the rail beside the node's overlapped ag_gemm of its own node's shards, then
+  the node's ag_gemm of each other node's shards. Bit for bit the flat op's result.
+- gemm_rs (`GemmRS`): the node's overlapped gemm_rs of the rows destined to each node (the other nodes' first),
+  the node sums exchanged over the rail beside the last one, summed in node order.
 
 The rail exchange: on the cpu backend `network_exchange_kernel`, which moves data with the network primitives
 only (`putmem_signal_block`, then a wait on its own flags), through a double-buffered workspace in the rail's
 heap, in passes when larger; the rail's reductions are then summed on the host in rank order (the same bits on
 every member). On GPUs, until the network primitives have an NVSHMEM backend, the rail exchange is the rail's
-process group (NCCL: on InfiniBand between nodes), ordered with the node's kernels by stream order.
+process group (NCCL: on InfiniBand between nodes), ordered with the node's kernels by stream order (ag_gemm's and
+gemm_rs's on a side stream, beside the node's kernels: see their classes).
 
 The node and rail groups are made on the op's first call on the group, among its members only (torch's
 `use_local_synchronization`), once per set of ranks in a world, with a heap just large enough for the families'
