@@ -1,5 +1,5 @@
-"""The hierarchical collectives on GPUs over simulated nodes: the node's kernels inside a node, NCCL on the rail
-between nodes, the heap mapped per node. Run: `weft run -n 2 --local-world-size 1 -m pytest tests/test_gpu_nodes.py
+"""The hierarchical collectives, ag_gemm and gemm_rs on GPUs over simulated nodes: the node's kernels inside a
+node, NCCL on the rail between nodes, the heap mapped per node. Run: `weft run -n 2 --local-world-size 1 -m pytest tests/test_gpu_nodes.py
 -m gpu` (2 nodes of 1), or `-n 4 --local-world-size 2` (2 nodes of 2)."""
 import pytest
 import torch
@@ -39,3 +39,24 @@ def test_collectives_across_simulated_nodes(world):
     t = weft.empty((4,), torch.float32)
     with pytest.raises(ValueError, match="not mapped here"):
         weft.peer(t, far)
+
+
+def test_gemm_ops_across_simulated_nodes(world):
+    """ag_gemm and gemm_rs (overlap) across nodes: the node's overlapped op, NCCL on the rail on a side stream."""
+    size, rank = world.world_size, world.rank
+    gen = torch.Generator("cuda").manual_seed(23)  # the same inputs on every rank
+    for m, k, n in ((1000, 512, 256), (77, 256, 128)):  # m a multiple of no tile
+        shards = torch.randn((size, m, k), generator=gen, device="cuda").to(torch.bfloat16)
+        b = torch.randn((k, n), generator=gen, device="cuda").to(torch.bfloat16)
+        want = shards.reshape(-1, k).float() @ b.float()
+        out = torch.full((size * m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        got = weft.ops.ag_gemm(shards[rank], b, method="overlap", out=out)
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=1e-1)
+        parts = torch.randn((size, size * m, k), generator=gen, device="cuda").to(torch.bfloat16)
+        b_shards = torch.randn((size, k, n), generator=gen, device="cuda").to(torch.bfloat16)
+        full = sum(parts[q].float() @ b_shards[q].float() for q in range(size))
+        got = weft.ops.gemm_rs(parts[rank], b_shards[rank], method="overlap")
+        torch.testing.assert_close(got.float(), full[rank * m:(rank + 1) * m], rtol=2e-2, atol=2e-1)
+        assert torch.equal(weft.ops.gemm_rs(parts[rank], b_shards[rank], method="overlap"), got)
+    plans = [p for key, p in world.plans.items() if key[0] in ("ag_gemm", "gemm_rs")]
+    assert plans and all(type(p.run.__self__).__module__ == "weft.kernels.hierarchical" for p in plans)

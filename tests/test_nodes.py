@@ -172,6 +172,85 @@ def test_collectives_on_three_nodes_of_two():
     assert all(run_ranks(_collectives, 6, [((5, 3), torch.float32)], env=TWO_NODES, timeout=400))
 
 
+def _gemm_ops(cases):
+    """Every rank checks ag_gemm and gemm_rs (the overlap method) against torch on fresh inputs, outputs poisoned,
+    over the world, a group across nodes and one inside a node, m changing from call to call. Returns the
+    world's ag_gemm outputs, which the caller compares bit for bit with a run on one node."""
+    import torch
+    import torch.distributed as dist
+
+    import weft
+
+    w = weft.world()
+    wsize = w.world_size
+    local = wsize // len(w.nodes)
+    across = [weft.new_group(range(j, wsize, local)) for j in range(local)]  # every rank makes every group
+    across = next(g for g in across if g is not None)
+    inside = weft.new_subgroups(local)
+    spanning = {w.name: w.topology.spans_nodes, across.name: across.topology.spans_nodes}
+    kept, heap_used = [], None
+    for step, (m, k, n, dtype) in enumerate(cases):
+        tol = dict(rtol=2e-2, atol=5e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+        for i, group in enumerate((None, across, inside)):
+            # The same inputs on every rank (each takes its own rows), and in a run on one node.
+            gen = torch.Generator().manual_seed(100 * step + i)
+            g = weft.get_group(group)
+            size, me = g.size, g.rank
+            shards = torch.randn((size, m, k), generator=gen).to(dtype)
+            b = torch.randn((k, n), generator=gen).to(dtype)
+            want = (shards.reshape(-1, k).double() @ b.double())
+            out = torch.full((size * m, n), float("nan"), dtype=dtype)
+            got, gathered = weft.ops.ag_gemm(shards[me], b, method="overlap", out=out, return_gathered=True,
+                                             group=group)
+            assert got is out
+            torch.testing.assert_close(got.double(), want, **tol)
+            assert torch.equal(gathered, shards.reshape(-1, k))  # the gathered A, bit for bit
+            if group is None:
+                kept.append(got.clone())
+
+            parts = torch.randn((size, size * m, k), generator=gen).to(dtype)  # member q's a
+            b_shards = torch.randn((size, k, n), generator=gen).to(dtype)
+            full = sum(parts[q].double() @ b_shards[q].double() for q in range(size))
+            out = torch.full((m, n), float("nan"), dtype=dtype)
+            got = weft.ops.gemm_rs(parts[me], b_shards[me], method="overlap", out=out, group=group)
+            assert got is out
+            torch.testing.assert_close(got.double(), full[me * m:(me + 1) * m], **tol)
+            again = weft.ops.gemm_rs(parts[me], b_shards[me], method="overlap", group=group)
+            assert torch.equal(again, got)  # the same sum order on every call
+        for g in (w, across):  # across nodes both ops took the hierarchical path, inside a node the flat one
+            gemm_plans = [p for key, p in g.plans.items() if key[0] in ("ag_gemm", "gemm_rs")]
+            assert gemm_plans and all((type(p.run.__self__).__module__ == "weft.kernels.hierarchical") ==
+                                      spanning[g.name] for p in gemm_plans)
+        if step == 0:
+            heap_used = {h: h.heap.used for h in w.groups.values() if h._heap is not None}
+        dist.barrier()
+    # Heap bounded: later calls of every size allocate nothing more in any group's heap.
+    assert {h: h.heap.used for h in heap_used} == heap_used
+    return [got.view(torch.uint8).numpy().tobytes() for got in kept]  # plain bytes: tensors would not pickle back
+
+
+def _gemm_cases():
+    """(m, K, N, dtype) per step: m odd and changing; K and N whole 16 bytes (the overlap's TMA rule)."""
+    import torch
+
+    return [(5, 24, 16, torch.float32), (3, 16, 8, torch.bfloat16), (9, 8, 12, torch.float32)]
+
+
+def test_gemm_ops_on_two_nodes_of_two():
+    """ag_gemm and gemm_rs across 2 simulated nodes of 2: against torch, and ag_gemm bit for bit the flat op's
+    result on one node of 4 (same inputs)."""
+    hier = run_ranks(_gemm_ops, 4, _gemm_cases(), env=TWO_NODES, timeout=400)
+    flat = run_ranks(_gemm_ops, 4, _gemm_cases(), timeout=400)
+    for rank in range(4):
+        assert hier[rank] == flat[rank], rank
+
+
+def test_gemm_ops_on_three_nodes_of_two():
+    import torch
+
+    assert run_ranks(_gemm_ops, 6, [(3, 16, 8, torch.float32)], env=TWO_NODES, timeout=400)
+
+
 def test_launcher_nodes(tmp_path):
     """`weft run`'s node flags: torchrun's multi-node command line, the checks, and simulated nodes on cpu."""
     import os
@@ -223,4 +302,14 @@ def test_cost_model():
         assert abs(predicted - measured) <= 0.05 * measured, (gpus, nbytes, predicted, measured)
     with pytest.raises(ValueError, match="op must be one of"):
         model.weft_cost("broadcast", size, c)
-    assert "| all_reduce | 1 GiB |" in model.tables()
+    # ag_gemm moves the gathered A (m x k), gemm_rs the partial products (m x n), as all_gather / reduce_scatter.
+    m, k, n = 16384, 8192, 1792
+    for op, moved in (("ag_gemm", m * k * 2), ("gemm_rs", m * n * 2)):
+        g = model.gemm_cost(op, m, k, n, c)
+        assert g.nvlink_bytes == 7 / 8 * moved and g.ib_bytes == moved / 2 / 8
+        assert g.gemm_us == 2 * m * k * n / 700e6
+        assert g.gemm_us < g.us < g.baseline_us  # the network hop partly hidden: between the GEMM and the two in turn
+    with pytest.raises(ValueError, match="op must be one of"):
+        model.gemm_cost("gemm_ar", m, k, n, c)
+    tables = model.tables()
+    assert "| all_reduce | 1 GiB |" in tables and "| ag_gemm | 16384×8192×1792 |" in tables

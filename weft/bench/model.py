@@ -1,5 +1,6 @@
 """A cost model of the collectives on several nodes: per op, the bytes each link carries and the predicted time,
-weft's hierarchical ops (weft/kernels/hierarchical.py) beside NCCL's ring and tree.
+weft's hierarchical ops (weft/kernels/hierarchical.py) beside NCCL's ring and tree; and of ag_gemm and gemm_rs
+across nodes (`gemm_cost`) beside NCCL's ring collective and the GEMM in turn.
 
 Links: each GPU's NVLink (per direction) inside a node, and each GPU's own InfiniBand NIC (rail-optimised nodes:
 8 × 400 Gb/s per node of 8). A phase costs its latency plus its bytes over the link's effective bandwidth. The
@@ -14,6 +15,11 @@ here: IB_EFFICIENCY is a typical RDMA write efficiency, NET_STEP_US and NCCL's l
 model's (tuning.cc of NCCL 2.7: base and per-step latencies of each protocol, LL / LL128 / Simple; NCCL picks
 the fastest, so does the model, with LL's and LL128's share of payload in their words). Check them against
 nccl-tests on the machines before trusting a crossover.
+
+The GEMM ops: GEMM_TFLOPS is cuBLAS's bf16 rate on one H200 at TP shapes (docs/performance/data/gemm.json,
+2026-11-21: 8192x3584x8192 in 656.9 µs, 732 TFLOP/s; 8192x6656x16384 in 2565.3 µs, 697), the same on H100 (the same
+dense bf16 peak; H200's extra memory bandwidth matters little to these GEMMs). A node's overlapped op hides its
+NVLink traffic under its GEMM (the slower of the two sets its time).
 
 `python -m weft.bench.model` prints the tables of docs/nodes.md.
 """
@@ -35,8 +41,10 @@ NCCL_BASE_US = {"ring": (3.6, 3.6, 8.4), "tree": (4.4, 4.4, 0.0)}
 NCCL_STEP_US = {"ring": {"nvlink": (0.4, 2.5, 5.7), "net": (0.9, 2.5, 6.6)},
                 "tree": {"nvlink": (0.5, 1.9, 28.0), "net": (5.0, 7.5, 50.0)}}
 NCCL_PAYLOAD = (0.5, 120 / 128, 1.0)
+GEMM_TFLOPS = 700.0  # bf16 dense, cuBLAS on 1× H200 at TP shapes (see the module docstring)
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
+GEMM_OPS = ("ag_gemm", "gemm_rs")
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,41 @@ def nccl_tree_cost(size: int, c: Cluster) -> Cost:
     return Cost(2 * size, net, best)
 
 
+@dataclass(frozen=True)
+class GemmCost:
+    """ag_gemm's or gemm_rs's prediction on one GPU: bytes it sends over NVLink and over its NIC, the GEMM alone,
+    weft's op across nodes (weft/kernels/hierarchical.py, as implemented) and NCCL's ring collective then the
+    GEMM (the baseline). Times in µs."""
+    nvlink_bytes: float
+    ib_bytes: float
+    gemm_us: float
+    us: float
+    baseline_us: float
+
+
+def gemm_cost(op: str, m: int, k: int, n: int, c: Cluster, element_bytes: int = 2) -> GemmCost:
+    """One GPU's (m, k) @ (k, n) of `op` over the whole cluster: ag_gemm's gathered A is (m, k), gemm_rs's a is
+    (m, k) (k: this GPU's slice of K) and its partial products (m, n).
+
+    The data the network carries is the all_gather's (ag_gemm: the shards) or the reduce_scatter's (gemm_rs: the
+    node sums), so the bytes per link are those ops' on the gathered A or the partials. Time, with N nodes:
+    a node block (the node's overlapped op on 1/N of the rows) costs its GEMM or its NVLink traffic, whichever is
+    longer, plus one NVLink phase (its start barrier); ag_gemm runs the rail's all_gather beside the first block
+    (its own node's), then the N - 1 others; gemm_rs runs the N - 1 other nodes' blocks, then the rail's exchange
+    beside its own node's block."""
+    if op not in GEMM_OPS:
+        raise ValueError(f"op must be one of {GEMM_OPS}, got {op!r}")
+    nodes, gpus = c.nodes, c.gpus
+    gemm_us = 2 * m * k * n / (GEMM_TFLOPS * 1e6)
+    moved = (m * k if op == "ag_gemm" else m * n) * element_bytes  # the gathered A, or the partial products
+    collective = weft_cost("all_gather" if op == "ag_gemm" else "reduce_scatter", moved, c)
+    block = max(gemm_us, _nvlink_us(collective.nvlink_bytes)) / nodes + (NVLINK_PHASE_US if gpus > 1 else 0.0)
+    net = NET_STEP_US + _ib_us(collective.ib_bytes) if nodes > 1 else 0.0
+    us = max(block, net) + (nodes - 1) * block
+    ring = nccl_ring_cost("all_gather" if op == "ag_gemm" else "reduce_scatter", moved, c)
+    return GemmCost(collective.nvlink_bytes, collective.ib_bytes, gemm_us, us, ring.us + gemm_us)
+
+
 # docs/perf.md, 4× and 2× H200 bf16 all_reduce, µs: (GPUs, bytes) -> measured (two-shot symmetric in place above
 # 1 MiB, the LL one-shot at 4 KiB).
 MEASURED_ALL_REDUCE_US = {(4, 4 << 10): 4.1, (4, 16 << 20): 81.2, (4, 64 << 20): 296.7, (4, 512 << 20): 2281.6,
@@ -145,6 +188,16 @@ def _size(nbytes: int) -> str:
 
 SIZES = (64 << 10, 1 << 20, 16 << 20, 256 << 20, 1 << 30)
 CLUSTERS = (Cluster(2, 8), Cluster(4, 8))
+# The GEMM ops' shapes: Llama-3 70B's MLP (hidden 8192, FFN 28672) split over every GPU, at these token counts.
+TOKENS = (4096, 16384, 65536)
+HIDDEN, FFN = 8192, 28672
+
+
+def gemm_shapes(op: str, c: Cluster) -> list[tuple[int, int, int]]:
+    """One GPU's (m, k, n) of `op` (ag_gemm: the up projection, gemm_rs: the down one) at each of TOKENS."""
+    if op == "ag_gemm":
+        return [(t, HIDDEN, FFN // c.world) for t in TOKENS]
+    return [(t, FFN // c.world, HIDDEN) for t in TOKENS]
 
 
 def tables() -> str:
@@ -161,6 +214,17 @@ def tables() -> str:
                 tree = f"{nccl_tree_cost(size, c).us:.0f}" if op == "all_reduce" else "—"
                 out.append(f"| {op} | {_size(size)} | {h.nvlink_bytes / 1e6:.1f} | {h.ib_bytes / 1e6:.1f} | "
                            f"{h.us:.0f} | {h.pipelined_us:.0f} | {r.us:.0f} | {tree} |")
+        out.append("")
+    for c in CLUSTERS:
+        out.append(f"ag_gemm and gemm_rs, {c.nodes}×{c.gpus} GPUs (bf16; m×k×n: one GPU's GEMM):\n")
+        out.append("| op | m×k×n | NVLink MB / GPU | IB MB / NIC | GEMM alone µs | weft across nodes µs | "
+                   "NCCL ring + GEMM µs |")
+        out.append("|---|---|---|---|---|---|---|")
+        for op in GEMM_OPS:
+            for m, k, n in gemm_shapes(op, c):
+                g = gemm_cost(op, m, k, n, c)
+                out.append(f"| {op} | {m}×{k}×{n} | {g.nvlink_bytes / 1e6:.1f} | {g.ib_bytes / 1e6:.1f} | "
+                           f"{g.gemm_us:.0f} | {g.us:.0f} | {g.baseline_us:.0f} |")
         out.append("")
     out.append("Single node, the model against docs/perf.md (all_reduce, bf16, H200):\n")
     out.append("| GPUs | size | model µs | measured µs |")

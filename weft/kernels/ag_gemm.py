@@ -49,7 +49,10 @@ Every call runs over a group (default the world; W is its size, ranks are
 group ranks). The workspace is one per group (`AgGemmWorkspace`), viewed as
 (W * m, K) by each call: the start barrier makes any change of shape between
 calls safe. On a group of one there is nothing to gather: the call is
-torch.matmul alone, with no workspace and no communication kernel.
+torch.matmul alone, with no workspace and no communication kernel. On a group
+that spans nodes the overlap is this op on each node's members and the
+network between them (`hierarchical.AgGemm`, docs/nodes.md), bit for bit the
+same result.
 """
 from __future__ import annotations
 
@@ -62,7 +65,7 @@ import weft.language as wl
 from .. import tuning
 from ..runtime.streams import StreamSet
 from ..runtime.tiles import CopyEnginePush
-from . import gemm
+from . import gemm, hierarchical
 from .all_gather import all_gather
 from .blocks import copy, first_item
 from .common import (Launch, Plan, check_method, check_out, group_name, group_size, matmul_operands, plan,
@@ -259,6 +262,13 @@ class AgGemmPlan(Plan):
             self.run = self.run_matmul
         elif method == "baseline":
             self.run = self.run_baseline
+        elif group.topology.spans_nodes:
+            # Across nodes: the node's overlap and the rail's all_gather (weft/kernels/hierarchical.py), with the
+            # flat op's tiling (the same bits); nodes of unequal member counts have no rails: the baseline.
+            h = hierarchical.hierarchy(group)
+            cfg = config or gemm.config_for(w * m, n, k, group.device)
+            self.run = self.run_baseline if h is None else \
+                hierarchical.AgGemm(group, h, a_shard, b, cfg, self.return_gathered).run
         else:
             self.prepare_overlap(group, a_shard, b, out, config)
             self.run = self.run_overlap

@@ -94,7 +94,9 @@ measurement shows the overlap loses.
 Every call runs over a group (default the world): W is its size, ranks are
 group ranks, and the workspace is the group's own. On a group of one there
 is nothing to reduce: the call is torch.matmul alone, with no workspace and
-no communication kernel.
+no communication kernel. On a group that spans nodes the overlap is this op on
+each node's members, once per node's rows, and the network between them
+(`hierarchical.GemmRS`, docs/nodes.md), summed in two levels.
 """
 from __future__ import annotations
 
@@ -107,7 +109,7 @@ import weft.language as wl
 from .. import tuning
 from ..runtime.streams import StreamSet
 from ..runtime.tiles import CopyEnginePush
-from . import gemm
+from . import gemm, hierarchical
 from .all_reduce import reduce_scatter
 from .blocks import cast
 from .common import (Launch, Plan, check_method, check_out, group_name, group_size, matmul_operands, plan,
@@ -366,6 +368,11 @@ class GemmRSPlan(Plan):
             self.run = self.run_matmul
         elif method == "baseline":
             self.run = self.run_baseline
+        elif group.topology.spans_nodes:
+            # Across nodes: the node's overlap for each node's rows and the rail's exchange of the node sums
+            # (weft/kernels/hierarchical.py); nodes of unequal member counts have no rails: the baseline.
+            h = hierarchical.hierarchy(group)
+            self.run = self.run_baseline if h is None else hierarchical.GemmRS(group, h, a, b_shard, config).run
         else:
             self.prepare_overlap(group, a, b_shard, out, config)
             self.run = self.run_overlap

@@ -1,4 +1,4 @@
-"""The collectives of a group that spans nodes: all_reduce, reduce_scatter and all_gather in two levels.
+"""The ops of a group that spans nodes: all_reduce, reduce_scatter, all_gather, ag_gemm and gemm_rs in two levels.
 
 A group whose members run on several nodes (weft.runtime.topology) reaches another node only through the
 network; inside a node its members keep NVLink. So each op splits into the node's own collective (weft's kernels
@@ -12,12 +12,17 @@ node:
   reduce_scatter inside the node, reduce_scatter over the rail;
 - all_gather: all_gather over the rail (one shard per node), all_gather inside the node, the blocks put back in
   group order. Bit for bit the flat op's result.
+- ag_gemm (`AgGemm`): all_gather over the rail beside the node's overlapped ag_gemm of its own node's shards, then
+  the node's ag_gemm of each other node's shards. Bit for bit the flat op's result.
+- gemm_rs (`GemmRS`): the node's overlapped gemm_rs of the rows destined to each node (the other nodes' first),
+  the node sums exchanged over the rail beside the last one, summed in node order.
 
 The rail exchange: on the cpu backend `network_exchange_kernel`, which moves data with the network primitives
 only (`putmem_signal_block`, then a wait on its own flags), through a double-buffered workspace in the rail's
 heap, in passes when larger; the rail's reductions are then summed on the host in rank order (the same bits on
 every member). On GPUs, until the network primitives have an NVSHMEM backend, the rail exchange is the rail's
-process group (NCCL: on InfiniBand between nodes), ordered with the node's kernels by stream order.
+process group (NCCL: on InfiniBand between nodes), ordered with the node's kernels by stream order (ag_gemm's and
+gemm_rs's on a side stream, beside the node's kernels: see their classes).
 
 The node and rail groups are made on the op's first call on the group, among its members only (torch's
 `use_local_synchronization`), once per set of ranks in a world, with a heap just large enough for the families'
@@ -34,6 +39,7 @@ import triton.language as tl
 from .. import language as wl
 from ..runtime import backend
 from ..runtime.group import Group
+from ..runtime.streams import StreamSet
 from .common import nccl_all_gather, nccl_reduce_scatter, workspace, zero_everywhere
 
 
@@ -122,15 +128,33 @@ def _rail_reduce_scatter(rail: Group, blocks: torch.Tensor, op: str) -> torch.Te
     return _combine(rows.view(blocks.dtype).view(rail.size, -1), op)
 
 
-def _rail_all_gather(rail: Group, shard: torch.Tensor) -> torch.Tensor:
-    """shard: (m,) bytes of any dtype; returns (rail size, m)."""
+def _rail_all_gather(rail: Group, shard: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """shard: (m,) bytes of any dtype; returns (rail size, m), into `out` (contiguous) when given."""
     if rail.size == 1:
-        return shard.view(1, -1)
+        return shard.view(1, -1) if out is None else out.copy_(shard.view(1, -1))
     if not backend.INTERPRET:
-        out = torch.empty((rail.size, shard.numel()), dtype=shard.dtype, device=shard.device)
+        if out is None:
+            out = torch.empty((rail.size, shard.numel()), dtype=shard.dtype, device=shard.device)
         nccl_all_gather(out.view(-1), shard, rail.process_group)
         return out
-    return _exchange(rail, shard, shard.numel() * shard.element_size(), all_to_all=False).view(shard.dtype)
+    rows = _exchange(rail, shard, shard.numel() * shard.element_size(), all_to_all=False).view(shard.dtype)
+    return rows if out is None else out.copy_(rows)
+
+
+def _rail_all_to_all(rail: Group, blocks: torch.Tensor, rows: torch.Tensor, keep: int) -> None:
+    """blocks: (rail size, m) contiguous; rows[i] = member i's blocks[me], for every member i but `keep` (this
+    member's rail rank: its row is its own business, written by the caller). rows: (rail size, m), contiguous."""
+    if not backend.INTERPRET:
+        # NCCL's all-to-all of every row but my own (none sent to or received from myself: the caller may be
+        # writing rows[keep] on another stream meanwhile).
+        none = blocks.new_empty(0)
+        dist.all_to_all([none if i == keep else rows[i] for i in range(rail.size)],
+                        [none if i == keep else blocks[i] for i in range(rail.size)], group=rail.process_group)
+        return
+    got = _exchange(rail, blocks, blocks.shape[1] * blocks.element_size(), all_to_all=True).view(blocks.dtype)
+    for i in range(rail.size):
+        if i != keep:
+            rows[i] = got[i]
 
 
 # -- the node and rail groups -----------------------------------------------------------------------------------
@@ -147,9 +171,13 @@ class Hierarchy:
         self.local_size = len(mine)
         # Rail order is world order, which for a group is group-rank order.
         self.rails = [sorted(members[i] for members in topo.nodes) for i in range(self.local_size)]
-        # Every member makes its node's group first, then its rail's: the same order on every rank.
-        self.node = _subgroup(group, [group.ranks[i] for i in mine], extra_families=2) if len(mine) > 1 else None
+        # Every member makes its node's group first, then its rail's: the same order on every rank. The node's
+        # heap holds five workspaces: the reduce and all_gather families', ag_gemm's and gemm_rs's two (receive
+        # and send).
+        self.node = _subgroup(group, [group.ranks[i] for i in mine], extra_families=5) if len(mine) > 1 else None
         self.rail = _subgroup(group, [group.ranks[i] for i in self.rails[j]], extra_families=1)
+        # The side stream the rail's NCCL calls of ag_gemm and gemm_rs run on, beside the node's kernels.
+        self.streams = StreamSet(group.device, 1) if group.device.type == "cuda" else None
 
 
 def _subgroup(parent: Group, world_ranks: list[int], extra_families: int) -> Group:
@@ -284,6 +312,128 @@ class AllGather:
         else:
             gathered = rail_rows
         dst.view(self.group.size, -1).index_copy_(0, self.order, gathered.reshape(self.group.size, -1))
+
+
+class AgGemm:
+    """ag_gemm (the overlap method) over a spanning group: the rail's all_gather of the shards brings every member
+    the shards at its place on the other nodes, while the node's overlapped ag_gemm computes the rows of its own
+    node's members; then the node's ag_gemm of each other node's shards (every member holds one of them, the
+    node's gather brings it the rest), nodes in order from the next one. Every block goes straight into its rows
+    of the output (a node's members are consecutive group ranks).
+
+    What overlaps: on GPUs the rail's all_gather (NCCL, on the hierarchy's side stream) runs beside the node's
+    ag_gemm of its own block (the main stream waits for it only before the first other node's block), and inside
+    every node ag_gemm the node's gather runs under its GEMM (copy engines, NVLink). What does not: the other
+    nodes' blocks start after the whole rail all_gather (one NCCL call, not chunk by chunk), and on the cpu backend
+    everything runs in turn (rail exchange, then the node ag_gemms). Every row is the same GEMM tile code with the
+    same tiling (the flat op's: `config`) over the same K order as in the flat op: bit for bit its result, except
+    with one member per node, where a node's block is torch.matmul (as on a group of one)."""
+
+    def __init__(self, group: Group, h: Hierarchy, a_shard: torch.Tensor, b: torch.Tensor, config,
+                 return_gathered: bool):
+        topo = group.topology
+        self.group, self.h, self.config, self.return_gathered = group, h, config, return_gathered
+        (self.m, self.k), self.n = a_shard.shape, b.shape[1]
+        self.dtype, self.device = a_shard.dtype, a_shard.device  # a plan keeps no caller tensor
+        self.node_count = len(topo.nodes)
+        mine = topo.node_index[group.rank]
+        self.order = [(mine + i) % self.node_count for i in range(self.node_count)]  # my node's block first
+
+    def run(self, a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None):
+        """The plan's run: c (W * m, N) into `out` (contiguous: the plan checked it) or a new tensor; with
+        return_gathered (c, gathered A)."""
+        h, m, k, nodes = self.h, self.m, self.k, self.node_count
+        res = torch.empty((self.group.size * m, self.n), dtype=self.dtype, device=self.device) if out is None else out
+        blocks = res.view(nodes, h.local_size * m, self.n)
+        gathered = torch.empty((nodes, h.local_size * m, k), dtype=self.dtype, device=self.device) \
+            if self.return_gathered else None
+        shards = torch.empty((nodes, m * k), dtype=self.dtype, device=self.device)  # row i: rail member i's shard
+        streams = h.streams
+        if streams is None:
+            _rail_all_gather(h.rail, a_shard.view(-1), shards)
+        else:
+            main, side = streams.current(), streams.sides[0]
+            streams.wait(side, main)  # a_shard is written
+            streams.run_on(side, main, _rail_all_gather, h.rail, a_shard.view(-1), shards)
+        for step, node in enumerate(self.order):
+            if step == 1 and streams is not None:
+                streams.wait(main, side)  # the other nodes' shards are here
+            shard = a_shard if step == 0 else shards[node].view(m, k)
+            self._node_ag_gemm(shard, b, blocks[node], None if gathered is None else gathered[node])
+        return (res, gathered.view(-1, k)) if self.return_gathered else res
+
+    def _node_ag_gemm(self, shard, b, dst, gathered_dst):
+        from .ag_gemm import ag_gemm
+
+        if self.h.node is None:  # one member per node: its block is its shard's product
+            torch.matmul(shard, b, out=dst)
+            if gathered_dst is not None:
+                gathered_dst.copy_(shard)
+            return
+        got = ag_gemm.eager(shard, b, method="overlap", out=dst, return_gathered=gathered_dst is not None,
+                            config=self.config, group=self.h.node)
+        if gathered_dst is not None:
+            gathered_dst.copy_(got[1])
+
+
+class GemmRS:
+    """gemm_rs (the overlap method) over a spanning group: for each node k, the node's overlapped gemm_rs of the
+    rows destined to node k's members (member j of my node gets my node's sum for node k's member j, the member
+    of its rail on node k), the other nodes' blocks first, my node's last; then each member sends the rail the
+    node sums it holds for the others (network: (N - 1) blocks of M / W rows per member, 1/L of the partials'
+    bytes, as the hierarchical reduce_scatter's) and adds what it receives.
+
+    Sum order: inside a node, the node's gemm_rs (its members' partials, each rounded to the dtype once, summed in
+    fp32 in node-rank order, rounded); across nodes, the N node sums in node order, in fp32 for 16-bit dtypes,
+    rounded once. The same on every call and on both backends; not the flat op's order (which sums all W
+    partials in one fp32 sum), so it matches torch within the dtype's tolerance, not bit for bit.
+
+    What overlaps: on GPUs the rail's exchange (NCCL's all-to-all on the hierarchy's side stream) starts when the
+    other nodes' sums are done and runs beside the node's gemm_rs of my own node's block; inside each node gemm_rs
+    the pushes run under the chunk GEMMs. What does not: the exchange waits for every other node's block (one
+    NCCL call), and the final sum for the exchange; on the cpu backend everything runs in turn."""
+
+    def __init__(self, group: Group, h: Hierarchy, a: torch.Tensor, b_shard: torch.Tensor, config):
+        topo = group.topology
+        self.group, self.h, self.config = group, h, config
+        self.m, self.n = a.shape[0] // group.size, b_shard.shape[1]
+        self.dtype, self.device = a.dtype, a.device  # a plan keeps no caller tensor
+        self.node_count = nodes = len(topo.nodes)
+        self.mine = mine = topo.node_index[group.rank]
+        # A node's members are consecutive group ranks: the rows destined to node i are one slice of a.
+        self.rows = [(members[0] * self.m, (members[-1] + 1) * self.m) for members in topo.nodes]
+        self.others = [(mine + i) % nodes for i in range(1, nodes)]
+
+    def run(self, a: torch.Tensor, b_shard: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """The plan's run: my (M / W, N) rows of the sum, into `out` (any layout) or a new tensor."""
+        h, m, n, nodes, mine = self.h, self.m, self.n, self.node_count, self.mine
+        sums = torch.empty((nodes, m * n), dtype=self.dtype, device=self.device)  # row i: for node i's rail member
+        rows = torch.empty((nodes, m * n), dtype=self.dtype, device=self.device)  # row i: node i's sum for me
+        for node in self.others:
+            self._node_gemm_rs(a, b_shard, node, sums[node])
+        streams = h.streams
+        if streams is None:
+            _rail_all_to_all(h.rail, sums, rows, mine)
+        else:
+            main, side = streams.current(), streams.sides[0]
+            streams.wait(side, main)  # the other nodes' sums are done
+            streams.run_on(side, main, _rail_all_to_all, h.rail, sums, rows, mine)
+        self._node_gemm_rs(a, b_shard, mine, rows[mine])
+        if streams is not None:
+            streams.wait(main, side)
+        total = _combine(rows, "sum").view(m, n)
+        return total if out is None else out.copy_(total)
+
+    def _node_gemm_rs(self, a, b_shard, node, dst):
+        """My node's sum for node `node`'s member at my place, into dst (m * n,)."""
+        from .gemm_rs import gemm_rs
+
+        lo, hi = self.rows[node]
+        dst = dst.view(self.m, self.n)
+        if self.h.node is None:  # one member per node: the node's sum is my own partial
+            torch.matmul(a[lo:hi], b_shard, out=dst)
+        else:
+            gemm_rs.eager(a[lo:hi], b_shard, method="overlap", out=dst, config=self.config, group=self.h.node)
 
 
 # The sm_90 compile check (weft.testing.compile): the rail exchange is cpu-only for now, but must stay compilable
