@@ -10,17 +10,37 @@ order. Combine: each receiver pushes its processed rows y[s, :counts[s]] back in
 for it; a sender waits for every receiver and sums out[t] = sum_j weights[t, j] * y_row(t, j) (fp32, rounded to
 x's dtype once). One launch per side per op, no host sync, CUDA-graph capturable.
 
+Work: each launch is a grid of LANES x CHUNKS programs (the plan's choice: weft.tuning `m2n.launch` on GPUs);
+program p moves column chunk p % CHUNKS of its lane's rows. A sender's lane is a contiguous block of its tokens;
+the program finds each entry's position without talking to the others: its receivers' entries before the block
+(a histogram of dest's rows before it), then within the block row by row (a cumulative sum over the row's k
+entries), all in registers. The receivers' lanes (their copies out, their pushes back) take rows i = lane mod
+LANES of each segment; a sender's combine lanes its tokens, as in dispatch.
+
 Synchronisation (per direction, both the same): the buffers are double-buffered by the call's epoch
 (`wl.next_epoch` on a counter per op: every union rank calls each op once per step, so the epochs agree); flags
 count epochs and are never reset. A writer (sender in dispatch, receiver in combine) of call e first waits for
 every reader's acknowledgement of call e - 1, which a reader releases after it has copied its half out: so when
 half e % 2 is rewritten at call e, its last reading (call e - 2) ended before the ack of e - 1 was sent. Only the
 writer writes a segment, its count and its flag; only the reader its acknowledgement word in the writer's heap.
-Each side's launch is one program (writers never wait on a program of a reader that waits on them).
+A side's flag (or ack) is raised once by the last of its programs to finish (`_last_out`: a ticket counter with
+release / acquire, so that flag's release covers every program's stores), so the two sides' grids are each
+their plan's own. No program waits on a program of its own grid, only on the peers' flags, acks and signature
+words, none of which waits on a later program of the waiter's rank: the interpreter, which runs a grid's programs
+one after another, runs the protocol as it is.
+
+The signature check (weft.language.signals): the plan signs M, N, k, hidden, dtype, max_tokens and the two rank
+sets (group ranks); every program signs and checks its launch before its first wait. On a mismatch no program
+writes (recv, counts, routes, out: unwritten) and the host raises weft.SignatureMismatch on every member (after the
+launch on the cpu backend; at the family's next call or weft.check_errors() on GPUs). The acks are released
+whatever the check found, and by a tripped family's launches too (the ack says "I no longer read my half", true
+of a launch that reads nothing), so the next matching call's first wait finds its ack.
 
 Workspace: made at the group's first M2N call, collectively (an allocation and a host barrier over the group). That
 needs no rank outside the call: the group must be exactly the senders and the receivers, and every one of them
 calls each op (unlike p2p, where a first transfer between two members leaves the others out: weft/kernels/p2p.py).
+Its data region is four fixed quarters, [op][half], whatever the plan: calls of plans of different sizes never
+overlap another half's rows.
 
 A destination outside [-1, N) is never dereferenced: the entry counts as none and the sender records it in the
 family's error word, raised (ValueError naming `dest`, the row and the value) after the launch under the
@@ -36,14 +56,18 @@ import triton.language as tl
 
 import weft.language as wl
 
+from .. import tuning
 from .blocks import cast
-from .common import (Plan, check_tensor, group_name, group_size, handle_group, plan, resolve, signature, workspace,
-                     zero_everywhere)
+from .common import (Plan, check_tensor, group_name, handle_group, plan, resolve, signature, signature_words,
+                     signatures, workspace, zero_everywhere)
 from ..runtime.group import Group
 from .registry import declare_op, export
 
 ERROR_SET = tl.constexpr(1 << 62)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# The launch under the interpreter (programs, chunk elements, warps): chunks so small that the tests' rows span
+# several, lanes enough that their tokens span several.
+M2N_CPU = (6, 8, 4)
 
 
 @triton.jit
@@ -53,110 +77,194 @@ def _wide(v):
 
 
 @triton.jit
-def _row(dst, src, hidden, BLOCK: tl.constexpr):
-    for c0 in range(0, hidden, BLOCK):
-        cc = c0 + tl.arange(0, BLOCK)
-        tl.store(dst + cc, tl.load(src + cc, mask=cc < hidden), mask=cc < hidden)
+def _start(counter, sig, sig_err, fp, heap, op: tl.constexpr):
+    """The launch's epoch, and whether it may run: its family not tripped, and every member's launch signed with
+    the same fingerprint (every program signs and checks before its first wait: wl.check_signed)."""
+    epoch = wl.next_epoch(counter)
+    ok = wl.signature_live(sig, heap)
+    if ok:
+        wl.sign(sig, epoch, fp, heap)
+        ok = wl.check_signed(sig, epoch, fp, heap, sig_err, op=op)
+    return epoch, ok
+
+
+@triton.jit
+def _last_out(done):
+    """Whether this program is the last of its grid to get here. Its ticket is taken with release after a CTA
+    barrier (every thread's stores, remote ones included, come before it) and acquire, so the last program has
+    seen every program's stores, and a flag it then releases covers them all. The last one resets the counter
+    for the next launch (stream-ordered after this one). Every program must call it, whatever it did."""
+    wl.program_sync()
+    ticket = tl.atomic_add(done, 1, sem="acq_rel", scope="sys")
+    last = ticket == tl.num_programs(0) - 1
+    if last:
+        tl.atomic_xchg(done, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def _lane_tokens(tokens, lane, LANES: tl.constexpr):
+    """Lane `lane`'s contiguous block [lo, hi) of the tokens (the last lane's ends at `tokens`)."""
+    share = tl.cdiv(tokens, LANES)
+    lo = tl.minimum(lane * share, tokens)
+    return lo, tl.minimum(lo + share, tokens)
+
+
+@triton.jit
+def _entries_before(dest, t_end, K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """For each receiver n < BLOCK_N: how many entries of dest's rows [0, t_end) name it (0 for n >= N)."""
+    jj = tl.arange(0, BLOCK_K)
+    nn = tl.arange(0, BLOCK_N)
+    found = tl.zeros([BLOCK_N], tl.int32)
+    for t0 in range(0, t_end, BLOCK_T):
+        tt = t0 + tl.arange(0, BLOCK_T)
+        d = tl.load(dest + tt[:, None] * K + jj[None, :], mask=(tt[:, None] < t_end) & (jj[None, :] < K), other=-1)
+        hit = (d[:, :, None] == nn[None, None, :]) & (nn < N)[None, None, :]
+        found += tl.sum(tl.sum(hit.to(tl.int32), axis=1), axis=0)
+    return found
 
 
 @triton.jit(do_not_specialize=["tokens"])
-def m2n_dispatch_kernel(x, dest, routes, recv, counts, buf, seg_counts, flags, acks, counter, pos, err, heap,
-                        tokens, hidden, max_rows, senders, receivers, ME: tl.constexpr, M: tl.constexpr,
-                        N: tl.constexpr, K: tl.constexpr, SENDER: tl.constexpr, BLOCK: tl.constexpr):
-    """SENDER: my rows into their receivers' segments (buf: [2][M][max_rows][hidden]), counts, flags[ME] on each
-    receiver; routes[t, j] = receiver * max_rows + position, or -1. Else: wait for every sender, copy the segments
-    into recv (M, max_rows, hidden), counts (M,), then acknowledge acks[ME] on every sender. ME: my sender or
-    receiver index; senders / receivers: their group ranks."""
-    epoch = wl.next_epoch(counter)
-    half = epoch % 2
+def m2n_dispatch_kernel(x, dest, routes, recv, counts, buf, seg_counts, flags, acks, counter, done, err, heap, sig,
+                        sig_err, fp, tokens, hidden, max_rows, half_elems, senders, receivers, ME: tl.constexpr,
+                        M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, SENDER: tl.constexpr,
+                        LANES: tl.constexpr, CHUNKS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """SENDER: column chunk p % CHUNKS of my lane's tokens' entries into their receivers' segments (buf: halves of
+    half_elems elements, each [M][max_rows][hidden]); routes[t, j] = receiver * max_rows + position, or -1 (the
+    chunk-0 programs); the last lane's chunk-0 program writes my segment counts (it has counted every entry);
+    the last program out raises flags[ME] on every receiver. Else: wait for every sender, copy rows i = lane
+    (mod LANES) of each segment into recv (M, max_rows, hidden), counts (M,) (program 0); the last program out
+    acknowledges acks[ME] on every sender. ME: my sender or receiver index; senders / receivers: group ranks."""
+    p = tl.program_id(0)
+    lane = p // CHUNKS
+    cc = (p % CHUNKS) * CHUNK + tl.arange(0, CHUNK)
+    cm = cc < hidden
+    epoch, ok = _start(counter, sig, sig_err, fp, heap, "m2n_dispatch")
+    half = buf + _wide(epoch % 2) * half_elems
     if SENDER:
-        for r in tl.static_range(N):
-            wl.wait(acks + r, 1, epoch - 1, wl.CMP_GE, heap=heap, peer=receivers[r], op="m2n_dispatch (ack)")
-            tl.store(pos + r, 0)
-        for t in range(tokens):
-            for j in tl.static_range(K):
-                d = tl.load(dest + t * K + j).to(tl.int32)
-                ok = (d >= 0) & (d < N)
-                if (d != -1) & (ok == 0):
-                    tl.store(err, ERROR_SET | (_wide(t) << 32) | (_wide(d) & 0xFFFFFFFF))
-                route = -1
-                if ok:
-                    p = tl.load(pos + d)
-                    tl.store(pos + d, p + 1)
-                    route = (d * max_rows + p).to(tl.int32)
-                    for r in tl.static_range(N):
-                        if d == r:
-                            seg = buf + ((half * M + ME) * max_rows + p).to(tl.int64) * hidden
-                            _row(wl.symm_at(seg, receivers[r], heap), x + _wide(t) * hidden, hidden, BLOCK)
-                tl.store(routes + t * K + j, route)
-        for r in tl.static_range(N):
-            tl.store(wl.symm_at(seg_counts + half * M + ME, receivers[r], heap), tl.load(pos + r))
-            wl.notify(flags + ME, receivers[r], heap, epoch)
+        if ok:
+            for r in tl.static_range(N):
+                wl.wait(acks + r, 1, epoch - 1, wl.CMP_GE, heap=heap, peer=receivers[r], op="m2n_dispatch (ack)")
+            jj = tl.arange(0, BLOCK_K)
+            nn = tl.arange(0, BLOCK_N)
+            lo, hi = _lane_tokens(tokens, lane, LANES)
+            before = _entries_before(dest, lo, K, N, BLOCK_T, BLOCK_K, BLOCK_N)  # my entries before, per receiver
+            for t in range(lo, hi):
+                raw = tl.load(dest + t * K + jj, mask=jj < K, other=-1)
+                valid = (raw >= 0) & (raw < N)
+                d = tl.where(valid, raw, -1).to(tl.int32)
+                hit = (d[:, None] == nn[None, :]).to(tl.int32)  # (entry j, receiver): the row's entries
+                pos = tl.sum(hit * (tl.cumsum(hit, axis=0) - hit + before[None, :]), axis=1)
+                before += tl.sum(hit, axis=0)
+                if p % CHUNKS == 0:
+                    tl.store(routes + t * K + jj, tl.where(valid, d * max_rows + pos, -1), mask=jj < K)
+                    bad = (raw != -1) & (valid == 0) & (jj < K)
+                    if tl.max(bad.to(tl.int32), axis=0) > 0:
+                        value = tl.sum(tl.where(jj == tl.min(tl.where(bad, jj, BLOCK_K), axis=0), raw, 0), axis=0)
+                        tl.store(err, ERROR_SET | (_wide(t) << 32) | (_wide(value) & 0xFFFFFFFF))
+                peer = tl.zeros([BLOCK_K], tl.int32) + receivers[0]
+                for r in tl.static_range(1, N):
+                    peer = tl.where(d == r, receivers[r], peer)
+                row = tl.load(x + _wide(t) * hidden + cc, mask=cm)
+                at = half + (ME * max_rows + pos).to(tl.int64)[:, None] * hidden + cc[None, :]
+                tl.store(wl.symm_at(at, peer[:, None], heap), tl.broadcast_to(row[None, :], [BLOCK_K, CHUNK]),
+                         mask=valid[:, None] & cm[None, :])
+            if (p % CHUNKS == 0) & (lane == LANES - 1):  # its block ends at `tokens`: `before` counts them all
+                for r in tl.static_range(N):
+                    tl.store(wl.symm_at(seg_counts + (epoch % 2) * M + ME, receivers[r], heap),
+                             tl.sum(tl.where(nn == r, before, 0), axis=0).to(tl.int64))
+        if _last_out(done) & ok:
+            for r in tl.static_range(N):
+                wl.notify(flags + ME, receivers[r], heap, epoch)
     else:
-        for s in tl.static_range(M):
-            token = wl.wait(flags + s, 1, epoch, wl.CMP_GE, heap=heap, peer=senders[s], op="m2n_dispatch")
-            n = tl.load(wl.consume_token(seg_counts + half * M + s, token), volatile=True)
-            seg = wl.consume_token(buf + ((half * M + s) * max_rows).to(tl.int64) * hidden, token)
-            for i in range(n):
-                _row(recv + _wide((s * max_rows + i)) * hidden, seg + _wide(i) * hidden, hidden, BLOCK)
-            tl.store(counts + s, n)
-        for s in tl.static_range(M):
-            wl.notify(acks + ME, senders[s], heap, epoch)
+        if ok:
+            for s in tl.static_range(M):
+                token = wl.wait(flags + s, 1, epoch, wl.CMP_GE, heap=heap, peer=senders[s], op="m2n_dispatch")
+                n = tl.load(wl.consume_token(seg_counts + (epoch % 2) * M + s, token), volatile=True)
+                seg = wl.consume_token(half + _wide(s * max_rows) * hidden, token)
+                if p == 0:
+                    tl.store(counts + s, n.to(tl.int32))
+                for i in range(lane, n, LANES):
+                    tl.store(recv + _wide(s * max_rows + i) * hidden + cc,
+                             tl.load(seg + _wide(i) * hidden + cc, mask=cm), mask=cm)
+        if _last_out(done):  # also after a mismatch, or tripped: nothing of the half is read
+            for s in tl.static_range(M):
+                wl.notify(acks + ME, senders[s], heap, epoch)
 
 
 @triton.jit(do_not_specialize=["tokens"])
-def m2n_combine_kernel(y, weights, routes, counts, out, buf, flags, acks, counter, heap, tokens, hidden, max_rows,
-                       senders, receivers, ME: tl.constexpr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-                       SENDER: tl.constexpr, BLOCK: tl.constexpr):
-    """Receiver: y[s, :counts[s]] into sender s's buf [2][N][max_rows][hidden] at [half][ME], flags[ME] on s.
-    Sender: wait for every receiver, out[t] = sum_j weights[t, j] * buf[half][route], acknowledge acks[ME]."""
-    epoch = wl.next_epoch(counter)
-    half = epoch % 2
+def m2n_combine_kernel(y, weights, routes, counts, out, buf, flags, acks, counter, done, heap, sig, sig_err, fp,
+                       tokens, hidden, max_rows, half_elems, senders, receivers, ME: tl.constexpr, M: tl.constexpr,
+                       N: tl.constexpr, K: tl.constexpr, SENDER: tl.constexpr, LANES: tl.constexpr,
+                       CHUNKS: tl.constexpr, CHUNK: tl.constexpr):
+    """Receiver: rows i = lane (mod LANES) of y[s, :counts[s]], chunk p % CHUNKS, into sender s's buf (halves of
+    half_elems elements, each [N][max_rows][hidden]) at [ME]; the last program out raises flags[ME] on every
+    sender. Sender: wait for every receiver, out[t] = sum_j weights[t, j] * buf[half][route] for chunk p % CHUNKS
+    of my lane's tokens; the last program out acknowledges acks[ME] on every receiver."""
+    p = tl.program_id(0)
+    lane = p // CHUNKS
+    cc = (p % CHUNKS) * CHUNK + tl.arange(0, CHUNK)
+    cm = cc < hidden
+    epoch, ok = _start(counter, sig, sig_err, fp, heap, "m2n_combine")
+    half = buf + _wide(epoch % 2) * half_elems
     if SENDER:
-        for r in tl.static_range(N):
-            wl.wait(flags + r, 1, epoch, wl.CMP_GE, heap=heap, peer=receivers[r], op="m2n_combine")
-        seg = buf + _wide((half * N * max_rows)) * hidden
-        for t in range(tokens):
-            for c0 in range(0, hidden, BLOCK):
-                cc = c0 + tl.arange(0, BLOCK)
-                acc = tl.zeros([BLOCK], tl.float32)
-                for j in tl.static_range(K):
+        if ok:
+            token = 0
+            for r in tl.static_range(N):
+                token = wl.wait(flags + r, 1, epoch, wl.CMP_GE, heap=heap, peer=receivers[r], op="m2n_combine")
+            seg = wl.consume_token(half, token)
+            lo, hi = _lane_tokens(tokens, lane, LANES)
+            for t in range(lo, hi):
+                acc = tl.zeros([CHUNK], tl.float32)
+                for j in tl.static_range(K):  # in j order, as a sequential fp32 sum
                     route = tl.load(routes + t * K + j)
                     if route >= 0:
-                        wt = tl.load(weights + t * K + j)
-                        v = tl.load(seg + _wide(route) * hidden + cc, mask=cc < hidden, other=0.0)
-                        acc += wt * v.to(tl.float32)
-                tl.store(out + _wide(t) * hidden + cc, cast(acc, out.dtype.element_ty), mask=cc < hidden)
-        for r in tl.static_range(N):
-            wl.notify(acks + ME, receivers[r], heap, epoch)
+                        v = tl.load(seg + _wide(route) * hidden + cc, mask=cm, other=0.0)
+                        acc += tl.load(weights + t * K + j) * v.to(tl.float32)
+                tl.store(out + _wide(t) * hidden + cc, cast(acc, out.dtype.element_ty), mask=cm)
+        if _last_out(done):  # also after a mismatch, or tripped: nothing of the half is read
+            for r in tl.static_range(N):
+                wl.notify(acks + ME, receivers[r], heap, epoch)
     else:
-        for s in tl.static_range(M):
-            wl.wait(acks + s, 1, epoch - 1, wl.CMP_GE, heap=heap, peer=senders[s], op="m2n_combine (ack)")
-            n = tl.load(counts + s)
-            seg = buf + ((half * N + ME) * max_rows).to(tl.int64) * hidden
-            for i in range(n):
-                _row(wl.symm_at(seg + _wide(i) * hidden, senders[s], heap),
-                     y + _wide((s * max_rows + i)) * hidden, hidden, BLOCK)
-            wl.notify(flags + ME, senders[s], heap, epoch)
+        if ok:
+            for s in tl.static_range(M):
+                wl.wait(acks + s, 1, epoch - 1, wl.CMP_GE, heap=heap, peer=senders[s], op="m2n_combine (ack)")
+            mine = half + _wide(ME * max_rows) * hidden
+            for s in tl.static_range(M):
+                n = tl.load(counts + s)
+                for i in range(lane, n, LANES):
+                    tl.store(wl.symm_at(mine + _wide(i) * hidden + cc, senders[s], heap),
+                             tl.load(y + _wide(s * max_rows + i) * hidden + cc, mask=cm), mask=cm)
+        if _last_out(done) & ok:
+            for s in tl.static_range(M):
+                wl.notify(flags + ME, senders[s], heap, epoch)
 
 
 class M2NWorkspace:
-    """The union group's M2N workspace: a data region (carved per plan: dispatch [2][M][rows][hidden], then
-    combine [2][N][rows][hidden]), segment counts, flags and acks per op, epoch counters, positions, error word."""
+    """The union group's M2N workspace: a data region of four fixed quarters, [dispatch, combine][half] (a plan's
+    rows: dispatch [M][rows][hidden], combine [N][rows][hidden] in each half), segment counts, flags and acks
+    per op, epoch counters, last-out counters, the error word, signature words per op."""
 
     def __init__(self, group):
         heap, w = group.heap, group.size
-        self.data_bytes = group.workspace_bytes // 256 * 256
-        self.data = heap.empty((self.data_bytes,), torch.uint8)
-        self.words = heap.empty((2 * w + 4 * w + 2 + w + 1,), torch.int64)
+        self.quarter_bytes = group.workspace_bytes // 4 // 256 * 256
+        self.data = heap.empty((4 * self.quarter_bytes,), torch.uint8)
+        self.words = heap.empty((2 * w + 4 * w + 2 + 2 + 1,), torch.int64)
         self.seg_counts = self.words[:2 * w]
         f = self.words[2 * w:6 * w]
         self.d_flags, self.d_acks, self.c_flags, self.c_acks = (f[i * w:(i + 1) * w] for i in range(4))
         self.d_counter, self.c_counter = self.words[6 * w:6 * w + 1], self.words[6 * w + 1:6 * w + 2]
-        self.pos = self.words[6 * w + 2:7 * w + 2]
-        self.err = self.words[7 * w + 2:]
-        zero_everywhere(group, self.words)
+        self.d_done, self.c_done = self.words[6 * w + 2:6 * w + 3], self.words[6 * w + 3:6 * w + 4]
+        self.err = self.words[6 * w + 4:]
+        self.d_sig, self.c_sig = signature_words(group, w), signature_words(group, w)
+        zero_everywhere(group, self.words, self.d_sig, self.c_sig)
         group.error_checks.append(self.raise_recorded)
+        # Every member takes one epoch per call of each op, whatever the check found: no counter to resynchronise.
+        self.signatures = signatures(group)
+        self.signatures.register(self.d_sig)
+        self.signatures.register(self.c_sig)
 
     def raise_recorded(self) -> None:
         word = int(self.err[0])
@@ -221,51 +329,79 @@ class M2NPlan(Plan):
         self.max_rows = max_tokens * self.k
         m, n = len(s), len(r)
         self.ws = ws = workspace(group, "m2n", M2NWorkspace)
-        need = 2 * (m + n) * self.max_rows * self.hidden * x.element_size()
-        if need > ws.data_bytes:
-            raise ValueError(f"m2n needs {need} bytes of workspace for max_tokens={max_tokens}, k={self.k}, hidden="
-                             f"{self.hidden}; the group's is {ws.data_bytes} (WEFT_WORKSPACE_BYTES)")
+        # A half of each op's quarter: dispatch's [M][rows][hidden], combine's [N][rows][hidden].
+        need = max(m, n) * self.max_rows * self.hidden * x.element_size()
+        if need > ws.quarter_bytes:
+            raise ValueError(f"m2n needs 4 x {need} bytes of workspace for max_tokens={max_tokens}, k={self.k}, "
+                             f"hidden={self.hidden}, {m} senders and {n} receivers; the group's is "
+                             f"{group.workspace_bytes} (WEFT_WORKSPACE_BYTES)")
+        self.half_elems = ws.quarter_bytes // x.element_size()
         elems = ws.data.view(x.dtype)
-        self.d_buf = elems[:2 * m * self.max_rows * self.hidden]
-        self.c_buf = elems[2 * m * self.max_rows * self.hidden:need // x.element_size()]
+        self.d_buf, self.c_buf = elems[:2 * self.half_elems], elems[2 * self.half_elems:]
         self.recv_shape = (m if not self.is_sender else 0, self.max_rows, self.hidden)
         self.counts_len = 0 if self.is_sender else m
-        self.block = min(1024, triton.next_power_of_2(max(1, self.hidden)))
-        self.consts = dict(ME=self.me, M=m, N=n, K=self.k, SENDER=self.is_sender, BLOCK=self.block)
+        # What the members must agree on (each sender's token count is its own, up to max_tokens); the grids are
+        # each side's own (_last_out), so not the launch settings.
+        agreed = dict(M=m, N=n, k=self.k, hidden=self.hidden, dtype=str(x.dtype).removeprefix("torch."),
+                      max_tokens=max_tokens, senders=list(s), receivers=list(r))
+        self.combine_fp = self.sign("m2n_combine", **agreed)
+        self.dispatch_fp = self.sign("m2n_dispatch", **agreed)
+        if group.device.type == "cuda":
+            launch = tuning.value("m2n.launch", group.device, group.size)
+            programs, chunk, self.warps = launch["programs"], launch["chunk"], launch["warps"]
+        else:
+            programs, chunk, self.warps = M2N_CPU
+        # Column chunks of `chunk` elements (larger where a row would need more than `programs` of them); as many
+        # lanes of rows as fill `programs`, no more than there are rows (a sender's tokens, a receiver's rows of
+        # a segment).
+        chunk = max(chunk, triton.next_power_of_2(triton.cdiv(self.hidden, programs)))
+        chunks = triton.cdiv(self.hidden, chunk)
+        lanes = max(1, min(programs // chunks, max_tokens if self.is_sender else self.max_rows))
+        self.grid = (lanes * chunks,)
+        self.consts = dict(ME=self.me, M=m, N=n, K=self.k, SENDER=self.is_sender, LANES=lanes, CHUNKS=chunks,
+                           CHUNK=chunk)
+        self.dispatch_consts = dict(self.consts, BLOCK_T=min(32, triton.next_power_of_2(max_tokens)),
+                                    BLOCK_K=triton.next_power_of_2(self.k), BLOCK_N=triton.next_power_of_2(n))
         self.heap = group.heap.descriptor
 
     def dispatch(self, x, dest):
-        self.ws.raise_recorded()
+        ws = self.ws
+        ws.raise_recorded()
+        ws.signatures.raise_recorded()
         x, dest = x.contiguous(), dest.contiguous()
         recv = torch.empty(self.recv_shape, dtype=self.dtype, device=x.device)
         counts = torch.zeros((self.counts_len,), dtype=torch.int32, device=x.device)
         routes = torch.empty(dest.shape, dtype=torch.int32, device=x.device)
-        ws = self.ws
-        m2n_dispatch_kernel[(1,)](x, dest, routes, recv, counts, self.d_buf, ws.seg_counts, ws.d_flags, ws.d_acks,
-                                  ws.d_counter, ws.pos, ws.err, self.heap, x.shape[0], self.hidden, self.max_rows,
-                                  self.senders, self.receivers, **self.consts)
+        m2n_dispatch_kernel[self.grid](x, dest, routes, recv, counts, self.d_buf, ws.seg_counts, ws.d_flags,
+                                       ws.d_acks, ws.d_counter, ws.d_done, ws.err, self.heap, ws.d_sig,
+                                       ws.signatures.tensor, self.dispatch_fp, x.shape[0], self.hidden,
+                                       self.max_rows, self.half_elems, self.senders, self.receivers,
+                                       **self.dispatch_consts, num_warps=self.warps)
+        ws.signatures.raise_recorded()
         if x.device.type == "cpu":
             ws.raise_recorded()
         return recv, counts, M2NHandle(self, routes if self.is_sender else counts)
 
     def combine(self, y, weights, handle):
         ws = self.ws
+        ws.signatures.raise_recorded()
         tokens = handle.routes.shape[0] if self.is_sender else 0
         out = torch.empty((tokens, self.hidden), dtype=self.dtype, device=self.group.device)
         if self.is_sender:
             check_tensor("weights", weights, self.group, dtypes=(torch.float32,), contiguous=False)
             if tuple(weights.shape) != tuple(handle.routes.shape):
                 raise ValueError(f"weights has shape {tuple(weights.shape)}, expected {tuple(handle.routes.shape)}")
-            y = self.d_buf  # unused on a sender
-            counts = handle.routes
+            y, weights, counts = self.d_buf, weights.contiguous(), handle.routes  # y: unused on a sender
         else:
             check_tensor("y", y, self.group, dtypes=(self.dtype,), contiguous=False)
             if tuple(y.shape) != self.recv_shape:
                 raise ValueError(f"y has shape {tuple(y.shape)}, expected {self.recv_shape} (recv's)")
-            y, weights, counts = y.contiguous(), self.d_buf, handle.routes
-        m2n_combine_kernel[(1,)](y, weights, handle.routes, counts, out, self.c_buf, ws.c_flags, ws.c_acks,
-                                 ws.c_counter, self.heap, tokens, self.hidden, self.max_rows, self.senders,
-                                 self.receivers, **self.consts)
+            y, weights, counts = y.contiguous(), self.d_buf, handle.routes  # weights: unused on a receiver
+        m2n_combine_kernel[self.grid](y, weights, handle.routes, counts, out, self.c_buf, ws.c_flags, ws.c_acks,
+                                      ws.c_counter, ws.c_done, self.heap, ws.c_sig, ws.signatures.tensor,
+                                      self.combine_fp, tokens, self.hidden, self.max_rows, self.half_elems,
+                                      self.senders, self.receivers, **self.consts, num_warps=self.warps)
+        ws.signatures.raise_recorded()
         return out
 
 
@@ -359,18 +495,21 @@ def _(y, weights, handle, group=None):
                                       handle.routes, x, dest, s, r, max_tokens, name)
 
 
-# Signatures for the sm_90 compile check (weft.testing.compile).
+# Signatures for the sm_90 compile check (weft.testing.compile): 128 tokens x 7168 bf16, k = 8, the H200 launch.
+_SIDES = dict(ME=0, M=2, N=2, K=8, CHUNK=1024, CHUNKS=7)
 COMPILE_CASES = [
-    (m2n_dispatch_kernel, dict(x="*bf16", dest="*i64", routes="*i32", recv="*bf16", counts="*i32", buf="*bf16",
-                               seg_counts="*i64", flags="*i64", acks="*i64", counter="*i64", pos="*i64", err="*i64",
-                               heap="*i64", tokens="i32", hidden="i32", max_rows="i32", senders=("i32",) * m,
-                               receivers=("i32",) * n),
-     dict(ME=0, M=m, N=n, K=2, SENDER=sender, BLOCK=1024))
-    for m, n in ((2, 2),) for sender in (True, False)
+    (m2n_dispatch_kernel, dict(x="*bf16", dest=dt, routes="*i32", recv="*bf16", counts="*i32", buf="*bf16",
+                               seg_counts="*i64", flags="*i64", acks="*i64", counter="*i64", done="*i64",
+                               err="*i64", heap="*i64", sig="*i64", sig_err="*i64", fp="i32", tokens="i32",
+                               hidden="i32", max_rows="i32", half_elems="i32", senders=("i32",) * 2,
+                               receivers=("i32",) * 2),
+     dict(_SIDES, SENDER=sender, LANES=18, BLOCK_T=32, BLOCK_K=8, BLOCK_N=2), dict(num_warps=8))
+    for sender in (True, False) for dt in (("*i64", "*i32") if sender else ("*i64",))
 ] + [
     (m2n_combine_kernel, dict(y="*bf16", weights="*fp32", routes="*i32", counts="*i32", out="*bf16", buf="*bf16",
-                              flags="*i64", acks="*i64", counter="*i64", heap="*i64", tokens="i32", hidden="i32",
-                              max_rows="i32", senders=("i32",) * m, receivers=("i32",) * n),
-     dict(ME=0, M=m, N=n, K=2, SENDER=sender, BLOCK=1024))
-    for m, n in ((2, 2),) for sender in (True, False)
+                              flags="*i64", acks="*i64", counter="*i64", done="*i64", heap="*i64", sig="*i64",
+                              sig_err="*i64", fp="i32", tokens="i32", hidden="i32", max_rows="i32",
+                              half_elems="i32", senders=("i32",) * 2, receivers=("i32",) * 2),
+     dict(_SIDES, SENDER=sender, LANES=18), dict(num_warps=8))
+    for sender in (True, False)
 ]

@@ -140,6 +140,7 @@ KEYS = {
     "ulysses.push": _settings,
     "p2p.programs": _count,
     "p2p.part_min_bytes": _count,
+    "m2n.launch": _settings,
     "moe.ht_programs": _count,
     "moe.ht_block": _settings,
     "moe.ht_copy_programs": _count,
