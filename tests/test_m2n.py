@@ -1,8 +1,8 @@
 """m2n_dispatch / m2n_combine (weft/kernels/m2n.py) on cpu ranks against a torch reference: (M, N) = (1, 2), (2, 2),
 (3, 1), rows routed to every receiver, to several (top-k up to 8), to none, token counts that change from call to
 call and span several programs' shares, a destination out of range raising, and the signature check (members whose
-plans differ get weft.SignatureMismatch, at a plan's first call and between warm plans; the next matching call
-works)."""
+plans differ get weft.SignatureMismatch after the pair's combine, at a plan's first call and between warm plans;
+the next matching call works)."""
 import pytest
 
 from weft.testing import run_ranks
@@ -121,34 +121,43 @@ def _signature(m, n):
         dest = torch.zeros((x.shape[0], k), dtype=torch.int64)
         return ops.m2n_dispatch(x, dest, senders, receivers, max_tokens)
 
-    def mismatch(call, op, mine, theirs):
+    def combine(recv, handle):
+        if me < m:
+            return ops.m2n_combine(None, torch.rand(3, k), handle)
+        return ops.m2n_combine(torch.zeros_like(recv), None, handle)
+
+    def mismatch(call, mine, theirs):
         with pytest.raises(weft.SignatureMismatch) as e:
             call()
         text = str(e.value)
-        assert f"weft.ops.{op}: the members of" in text, text
-        assert f"rank {me}: {op}(W={m + n}, M={m}, N={n}, k={k}, hidden={hidden}, dtype=bfloat16, max_tokens={mine}" \
-            in text, text
+        assert "weft.ops.m2n_combine: the members of" in text, text
+        assert f"rank {me}: m2n_combine(W={m + n}, M={m}, N={n}, k={k}, hidden={hidden}, dtype=bfloat16, " \
+            f"max_tokens={mine}" in text, text
         assert f"max_tokens={theirs}" in text, text
 
+    def mismatched_pair(max_tokens, theirs):
+        # The receivers find it in dispatch and receive nothing; every member raises after the pair's combine.
+        recv, counts, handle = dispatch(max_tokens)
+        if me >= m:
+            assert torch.equal(counts, torch.zeros(m, dtype=torch.int32))
+        mismatch(lambda: combine(recv, handle), max_tokens, theirs)
+
     # At a plan's first call: sender 0 with max_tokens 5, the others 4.
-    mine, theirs = (5, 4) if me == 0 else (4, 5)
-    mismatch(lambda: dispatch(mine), "m2n_dispatch", mine, theirs)
+    mismatched_pair(*((5, 4) if me == 0 else (4, 5)))
     _round_trip(m, n, hidden, k, 6, 6, 11)
     # Between warm plans: both plans made and used by every member, then sender 0 takes the other one.
     for max_tokens in (6, 8):
         _round_trip(m, n, hidden, k, max_tokens, 5, 12)
-    mine, theirs = (8, 6) if me == 0 else (6, 8)
-    mismatch(lambda: dispatch(mine), "m2n_dispatch", mine, theirs)
+    mismatched_pair(*((8, 6) if me == 0 else (6, 8)))
     _round_trip(m, n, hidden, k, 8, 8, 13)
     # The combine of another dispatch's handle on sender 0: its plan differs.
     _, _, handle6 = dispatch(6)
     recv, _, handle8 = dispatch(8)
     if me < m:
-        handle, weights = (handle8, torch.rand(3, k)) if me == 0 else (handle6, torch.rand(3, k))
-        mine, theirs = (8, 6) if me == 0 else (6, 8)
-        mismatch(lambda: ops.m2n_combine(None, weights, handle), "m2n_combine", mine, theirs)
+        handle = handle8 if me == 0 else handle6
+        mismatch(lambda: combine(None, handle), *((8, 6) if me == 0 else (6, 8)))
     else:
-        mismatch(lambda: ops.m2n_combine(torch.zeros_like(recv), None, handle8), "m2n_combine", 8, 6)
+        mismatch(lambda: combine(recv, handle8), 8, 6)
     for it in range(2):  # the next matching calls work
         _round_trip(m, n, hidden, k, 6, 6 - it, 14 + it)
     return True

@@ -30,11 +30,20 @@ words, none of which waits on a later program of the waiter's rank: the interpre
 one after another, runs the protocol as it is.
 
 The signature check (weft.language.signals): the plan signs M, N, k, hidden, dtype, max_tokens and the two rank
-sets (group ranks); every program signs and checks its launch before its first wait. On a mismatch no program
-writes (recv, counts, routes, out: unwritten) and the host raises weft.SignatureMismatch on every member (after the
-launch on the cpu backend; at the family's next call or weft.check_errors() on GPUs). The acks are released
-whatever the check found, and by a tripped family's launches too (the ack says "I no longer read my half", true
-of a launch that reads nothing), so the next matching call's first wait finds its ack.
+sets (group ranks), one fingerprint per op. Every program signs its launch; the readers check every member's
+signature before their first wait: the receivers in dispatch, every member in combine. A dispatch sender (a writer
+that waits on nothing of the receivers' current call) does not check: waiting for the receivers to start the call
+would make a sender that runs calls ahead (weft/models/disaggregated.py: one channel per micro-batch, the
+attention side dispatching the next micro-batch while the experts serve the last) wait in a cycle. What it writes
+lands in the receivers' workspace half within its own plan's bounds (its quarter), where a receiver that found
+the mismatch reads nothing. So a mismatch of the pair (its plans differ, so both fingerprints) is found by the
+receivers in dispatch (recv and counts unwritten: no rows) and by every member in combine (nothing written), and
+is raised as weft.SignatureMismatch on every member after the combine's launch (on GPUs at the family's next call
+or weft.check_errors()), not after the dispatch: the members' raises, which resynchronise collectively, then pair
+up. A combine whose members take handles of different plans is found and raised by that combine. The flags and
+acks are released whatever the check found, and by a tripped family's launches too (a writer's flag says "I have
+done writing", an ack "I no longer read my half": both true of a launch that does nothing), so no wait of the
+next matching call hangs.
 
 Workspace: made at the group's first M2N call, collectively (an allocation and a host barrier over the group). That
 needs no rank outside the call: the group must be exactly the senders and the receivers, and every one of them
@@ -77,14 +86,15 @@ def _wide(v):
 
 
 @triton.jit
-def _start(counter, sig, sig_err, fp, heap, op: tl.constexpr):
-    """The launch's epoch, and whether it may run: its family not tripped, and every member's launch signed with
-    the same fingerprint (every program signs and checks before its first wait: wl.check_signed)."""
+def _start(counter, sig, sig_err, fp, heap, CHECK: tl.constexpr, op: tl.constexpr):
+    """The launch's epoch, and whether it may run: its family not tripped (then it signs), and with CHECK every
+    member's launch signed with the same fingerprint (awaited and compared: wl.check_signed)."""
     epoch = wl.next_epoch(counter)
     ok = wl.signature_live(sig, heap)
     if ok:
         wl.sign(sig, epoch, fp, heap)
-        ok = wl.check_signed(sig, epoch, fp, heap, sig_err, op=op)
+        if CHECK:
+            ok = wl.check_signed(sig, epoch, fp, heap, sig_err, op=op)
     return epoch, ok
 
 
@@ -141,7 +151,7 @@ def m2n_dispatch_kernel(x, dest, routes, recv, counts, buf, seg_counts, flags, a
     lane = p // CHUNKS
     cc = (p % CHUNKS) * CHUNK + tl.arange(0, CHUNK)
     cm = cc < hidden
-    epoch, ok = _start(counter, sig, sig_err, fp, heap, "m2n_dispatch")
+    epoch, ok = _start(counter, sig, sig_err, fp, heap, SENDER == 0, "m2n_dispatch")
     half = buf + _wide(epoch % 2) * half_elems
     if SENDER:
         if ok:
@@ -175,7 +185,7 @@ def m2n_dispatch_kernel(x, dest, routes, recv, counts, buf, seg_counts, flags, a
                 for r in tl.static_range(N):
                     tl.store(wl.symm_at(seg_counts + (epoch % 2) * M + ME, receivers[r], heap),
                              tl.sum(tl.where(nn == r, before, 0), axis=0).to(tl.int64))
-        if _last_out(done) & ok:
+        if _last_out(done):  # also when tripped: what it wrote (nothing) is done
             for r in tl.static_range(N):
                 wl.notify(flags + ME, receivers[r], heap, epoch)
     else:
@@ -207,7 +217,7 @@ def m2n_combine_kernel(y, weights, routes, counts, out, buf, flags, acks, counte
     lane = p // CHUNKS
     cc = (p % CHUNKS) * CHUNK + tl.arange(0, CHUNK)
     cm = cc < hidden
-    epoch, ok = _start(counter, sig, sig_err, fp, heap, "m2n_combine")
+    epoch, ok = _start(counter, sig, sig_err, fp, heap, True, "m2n_combine")
     half = buf + _wide(epoch % 2) * half_elems
     if SENDER:
         if ok:
@@ -237,7 +247,7 @@ def m2n_combine_kernel(y, weights, routes, counts, out, buf, flags, acks, counte
                 for i in range(lane, n, LANES):
                     tl.store(wl.symm_at(mine + _wide(i) * hidden + cc, senders[s], heap),
                              tl.load(y + _wide(s * max_rows + i) * hidden + cc, mask=cm), mask=cm)
-        if _last_out(done) & ok:
+        if _last_out(done):  # also after a mismatch, or tripped: what it wrote (nothing) is done
             for s in tl.static_range(M):
                 wl.notify(flags + ME, senders[s], heap, epoch)
 
@@ -377,14 +387,12 @@ class M2NPlan(Plan):
                                        ws.signatures.tensor, self.dispatch_fp, x.shape[0], self.hidden,
                                        self.max_rows, self.half_elems, self.senders, self.receivers,
                                        **self.dispatch_consts, num_warps=self.warps)
-        ws.signatures.raise_recorded()
-        if x.device.type == "cpu":
+        if x.device.type == "cpu":  # not a signature mismatch: the pair's combine raises it (the module doc)
             ws.raise_recorded()
         return recv, counts, M2NHandle(self, routes if self.is_sender else counts)
 
     def combine(self, y, weights, handle):
-        ws = self.ws
-        ws.signatures.raise_recorded()
+        ws = self.ws  # a mismatch its dispatch found is raised after this launch, which its peers' combines await
         tokens = handle.routes.shape[0] if self.is_sender else 0
         out = torch.empty((tokens, self.hidden), dtype=self.dtype, device=self.group.device)
         if self.is_sender:
