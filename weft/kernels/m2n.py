@@ -67,8 +67,8 @@ import weft.language as wl
 
 from .. import tuning
 from .blocks import cast
-from .common import (Plan, check_tensor, group_name, handle_group, plan, resolve, signature, signature_words,
-                     signatures, workspace, zero_everywhere)
+from .common import (ErrorWord, Plan, check_tensor, group_name, handle_group, plan, resolve, signature,
+                     signature_words, signatures, workspace, zero_everywhere)
 from ..runtime.group import Group
 from .registry import declare_op, export
 
@@ -255,35 +255,37 @@ def m2n_combine_kernel(y, weights, routes, counts, out, buf, flags, acks, counte
 class M2NWorkspace:
     """The union group's M2N workspace: a data region of four fixed quarters, [dispatch, combine][half] (a plan's
     rows: dispatch [M][rows][hidden], combine [N][rows][hidden] in each half), segment counts, flags and acks
-    per op, epoch counters, last-out counters, the error word, signature words per op."""
+    per op, epoch counters, last-out counters, signature words per op; the error word of bad destinations."""
 
     def __init__(self, group):
         heap, w = group.heap, group.size
         self.quarter_bytes = group.workspace_bytes // 4 // 256 * 256
         self.data = heap.empty((4 * self.quarter_bytes,), torch.uint8)
-        self.words = heap.empty((2 * w + 4 * w + 2 + 2 + 1,), torch.int64)
+        self.words = heap.empty((2 * w + 4 * w + 2 + 2,), torch.int64)
         self.seg_counts = self.words[:2 * w]
         f = self.words[2 * w:6 * w]
         self.d_flags, self.d_acks, self.c_flags, self.c_acks = (f[i * w:(i + 1) * w] for i in range(4))
         self.d_counter, self.c_counter = self.words[6 * w:6 * w + 1], self.words[6 * w + 1:6 * w + 2]
         self.d_done, self.c_done = self.words[6 * w + 2:6 * w + 3], self.words[6 * w + 3:6 * w + 4]
-        self.err = self.words[6 * w + 4:]
         self.d_sig, self.c_sig = signature_words(group, w), signature_words(group, w)
         zero_everywhere(group, self.words, self.d_sig, self.c_sig)
-        group.error_checks.append(self.raise_recorded)
+        # Bad destinations: read by the host with no sync (pinned memory on GPUs), weft.check_errors() raises too.
+        self.errors = ErrorWord(group, _bad_dest)
+        self.err = self.errors.tensor
         # Every member takes one epoch per call of each op, whatever the check found: no counter to resynchronise.
         self.signatures = signatures(group)
         self.signatures.register(self.d_sig)
         self.signatures.register(self.c_sig)
 
     def raise_recorded(self) -> None:
-        word = int(self.err[0])
-        if word:
-            self.err.zero_()
-            value = word & 0xFFFFFFFF
-            value -= (value >> 31) << 32
-            raise ValueError(f"dest row {(word >> 32) & ((1 << 30) - 1)} holds {value}: a receiver outside "
-                             "[0, number of receivers) (and not -1)")
+        self.errors.raise_recorded()
+
+
+def _bad_dest(words) -> ValueError:
+    value = words[0] & 0xFFFFFFFF
+    value -= (value >> 31) << 32
+    return ValueError(f"dest row {(words[0] >> 32) & ((1 << 30) - 1)} holds {value}: a receiver outside "
+                      "[0, number of receivers) (and not -1)")
 
 
 def _ranks(name, ranks, g) -> tuple[int, ...]:
