@@ -12,8 +12,8 @@ ENV = {"WEFT_WAIT_TIMEOUT_S": "60"}
 
 def _round_trip(m, n, hidden, k, max_tokens, tokens, seed, pattern="random"):
     """One dispatch and combine on this rank (sender ranks [0, m), receivers [m, m + n)), each checked against
-    torch. A sender's rows name `pattern` receivers: random ones (-1 among them), every receiver (k >= n), or
-    none."""
+    torch. A sender's rows name `pattern` receivers: random ones (-1 among them), every receiver (k >= n; dest
+    int32 on the senders, whose plans then differ from the receivers' in what they need not agree on), or none."""
     import torch
     import torch.distributed as dist
 
@@ -31,11 +31,13 @@ def _round_trip(m, n, hidden, k, max_tokens, tokens, seed, pattern="random"):
             dest[0] = -1  # a row to no receiver
             dest[-1, 0] = n - 1
     elif pattern == "every":  # each row to every receiver, in a shuffled order, the rest of its k entries to none
-        dest = torch.full((tokens, k), -1, dtype=torch.int64)
+        dest = torch.full((tokens, k), -1, dtype=torch.int32)  # int32 on senders: the receivers' dest is int64
         for t in range(tokens):
             dest[t, :n] = torch.randperm(n, generator=gen)
     else:
         dest = torch.full((tokens, k), -1, dtype=torch.int64)
+    if me >= m:
+        dest = dest.to(torch.int64)
     weights = torch.rand(tokens, k, generator=gen)
     recv, counts, handle = ops.m2n_dispatch(x, dest, senders, receivers, max_tokens)
     every = [None] * (m + n)
