@@ -23,6 +23,8 @@ count epochs and are never reset. A writer (sender in dispatch, receiver in comb
 every reader's acknowledgement of call e - 1, which a reader releases after it has copied its half out: so when
 half e % 2 is rewritten at call e, its last reading (call e - 2) ended before the ack of e - 1 was sent. Only the
 writer writes a segment, its count and its flag; only the reader its acknowledgement word in the writer's heap.
+Flags and acks are indexed by role (sender / receiver index), so a group's calls keep one sender set and one
+receiver set (another split of the same ranks needs a group of its own).
 A side's flag (or ack) is raised once by the last of its programs to finish (`_last_out`: a ticket counter with
 release / acquire, so that flag's release covers every program's stores), so the two sides' grids are each
 their plan's own. No program waits on a program of its own grid, only on the peers' flags, acks and signature
