@@ -148,7 +148,9 @@ def m2n_dispatch_kernel(x, dest, routes, recv, counts, buf, seg_counts, flags, a
     chunk-0 programs); the last lane's chunk-0 program writes my segment counts (it has counted every entry);
     the last program out raises flags[ME] on every receiver. Else: wait for every sender, copy rows i = lane
     (mod LANES) of each segment into recv (M, max_rows, hidden), counts (M,) (program 0); the last program out
-    acknowledges acks[ME] on every sender. ME: my sender or receiver index; senders / receivers: group ranks."""
+    acknowledges acks[ME] on every sender. ME: my sender or receiver index; senders / receivers: group ranks.
+    Every program signs (sig, fp); a receiver's checks every member's signature first and on a mismatch reads
+    nothing (recv, counts unwritten); a sender's does not check (the module doc)."""
     p = tl.program_id(0)
     lane = p // CHUNKS
     cc = (p % CHUNKS) * CHUNK + tl.arange(0, CHUNK)
@@ -214,7 +216,8 @@ def m2n_combine_kernel(y, weights, routes, counts, out, buf, flags, acks, counte
     """Receiver: rows i = lane (mod LANES) of y[s, :counts[s]], chunk p % CHUNKS, into sender s's buf (halves of
     half_elems elements, each [N][max_rows][hidden]) at [ME]; the last program out raises flags[ME] on every
     sender. Sender: wait for every receiver, out[t] = sum_j weights[t, j] * buf[half][route] for chunk p % CHUNKS
-    of my lane's tokens; the last program out acknowledges acks[ME] on every receiver."""
+    of my lane's tokens; the last program out acknowledges acks[ME] on every receiver. Every program signs and
+    checks every member's signature first: on a mismatch it writes nothing (pushes, out)."""
     p = tl.program_id(0)
     lane = p // CHUNKS
     cc = (p % CHUNKS) * CHUNK + tl.arange(0, CHUNK)
