@@ -9,12 +9,16 @@ to four (weft/models/decoder.py's WEFT_DECODE=fused path, a few tokens per step)
   silu(gate) * up, a program computing matching gate and up columns.
 
 Weights are (K, N), contiguous, as the layers keep them. The kernels are memory-bound GEMVs for M = 1..16 rows
-(tokens): a program streams a [K range, its columns] slab of the weight once through `tl.range`'s pipelined
-loads and multiplies it by the few rows with tl.dot (rows padded to 16, compute is free here). A 4096-wide
-projection has too few column tiles for two programs per SM, so K is split as well (the grid is tiles x splits x
-row blocks): each split stores its fp32 partial sums to a workspace and counts itself done on the tile's counter;
-the split that counts last sums the partials and runs the epilogue (then zeroes the counter for the next call,
-so a CUDA graph replays it). The RMSNorm prologue is folded into the GEMV: norm(x) @ W = diag(1 / rms(x)) ((x g)
+(tokens): a program streams a [K range, its columns] slab of the weight once (evict-first: it is read once)
+through `tl.range`'s pipelined loads, two runs of columns a program, and multiplies it by the few rows in one of
+two ways, a launch setting: tl.dot (rows padded to 16, the weight tile in the dot's operand layout), or dot-free
+(`dot` false): fp32 FMAs of the real rows into [rows, K block, columns] accumulators in registers, summed over the
+K block once after the loop, so nothing but the loads touches the weight (compute is free here either way). A
+4096-wide projection has too few column tiles for the programs the GPU holds, so K is split as well (the grid
+is tiles x splits x row blocks, at most programs_per_sm per SM: a tail wave of a few programs would cost a
+whole wave's latency): each split stores its fp32 partial sums to a workspace and counts itself done on the
+tile's counter; the split that counts last sums the partials in split order (deterministic, no float atomics)
+and runs the epilogue (then zeroes the counter for the next call, so a CUDA graph replays it). The RMSNorm prologue is folded into the GEMV: norm(x) @ W = diag(1 / rms(x)) ((x g)
 @ W) for the norm's weight g, so a program multiplies x g by its slab and the epilogue (which reads x's whole
 rows, a few KB) applies 1 / rms.
 
@@ -22,8 +26,10 @@ Roundings follow the layers path where the fusion allows: the projection's outpu
 the epilogue's norm, rotary, SiLU and residual add, which round as the pointwise kernels do (pointwise.py); the
 prologue rounds x g, not (x / rms) g, before the GEMV (a last-bit difference in the projection's inputs).
 
-Launch settings (columns per program, K block, stages, warps, programs per SM) come from weft.tuning's "decode"
-family, as does the largest M the decode path takes these kernels at (the layers' cuBLAS GEMMs above).
+Launch settings (columns per run, K block, stages, warps, programs per SM, tl.dot or not) come from weft.tuning's
+decode.gemv, per projection (qkv, o, gate_up, down) and row range where the sweep found them to differ
+(`resolve`), and the largest M the decode path takes these kernels at from decode.fused_max_m (the layers' cuBLAS
+GEMMs above). A QKV program owns one head whatever block_n is (its epilogue needs the whole head).
 """
 from __future__ import annotations
 
