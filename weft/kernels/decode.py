@@ -18,9 +18,9 @@ K block once after the loop, so nothing but the loads touches the weight (comput
 is tiles x splits x row blocks, at most programs_per_sm per SM: a tail wave of a few programs would cost a
 whole wave's latency): each split stores its fp32 partial sums to a workspace and counts itself done on the
 tile's counter; the split that counts last sums the partials in split order (deterministic, no float atomics)
-and runs the epilogue (then zeroes the counter for the next call, so a CUDA graph replays it). The RMSNorm prologue is folded into the GEMV: norm(x) @ W = diag(1 / rms(x)) ((x g)
-@ W) for the norm's weight g, so a program multiplies x g by its slab and the epilogue (which reads x's whole
-rows, a few KB) applies 1 / rms.
+and runs the epilogue (then zeroes the counter for the next call, so a CUDA graph replays it). The RMSNorm
+prologue is folded into the GEMV: norm(x) @ W = diag(1 / rms(x)) ((x g) @ W) for the norm's weight g, so a
+program multiplies x g by its slab and the epilogue (which reads x's whole rows, a few KB) applies 1 / rms.
 
 Roundings follow the layers path where the fusion allows: the projection's output is rounded to the dtype before
 the epilogue's norm, rotary, SiLU and residual add, which round as the pointwise kernels do (pointwise.py); the
@@ -422,9 +422,9 @@ def resolve(table: dict, op: str, m: int) -> dict:
     if op not in OPS:
         raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
     for key in table:
-        *scope, field = key.split(".")
         if key == "few_max_m":
             continue
+        *scope, field = key.split(".")
         if field not in FIELDS or len(scope) > 2 or not (
                 not scope or (len(scope) == 1 and scope[0] in OPS + RANGES)
                 or (len(scope) == 2 and scope[0] in OPS and scope[1] in RANGES)):
