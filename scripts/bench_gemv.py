@@ -15,9 +15,9 @@ than L2, so the weights come from HBM as in a decode step. --sweep: every launch
 decode.gemv's fields: block_n, block_k, num_stages, num_warps, programs_per_sm, dot) for each fused op and M, set
 as that op's and row range's keys (`{op}.{few|many}.{field}`, weft.kernels.decode.resolve), best per op and M
 reported beside cuBLAS, and at the end the keys to write into weft/tuning/data as measured values. The default
-grid (SWEEP: the dot-free path's tiles, stages and programs per SM, then tl.dot's; 40 settings at M = 1, 12 at
-M = 8, where the dot-free accumulators would spill; fewer for QKV, whose runs are half a head) takes about 3-4
-minutes for the four ops at M = 1 and 8;
+grid (SWEEP: the dot-free path's tiles, stages and programs per SM, on 4 warps or 8 where 4 would spill, then
+tl.dot's; 44 settings at M = 1, 20 at M = 8, where most dot-free tiles would spill; 16 and 12 for QKV, whose runs
+are half a head) takes about 3-4 minutes for the four ops at M = 1 and 8;
 --grid replaces it. Each setting prints as it is timed; GPUs only (the cpu backend keeps its interpreter
 settings). The issue's target: >= 95 % of the copy bandwidth at M = 1..16.
 """
@@ -42,12 +42,12 @@ from weft.kernels.decode import launch_settings  # noqa: E402
 L2_BYTES = {"cuda": 256 << 20, "cpu": 0}  # weight bytes cycled through per call: well past an H100/H200's L2
 # --sweep's default grid (--grid replaces it), product grids each: the dot-free path (two runs of block_n columns
 # a program, block_k rows a step), then tl.dot's. A compile each per op and M.
-SWEEP = [dict(dot=(False,), block_n=(64, 128, 256), block_k=(16, 32, 64), num_stages=(2, 4), num_warps=(4,),
+SWEEP = [dict(dot=(False,), block_n=(64, 128, 256), block_k=(16, 32, 64), num_stages=(2, 4), num_warps=(4, 8),
               programs_per_sm=(2, 4)),
          dict(dot=(True,), block_n=(64, 128), block_k=(128,), num_stages=(3, 4), num_warps=(4,),
               programs_per_sm=(1, 2))]
 # fp32 accumulator registers a thread the dot-free path may take (rows x block_k x 2 block_n over the threads):
-# above, it spills.
+# above, it spills (ptxas: 187 registers in all at 128, no spills, for one row of 32 x 2 x 256).
 FMA_REGISTERS = 128
 # The largest relative difference from the layers path a swept setting may show (bf16 roundings give ~1e-3).
 MAX_ERROR = 1e-2
@@ -147,18 +147,23 @@ def _time(fns: dict, samples: int) -> dict:
 
 def sweep_settings(grid, m: int, head_half: int | None = None) -> list[dict]:
     """Every setting of `grid` (a product grid of decode.gemv fields, or a list of them) for m rows, less the
-    dot-free ones whose accumulators would spill. head_half: QKV's, whose runs are half a head whatever block_n
-    is (block_n is left out of its settings)."""
+    dot-free ones whose accumulators would spill, or would fit in fewer of the grid's warps (the same tile on fewer
+    threads). head_half: QKV's, whose runs are half a head whatever block_n is (block_n is left out of its
+    settings)."""
     out = []
     for g in grid if isinstance(grid, list) else [grid]:
         if head_half is not None:
             g = {field: values for field, values in g.items() if field != "block_n"}
         for values in itertools.product(*g.values()):
             s = dict(zip(g, values))
-            rows = max(1, 1 << (m - 1).bit_length())
-            columns = head_half or s["block_n"]
-            if not s.get("dot", True) and rows * s["block_k"] * 2 * columns > FMA_REGISTERS * 32 * s["num_warps"]:
-                continue
+            if not s.get("dot", True):
+                rows = max(1, 1 << (m - 1).bit_length())
+                accumulators = rows * s["block_k"] * 2 * (head_half or s["block_n"])
+
+                def fits(warps):
+                    return accumulators <= FMA_REGISTERS * 32 * warps
+                if not fits(s["num_warps"]) or any(fits(w) for w in g["num_warps"] if w < s["num_warps"]):
+                    continue
             out.append(s)
     return out
 
