@@ -16,8 +16,8 @@ decode.gemv's fields: block_n, block_k, num_stages, num_warps, programs_per_sm, 
 as that op's and row range's keys (`{op}.{few|many}.{field}`, weft.kernels.decode.resolve), best per op and M
 reported beside cuBLAS, and at the end the keys to write into weft/tuning/data as measured values. The default
 grid (SWEEP: the dot-free path's tiles, stages and programs per SM, on 4 warps or 8 where 4 would spill, then
-tl.dot's; 44 settings at M = 1, 20 at M = 8, where most dot-free tiles would spill; 16 and 12 for QKV, whose runs
-are half a head) takes about 3-4 minutes for the four ops at M = 1 and 8;
+tl.dot's; 44 settings at M = 1, 20 at M = 8, where most dot-free tiles would spill; for QKV block_n // 64 heads a
+program) takes about 3-4 minutes for the four ops at M = 1 and 8;
 --grid replaces it. Each setting prints as it is timed; GPUs only (the cpu backend keeps its interpreter
 settings). The issue's target: >= 95 % of the copy bandwidth at M = 1..16.
 """
@@ -145,20 +145,17 @@ def _time(fns: dict, samples: int) -> dict:
     return time_calls(fns, calls=1, samples=samples, warmup=2, graph=gpu)
 
 
-def sweep_settings(grid, m: int, head_half: int | None = None) -> list[dict]:
+def sweep_settings(grid, m: int, head_half: int = 1) -> list[dict]:
     """Every setting of `grid` (a product grid of decode.gemv fields, or a list of them) for m rows, less the
     dot-free ones whose accumulators would spill, or would fit in fewer of the grid's warps (the same tile on fewer
-    threads). head_half: QKV's, whose runs are half a head whatever block_n is (block_n is left out of its
-    settings)."""
+    threads). head_half: QKV's, whose runs are whole half heads (block_n // head_half of them, one at least)."""
     out = []
     for g in grid if isinstance(grid, list) else [grid]:
-        if head_half is not None:
-            g = {field: values for field, values in g.items() if field != "block_n"}
         for values in itertools.product(*g.values()):
             s = dict(zip(g, values))
             if not s.get("dot", True):
                 rows = max(1, 1 << (m - 1).bit_length())
-                accumulators = rows * s["block_k"] * 2 * (head_half or s["block_n"])
+                accumulators = rows * s["block_k"] * 2 * max(s["block_n"], head_half)
 
                 def fits(warps):
                     return accumulators <= FMA_REGISTERS * 32 * warps
@@ -194,7 +191,7 @@ def main(argv=None) -> int:
         scope = f"{op}.{'few' if m <= table.get('few_max_m', 0) else 'many'}"
         settings = [None]
         if args.sweep:
-            settings = sweep_settings(grid, m, config["head_dim"] // 2 if op == "qkv" else None)
+            settings = sweep_settings(grid, m, config["head_dim"] // 2 if op == "qkv" else 1)
         fused, errors = {}, {}
         for s in settings:
             scoped = {f"{scope}.{field}": v for field, v in (s or {}).items()}

@@ -5,6 +5,8 @@ ranks:
   and SiLU formulas) on fresh random inputs, fp32 and bf16, row counts and widths that leave every block ragged,
   shapes that take the split-K path and shapes that do not, each plan called twice (the split-K counters are
   zeroed for the next call), outputs that start poisoned; bad arguments refused, naming them;
+- both GEMV paths (tl.dot and dot-free) of every op at M = 1, 3, 8, narrow and wide column runs, against torch
+  and the layers path; decode.gemv's keys resolved per op and row range;
 - the decoder's decode steps and greedy generation on the fused path against the layers path and transformers
   (Qwen3 and Llama configs, 1 and 2 ranks, batch 1 and 3).
 """
@@ -94,8 +96,9 @@ def test_fused_ops_match_torch():
 
 def _gemv_paths(seed):
     """Both GEMV paths (tl.dot and dot-free, forced through the plans' settings) of every fused op at M = 1, 3 and 8
-    on odd shapes (K, N, heads of 40 ragged against the blocks), split K and not, against torch and the layers path
-    (weft.ops.rms_norm, x @ W, silu_mul, qk_norm_rope: what the decoder runs without WEFT_DECODE=fused)."""
+    on odd shapes (K, N, heads of 40 ragged against the blocks), split K and not, narrow and wide column runs (one
+    and two heads a QKV program), against torch and the layers path (weft.ops.rms_norm, x @ W, silu_mul,
+    qk_norm_rope: what the decoder runs without WEFT_DECODE=fused)."""
     import torch
     import torch.nn.functional as F
 
@@ -114,7 +117,9 @@ def _gemv_paths(seed):
             torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=lambda s: f"{what}: {s}")
 
         for dot in (True, False):
-            settings = dict(block_n=16, block_k=32, num_warps=4, num_stages=2, programs_per_sm=4, dot=dot)
+            # bf16: runs of 64 columns (one tile of the projections below; two heads of 40 a QKV program).
+            block_n = 16 if dtype == torch.float32 else 64
+            settings = dict(block_n=block_n, block_k=32, num_warps=4, num_stages=2, programs_per_sm=4, dot=dot)
             for m in (1, 3, 8):
                 what = f"dot={dot} M={m} {dtype}"
                 # linear_residual: K ragged against the K block, N against the two column runs of a program.
@@ -138,8 +143,8 @@ def _gemv_paths(seed):
                     close(got, weft.ops.silu_mul(weft.ops.rms_norm(x, nw, eps) @ w),
                           f"norm_gate_up_silu {m, k, inter} {what} against the layers path")
                 # norm_qkv_rope: heads of 40 (halves of 20, padded to 32), with Qwen3's q/k norm and without
-                # (Llama-3); 4 heads in all, so that K = 160 splits (K = 24 does not).
-                heads, kv, d = 2, 1, 40
+                # (Llama-3); 8 heads in all, one or two a program, so that K = 160 splits (K = 24 does not).
+                heads, kv, d = 4, 2, 40
                 for qk_norm, k in ((True, 160), (False, 24), (False, 160)):
                     x, nw = randn(m, k), randn(k, scale=0.5) + 1
                     w = randn(k, (heads + 2 * kv) * d, scale=k ** -0.5)
@@ -151,6 +156,7 @@ def _gemv_paths(seed):
                     p = QkvPlan(world, x, nw, w, heads, kv, inv_freq, rows, positions, caches[0], caches[1], qw, kw,
                                 eps, settings)
                     splits.setdefault(("norm_qkv_rope", dot), set()).add(p.split)
+                    assert p.heads_p == (1 if dtype == torch.float32 else 2), p.heads_p
                     q = p.run(x, nw, w, inv_freq, rows, positions, caches[0], caches[1], qw, kw, eps)
                     q_ref = weft.ops.qk_norm_rope(weft.ops.rms_norm(x, nw, eps) @ w, m, heads, kv, inv_freq, rows,
                                                   positions, caches[2], caches[3], qw, kw, eps)

@@ -29,7 +29,8 @@ prologue rounds x g, not (x / rms) g, before the GEMV (a last-bit difference in 
 Launch settings (columns per run, K block, stages, warps, programs per SM, tl.dot or not) come from weft.tuning's
 decode.gemv, per projection (qkv, o, gate_up, down) and row range where the sweep found them to differ
 (`resolve`), and the largest M the decode path takes these kernels at from decode.fused_max_m (the layers' cuBLAS
-GEMMs above). A QKV program owns one head whatever block_n is (its epilogue needs the whole head).
+GEMMs above). A QKV program owns whole heads (its epilogue needs them): block_n // (head_dim / 2) of them, a power
+of two that divides both head counts.
 """
 from __future__ import annotations
 
@@ -264,10 +265,10 @@ def _gate_up_out(acc_a, acc_b, x, out, m, m_mask, K, cols_a, col_mask_a, I, eps,
 
 @triton.jit
 def _head_norm(x1, x2, weight, eps, j_mask, HALF: tl.constexpr):
-    """RMSNorm over head_dim of one head's halves x1, x2 [rows, HALF_P] (fp32): transformers' roundings (as
+    """RMSNorm over head_dim of heads' halves x1, x2 [rows, heads, HALF_P] (fp32): transformers' roundings (as
     pointwise._rms_heads)."""
-    j = tl.arange(0, x1.shape[1])[None, :]
-    rs = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+    j = tl.arange(0, x1.shape[2])[None, None, :]
+    rs = tl.rsqrt((tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) / (2 * HALF) + eps)[:, :, None]
     w1 = tl.load(weight + j, mask=j_mask, other=0.0).to(tl.float32)
     w2 = tl.load(weight + HALF + j, mask=j_mask, other=0.0).to(tl.float32)
     dt = weight.dtype.element_ty
@@ -276,40 +277,43 @@ def _head_norm(x1, x2, weight, eps, j_mask, HALF: tl.constexpr):
 
 
 @triton.jit
-def _qkv_out(acc_a, acc_b, head, x, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, m, m_mask,
+def _qkv_out(acc_a, acc_b, head0, x, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, m, m_mask,
              K, eps, dst_sb, dst_sp, dst_sh, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-             QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, NORM_K: tl.constexpr):
-    """One head of the normed projection (halves acc_a, acc_b): a q head normed (QK_NORM) and rotated into q_out
-    (M, HEADS, 2 HALF); a k head likewise into k_dst[rows[m], positions[m], h]; a v head as it is into v_dst."""
+             QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr,
+             NORM_K: tl.constexpr):
+    """HEADS_P heads from head0 of the normed projection (their halves acc_a, acc_b [rows, HEADS_P HALF_P], head by
+    head), all q, k or v heads: q heads normed (QK_NORM) and rotated into q_out (M, HEADS, 2 HALF); k heads
+    likewise into k_dst[rows[m], positions[m], h]; v heads as they are into v_dst."""
     dt = q_out.dtype.element_ty
-    j = tl.arange(0, acc_a.shape[1])[None, :]
+    j = tl.arange(0, HALF_P)[None, None, :]
+    h = tl.arange(0, HEADS_P)[None, :, None]
     j_mask = j < HALF
-    mask = m_mask[:, None] & j_mask
-    inv = _inv_rms(x, m, m_mask, K, eps, BLOCK_M, NORM_K)[:, None]
-    x1 = cast(acc_a * inv, dt).to(tl.float32)
-    x2 = cast(acc_b * inv, dt).to(tl.float32)
-    pos = tl.load(positions + m, mask=m_mask, other=0)[:, None]
-    slot = tl.load(rows + m, mask=m_mask, other=0)[:, None] * dst_sb + pos * dst_sp + j
-    if head < HEADS + KV_HEADS:
+    mask = m_mask[:, None, None] & j_mask & (h < HEADS_P)  # (h: the mask's full shape)
+    inv = _inv_rms(x, m, m_mask, K, eps, BLOCK_M, NORM_K)[:, None, None]
+    x1 = cast(tl.reshape(acc_a, [BLOCK_M, HEADS_P, HALF_P]) * inv, dt).to(tl.float32)
+    x2 = cast(tl.reshape(acc_b, [BLOCK_M, HEADS_P, HALF_P]) * inv, dt).to(tl.float32)
+    pos = tl.load(positions + m, mask=m_mask, other=0)[:, None, None]
+    slot = tl.load(rows + m, mask=m_mask, other=0)[:, None, None] * dst_sb + pos * dst_sp + j
+    if head0 < HEADS + KV_HEADS:
         angle = pos.to(tl.float32) * tl.load(inv_freq + j, mask=j_mask, other=0.0)
         cos = cast(tl.cos(angle), dt).to(tl.float32)
         sin = cast(tl.sin(angle), dt).to(tl.float32)
-        if head < HEADS:
+        if head0 < HEADS:
             if QK_NORM:
                 x1, x2 = _head_norm(x1, x2, q_weight, eps, j_mask, HALF)
             y1, y2 = _rotate(x1, x2, cos, sin, dt)
-            dst = q_out + (m[:, None].to(tl.int64) * HEADS + head) * 2 * HALF + j
+            dst = q_out + (m[:, None, None].to(tl.int64) * HEADS + head0 + h) * 2 * HALF + j
             tl.store(dst, y1, mask=mask)
             tl.store(dst + HALF, y2, mask=mask)
         else:
             if QK_NORM:
                 x1, x2 = _head_norm(x1, x2, k_weight, eps, j_mask, HALF)
             y1, y2 = _rotate(x1, x2, cos, sin, dt)
-            dst = k_dst + slot + (head - HEADS) * dst_sh
+            dst = k_dst + slot + (head0 - HEADS + h) * dst_sh
             tl.store(dst, y1, mask=mask)
             tl.store(dst + HALF, y2, mask=mask)
     else:
-        dst = v_dst + slot + (head - HEADS - KV_HEADS) * dst_sh
+        dst = v_dst + slot + (head0 - HEADS - KV_HEADS + h) * dst_sh
         tl.store(dst, cast(x1, dt), mask=mask)
         tl.store(dst + HALF, cast(x2, dt), mask=mask)
 
@@ -377,32 +381,38 @@ def norm_qkv_rope_kernel(x, norm_w, w, q_out, k_dst, v_dst, rows, positions, inv
                          counter, M, K, KB, BPS, eps, dst_sb, dst_sp, dst_sh, HEADS: tl.constexpr,
                          KV_HEADS: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, SPLIT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
-                         IEEE: tl.constexpr, DOT: tl.constexpr, HALF_P: tl.constexpr, NORM_K: tl.constexpr):
-    """q, k, v of norm(x) @ w, w (K, (HEADS + 2 KV_HEADS) 2 HALF) = [q | k | v]: program `tile` owns head `tile`
-    (its halves, HALF columns each), so the head's norm and rotation happen in registers."""
-    head, split, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                         IEEE: tl.constexpr, DOT: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr,
+                         NORM_K: tl.constexpr):
+    """q, k, v of norm(x) @ w, w (K, (HEADS + 2 KV_HEADS) 2 HALF) = [q | k | v]: program `tile` owns heads
+    [HEADS_P tile, +HEADS_P) (HEADS_P divides both head counts: they are all q, k or v heads), its runs their first
+    halves and their second halves (HALF columns each, padded to HALF_P), so the heads' norm and rotation happen
+    in registers."""
+    tile, split, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    head0 = tile * HEADS_P
     N: tl.constexpr = (HEADS + 2 * KV_HEADS) * 2 * HALF
     m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < M
-    j = tl.arange(0, HALF_P)
-    cols_a = head * 2 * HALF + j
+    j = tl.arange(0, HEADS_P * HALF_P)
+    cols_a = (head0 + j // HALF_P) * 2 * HALF + j % HALF_P
     cols_b = cols_a + HALF
-    j_mask = j < HALF
+    j_mask = j % HALF_P < HALF
     kb0 = split * BPS
     acc_a, acc_b = _gemv_pair(x, w, norm_w, m, m_mask, K, N, cols_a, cols_b, j_mask, j_mask, kb0 * BLOCK_K,
-                              tl.minimum(BPS, KB - kb0), True, EVEN_K, HALF == HALF_P, IEEE, DOT, BLOCK_M, HALF_P,
-                              BLOCK_K, STAGES)
+                              tl.minimum(BPS, KB - kb0), True, EVEN_K, HALF == HALF_P, IEEE, DOT, BLOCK_M,
+                              HEADS_P * HALF_P, BLOCK_K, STAGES)
     if SPLIT == 1:
-        _qkv_out(acc_a, acc_b, head, x, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, m,
-                 m_mask, K, eps, dst_sb, dst_sp, dst_sh, HEADS, KV_HEADS, HALF, QK_NORM, BLOCK_M, NORM_K)
+        _qkv_out(acc_a, acc_b, head0, x, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, m,
+                 m_mask, K, eps, dst_sb, dst_sp, dst_sh, HEADS, KV_HEADS, HALF, QK_NORM, BLOCK_M, HALF_P, HEADS_P,
+                 NORM_K)
     else:
         _store_partials(acc_a, acc_b, partial, (mb * SPLIT + split) * BLOCK_M, m_mask, cols_a, cols_b, j_mask,
                         j_mask, N, BLOCK_M)
-        if _split_done(counter + mb * tl.num_programs(0) + head, SPLIT):
+        if _split_done(counter + mb * tl.num_programs(0) + tile, SPLIT):
             acc_a, acc_b = _sum_partials(partial, mb * SPLIT, m_mask, cols_a, cols_b, j_mask, j_mask, N, SPLIT,
-                                         BLOCK_M, HALF_P)
-            _qkv_out(acc_a, acc_b, head, x, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, m,
-                     m_mask, K, eps, dst_sb, dst_sp, dst_sh, HEADS, KV_HEADS, HALF, QK_NORM, BLOCK_M, NORM_K)
+                                         BLOCK_M, HEADS_P * HALF_P)
+            _qkv_out(acc_a, acc_b, head0, x, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, m,
+                     m_mask, K, eps, dst_sb, dst_sp, dst_sh, HEADS, KV_HEADS, HALF, QK_NORM, BLOCK_M, HALF_P, HEADS_P,
+                     NORM_K)
 
 
 # -- host side ------------------------------------------------------------------
@@ -661,7 +671,13 @@ class QkvPlan(GemvPlan):
         self.qk_norm = q_weight is not None
         half_p = max(MIN_BLOCK, triton.next_power_of_2(half))
         super().__init__(group, "qkv", m, k, x.dtype, settings)
-        self.split_k(heads + 2 * kv_heads, (heads + 2 * kv_heads) * d)
+        # Heads a program: block_n columns a run, half a head each, as a power of two that divides both head counts
+        # (a program's heads are then all q, k or v heads).
+        heads_p = 1
+        while heads_p * 2 * half_p <= self.block_n and heads % (heads_p * 2) == 0 and kv_heads % (heads_p * 2) == 0:
+            heads_p *= 2
+        self.heads_p = heads_p
+        self.split_k((heads + 2 * kv_heads) // heads_p, (heads + 2 * kv_heads) * d)
         self.args = (m, k, self.kb, self.bps)
         self.strides = k_dst.stride()[:3]
         if m > 0:
@@ -671,7 +687,7 @@ class QkvPlan(GemvPlan):
                                  (x, norm_weight, qkv_weight, q, k_dst, v_dst, rows, positions, inv_freq, *norms,
                                   self.partial, self.counter, *self.args, eps, *self.strides),
                                  dict(HEADS=heads, KV_HEADS=kv_heads, HALF=half, QK_NORM=self.qk_norm, **self.common,
-                                      HALF_P=half_p, NORM_K=self.norm_k), self.num_warps)
+                                      HALF_P=half_p, HEADS_P=heads_p, NORM_K=self.norm_k), self.num_warps)
 
     def run(self, x, norm_weight, qkv_weight, inv_freq, rows, positions, k_dst, v_dst, q_weight, k_weight, eps):
         q = torch.empty(self.q_shape, dtype=self.dtype, device=x.device)
@@ -729,12 +745,13 @@ def _(x, norm_weight, qkv_weight, heads, kv_heads, inv_freq, rows, positions, k_
 def _compile_cases():
     """Qwen3-8B's decode shapes at one rank (hidden 4096, 32 + 2 x 8 heads of 128, intermediate 12288), bf16 and
     fp32: the tl.dot path at M = 1 and 16 rows in a block (16 rows) and 64, split-K and not; the dot-free path at 1
-    and 8 rows, with wide column runs; a Llama-shaped QKV without the q/k norm."""
+    row (wide column runs, two heads a QKV program) and 8 (on 8 warps); a Llama-shaped QKV without the q/k norm."""
     out = []
     dot = dict(block_n=64, block_k=128, num_warps=4, num_stages=4, dot=True)
-    fma = dict(block_n=128, block_k=32, num_warps=4, num_stages=3, dot=False)
+    fma = dict(block_n=128, block_k=32, num_warps=4, num_stages=3, dot=False)  # two heads a QKV program
+    fma8 = dict(block_n=64, block_k=32, num_warps=8, num_stages=4, dot=False)  # 8 rows: 128 accumulators a thread
     for t, ieee in (("*bf16", False), ("*fp32", True)):
-        for s, block_m, split in ((dot, 16, 8), (dot, 16, 1), (dot, 64, 2), (fma, 1, 4), (fma, 8, 1)):
+        for s, block_m, split in ((dot, 16, 8), (dot, 16, 1), (dot, 64, 2), (fma, 1, 4), (fma8, 8, 1)):
             common = dict(SPLIT=split, BLOCK_M=block_m, BLOCK_K=s["block_k"], STAGES=s["num_stages"], EVEN_K=True,
                           IEEE=ieee, DOT=s["dot"])
             options = dict(num_warps=s["num_warps"])
@@ -753,7 +770,8 @@ def _compile_cases():
                             dict(x=t, norm_w=t, w=t, q_out=t, k_dst=t, v_dst=t, rows="*i64", positions="*i64",
                                  inv_freq="*fp32", q_weight=t, k_weight=t, partial="*fp32", counter="*i32", M="i32",
                                  K="i32", KB="i32", BPS="i32", eps="fp32", dst_sb="i64", dst_sp="i64", dst_sh="i64"),
-                            dict(HEADS=32, KV_HEADS=8, HALF=64, QK_NORM=qk_norm, **common, HALF_P=64, NORM_K=norm_k),
+                            dict(HEADS=32, KV_HEADS=8, HALF=64, QK_NORM=qk_norm, **common, HALF_P=64,
+                                 HEADS_P=s["block_n"] // 64, NORM_K=norm_k),
                             dict(options, divisible=("K",))))
     return out
 
