@@ -17,9 +17,9 @@ as that op's and row range's keys (`{op}.{few|many}.{field}`, weft.kernels.decod
 reported beside cuBLAS, and at the end the keys to write into weft/tuning/data as measured values. The default
 grid (SWEEP: the dot-free path's tiles, stages and programs per SM, on 4 warps or 8 where 4 would spill, then
 tl.dot's; 44 settings at M = 1, 20 at M = 8, where most dot-free tiles would spill; for QKV block_n // 64 heads a
-program) takes about 3-4 minutes for the four ops at M = 1 and 8;
---grid replaces it. Each setting prints as it is timed; GPUs only (the cpu backend keeps its interpreter
-settings). The issue's target: >= 95 % of the copy bandwidth at M = 1..16.
+program) is 256 compiles and timings for the four ops at M = 1 and 8, about 4 minutes at ~1 s each (an estimate,
+not yet timed); --grid replaces it. Each setting prints as it is timed; GPUs only (the cpu backend keeps its
+interpreter settings). The issue's target: >= 95 % of the copy bandwidth at M = 1..16.
 """
 from __future__ import annotations
 
