@@ -2,7 +2,7 @@
 the same weight, as a fraction of the copy bandwidth; on one GPU.
 
     python3 -m weft run -n 1 scripts/bench_gemv.py --out $OUT/bench_gemv.json                   # Qwen3-8B, M 1,8,16,64
-    python3 -m weft run -n 1 scripts/bench_gemv.py --sweep --ms 1 --ops o,qkv --out $OUT/bench_gemv_sweep.json
+    python3 -m weft run -n 1 scripts/bench_gemv.py --sweep --ms 1,8 --samples 10 --out $OUT/bench_gemv_sweep.json
     python3 -m weft run -n 1 scripts/bench_gemv.py --model tiny --ms 1,3 --samples 2 --out /tmp/bench_gemv.json
                                                                                                 # cpu smoke run
 
@@ -11,11 +11,15 @@ gate/up projection) and rows M: µs per call of the fused op and of torch.matmul
 GEMM without its norm, rotary, SiLU or residual kernels), and each as a fraction of the copy bandwidth (a large
 device-to-device copy, read + write bytes over its time, measured in the same run): the bytes the op must move
 (weight, x, outputs) over its time. Calls replay from a CUDA graph, and go round a set of weight copies larger
-than L2, so the weights come from HBM as in a decode step. --sweep: every launch setting of a small grid (weft.tuning
-decode.gemv: block_n, block_k, num_stages, num_warps, programs_per_sm) for the fused ops, best per op and M
-reported (12 settings by default, --grid for others; each prints as it is timed; GPUs only: the cpu backend keeps
-its interpreter settings), to be written into weft/tuning/data as measured values. The issue's target: >= 95 % of
-the copy bandwidth at M = 1..16.
+than L2, so the weights come from HBM as in a decode step. --sweep: every launch setting of a grid (weft.tuning
+decode.gemv's fields: block_n, block_k, num_stages, num_warps, programs_per_sm, dot) for each fused op and M, set
+as that op's and row range's keys (`{op}.{few|many}.{field}`, weft.kernels.decode.resolve), best per op and M
+reported beside cuBLAS, and at the end the keys to write into weft/tuning/data as measured values. The default
+grid (SWEEP: the dot-free path's tiles, stages and programs per SM, on 4 warps or 8 where 4 would spill, then
+tl.dot's; 44 settings at M = 1, 20 at M = 8, where most dot-free tiles would spill; for QKV block_n // 64 heads a
+program) is 256 compiles and timings for the four ops at M = 1 and 8, about 4 minutes at ~1 s each (an estimate,
+not yet timed); --grid replaces it. Each setting prints as it is timed; GPUs only (the cpu backend keeps its
+interpreter settings). The issue's target: >= 95 % of the copy bandwidth at M = 1..16.
 """
 from __future__ import annotations
 
@@ -36,8 +40,17 @@ from weft.bench.timing import time_calls  # noqa: E402
 from weft.kernels.decode import launch_settings  # noqa: E402
 
 L2_BYTES = {"cuda": 256 << 20, "cpu": 0}  # weight bytes cycled through per call: well past an H100/H200's L2
-# --sweep's default grid (--grid replaces it): 12 settings, a compile each per op and M.
-SWEEP = dict(block_n=(64,), block_k=(128, 256), num_stages=(3, 4), num_warps=(4,), programs_per_sm=(1, 2, 4))
+# --sweep's default grid (--grid replaces it), product grids each: the dot-free path (two runs of block_n columns
+# a program, block_k rows a step), then tl.dot's. A compile each per op and M.
+SWEEP = [dict(dot=(False,), block_n=(64, 128, 256), block_k=(16, 32, 64), num_stages=(2, 4), num_warps=(4, 8),
+              programs_per_sm=(2, 4)),
+         dict(dot=(True,), block_n=(64, 128), block_k=(128,), num_stages=(3, 4), num_warps=(4,),
+              programs_per_sm=(1, 2))]
+# fp32 accumulator registers a thread the dot-free path may take (rows x block_k x 2 block_n over the threads):
+# above, it spills (ptxas: 187 registers in all at 128, no spills, for one row of 32 x 2 x 256).
+FMA_REGISTERS = 128
+# The largest relative difference from the layers path a swept setting may show (bf16 roundings give ~1e-3).
+MAX_ERROR = 1e-2
 
 
 def parse(argv=None):
@@ -48,7 +61,8 @@ def parse(argv=None):
     p.add_argument("--ops", default=",".join(OPS), help=f"of {', '.join(OPS)}")
     p.add_argument("--sweep", action="store_true", help="every launch setting of a small grid (module doc)")
     p.add_argument("--grid", default=None,
-                   help='the sweep\'s grid as JSON, each decode.gemv field a list: {"block_n": [64, 128], ...}')
+                   help='the sweep\'s grid as JSON, each decode.gemv field a list ({"block_n": [64, 128], ...}), or '
+                        'a list of such grids')
     p.add_argument("--out", required=True, help="the JSON report's path")
     return p.parse_args(argv)
 
@@ -131,6 +145,26 @@ def _time(fns: dict, samples: int) -> dict:
     return time_calls(fns, calls=1, samples=samples, warmup=2, graph=gpu)
 
 
+def sweep_settings(grid, m: int, head_half: int = 1) -> list[dict]:
+    """Every setting of `grid` (a product grid of decode.gemv fields, or a list of them) for m rows, less the
+    dot-free ones whose accumulators would spill, or would fit in fewer of the grid's warps (the same tile on fewer
+    threads). head_half: QKV's, whose runs are whole half heads (block_n // head_half of them, one at least)."""
+    out = []
+    for g in grid if isinstance(grid, list) else [grid]:
+        for values in itertools.product(*g.values()):
+            s = dict(zip(g, values))
+            if not s.get("dot", True):
+                rows = max(1, 1 << (m - 1).bit_length())
+                accumulators = rows * s["block_k"] * 2 * max(s["block_n"], head_half)
+
+                def fits(warps):
+                    return accumulators <= FMA_REGISTERS * 32 * warps
+                if not fits(s["num_warps"]) or any(fits(w) for w in g["num_warps"] if w < s["num_warps"]):
+                    continue
+            out.append(s)
+    return out
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     weft.init()
@@ -149,43 +183,57 @@ def main(argv=None) -> int:
         if op not in OPS:
             raise SystemExit(f"--ops: {op!r} is not one of {', '.join(OPS)}")
     grid = SWEEP if args.grid is None else json.loads(args.grid)
+    table = tuning.value("decode.gemv", device)
+    best_keys = {}
     for op, m in itertools.product(ops, [int(v) for v in args.ms.split(",") if v]):
         case = Case(op, config, m, dtype, device, L2_BYTES[device.type])
-        error = case.error()
+        # linear_residual resolves "down" at K > N, else "o": the bench's op names.
+        scope = f"{op}.{'few' if m <= table.get('few_max_m', 0) else 'many'}"
         settings = [None]
         if args.sweep:
-            base = launch_settings(device)
-            settings = [dict(base, **dict(zip(grid, values))) for values in itertools.product(*grid.values())]
-        fused = {}
+            settings = sweep_settings(grid, m, config["head_dim"] // 2 if op == "qkv" else 1)
+        fused, errors = {}, {}
         for s in settings:
-            with tuning.overrides({} if s is None else {"decode.gemv": s}):
+            scoped = {f"{scope}.{field}": v for field, v in (s or {}).items()}
+            with tuning.overrides({"decode.gemv": dict(table, **scoped)} if s else {}):
                 w.plans.clear()
                 try:
                     ms = _time({"fused": case.fused}, args.samples)
                 except Exception as e:  # noqa: BLE001 - a setting that does not compile (registers, shared memory)
                     print(f"  {NAMES[op]} M={m} {s}: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
                     continue
-                fused[json.dumps(s)] = next(iter(ms.values())) / case.copies
+                key = json.dumps(s)
+                fused[key], errors[key] = next(iter(ms.values())) / case.copies, case.error()
                 if s is not None:
-                    print(f"  {NAMES[op]} M={m} {s}: {fused[json.dumps(s)] * 1e3:.1f} µs", flush=True)
+                    print(f"  {NAMES[op]} M={m} {s}: {fused[key] * 1e3:.1f} µs, error {errors[key]:.1e}", flush=True)
             w.plans.clear()
-        best, fused_ms = min(fused.items(), key=lambda kv: kv[1])
+        # A setting whose results are off is no candidate (the error is reported either way).
+        right = {k: v for k, v in fused.items() if errors[k] <= MAX_ERROR} or fused
+        best, fused_ms = min(right.items(), key=lambda kv: kv[1])
+        error = errors[best]
         matmul_ms = _time({"torch.matmul": case.torch_matmul}, args.samples)
         matmul_ms = next(iter(matmul_ms.values())) / case.copies
         row = dict(op=NAMES[op], m=m, k=case.k, n=case.n, fused_us=round(fused_ms * 1e3, 2),
                    fused_bandwidth_fraction=round(case.bytes / (fused_ms * 1e-3) / bandwidth, 3),
                    matmul_us=round(matmul_ms * 1e3, 2),
                    matmul_bandwidth_fraction=round(case.matmul_bytes / (matmul_ms * 1e-3) / bandwidth, 3),
-                   error_vs_layers=float(f"{error:.2e}"), settings=json.loads(best) or launch_settings(device))
+                   error_vs_layers=float(f"{error:.2e}"),
+                   settings=json.loads(best) or launch_settings(device, op, m))
         if args.sweep:
             row["sweep_us"] = {k: round(v * 1e3, 2) for k, v in sorted(fused.items(), key=lambda kv: kv[1])}
         rows.append(row)
+        if args.sweep:
+            best_keys.update({f"{scope}.{field}": v for field, v in row["settings"].items()})
         print(f"{row['op']:>24} M={m:<3} fused {row['fused_us']:9.1f} µs {row['fused_bandwidth_fraction']:6.1%}   "
               f"torch.matmul {row['matmul_us']:9.1f} µs {row['matmul_bandwidth_fraction']:6.1%}   "
               f"error {error:.1e}" + (f"   best {best}" if args.sweep else ""), flush=True)
     report = dict(meta=dict(device=gpu_name, torch=torch.__version__, model=args.model, dtype=str(dtype),
                             commit=os.environ.get("WEFT_COMMIT"), sweep=args.sweep),
                   copy_bandwidth_gbps=round(bandwidth / 1e9, 1), rows=rows)
+    if args.sweep:
+        # The best setting of each op and row range, as decode.gemv keys (added to the table's present value).
+        report["decode.gemv"] = dict(table, **best_keys)
+        print("decode.gemv with the best settings:", json.dumps(report["decode.gemv"]), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

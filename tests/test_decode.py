@@ -5,6 +5,8 @@ ranks:
   and SiLU formulas) on fresh random inputs, fp32 and bf16, row counts and widths that leave every block ragged,
   shapes that take the split-K path and shapes that do not, each plan called twice (the split-K counters are
   zeroed for the next call), outputs that start poisoned; bad arguments refused, naming them;
+- both GEMV paths (tl.dot and dot-free) of every op at M = 1, 3, 8, narrow and wide column runs, against torch
+  and the layers path; decode.gemv's keys resolved per op and row range;
 - the decoder's decode steps and greedy generation on the fused path against the layers path and transformers
   (Qwen3 and Llama configs, 1 and 2 ranks, batch 1 and 3).
 """
@@ -90,6 +92,114 @@ def _fused_ops(seed):
 
 def test_fused_ops_match_torch():
     assert run_ranks(_fused_ops, 1, 0, timeout=TIMEOUT)[0]
+
+
+def _gemv_paths(seed):
+    """Both GEMV paths (tl.dot and dot-free, forced through the plans' settings) of every fused op at M = 1, 3 and 8
+    on odd shapes (K, N, heads of 40 ragged against the blocks), split K and not, narrow and wide column runs (one
+    and two heads a QKV program), against torch and the layers path (weft.ops.rms_norm, x @ W, silu_mul,
+    qk_norm_rope: what the decoder runs without WEFT_DECODE=fused)."""
+    import torch
+    import torch.nn.functional as F
+
+    import weft
+    from weft.kernels.decode import GateUpPlan, LinearResidualPlan, QkvPlan
+
+    g = torch.Generator().manual_seed(seed)
+    eps = 1e-5
+    world = weft.world()
+    splits = {}
+    for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2)):
+        def randn(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+        def close(got, want, what):
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=lambda s: f"{what}: {s}")
+
+        for dot in (True, False):
+            # bf16: runs of 64 columns (one tile of the projections below; two heads of 40 a QKV program).
+            block_n = 16 if dtype == torch.float32 else 64
+            settings = dict(block_n=block_n, block_k=32, num_warps=4, num_stages=2, programs_per_sm=4, dot=dot)
+            for m in (1, 3, 8):
+                what = f"dot={dot} M={m} {dtype}"
+                # linear_residual: K ragged against the K block, N against the two column runs of a program.
+                for k, n in ((200, 72), (24, 40)):
+                    x, w, res = randn(m, k), randn(k, n, scale=k ** -0.5), randn(m, n)
+                    p = LinearResidualPlan(world, x, w, res, settings)
+                    splits.setdefault(("linear_residual", dot), set()).add(p.split)
+                    for call in range(2):  # the split-K counters are zeroed for the next call
+                        got = p.run(x, w, res)
+                        close(got, ((x.float() @ w.float()).to(dtype).float() + res.float()).to(dtype),
+                              f"linear_residual {m, k, n} {what} call {call} against torch")
+                        close(got, x @ w + res, f"linear_residual {m, k, n} {what} against the layers path")
+                # norm_gate_up_silu: the intermediate ragged against the column run.
+                for k, inter in ((136, 40), (24, 24)):
+                    x, nw, w = randn(m, k), randn(k, scale=0.5) + 1, randn(k, 2 * inter, scale=k ** -0.5)
+                    p = GateUpPlan(world, x, nw, w, eps, settings)
+                    splits.setdefault(("norm_gate_up_silu", dot), set()).add(p.split)
+                    got = p.run(x, nw, w, eps)
+                    gate, up = (_hf_norm(x, nw, eps) @ w).chunk(2, dim=-1)
+                    close(got, F.silu(gate) * up, f"norm_gate_up_silu {m, k, inter} {what} against torch")
+                    close(got, weft.ops.silu_mul(weft.ops.rms_norm(x, nw, eps) @ w),
+                          f"norm_gate_up_silu {m, k, inter} {what} against the layers path")
+                # norm_qkv_rope: heads of 40 (halves of 20, padded to 32), with Qwen3's q/k norm and without
+                # (Llama-3); 8 heads in all, one or two a program, so that K = 160 splits (K = 24 does not).
+                heads, kv, d = 4, 2, 40
+                for qk_norm, k in ((True, 160), (False, 24), (False, 160)):
+                    x, nw = randn(m, k), randn(k, scale=0.5) + 1
+                    w = randn(k, (heads + 2 * kv) * d, scale=k ** -0.5)
+                    inv_freq = 1.0 / 100.0 ** (torch.arange(0, d, 2).float() / d)
+                    rows = torch.randperm(9, generator=g)[:m]
+                    positions = torch.randint(0, 7, (m,), generator=g)
+                    qw, kw = (randn(d, scale=0.5) + 1 if qk_norm else None for _ in range(2))
+                    caches = [torch.full((9, 7, kv, d), float("nan"), dtype=dtype) for _ in range(4)]
+                    p = QkvPlan(world, x, nw, w, heads, kv, inv_freq, rows, positions, caches[0], caches[1], qw, kw,
+                                eps, settings)
+                    splits.setdefault(("norm_qkv_rope", dot), set()).add(p.split)
+                    assert p.heads_p == (1 if dtype == torch.float32 else 2), p.heads_p
+                    q = p.run(x, nw, w, inv_freq, rows, positions, caches[0], caches[1], qw, kw, eps)
+                    q_ref = weft.ops.qk_norm_rope(weft.ops.rms_norm(x, nw, eps) @ w, m, heads, kv, inv_freq, rows,
+                                                  positions, caches[2], caches[3], qw, kw, eps)
+                    label = f"norm_qkv_rope K={k} qk_norm={qk_norm} {what} against the layers path"
+                    close(q, q_ref, f"{label} q")
+                    close(caches[0][rows, positions], caches[2][rows, positions], f"{label} k")
+                    close(caches[1][rows, positions], caches[3][rows, positions], f"{label} v")
+                    for cache in caches[:2]:
+                        assert int((~cache.isnan()).sum()) == m * kv * d, f"{label}: written outside its slots"
+    # Every op took split K and one split on both paths.
+    for (op, dot), taken in splits.items():
+        assert 1 in taken and max(taken) > 1, (op, dot, taken)
+    return True
+
+
+def test_gemv_paths_match_torch_and_layers():
+    assert run_ranks(_gemv_paths, 1, 1, timeout=TIMEOUT)[0]
+
+
+def _settings_resolved():
+    """decode.gemv's keys: the most specific of op.range.field, op.field, range.field, field wins; a bad key is
+    refused naming it."""
+    from weft import tuning
+    from weft.kernels.decode import resolve
+    from weft.testing.checks import rejects
+
+    table = {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "dot": True,
+             "few_max_m": 4, "few.dot": False, "few.block_k": 32, "qkv.block_k": 256, "qkv.few.block_k": 64,
+             "down.many.programs_per_sm": 1}
+    assert resolve(table, "o", 1) == dict(block_n=64, block_k=32, num_warps=4, num_stages=3, programs_per_sm=2,
+                                          dot=False)
+    assert resolve(table, "o", 5)["dot"] is True and resolve(table, "o", 5)["block_k"] == 128
+    assert resolve(table, "qkv", 4)["block_k"] == 64 and resolve(table, "qkv", 8)["block_k"] == 256
+    assert resolve(table, "down", 8)["programs_per_sm"] == 1 and resolve(table, "down", 1)["programs_per_sm"] == 2
+    rejects(lambda: resolve(dict(table, **{"qkv.blockn": 1}), "o", 1), tuning.TuningError, "'qkv.blockn'", [])
+    rejects(lambda: resolve(dict(table, **{"up.dot": True}), "o", 1), tuning.TuningError, "'up.dot'", [])
+    rejects(lambda: resolve({"block_n": 64}, "o", 1), tuning.TuningError, "no 'block_k'", [])
+    rejects(lambda: resolve(table, "gate", 1), ValueError, "op must be one of", [])
+    return True
+
+
+def test_gemv_settings_resolve():
+    assert run_ranks(_settings_resolved, 1, timeout=TIMEOUT)[0]
 
 
 def _splits_taken():

@@ -9,21 +9,28 @@ to four (weft/models/decoder.py's WEFT_DECODE=fused path, a few tokens per step)
   silu(gate) * up, a program computing matching gate and up columns.
 
 Weights are (K, N), contiguous, as the layers keep them. The kernels are memory-bound GEMVs for M = 1..16 rows
-(tokens): a program streams a [K range, its columns] slab of the weight once through `tl.range`'s pipelined
-loads and multiplies it by the few rows with tl.dot (rows padded to 16, compute is free here). A 4096-wide
-projection has too few column tiles for two programs per SM, so K is split as well (the grid is tiles x splits x
-row blocks): each split stores its fp32 partial sums to a workspace and counts itself done on the tile's counter;
-the split that counts last sums the partials and runs the epilogue (then zeroes the counter for the next call,
-so a CUDA graph replays it). The RMSNorm prologue is folded into the GEMV: norm(x) @ W = diag(1 / rms(x)) ((x g)
-@ W) for the norm's weight g, so a program multiplies x g by its slab and the epilogue (which reads x's whole
-rows, a few KB) applies 1 / rms.
+(tokens): a program streams a [K range, its columns] slab of the weight once (evict-first: it is read once)
+through `tl.range`'s pipelined loads, two runs of columns a program, and multiplies it by the few rows in one of
+two ways, a launch setting: tl.dot (rows padded to 16, the weight tile in the dot's operand layout), or dot-free
+(`dot` false): fp32 FMAs of the real rows into [rows, K block, columns] accumulators in registers, summed over the
+K block once after the loop, so nothing but the loads touches the weight (compute is free here either way). A
+4096-wide projection has too few column tiles for the programs the GPU holds, so K is split as well (the grid
+is tiles x splits x row blocks, at most programs_per_sm per SM: a tail wave of a few programs would cost a
+whole wave's latency): each split stores its fp32 partial sums to a workspace and counts itself done on the
+tile's counter; the split that counts last sums the partials in split order (deterministic, no float atomics)
+and runs the epilogue (then zeroes the counter for the next call, so a CUDA graph replays it). The RMSNorm
+prologue is folded into the GEMV: norm(x) @ W = diag(1 / rms(x)) ((x g) @ W) for the norm's weight g, so a
+program multiplies x g by its slab and the epilogue (which reads x's whole rows, a few KB) applies 1 / rms.
 
 Roundings follow the layers path where the fusion allows: the projection's output is rounded to the dtype before
 the epilogue's norm, rotary, SiLU and residual add, which round as the pointwise kernels do (pointwise.py); the
 prologue rounds x g, not (x / rms) g, before the GEMV (a last-bit difference in the projection's inputs).
 
-Launch settings (columns per program, K block, stages, warps, programs per SM) come from weft.tuning's "decode"
-family, as does the largest M the decode path takes these kernels at (the layers' cuBLAS GEMMs above).
+Launch settings (columns per run, K block, stages, warps, programs per SM, tl.dot or not) come from weft.tuning's
+decode.gemv, per projection (qkv, o, gate_up, down) and row range where the sweep found them to differ
+(`resolve`), and the largest M the decode path takes these kernels at from decode.fused_max_m (the layers' cuBLAS
+GEMMs above). A QKV program owns whole heads (its epilogue needs them): block_n // (head_dim / 2) of them, a power
+of two that divides both head counts.
 """
 from __future__ import annotations
 
@@ -45,9 +52,19 @@ from .registry import declare_op
 # Rows a program takes at most (more rows: more row blocks); tl.dot needs 16 at least.
 MAX_BLOCK_M = 64
 MIN_BLOCK = 16
-# Under the interpreter (cpu): columns per accumulator, K block, programs per "SM" (num_sms is 2 there), so that
-# the tests' small shapes take the split-K path as well as the direct one.
-CPU_SETTINGS = dict(block_n=16, block_k=32, num_warps=4, num_stages=1, programs_per_sm=2)
+# Rows the dot-free path takes at most (its accumulators are rows x K block x columns).
+FMA_MAX_BLOCK_M = 16
+# Launch settings (weft.tuning's decode.gemv; `resolve`): columns per run (a program takes two runs), K block,
+# warps, pipeline stages, programs per SM the split-K aims at, tl.dot or dot-free.
+FIELDS = ("block_n", "block_k", "num_warps", "num_stages", "programs_per_sm", "dot")
+# The projections the settings are chosen for: linear_residual is "down" where K > N (the MLP's down projection),
+# else "o".
+OPS = ("qkv", "o", "gate_up", "down")
+RANGES = ("few", "many")
+# Under the interpreter (cpu): small blocks and 4 programs per "SM" (num_sms is 2 there), so that the tests'
+# small shapes take the split-K path as well as the direct one; dot-free at few rows, tl.dot above.
+CPU_SETTINGS = {"block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 1, "programs_per_sm": 4, "dot": True,
+                "few_max_m": 4, "few.dot": False}
 # Elements of x per step of the epilogue's sum of squares (BLOCK_M rows x NORM_K columns): 32 registers a thread
 # at 4 warps, beside the accumulators.
 NORM_ELEMENTS = 4096
@@ -69,10 +86,27 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 @triton.jit
 def _gemv_pair(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_mask_b, k_first, k_blocks,
                NORM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """(x[m, K range] @ w[K range, cols_a], ... @ w[K range, cols_b]) in fp32, the K range k_blocks blocks of BLOCK_K
-    from k_first; NORM: x's columns times norm_w (rounded to x's dtype) first. Weight rows are contiguous along
-    the columns: each [BLOCK_K, BLOCK_N] tile is BLOCK_K contiguous runs, pipelined STAGES deep."""
+               DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               STAGES: tl.constexpr):
+    """(x[m, K range] @ w[K range, cols_a], ... @ w[K range, cols_b]) in fp32, [BLOCK_M, BLOCK_N] each, the K range
+    k_blocks blocks of BLOCK_K from k_first; NORM: x's columns times norm_w (rounded to x's dtype) first. Weight
+    rows are contiguous along the columns: each [BLOCK_K, BLOCK_N] tile is BLOCK_K contiguous runs, pipelined
+    STAGES deep and loaded evict-first (read once). DOT: tl.dot (rows padded to 16); else dot-free (module doc)."""
+    if DOT:
+        acc_a, acc_b = _gemv_pair_dot(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_mask_b,
+                                      k_first, k_blocks, NORM, EVEN_K, EVEN_N, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+                                      STAGES)
+    else:
+        acc_a, acc_b = _gemv_pair_fma(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_mask_b,
+                                      k_first, k_blocks, NORM, EVEN_K, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+    return acc_a, acc_b
+
+
+@triton.jit
+def _gemv_pair_dot(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_mask_b, k_first, k_blocks,
+                   NORM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """_gemv_pair with tl.dot: x's [BLOCK_M >= 16, BLOCK_K] block times each weight tile."""
     acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     kk = tl.arange(0, BLOCK_K)
@@ -83,16 +117,20 @@ def _gemv_pair(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_
         if EVEN_K:
             a = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0)
             if EVEN_N:
-                wa = tl.load(w_rows + cols_a[None, :])
-                wb = tl.load(w_rows + cols_b[None, :])
+                wa = tl.load(w_rows + cols_a[None, :], eviction_policy="evict_first")
+                wb = tl.load(w_rows + cols_b[None, :], eviction_policy="evict_first")
             else:
-                wa = tl.load(w_rows + cols_a[None, :], mask=col_mask_a[None, :], other=0.0)
-                wb = tl.load(w_rows + cols_b[None, :], mask=col_mask_b[None, :], other=0.0)
+                wa = tl.load(w_rows + cols_a[None, :], mask=col_mask_a[None, :], other=0.0,
+                             eviction_policy="evict_first")
+                wb = tl.load(w_rows + cols_b[None, :], mask=col_mask_b[None, :], other=0.0,
+                             eviction_policy="evict_first")
         else:
             k_mask = k < K
             a = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            wa = tl.load(w_rows + cols_a[None, :], mask=k_mask[:, None] & col_mask_a[None, :], other=0.0)
-            wb = tl.load(w_rows + cols_b[None, :], mask=k_mask[:, None] & col_mask_b[None, :], other=0.0)
+            wa = tl.load(w_rows + cols_a[None, :], mask=k_mask[:, None] & col_mask_a[None, :], other=0.0,
+                         eviction_policy="evict_first")
+            wb = tl.load(w_rows + cols_b[None, :], mask=k_mask[:, None] & col_mask_b[None, :], other=0.0,
+                         eviction_policy="evict_first")
         if NORM:
             if EVEN_K:
                 g = tl.load(norm_w + k)
@@ -102,6 +140,48 @@ def _gemv_pair(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_
         acc_a = _dot(a, wa, acc_a, IEEE)
         acc_b = _dot(a, wb, acc_b, IEEE)
     return acc_a, acc_b
+
+
+@triton.jit
+def _gemv_pair_fma(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_mask_b, k_first, k_blocks,
+                   NORM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """_gemv_pair without tl.dot: acc[m, k, n] += x[m, k] w[k, n] in fp32 registers (every operand built in the
+    accumulators' 3D layout, so no layout change in the loop), summed over k once after it."""
+    acc_a = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_N], tl.float32)
+    acc_b = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_N], tl.float32)
+    kk = tl.arange(0, BLOCK_K)[None, :, None]
+    x_rows = x + m[:, None, None].to(tl.int64) * K
+    row_mask = m_mask[:, None, None]
+    ca, cb = cols_a[None, None, :], cols_b[None, None, :]
+    mask_a, mask_b = col_mask_a[None, None, :], col_mask_b[None, None, :]
+    for i in tl.range(0, k_blocks, num_stages=STAGES):
+        k = k_first + i * BLOCK_K + kk
+        w_rows = w + k.to(tl.int64) * ldw
+        if EVEN_K:
+            a = tl.load(x_rows + k, mask=row_mask, other=0.0)
+            if EVEN_N:
+                wa = tl.load(w_rows + ca, eviction_policy="evict_first")
+                wb = tl.load(w_rows + cb, eviction_policy="evict_first")
+            else:
+                wa = tl.load(w_rows + ca, mask=mask_a, other=0.0, eviction_policy="evict_first")
+                wb = tl.load(w_rows + cb, mask=mask_b, other=0.0, eviction_policy="evict_first")
+        else:
+            k_mask = k < K
+            a = tl.load(x_rows + k, mask=row_mask & k_mask, other=0.0)
+            wa = tl.load(w_rows + ca, mask=k_mask & mask_a, other=0.0, eviction_policy="evict_first")
+            wb = tl.load(w_rows + cb, mask=k_mask & mask_b, other=0.0, eviction_policy="evict_first")
+        a = a.to(tl.float32)
+        if NORM:
+            if EVEN_K:
+                g = tl.load(norm_w + k)
+            else:
+                g = tl.load(norm_w + k, mask=k < K, other=0.0)
+            # Rounded to the dtype as the dot path's operand is (the same product of x g and w).
+            a = cast(a * g.to(tl.float32), w.dtype.element_ty).to(tl.float32)
+        acc_a += a * wa.to(tl.float32)
+        acc_b += a * wb.to(tl.float32)
+    return tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1)
 
 
 @triton.jit
@@ -185,10 +265,10 @@ def _gate_up_out(acc_a, acc_b, x, out, m, m_mask, K, cols_a, col_mask_a, I, eps,
 
 @triton.jit
 def _head_norm(x1, x2, weight, eps, j_mask, HALF: tl.constexpr):
-    """RMSNorm over head_dim of one head's halves x1, x2 [rows, HALF_P] (fp32): transformers' roundings (as
+    """RMSNorm over head_dim of heads' halves x1, x2 [rows, heads, HALF_P] (fp32): transformers' roundings (as
     pointwise._rms_heads)."""
-    j = tl.arange(0, x1.shape[1])[None, :]
-    rs = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+    j = tl.arange(0, x1.shape[2])[None, None, :]
+    rs = tl.rsqrt((tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) / (2 * HALF) + eps)[:, :, None]
     w1 = tl.load(weight + j, mask=j_mask, other=0.0).to(tl.float32)
     w2 = tl.load(weight + HALF + j, mask=j_mask, other=0.0).to(tl.float32)
     dt = weight.dtype.element_ty
@@ -197,40 +277,43 @@ def _head_norm(x1, x2, weight, eps, j_mask, HALF: tl.constexpr):
 
 
 @triton.jit
-def _qkv_out(acc_a, acc_b, head, x, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, m, m_mask,
+def _qkv_out(acc_a, acc_b, head0, x, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, m, m_mask,
              K, eps, dst_sb, dst_sp, dst_sh, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-             QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, NORM_K: tl.constexpr):
-    """One head of the normed projection (halves acc_a, acc_b): a q head normed (QK_NORM) and rotated into q_out
-    (M, HEADS, 2 HALF); a k head likewise into k_dst[rows[m], positions[m], h]; a v head as it is into v_dst."""
+             QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr,
+             NORM_K: tl.constexpr):
+    """HEADS_P heads from head0 of the normed projection (their halves acc_a, acc_b [rows, HEADS_P HALF_P], head by
+    head), all q, k or v heads: q heads normed (QK_NORM) and rotated into q_out (M, HEADS, 2 HALF); k heads
+    likewise into k_dst[rows[m], positions[m], h]; v heads as they are into v_dst."""
     dt = q_out.dtype.element_ty
-    j = tl.arange(0, acc_a.shape[1])[None, :]
+    j = tl.arange(0, HALF_P)[None, None, :]
+    h = tl.arange(0, HEADS_P)[None, :, None]
     j_mask = j < HALF
-    mask = m_mask[:, None] & j_mask
-    inv = _inv_rms(x, m, m_mask, K, eps, BLOCK_M, NORM_K)[:, None]
-    x1 = cast(acc_a * inv, dt).to(tl.float32)
-    x2 = cast(acc_b * inv, dt).to(tl.float32)
-    pos = tl.load(positions + m, mask=m_mask, other=0)[:, None]
-    slot = tl.load(rows + m, mask=m_mask, other=0)[:, None] * dst_sb + pos * dst_sp + j
-    if head < HEADS + KV_HEADS:
+    mask = m_mask[:, None, None] & j_mask & (h < HEADS_P)  # (h: the mask's full shape)
+    inv = _inv_rms(x, m, m_mask, K, eps, BLOCK_M, NORM_K)[:, None, None]
+    x1 = cast(tl.reshape(acc_a, [BLOCK_M, HEADS_P, HALF_P]) * inv, dt).to(tl.float32)
+    x2 = cast(tl.reshape(acc_b, [BLOCK_M, HEADS_P, HALF_P]) * inv, dt).to(tl.float32)
+    pos = tl.load(positions + m, mask=m_mask, other=0)[:, None, None]
+    slot = tl.load(rows + m, mask=m_mask, other=0)[:, None, None] * dst_sb + pos * dst_sp + j
+    if head0 < HEADS + KV_HEADS:
         angle = pos.to(tl.float32) * tl.load(inv_freq + j, mask=j_mask, other=0.0)
         cos = cast(tl.cos(angle), dt).to(tl.float32)
         sin = cast(tl.sin(angle), dt).to(tl.float32)
-        if head < HEADS:
+        if head0 < HEADS:
             if QK_NORM:
                 x1, x2 = _head_norm(x1, x2, q_weight, eps, j_mask, HALF)
             y1, y2 = _rotate(x1, x2, cos, sin, dt)
-            dst = q_out + (m[:, None].to(tl.int64) * HEADS + head) * 2 * HALF + j
+            dst = q_out + (m[:, None, None].to(tl.int64) * HEADS + head0 + h) * 2 * HALF + j
             tl.store(dst, y1, mask=mask)
             tl.store(dst + HALF, y2, mask=mask)
         else:
             if QK_NORM:
                 x1, x2 = _head_norm(x1, x2, k_weight, eps, j_mask, HALF)
             y1, y2 = _rotate(x1, x2, cos, sin, dt)
-            dst = k_dst + slot + (head - HEADS) * dst_sh
+            dst = k_dst + slot + (head0 - HEADS + h) * dst_sh
             tl.store(dst, y1, mask=mask)
             tl.store(dst + HALF, y2, mask=mask)
     else:
-        dst = v_dst + slot + (head - HEADS - KV_HEADS) * dst_sh
+        dst = v_dst + slot + (head0 - HEADS - KV_HEADS + h) * dst_sh
         tl.store(dst, cast(x1, dt), mask=mask)
         tl.store(dst + HALF, cast(x2, dt), mask=mask)
 
@@ -241,8 +324,8 @@ def _qkv_out(acc_a, acc_b, head, x, q_out, k_dst, v_dst, rows, positions, inv_fr
 
 @triton.jit
 def linear_residual_kernel(x, w, residual, out, partial, counter, M, K, N, KB, BPS, SPLIT: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           STAGES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                           IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
     """out = residual + x @ w; a program's columns are two runs of BLOCK_N, [2 BLOCK_N tile, +2 BLOCK_N)."""
     tile, split, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -252,8 +335,8 @@ def linear_residual_kernel(x, w, residual, out, partial, counter, M, K, N, KB, B
     col_mask_a, col_mask_b = cols_a < N, cols_b < N
     kb0 = split * BPS
     acc_a, acc_b = _gemv_pair(x, w, x, m, m_mask, K, N, cols_a, cols_b, col_mask_a, col_mask_b, kb0 * BLOCK_K,
-                              tl.minimum(BPS, KB - kb0), False, EVEN_K, EVEN_N, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-                              STAGES)
+                              tl.minimum(BPS, KB - kb0), False, EVEN_K, EVEN_N, IEEE, DOT, BLOCK_M, BLOCK_N,
+                              BLOCK_K, STAGES)
     if SPLIT == 1:
         _residual_out(acc_a, acc_b, residual, out, m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N)
     else:
@@ -267,9 +350,9 @@ def linear_residual_kernel(x, w, residual, out, partial, counter, M, K, N, KB, B
 
 @triton.jit
 def norm_gate_up_silu_kernel(x, norm_w, w, out, partial, counter, M, K, I, KB, BPS, eps, SPLIT: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             STAGES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                             IEEE: tl.constexpr, NORM_K: tl.constexpr):
+                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                             EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+                             EVEN_N: tl.constexpr, NORM_K: tl.constexpr):
     """out (M, I) = silu(gate) * up of norm(x) @ w, w (K, 2 I) = [gate | up]: a program's columns are gate's
     [BLOCK_N tile, +BLOCK_N) and the same of up."""
     tile, split, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -280,8 +363,8 @@ def norm_gate_up_silu_kernel(x, norm_w, w, out, partial, counter, M, K, I, KB, B
     cols_b = cols_a + I
     kb0 = split * BPS
     acc_a, acc_b = _gemv_pair(x, w, norm_w, m, m_mask, K, 2 * I, cols_a, cols_b, col_mask_a, col_mask_a,
-                              kb0 * BLOCK_K, tl.minimum(BPS, KB - kb0), True, EVEN_K, EVEN_N, IEEE, BLOCK_M, BLOCK_N,
-                              BLOCK_K, STAGES)
+                              kb0 * BLOCK_K, tl.minimum(BPS, KB - kb0), True, EVEN_K, EVEN_N, IEEE, DOT, BLOCK_M,
+                              BLOCK_N, BLOCK_K, STAGES)
     if SPLIT == 1:
         _gate_up_out(acc_a, acc_b, x, out, m, m_mask, K, cols_a, col_mask_a, I, eps, BLOCK_M, NORM_K)
     else:
@@ -297,40 +380,76 @@ def norm_gate_up_silu_kernel(x, norm_w, w, out, partial, counter, M, K, I, KB, B
 def norm_qkv_rope_kernel(x, norm_w, w, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, partial,
                          counter, M, K, KB, BPS, eps, dst_sb, dst_sp, dst_sh, HEADS: tl.constexpr,
                          KV_HEADS: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, SPLIT: tl.constexpr,
-                         BLOCK_M: tl.constexpr, HALF_P: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                         EVEN_K: tl.constexpr, IEEE: tl.constexpr, NORM_K: tl.constexpr):
-    """q, k, v of norm(x) @ w, w (K, (HEADS + 2 KV_HEADS) 2 HALF) = [q | k | v]: program `tile` owns head `tile`
-    (its halves, HALF columns each), so the head's norm and rotation happen in registers."""
-    head, split, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                         IEEE: tl.constexpr, DOT: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr,
+                         NORM_K: tl.constexpr):
+    """q, k, v of norm(x) @ w, w (K, (HEADS + 2 KV_HEADS) 2 HALF) = [q | k | v]: program `tile` owns heads
+    [HEADS_P tile, +HEADS_P) (HEADS_P divides both head counts: they are all q, k or v heads), its runs their first
+    halves and their second halves (HALF columns each, padded to HALF_P), so the heads' norm and rotation happen
+    in registers."""
+    tile, split, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    head0 = tile * HEADS_P
     N: tl.constexpr = (HEADS + 2 * KV_HEADS) * 2 * HALF
     m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < M
-    j = tl.arange(0, HALF_P)
-    cols_a = head * 2 * HALF + j
+    j = tl.arange(0, HEADS_P * HALF_P)
+    cols_a = (head0 + j // HALF_P) * 2 * HALF + j % HALF_P
     cols_b = cols_a + HALF
-    j_mask = j < HALF
+    j_mask = j % HALF_P < HALF
     kb0 = split * BPS
     acc_a, acc_b = _gemv_pair(x, w, norm_w, m, m_mask, K, N, cols_a, cols_b, j_mask, j_mask, kb0 * BLOCK_K,
-                              tl.minimum(BPS, KB - kb0), True, EVEN_K, HALF == HALF_P, IEEE, BLOCK_M, HALF_P,
-                              BLOCK_K, STAGES)
+                              tl.minimum(BPS, KB - kb0), True, EVEN_K, HALF == HALF_P, IEEE, DOT, BLOCK_M,
+                              HEADS_P * HALF_P, BLOCK_K, STAGES)
     if SPLIT == 1:
-        _qkv_out(acc_a, acc_b, head, x, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, m,
-                 m_mask, K, eps, dst_sb, dst_sp, dst_sh, HEADS, KV_HEADS, HALF, QK_NORM, BLOCK_M, NORM_K)
+        _qkv_out(acc_a, acc_b, head0, x, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, m,
+                 m_mask, K, eps, dst_sb, dst_sp, dst_sh, HEADS, KV_HEADS, HALF, QK_NORM, BLOCK_M, HALF_P, HEADS_P,
+                 NORM_K)
     else:
         _store_partials(acc_a, acc_b, partial, (mb * SPLIT + split) * BLOCK_M, m_mask, cols_a, cols_b, j_mask,
                         j_mask, N, BLOCK_M)
-        if _split_done(counter + mb * tl.num_programs(0) + head, SPLIT):
+        if _split_done(counter + mb * tl.num_programs(0) + tile, SPLIT):
             acc_a, acc_b = _sum_partials(partial, mb * SPLIT, m_mask, cols_a, cols_b, j_mask, j_mask, N, SPLIT,
-                                         BLOCK_M, HALF_P)
-            _qkv_out(acc_a, acc_b, head, x, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, m,
-                     m_mask, K, eps, dst_sb, dst_sp, dst_sh, HEADS, KV_HEADS, HALF, QK_NORM, BLOCK_M, NORM_K)
+                                         BLOCK_M, HEADS_P * HALF_P)
+            _qkv_out(acc_a, acc_b, head0, x, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, m,
+                     m_mask, K, eps, dst_sb, dst_sp, dst_sh, HEADS, KV_HEADS, HALF, QK_NORM, BLOCK_M, HALF_P, HEADS_P,
+                     NORM_K)
 
 
 # -- host side ------------------------------------------------------------------
 
-def launch_settings(device: torch.device) -> dict:
-    """{block_n, block_k, num_warps, num_stages, programs_per_sm}: weft.tuning's decode.gemv on GPUs."""
-    return CPU_SETTINGS if device.type != "cuda" else tuning.value("decode.gemv", device)
+def launch_settings(device: torch.device, op: str, m: int) -> dict:
+    """The launch settings of `op` (one of OPS) at m rows: {FIELDS: value}, resolved from weft.tuning's decode.gemv
+    on GPUs (CPU_SETTINGS under the interpreter) as `resolve` reads it."""
+    table = CPU_SETTINGS if device.type != "cuda" else tuning.value("decode.gemv", device)
+    return resolve(table, op, m)
+
+
+def resolve(table: dict, op: str, m: int) -> dict:
+    """The settings `table` (decode.gemv's form) gives `op` at m rows. Its keys are `[op.][range.]field`: a field
+    of FIELDS for every op and row count, or scoped to one op of OPS, to a row range ("few": m <= the table's
+    few_max_m, else "many"), or both; the most specific key present wins. TuningError naming a key that is none
+    of these, or a field no key gives."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
+    for key in table:
+        if key == "few_max_m":
+            continue
+        *scope, field = key.split(".")
+        if field not in FIELDS or len(scope) > 2 or not (
+                not scope or (len(scope) == 1 and scope[0] in OPS + RANGES)
+                or (len(scope) == 2 and scope[0] in OPS and scope[1] in RANGES)):
+            raise tuning.TuningError(f"decode.gemv: unknown key {key!r} (keys are [op.][range.]field: op of "
+                                     f"{', '.join(OPS)}, range of {', '.join(RANGES)}, field of {', '.join(FIELDS)})")
+    rows = "few" if m <= table.get("few_max_m", 0) else "many"
+    out = {}
+    for field in FIELDS:
+        for key in (f"{op}.{rows}.{field}", f"{op}.{field}", f"{rows}.{field}", field):
+            if key in table:
+                out[field] = table[key]
+                break
+        else:
+            raise tuning.TuningError(f"decode.gemv gives {op} at {m} rows no {field!r}")
+    return out
 
 
 def fused_max_m(device: torch.device) -> int:
@@ -356,31 +475,40 @@ def _same_device(device, **tensors) -> None:
 
 
 class GemvPlan(Plan):
-    """The grid of one fused GEMV call signature: M rows in row blocks, `tiles` column tiles, K in splits of BPS
-    blocks (enough programs for programs_per_sm per SM), the split-K workspace and counters."""
+    """The grid of one fused GEMV call signature: M rows in row blocks, column tiles, K in splits of BPS blocks
+    (programs_per_sm per SM at most, so that no tail wave runs after the full one), the split-K workspace and
+    counters. `settings` (`resolve`'s form) replaces the tuned ones: the tests run both GEMV paths with it."""
 
-    def __init__(self, group, m: int, k: int, n: int, tiles: int, dtype: torch.dtype):
+    def __init__(self, group, op: str, m: int, k: int, dtype: torch.dtype, settings: dict | None):
         super().__init__(group)
-        device = group.device
-        s = launch_settings(device)
-        self.block_m = min(MAX_BLOCK_M, max(MIN_BLOCK, triton.next_power_of_2(max(m, 1))))
+        s = launch_settings(group.device, op, m) if settings is None else settings
+        self.dot = bool(s["dot"])
+        # tl.dot takes 16 rows at least; the dot-free path holds just M's (a power of two) in its accumulators.
+        rows = triton.next_power_of_2(max(m, 1))
+        self.block_m = min(MAX_BLOCK_M, max(MIN_BLOCK, rows)) if self.dot else min(FMA_MAX_BLOCK_M, rows)
         self.block_k = max(MIN_BLOCK, min(s["block_k"], triton.next_power_of_2(max(k, 1))))
         self.block_n = s["block_n"]
-        m_blocks = triton.cdiv(m, self.block_m)
+        self.m_blocks = triton.cdiv(m, self.block_m)
         self.kb = triton.cdiv(k, self.block_k)
-        want = num_sms(device) * s["programs_per_sm"]
-        split = max(1, min(self.kb, triton.cdiv(want, max(tiles * m_blocks, 1))))
-        self.bps = triton.cdiv(self.kb, split)
-        self.split = triton.cdiv(self.kb, self.bps)
-        self.grid = (tiles, self.split, m_blocks)
+        self.programs = num_sms(group.device) * s["programs_per_sm"]
         self.num_warps, self.stages = s["num_warps"], s["num_stages"]
-        shape = (m_blocks, self.split, self.block_m, n) if self.split > 1 else (1,)
-        self.partial = torch.empty(shape, dtype=torch.float32, device=device)
-        self.counter = torch.zeros((m_blocks, tiles), dtype=torch.int32, device=device)
-        self.common = dict(SPLIT=self.split, BLOCK_M=self.block_m)
         self.even_k, self.ieee = k % self.block_k == 0, dtype == torch.float32
         self.norm_k = max(MIN_BLOCK, min(NORM_ELEMENTS // self.block_m, triton.next_power_of_2(max(k, 1))))
         self.launch = None
+
+    def split_k(self, tiles: int, n: int) -> None:
+        """The grid for `tiles` column tiles of an n-column weight: K split as far as the programs allow (rounded
+        down: a tail wave of a few programs would cost a whole wave's latency), the workspace and counters."""
+        device = self.group.device
+        split = max(1, min(self.kb, self.programs // max(tiles * self.m_blocks, 1)))
+        self.bps = triton.cdiv(self.kb, split)
+        self.split = triton.cdiv(self.kb, self.bps)
+        self.grid = (tiles, self.split, self.m_blocks)
+        shape = (self.m_blocks, self.split, self.block_m, n) if self.split > 1 else (1,)
+        self.partial = torch.empty(shape, dtype=torch.float32, device=device)
+        self.counter = torch.zeros((self.m_blocks, tiles), dtype=torch.int32, device=device)
+        self.common = dict(SPLIT=self.split, BLOCK_M=self.block_m, BLOCK_K=self.block_k, STAGES=self.stages,
+                           EVEN_K=self.even_k, IEEE=self.ieee, DOT=self.dot)
 
 
 @declare_op()
@@ -395,7 +523,7 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
 
 
 class LinearResidualPlan(GemvPlan):
-    def __init__(self, group, x, weight, residual):
+    def __init__(self, group, x, weight, residual, settings=None):
         _operand("x", x, None, (None, None))
         m, k = x.shape
         _operand("weight", weight, x.dtype, (k, None))
@@ -405,15 +533,14 @@ class LinearResidualPlan(GemvPlan):
         if k == 0:
             raise ValueError("x has no columns (K = 0): nothing to project")
         self.shape = (m, n)
-        s = launch_settings(group.device)
-        super().__init__(group, m, k, n, triton.cdiv(n, 2 * s["block_n"]), x.dtype)
+        super().__init__(group, "down" if k > n else "o", m, k, x.dtype, settings)
+        self.split_k(triton.cdiv(n, 2 * self.block_n), n)
         self.args = (m, k, n, self.kb, self.bps)
         if min(m, n) > 0:
             out = torch.empty(self.shape, dtype=x.dtype, device=x.device)
             self.launch = Launch(linear_residual_kernel, self.grid,
                                  (x, weight, residual, out, self.partial, self.counter, *self.args),
-                                 dict(**self.common, BLOCK_N=self.block_n, BLOCK_K=self.block_k, STAGES=self.stages,
-                                      EVEN_K=self.even_k, EVEN_N=n % (2 * self.block_n) == 0, IEEE=self.ieee),
+                                 dict(**self.common, BLOCK_N=self.block_n, EVEN_N=n % (2 * self.block_n) == 0),
                                  self.num_warps)
 
     def run(self, x, weight, residual):
@@ -445,7 +572,7 @@ def _eps(eps) -> float:
 
 
 class GateUpPlan(GemvPlan):
-    def __init__(self, group, x, norm_weight, gate_up_weight, eps):
+    def __init__(self, group, x, norm_weight, gate_up_weight, eps, settings=None):
         _operand("x", x, None, (None, None))
         m, k = x.shape
         _operand("norm_weight", norm_weight, x.dtype, (k,))
@@ -458,15 +585,14 @@ class GateUpPlan(GemvPlan):
             raise ValueError("x has no columns: RMSNorm of an empty row is undefined")
         inter = gate_up_weight.shape[1] // 2
         self.shape = (m, inter)
-        s = launch_settings(group.device)
-        super().__init__(group, m, k, 2 * inter, triton.cdiv(inter, s["block_n"]), x.dtype)
+        super().__init__(group, "gate_up", m, k, x.dtype, settings)
+        self.split_k(triton.cdiv(inter, self.block_n), 2 * inter)
         self.args = (m, k, inter, self.kb, self.bps)
         if min(m, inter) > 0:
             out = torch.empty(self.shape, dtype=x.dtype, device=x.device)
             self.launch = Launch(norm_gate_up_silu_kernel, self.grid,
                                  (x, norm_weight, gate_up_weight, out, self.partial, self.counter, *self.args, eps),
-                                 dict(**self.common, BLOCK_N=self.block_n, BLOCK_K=self.block_k, STAGES=self.stages,
-                                      EVEN_K=self.even_k, EVEN_N=inter % self.block_n == 0, IEEE=self.ieee,
+                                 dict(**self.common, BLOCK_N=self.block_n, EVEN_N=inter % self.block_n == 0,
                                       NORM_K=self.norm_k), self.num_warps)
 
     def run(self, x, norm_weight, gate_up_weight, eps):
@@ -511,7 +637,7 @@ def _head_counts(heads, kv_heads) -> None:
 
 class QkvPlan(GemvPlan):
     def __init__(self, group, x, norm_weight, qkv_weight, heads, kv_heads, inv_freq, rows, positions, k_dst, v_dst,
-                 q_weight, k_weight, eps):
+                 q_weight, k_weight, eps, settings=None):
         _operand("x", x, None, (None, None))
         m, k = x.shape
         _head_counts(heads, kv_heads)
@@ -544,7 +670,14 @@ class QkvPlan(GemvPlan):
         self.q_shape, self.dtype = (m, heads, d), x.dtype
         self.qk_norm = q_weight is not None
         half_p = max(MIN_BLOCK, triton.next_power_of_2(half))
-        super().__init__(group, m, k, (heads + 2 * kv_heads) * d, heads + 2 * kv_heads, x.dtype)
+        super().__init__(group, "qkv", m, k, x.dtype, settings)
+        # Heads a program: block_n columns a run, half a head each, as a power of two that divides both head counts
+        # (a program's heads are then all q, k or v heads).
+        heads_p = 1
+        while heads_p * 2 * half_p <= self.block_n and heads % (heads_p * 2) == 0 and kv_heads % (heads_p * 2) == 0:
+            heads_p *= 2
+        self.heads_p = heads_p
+        self.split_k((heads + 2 * kv_heads) // heads_p, (heads + 2 * kv_heads) * d)
         self.args = (m, k, self.kb, self.bps)
         self.strides = k_dst.stride()[:3]
         if m > 0:
@@ -554,8 +687,7 @@ class QkvPlan(GemvPlan):
                                  (x, norm_weight, qkv_weight, q, k_dst, v_dst, rows, positions, inv_freq, *norms,
                                   self.partial, self.counter, *self.args, eps, *self.strides),
                                  dict(HEADS=heads, KV_HEADS=kv_heads, HALF=half, QK_NORM=self.qk_norm, **self.common,
-                                      HALF_P=half_p, BLOCK_K=self.block_k, STAGES=self.stages, EVEN_K=self.even_k,
-                                      IEEE=self.ieee, NORM_K=self.norm_k), self.num_warps)
+                                      HALF_P=half_p, HEADS_P=heads_p, NORM_K=self.norm_k), self.num_warps)
 
     def run(self, x, norm_weight, qkv_weight, inv_freq, rows, positions, k_dst, v_dst, q_weight, k_weight, eps):
         q = torch.empty(self.q_shape, dtype=self.dtype, device=x.device)
@@ -611,31 +743,36 @@ def _(x, norm_weight, qkv_weight, heads, kv_heads, inv_freq, rows, positions, k_
 
 
 def _compile_cases():
-    """Qwen3-8B's decode shapes at one rank (hidden 4096, 32 + 2 x 8 heads of 128, intermediate 12288) and M = 1 and
-    16 rows in a block, bf16, split-K and not; a Llama-shaped QKV without the q/k norm; fp32."""
+    """Qwen3-8B's decode shapes at one rank (hidden 4096, 32 + 2 x 8 heads of 128, intermediate 12288), bf16 and
+    fp32: the tl.dot path at M = 1 and 16 rows in a block (16 rows) and 64, split-K and not; the dot-free path at 1
+    row (wide column runs, two heads a QKV program) and 8 (on 8 warps); a Llama-shaped QKV without the q/k norm."""
     out = []
-    s = dict(block_n=64, block_k=128, num_warps=4, num_stages=4)
+    dot = dict(block_n=64, block_k=128, num_warps=4, num_stages=4, dot=True)
+    fma = dict(block_n=128, block_k=32, num_warps=4, num_stages=3, dot=False)  # two heads a QKV program
+    fma8 = dict(block_n=64, block_k=32, num_warps=8, num_stages=4, dot=False)  # 8 rows: 128 accumulators a thread
     for t, ieee in (("*bf16", False), ("*fp32", True)):
-        for block_m, split in ((16, 8), (16, 1), (64, 2)):
+        for s, block_m, split in ((dot, 16, 8), (dot, 16, 1), (dot, 64, 2), (fma, 1, 4), (fma8, 8, 1)):
             common = dict(SPLIT=split, BLOCK_M=block_m, BLOCK_K=s["block_k"], STAGES=s["num_stages"], EVEN_K=True,
-                          IEEE=ieee)
+                          IEEE=ieee, DOT=s["dot"])
+            options = dict(num_warps=s["num_warps"])
+            norm_k = NORM_ELEMENTS // block_m
             out.append((linear_residual_kernel,
                         dict(x=t, w=t, residual=t, out=t, partial="*fp32", counter="*i32", M="i32", K="i32", N="i32",
                              KB="i32", BPS="i32"),
-                        dict(**common, BLOCK_N=s["block_n"], EVEN_N=True), dict(num_warps=s["num_warps"],
-                                                                                 divisible=("K", "N"))))
+                        dict(**common, BLOCK_N=s["block_n"], EVEN_N=True), dict(options, divisible=("K", "N"))))
             out.append((norm_gate_up_silu_kernel,
                         dict(x=t, norm_w=t, w=t, out=t, partial="*fp32", counter="*i32", M="i32", K="i32", I="i32",
                              KB="i32", BPS="i32", eps="fp32"),
-                        dict(**common, BLOCK_N=s["block_n"], EVEN_N=True, NORM_K=NORM_ELEMENTS // block_m),
-                        dict(num_warps=s["num_warps"], divisible=("K", "I"))))
+                        dict(**common, BLOCK_N=s["block_n"], EVEN_N=True, NORM_K=norm_k),
+                        dict(options, divisible=("K", "I"))))
             for qk_norm in (True, False):
                 out.append((norm_qkv_rope_kernel,
                             dict(x=t, norm_w=t, w=t, q_out=t, k_dst=t, v_dst=t, rows="*i64", positions="*i64",
                                  inv_freq="*fp32", q_weight=t, k_weight=t, partial="*fp32", counter="*i32", M="i32",
                                  K="i32", KB="i32", BPS="i32", eps="fp32", dst_sb="i64", dst_sp="i64", dst_sh="i64"),
                             dict(HEADS=32, KV_HEADS=8, HALF=64, QK_NORM=qk_norm, **common, HALF_P=64,
-                                 NORM_K=NORM_ELEMENTS // block_m), dict(num_warps=s["num_warps"], divisible=("K",))))
+                                 HEADS_P=s["block_n"] // 64, NORM_K=norm_k),
+                            dict(options, divisible=("K",))))
     return out
 
 
