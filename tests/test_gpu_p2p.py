@@ -1,5 +1,5 @@
 """send / recv on GPUs: `weft run -n 2 -m pytest tests/test_gpu_p2p.py -m gpu`. The route WEFT_P2P_KERNEL picks
-(unset: weft.kernels.p2p.KERNEL_ON_GPUS) and weft's device kernel whatever it says (`forced_route`), bit-exact
+(unset: per message, the kernel up to p2p.kernel_max_bytes) and weft's device kernel whatever it says (`forced_route`), bit-exact
 from one chunk to messages spread over every program of the kernel in several chunks each, many times over (on
 2x H100 the kernel once delivered only the first chunk of a four-chunk message: a race shows in some calls only);
 a batch exchange both ways; send / recv captured in a CUDA graph and replayed on new data."""

@@ -46,12 +46,14 @@ call raises a ValueError naming both counts; the sender's program 0 moves rerr i
 next p2p launch, and raises then (or at `weft.check_errors()`, which reads both). Under the interpreter the
 receiver's call raises at once; on GPUs the error words are read at `weft.check_errors()`.
 
-Route on GPUs: the kernel when WEFT_P2P_KERNEL=1, the process group's send / recv (NCCL) when 0; unset, as
-KERNEL_ON_GPUS says (False until the kernel is measured on GPUs: on 2x H100 (2026-11-25) it once delivered only
-the first chunk of a four-chunk message, a race that the CTA barriers before it reads back its own words (sent,
-recvd, state) are meant to close). `forced_route` picks one for the calls made within it (`weft bench p2p` times
-both). Same ordering either way (per pair, on the caller's stream); a size mismatch on the process group's route
-is what NCCL makes of it. The cpu backend always runs the kernel.
+Route on GPUs, per message: the kernel when WEFT_P2P_KERNEL=1, the process group's send / recv (NCCL) when 0;
+unset, the kernel for messages of at most `p2p.kernel_max_bytes` (weft.tuning) and NCCL above: on 2x H200
+(2026-11-26, CUDA-graph replay) the kernel delivers 4-64 KiB in 8-15 us against NCCL's 27-31, and NCCL moves 16+
+MiB at ~350 GB/s where the kernel's 16 programs reach ~100. Both ends route a message by its own byte count, so
+in a valid program they agree; each route keeps its messages in order, so a pair's messages still match in
+order across routes. (A receiver whose tensor size differs from the sender's across the threshold waits on the
+other route: as with NCCL's own mismatched sizes, no error.) `forced_route` picks one route for the calls made
+within it (`weft bench p2p` times both). The cpu backend always runs the kernel.
 
 Workspace: the group's p2p workspace lives in its heap's tail, made by each rank at its own first p2p call with
 no collective step (weft/runtime/heap.py), so a first send between two members needs nothing of the others. A
@@ -81,7 +83,6 @@ SLOTS = 2  # chunk slots per ordered pair and program: double-buffered
 BLOCK = 1024  # words a program moves per step
 # The route on GPUs when WEFT_P2P_KERNEL is unset: the process group's send / recv until the kernel's is measured
 # there (module doc). The one place that default lives.
-KERNEL_ON_GPUS = False
 CPU_PART_MIN_BYTES = 256  # on the interpreter: any message of more than 256 bytes spreads over the programs
 
 
@@ -101,14 +102,18 @@ def part_min_bytes(device: torch.device, world_size: int) -> int:
     return -(-max(found, 1) // 256) * 256
 
 
-def kernel_route(device: torch.device) -> bool:
-    """Whether send / recv on `device` run weft's kernel (else the process group's send / recv): always on cpu; on
-    GPUs as `forced_route` says within it, else WEFT_P2P_KERNEL, else KERNEL_ON_GPUS."""
+def kernel_route(device: torch.device, nbytes: int, world_size: int) -> bool:
+    """Whether a message of `nbytes` on `device` goes through weft's kernel (else the process group's send /
+    recv): always on cpu; on GPUs as `forced_route` says within it, else WEFT_P2P_KERNEL, else whether it is at
+    most p2p.kernel_max_bytes (module doc)."""
     if device.type != "cuda":
         return True
     if _forced:
         return _forced[-1]
-    return settings.get("WEFT_P2P_KERNEL", KERNEL_ON_GPUS)
+    chosen = settings.get("WEFT_P2P_KERNEL")
+    if chosen is not None:
+        return bool(chosen)
+    return nbytes <= tuning.value("p2p.kernel_max_bytes", device, world_size)
 
 
 _forced: list[bool] = []
@@ -412,9 +417,8 @@ def part_chunks(nbytes: int, pid: int, ws: P2PWorkspace) -> int:
 
 
 def _run_process_group(group, sends, recvs):
-    """The batch on the process group's send / recv (module doc: the GPU path until the kernel's is fixed), checked
-    as the kernel's plan checks it; the event on the caller's stream that ends it."""
-    check_batch(group, sends, recvs)
+    """The messages of a (checked) batch that the process group's send / recv take (module doc: the large ones on
+    GPUs); the event on the caller's stream that ends them."""
     ops, staged = [], []
     for t, p in sends:
         ops.append(dist.P2POp(dist.isend, t.contiguous(), group=group.process_group, group_peer=p))
@@ -427,6 +431,10 @@ def _run_process_group(group, sends, recvs):
     for t, buf in staged:
         if buf is not t:
             t.copy_(buf)
+    return _recorded()
+
+
+def _recorded() -> torch.cuda.Event:
     event = torch.cuda.Event()
     event.record()
     return event
@@ -444,12 +452,28 @@ def _run(group, sends, recvs):
     """Launch `sends` [(tensor, peer)] and `recvs` as one batch on `group`; the GPU event that ends it (None on
     cpu, where it has run)."""
     g = resolve(group)
-    if not kernel_route(g.device):
-        return _run_process_group(g, sends, recvs)
-    found = plan(g, lambda: ("p2p", tuple((signature(t), p) for t, p in sends),
-                             tuple((signature(t), p) for t, p in recvs)),
-                 lambda: P2PPlan(g, list(sends), list(recvs)))
-    return found.run([t for t, _ in sends], [t for t, _ in recvs])
+
+    def split(ops):  # (the kernel's, the process group's), each in order
+        routed = [kernel_route(g.device, t.numel() * t.element_size(), g.size) for t, _ in ops]
+        return [op for op, k in zip(ops, routed) if k], [op for op, k in zip(ops, routed) if not k]
+
+    if g.device.type == "cuda":
+        check_batch(g, sends, recvs)  # the whole batch, before either route takes its part
+        (k_sends, pg_sends), (k_recvs, pg_recvs) = split(sends), split(recvs)
+    else:
+        k_sends, pg_sends, k_recvs, pg_recvs = sends, [], recvs, []
+    events = []
+    if pg_sends or pg_recvs:
+        events.append(_run_process_group(g, pg_sends, pg_recvs))
+    if k_sends or k_recvs:
+        found = plan(g, lambda: ("p2p", tuple((signature(t), p) for t, p in k_sends),
+                                 tuple((signature(t), p) for t, p in k_recvs)),
+                     lambda: P2PPlan(g, list(k_sends), list(k_recvs)))
+        events.append(found.run([t for t, _ in k_sends], [t for t, _ in k_recvs]))
+    if len(events) == 2:  # GPUs, both routes: one event that ends both
+        torch.cuda.current_stream(g.device).wait_event(events[1])
+        events = [_recorded()]
+    return events[-1] if events else None
 
 
 @export

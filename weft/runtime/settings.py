@@ -123,7 +123,7 @@ SETTINGS = {s.name: s for s in (
             "cpu backend, for tests: the chosen ranks stall at random before each access to a peer (a push, a "
             "notify, a copy-engine copy): each stall point sleeps, with that probability, up to max_us"),
     Setting("WEFT_P2P_KERNEL", _flag, "0 or 1",
-            "weft.kernels.p2p.KERNEL_ON_GPUS (0 for now: the process group's send/recv on GPUs)",
+            "per message on GPUs: the kernel up to weft.tuning's p2p.kernel_max_bytes, the process group's above",
             "1: send/recv on GPUs through weft's device kernel; 0: through the process group's send/recv (NCCL) "
             "(the cpu backend always uses the kernel)"),
     Setting("WEFT_P2P_PROGRAMS", _positive_int, "an integer > 0", "weft.tuning's p2p.programs on GPUs, 1 on cpu",

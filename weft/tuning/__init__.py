@@ -139,6 +139,7 @@ KEYS = {
     "ulysses.auto_fused": _flag,
     "ulysses.push": _settings,
     "p2p.programs": _count,
+    "p2p.kernel_max_bytes": _count,
     "p2p.part_min_bytes": _count,
     "m2n.launch": _settings,
     "moe.ht_programs": _count,
