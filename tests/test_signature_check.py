@@ -306,3 +306,53 @@ def test_sp_flash_decode_reports_a_mismatch_on_every_rank():
            {0: "sp_flash_decode(W=2, batch=2, q_heads=2, head_dim=64, dtype=float32)",
             1: "sp_flash_decode(W=2, batch=2, q_heads=4, head_dim=64, dtype=float32)"})
     assert results[0][1] == results[1][1]  # then a matching call: the same bits on every rank
+
+
+def _ep_high_throughput():
+    import weft
+
+    r = weft.rank()
+    torch.manual_seed(r)
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2]])  # 4 experts over 2 ranks: tokens to rank 0, rank 1, both
+    weights = torch.rand(3, 2)
+    x, wide = torch.randn(3, 16), torch.randn(3, 32)
+    mine = x if r == 0 else wide
+    # At the plans' first call (the exact path: the count exchange's check, raised at the host sync).
+    messages = {"first": _mismatch(lambda: weft.ops.ep_dispatch(mine, idx, weights, 4))}
+    for t in (x, wide):  # both plans warmed on both ranks, both paths
+        for cap in (None, 8):
+            weft.ops.ep_dispatch(t, idx, weights, 4, max_recv_tokens=cap)
+    messages["warm"] = _mismatch(lambda: weft.ops.ep_dispatch(mine, idx, weights, 4))
+    # Without a host sync (max_recv_tokens): the push and the receive of a tripped family do nothing.
+    messages["warm no sync"] = _mismatch(lambda: weft.ops.ep_dispatch(mine, idx, weights, 4, max_recv_tokens=8))
+    # A dispatch on one rank, a combine on the other: the two ops sign the same words.
+    recv, _, _, _, handle = weft.ops.ep_dispatch(x, idx, weights, 4)
+    messages["dispatch / combine"] = _mismatch(
+        lambda: weft.ops.ep_dispatch(x, idx, weights, 4) if r == 0 else weft.ops.ep_combine(recv, handle))
+    # Combines of dispatches that differ (hidden 16 / 32), warmed.
+    handles = {t.shape[1]: weft.ops.ep_dispatch(t, idx, weights, 4) for t in (x, wide)}
+    for recv_t, _, _, _, h in handles.values():
+        weft.ops.ep_combine(recv_t, h)
+    handles = {t.shape[1]: weft.ops.ep_dispatch(t, idx, weights, 4) for t in (x, wide)}
+    recv_t, _, _, _, h = handles[mine.shape[1]]
+    messages["combine"] = _mismatch(lambda: weft.ops.ep_combine(recv_t, h))
+    # Then a matching dispatch and combine, with identity experts: each token comes back once per rank it went to.
+    recv, _, _, _, handle = weft.ops.ep_dispatch(x, idx, weights, 4, max_recv_tokens=8)
+    torch.testing.assert_close(weft.ops.ep_combine(recv, handle), x * torch.tensor([[1.0], [1.0], [2.0]]))
+    return messages
+
+
+def test_the_high_throughput_ep_ops_report_a_mismatch_on_every_rank():
+    messages = run_ranks(_ep_high_throughput, 2, timeout=300, env=ENV)
+    texts = {w: f"experts=4, hidden={w}, dtype=float32, k=2" for w in (16, 32)}
+    for case, cap in (("first", None), ("warm", None), ("warm no sync", 8)):
+        _check(messages, case, "ep_dispatch", {0: f"ep_dispatch(W=2, {texts[16]}, max_recv_tokens={cap})",
+                                               1: f"ep_dispatch(W=2, {texts[32]}, max_recv_tokens={cap})"})
+    _check(messages, "combine", "ep_combine", {0: f"ep_combine(W=2, {texts[16]}, max_recv_tokens=None)",
+                                               1: f"ep_combine(W=2, {texts[32]}, max_recv_tokens=None)"})
+    dispatch, combine = (f"{op}(W=2, {texts[16]}, max_recv_tokens=None)" for op in ("ep_dispatch", "ep_combine"))
+    assert messages[0]["dispatch / combine"].startswith("weft.ops.ep_dispatch:")
+    assert messages[1]["dispatch / combine"].startswith("weft.ops.ep_combine:")
+    for rank in (0, 1):
+        message = messages[rank]["dispatch / combine"]
+        assert f"rank 0: {dispatch}" in message and f"rank 1: {combine}" in message, message
