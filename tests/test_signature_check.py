@@ -356,3 +356,75 @@ def test_the_high_throughput_ep_ops_report_a_mismatch_on_every_rank():
     for rank in (0, 1):
         message = messages[rank]["dispatch / combine"]
         assert f"rank 0: {dispatch}" in message and f"rank 1: {combine}" in message, message
+
+
+def _tp_moe():
+    import weft
+
+    r = weft.rank()
+    bf16 = torch.bfloat16
+    experts, k, hidden, n = 4, 2, 32, 16
+    g = torch.Generator().manual_seed(5)  # every rank's inputs on every rank (the reference needs them)
+    w = torch.randn(experts, hidden, n, generator=g).to(bf16)
+    w_down = {d: torch.randn(experts, n, d, generator=g).to(bf16) for d in (32, 64)}
+    tokens = {m: [torch.randn(m, hidden, generator=g).to(bf16) for _ in range(2)] for m in (4, 8)}
+    idx = {m: [torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(m)]) for _ in range(2)]
+           for m in (4, 8)}
+    weights = [torch.rand(4, k, generator=g) for _ in range(2)]
+
+    def ag(m, out=None):
+        return weft.ops.ag_group_gemm(tokens[m][r], w, idx[m][r], method="overlap", out=out)
+
+    messages = {}
+    # ag_group_gemm: m differs, at the first call and warmed (both plans made on both ranks); out is not written.
+    mine = 4 if r == 0 else 8
+    for case in ("ag_group_gemm first", "ag_group_gemm warm"):
+        out = torch.full((2 * mine * k, n), SENTINEL, dtype=bf16)
+        messages[case] = _mismatch(lambda: ag(mine, out))
+        assert torch.all(out == SENTINEL)
+        for m in (4, 8):
+            ag(m)
+    # group_gemm_rs: hidden differs, warmed; out is not written.
+    inter, layout = ag(4)
+    for d in (32, 64):
+        weft.ops.group_gemm_rs(inter, w_down[d], idx[4][r], weights[r], layout, method="overlap")
+    d = 32 if r == 0 else 64
+    out = torch.full((4, d), SENTINEL, dtype=bf16)
+    messages["group_gemm_rs warm"] = _mismatch(
+        lambda: weft.ops.group_gemm_rs(inter, w_down[d], idx[4][r], weights[r], layout, method="overlap", out=out))
+    assert torch.all(out == SENTINEL)
+    # ag_group_gemm on one rank, group_gemm_rs on the other: the same start kernel and signature words.
+    messages["ag / rs"] = _mismatch(lambda: ag(4) if r == 0 else weft.ops.group_gemm_rs(
+        inter, w_down[32], idx[4][r], weights[r], layout, method="overlap"))
+
+    # Then matching calls, against torch: every pair's row of inter, and each token's weighted sum over the ranks
+    # (the same weights on both ranks: twice one rank's partial).
+    inter, layout = ag(4)
+    rows = layout.row_of_pair.view(2, 4, k)
+    for c in range(2):
+        for t in range(4):
+            for j in range(k):
+                expected = tokens[4][c][t].float() @ w[idx[4][c][t, j]].float()
+                torch.testing.assert_close(inter[rows[c, t, j]].float(), expected, rtol=2e-2, atol=2e-2)
+    got = weft.ops.group_gemm_rs(inter, w_down[32], idx[4][r], weights[r], layout, method="overlap")
+    expected = torch.zeros(4, 32)
+    for t in range(4):
+        for j in range(k):
+            partial = (inter[rows[r, t, j]].float() @ w_down[32][idx[4][r][t, j]].float()).to(bf16).float()
+            expected[t] += weights[r][t, j] * partial
+    torch.testing.assert_close(got.float(), 2 * expected.to(bf16).float(), rtol=2e-2, atol=5e-2)
+    return messages
+
+
+def test_the_tp_moe_ops_report_a_mismatch_on_every_rank():
+    messages = run_ranks(_tp_moe, 2, timeout=300, env=ENV)
+    ag = "ag_group_gemm(W=2, m={}, k=2, experts=4, hidden=32, dtype=bfloat16)"
+    rs = "group_gemm_rs(W=2, m=4, k=2, experts=4, hidden={}, dtype=bfloat16)"
+    for case in ("ag_group_gemm first", "ag_group_gemm warm"):
+        _check(messages, case, "ag_group_gemm", {0: ag.format(4), 1: ag.format(8)})
+    _check(messages, "group_gemm_rs warm", "group_gemm_rs", {0: rs.format(32), 1: rs.format(64)})
+    assert messages[0]["ag / rs"].startswith("weft.ops.ag_group_gemm:")
+    assert messages[1]["ag / rs"].startswith("weft.ops.group_gemm_rs:")
+    for rank in (0, 1):
+        message = messages[rank]["ag / rs"]
+        assert f"rank 0: {ag.format(4)}" in message and f"rank 1: {rs.format(32)}" in message, message
