@@ -428,3 +428,29 @@ def test_the_tp_moe_ops_report_a_mismatch_on_every_rank():
     for rank in (0, 1):
         message = messages[rank]["ag / rs"]
         assert f"rank 0: {ag.format(4)}" in message and f"rank 1: {rs.format(32)}" in message, message
+
+
+def _another_family():
+    import weft
+
+    r = weft.rank()
+    x = torch.ones(1000)
+    weft.ops.all_reduce(x)  # both families' workspaces made, both warmed
+    weft.ops.all_gather(x)
+    try:
+        weft.ops.all_reduce(x) if r == 0 else weft.ops.all_gather(x)
+    except weft.SignatureMismatch as e:
+        return str(e)
+    return None
+
+
+def test_members_in_collectives_of_different_families_get_an_error_naming_both():
+    # No signature word of its own family arrives: the wait times out (here after 3 s), and the report finds the
+    # peer's newer word in the other family's words.
+    messages = run_ranks(_another_family, 2, timeout=120, env=dict(ENV, WEFT_WAIT_TIMEOUT_S="3"))
+    reduce, gather = "all_reduce(W=2, n=1000, dtype=float32, op=sum", "all_gather(W=2, bytes=4000, word="
+    assert messages[0] is not None and messages[1] is not None, messages
+    assert messages[0].startswith("weft.ops.all_reduce: the members of weft.Group("), messages[0]
+    assert f"rank 1 is in {gather}" in messages[0] and f"while rank 0 waits in {reduce}" in messages[0], messages[0]
+    assert messages[1].startswith("weft.ops.all_gather: the members of weft.Group("), messages[1]
+    assert f"rank 0 is in {reduce}" in messages[1] and f"while rank 1 waits in {gather}" in messages[1], messages[1]
