@@ -98,7 +98,7 @@ def ep_route_kernel(block_counts, block_start, table, counts, info, buf, counter
     trip, and info = [most rows any rank receives, rows I receive, bad rows anywhere]. Zeroes counts
     (ep_receive_kernel counts into them). Signs the call first (an epoch of `sig_counter`, which ep_combine's
     push back shares) and checks every member's signature before the exchange: on a mismatch nothing is sent
-    and info is [0, 0, 0] (the family is tripped: the push and the receive do nothing)."""
+    and the table and info are zeros (the family is tripped: the push and the receive do nothing)."""
     me = wl.rank(heap)
     epoch = wl.next_epoch(counter)
     signed = wl.next_epoch(sig_counter)
@@ -122,9 +122,11 @@ def ep_route_kernel(block_counts, block_start, table, counts, info, buf, counter
     for q in range(tl.where(ok, WORLD, 0)):
         tl.store(wl.symm_at(half + me * (WORLD + 1), q, heap) + ww, row, mask=ww <= WORLD)
     total = tl.zeros([BLOCK_W], tl.int32)
-    for s in range(tl.where(ok, WORLD, 0)):
-        got = wl.wait_ll(half + s * (WORLD + 1) + ww, ww <= WORLD, epoch, heap=heap, peer=s,
-                         op="ep_dispatch count exchange")
+    for s in range(WORLD):
+        got = tl.zeros([BLOCK_W], tl.int32)  # a mismatch: nothing sent or received (the later launches read it)
+        if ok:
+            got = wl.wait_ll(half + s * (WORLD + 1) + ww, ww <= WORLD, epoch, heap=heap, peer=s,
+                             op="ep_dispatch count exchange")
         tl.store(table + s * WORLD + ww, got, mask=ww < WORLD)
         total += got
     most = tl.max(tl.where(ww < WORLD, total, 0), axis=0)
