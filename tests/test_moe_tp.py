@@ -436,8 +436,8 @@ def test_compiled_with_a_group():
 
 def _mismatched_token_counts(method):
     """ag_group_gemm with m = 4 on rank 0 and 8 on rank 1 (a collective called with other shapes): every rank
-    raises a ValueError naming the other rank, nothing is written outside the buffers (each rank's out was
-    surrounded by NaN guard rows that stay NaN), and the next matching calls work."""
+    raises a weft.SignatureMismatch naming the other rank's call, nothing is written outside the buffers (each
+    rank's out was surrounded by NaN guard rows that stay NaN), and the next matching calls work."""
     import pytest
     import torch
 
@@ -452,9 +452,9 @@ def _mismatched_token_counts(method):
     guarded = torch.full((2 * m * k + 2, n), float("nan"), dtype=torch.bfloat16)
     out = guarded[1:-1]
     for _ in range(2):
-        # The kernels' own check of the peer's layout chunk, or (the baseline, whose gather is weft's all_gather) the
-        # signature check of that all_gather: an error on every rank either way.
-        with pytest.raises(ValueError, match=f"group rank {1 - me} sent the layout chunk|all_gather: the members of "):
+        # The overlap's signature check, or (the baseline, whose gather is weft's all_gather) that all_gather's: a
+        # weft.SignatureMismatch on every rank either way.
+        with pytest.raises(weft.SignatureMismatch, match="(ag_group_gemm|all_gather): the members of "):
             weft.ops.ag_group_gemm(x, wu, idx, method=method, out=out)
         assert guarded[0].isnan().all() and guarded[-1].isnan().all()
     _case(82, 4, 32, 16, 4, 2, "random", method)

@@ -306,3 +306,151 @@ def test_sp_flash_decode_reports_a_mismatch_on_every_rank():
            {0: "sp_flash_decode(W=2, batch=2, q_heads=2, head_dim=64, dtype=float32)",
             1: "sp_flash_decode(W=2, batch=2, q_heads=4, head_dim=64, dtype=float32)"})
     assert results[0][1] == results[1][1]  # then a matching call: the same bits on every rank
+
+
+def _ep_high_throughput():
+    import weft
+
+    r = weft.rank()
+    torch.manual_seed(r)
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2]])  # 4 experts over 2 ranks: tokens to rank 0, rank 1, both
+    weights = torch.rand(3, 2)
+    x, wide = torch.randn(3, 16), torch.randn(3, 32)
+    mine = x if r == 0 else wide
+    # At the plans' first call (the exact path: the count exchange's check, raised at the host sync).
+    messages = {"first": _mismatch(lambda: weft.ops.ep_dispatch(mine, idx, weights, 4))}
+    for t in (x, wide):  # both plans warmed on both ranks, both paths
+        for cap in (None, 8):
+            weft.ops.ep_dispatch(t, idx, weights, 4, max_recv_tokens=cap)
+    messages["warm"] = _mismatch(lambda: weft.ops.ep_dispatch(mine, idx, weights, 4))
+    # Without a host sync (max_recv_tokens): the push and the receive of a tripped family do nothing.
+    messages["warm no sync"] = _mismatch(lambda: weft.ops.ep_dispatch(mine, idx, weights, 4, max_recv_tokens=8))
+    # A dispatch on one rank, a combine on the other: the two ops sign the same words.
+    recv, _, _, _, handle = weft.ops.ep_dispatch(x, idx, weights, 4)
+    messages["dispatch / combine"] = _mismatch(
+        lambda: weft.ops.ep_dispatch(x, idx, weights, 4) if r == 0 else weft.ops.ep_combine(recv, handle))
+    # Combines of dispatches that differ (hidden 16 / 32), warmed.
+    handles = {t.shape[1]: weft.ops.ep_dispatch(t, idx, weights, 4) for t in (x, wide)}
+    for recv_t, _, _, _, h in handles.values():
+        weft.ops.ep_combine(recv_t, h)
+    handles = {t.shape[1]: weft.ops.ep_dispatch(t, idx, weights, 4) for t in (x, wide)}
+    recv_t, _, _, _, h = handles[mine.shape[1]]
+    messages["combine"] = _mismatch(lambda: weft.ops.ep_combine(recv_t, h))
+    # Then a matching dispatch and combine, with identity experts: each token comes back once per rank it went to.
+    recv, _, _, _, handle = weft.ops.ep_dispatch(x, idx, weights, 4, max_recv_tokens=8)
+    torch.testing.assert_close(weft.ops.ep_combine(recv, handle), x * torch.tensor([[1.0], [1.0], [2.0]]))
+    return messages
+
+
+def test_the_high_throughput_ep_ops_report_a_mismatch_on_every_rank():
+    messages = run_ranks(_ep_high_throughput, 2, timeout=300, env=ENV)
+    texts = {w: f"experts=4, hidden={w}, dtype=float32, k=2" for w in (16, 32)}
+    for case, cap in (("first", None), ("warm", None), ("warm no sync", 8)):
+        _check(messages, case, "ep_dispatch", {0: f"ep_dispatch(W=2, {texts[16]}, max_recv_tokens={cap})",
+                                               1: f"ep_dispatch(W=2, {texts[32]}, max_recv_tokens={cap})"})
+    _check(messages, "combine", "ep_combine", {0: f"ep_combine(W=2, {texts[16]}, max_recv_tokens=None)",
+                                               1: f"ep_combine(W=2, {texts[32]}, max_recv_tokens=None)"})
+    dispatch, combine = (f"{op}(W=2, {texts[16]}, max_recv_tokens=None)" for op in ("ep_dispatch", "ep_combine"))
+    assert messages[0]["dispatch / combine"].startswith("weft.ops.ep_dispatch:")
+    assert messages[1]["dispatch / combine"].startswith("weft.ops.ep_combine:")
+    for rank in (0, 1):
+        message = messages[rank]["dispatch / combine"]
+        assert f"rank 0: {dispatch}" in message and f"rank 1: {combine}" in message, message
+
+
+def _tp_moe():
+    import weft
+
+    r = weft.rank()
+    bf16 = torch.bfloat16
+    experts, k, hidden, n = 4, 2, 32, 16
+    g = torch.Generator().manual_seed(5)  # every rank's inputs on every rank (the reference needs them)
+    w = torch.randn(experts, hidden, n, generator=g).to(bf16)
+    w_down = {d: torch.randn(experts, n, d, generator=g).to(bf16) for d in (32, 64)}
+    tokens = {m: [torch.randn(m, hidden, generator=g).to(bf16) for _ in range(2)] for m in (4, 8)}
+    idx = {m: [torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(m)]) for _ in range(2)]
+           for m in (4, 8)}
+    weights = [torch.rand(4, k, generator=g) for _ in range(2)]
+
+    def ag(m, out=None):
+        return weft.ops.ag_group_gemm(tokens[m][r], w, idx[m][r], method="overlap", out=out)
+
+    messages = {}
+    # ag_group_gemm: m differs, at the first call and warmed (both plans made on both ranks); out is not written.
+    mine = 4 if r == 0 else 8
+    for case in ("ag_group_gemm first", "ag_group_gemm warm"):
+        out = torch.full((2 * mine * k, n), SENTINEL, dtype=bf16)
+        messages[case] = _mismatch(lambda: ag(mine, out))
+        assert torch.all(out == SENTINEL)
+        for m in (4, 8):
+            ag(m)
+    # group_gemm_rs: hidden differs, warmed; out is not written.
+    inter, layout = ag(4)
+    for d in (32, 64):
+        weft.ops.group_gemm_rs(inter, w_down[d], idx[4][r], weights[r], layout, method="overlap")
+    d = 32 if r == 0 else 64
+    out = torch.full((4, d), SENTINEL, dtype=bf16)
+    messages["group_gemm_rs warm"] = _mismatch(
+        lambda: weft.ops.group_gemm_rs(inter, w_down[d], idx[4][r], weights[r], layout, method="overlap", out=out))
+    assert torch.all(out == SENTINEL)
+    # ag_group_gemm on one rank, group_gemm_rs on the other: the same start kernel and signature words.
+    messages["ag / rs"] = _mismatch(lambda: ag(4) if r == 0 else weft.ops.group_gemm_rs(
+        inter, w_down[32], idx[4][r], weights[r], layout, method="overlap"))
+
+    # Then matching calls, against torch: every pair's row of inter, and each token's weighted sum over the ranks
+    # (the same weights on both ranks: twice one rank's partial).
+    inter, layout = ag(4)
+    rows = layout.row_of_pair.view(2, 4, k)
+    for c in range(2):
+        for t in range(4):
+            for j in range(k):
+                expected = tokens[4][c][t].float() @ w[idx[4][c][t, j]].float()
+                torch.testing.assert_close(inter[rows[c, t, j]].float(), expected, rtol=2e-2, atol=2e-2)
+    got = weft.ops.group_gemm_rs(inter, w_down[32], idx[4][r], weights[r], layout, method="overlap")
+    expected = torch.zeros(4, 32)
+    for t in range(4):
+        for j in range(k):
+            partial = (inter[rows[r, t, j]].float() @ w_down[32][idx[4][r][t, j]].float()).to(bf16).float()
+            expected[t] += weights[r][t, j] * partial
+    torch.testing.assert_close(got.float(), 2 * expected.to(bf16).float(), rtol=2e-2, atol=5e-2)
+    return messages
+
+
+def test_the_tp_moe_ops_report_a_mismatch_on_every_rank():
+    messages = run_ranks(_tp_moe, 2, timeout=300, env=ENV)
+    ag = "ag_group_gemm(W=2, m={}, k=2, experts=4, hidden=32, dtype=bfloat16)"
+    rs = "group_gemm_rs(W=2, m=4, k=2, experts=4, hidden={}, dtype=bfloat16)"
+    for case in ("ag_group_gemm first", "ag_group_gemm warm"):
+        _check(messages, case, "ag_group_gemm", {0: ag.format(4), 1: ag.format(8)})
+    _check(messages, "group_gemm_rs warm", "group_gemm_rs", {0: rs.format(32), 1: rs.format(64)})
+    assert messages[0]["ag / rs"].startswith("weft.ops.ag_group_gemm:")
+    assert messages[1]["ag / rs"].startswith("weft.ops.group_gemm_rs:")
+    for rank in (0, 1):
+        message = messages[rank]["ag / rs"]
+        assert f"rank 0: {ag.format(4)}" in message and f"rank 1: {rs.format(32)}" in message, message
+
+
+def _another_family():
+    import weft
+
+    r = weft.rank()
+    x = torch.ones(1000)
+    weft.ops.all_reduce(x)  # both families' workspaces made, both warmed
+    weft.ops.all_gather(x)
+    try:
+        weft.ops.all_reduce(x) if r == 0 else weft.ops.all_gather(x)
+    except weft.SignatureMismatch as e:
+        return str(e)
+    return None
+
+
+def test_members_in_collectives_of_different_families_get_an_error_naming_both():
+    # No signature word of its own family arrives: the wait times out (here after 3 s), and the report finds the
+    # peer's newer word in the other family's words.
+    messages = run_ranks(_another_family, 2, timeout=120, env=dict(ENV, WEFT_WAIT_TIMEOUT_S="3"))
+    reduce, gather = "all_reduce(W=2, n=1000, dtype=float32, op=sum", "all_gather(W=2, bytes=4000, word="
+    assert messages[0] is not None and messages[1] is not None, messages
+    assert messages[0].startswith("weft.ops.all_reduce: the members of weft.Group("), messages[0]
+    assert f"rank 1 is in {gather}" in messages[0] and f"while rank 0 waits in {reduce}" in messages[0], messages[0]
+    assert messages[1].startswith("weft.ops.all_gather: the members of weft.Group("), messages[1]
+    assert f"rank 0 is in {reduce}" in messages[1] and f"while rank 1 waits in {gather}" in messages[1], messages[1]

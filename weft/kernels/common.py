@@ -26,7 +26,9 @@ not depend on it), which its kernels publish to the members and compare with the
 `sign`, `check_signed`). A mismatch is recorded in the group's `SignatureWord` and raised as
 weft.SignatureMismatch on every member: on the cpu backend by the call itself, on GPUs at the family's next
 call or weft.check_errors(). Each rank puts its plans' texts in the store at plan creation, under their
-fingerprints, so the error names both.
+fingerprints, so the error names both. Members in collectives of different families at the same point time out
+in their checks' waits; on the cpu backend that timeout is raised as a SignatureMismatch naming both calls
+(SignatureWord.elsewhere, from the families' signature words: the cold path only).
 
 Operators (`torch.ops.weft.X`) take the group by name (`group_name`), as torch's symmetric-memory ops do;
 their fake implementations read the group's size with `group_size(name)`.
@@ -41,7 +43,7 @@ import triton
 from triton.backends.nvidia.driver import make_tensordesc_arg as _make_tensordesc_arg
 
 from .. import tuning
-from ..runtime import backend, process_group
+from ..runtime import backend, errors, process_group
 from ..runtime import world as _world
 from ..runtime.errors import SignatureMismatch
 from ..runtime.world import resolve  # noqa: F401  (the families resolve their `group=` through here)
@@ -322,6 +324,50 @@ class SignatureWord(ErrorWord):
         for sig, _ in self.families:
             sig[-1] = 0
         g.barrier()
+
+
+    def elsewhere(self) -> SignatureMismatch | None:
+        """Cold path, a wait timed out (cpu backend): whether a member is in a call of another family than this
+        rank. Each member's newest signature word in each family (every member signs into every member's words) is
+        compared with this rank's: a member whose newest word in one family is of a later epoch than this rank's,
+        while this rank's in another is later than the member's, called a collective of the first family where
+        this rank called one of the second. None otherwise (or once the group's words are unreadable)."""
+        g, n = self.group, self.group.size
+        newest, seen = [], set()  # per family: (epoch, fingerprint) of each member's newest word
+        for sig, _ in self.families:
+            if id(sig) not in seen:
+                seen.add(id(sig))
+                words = sig[:2 * n].tolist()
+                newest.append([max((words[q], words[n + q]), key=lambda v: v >> 32) for q in range(n)])
+        for peer in range(n):
+            theirs = [f[peer] for f in newest if f[peer] >> 32 > f[g.rank] >> 32]
+            mine = [f[g.rank] for f in newest if f[g.rank] >> 32 > f[peer] >> 32]
+            if theirs and mine:
+                mine_fp, theirs_fp = mine[0] & 0xFFFFFFFF, theirs[0] & 0xFFFFFFFF
+                text = _text_of(mine_fp)
+                return SignatureMismatch(
+                    f"weft.ops.{text.split('(', 1)[0]}: the members of {g!r} called different collectives at the same "
+                    f"point: rank {peer} is in {_text_of(theirs_fp)} [{theirs_fp:08x}] while rank {g.rank} waits in "
+                    f"{text} [{mine_fp:08x}]. Every member must call the group's collectives in the same order. (Found "
+                    f"when a wait timed out: the calls did not complete, and the group's later calls are undefined.)")
+        return None
+
+
+def _another_family() -> SignatureMismatch | None:
+    """The cross-family report of a wait timeout (errors.timeout_reports): SignatureWord.elsewhere of any group of
+    this process's world."""
+    if not _world.is_initialized():
+        return None
+    for group in list(_world.get().groups.values()):
+        words = group.contexts.get("signatures")
+        if words is not None and group.size > 1:
+            found = words.elsewhere()
+            if found is not None:
+                return found
+    return None
+
+
+errors.timeout_reports.append(_another_family)
 
 
 def signatures(group) -> SignatureWord:

@@ -44,8 +44,14 @@ def _wait_timeout_in(error: BaseException) -> WaitTimeout | None:
     return None
 
 
+# What may explain a WaitTimeout better (cold path, cpu backend): functions that return an exception to raise in its
+# place, or None. weft.kernels.common adds the cross-family check (a member in a collective of another family).
+timeout_reports: list = []
+
+
 def unwrap_wait_timeouts() -> None:
-    """Make interpreted kernel launches raise a WaitTimeout from inside the kernel as itself (idempotent)."""
+    """Make interpreted kernel launches raise a WaitTimeout from inside the kernel as itself (idempotent), or what
+    a `timeout_reports` function makes of it."""
     from triton.runtime.errors import InterpreterError
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -62,6 +68,10 @@ def unwrap_wait_timeouts() -> None:
             if timeout is None:
                 raise
         # Raised outside the handler, so the InterpreterError chain (which holds it) is not its context.
+        for report in timeout_reports:
+            better = report()
+            if better is not None:
+                raise better from timeout
         raise timeout.with_traceback(timeout.__traceback__)
 
     run.weft_unwraps = True

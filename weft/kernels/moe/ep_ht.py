@@ -22,6 +22,13 @@ ep_combine_reduce_kernel sums each token's rows in rank order, reading the row o
 The dispatch checks topk_idx's rows on the device as it counts them (routing.check_rows): a bad row is recorded
 in the workspace's error word (ep_workspace.MoeWorkspace) and raised as a ValueError by the next EP op on that
 rank; without max_recv_tokens every rank raises in the call itself, the sync having seen every rank's check.
+The cross-rank signature check (common.Plan.sign, wl.sign / wl.check_signed): both ops sign one set of signature
+words (the workspace's sig_ht) with epochs of one counter, ep_dispatch in the count exchange (before any row
+count goes out) and ep_combine in every program of the push back (before any row goes back), so that members that
+differ in the call (experts, hidden, dtype, k, max_recv_tokens; not the token count, each rank's own), or of which
+one dispatches and another combines, get weft.SignatureMismatch: without max_recv_tokens at the host sync, before
+anything is pushed; else after the launches (on GPUs at the next EP op). A tripped family's push, receive and
+reduction do nothing; the epoch counters are resynchronised before the raise (common.SignatureWord).
 """
 from __future__ import annotations
 
@@ -81,17 +88,24 @@ def ep_count_kernel(topk, block_counts, err, tokens, K: tl.constexpr, LOCAL: tl.
     tl.store(block_counts + b * (WORLD + 1) + ww, tl.where(ww < WORLD, sent, bad), mask=ww <= WORLD)
 
 
-@triton.jit
-def ep_route_kernel(block_counts, block_start, table, counts, info, buf, counter, heap, blocks,
-                    LOCAL: tl.constexpr, WORLD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr,
+@triton.jit(do_not_specialize=["fp"])
+def ep_route_kernel(block_counts, block_start, table, counts, info, buf, counter, heap, sig, sig_counter, sig_err, fp,
+                    blocks, LOCAL: tl.constexpr, WORLD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr,
                     BLOCK_L: tl.constexpr):
     """In one program, from the token blocks' counts (ep_count_kernel): block_start[b, r] = the position of
     block b's first token to rank r among my tokens to r; then every rank's [tokens to each rank | bad rows]
     to every rank as LL words, so each holds table[s, r] = tokens rank s sends to rank r with no host round
     trip, and info = [most rows any rank receives, rows I receive, bad rows anywhere]. Zeroes counts
-    (ep_receive_kernel counts into them)."""
+    (ep_receive_kernel counts into them). Signs the call first (an epoch of `sig_counter`, which ep_combine's
+    push back shares) and checks every member's signature before the exchange: on a mismatch nothing is sent
+    and the table and info are zeros (the family is tripped: the push and the receive do nothing)."""
     me = wl.rank(heap)
     epoch = wl.next_epoch(counter)
+    signed = wl.next_epoch(sig_counter)
+    ok = wl.signature_live(sig, heap)
+    if ok:
+        wl.sign(sig, signed, fp, heap)
+        ok = wl.check_signed(sig, signed, fp, heap, sig_err, op="ep_dispatch")
     half = buf + (epoch % 2) * (WORLD * (WORLD + 1))
     ww = tl.arange(0, BLOCK_W)
     ll = tl.arange(0, BLOCK_L)
@@ -105,12 +119,14 @@ def ep_route_kernel(block_counts, block_start, table, counts, info, buf, counter
                  mask=(bb[:, None] < blocks) & (ww[None, :] < WORLD))
         sent += tl.sum(c, axis=0)
     row = wl.pack_ll(tl.where(ww < WORLD, sent, (sent > 0).to(tl.int32)), epoch)
-    for q in range(WORLD):
+    for q in range(tl.where(ok, WORLD, 0)):
         tl.store(wl.symm_at(half + me * (WORLD + 1), q, heap) + ww, row, mask=ww <= WORLD)
     total = tl.zeros([BLOCK_W], tl.int32)
     for s in range(WORLD):
-        got = wl.wait_ll(half + s * (WORLD + 1) + ww, ww <= WORLD, epoch, heap=heap, peer=s,
-                         op="ep_dispatch count exchange")
+        got = tl.zeros([BLOCK_W], tl.int32)  # a mismatch: nothing sent or received (the later launches read it)
+        if ok:
+            got = wl.wait_ll(half + s * (WORLD + 1) + ww, ww <= WORLD, epoch, heap=heap, peer=s,
+                             op="ep_dispatch count exchange")
         tl.store(table + s * WORLD + ww, got, mask=ww < WORLD)
         total += got
     most = tl.max(tl.where(ww < WORLD, total, 0), axis=0)
@@ -146,8 +162,8 @@ def _rows_before_mine(table, me, WORLD: tl.constexpr, BLOCK_W: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["tokens", "limit", "half_words"])
-def ep_push_kernel(x, topk, weights, rank_pos, table, region, x_out, idx_out, w_out, flags, counter, heap, tokens,
-                   limit, half_words,
+def ep_push_kernel(x, topk, weights, rank_pos, table, region, x_out, idx_out, w_out, flags, counter, heap, sig,
+                   tokens, limit, half_words,
                    HW: tl.constexpr, K: tl.constexpr, ROW: tl.constexpr, LOCAL: tl.constexpr, WORLD: tl.constexpr,
                    PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_W: tl.constexpr):
@@ -155,15 +171,17 @@ def ep_push_kernel(x, topk, weights, rank_pos, table, region, x_out, idx_out, w_
     s < me) of r's region (half epoch % 2), rows from `limit` on dropped: [x | its experts as r's local
     indices (-1: not r's) | topk weights' bits], ROW words; then flag [p][me] on every rank. Program p pushes
     tokens p, p + PROGRAMS, ... A token to myself goes straight to its row of x_out, idx_out and w_out (what
-    ep_receive_kernel makes of the region's rows), not through my region."""
+    ep_receive_kernel makes of the region's rows), not through my region. A family tripped by a signature
+    mismatch (the count exchange's check) pushes and flags nothing."""
     p = tl.program_id(0)
     me = wl.rank(heap)
     epoch = wl.next_epoch(counter)
+    live = wl.signature_live(sig, heap)
     half = region + (epoch % 2) * half_words
     ww = tl.arange(0, BLOCK_W)
     jj = tl.arange(0, BLOCK_K)
     start = _rows_before_mine(table, me, WORLD, BLOCK_W)
-    for i in range(p, tokens, PROGRAMS):
+    for i in range(p, tl.where(live, tokens, 0), PROGRAMS):
         pos = tl.load(rank_pos + i * WORLD + ww, mask=ww < WORLD, other=-1)
         slots = tl.where((pos >= 0) & (pos + start < limit), pos + start, -1)
         e = valid_experts(tl.load(topk + i * K + jj, mask=jj < K, other=-1), jj < K, LOCAL * WORLD)
@@ -181,21 +199,30 @@ def ep_push_kernel(x, topk, weights, rank_pos, table, region, x_out, idx_out, w_
                     copy(dst, x + i * HW, 0, HW, BLOCK, VEC)
                     tl.store(dst + HW + jj, local, mask=jj < K)
                     tl.store(dst + HW + K + jj, wbits, mask=jj < K)
-    wl.notify_all(flags + p * WORLD + me, heap, epoch)
+    if live:
+        wl.notify_all(flags + p * WORLD + me, heap, epoch)
 
 
-@triton.jit(do_not_specialize=["rows", "half_words"])
-def ep_push_back_kernel(y, table, region, flags, counter, heap, err, rows, half_words, HW: tl.constexpr,
+@triton.jit(do_not_specialize=["fp", "rows", "half_words"])
+def ep_push_back_kernel(y, table, region, flags, counter, heap, err, sig, sig_counter, sig_err, fp, rows, half_words,
+                        HW: tl.constexpr,
                         WORLD: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
                         BLOCK_W: tl.constexpr):
     """Received row i of y (HW int32 words) back to its source s, at the row s numbered it by (its rows for
     ranks r < me, then its position among those it sent me), in s's region; then flag [p][me] on every rank.
     Rows of my own tokens stay in y, where ep_combine_reduce_kernel reads them. A row number past s's region
     (the table's counts are what the ranks sent: a member whose call did not match) is not pushed but recorded
-    in `err` (peer_error)."""
+    in `err` (peer_error). Every program signs the call (an epoch of `sig_counter`, which ep_dispatch's count
+    exchange shares) and checks every member's signature before it pushes: on a mismatch nothing is pushed or
+    flagged (the family is tripped: the reduction does nothing)."""
     p = tl.program_id(0)
     me = wl.rank(heap)
     epoch = wl.next_epoch(counter)
+    signed = wl.next_epoch(sig_counter)
+    ok = wl.signature_live(sig, heap)
+    if ok:
+        wl.sign(sig, signed, fp, heap)
+        ok = wl.check_signed(sig, signed, fp, heap, sig_err, op="ep_combine")
     half = region + (epoch % 2) * half_words
     s = tl.arange(0, BLOCK_W)
     got = tl.load(table + s * WORLD + me, mask=s < WORLD, other=0)  # rows from each source, in source order
@@ -203,7 +230,7 @@ def ep_push_back_kernel(y, table, region, flags, counter, heap, err, rows, half_
     r = tl.arange(0, BLOCK_W)[None, :]
     sent_before = tl.sum(tl.load(table + s[:, None] * WORLD + r, mask=(s[:, None] < WORLD) & (r < me), other=0),
                          axis=1)  # for each source: its rows for ranks r < me
-    n = tl.minimum(tl.sum(got, axis=0), rows)
+    n = tl.where(ok, tl.minimum(tl.sum(got, axis=0), rows), 0)
     for i in range(p, n, PROGRAMS):
         src = tl.sum((ends <= i).to(tl.int32), axis=0)
         if src != me:
@@ -212,31 +239,37 @@ def ep_push_back_kernel(y, table, region, flags, counter, heap, err, rows, half_
                 copy(wl.symm_at(half + slot * HW, src, heap), y + i * HW, 0, HW, BLOCK, VEC)
             else:
                 peer_error(err, src, 2)
-    wl.notify_all(flags + p * WORLD + me, heap, epoch)
+    if ok:
+        wl.notify_all(flags + p * WORLD + me, heap, epoch)
 
 
 @triton.jit
-def _wait_pushes(region, flags, counter, heap, half_words, WORLD: tl.constexpr, PROGRAMS: tl.constexpr):
-    """The half of `region` this call's push wrote, once every program of every rank has flagged me."""
+def _wait_pushes(region, flags, counter, heap, half_words, live, WORLD: tl.constexpr, PROGRAMS: tl.constexpr):
+    """The half of `region` this call's push wrote, once every program of every rank has flagged me (unless the
+    family is not `live`: tripped by a signature mismatch, when no push came)."""
     epoch = wl.next_epoch(counter)
-    # All PROGRAMS x WORLD flags in one wait: 32 a round trip, where a wait per program took one each.
-    token = wl.wait(flags, PROGRAMS * WORLD, epoch, wl.CMP_GE, heap=heap, op="ep_dispatch/ep_combine push",
-                    ranks=WORLD)
-    return wl.consume_token(region + (epoch % 2) * half_words, token)
+    half = region + (epoch % 2) * half_words
+    if live:
+        # All PROGRAMS x WORLD flags in one wait: 32 a round trip, where a wait per program took one each.
+        token = wl.wait(flags, PROGRAMS * WORLD, epoch, wl.CMP_GE, heap=heap, op="ep_dispatch/ep_combine push",
+                        ranks=WORLD)
+        half = wl.consume_token(half, token)
+    return half
 
 
 @triton.jit(do_not_specialize=["half_words", "rows"])
-def ep_receive_kernel(region, flags, counter, heap, table, x_out, idx_out, w_out, counts, half_words, rows,
+def ep_receive_kernel(region, flags, counter, heap, sig, table, x_out, idx_out, w_out, counts, half_words, rows,
                       HW: tl.constexpr, K: tl.constexpr, ROW: tl.constexpr, LOCAL: tl.constexpr, WORLD: tl.constexpr,
                       PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_L: tl.constexpr, BLOCK_W: tl.constexpr):
     """After the pushes: rows [0, n) of the region (n: what the table says I receive, at most `rows`) split
     into x_out (HW words a row), idx_out and w_out (K a row), but for the rows of my own tokens, which the
     push wrote there itself; rows [n, rows) zero, -1 and 0. counts[e] += the rows naming my expert e (each
-    program adds its own)."""
+    program adds its own). A family tripped by a signature mismatch waits for and writes nothing."""
     p = tl.program_id(0)
     me = wl.rank(heap)
-    half = _wait_pushes(region, flags, counter, heap, half_words, WORLD, PROGRAMS)
+    live = wl.signature_live(sig, heap)
+    half = _wait_pushes(region, flags, counter, heap, half_words, live, WORLD, PROGRAMS)
     s = tl.arange(0, BLOCK_W)
     got = tl.load(table + s * WORLD + me, mask=s < WORLD, other=0)  # rows from each source, in source order
     n = tl.minimum(tl.sum(got, axis=0), rows)
@@ -245,7 +278,7 @@ def ep_receive_kernel(region, flags, counter, heap, table, x_out, idx_out, w_out
     jj = tl.arange(0, BLOCK_K)
     ll = tl.arange(0, BLOCK_L)
     named = tl.zeros([BLOCK_L], tl.int32)
-    for i in range(p, rows, tl.num_programs(0)):
+    for i in range(p, tl.where(live, rows, 0), tl.num_programs(0)):
         src = half + i * ROW
         if (i >= own_lo) & (i < tl.minimum(own_hi, n)):
             idx = tl.load(idx_out + i * K + jj, mask=jj < K, other=-1).to(tl.int32)
@@ -263,24 +296,26 @@ def ep_receive_kernel(region, flags, counter, heap, table, x_out, idx_out, w_out
                 tl.store(x_out + i * HW + offs, tl.zeros([BLOCK], tl.int32), mask=offs < HW)
             tl.store(idx_out + i * K + jj, tl.full([BLOCK_K], -1, tl.int32), mask=jj < K)
             tl.store(w_out + i * K + jj, tl.zeros([BLOCK_K], tl.float32), mask=jj < K)
-    tl.atomic_add(counts + ll, named, mask=ll < LOCAL)
+    tl.atomic_add(counts + ll, named, mask=(ll < LOCAL) & live)
 
 
 @triton.jit(do_not_specialize=["half_words", "tokens", "limit"])
-def ep_combine_reduce_kernel(region, flags, counter, heap, rank_pos, table, y, out, half_words, tokens, limit,
+def ep_combine_reduce_kernel(region, flags, counter, heap, sig, rank_pos, table, y, out, half_words, tokens, limit,
                              HW: tl.constexpr, ELEM: tl.constexpr, WORLD: tl.constexpr, PROGRAMS: tl.constexpr,
                              BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
     """After the pushes back: out[t] = sum in rank order r of the row token t came back on from r (fp32): my
     rows for ranks r' < r, then its position among them; none where the dispatch did not send or dropped it.
-    The row from me is read from y (my received rows: those of ranks s < me, then mine), never pushed."""
+    The row from me is read from y (my received rows: those of ranks s < me, then mine), never pushed. A family
+    tripped by a signature mismatch (the push back's check) waits for and writes nothing."""
     p = tl.program_id(0)
     me = wl.rank(heap)
-    half = _wait_pushes(region, flags, counter, heap, half_words, WORLD, PROGRAMS)
+    live = wl.signature_live(sig, heap)
+    half = _wait_pushes(region, flags, counter, heap, half_words, live, WORLD, PROGRAMS)
     ww = tl.arange(0, BLOCK_W)
     start = _rows_before_mine(table, me, WORLD, BLOCK_W)
     mine = tl.load(table + me * WORLD + ww, mask=ww < WORLD, other=0)
     back_start = tl.cumsum(mine, axis=0) - mine
-    for t in range(p, tokens, tl.num_programs(0)):
+    for t in range(p, tl.where(live, tokens, 0), tl.num_programs(0)):
         pos = tl.load(rank_pos + t * WORLD + ww, mask=ww < WORLD, other=-1)
         back = tl.where((pos >= 0) & (pos + start < limit), pos + back_start, -1)
         own = tl.sum(tl.where(ww == me, pos + start, 0), axis=0).to(tl.int64)  # its row in y
@@ -376,9 +411,16 @@ class HTPlan(Plan):
         blk_wide = max(4, triton.next_power_of_2(w + 1))  # [ranks | bad entries]
         self.count = Launch(ep_count_kernel, (self.blocks,), (topk_idx, i32(self.blocks, w + 1), ws.error, t),
                             dict(K=k, LOCAL=self.local, WORLD=w, BLOCK_T=blk_t, BLOCK_K=blk_k, BLOCK_W=blk_wide), 4)
+        # What the members must agree on (the token count of each is its own), for the signature check: ep_dispatch
+        # checks it in the count exchange, ep_combine in the push back (module doc).
+        agreed = dict(experts=num_experts, hidden=self.hidden, dtype=str(x.dtype).removeprefix("torch."), k=k,
+                      max_recv_tokens=max_recv_tokens)
+        self.combine_fp = self.sign("ep_combine", **agreed)
+        self.dispatch_fp = self.sign("ep_dispatch", **agreed)
+        signed = (ws.sig_ht, ws.counter(5), ws.signatures.tensor)
         self.route = Launch(ep_route_kernel, (1,),
                             (i32(self.blocks, w + 1), i32(self.blocks, w), i32(w, w), i32(self.local), i32(3),
-                             ws.table, ws.counter(2), heap, self.blocks),
+                             ws.table, ws.counter(2), heap, *signed, self.dispatch_fp, self.blocks),
                             dict(LOCAL=self.local, WORLD=w, BLOCK_B=blk_b, BLOCK_W=blk_wide,
                                  BLOCK_L=triton.next_power_of_2(self.local)), 4)
         self.position = Launch(ep_position_kernel, (self.blocks,),
@@ -388,11 +430,12 @@ class HTPlan(Plan):
         self.push = Launch(ep_push_kernel, (programs,),
                            (x.view(torch.int32), topk_idx, topk_weights, i32(max(t, 1), w), i32(w, w), ws.ht,
                             i32(1, self.hw), torch.zeros((1, k), dtype=topk_idx.dtype, device=dev),
-                            torch.zeros((1, k), device=dev), ws.flags, ws.counter(3), heap, t, 1, ws.ht_half_words),
+                            torch.zeros((1, k), device=dev), ws.flags, ws.counter(3), heap, ws.sig_ht, t, 1,
+                            ws.ht_half_words),
                            dict(HW=self.hw, K=k, ROW=self.row, LOCAL=self.local, WORLD=w, PROGRAMS=programs,
                                 BLOCK=block, VEC=_vec(self.hw, x), BLOCK_K=blk_k, BLOCK_W=blk_w), warps)
         self.receive = Launch(ep_receive_kernel, (self.grid,),
-                              (ws.ht, ws.flags, ws.counter(4), heap, i32(w, w), i32(1, self.hw),
+                              (ws.ht, ws.flags, ws.counter(4), heap, ws.sig_ht, i32(w, w), i32(1, self.hw),
                                torch.zeros((1, k), dtype=topk_idx.dtype, device=dev),
                                torch.zeros((1, k), device=dev), i32(self.local), ws.ht_half_words, 1),
                               dict(HW=self.hw, K=k, ROW=self.row, LOCAL=self.local, WORLD=w, PROGRAMS=programs,
@@ -400,13 +443,13 @@ class HTPlan(Plan):
                                    BLOCK_L=triton.next_power_of_2(self.local), BLOCK_W=blk_w), warps)
         # y's rows go back 16-byte vectors at a time: the combine takes y at that alignment (else a copy).
         self.push_back = Launch(ep_push_back_kernel, (programs,),
-                                (i32(1, self.hw), i32(w, w), ws.ht, ws.flags, ws.counter(3), heap, ws.error, 1,
-                                 ws.ht_half_words),
+                                (i32(1, self.hw), i32(w, w), ws.ht, ws.flags, ws.counter(3), heap, ws.error,
+                                 *signed, self.combine_fp, 1, ws.ht_half_words),
                                 dict(HW=self.hw, WORLD=w, PROGRAMS=programs, BLOCK=block, VEC=_vec(self.hw),
                                      BLOCK_W=blk_w), warps)
         self.reduce = Launch(ep_combine_reduce_kernel, (self.grid,),
-                             (ws.ht, ws.flags, ws.counter(4), heap, i32(max(t, 1), w), i32(w, w), i32(1, self.hw),
-                              i32(1, self.hw), ws.ht_half_words, t, 1),
+                             (ws.ht, ws.flags, ws.counter(4), heap, ws.sig_ht, i32(max(t, 1), w), i32(w, w),
+                              i32(1, self.hw), i32(1, self.hw), ws.ht_half_words, t, 1),
                              dict(HW=self.hw, ELEM=_ELEM[x.dtype], WORLD=w, PROGRAMS=programs, BLOCK=block,
                                   BLOCK_W=blk_w), warps)
         # Pointer arguments as the launches take them (Launch.address): on GPUs addresses (the workspace's
@@ -416,8 +459,9 @@ class HTPlan(Plan):
         self.route_fixed = tuple(map(a, (ws.table, ws.counter(2), heap)))
         self.error_at = a(ws.error)
         self.push_fixed = tuple(map(a, (ws.ht, ws.flags, ws.counter(3), heap)))
-        self.region_at, self.signal_fixed = self.push_fixed[0], self.push_fixed[1:]
-        self.wait_fixed = tuple(map(a, (ws.ht, ws.flags, ws.counter(4), heap)))
+        self.region_at, self.signal_fixed = self.push_fixed[0], (*self.push_fixed[1:], a(ws.sig_ht))
+        self.signed_fixed = tuple(map(a, signed))
+        self.wait_fixed = tuple(map(a, (ws.ht, ws.flags, ws.counter(4), heap, ws.sig_ht)))
 
     def _prepared(self, x, topk_idx, topk_weights):
         """The call's tensors as the kernels take them (contiguous; x in whole words, aligned to them)."""
@@ -438,10 +482,12 @@ class HTPlan(Plan):
         block_counts = torch.empty((self.blocks, w + 1), dtype=torch.int32, device=dev)
         block_start = torch.empty((self.blocks, w), dtype=torch.int32, device=dev)
         self.count(a(topk_idx), a(block_counts), self.error_at, self.tokens)
-        self.route(a(block_counts), a(block_start), a(table), a(counts), a(info), *self.route_fixed, self.blocks)
+        self.route(a(block_counts), a(block_start), a(table), a(counts), a(info), *self.route_fixed,
+                   *self.signed_fixed, self.dispatch_fp, self.blocks)
         self.position(a(topk_idx), a(block_start), a(rank_pos), self.tokens)
         if self.max_recv is None:
             most, rows, bad = info.tolist()  # the one host sync: the same table on every rank, so all raise or none
+            ws.signatures.raise_recorded()  # a mismatch: every member raises here, before anything is pushed
             if bad:
                 ws.raise_routing_error()
                 raise ValueError("topk_idx on another rank names an expert twice or one outside [0, num_experts): "
@@ -460,6 +506,7 @@ class HTPlan(Plan):
         self.receive(*self.wait_fixed, a(table), self.words(recv_x), a(recv_idx), a(recv_w), a(counts),
                      ws.ht_half_words, rows)
         ws.raise_routing_error()  # with max_recv_tokens, under the interpreter: this call's row
+        ws.signatures.raise_recorded()  # with max_recv_tokens: under the interpreter this call's, on GPUs an earlier
         return recv_x[:, :self.hidden], recv_idx, recv_w, counts, HTHandle(self, rank_pos, table, rows, limit,
                                                                            dispatch)
 
@@ -468,10 +515,12 @@ class HTPlan(Plan):
         ws.raise_routing_error()
         if y.data_ptr() % 16 or not _rows_ready(signature(y), self.cols):
             y = _rows(y, self.cols)  # the push back was compiled for 16-byte aligned rows of whole words
-        self.push_back(self.words(y), a(handle.table), *self.push_fixed, self.error_at, handle.rows, ws.ht_half_words)
+        self.push_back(self.words(y), a(handle.table), *self.push_fixed, self.error_at, *self.signed_fixed,
+                       self.combine_fp, handle.rows, ws.ht_half_words)
         out = torch.empty((self.tokens, self.cols), dtype=self.dtype, device=y.device)
         self.reduce(*self.wait_fixed, a(handle.rank_pos), a(handle.table), self.words(y), self.words(out),
                     ws.ht_half_words, self.tokens, handle.limit)
+        ws.signatures.raise_recorded()  # under the interpreter this call's mismatch, on GPUs an earlier one's
         return out if self.cols == self.hidden else out[:, :self.hidden].contiguous()
 
 
@@ -597,7 +646,8 @@ COMPILE_CASES = [
     for t in ("*i64", "*i32") for wd in (2, 8)
 ] + [
     (ep_route_kernel, dict(block_counts="*i32", block_start="*i32", table="*i32", counts="*i32", info="*i32",
-                           buf="*i64", counter="*i64", heap="*i64", blocks="i32"),
+                           buf="*i64", counter="*i64", heap="*i64", sig="*i64", sig_counter="*i64",
+                           sig_err="*i64", fp="i32", blocks="i32"),
      dict(LOCAL=256 // wd, WORLD=wd, BLOCK_B=64, BLOCK_W=max(4, triton.next_power_of_2(wd + 1)), BLOCK_L=256 // wd),
      dict(num_warps=4))
     for wd in (2, 8)
@@ -609,23 +659,25 @@ COMPILE_CASES = [
 ] + [
     (ep_push_kernel, dict(x="*i32", topk=t, weights="*fp32", rank_pos="*i32", table="*i32", region="*i32",
                           x_out="*i32", idx_out=t, w_out="*fp32", flags="*i32", counter="*i64", heap="*i64",
-                          tokens="i32", limit="i32", half_words="i32"),
+                          sig="*i64", tokens="i32", limit="i32", half_words="i32"),
      dict(HW=hw, K=8, ROW=triton.cdiv(hw + 16, 4) * 4, LOCAL=32, WORLD=8, PROGRAMS=128, BLOCK=_SHIPPED_BLOCK,
           VEC=_vec(hw), BLOCK_K=8, BLOCK_W=8), dict(num_warps=8))
     for t in ("*i64", "*i32") for hw in (3584, 3585)
 ] + [
     (ep_push_back_kernel, dict(y="*i32", table="*i32", region="*i32", flags="*i32", counter="*i64", heap="*i64",
-                               err="*i64", rows="i32", half_words="i32"),
+                               err="*i64", sig="*i64", sig_counter="*i64", sig_err="*i64", fp="i32", rows="i32",
+                               half_words="i32"),
      dict(HW=3584, WORLD=8, PROGRAMS=128, BLOCK=_SHIPPED_BLOCK, VEC=4, BLOCK_W=8), dict(num_warps=8)),
 ] + [
-    (ep_receive_kernel, dict(region="*i32", flags="*i32", counter="*i64", heap="*i64", table="*i32", x_out="*i32",
-                             idx_out=t, w_out="*fp32", counts="*i32", half_words="i32", rows="i32"),
+    (ep_receive_kernel, dict(region="*i32", flags="*i32", counter="*i64", heap="*i64", sig="*i64", table="*i32",
+                             x_out="*i32", idx_out=t, w_out="*fp32", counts="*i32", half_words="i32", rows="i32"),
      dict(HW=3584, K=8, ROW=3600, LOCAL=32, WORLD=8, PROGRAMS=128, BLOCK=_SHIPPED_BLOCK, VEC=4, BLOCK_K=8,
           BLOCK_L=32, BLOCK_W=8), dict(num_warps=8))
     for t in ("*i64", "*i32")
 ] + [
-    (ep_combine_reduce_kernel, dict(region="*i32", flags="*i32", counter="*i64", heap="*i64", rank_pos="*i32",
-                                    table="*i32", y="*i32", out="*i32", half_words="i32", tokens="i32", limit="i32"),
+    (ep_combine_reduce_kernel, dict(region="*i32", flags="*i32", counter="*i64", heap="*i64", sig="*i64",
+                                    rank_pos="*i32", table="*i32", y="*i32", out="*i32", half_words="i32",
+                                    tokens="i32", limit="i32"),
      dict(HW=3584, ELEM=e, WORLD=8, PROGRAMS=128, BLOCK=_SHIPPED_BLOCK, BLOCK_W=8), dict(num_warps=8))
     for e in (tl.bfloat16, tl.float32)
 ]

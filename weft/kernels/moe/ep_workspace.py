@@ -21,7 +21,9 @@ class MoeWorkspace:
     """The MoE family's symmetric workspace, one per group, made once whatever the call sizes: the LL dispatch and
     LL combine regions (int64 LL words, zeroed: epoch 0 is never awaited; 3/8 of workspace_bytes each), the
     high-throughput receive region (1/4), each in two halves; the count table's LL words, the push flags
-    [program][rank], and one epoch counter per kernel; the LL ops' receive hooks not yet run.
+    [program][rank], and one epoch counter per kernel (and one for the high-throughput ops' signature check);
+    the signature words (common.signature_words) of each LL kernel and of the high-throughput ops; the LL ops'
+    receive hooks not yet run.
 
     And the error word (a RoutingErrorWord), where the kernels record a bad topk_idx row (check_rows): every
     EP op raises it on entry (and dispatches again after their launches: under the interpreter, kernels have
@@ -37,7 +39,8 @@ class MoeWorkspace:
         self.ht = heap.empty((2 * self.ht_half_words,), torch.int32)
         self.table = heap.empty((2 * w * (w + 1),), torch.int64)  # [sender][tokens to each rank | bad rows]
         self.flags = heap.empty((HT_MAX_PROGRAMS * w,), torch.int32)
-        self.counters = heap.empty((5,), torch.int64)  # ll dispatch, ll combine, count exchange, push, wait
+        # ll dispatch, ll combine, count exchange, push, wait, and the high-throughput ops' signature epochs
+        self.counters = heap.empty((6,), torch.int64)
         self.ll_pending = {}  # LL op -> its RecvHook not yet run
         self.errors = RoutingErrorWord(group)
         self.error = self.errors.tensor
@@ -48,8 +51,15 @@ class MoeWorkspace:
         self.signatures = signatures(group)
         self.signatures.register(self.sig_dispatch)
         self.signatures.register(self.sig_combine)
+        # The high-throughput ops' signature words, one set for both: ep_dispatch signs in its count exchange and
+        # ep_combine in its push back, each with an epoch of counter 5, so that a dispatch on one member and a
+        # combine on another meet in the same words. Their epoch counters are resynchronised after a mismatch: a
+        # dispatch and a combine take epochs of different counters.
+        self.sig_ht = signature_words(group, w)
+        for i in (2, 3, 4, 5):
+            self.signatures.register(self.sig_ht, self.counter(i))
         zero_everywhere(group, self.ll_dispatch, self.ll_combine, self.table, self.flags, self.counters,
-                        self.sig_dispatch, self.sig_combine)
+                        self.sig_dispatch, self.sig_combine, self.sig_ht)
 
     def raise_routing_error(self) -> None:
         self.errors.raise_recorded()

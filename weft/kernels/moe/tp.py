@@ -77,13 +77,17 @@ check_routing_values (weft.ops) is the same check on the host, with a sync.
 
 routed_gemm and routed_gemm_sum (routed.py) are the two ops' one-rank baseline as local ops.
 
-What the ranks send one another is checked before use, on the device: each rank sends, with its chunk (and
-with its routing weights in group_gemm_rs), a signature of its call's shapes (_call_signature, into the
-workspace's shapes[] before the ready flag; in ag_group_gemm's baseline, all-gathered); a chunk whose
-signature is not the receiver's, or whose starts are not a layout of m k pairs (_chunk_ok), is not computed
-and its sender is recorded in the error word (routing.peer_error); the pair and row numbers the kernels read
-are clamped to the call's rows. A call with other shapes on another rank (m = 4 here, 8 there) is then a
-ValueError on every rank, never a write outside a buffer.
+The cross-rank signature check (method "overlap"; common.Plan.sign, wl.sign / wl.check_signed): the start
+kernel signs the call's fingerprint (the op, m, k, E, hidden, dtype: what the members' protocol depends on; not
+N, each rank's own) before its barrier and checks every member's after it, in the workspace's signature words,
+which both ops share: members whose calls differ, or of which one runs ag_group_gemm and another group_gemm_rs,
+get weft.SignatureMismatch (on the cpu backend from the call, before anything is pushed; on GPUs at the next
+call), and a tripped family's GEMM kernels write nothing (`out` is left as it was). The baseline's gathers are
+weft's all_gather, which checks its own calls; ag_group_gemm's baseline all-gathers the members' fingerprints
+too, and its kernel computes no chunk of a member whose fingerprint is not its own (recorded in the error
+word: routing.peer_error, a ValueError). A chunk whose starts are not a layout of m k pairs (_chunk_ok) is not
+computed either, and the pair and row numbers the kernels read are clamped to the call's rows: never a write
+outside a buffer.
 
 Both ops take group=None (the world): W and the ranks are the group's, with its own workspace and error word.
 ag_group_gemm and group_gemm_rs are PyTorch operators too (torch.ops.weft.*, weft/torch_ops.py; inference only);
@@ -91,7 +95,6 @@ the operators take the group's name.
 """
 from __future__ import annotations
 
-import zlib
 from typing import Optional
 
 import torch
@@ -107,7 +110,7 @@ from ..all_gather import all_gather
 from ..all_reduce import reduce_scatter
 from ..blocks import cast, first_item
 from ..common import (Launch, Plan, check_method, check_tensor, group_name, group_size, plan, resolve, signature,
-                      workspace, zero_everywhere)
+                      signature_words, signatures, workspace, zero_everywhere)
 from ..gemm import descriptor, num_sms
 from ..registry import declare_op, into
 from .group_layout import GroupLayout, LayoutLaunches, _check_layout, _topk_sum_launch, _weighted_sum
@@ -206,20 +209,24 @@ def _tile_count(meta_c, ok, N, E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: 
 
 # -- kernels --------------------------------------------------------------------------
 
-@triton.jit
-def moe_tp_start_kernel(bar, heap, done, DONE: tl.constexpr, BLOCK_D: tl.constexpr):
+@triton.jit(do_not_specialize=["fp"])
+def moe_tp_start_kernel(bar, heap, done, sig, err, fp, DONE: tl.constexpr, BLOCK_D: tl.constexpr):
     """Start of a call: every rank's previous kernels, the last readers of its workspace, are done.
     bar[0] = the call's epoch. group_gemm_rs's DONE per-chunk tile counters `done` are zeroed here too (local
-    counters: one launch fewer than a zero_)."""
+    counters: one launch fewer than a zero_). Signs the call (the barrier's epoch) before the barrier and checks
+    every member's signature after it: a mismatch trips the family, whose GEMM kernels then write nothing."""
     if DONE > 0:
         d = tl.arange(0, BLOCK_D)
         tl.store(done + d, tl.zeros([BLOCK_D], tl.int32), mask=d < DONE)
+    epoch = tl.load(bar) + 1  # the epoch barrier_all takes
+    wl.sign(sig, epoch, fp, heap)
     wl.barrier_all(bar, heap)
+    wl.check_signed(sig, epoch, fp, heap, err, op="ag_group_gemm / group_gemm_rs")
 
 
 @triton.jit
-def group_gemm_chunks_kernel(a, meta, w, out, ready, bar, heap, mapping, shapes, err, m, N, K, meta_stride, sig,
-                             E: tl.constexpr,
+def group_gemm_chunks_kernel(a, meta, w, out, ready, bar, heap, mapping, shapes, err, m, N, K, meta_stride, fp,
+                             sig, E: tl.constexpr,
                              TOP_K: tl.constexpr, WORLD: tl.constexpr, GATHER: tl.constexpr, WAIT: tl.constexpr,
                              BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -235,11 +242,15 @@ def group_gemm_chunks_kernel(a, meta, w, out, ready, bar, heap, mapping, shapes,
     ready, bar and mapping are read only with WAIT. A_TMA (not with GATHER or WAIT) / W_TMA: a / w are TMA
     descriptors (grouped_gemm.group_tile); FLATTEN as in _chunk_tiles.
 
-    GATHER: the chunks of other ranks are what they sent, so each is checked first: shapes[c] (the signature
-    of rank c's call, sent along with its chunk) must be mine (`sig`) and its starts a layout of m k pairs
-    (_chunk_ok). A chunk that is not is skipped (its rows of out are not written) and recorded in `err`
-    (routing.peer_error), which the host raises.
+    GATHER: the chunks of other ranks are what they sent, so each is checked first: its starts must be a layout
+    of m k pairs (_chunk_ok) and, without WAIT (the baseline), shapes[c] (rank c's fingerprint, all-gathered)
+    must be mine (`fp`); with WAIT the start kernel's signature check vouched for every member's call, and a
+    family it tripped (the signature words `sig`) writes nothing. A chunk that fails is skipped (its rows of
+    out are not written) and recorded in `err` (routing.peer_error), which the host raises.
     """
+    if WAIT:
+        if not wl.signature_live(sig, heap):
+            return
     me = wl.rank(heap)
     pairs = m * TOP_K
     base = tl.program_id(0) * 0
@@ -247,15 +258,17 @@ def group_gemm_chunks_kernel(a, meta, w, out, ready, bar, heap, mapping, shapes,
         c = (me + step) % WORLD
         a_c = a
         meta_c = meta + c * meta_stride
-        shapes_c = shapes + c
         if WAIT:
             if step > 0:
                 token = wl.tile_wait(mapping, ready, c * m, 0, m, K, tl.load(bar))
                 a_c = wl.consume_token(a, token)
                 meta_c = wl.consume_token(meta_c, token)
-                shapes_c = wl.consume_token(shapes_c, token)
         if GATHER:
-            ok = _chunk_ok(meta_c, pairs, (c == me) | (tl.load(shapes_c) == sig), E, BLOCK_E)
+            if WAIT:
+                trusted = True
+            else:
+                trusted = (c == me) | (tl.load(shapes + c) == fp)
+            ok = _chunk_ok(meta_c, pairs, trusted, E, BLOCK_E)
             if ok == 0:
                 peer_error(err, c, 1)
         else:
@@ -266,8 +279,8 @@ def group_gemm_chunks_kernel(a, meta, w, out, ready, bar, heap, mapping, shapes,
 
 
 @triton.jit
-def group_gemm_rs_kernel(h, meta, w, y, row_of_pair, weights, recv, out, done, ready, pushed, bar, heap, shapes, err,
-                         m, N, K, meta_stride, sig, E: tl.constexpr, TOP_K: tl.constexpr, WORLD: tl.constexpr,
+def group_gemm_rs_kernel(h, meta, w, y, row_of_pair, weights, recv, out, done, ready, pushed, bar, heap, sig, m, N, K,
+                         meta_stride, E: tl.constexpr, TOP_K: tl.constexpr, WORLD: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
                          NUM_STAGES: tl.constexpr, NUM_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr,
                          EVEN_N: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr, FLATTEN: tl.constexpr,
@@ -276,9 +289,10 @@ def group_gemm_rs_kernel(h, meta, w, y, row_of_pair, weights, recv, out, done, r
     GEMM(me+1) GEMM(me+2) RS(me+1) ... GEMM(me) RS(me-1) FINAL (module doc). y (W m k, N): the expert
     outputs; weights (W m, k): every rank's routing weights; recv (W, m, N): the partials rank q pushed
     into slot q; done (W,) local tile counters; pushed (MAX_TOKEN_BLOCKS, W) flags. A_TMA / W_TMA: h / w are
-    TMA descriptors (grouped_gemm.group_tile); FLATTEN as in _chunk_tiles. shapes[q]: the signature of rank q's
-    call, sent with its routing weights: a rank whose call is not mine (`sig`) gets no partial from me, its
-    partials are not waited for nor added, and it is recorded in `err` (routing.peer_error)."""
+    TMA descriptors (grouped_gemm.group_tile); FLATTEN as in _chunk_tiles. A family tripped by the start
+    kernel's signature check (the signature words `sig`) writes nothing."""
+    if not wl.signature_live(sig, heap):
+        return
     pid = tl.program_id(0)
     me = wl.rank(heap)
     epoch = tl.load(bar)
@@ -304,20 +318,17 @@ def group_gemm_rs_kernel(h, meta, w, y, row_of_pair, weights, recv, out, done, r
                                    op="group_gemm_rs chunk GEMM")
                 arrived = wl.wait(ready + p, 1, epoch, wl.CMP_GE, heap=heap, peer=p,
                                   op="group_gemm_rs routing weights")
-                if tl.load(wl.consume_token(shapes, arrived) + p) == sig:
-                    t = blk * BLOCK_T + t_in
-                    live = t < m
-                    dst = wl.symm_at(recv, p, heap) + (me * m).to(tl.int64) * N
-                    for h0 in range(0, N, BLOCK_H):
-                        cols = h0 + hh
-                        acc = _weighted_sum(wl.consume_token(y, computed), row_of_pair,
-                                            wl.consume_token(weights, arrived), p * m + t, live, cols, cols < N, N,
-                                            WORLD * pairs, TOP_K, BLOCK_T, BLOCK_H)
-                        tl.store(dst + t.to(tl.int64)[:, None] * N + cols[None, :], cast(acc, y.dtype.element_ty),
-                                 mask=live[:, None] & (cols < N)[None, :])
-                    wl.notify(pushed + blk * WORLD + me, p, heap, epoch)
-                else:
-                    peer_error(err, p, 1)
+                t = blk * BLOCK_T + t_in
+                live = t < m
+                dst = wl.symm_at(recv, p, heap) + (me * m).to(tl.int64) * N
+                for h0 in range(0, N, BLOCK_H):
+                    cols = h0 + hh
+                    acc = _weighted_sum(wl.consume_token(y, computed), row_of_pair,
+                                        wl.consume_token(weights, arrived), p * m + t, live, cols, cols < N, N,
+                                        WORLD * pairs, TOP_K, BLOCK_T, BLOCK_H)
+                    tl.store(dst + t.to(tl.int64)[:, None] * N + cols[None, :], cast(acc, y.dtype.element_ty),
+                             mask=live[:, None] & (cols < N)[None, :])
+                wl.notify(pushed + blk * WORLD + me, p, heap, epoch)
             base += blocks_t
     # FINAL: my tokens, my partial and the pushed ones summed in rank order.
     meta_me = meta + me * meta_stride
@@ -329,13 +340,8 @@ def group_gemm_rs_kernel(h, meta, w, y, row_of_pair, weights, recv, out, done, r
                            op="group_gemm_rs chunk GEMM")
         for sender in range(WORLD):
             if sender != me:
-                arrived = wl.wait(ready + sender, 1, epoch, wl.CMP_GE, heap=heap, peer=sender,
-                                  op="group_gemm_rs routing weights")
-                if tl.load(wl.consume_token(shapes, arrived) + sender) == sig:
-                    computed = wl.wait(pushed + blk * WORLD + sender, 1, epoch, wl.CMP_GE, heap=heap, peer=sender,
-                                       op="group_gemm_rs partials")
-                else:
-                    peer_error(err, sender, 1)
+                computed = wl.wait(pushed + blk * WORLD + sender, 1, epoch, wl.CMP_GE, heap=heap, peer=sender,
+                                   op="group_gemm_rs partials")
         t = blk * BLOCK_T + t_in
         live = t < m
         for h0 in range(0, N, BLOCK_H):
@@ -346,8 +352,7 @@ def group_gemm_rs_kernel(h, meta, w, y, row_of_pair, weights, recv, out, done, r
             total = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
             for q in tl.static_range(WORLD):
                 ptrs = wl.consume_token(recv, computed) + (q * m + t).to(tl.int64)[:, None] * N + cols[None, :]
-                sent = (q != me) & (tl.load(wl.consume_token(shapes, computed) + q) == sig)
-                part = tl.load(ptrs, mask=mask & sent, other=0.0)
+                part = tl.load(ptrs, mask=mask & (q != me), other=0.0)
                 total += tl.where(q == me, own.to(tl.float32), part.to(tl.float32))
             tl.store(out + t.to(tl.int64)[:, None] * N + cols[None, :], cast(total, out.dtype.element_ty), mask=mask)
 
@@ -359,8 +364,8 @@ class MoeTPWorkspace:
     as the gathered tokens and layouts and by group_gemm_rs as the received partials and the gathered routing
     weights; the start barrier's words bar (1 + W); ready (W): rank r's chunk (or weights) arrived, raised by
     the copy engine with the call's epoch; pushed (MAX_TOKEN_BLOCKS, W): rank q's partials of token block b
-    arrived; shapes (W): the signature of rank r's call (_call_signature), pushed before its ready flag. The copy
-    stream for the pushes."""
+    arrived; the signature words (common.signature_words) and the group's SignatureWord. The copy stream for the
+    pushes."""
 
     def __init__(self, group):
         heap, w = group.heap, group.size
@@ -369,9 +374,13 @@ class MoeTPWorkspace:
         self.bar = heap.empty((1 + w,), torch.int32)
         self.ready = heap.empty((w,), torch.int32)
         self.pushed = heap.empty((MAX_TOKEN_BLOCKS * w,), torch.int32)
-        self.shapes = heap.empty((w,), torch.int32)
         self.streams = StreamSet(group.device, 1) if group.device.type == "cuda" else None  # the pushes' stream
-        zero_everywhere(group, self.bar, self.ready, self.pushed, self.shapes)
+        # The signature words, which both ops sign; no epoch counter to resynchronise after a mismatch: every
+        # overlapped call makes one start launch on every member, so the barrier's epochs stay in step.
+        self.sig = signature_words(group, w)
+        self.signatures = signatures(group)
+        self.signatures.register(self.sig)
+        zero_everywhere(group, self.bar, self.ready, self.pushed, self.sig)
 
     def view(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
         """A view of `data` from byte `offset` (a multiple of 256)."""
@@ -391,12 +400,6 @@ def _aligned(nbytes: int) -> int:
 
 def _workspace(group) -> MoeTPWorkspace:
     return workspace(group, "moe_tp", MoeTPWorkspace)
-
-
-def _call_signature(op: str, *sizes: int) -> int:
-    """A word that differs between calls of other shapes (a positive int32, never the workspace's zeros): what
-    a rank sends with its chunk or routing weights, for the receiver to check against its own call."""
-    return (zlib.crc32(repr((op, sizes)).encode()) & 0x7FFFFFFF) | 1
 
 
 # -- host side --------------------------------------------------------------------------
@@ -559,9 +562,11 @@ class AgGroupGemmPlan(Plan):
         self.routing = _RoutingCheck(group, topk_idx, e)
         overlap = self.method == "overlap"
         self.layouts = LayoutLaunches(topk_idx, e, ww, copy=overlap)  # overlap: the chunks are in the workspace
-        # What every rank sends with its chunk, and checks a chunk it receives by (the kernel's shapes, sig).
-        self.sig = _call_signature("ag_group_gemm", m, k, e, hidden, n, tokens.element_size())
-        self.sig_word = torch.full((1,), self.sig, dtype=torch.int32, device=self.dev)
+        # What the members must agree on (N is each rank's own): the start kernel's signature check (overlap), and
+        # the fingerprints the baseline all-gathers and checks each chunk by (the kernel's shapes, fp).
+        self.fp = self.sign("ag_group_gemm", m=m, k=k, experts=e, hidden=hidden,
+                            dtype=str(tokens.dtype).removeprefix("torch."))
+        self.fp_word = torch.full((1,), self.fp, dtype=torch.int32, device=self.dev)
         if self.empty:
             return
         tiles, even, warps, flatten = _gemm_config(group, m, k, e, n, hidden)
@@ -580,20 +585,19 @@ class AgGroupGemmPlan(Plan):
             gathered = ws.view(0, (ww * m, hidden), self.dtype)
             metas = ws.view(tokens_bytes, (ww, width), torch.int32)
             self.mine = (gathered[me * m:(me + 1) * m], metas[me])
-            # Step s pushes my chunk (and my call's signature) to rank me - s, whose kernel takes chunk me at its
-            # step s.
+            # Step s pushes my chunk to rank me - s, whose kernel takes chunk me at its step s.
             peer = group.heap.peer
             self.peers = [(peer(gathered, (me - s) % ww)[me * m:(me + 1) * m], peer(metas, (me - s) % ww)[me],
-                           peer(ws.shapes, (me - s) % ww)[me:me + 1], peer(ws.ready, (me - s) % ww)[me:me + 1])
-                          for s in range(1, ww)]
-            self.start = Launch(moe_tp_start_kernel, (1,), (ws.bar, heap, ws.bar), dict(DONE=0, BLOCK_D=1), 1)
-            ready, bar, shapes = ws.ready, ws.bar, ws.shapes
+                           peer(ws.ready, (me - s) % ww)[me:me + 1]) for s in range(1, ww)]
+            self.start = Launch(moe_tp_start_kernel, (1,), (ws.bar, heap, ws.bar, ws.sig, ws.signatures.tensor,
+                                                            self.fp), dict(DONE=0, BLOCK_D=1), 1)
+            ready, bar, shapes, sig = ws.ready, ws.bar, self.fp_word, ws.sig  # shapes: read only without WAIT
         else:
             gathered = torch.empty((ww * m, hidden), dtype=self.dtype, device=self.dev)
             metas = torch.empty((ww, width), dtype=torch.int32, device=self.dev)
-            ready = bar = metas  # read only with WAIT
-            shapes = self.sig_word.expand(ww).contiguous()  # every call: the ranks' signatures, gathered
-        self.gathered, self.metas, self.ready, self.bar, self.shapes = gathered, metas, ready, bar, shapes
+            ready = bar = sig = metas  # read only with WAIT
+            shapes = self.fp_word.expand(ww).contiguous()  # every call: the ranks' fingerprints, gathered
+        self.gathered, self.metas, self.ready, self.bar, self.shapes, self.sig = gathered, metas, ready, bar, shapes, sig
         self.err = errors = self.routing.errors.tensor
         self.launch = Launch(group_gemm_chunks_kernel, (programs,), self._args(gathered, metas, w, out, shapes),
                              consts, warps)
@@ -602,7 +606,7 @@ class AgGroupGemmPlan(Plan):
 
     def _args(self, gathered, metas, w, out, shapes):
         return (gathered, metas, self.w_op(w), out, self.ready, self.bar, self.heap, self.mapping, shapes, self.err,
-                self.m, self.n, gathered.shape[1], self.width, self.sig)
+                self.m, self.n, gathered.shape[1], self.width, self.fp, self.sig)
 
     def run(self, tokens, w, topk_idx, out):
         self.routing.run(topk_idx)
@@ -612,19 +616,20 @@ class AgGroupGemmPlan(Plan):
             return out.zero_(), self.layouts.all_gathered(topk_idx)
         if self.method == "baseline":
             one = self.world_size == 1
-            shapes = self.sig_word if one else all_gather.eager(self.sig_word, group=self.group)
+            shapes = self.fp_word if one else all_gather.eager(self.fp_word, group=self.group)
             layout = self.layouts.all_gathered(topk_idx, self.group)
             gathered = tokens if one else all_gather.eager(tokens, group=self.group)
             self.launch(*self._args(gathered, layout.meta, w, out, shapes))
             self.w_op.off()
             return out, layout
         ws, chunk = self.ws, self.mine[1]
-        self.start(ws.bar, self.heap, ws.bar)
+        self.start(ws.bar, self.heap, ws.bar, ws.sig, ws.signatures.tensor, self.fp)
+        ws.signatures.raise_recorded()  # on the cpu backend, before anything is pushed to a peer
         self.mine[0].copy_(tokens)
         self.layouts.chunk(topk_idx, chunk)  # into the workspace, after the barrier: its last readers are done
         epoch = ws.bar[0:1]
-        _push(ws, [pair for rows, layout, shape, flag in self.peers
-                   for pair in ((rows, tokens), (layout, chunk), (shape, self.sig_word), (flag, epoch))])
+        _push(ws, [pair for rows, layout, flag in self.peers
+                   for pair in ((rows, tokens), (layout, chunk), (flag, epoch))])
         self.launch(*self._args(self.gathered, self.metas, w, out, self.shapes))
         self.w_op.off()
         _join(ws)
@@ -656,10 +661,14 @@ def ag_group_gemm(tokens_shard: torch.Tensor, w_experts_shard: torch.Tensor, top
       the row and the expert. The call has then written inter (`out` if given) with that row's bad entries as
       pairs without expert (rows of zeros) and a repeated expert computed twice, and nothing else of the
       caller's; the other members' calls complete as usual, with the same treatment of the row.
-    - what the other members sent: a chunk from a member whose call differs (another m, k, E, hidden or N: its
-      signature, sent along, is not this call's) or whose layout is not one of m k pairs names that member;
-      its rows of inter (`out` if given) are then left as they were, never computed from what it sent, and
-      no row number it sent is used.
+    - what the other members sent: a chunk whose layout is not one of m k pairs, or in the baseline one from a
+      member whose call differs (another m, k, E, hidden or dtype: its fingerprint, all-gathered, is not this
+      call's), names that member; its rows of inter (`out` if given) are then left as they were, never computed
+      from what it sent, and no row number it sent is used.
+
+    Members whose overlapped calls differ (or of which one calls group_gemm_rs) get weft.SignatureMismatch on
+    every member, naming both calls (the cross-rank signature check; on GPUs at the next call of the family):
+    inter (`out` if given) is not written.
     """
     g = resolve(group)
     found = plan(g, lambda: ("ag_group_gemm", signature(tokens_shard), signature(w_experts_shard),
@@ -716,9 +725,10 @@ class GroupGemmRsPlan(Plan):
         if self.method == "baseline":
             mapping = TileMap((ww * m, inter), ww, (triton.next_power_of_2(m), triton.next_power_of_2(inter)),
                               device=group.device).arg
-            # ready, bar and mapping are read only with WAIT, shapes and err only with GATHER
+            # ready, bar, mapping and sig are read only with WAIT, shapes and err only with GATHER
             self.gemm_args = lambda h, metas, w_down, y: (self.h_op(h), metas, self.w_op(w_down), y, metas, metas,
-                                                          heap, mapping, metas, metas, m, hidden, inter, width, 0)
+                                                          heap, mapping, metas, metas, m, hidden, inter, width, 0,
+                                                          metas)
             self.launch = Launch(group_gemm_chunks_kernel, (_programs(group),), self.gemm_args(h, metas, w_down, y),
                                  dict(E=e, TOP_K=k, WORLD=ww, GATHER=False, WAIT=False, **tiles,
                                       NUM_PROGRAMS=_programs(group), **even, **tma), warps)
@@ -733,15 +743,14 @@ class GroupGemmRsPlan(Plan):
         self.recv = ws.view(0, (ww, m, hidden), self.dtype)
         self.weights = ws.view(recv_bytes, (ww * m, k), torch.float32)
         self.mine = self.weights[me * m:(me + 1) * m]
-        # What every rank sends with its routing weights, and checks a rank's partials by (the kernel's shapes).
-        self.sig = _call_signature("group_gemm_rs", m, k, e, inter, hidden, h.element_size())
-        self.sig_word = torch.full((1,), self.sig, dtype=torch.int32, device=self.dev)
-        self.err = errors = self.routing.errors.tensor
+        # What the members must agree on (the columns of h are each rank's own), for the start kernel's check.
+        self.fp = self.sign("group_gemm_rs", m=m, k=k, experts=e, hidden=hidden,
+                            dtype=str(h.dtype).removeprefix("torch."))
         peer = group.heap.peer
-        self.peers = [(peer(self.weights, q)[me * m:(me + 1) * m], peer(ws.shapes, q)[me:me + 1],
-                       peer(ws.ready, q)[me:me + 1]) for q in range(ww) if q != me]
+        self.peers = [(peer(self.weights, q)[me * m:(me + 1) * m], peer(ws.ready, q)[me:me + 1])
+                      for q in range(ww) if q != me]
         self.done = torch.zeros(ww, dtype=torch.int32, device=self.dev)  # zeroed by each call's start
-        self.start = Launch(moe_tp_start_kernel, (1,), (ws.bar, heap, self.done),
+        self.start = Launch(moe_tp_start_kernel, (1,), (ws.bar, heap, self.done, ws.sig, ws.signatures.tensor, self.fp),
                             dict(DONE=ww, BLOCK_D=triton.next_power_of_2(ww)), 1)
         gpu = group.device.type == "cuda"
         # One program under the interpreter, which runs programs one after another: a later program's GEMM
@@ -754,14 +763,12 @@ class GroupGemmRsPlan(Plan):
                              self._args(h, metas, w_down, y, rows, out),
                              dict(E=e, TOP_K=k, WORLD=ww, **tiles, NUM_PROGRAMS=programs, **even, **tma,
                                   BLOCK_T=block_t, BLOCK_H=256 if gpu else 32), warps)
-        self.err = self.launch.address(errors)  # compiled for the word, called with its address (on GPUs, pinned)
         self._off()
 
     def _args(self, h, metas, w_down, y, row_of_pair, out):
         ws = self.ws
         return (self.h_op(h), metas, self.w_op(w_down), y, row_of_pair, self.weights, self.recv, out, self.done,
-                ws.ready, ws.pushed, ws.bar, self.heap, ws.shapes, self.err, self.m, self.hidden, h.shape[1],
-                metas.shape[1], self.sig)
+                ws.ready, ws.pushed, ws.bar, self.heap, ws.sig, self.m, self.hidden, h.shape[1], metas.shape[1])
 
     def _off(self) -> None:
         self.h_op.off()
@@ -791,11 +798,11 @@ class GroupGemmRsPlan(Plan):
             return out if one else reduce_scatter.eager(sums, out=out, **_over(self.group))
         ws = self.ws
         y = torch.empty((h.shape[0], self.hidden), dtype=self.dtype, device=self.dev)
-        self.start(ws.bar, self.heap, self.done)
+        self.start(ws.bar, self.heap, self.done, ws.sig, ws.signatures.tensor, self.fp)
+        ws.signatures.raise_recorded()  # on the cpu backend, before anything is pushed to a peer
         self.mine.copy_(topk_weights)
         epoch = ws.bar[0:1]
-        _push(ws, [pair for weights, shape, flag in self.peers
-                   for pair in ((weights, topk_weights), (shape, self.sig_word), (flag, epoch))])
+        _push(ws, [pair for weights, flag in self.peers for pair in ((weights, topk_weights), (flag, epoch))])
         self.launch(*self._args(h, layout.meta, w_down, y, layout.row_of_pair, out))
         self._off()
         _join(ws)
@@ -830,9 +837,11 @@ def group_gemm_rs(h: torch.Tensor, w_down_shard: torch.Tensor, topk_idx: torch.T
     - topk_idx's values, where this call reads them (layout None): a bad row names topk_idx, the row and the
       expert; the call has then written the result (`out` if given) with that row's bad entries adding nothing
       and a repeated expert's pair added twice, and nothing else of the caller's.
-    - what the other members sent (overlap): a member whose call differs (its signature, sent with its routing
-      weights, is not this call's) is named; the result (`out` if given) is then written without its partials,
-      and no partial of mine is sent to it. A layout's row numbers are used only within this call's rows.
+    - a layout's row numbers are used only within this call's rows.
+
+    Members whose overlapped calls differ (m, k, E, hidden or dtype; or of which one calls ag_group_gemm) get
+    weft.SignatureMismatch on every member, naming both calls (the cross-rank signature check; on GPUs at the
+    next call of the family): the result (`out` if given) is not written and no partial is sent.
     """
     g = resolve(group)
     found = plan(g, lambda: ("group_gemm_rs", signature(h), signature(w_down_shard), signature(topk_idx),
@@ -916,7 +925,7 @@ def _chunks_case(t: str, big: bool, gather: bool, experts: int, k: int, world: i
     tiles, warps, flatten = _compile_tiles(big)
     sig = dict(**_operands(t, tiles, tma and not gather, tma), meta="*i32", out=f"*{t}", ready="*i32", bar="*i32",
                heap="*i64", mapping=wl.TileMapping("*i32", "constexpr", "constexpr", "constexpr", "constexpr"),
-               shapes="*i32", err="*i64", m="i32", N="i32", K="i32", meta_stride="i32", sig="i32")
+               shapes="*i32", err="*i64", m="i32", N="i32", K="i32", meta_stride="i32", fp="i32", sig="*i64")
     sig = {name: sig[name] for name in group_gemm_chunks_kernel.arg_names if name in sig}
     consts = {("mapping", 1): 1024, ("mapping", 2): 2048, ("mapping", 3): 0, ("mapping", 4): 8}
     consts |= dict(E=experts, TOP_K=k, WORLD=world, GATHER=gather, WAIT=gather, BLOCK_M=tiles["BLOCK_M"],
@@ -930,7 +939,7 @@ def _rs_case(t: str, big: bool, experts: int, k: int, world: int, tma: bool):
     tiles, warps, flatten = _compile_tiles(big)
     sig = dict(**_operands(t, tiles, tma, tma, "h"), meta="*i32", y=f"*{t}", row_of_pair="*i32", weights="*fp32",
                recv=f"*{t}", out=f"*{t}", done="*i32", ready="*i32", pushed="*i32", bar="*i32", heap="*i64",
-               shapes="*i32", err="*i64", m="i32", N="i32", K="i32", meta_stride="i32", sig="i32")
+               sig="*i64", m="i32", N="i32", K="i32", meta_stride="i32")
     sig = {name: sig[name] for name in group_gemm_rs_kernel.arg_names if name in sig}
     consts = dict(E=experts, TOP_K=k, WORLD=world, **tiles, BLOCK_E=triton.next_power_of_2(experts + 2),
                   NUM_PROGRAMS=132, EVEN_K=big, EVEN_N=True, A_TMA=tma, W_TMA=tma, FLATTEN=flatten, BLOCK_T=16,
@@ -944,7 +953,8 @@ def _rs_case(t: str, big: bool, experts: int, k: int, world: int, tma: bool):
 _COMPILE_SHAPES = [("bf16", True, 128, 8, 4), ("bf16", True, 8, 2, 2), ("bf16", False, 8, 2, 2),
                    ("fp16", True, 8, 2, 2)]
 
-COMPILE_CASES = [(moe_tp_start_kernel, dict(bar="*i32", heap="*i64", done="*i32"), dict(DONE=d, BLOCK_D=b),
+COMPILE_CASES = [(moe_tp_start_kernel, dict(bar="*i32", heap="*i64", done="*i32", sig="*i64", err="*i64", fp="i32"),
+                  dict(DONE=d, BLOCK_D=b),
                   dict(num_warps=1)) for d, b in ((0, 1), (3, 4))] + [
     _chunks_case(t, big, gather, experts, k, world, tma) for t, big, experts, k, world in _COMPILE_SHAPES
     for gather in (True, False) for tma in (True, False)
