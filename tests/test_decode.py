@@ -290,7 +290,7 @@ def _decode_paths(kind, rope):
 
     ref = _hf_model(kind, 4, 2, 96, rope=rope)
     model = from_hf(ref.config, state_dict=ref.state_dict())
-    # The default: tuning's decode.fused_max_m (0 since the GPU measurement: the layers path wins there).
+    # The default: tuning's decode.fused_max_m (1 since the H200 measurement: the fused path wins at batch 1 only).
     from weft.kernels.decode import fused_max_m
     limit = fused_max_m(weft.device())
     assert model.decode_path(max(limit, 1)) == ("fused" if limit else "layers") and model.decode_path(64) == "layers"
