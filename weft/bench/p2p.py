@@ -46,16 +46,6 @@ def add_arguments(p) -> None:
                    help=f"M2N's bound: NVLink GB/s per direction per GPU (default {LINK_GBPS:g})")
 
 
-def _sizes(args) -> list[int]:
-    if args.min_bytes < 1 or args.max_bytes < args.min_bytes:
-        raise ValueError(f"need 1 <= --min-bytes <= --max-bytes, got {args.min_bytes} and {args.max_bytes}")
-    out, size = [], args.min_bytes
-    while size <= args.max_bytes:
-        out.append(size)
-        size *= 4
-    return out
-
-
 def _views(args) -> tuple:
     return ("graph", "eager") if args.view == "both" else (args.view,)
 
@@ -103,7 +93,7 @@ def _routed(route: bool, op):
 def send_recv_rows(args, baseline: str) -> list[Row]:
     w = weft.world()
     rows = []
-    for size in _sizes(args):
+    for size in sweep.sizes(args, factor=4):
         n = max(1, size // 2)
         gen = torch.Generator(device=w.device).manual_seed(1 + w.rank)
         x = torch.randn(n, device=w.device, generator=gen).to(torch.bfloat16)

@@ -29,13 +29,14 @@ def add_arguments(p, what: str) -> None:
                         "tensors, or both")
 
 
-def sizes(args) -> list[int]:
+def sizes(args, factor: int = 2) -> list[int]:
+    """--min-bytes to --max-bytes, each `factor` times the one before."""
     if args.min_bytes < 1 or args.max_bytes < args.min_bytes:
         raise ValueError(f"need 1 <= --min-bytes <= --max-bytes, got {args.min_bytes} and {args.max_bytes}")
     out, size = [], args.min_bytes
     while size <= args.max_bytes:
         out.append(size)
-        size *= 2
+        size *= factor
     return out
 
 
