@@ -251,6 +251,115 @@ def test_gemm_ops_on_three_nodes_of_two():
     assert run_ranks(_gemm_ops, 6, [(3, 16, 8, torch.float32)], env=TWO_NODES, timeout=400)
 
 
+def _attention_ops(cases):
+    """Every rank checks the Ulysses all-to-all (both scatters, packed, bit for bit against torch), the unfused
+    projections and sp_flash_decode (against torch attention, the same bits on every member) over the world, a
+    group across nodes and one inside a node, on fresh inputs, outputs poisoned, sizes changing from call to call.
+    The all-to-all's torch reference is exact, so it is also bit for bit the flat op's result."""
+    import torch
+    import torch.distributed as dist
+
+    import weft
+    from weft.testing.checks import nan_allocations
+
+    from test_flash_decode import TOL, reference
+
+    w = weft.world()
+    wsize = w.world_size
+    local = wsize // len(w.nodes)
+    across = [weft.new_group(range(j, wsize, local)) for j in range(local)]  # every rank makes every group
+    across = next(g for g in across if g is not None)
+    inside = weft.new_subgroups(local)
+    spanning = {w.name: w.topology.spans_nodes, across.name: across.topology.spans_nodes,
+                inside.name: False}
+    heap_used = None
+    for step, (seq, heads, head_dim, dtype, batch, shard_len) in enumerate(cases):
+        for i, group in enumerate((None, across, inside)):
+            # The same inputs on every rank (each takes its own), and in a run on one node.
+            gen = torch.Generator().manual_seed(100 * step + i)
+            g = weft.get_group(group)
+            size, me = g.size, g.rank
+            hl = heads // size
+            # scatter="heads": member r's x (S, H, D) -> member q's (W S, H / W, D), block r its heads [q hl, ...).
+            xs = torch.randn((size, seq, heads, head_dim), generator=gen).to(dtype)
+            with nan_allocations():
+                got = weft.ops.ulysses_all_to_all(xs[me], group=group)
+            want = torch.cat([xs[r][:, me * hl:(me + 1) * hl] for r in range(size)])
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (step, g)
+            # scatter="seq", from a non-contiguous x: member r's (W S, H / W, D) -> (S, H, D).
+            ys = torch.randn((size, size * seq, hl, head_dim), generator=gen).to(dtype)
+            with nan_allocations():
+                got = weft.ops.ulysses_all_to_all(ys[me].transpose(0, 1).contiguous().transpose(0, 1), "seq",
+                                                  group=group)
+            want = torch.cat([ys[r][me * seq:(me + 1) * seq] for r in range(size)], dim=1)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (step, g)
+            # packed q, k, v (S, 3, H, D) there and back.
+            packed = torch.randint(-1000, 1000, (size, seq, 3, heads, head_dim), generator=gen, dtype=torch.int32)
+            there = weft.ops.ulysses_all_to_all(packed[me], packed=True, group=group)
+            assert torch.equal(there, torch.cat([packed[r][:, :, me * hl:(me + 1) * hl] for r in range(size)]))
+            assert torch.equal(weft.ops.ulysses_all_to_all(there, "seq", packed=True, group=group), packed[me])
+
+            # The projections (unfused across nodes) against torch.
+            hidden = 8
+            xq = torch.randn((size, seq, hidden), generator=gen)
+            w_qkv = torch.randn((hidden, 3 * heads * head_dim), generator=gen)
+            got = weft.ops.qkv_all_to_all(xq[me], w_qkv, heads, group=group)
+            full = (xq @ w_qkv).view(size, seq, 3, heads, head_dim)
+            torch.testing.assert_close(got, torch.cat([full[r][:, :, me * hl:(me + 1) * hl] for r in range(size)]))
+            w_o = torch.randn((heads * head_dim, hidden), generator=gen)
+            attn = torch.randn((size, seq, heads, head_dim), generator=gen)  # every member's tokens, all heads
+            mine_heads = attn[:, :, me * hl:(me + 1) * hl].reshape(size * seq, hl, head_dim)
+            got = weft.ops.all_to_all_o_proj(mine_heads, w_o, group=group)
+            torch.testing.assert_close(got, attn[me].reshape(seq, -1) @ w_o, rtol=1e-4, atol=1e-4)
+            if spanning[g.name]:
+                with pytest.raises(ValueError, match="spans nodes"):
+                    weft.ops.all_to_all_o_proj(mine_heads, w_o, method="fused", group=group)
+
+            # sp_flash_decode: member r holds the r-th slice of every sequence (lengths 0 allowed).
+            q_heads, kv_heads, d = 4, 2, 64
+            lens = torch.randint(0, shard_len + 1, (size, batch), generator=gen, dtype=torch.int32)
+            lens[0, 0] = 0  # an empty slice
+            q = torch.randn((batch, q_heads, d), generator=gen).to(dtype)
+            k = torch.randn((size, batch, shard_len, kv_heads, d), generator=gen).to(dtype)
+            v = torch.randn((size, batch, shard_len, kv_heads, d), generator=gen).to(dtype)
+            with nan_allocations():
+                got = weft.ops.sp_flash_decode(q, k[me], v[me], lens[me], group=group)
+            # The reference: each sequence's slices concatenated in member order.
+            total = lens.sum(0)
+            kk = torch.zeros((batch, int(total.max()), kv_heads, d), dtype=dtype)
+            vv = torch.zeros_like(kk)
+            for b in range(batch):
+                at = 0
+                for r in range(size):
+                    n = int(lens[r, b])
+                    kk[b, at:at + n], vv[b, at:at + n] = k[r, b, :n], v[r, b, :n]
+                    at += n
+            ref, _ = reference(q, kk, vv, total)
+            torch.testing.assert_close(got.double(), ref, **TOL[dtype])
+            every = [torch.empty_like(got) for _ in range(size)]
+            dist.all_gather(every, got, group=g.process_group)
+            assert all(torch.equal(e.view(torch.uint8), got.view(torch.uint8)) for e in every)
+        for g in (w, across, inside):  # across nodes the hierarchical path, inside a node the flat one
+            plans = [p for key, p in g.plans.items() if key[0] in ("ulysses_all_to_all", "sp_flash_decode")]
+            assert plans and all((getattr(p.run, "__self__", None).__class__.__module__ ==
+                                  "weft.kernels.hierarchical") == spanning[g.name] for p in plans), g
+        if step == 0:
+            heap_used = {h: h.heap.used for h in w.groups.values() if h._heap is not None}
+        dist.barrier()
+    # Heap bounded: later calls of every size allocate nothing more in any group's heap.
+    assert {h: h.heap.used for h in heap_used} == heap_used
+    return True
+
+
+def test_attention_ops_on_two_nodes_of_two():
+    """The Ulysses all-to-all, its unfused projections and sp_flash_decode across 2 simulated nodes of 2."""
+    import torch
+
+    # (S, heads, head_dim, dtype, sp batch, sp KV positions per member) per step: odd and changing sizes.
+    cases = [(3, 4, 5, torch.float32, 3, 21), (2, 8, 3, torch.bfloat16, 2, 9)]
+    assert all(run_ranks(_attention_ops, 4, cases, env=TWO_NODES, timeout=400))
+
+
 def test_launcher_nodes(tmp_path):
     """`weft run`'s node flags: torchrun's multi-node command line, the checks, and simulated nodes on cpu."""
     import os

@@ -66,6 +66,10 @@ one per group (the op family's workspace), sized for SP_MAX_ENTRIES = batch * q_
 sequences (split kernel and merge kernel per pass). sp_flash_decode_merge_only runs the merge kernel
 alone on ready partials, to measure the cross-rank part (`weft bench attention --ops sp`).
 
+On a group that spans nodes the merge kernel cannot reach the other nodes' buffers: there each member merges its
+splits with flash_decode's merge kernel (fp32 out and lse), the partials go through the hierarchical all_gather
+and every member merges them in group-rank order (hierarchical.SpFlashDecode).
+
 Lengths and pages are data on the device: checking them on the host would cost a sync per call. The split
 kernel checks them as it reads them: a length outside [0, max_len] is clamped, a page outside [0, num_pages)
 is never dereferenced (its loads are masked), and either is recorded in the family's error word on this
@@ -88,6 +92,7 @@ import triton.language as tl
 import weft.language as wl
 
 from .. import tuning
+from . import hierarchical
 from .blocks import cast
 from ..runtime.world import is_initialized
 from .common import (ErrorWord, Launch, Plan, group_name, plan, resolve, signature, signature_words, signatures,
@@ -618,7 +623,9 @@ def sp_flash_decode(q: torch.Tensor, k_cache_shard: torch.Tensor, v_cache_shard:
     SP_MAX_ENTRIES words per rank (batch * q_heads * (head_dim + 1)), so a larger batch goes through in
     passes of sequences. A bad length or page is recorded on the device as flash_decode's are, and raised
     at the family's next call on this rank (after its launches, so that no peer is left waiting) and by
-    weft.check_errors().
+    weft.check_errors(). On a group that spans nodes the members' partials are gathered by the hierarchical
+    all_gather and merged by every member in group-rank order (hierarchical.SpFlashDecode; docs/nodes.md): the
+    same bits on every member, within the dtype's tolerance of the single-node op.
     """
     g = resolve(group)
     found = plan(g, lambda: _key("sp_flash_decode", q, k_cache_shard, v_cache_shard, seqlens_shard,
@@ -668,6 +675,10 @@ class SpFlashDecodePlan(Plan):
         self.q_heads, self.head_dim, self.max_len = q_heads, head_dim, max_len
         self.paged, self.passes = block_table is not None, []
         if batch * q_heads == 0:
+            return
+        if group.topology.spans_nodes:  # the partials gathered, then merged: hierarchical.SpFlashDecode
+            self.run = hierarchical.SpFlashDecode(group, q, k_cache, v_cache, seqlens, block_table, scale, max_len,
+                                                  page_size, _errors(group)).run
             return
         self.ctx = ctx = workspace(group, "sp_flash_decode", _SpContext)
         self.errors = _errors(group)

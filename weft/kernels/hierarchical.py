@@ -1,4 +1,5 @@
-"""The ops of a group that spans nodes: all_reduce, reduce_scatter, all_gather, ag_gemm and gemm_rs in two levels.
+"""The ops of a group that spans nodes, in two levels: all_reduce, reduce_scatter, all_gather, ag_gemm, gemm_rs,
+sp_flash_decode and the Ulysses all-to-all.
 
 A group whose members run on several nodes (weft.runtime.topology) reaches another node only through the
 network; inside a node its members keep NVLink. So each op splits into the node's own collective (weft's kernels
@@ -16,6 +17,10 @@ node:
   the node's ag_gemm of each other node's shards. Bit for bit the flat op's result.
 - gemm_rs (`GemmRS`): the node's overlapped gemm_rs of the rows destined to each node (the other nodes' first),
   the node sums exchanged over the rail beside the last one, summed in node order.
+- sp_flash_decode (`SpFlashDecode`): each member's partial (out, lse) gathered by the hierarchical all_gather,
+  merged by every member in group-rank order.
+- ulysses_all_to_all (`UlyssesAllToAll`): the node's all-to-all of the blocks bound to each rail, then the
+  rail's all-to-all of a node's blocks for each member. Bit for bit the flat op's result.
 
 The rail exchange: on the cpu backend `network_exchange_kernel`, which moves data with the network primitives
 only (`putmem_signal_block`, then a wait on its own flags), through a double-buffered workspace in the rail's
@@ -172,17 +177,20 @@ class Hierarchy:
         # Rail order is world order, which for a group is group-rank order.
         self.rails = [sorted(members[i] for members in topo.nodes) for i in range(self.local_size)]
         # Every member makes its node's group first, then its rail's: the same order on every rank. The node's
-        # heap holds five workspaces: the reduce and all_gather families', ag_gemm's and gemm_rs's two (receive
-        # and send).
-        self.node = _subgroup(group, [group.ranks[i] for i in mine], extra_families=5) if len(mine) > 1 else None
+        # heap holds six workspaces: the reduce and all_gather families', ag_gemm's and gemm_rs's two (receive
+        # and send), and the Ulysses family's (with its flags).
+        from .ulysses import flag_bytes
+        self.node = _subgroup(group, [group.ranks[i] for i in mine], extra_families=6,
+                              extra_bytes=flag_bytes(len(mine))) if len(mine) > 1 else None
         self.rail = _subgroup(group, [group.ranks[i] for i in self.rails[j]], extra_families=1)
         # The side stream the rail's NCCL calls of ag_gemm and gemm_rs run on, beside the node's kernels.
         self.streams = StreamSet(group.device, 1) if group.device.type == "cuda" else None
 
 
-def _subgroup(parent: Group, world_ranks: list[int], extra_families: int) -> Group:
+def _subgroup(parent: Group, world_ranks: list[int], extra_families: int, extra_bytes: int = 0) -> Group:
     """The Group of `world_ranks` for the hierarchical ops (made among those ranks only, once per world), with a
-    heap of `extra_families` workspaces, the heap's tail (the p2p workspace: weft/runtime/heap.py) and some room."""
+    heap of `extra_families` workspaces, `extra_bytes` (flags beyond them), the heap's tail (the p2p workspace:
+    weft/runtime/heap.py) and some room."""
     w = parent.world
     cache = w.__dict__.setdefault("hierarchy_groups", {})
     key = tuple(world_ranks)
@@ -190,7 +198,7 @@ def _subgroup(parent: Group, world_ranks: list[int], extra_families: int) -> Gro
     if found is None:
         pg = dist.new_group(list(key), use_local_synchronization=True)
         w.made_groups.append(pg)
-        heap_size = (extra_families + 1) * parent.workspace_bytes + (1 << 20)
+        heap_size = (extra_families + 1) * parent.workspace_bytes + extra_bytes + (1 << 20)
         found = cache[key] = Group(w, pg, key, heap_size, parent.workspace_bytes)
         w.groups[found.name] = found
     return found
@@ -434,6 +442,120 @@ class GemmRS:
             torch.matmul(a[lo:hi], b_shard, out=dst)
         else:
             gemm_rs.eager(a[lo:hi], b_shard, method="overlap", out=dst, config=self.config, group=self.h.node)
+
+
+class SpFlashDecode:
+    """sp_flash_decode over a spanning group: every member computes the partial (out, lse) of its KV slice as the
+    flat op does (the split kernel, then its splits merged: flash_decode's merge kernel, in fp32), the W
+    members' partials (batch * q_heads rows of head_dim + 1 fp32 words: small) are gathered by the group's
+    all_gather (hierarchical: the rail's exchange, then the node's kernels; bit for bit), and every member
+    merges them itself, in group-rank order: lse_max = max over members (an empty slice's lse is -inf and
+    weighs nothing), then acc += exp(lse_r - lse_max) out_r and l += exp(lse_r - lse_max) for r = 0, 1, ...,
+    W - 1 in fp32, out = acc / l rounded to q's dtype. The same code on the same gathered bits: every member
+    gets the same bits. Not the flat op's bits (its merge is one vector sum over ranks in its kernel): the same
+    attention within the dtype's tolerance. No passes (the all_gather goes through in its own), no workspace of
+    its own: the all_gather's (node) and the rail exchange's are the only symmetric memory it uses.
+
+    `run` is the plan's: a bad length or page an earlier call recorded is raised after this call's collective
+    part, as the flat op does (the peers wait for this member's partials)."""
+
+    def __init__(self, group: Group, q, k_cache, v_cache, seqlens, block_table, scale, max_len, page_size, errors):
+        from . import flash_decode as fd
+        from .common import Launch
+
+        self.group, self.errors = group, errors
+        batch, self.q_heads, self.head_dim = q.shape
+        self.rows, self.max_len, self.paged = batch * self.q_heads, max_len, block_table is not None
+        self.split, self.split_args, self.splits, self.split_len = fd._split_launch(
+            fd._prepare_q(q), k_cache, v_cache, seqlens, block_table, scale, max_len, page_size, errors, 1)
+        part_out, part_lse = fd._partial_buffers(self.rows, self.splits, self.head_dim, q.device)
+        local_out = torch.empty((self.rows, self.head_dim), dtype=torch.float32, device=q.device)
+        local_lse = torch.empty((self.rows,), dtype=torch.float32, device=q.device)
+        self.merge = Launch(fd.flash_decode_merge_kernel, (self.rows,),
+                            (part_out, part_lse, seqlens, local_out, local_lse, max_len, self.split_len, self.splits,
+                             self.q_heads),
+                            dict(D=self.head_dim, SPLIT_BLOCK=fd.SPLIT_BLOCK, RETURN_LSE=True), num_warps=4)
+
+    def run(self, q, k_cache, v_cache, seqlens, block_table):
+        from . import flash_decode as fd
+        from .all_gather import all_gather
+
+        q = fd._prepare_q(q)
+        recorded = self.errors.take()
+        rows, d, w = self.rows, self.head_dim, self.group.size
+        part_out, part_lse = fd._partial_buffers(rows, self.splits, d, q.device)
+        self.split(*self.split_args(q, k_cache, v_cache, seqlens, block_table if self.paged else seqlens, part_out,
+                                    part_lse))
+        local_out = torch.empty((rows, d), dtype=torch.float32, device=q.device)
+        local_lse = torch.empty((rows,), dtype=torch.float32, device=q.device)  # natural log
+        self.merge(part_out, part_lse, seqlens, local_out, local_lse, self.max_len, self.split_len, self.splits,
+                   self.q_heads)
+        parts = all_gather.eager(torch.cat([local_out, local_lse[:, None]], dim=1), group=self.group)
+        parts = parts.view(w, rows, d + 1)
+        lse = parts[:, :, d]
+        top = lse.amax(dim=0)
+        top = torch.where(top == float("-inf"), 0.0, top)  # every slice empty: all weights 0, out 0
+        acc = torch.zeros((rows, d), dtype=torch.float32, device=q.device)
+        total = torch.zeros((rows,), dtype=torch.float32, device=q.device)
+        for r in range(w):  # group-rank order, on every member
+            weight = torch.exp(lse[r] - top)
+            acc += weight[:, None] * parts[r, :, :d]
+            total += weight
+        out = (acc / torch.where(total > 0, total, 1.0)[:, None]).to(q.dtype).view(q.shape)
+        if recorded is not None:
+            raise recorded
+        return out
+
+
+class UlyssesAllToAll:
+    """ulysses_all_to_all over a spanning group, in two levels. Member (k, j) (node k, place j; a node's members
+    are consecutive group ranks) has one block of n = S * P rows for every member (k', j'), each row H / W *
+    head_dim elements. First the node's all-to-all (the flat op on the node's group: weft's kernels, NVLink):
+    member (k, j) sends its node's member j' every block destined to rail j' (the members (k', j') of every
+    node k'); then the rail's all-to-all (the network): member (k, j') sends rail member (k', j') the L blocks
+    its node holds for it, one message of L blocks per other node. Each member's bytes that must cross nodes,
+    (N - 1) / N of its data, go over its own rail (its NIC) in N - 1 messages rather than (N - 1) L: each NIC
+    carries 1/L of its node's traffic. The blocks are reordered around the exchanges so that both move contiguous
+    blocks (scatter="heads": one copy between the two; "seq": one before the node's and one after the rail's).
+    Pure data movement: bit for bit the flat op's result."""
+
+    def __init__(self, group: Group, h: Hierarchy, seq: int, packed: int, head_block: int, shape, scatter: str,
+                 method: str, dtype: torch.dtype):
+        self.group, self.h, self.shape, self.scatter, self.method, self.dtype = group, h, tuple(shape), scatter, \
+            method, dtype
+        self.n, self.row = seq * packed, head_block  # rows per block, elements per row
+        self.nodes = group.size // h.local_size
+        self.mine = group.topology.node_index[group.rank]  # my rail rank
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        from .ulysses import ulysses_all_to_all
+
+        h, n, row, nodes, mine = self.h, self.n, self.row, self.nodes, self.mine
+        local = h.local_size
+        x = x if x.is_contiguous() else x.contiguous()
+        out = torch.empty(self.shape, dtype=self.dtype, device=x.device)
+        if self.scatter == "heads":
+            # x (n, N, L, row): row s of the block for member (k', j'). The node's heads all-to-all over j' gives
+            # (L, n, N, row): row s of member (k, j)'s block for (k', me's place), from every node member j.
+            got = x.view(n * nodes, local, row) if h.node is None else \
+                ulysses_all_to_all.eager(x.view(n * nodes, local, row), "heads", method=self.method, group=h.node)
+            blocks = got.view(local, n, nodes, row).permute(2, 0, 1, 3).contiguous().view(nodes, -1)  # by node k'
+            # From rail member k: (L, n, row), the blocks of members (k, 0..L-1) for me: out (W, n, row) as is.
+            rows = out.view(nodes, -1)
+        else:
+            # x (N, L, n, row): the block for member (k', j') whole. Blocks by place j' first, then the node's
+            # seq all-to-all gives (N, n, L, row): for node k', row s of every node member j's block.
+            by_place = x.view(nodes, local, n, row).transpose(0, 1).contiguous()
+            got = by_place if h.node is None else \
+                ulysses_all_to_all.eager(by_place.view(local * nodes * n, 1, row), "seq", method=self.method,
+                                         group=h.node)
+            blocks = got.view(nodes, -1)
+            rows = torch.empty((nodes, n * local * row), dtype=self.dtype, device=x.device)
+        rows[mine] = blocks[mine]
+        _rail_all_to_all(h.rail, blocks, rows, mine)
+        if self.scatter == "seq":  # from rail member k: (n, L, row); out (n, N, L, row)
+            out.view(n, nodes, local, row).copy_(rows.view(nodes, n, local, row).transpose(0, 1))
+        return out
 
 
 # The sm_90 compile check (weft.testing.compile): the rail exchange is cpu-only for now, but must stay compilable

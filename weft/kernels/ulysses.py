@@ -25,6 +25,11 @@ slot cannot, and then "auto" takes method="nccl" (an explicit "push" raises).
 
 method="nccl" is torch.distributed.all_to_all_single with the permutes that make the blocks contiguous.
 
+On a group that spans nodes (weft.runtime.topology) "auto" and "push" take the hierarchical all-to-all
+(hierarchical.UlyssesAllToAll: this op on the node's group, then the rail's exchange over the network), bit for
+bit the flat op's result; "nccl" stays all_to_all_single. The fused projections take their unfused path there
+(torch.matmul and the hierarchical all-to-all): their kernels store into every member's buffer.
+
 qkv_all_to_all(x, w_qkv, heads): x (S, hidden) @ w_qkv (hidden, 3 H D) then the heads all-to-all, fused:
 a persistent GEMM whose output tiles (BLOCK_N columns dividing H / W * D, so every tile has one owner rank)
 are stored straight into the owner's receive buffer (W S, 3 H / W D) (half epoch % 2; for a pass of rows
@@ -63,7 +68,7 @@ import triton.language as tl
 import weft.language as wl
 
 from .. import tuning
-from . import gemm
+from . import gemm, hierarchical
 from .blocks import cast
 from .common import (Launch, Plan, check_method, check_tensor, group_name, group_size, nccl_from, plan, resolve,
                      signature, signature_words, signatures, workspace, zero_everywhere)
@@ -318,6 +323,11 @@ class UlyssesWorkspace:
         return self.data.view(dtype), self.half_bytes // dtype.itemsize
 
 
+def flag_bytes(size: int) -> int:
+    """The bytes of a UlyssesWorkspace's flags in a group of `size` (beyond its data: a heap's room for them)."""
+    return (MAX_PROGRAMS + MAX_TILES + MAX_ITEMS) * size * 4
+
+
 def _workspace(group) -> UlyssesWorkspace:
     return workspace(group, "ulysses", UlyssesWorkspace)
 
@@ -334,6 +344,8 @@ def ulysses_all_to_all(x: torch.Tensor, scatter: str = "heads", packed: bool = F
     packed=True x carries q, k and v: (S, 3, H, D) <-> (W S, 3, H / W, D). Any dtype and layout; bit-exact.
     method: "push" (through the family's workspace, in passes when large), "nccl" (all_to_all_single with
     permutes), "auto" (push, or nccl for large blocks on GPUs and where a single row exceeds a workspace slot).
+    On a group that spans nodes "push" and "auto" are the hierarchical all-to-all (the node's, with this
+    method, then the rail's over the network; docs/nodes.md), the same bits.
     """
     g = resolve(group)
     found = plan(g, lambda: ("ulysses_all_to_all", signature(x), scatter, bool(packed), method),
@@ -388,6 +400,13 @@ class AllToAllPlan(Plan):
         if nbytes == 0:
             self.run = self.run_empty
             return
+        if group.topology.spans_nodes:
+            h = hierarchical.hierarchy(group)
+            if method != "nccl" and h is not None:  # the node's all-to-all, then the rail's: hierarchical.py
+                self.run = hierarchical.UlyssesAllToAll(group, h, s, p, hl * d, self.shape, scatter, method,
+                                                        x.dtype).run
+                return
+            method = "nccl"  # nodes of unequal member counts: no rails
         ws = _workspace(group) if method != "nccl" else None
         slot_bytes = ws.half_bytes // w // 16 * 16 if ws else 0
         if method == "push" and row_bytes > slot_bytes:
@@ -499,6 +518,7 @@ def qkv_all_to_all(x: torch.Tensor, w_qkv: torch.Tensor, heads: int, method: str
     method: "fused" (output tiles pushed to their head owner as they are computed, in passes of as many
     rows as half the workspace holds; needs heads / W * D a multiple of 16), "unfused" (torch.matmul, then
     ulysses_all_to_all), "auto" (fused where it can take the call and is measured faster: ulysses.auto_fused).
+    On a group that spans nodes always the unfused path (the hierarchical all-to-all; "fused" raises).
     """
     g = resolve(group)
     # Strides are in the key: the kernel is specialised on them (a unit stride makes vector loads).
@@ -530,9 +550,13 @@ class QkvPlan(Plan):
         bn = next((b for b in (bn, 64, 32, 16) if b <= bn and lhd % b == 0), None)
         if method == "auto":
             method = "fused" if tuning.value("ulysses.auto_fused", group.device, w) else "unfused"
-        ws = _workspace(group) if method != "unfused" and s else None
+        spans = group.topology.spans_nodes
+        ws = _workspace(group) if method != "unfused" and s and not spans else None
         refusal, most = None, 0
-        if bn is None:
+        if spans:
+            refusal = "the group spans nodes (its kernel stores into every member's buffer; across nodes the op is " \
+                      "the matmul, then the hierarchical all-to-all)"
+        elif bn is None:
             refusal = f"heads / group size * head_dim = {lhd} is not a multiple of 16"
         elif ws:
             # Rows per pass: the pass's output, W rows x 3 lhd per rank = rows x n, within a half; whole row
@@ -590,6 +614,7 @@ def all_to_all_o_proj(attn: torch.Tensor, w_o: torch.Tensor, method: str = "auto
     method: "fused" (each arriving row block of head columns feeds the GEMM tiles that wait for it; in
     passes of as many tokens as half the workspace holds), "unfused" (ulysses_all_to_all, then
     torch.matmul), "auto" (fused where it can take the call and is measured faster: ulysses.auto_fused).
+    On a group that spans nodes always the unfused path (the hierarchical all-to-all; "fused" raises).
     """
     g = resolve(group)
     found = plan(g, lambda: ("all_to_all_o_proj", signature(attn), signature(w_o), w_o.stride(), method),
@@ -623,6 +648,11 @@ class OProjPlan(Plan):
         bm, bn, bk, warps = _gemm_blocks(group.device)
         if method == "auto":
             method = "fused" if tuning.value("ulysses.auto_fused", group.device, w) else "unfused"
+        if group.topology.spans_nodes:  # its kernel stores into every member's buffer: across nodes, unfused
+            if method == "fused":
+                raise ValueError("method='fused' cannot take this call: the group spans nodes (across nodes the op "
+                                 "is the hierarchical all-to-all, then the matmul: method='unfused' or 'auto')")
+            method = "unfused"
         ws = _workspace(group) if method != "unfused" and s * n * lhd else None
         gpu = group.device.type == "cuda"
         # Tokens per pass: the pass's received (rows, W lhd) within a half; whole row blocks where possible.
