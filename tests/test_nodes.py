@@ -314,16 +314,30 @@ def _attention_ops(cases):
             if spanning[g.name]:
                 with pytest.raises(ValueError, match="spans nodes"):
                     weft.ops.all_to_all_o_proj(mine_heads, w_o, method="fused", group=group)
+                with pytest.raises(ValueError, match="spans nodes"):
+                    weft.ops.qkv_all_to_all(xq[me], w_qkv, heads, method="fused", group=group)
 
-            # sp_flash_decode: member r holds the r-th slice of every sequence (lengths 0 allowed).
+            # sp_flash_decode: member r holds the r-th slice of every sequence (lengths 0 allowed), contiguous or
+            # paged.
             q_heads, kv_heads, d = 4, 2, 64
             lens = torch.randint(0, shard_len + 1, (size, batch), generator=gen, dtype=torch.int32)
             lens[0, 0] = 0  # an empty slice
             q = torch.randn((batch, q_heads, d), generator=gen).to(dtype)
             k = torch.randn((size, batch, shard_len, kv_heads, d), generator=gen).to(dtype)
             v = torch.randn((size, batch, shard_len, kv_heads, d), generator=gen).to(dtype)
-            with nan_allocations():
-                got = weft.ops.sp_flash_decode(q, k[me], v[me], lens[me], group=group)
+            if step % 2:  # a paged cache: pages of 4 positions in a shuffled pool
+                pps = -(-shard_len // 4)
+                pad = torch.zeros((batch, pps * 4 - shard_len, kv_heads, d), dtype=dtype)
+                order = torch.randperm(batch * pps, generator=gen)
+                table = order.view(batch, pps).to(torch.int32)
+                pool_k, pool_v = (torch.empty((batch * pps, 4, kv_heads, d), dtype=dtype) for _ in range(2))
+                pool_k[order] = torch.cat([k[me], pad], 1).reshape(batch * pps, 4, kv_heads, d)
+                pool_v[order] = torch.cat([v[me], pad], 1).reshape(batch * pps, 4, kv_heads, d)
+                with nan_allocations():
+                    got = weft.ops.sp_flash_decode(q, pool_k, pool_v, lens[me], block_table=table, group=group)
+            else:
+                with nan_allocations():
+                    got = weft.ops.sp_flash_decode(q, k[me], v[me], lens[me], group=group)
             # The reference: each sequence's slices concatenated in member order.
             total = lens.sum(0)
             kk = torch.zeros((batch, int(total.max()), kv_heads, d), dtype=dtype)

@@ -548,9 +548,10 @@ class QkvPlan(Plan):
         self.unfused_shape = (s, 3, heads, d)
         bm, bn, bk, warps = _gemm_blocks(group.device)
         bn = next((b for b in (bn, 64, 32, 16) if b <= bn and lhd % b == 0), None)
-        if method == "auto":
-            method = "fused" if tuning.value("ulysses.auto_fused", group.device, w) else "unfused"
         spans = group.topology.spans_nodes
+        if method == "auto":  # across nodes the unfused path: the kernel stores into every member's buffer
+            fused = tuning.value("ulysses.auto_fused", group.device, w) and not spans
+            method = "fused" if fused else "unfused"
         ws = _workspace(group) if method != "unfused" and s and not spans else None
         refusal, most = None, 0
         if spans:
@@ -646,13 +647,13 @@ class OProjPlan(Plan):
         self.s, self.n, self.w, self.lhd = s, n, w, lhd
         self.attn_contig = attn.is_contiguous()
         bm, bn, bk, warps = _gemm_blocks(group.device)
-        if method == "auto":
-            method = "fused" if tuning.value("ulysses.auto_fused", group.device, w) else "unfused"
         if group.topology.spans_nodes:  # its kernel stores into every member's buffer: across nodes, unfused
             if method == "fused":
                 raise ValueError("method='fused' cannot take this call: the group spans nodes (across nodes the op "
                                  "is the hierarchical all-to-all, then the matmul: method='unfused' or 'auto')")
             method = "unfused"
+        if method == "auto":
+            method = "fused" if tuning.value("ulysses.auto_fused", group.device, w) else "unfused"
         ws = _workspace(group) if method != "unfused" and s * n * lhd else None
         gpu = group.device.type == "cuda"
         # Tokens per pass: the pass's received (rows, W lhd) within a half; whole row blocks where possible.
