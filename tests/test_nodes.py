@@ -374,6 +374,14 @@ def test_attention_ops_on_two_nodes_of_two():
     assert all(run_ranks(_attention_ops, 4, cases, env=TWO_NODES, timeout=400))
 
 
+def test_attention_ops_on_three_nodes_of_two():
+    """The same on 3 nodes of 2: the world's node and rail axes of different lengths (a mix-up of the two in the
+    all-to-all's reordering would pass on 2 x 2)."""
+    import torch
+
+    assert all(run_ranks(_attention_ops, 6, [(3, 6, 5, torch.float32, 2, 7)], env=TWO_NODES, timeout=400))
+
+
 def test_launcher_nodes(tmp_path):
     """`weft run`'s node flags: torchrun's multi-node command line, the checks, and simulated nodes on cpu."""
     import os
