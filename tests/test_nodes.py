@@ -1,5 +1,5 @@
 """Nodes (weft/runtime/topology.py, the network primitives, the hierarchical collectives): 4 cpu ranks as 2
-simulated nodes of 2 (WEFT_LOCAL_WORLD_SIZE=2), and one slower case of 6 ranks as 3 nodes of 2. Across nodes
+simulated nodes of 2 (WEFT_LOCAL_WORLD_SIZE=2), and slower cases of 6 ranks as 3 nodes of 2. Across nodes
 only the network primitives work: a kernel's symm_at to another node's rank raises, so an op that cheats fails
 here."""
 import pytest
