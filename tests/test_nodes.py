@@ -85,6 +85,16 @@ def test_topology_and_network_primitives_on_two_nodes():
     assert all(run_ranks(_topology_and_language, 4, env=TWO_NODES, timeout=240))
 
 
+def _node_groups():
+    """(the world, the group across nodes of this rank's place on its node, the group of its node's members)."""
+    import weft
+
+    w = weft.world()
+    local = w.world_size // len(w.nodes)
+    across = [weft.new_group(range(j, w.world_size, local)) for j in range(local)]  # every rank makes every group
+    return w, next(g for g in across if g is not None), weft.new_subgroups(local)
+
+
 def _collectives(cases):
     """Every rank checks the three hierarchical collectives against the process group's own (gloo) on fresh
     inputs, outputs poisoned, over the world (spanning the nodes), a group across nodes and one inside a node."""
@@ -93,12 +103,7 @@ def _collectives(cases):
 
     import weft
 
-    w = weft.world()
-    wsize = w.world_size
-    local = wsize // len(w.nodes)
-    across = [weft.new_group(range(j, wsize, local)) for j in range(local)]
-    across = next(g for g in across if g is not None)
-    inside = weft.new_subgroups(local)
+    w, across, inside = _node_groups()
     assert across.topology.spans_nodes and not inside.topology.spans_nodes
     gen = torch.Generator().manual_seed(1000 + w.rank)
     heap_used = None
@@ -181,12 +186,7 @@ def _gemm_ops(cases):
 
     import weft
 
-    w = weft.world()
-    wsize = w.world_size
-    local = wsize // len(w.nodes)
-    across = [weft.new_group(range(j, wsize, local)) for j in range(local)]  # every rank makes every group
-    across = next(g for g in across if g is not None)
-    inside = weft.new_subgroups(local)
+    w, across, inside = _node_groups()
     spanning = {w.name: w.topology.spans_nodes, across.name: across.topology.spans_nodes}
     kept, heap_used = [], None
     for step, (m, k, n, dtype) in enumerate(cases):
@@ -264,12 +264,7 @@ def _attention_ops(cases):
 
     from test_flash_decode import TOL, reference
 
-    w = weft.world()
-    wsize = w.world_size
-    local = wsize // len(w.nodes)
-    across = [weft.new_group(range(j, wsize, local)) for j in range(local)]  # every rank makes every group
-    across = next(g for g in across if g is not None)
-    inside = weft.new_subgroups(local)
+    w, across, inside = _node_groups()
     spanning = {w.name: w.topology.spans_nodes, across.name: across.topology.spans_nodes,
                 inside.name: False}
     heap_used = None
