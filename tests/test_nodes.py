@@ -245,6 +245,7 @@ def test_gemm_ops_on_two_nodes_of_two():
         assert hier[rank] == flat[rank], rank
 
 
+@pytest.mark.long  # CI runs the 2 x 2 form and the collectives on 3 x 2
 def test_gemm_ops_on_three_nodes_of_two():
     import torch
 
@@ -369,6 +370,7 @@ def test_attention_ops_on_two_nodes_of_two():
     assert all(run_ranks(_attention_ops, 4, cases, env=TWO_NODES, timeout=400))
 
 
+@pytest.mark.long  # CI runs the 2 x 2 form and the collectives on 3 x 2
 def test_attention_ops_on_three_nodes_of_two():
     """The same on 3 nodes of 2: the world's node and rail axes of different lengths (a mix-up of the two in the
     all-to-all's reordering would pass on 2 x 2)."""
