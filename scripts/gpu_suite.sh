@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU script: correctness on 2 and all GPUs, then the benchmark suites (on all GPUs; reductions on
 # 2, 4, 8; overhead on 2 and all), results under $OUT.
-#   usage (GPU machine, repo root): bash scripts/gpu_suite.sh [all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e|decode|groups|p2p ...]
+#   usage (GPU machine, repo root): bash scripts/gpu_suite.sh [all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e|decode|groups|nodes|p2p ...]
 #     all (default): everything (on 8 GPUs longer than one 10-minute run: run the parts in turn)
 #     quick: GPU tests on 2 and all GPUs, tutorials;  reductions: allgather, allreduce, reducescatter to
 #     256 MiB, CUDA-graph and eager views;  gemm: the overlapped-GEMM suite;  overhead: host and eager µs
@@ -27,9 +27,11 @@
 #     and scripts/profile_decode.py (each kernel's GPU µs per replayed step and its bytes' share of the copy
 #     bandwidth) at b1 ctx 512 on both decode paths;
 #     groups: tests/test_gpu_groups.py on 1 and all GPUs, examples/train_tp_dp.py, overhead rows with group=
-#     p2p: tests/test_gpu_p2p.py on 2 GPUs on the default route and with WEFT_P2P_KERNEL=1, `weft bench p2p` on 2
-#     (send/recv 4 KiB..256 MiB: weft's kernel, weft via the process group, NCCL; M2N 128 x 7168 beside
-#     all_to_all_single and the NVLink bound), examples/disaggregated_moe.py and `weft bench disagg` on 4 GPUs
+#     nodes: tests/test_gpu_nodes.py over simulated nodes (2 nodes of 1; on 4+ GPUs all GPUs as 2 nodes of N/2 and
+#     as N nodes of 1): the hierarchical collectives, ag_gemm and gemm_rs against NCCL;
+#     p2p: tests/test_gpu_p2p.py on 2 GPUs on the default route and with WEFT_P2P_KERNEL=1, `weft bench p2p` on
+#     all GPUs (send/recv 4 KiB..256 MiB between ranks 0 and 1: weft's kernel, weft via the process group, NCCL;
+#     M2N 128 x 7168 from the first half of the ranks to the rest, beside all_to_all_single and the NVLink bound), examples/disaggregated_moe.py and `weft bench disagg` on 4 GPUs
 #     (2 + 2), else on 2 (1 + 1)
 # WEFT_COMMIT names the commit in the log where the tree was copied without its git history.
 # Logs and bench JSON/markdown/PNG end up packed in $OUT/weft_results.tar.gz (*.log, bench/).
@@ -55,8 +57,8 @@ step() {  # step NAME CMD...: run, log, remember failure
 }
 PARTS=" ${*:-all} "
 for part in $PARTS; do
-  case "$part" in all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e|decode|groups|p2p) ;;
-    *) echo "usage: $0 [all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e|decode|groups|p2p ...]" >&2; exit 2 ;; esac
+  case "$part" in all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e|decode|groups|nodes|p2p) ;;
+    *) echo "usage: $0 [all|quick|reductions|gemm|overhead|attention|tpmlp|moe|grouped|tune|e2e|decode|groups|nodes|p2p ...]" >&2; exit 2 ;; esac
 done
 has() { [[ "$PARTS" == *" $1 "* || "$PARTS" == *" all "* ]]; }
 if has quick; then
@@ -151,10 +153,18 @@ if has groups; then
       --ops all_reduce,all_gather,reduce_scatter,broadcast,device_barrier,gemm_ar --samples 15 --out "$OUT/bench"
   done
 fi
+if has nodes && [ "$NGPU" -ge 2 ]; then
+  for layout in $(printf '%s\n' 2:1 "$NGPU:$((NGPU / 2))" "$NGPU:1" | awk '!seen[$0]++'); do
+    n=${layout%:*} local=${layout#*:}
+    [ "$n" -ge 2 ] && [ "$local" -lt "$n" ] || continue
+    step "gpu_nodes_${n}_local_$local" timeout 240 python3 -m weft run -n "$n" --local-world-size "$local" \
+      -m pytest tests/test_gpu_nodes.py -m gpu -q -x -p no:cacheprovider
+  done
+fi
 if has p2p && [ "$NGPU" -ge 2 ]; then
   step gpu_p2p_tests_2 timeout 200 python3 -m weft run -n 2 -m pytest tests/test_gpu_p2p.py -m gpu -q -x -p no:cacheprovider
   step gpu_p2p_kernel_tests_2 timeout 200 env WEFT_P2P_KERNEL=1 python3 -m weft run -n 2 -m pytest tests/test_gpu_p2p.py -m gpu -q -x -p no:cacheprovider
-  step bench_p2p_2 timeout 400 python3 -m weft bench -n 2 p2p --samples 20 --out "$OUT/bench"
+  step "bench_p2p_$NGPU" timeout 400 python3 -m weft bench -n "$NGPU" p2p --samples 20 --out "$OUT/bench"
   disagg=$([ "$NGPU" -ge 4 ] && echo 4 || echo 2)
   step "disaggregated_moe_$disagg" timeout 300 python3 -m weft run -n "$disagg" examples/disaggregated_moe.py
   step "bench_disagg_$disagg" timeout 400 python3 -m weft bench -n "$disagg" disagg --out "$OUT/bench"
