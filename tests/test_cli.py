@@ -316,7 +316,7 @@ def test_bench_disagg_suite(tmp_path):
     cpu ranks at the tiny config: a decode-step row for each, and the timeline of one decode step (both sides'
     spans, every layer of every micro-batch)."""
     res = weft_cmd("bench", "-n", "4", "disagg", "--out", str(tmp_path), "--model", "tiny", "--layers", "1",
-                   "--batches", "4", "--context", "3", "--new-tokens", "1", "--samples", "1", timeout=600)
+                   "--batches", "4", "--context", "3", "--new-tokens", "2", "--samples", "1", timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = json.loads((tmp_path / "disagg_4.json").read_text())["rows"]
     case = "tiny (1 layers) decode b4 ctx3"

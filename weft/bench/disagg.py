@@ -2,8 +2,8 @@
 micro-batches in ping-pong) against the same model served at the same rank count with every rank doing both:
 data-parallel attention and EP experts on weft's EPMoE (ep_dispatch_ll / grouped GEMM / ep_combine_ll).
 
-Per case (batch B over the world, prompt of --context tokens): the decode step latency, from two timed generations
-((n + 1) tokens and 1 token: prefill alone; the step is their difference over n), and the decode throughput per GPU
+Per case (batch B over the world, prompt of --context tokens): the decode step latency, the period between
+consecutive decode steps' starts within a generation of n + 1 tokens (`_decode_step_ms`), and the decode throughput per GPU
 (B tokens per step over W ranks). Both run eagerly (no CUDA graphs), greedy, random weights. Medians of the slowest
 rank (weft.bench.timing). Then a timeline of one generation's last decode step: each rank's compute spans (attention
 of micro-batch i, layer l; the experts of micro-batch i, layer l) as bars, one row per rank, from CUDA events on
@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -27,7 +28,6 @@ import weft
 from weft.models import disaggregated
 
 from .report import Row
-from .timing import time_calls
 
 SUITE = "disagg"
 BASELINE = "EP (DP attention + EPMoE)"
@@ -89,6 +89,26 @@ class Timeline:
         return [(s, w, l, i, ms(a), ms(b)) for s, w, l, i, a, b in self.spans]
 
 
+def _decode_step_ms(model, ids, n: int, k: int, timeline: Timeline, samples: int) -> float:
+    """The decode step's period: on each attention (or colocated) rank, the time between the starts of consecutive
+    decode steps' first attention span (layer 0, micro-batch 0) in a generation of n + 1 tokens, its median over the
+    steps; the median over `samples` generations of the slowest rank's. (Subtracting a 1-token generation from an
+    (n + 1)-token one left the steps inside the prefill's noise at large batches.)"""
+    w = weft.world()
+    model.generate(ids, 2, micro_batches=k)  # warm-up
+    per_sample = []
+    for _ in range(samples):
+        weft.barrier()
+        timeline.start()
+        model.generate(ids, n + 1, micro_batches=k, timeline=timeline)
+        starts = [s[4] for s in timeline.resolved() if s[:4] == ("attention", "decode", 0, 0)]
+        mine = statistics.median(b - a for a, b in zip(starts, starts[1:])) if len(starts) > 1 else None
+        every = [None] * w.world_size
+        dist.all_gather_object(every, mine, group=w.process_group)
+        per_sample.append(max(t for t in every if t is not None))
+    return statistics.median(per_sample)
+
+
 def _config(args):
     from transformers import Qwen3MoeConfig
 
@@ -132,6 +152,8 @@ def run(args) -> list[Row]:
         models[f"weft disaggregated {attention}+{world - attention} k={k}"] = (
             disaggregated.from_hf(cfg, attention_ranks=range(attention)), k)
     rows, n = [], args.new_tokens
+    if n < 2:
+        raise ValueError(f"disagg: --new-tokens must be at least 2 (two decode steps make a period), got {n}")
     timeline = Timeline(w.device)
     for batch in _ints(args.batches):
         ids = torch.randint(0, cfg.vocab_size, (batch, args.context), generator=torch.Generator().manual_seed(batch))
@@ -144,13 +166,8 @@ def run(args) -> list[Row]:
             agree = (got == first).float().mean().item()
             if w.rank == 0 and agree < 1:
                 print(f"note: {name}'s tokens agree with {BASELINE}'s on {agree:.0%}", flush=True)
-        fns = {}
         for name, (m, k) in usable.items():
-            fns[f"{name}|full"] = lambda m=m, k=k: m.generate(ids, n + 1, micro_batches=k)
-            fns[f"{name}|prefill"] = lambda m=m, k=k: m.generate(ids, 1, micro_batches=k)
-        ms = time_calls(fns, calls=1, samples=args.samples, warmup=1)
-        for name in usable:
-            step = max((ms[f"{name}|full"] - ms[f"{name}|prefill"]) / n, 1e-9)
+            step = _decode_step_ms(m, ids, n, k, timeline, args.samples)
             per_gpu = batch / (step / 1e3) / world
             rows.append(Row(SUITE, case, name, step, per_gpu, batch, world))
             if w.rank == 0:

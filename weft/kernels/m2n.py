@@ -170,7 +170,11 @@ def m2n_dispatch_kernel(x, dest, routes, recv, counts, buf, seg_counts, flags, a
                 valid = (raw >= 0) & (raw < N)
                 d = tl.where(valid, raw, -1).to(tl.int32)
                 hit = (d[:, None] == nn[None, :]).to(tl.int32)  # (entry j, receiver): the row's entries
-                pos = tl.sum(hit * (tl.cumsum(hit, axis=0) - hit + before[None, :]), axis=1)
+                # Entries i < j of the row naming the same receiver, by a triangular sum: tl.cumsum over the
+                # (1, 2) tile of top-1 over 2 receivers failed an assertion of Triton 3.6's scan lowering on H200.
+                earlier = (jj[None, :] < jj[:, None]).to(tl.int32)  # (j, i): i comes before j
+                ahead = tl.sum(earlier[:, :, None] * hit[None, :, :], axis=1)  # (j, receiver)
+                pos = tl.sum(hit * (ahead + before[None, :]), axis=1)
                 before += tl.sum(hit, axis=0)
                 if p % CHUNKS == 0:
                     tl.store(routes + t * K + jj, tl.where(valid, d * max_rows + pos, -1), mask=jj < K)
@@ -518,8 +522,9 @@ COMPILE_CASES = [
                                err="*i64", heap="*i64", sig="*i64", sig_err="*i64", fp="i32", tokens="i32",
                                hidden="i32", max_rows="i32", half_elems="i32", senders=("i32",) * 2,
                                receivers=("i32",) * 2),
-     dict(_SIDES, SENDER=sender, LANES=18, BLOCK_T=32, BLOCK_K=8, BLOCK_N=2), dict(num_warps=8))
+     dict(_SIDES, SENDER=sender, K=k, LANES=18, BLOCK_T=32, BLOCK_K=k, BLOCK_N=2), dict(num_warps=8))
     for sender in (True, False) for dt in (("*i64", "*i32") if sender else ("*i64",))
+    for k in ((1, 8) if sender else (8,))  # top-1 over 2 receivers: a (1, 2) routing tile
 ] + [
     (m2n_combine_kernel, dict(y="*bf16", weights="*fp32", routes="*i32", counts="*i32", out="*bf16", buf="*bf16",
                               flags="*i64", acks="*i64", counter="*i64", done="*i64", heap="*i64", sig="*i64",
