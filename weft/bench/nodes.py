@@ -53,7 +53,8 @@ GEMM_TOLERANCE = 2e-2  # relative (Frobenius) error against the process group's 
 def add_arguments(p) -> None:
     p.add_argument("--local-sizes", default="",
                    help="ranks per simulated node of each layout, comma-separated (default: N, N/2, 1 that divide N)")
-    p.add_argument("--ops", default=",".join(COLLECTIVES + GEMM_OPS), help="comma-separated subset of these")
+    p.add_argument("--ops", default=",".join(COLLECTIVES + GEMM_OPS),
+                   help=f"comma-separated subset of {', '.join(COLLECTIVES + GEMM_OPS)} (default: all)")
     p.add_argument("--min-bytes", type=int, default=64 << 10, help="smallest collective size")
     p.add_argument("--max-bytes", type=int, default=64 << 20, help="largest collective size (x4 steps)")
     p.add_argument("--gemm-shapes", default="1024x8192x4096,4096x4096x8192",
@@ -81,7 +82,7 @@ def layouts(args, world_size: int) -> list[int]:
         except ValueError:
             raise ValueError(f"--local-sizes must be integers, comma-separated, got {args.local_sizes!r}") from None
     else:
-        sizes = [s for s in (machine, machine // 2, 1) if s >= 1]
+        sizes = [s for s in (machine, machine // 2, 1) if s >= 1 and machine % s == 0]
     bad = [s for s in sizes if s < 1 or machine % s]
     if bad:
         raise ValueError(f"--local-sizes: {bad} do not divide the {machine} ranks of this machine")
@@ -314,8 +315,9 @@ def meta(args) -> dict:
                              for s in layouts(args, w.world_size)),
         "rows": "weft A×B: the op on A simulated nodes of B ranks (hierarchical: the node's kernels, the rail's "
                 + ("NCCL" if w.device.type == "cuda" else "simulated network") + " between nodes); single node: the "
-                "op on one node; collectives method auto, ag_gemm / gemm_rs method overlap; an impl marked (eager) "
-                "could not be captured in a CUDA graph",
+                "op on one node; collectives method auto (weft's choice per size, NCCL where the tuning table says "
+                "so, inside a node as on one), ag_gemm / gemm_rs method overlap; an impl marked (eager) could not be "
+                "captured in a CUDA graph",
         "model": f"weft/bench/model.py; links between nodes: {net.name}: {net.gbps:g} GB/s per direction at "
                  f"{net.efficiency:.0%}, {net.step_us:g} µs per rail step, NCCL's {net.nccl_steps} step latencies; "
                  f"NVLink inside a node {model.NVLINK_GBPS:g} GB/s at {model.NVLINK_EFFICIENCY:.0%}, "
