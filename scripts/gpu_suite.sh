@@ -162,7 +162,8 @@ if has nodes && [ "$NGPU" -ge 2 ]; then
     step "gpu_nodes_${n}_local_$local" timeout 240 python3 -m weft run -n "$n" --local-world-size "$local" \
       -m pytest tests/test_gpu_nodes.py -m gpu -q -x -p no:cacheprovider
   done
-  step "bench_nodes_$NGPU" timeout 300 python3 -m weft bench -n "$NGPU" nodes --out "$OUT/bench"
+  # Three worlds in one run (one per layout), each compiling and making its heaps: more than a one-world suite.
+  step "bench_nodes_$NGPU" timeout 400 python3 -m weft bench -n "$NGPU" nodes --out "$OUT/bench"
 fi
 if has p2p && [ "$NGPU" -ge 2 ]; then
   step gpu_p2p_tests_2 timeout 200 python3 -m weft run -n 2 -m pytest tests/test_gpu_p2p.py -m gpu -q -x -p no:cacheprovider
