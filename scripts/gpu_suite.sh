@@ -28,7 +28,9 @@
 #     bandwidth) at b1 ctx 512 on both decode paths;
 #     groups: tests/test_gpu_groups.py on 1 and all GPUs, examples/train_tp_dp.py, overhead rows with group=
 #     nodes: tests/test_gpu_nodes.py over simulated nodes (2 nodes of 1; on 4+ GPUs all GPUs as 2 nodes of N/2 and
-#     as N nodes of 1): the hierarchical collectives, ag_gemm and gemm_rs against NCCL;
+#     as N nodes of 1): the hierarchical collectives, ag_gemm, gemm_rs, sp_flash_decode and the Ulysses all-to-all
+#     against NCCL / torch, 1000 calls of each; `weft bench nodes` on all GPUs (each op at N nodes of 1, 2 of N/2
+#     and one of N, beside NCCL and the cost model's prediction, in one report);
 #     p2p: tests/test_gpu_p2p.py on 2 GPUs on the default route and with WEFT_P2P_KERNEL=1, `weft bench p2p` on
 #     all GPUs (send/recv 4 KiB..256 MiB between ranks 0 and 1: weft's kernel, weft via the process group, NCCL;
 #     M2N 128 x 7168 from the first half of the ranks to the rest, beside all_to_all_single and the NVLink bound), examples/disaggregated_moe.py and `weft bench disagg` on 4 GPUs
@@ -160,6 +162,8 @@ if has nodes && [ "$NGPU" -ge 2 ]; then
     step "gpu_nodes_${n}_local_$local" timeout 240 python3 -m weft run -n "$n" --local-world-size "$local" \
       -m pytest tests/test_gpu_nodes.py -m gpu -q -x -p no:cacheprovider
   done
+  # Three worlds in one run (one per layout), each compiling and making its heaps: more than a one-world suite.
+  step "bench_nodes_$NGPU" timeout 400 python3 -m weft bench -n "$NGPU" nodes --out "$OUT/bench"
 fi
 if has p2p && [ "$NGPU" -ge 2 ]; then
   step gpu_p2p_tests_2 timeout 200 python3 -m weft run -n 2 -m pytest tests/test_gpu_p2p.py -m gpu -q -x -p no:cacheprovider

@@ -330,3 +330,32 @@ def test_bench_disagg_suite(tmp_path):
         assert sorted((s[0], s[2], s[3]) for s in spans) == [(side, 0, 0), (side, 0, 1)], (rank, spans)
         assert all(0 <= s[4] <= s[5] for s in spans)
     assert (tmp_path / "disagg_4_timeline_b4_k2.png").stat().st_size > 1000
+
+
+@pytest.mark.long  # 60 s here; tests/test_nodes.py checks the ops across nodes in CI
+def test_bench_nodes_suite(tmp_path):
+    """`weft bench -n 4 nodes` at one tiny size and GEMM shape: every op at each layout (4 nodes of 1, 2 of 2, one
+    of 4, each a world of its own in the same ranks), the process group's own once, the model's prediction of each,
+    in one report."""
+    res = weft_cmd("bench", "-n", "4", "nodes", "--out", str(tmp_path), "--min-bytes", "4096", "--max-bytes", "4096",
+                   "--gemm-shapes", "8x16x16", "--samples", "1", "--view", "eager", timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = json.loads((tmp_path / "nodes_4.json").read_text())
+    cases = ["all_reduce 4 KiB", "all_gather 4 KiB", "reduce_scatter 4 KiB",
+             "ag_gemm 8×16×16 per rank (gloo: all_gather, then torch.matmul)",
+             "gemm_rs 8×16×16 per rank (gloo: torch.matmul, then reduce_scatter)"]
+    measured = ["weft 4×1", "weft 2×2", "single node 1×4", "gloo"]
+    predicted = ["model weft 4×1", "model weft 2×2", "model single node 1×4", "model gloo ring"]
+    rows = out["rows"]
+    assert [(r["case"], r["impl"]) for r in rows] == [(c, i) for c in cases for i in measured + predicted]
+    assert all(r["ms"] > 0 and r["view"] == "eager" and r["world_size"] == 4 for r in rows)
+    assert all(r["gbps"] > 0 for r in rows if r["impl"] in measured and "gemm" not in r["case"])
+    # The model's prediction follows the layout: more nodes of fewer ranks cost more NVLink-simulated network steps.
+    model = {(r["case"], r["impl"]): r["ms"] for r in rows if r["impl"] in predicted}
+    assert model[(cases[0], "model weft 2×2")] > model[(cases[0], "model single node 1×4")]
+    assert "NVLink (simulated nodes" in out["meta"]["model"]
+    assert out["meta"]["layouts"].startswith("single node 1×4 (1 node of 4), weft 2×2 (2 nodes of 2)")
+    table = (tmp_path / "nodes_4.md").read_text()
+    assert "best weft vs gloo" in table and "best weft vs best single node" in table
+    assert "| reduce_scatter 4 KiB |" in table and "links between nodes: NVLink" in table
+    assert (tmp_path / "nodes_4.png").stat().st_size > 1000

@@ -441,3 +441,15 @@ def test_cost_model():
         model.gemm_cost("gemm_ar", m, k, n, c)
     tables = model.tables()
     assert "| all_reduce | 1 GiB |" in tables and "| ag_gemm | 16384×8192×1792 |" in tables
+    # The links between nodes: InfiniBand by default; simulated nodes cross by NCCL over NVLink (weft bench nodes).
+    assert c.links is model.IB_LINKS
+    sim = model.Cluster(2, 2, model.SIMULATED_LINKS)
+    size = 64 << 20
+    ag = model.weft_cost("all_gather", size, sim)
+    nvlink_bytes_per_us = model.NVLINK_GBPS * model.NVLINK_EFFICIENCY * 1e3
+    assert ag.ib_bytes == size / 4  # (N - 1) / N of 1/L, N = L = 2
+    assert ag.us == pytest.approx(model.NVLINK_PHASE_US + model.SIMULATED_LINKS.step_us +
+                                  (ag.nvlink_bytes + ag.ib_bytes) / nvlink_bytes_per_us)
+    assert ag.us < model.weft_cost("all_gather", size, model.Cluster(2, 2)).us  # NVLink is faster than one NIC
+    assert model.gemm_cost("gemm_rs", 8192, 4096, 8192, sim).us < model.gemm_cost("gemm_rs", 8192, 4096, 8192,
+                                                                                  model.Cluster(2, 2)).us

@@ -11,7 +11,8 @@ SUITES = {"allgather": "weft.bench.allgather", "matmul": "weft.bench.matmul", "g
           "allreduce": "weft.bench.allreduce", "reducescatter": "weft.bench.reducescatter",
           "overhead": "weft.bench.overhead", "attention": "weft.bench.attention",
           "ulysses": "weft.bench.ulysses", "tpmlp": "weft.bench.tpmlp", "moe": "weft.bench.moe",
-          "e2e": "weft.bench.e2e", "disagg": "weft.bench.disagg", "p2p": "weft.bench.p2p"}
+          "e2e": "weft.bench.e2e", "disagg": "weft.bench.disagg", "p2p": "weft.bench.p2p",
+          "nodes": "weft.bench.nodes"}
 # The symmetric heap per rank on GPUs unless WEFT_HEAP_SIZE is set: op workspaces are cached per size and
 # never freed, so a sweep to 512 MiB needs ~1 GiB of them per op (weft's default heap is 2 GiB).
 BENCH_HEAP_SIZE = "24GiB"
@@ -80,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(suite, "WORKSPACE_BYTES"):  # a suite whose messages need larger op workspaces
             os.environ.setdefault("WEFT_WORKSPACE_BYTES", suite.WORKSPACE_BYTES)
     weft.init()
-    w = weft.world()
     rows = suite.run(args)
+    w = weft.world()  # the suite's last world: `weft bench nodes` starts one per simulated-node layout
     # What the whole run needed of the symmetric heap (op workspaces and the suite's weft.empty tensors).
     heap_used = [None] * w.world_size
     torch.distributed.all_gather_object(heap_used, w.heap.used, group=w.group)
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"command": " ".join(["weft bench -n", str(w.world_size), name, *rest]),
                 "torch": torch.__version__,
                 "heap_used_bytes": heap_used, "heap_bytes": w.heap.size}  # per rank
+        meta.update(suite.meta(args) if hasattr(suite, "meta") else {})  # what the suite's report says of itself
         table = write(rows, args.out, f"{name}_{w.world_size}", title, baseline,
                       rival=getattr(suite, "RIVAL", None), bandwidth=getattr(suite, "BANDWIDTH", ALGBW),
                       focus=getattr(suite, "FOCUS", None), meta=meta)

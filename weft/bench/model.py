@@ -2,8 +2,10 @@
 weft's hierarchical ops (weft/kernels/hierarchical.py) beside NCCL's ring and tree; and of ag_gemm and gemm_rs
 across nodes (`gemm_cost`) beside NCCL's ring collective and the GEMM in turn.
 
-Links: each GPU's NVLink (per direction) inside a node, and each GPU's own InfiniBand NIC (rail-optimised nodes:
-8 × 400 Gb/s per node of 8). A phase costs its latency plus its bytes over the link's effective bandwidth. The
+Links: each GPU's NVLink (per direction) inside a node, and between nodes each GPU's own link of `Cluster.links`:
+by default its InfiniBand NIC (`IB_LINKS`, rail-optimised nodes: 8 × 400 Gb/s per node of 8); simulated nodes on
+one machine (`weft run --local-world-size`) cross "nodes" by NCCL over NVLink instead (`SIMULATED_LINKS`, what
+`weft bench nodes` predicts with). A phase costs its latency plus its bytes over the link's effective bandwidth. The
 phases of weft's ops run one after another as implemented (`us`: no pipelining between the node's kernels and
 the network yet); `pipelined_us` is the same bytes with the NVLink and network phases overlapped chunk by chunk,
 as NCCL's ring streams them. Times in µs, sizes in bytes.
@@ -48,10 +50,31 @@ GEMM_OPS = ("ag_gemm", "gemm_rs")
 
 
 @dataclass(frozen=True)
+class Links:
+    """Each GPU's link between nodes: `gbps` per direction at `efficiency`, `step_us` per step of weft's rail
+    exchange, and which of NCCL's step latencies its ring pays per step between nodes (`nccl_steps`: "net" or
+    "nvlink", keys of NCCL_STEP_US's)."""
+    name: str
+    gbps: float
+    efficiency: float
+    step_us: float
+    nccl_steps: str = "net"
+
+
+IB_LINKS = Links("InfiniBand, one 400 Gb/s NIC per GPU", IB_GBPS, IB_EFFICIENCY, NET_STEP_US)
+# Simulated nodes: the rail is NCCL over NVLink. weft's own NVLink efficiency (as inside a node) and NCCL's tuning
+# model's ring step on NVLink with the Simple protocol (its step latency between NVLink peers) per rail step.
+SIMULATED_LINKS = Links("NVLink (simulated nodes: NCCL on the rail between GPUs of one machine)", NVLINK_GBPS,
+                        NVLINK_EFFICIENCY, NCCL_STEP_US["ring"]["nvlink"][2], "nvlink")
+
+
+@dataclass(frozen=True)
 class Cluster:
-    """`nodes` machines of `gpus` GPUs (one NIC each)."""
+    """`nodes` machines of `gpus` GPUs, each GPU with its own link between nodes (`links`: one NIC each by
+    default)."""
     nodes: int
     gpus: int
+    links: Links = IB_LINKS
 
     @property
     def world(self) -> int:
@@ -62,8 +85,8 @@ def _nvlink_us(nbytes: float) -> float:
     return nbytes / (NVLINK_GBPS * NVLINK_EFFICIENCY * 1e3)
 
 
-def _ib_us(nbytes: float) -> float:
-    return nbytes / (IB_GBPS * IB_EFFICIENCY * 1e3)
+def _net_us(nbytes: float, links: Links) -> float:
+    return nbytes / (links.gbps * links.efficiency * 1e3)
 
 
 @dataclass(frozen=True)
@@ -92,8 +115,9 @@ def weft_cost(op: str, size: int, c: Cluster) -> Cost:
     else:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     net_steps = (2 if op == "all_reduce" else 1) if n > 1 else 0
-    latency = phases * NVLINK_PHASE_US + net_steps * NET_STEP_US
-    return Cost(intra, net, latency + _nvlink_us(intra) + _ib_us(net), latency + max(_nvlink_us(intra), _ib_us(net)))
+    latency = phases * NVLINK_PHASE_US + net_steps * c.links.step_us
+    net_us = _net_us(net, c.links)
+    return Cost(intra, net, latency + _nvlink_us(intra) + net_us, latency + max(_nvlink_us(intra), net_us))
 
 
 def nccl_ring_cost(op: str, size: int, c: Cluster) -> Cost:
@@ -109,8 +133,9 @@ def nccl_ring_cost(op: str, size: int, c: Cluster) -> Cost:
     best = math.inf
     for p in range(len(NCCL_PROTOCOLS)):
         step = NCCL_STEP_US["ring"]
-        latency = NCCL_BASE_US["ring"][p] + (steps - net_steps) * step["nvlink"][p] + net_steps * step["net"][p]
-        best = min(best, latency + max(_nvlink_us(per_gpu), _ib_us(net)) / NCCL_PAYLOAD[p])
+        latency = NCCL_BASE_US["ring"][p] + (steps - net_steps) * step["nvlink"][p] + \
+            net_steps * step[c.links.nccl_steps][p]
+        best = min(best, latency + max(_nvlink_us(per_gpu), _net_us(net, c.links)) / NCCL_PAYLOAD[p])
     return Cost(per_gpu, net, best)
 
 
@@ -122,8 +147,9 @@ def nccl_tree_cost(size: int, c: Cluster) -> Cost:
     best = math.inf
     for p in range(len(NCCL_PROTOCOLS)):
         step = NCCL_STEP_US["tree"]
-        latency = NCCL_BASE_US["tree"][p] + 2 * ((c.gpus - 1) * step["nvlink"][p] + levels * step["net"][p])
-        best = min(best, latency + max(_nvlink_us(2 * size), _ib_us(2 * net)) / NCCL_PAYLOAD[p])
+        latency = NCCL_BASE_US["tree"][p] + 2 * ((c.gpus - 1) * step["nvlink"][p] +
+                                                 levels * step[c.links.nccl_steps][p])
+        best = min(best, latency + max(_nvlink_us(2 * size), _net_us(2 * net, c.links)) / NCCL_PAYLOAD[p])
     return Cost(2 * size, net, best)
 
 
@@ -156,7 +182,7 @@ def gemm_cost(op: str, m: int, k: int, n: int, c: Cluster, element_bytes: int = 
     moved = (m * k if op == "ag_gemm" else m * n) * element_bytes  # the gathered A, or the partial products
     collective = weft_cost("all_gather" if op == "ag_gemm" else "reduce_scatter", moved, c)
     block = max(gemm_us, _nvlink_us(collective.nvlink_bytes)) / nodes + (NVLINK_PHASE_US if gpus > 1 else 0.0)
-    net = NET_STEP_US + _ib_us(collective.ib_bytes) if nodes > 1 else 0.0
+    net = c.links.step_us + _net_us(collective.ib_bytes, c.links) if nodes > 1 else 0.0
     us = max(block, net) + (nodes - 1) * block
     ring = nccl_ring_cost("all_gather" if op == "ag_gemm" else "reduce_scatter", moved, c)
     return GemmCost(collective.nvlink_bytes, collective.ib_bytes, gemm_us, us, ring.us + gemm_us)

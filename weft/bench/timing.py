@@ -36,6 +36,15 @@ def _every_rank(values: list[float]) -> list[list[float]]:
     return torch.stack(parts, dim=1).tolist()
 
 
+def _device_line_up(w):
+    """A call that holds every rank's stream until all ranks' streams reach it: weft's device barrier, or, on a
+    world that spans nodes (whose kernels reach this node's ranks only), NCCL's all_reduce of one word."""
+    if not w.topology.spans_nodes:
+        return weft.ops.device_barrier
+    word = torch.zeros(1, dtype=torch.int32, device=w.device)
+    return lambda: dist.all_reduce(word, group=w.group)
+
+
 # Calls of a fn on the capture's side stream before it is captured: torch's recipe for capturing a backward.
 GRAPH_WARMUPS = 3
 
@@ -88,12 +97,13 @@ def time_calls(fns: dict, *, calls: int = 10, samples: int = 50, warmup: int = 5
     weft.barrier()
     events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                      for _ in range(samples)] for name in steps}
+    line_up = _device_line_up(w)
     for i in range(samples):
         for name, step in steps.items():
             start, end = events[name][i]
             # Line the ranks up on the device, outside the timed span: the fn before may be local work that
             # leaves them apart, and a collective would otherwise count the wait for the last rank.
-            weft.ops.device_barrier()
+            line_up()
             start.record()
             step()
             end.record()
