@@ -41,8 +41,8 @@ from .timing import cycling, time_calls
 SUITE = "groups"
 BANDWIDTH = None  # µs only: the cases are sizes and GEMM shapes
 RIVAL = "reference"  # the markdown's "best weft vs best reference": world time / group time (above 1: the group wins)
-# ag_gemm's gathered A at the world reference at the default shape (M × K at N / G times the rows, 128 MiB) and
-# gemm_rs's partials (64 MiB), with room to spare; the world's heap and each group's (3 heaps per rank).
+# ag_gemm's gathered A (M × K) and gemm_rs's partials (M × K) at the default shape are 64 MiB each, on the group
+# and the world alike; with room to spare. HEAP_SIZE is the world's heap and each group's (3 heaps per rank).
 WORKSPACE_BYTES = str(512 << 20)
 HEAP_SIZE = "6GiB"
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
