@@ -218,11 +218,12 @@ def baseline_impl(args) -> str:
     return _names(w.world_size, dist.get_backend(w.group))[1]
 
 
-def _time(case: str, impls: dict, factors: dict, nbytes: int, args) -> list[Row]:
-    """Rows of impls {name: fn()} in each view; gbps = factors[name] * nbytes / time (0 without a factor)."""
+def _time(case: str, impls: dict, factors: dict, nbytes: int, calls: int, args) -> list[Row]:
+    """Rows of impls {name: fn()} in each view, `calls` back-to-back calls a sample; gbps = factors[name] * nbytes /
+    time (0 without a factor)."""
     w = weft.world()
     gpu = w.device.type == "cuda"
-    calls = 1 if not gpu else 20 if nbytes < (1 << 20) else ROTATE  # >= ROTATE: a replay cycles every input set
+    calls = calls if gpu else 1  # the interpreter is slow; the cpu backend checks the harness, not speed
     rows = []
     for view in ("graph", "eager") if args.view == "both" else (args.view,):
         times = time_calls(impls, calls=calls, samples=args.samples, warmup=5 if gpu else 1,
@@ -264,7 +265,8 @@ def run(args) -> list[Row]:
                 if layout == first:
                     impls[world_name] = _collective(op, size, None, w.group, world_size, f"{case} (world)")[0]
                     factors[world_name] = _bus_factor(op, world_size)
-                rows += _time(case, {k: cycling(f, ROTATE) for k, f in impls.items()}, factors, size, args)
+                calls = 20 if size < (1 << 20) else ROTATE  # >= ROTATE: a replay cycles through every input set
+                rows += _time(case, {k: cycling(f, ROTATE) for k, f in impls.items()}, factors, size, calls, args)
     for op in (o for o in GEMM_OPS if o in ops):
         for shape in shapes:
             for layout, (weft_group, pg) in mine.items():
@@ -275,7 +277,8 @@ def run(args) -> list[Row]:
                 if layout == first:
                     impls[world_name] = _gemm(op, shape, group_size, None, w.group, world_size, args.gemm_method,
                                               f"{case} (world)")[0]
-                rows += _time(case, impls, {}, 2 * shape[0] * (shape[1] // group_size) * shape[2], args)
+                flops = 2 * shape[0] * (shape[1] // group_size) * shape[2]  # per rank, the same at the world
+                rows += _time(case, impls, {}, flops, 3, args)
     return _ordered(rows)
 
 
