@@ -22,9 +22,10 @@ consecutive layout's cases only (the same op on the same world for both layouts)
 the process group's on the same ranks before timing: all_gather bit for bit, the reductions within a tolerance.
 
 Two views (--view), as the other suites: CUDA-graph replay and eager back-to-back calls; medians of the slowest
-rank (weft.bench.timing). The bracketed figure is left out (the report mixes sizes and GEMM shapes); the JSON's
-gbps holds the bus bandwidth of the collectives' rows (nccl-tests' factors at the op's own group size), 0 for the
-GEMM ops'.
+rank (weft.bench.timing). On GPUs the world's heap and each group's (made on the group's first use) are HEAP_SIZE
+per rank: three heaps with both layouts. The bracketed figure is left out (the report mixes sizes and GEMM shapes);
+the JSON's gbps holds the bus bandwidth of the collectives' rows (nccl-tests' factors at the op's own group size), 0
+for the GEMM ops'.
 """
 from __future__ import annotations
 
@@ -94,9 +95,9 @@ def _gemm_shapes(args, world_size: int, group_size: int) -> list[tuple[int, int,
         shapes = []
     if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes):
         raise ValueError(f"--gemm-shapes must be MxNxK, comma-separated, got {args.gemm_shapes!r}")
-    for m, n, _ in shapes:  # the world reference's shards are M / world rows
+    for m, n, k in shapes:  # the world reference's shards are M / world rows
         if m % world_size or n % group_size:
-            raise ValueError(f"--gemm-shapes: {m}x{n}x{_} needs M divisible by the world size {world_size} and N "
+            raise ValueError(f"--gemm-shapes: {m}x{n}x{k} needs M divisible by the world size {world_size} and N "
                              f"by the group size {group_size}")
     return shapes
 
