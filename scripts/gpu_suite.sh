@@ -26,7 +26,9 @@
 #     b1/b8/b64 ctx 512 and b8 ctx 4096 (weft fused and layers, NCCL+cuBLAS, transformers' own model, the floor),
 #     and scripts/profile_decode.py (each kernel's GPU µs per replayed step and its bytes' share of the copy
 #     bandwidth) at b1 ctx 512 on both decode paths;
-#     groups: tests/test_gpu_groups.py on 1 and all GPUs, examples/train_tp_dp.py, overhead rows with group=
+#     groups: tests/test_gpu_groups.py on 1 and all GPUs, examples/train_tp_dp.py, overhead rows with group=,
+#     `weft bench groups` on all GPUs (the collectives and ag_gemm / gemm_rs on groups of N/2, consecutive and
+#     every other rank, against NCCL on the same groups and the same op on the world);
 #     nodes: tests/test_gpu_nodes.py over simulated nodes (2 nodes of 1; on 4+ GPUs all GPUs as 2 nodes of N/2 and
 #     as N nodes of 1): the hierarchical collectives, ag_gemm, gemm_rs, sp_flash_decode and the Ulysses all-to-all
 #     against NCCL / torch, 1000 calls of each; `weft bench nodes` on all GPUs (each op at N nodes of 1, 2 of N/2
@@ -142,13 +144,15 @@ if has e2e; then
 fi
 if has groups; then
   # Every family with group= on the layouts the GPU count allows (1: the world and groups of one; 2+: pairs,
-  # groups of every other rank, a torch ProcessGroup), the TP x DP training example, and the overhead rows
-  # of a group beside the world ("weft group") and of a group of one (-n 1) against NCCL's own call.
+  # groups of every other rank, a torch ProcessGroup), the TP x DP training example, `weft bench groups` (groups of
+  # N/2 against NCCL on the same groups), and the overhead rows of a group beside the world ("weft group") and of a
+  # group of one (-n 1) against NCCL's own call.
   for n in $(printf '%s\n' 1 "$NGPU" | sort -nu); do
     step "gpu_groups_$n" timeout 240 python3 -m weft run -n "$n" -m pytest tests/test_gpu_groups.py -m gpu -q -x -p no:cacheprovider
   done
   if [ "$NGPU" -ge 2 ]; then
     step train_tp_dp timeout 120 python3 -m weft run -n "$NGPU" examples/train_tp_dp.py --tp "$((NGPU / 2))" --steps 50
+    step "bench_groups_$NGPU" timeout 200 python3 -m weft bench -n "$NGPU" groups --out "$OUT/bench"
   fi
   for n in $(printf '%s\n' 1 "$NGPU" | sort -nu); do
     step "bench_overhead_groups_$n" timeout 200 python3 -m weft bench -n "$n" overhead \

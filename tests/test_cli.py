@@ -359,3 +359,40 @@ def test_bench_nodes_suite(tmp_path):
     assert "best weft vs gloo" in table and "best weft vs best single node" in table
     assert "| reduce_scatter 4 KiB |" in table and "links between nodes: NVLink" in table
     assert (tmp_path / "nodes_4.png").stat().st_size > 1000
+
+
+@pytest.mark.long  # ~50 s here
+def test_bench_groups_suite(tmp_path):
+    """`weft bench -n 4 groups` at one tiny size and GEMM shape: every op on groups of 2 in both layouts (consecutive,
+    every other rank) against the process group's own on the same groups, the world reference with the first
+    layout only, each checked before it is timed, in one report whose baseline is the group's process group."""
+    res = weft_cmd("bench", "-n", "4", "groups", "--out", str(tmp_path), "--sizes", "4KiB", "--gemm-shapes",
+                   "64x32x32", "--samples", "1", "--view", "eager", timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = json.loads((tmp_path / "groups_4.json").read_text())
+    ops = ["all_reduce 4 KiB", "all_gather 4 KiB", "reduce_scatter 4 KiB",
+           "ag_gemm 64×32×32", "gemm_rs 64×32×32"]
+    suffix = {"ag_gemm": " (gloo: all_gather, then torch.matmul)", "gemm_rs": " (gloo: torch.matmul, then reduce_scatter)"}
+    impls = ["weft, group of 2", "gloo, group of 2"]
+    want = []
+    for op in ops:
+        for layout in ("consecutive", "strided"):
+            case = f"{op}, {layout}{suffix.get(op.split()[0], '')}"
+            want += [(case, i) for i in impls + (["reference: weft, world of 4"] if layout == "consecutive" else [])]
+    rows = out["rows"]
+    assert [(r["case"], r["impl"]) for r in rows] == want
+    assert all(r["ms"] > 0 and r["view"] == "eager" and r["world_size"] == 4 for r in rows)
+    # Bus bandwidth at the op's own group size: 2 (G - 1) / G of all_reduce's bytes, (G - 1) / G of the others'.
+    for r in rows:
+        if "gemm" in r["case"]:
+            assert r["gbps"] == 0
+        else:
+            span = 4 if r["impl"].startswith("reference") else 2
+            factor = (2 if r["case"].startswith("all_reduce") else 1) * (span - 1) / span
+            assert r["gbps"] == pytest.approx(factor * 4096 / r["ms"] / 1e6)
+    assert out["meta"]["layouts"].startswith("consecutive: [[0, 1], [2, 3]]; strided: [[0, 2], [1, 3]]")
+    assert "a reference, not a baseline" in out["meta"]["rows"]
+    table = (tmp_path / "groups_4.md").read_text()
+    assert "best weft vs gloo, group of 2" in table and "best weft vs best reference" in table
+    assert "| gemm_rs 64×32×32, strided (gloo: torch.matmul, then reduce_scatter) |" in table
+    assert (tmp_path / "groups_4.png").stat().st_size > 1000

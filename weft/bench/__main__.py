@@ -12,7 +12,7 @@ SUITES = {"allgather": "weft.bench.allgather", "matmul": "weft.bench.matmul", "g
           "overhead": "weft.bench.overhead", "attention": "weft.bench.attention",
           "ulysses": "weft.bench.ulysses", "tpmlp": "weft.bench.tpmlp", "moe": "weft.bench.moe",
           "e2e": "weft.bench.e2e", "disagg": "weft.bench.disagg", "p2p": "weft.bench.p2p",
-          "nodes": "weft.bench.nodes"}
+          "nodes": "weft.bench.nodes", "groups": "weft.bench.groups"}
 # The symmetric heap per rank on GPUs unless WEFT_HEAP_SIZE is set: op workspaces are cached per size and
 # never freed, so a sweep to 512 MiB needs ~1 GiB of them per op (weft's default heap is 2 GiB).
 BENCH_HEAP_SIZE = "24GiB"
@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     if w.rank == 0:
         dev = torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else "cpu (interpreter)"
         title = f"{name}: {w.world_size} × {dev}"
-        baseline = getattr(suite, "BASELINE", None) or torch.distributed.get_backend(w.group)
+        # The row every weft row is compared with: a suite whose baseline's name depends on the run says it itself.
+        baseline = (suite.baseline_impl(args) if hasattr(suite, "baseline_impl") else None) or \
+            getattr(suite, "BASELINE", None) or torch.distributed.get_backend(w.group)
         meta = {"command": " ".join(["weft bench -n", str(w.world_size), name, *rest]),
                 "torch": torch.__version__,
                 "heap_used_bytes": heap_used, "heap_bytes": w.heap.size}  # per rank
