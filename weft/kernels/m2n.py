@@ -401,8 +401,8 @@ class M2NPlan(Plan):
         self.c_fixed_tensors = (self.c_buf, ws.c_flags, ws.c_acks, ws.c_counter, ws.c_done, self.heap, ws.c_sig,
                                 ws.signatures.tensor, self.combine_fp)
         self.c_fixed = fixed(self.c_fixed_tensors)
-        # By y's and weights' 16-byte alignment (the caller's tensors: the compiled kernel assumes its first
-        # call's), made at the first combine of each.
+        # By the 16-byte alignment of y, weights and routes (the caller's tensors: the compiled kernel assumes its
+        # first call's), made at the first combine of each.
         self.combine_launches: dict = {}
 
     def _outputs(self, x, dest):
@@ -439,7 +439,7 @@ class M2NPlan(Plan):
                 raise ValueError(f"y has shape {tuple(y.shape)}, expected {self.recv_shape} (recv's)")
             out = self.no_out
             y, weights, counts = y.contiguous(), self.d_buf, handle.routes  # weights: unused on a receiver
-        key = (y.data_ptr() & 15 == 0, weights.data_ptr() & 15 == 0)
+        key = (y.data_ptr() & 15 == 0, weights.data_ptr() & 15 == 0, handle.routes.data_ptr() & 15 == 0)
         launch = self.combine_launches.get(key)
         if launch is None:
             launch = self.combine_launches[key] = Launch(

@@ -64,6 +64,16 @@ group other than the world makes its heap on its first collective use among all 
 Streams: every p2p launch of a group runs on the group's p2p stream (GPUs), in issue order (the per-pair counters
 are the launch's own words); send/recv make the caller's stream wait for it, isend/irecv return a handle whose
 `wait()` does. On the cpu backend every call is done when it returns.
+
+Host path of an eager call (what it costs beside the transfer): one plan per batch signature (the tensors'
+signatures, the peers, forced_route / WEFT_P2P_KERNEL), made with the full checks and each message's route; a call
+that finds it checks only what the key cannot say (a peer that is not an int: 1.0 and True find peer 1's plan; a
+receive tensor named twice). The kernel's launch is a `Launch` compiled once per plan, given the tensors'
+addresses and the workspace's arguments taken once, on the p2p stream with no stream context; a blocking call
+joins the two streams through the workspace's two events (each wait issued right after its record) and needs no
+record_stream (the caller's stream waits for the launch before anything can reuse the memory); isend / irecv
+record their tensors on the p2p stream and return a fresh event. The process group's route calls isend / irecv
+directly for a lone message (no P2POp, no coalescing) and records no event for a blocking call.
 """
 from __future__ import annotations
 
@@ -558,17 +568,19 @@ def _recorded(device: torch.device):
     return event
 
 
-def _route_setting():
-    """What a GPU message's route depends on besides its size, for the plan key: forced_route's innermost choice,
-    else WEFT_P2P_KERNEL as set."""
-    return _forced[-1] if _forced else os.environ.get("WEFT_P2P_KERNEL")
+def _route_setting(device: torch.device):
+    """What a message's route depends on besides its size, for the plan key: forced_route's innermost choice, else
+    on GPUs WEFT_P2P_KERNEL as set (read per call, as kernel_route does; on cpu it does not count)."""
+    if _forced:
+        return _forced[-1]
+    return os.environ.get("WEFT_P2P_KERNEL") if device.type == "cuda" else None
 
 
 def _run(group, sends, recvs, blocking: bool = False):
     """Launch `sends` [(tensor, peer)] and `recvs` as one batch on `group`; the GPU event that ends it (None on
     cpu, where it has run, and where `blocking`: the caller's stream waits for it already)."""
     g = resolve(group)
-    key = lambda: ("p2p", _route_setting(), tuple((signature(t), p) for t, p in sends),  # noqa: E731
+    key = lambda: ("p2p", _route_setting(g.device), tuple((signature(t), p) for t, p in sends),  # noqa: E731
                    tuple((signature(t), p) for t, p in recvs))
     found = plan(g, key, lambda: P2PPlan(g, sends, recvs))
     found.recheck(sends, recvs)
