@@ -2,12 +2,15 @@
 (unset: per message, the kernel up to p2p.kernel_max_bytes) and weft's device kernel whatever it says (`forced_route`), bit-exact
 from one chunk to messages spread over every program of the kernel in several chunks each, many times over (on
 2x H100 the kernel once delivered only the first chunk of a four-chunk message: a race shows in some calls only);
-a batch exchange both ways; send / recv captured in a CUDA graph and replayed on new data."""
+a batch exchange both ways; send / recv captured in a CUDA graph and replayed on new data; a batch over both routes;
+blocking sends of temporaries freed at once."""
 import pytest
 import torch
 
 import weft
+from weft import tuning
 from weft.kernels import p2p
+from weft.runtime import settings
 from weft.testing.graphs import capture
 
 pytestmark = pytest.mark.gpu
@@ -97,4 +100,41 @@ def test_kernel_batch_exchange_and_graph_replay():
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(y.view(torch.int16), _message(x.shape, 100 * it + peer).view(torch.int16)), it
+    weft.barrier()
+
+
+def test_mixed_routes_batch_and_freed_temporaries():
+    """One batch whose messages take both routes (the kernel's up to p2p.kernel_max_bytes, the process group's
+    above); then blocking sends of temporaries freed at once, their memory rewritten by the next allocation on the
+    caller's stream: the receiver still gets the bytes sent (a blocking call's stream join, no record_stream)."""
+    if weft.world_size() < 2:
+        pytest.skip("needs 2 GPUs")
+    me = weft.rank()
+    if me > 1:
+        weft.barrier()
+        return
+    peer = 1 - me
+    limit = tuning.value("p2p.kernel_max_bytes", torch.device("cuda"), weft.world_size())
+    if limit != float("inf") and settings.get("WEFT_P2P_KERNEL") is None:
+        sizes = (limit // 4, limit // 2 + 3)  # bf16 elements: under the threshold, over it
+        for it in range(3):
+            xs = [_message((n,), 7 * it + n + me) for n in sizes]
+            ys = [torch.full((n,), float("nan"), dtype=torch.bfloat16, device="cuda") for n in sizes]
+            ops = [weft.ops.P2POp(weft.ops.isend, x, peer) for x in xs] + \
+                [weft.ops.P2POp(weft.ops.irecv, y, peer) for y in ys]
+            for work in weft.ops.batch_isend_irecv(ops):
+                work.wait()
+            for n, y in zip(sizes, ys):
+                assert torch.equal(y.view(torch.int16), _message((n,), 7 * it + n + peer).view(torch.int16)), (it, n)
+    for kernel in (True, False):
+        with p2p.forced_route(kernel=kernel):
+            for it in range(20):
+                if me == 0:
+                    weft.ops.send(_message((4096,), 1000 + it), 1)
+                    torch.full((4096,), 7.0, dtype=torch.bfloat16, device="cuda")  # the freed memory, rewritten
+                else:
+                    y = torch.empty(4096, dtype=torch.bfloat16, device="cuda")
+                    weft.ops.recv(y, 0)
+                    assert torch.equal(y.view(torch.int16), _message((4096,), 1000 + it).view(torch.int16)), \
+                        (kernel, it)
     weft.barrier()

@@ -1,7 +1,8 @@
 """send / recv / isend / irecv / batch_isend_irecv (weft/kernels/p2p.py) on cpu ranks, against torch.distributed's
 send / recv over gloo: rings and all-pairs exchanges with odd shapes, strided tensors and messages larger than the
 workspace (WEFT_WORKSPACE_BYTES small: many chunks through each slot ring), many back-to-back calls, groups inside
-the world, a size mismatch raising on both ranks. One rank launch per world size, loops inside."""
+the world, a size mismatch raising on both ranks, the process group's route (forced), bad arguments refused by
+cached plans. One rank launch per world size, loops inside."""
 import pytest
 
 from weft.testing import run_ranks
@@ -261,8 +262,71 @@ def _check_programs():
     return True
 
 
+def _check_process_group_route_and_cached_checks():
+    """The process group's route (forced_route(kernel=False): gloo here, NCCL on GPUs) for blocking, handle and
+    batch calls, strided tensors included; and the checks a call whose plan is cached still gets (a peer that is
+    not an int, a receive tensor twice in a batch), before anything moves."""
+    import torch
+    import torch.distributed as dist
+
+    import weft
+    import weft.ops as ops
+    from weft.kernels.p2p import forced_route
+
+    me, w = weft.rank(), weft.world_size()
+    gen = torch.Generator().manual_seed(500 + me)
+    nxt, prv = (me + 1) % w, (me - 1) % w
+
+    def gathered(x):
+        every = [None] * w
+        dist.all_gather_object(every, x)
+        return every
+
+    with forced_route(kernel=False):
+        for it in range(2):
+            x = _fresh(gen, (3, 1001), torch.float32)
+            if it:  # strided on both ends
+                x = _fresh(gen, (1001, 3), torch.float32).t()
+            got = torch.full((1001, 3), float("nan")).t() if it else torch.full((3, 1001), float("nan"))
+            for work in ops.batch_isend_irecv([ops.P2POp(ops.isend, x, nxt), ops.P2POp(ops.irecv, got, prv)]):
+                work.wait()
+            assert torch.equal(got, gathered(x)[prv]), it
+        # Blocking calls and handles between the pairs (0, 1), (2, 3): the lower rank sends first.
+        peer = me ^ 1
+        x, y = _fresh(gen, (257,), torch.bfloat16), torch.empty(257, dtype=torch.bfloat16)
+        z = torch.empty(257, dtype=torch.bfloat16)
+        if me % 2 == 0:
+            ops.send(x, peer)
+            ops.irecv(y, peer).wait()
+        else:
+            ops.recv(y, peer)
+            ops.isend(x, peer).wait()
+        ops.send(x, peer) if me % 2 == 0 else ops.recv(z, peer)
+        assert torch.equal(y, gathered(x)[peer])
+        if me % 2:
+            assert torch.equal(z, y)
+    # Cached plans: a peer 1.0 or True finds the plan of peer 1 (equal keys), and is still refused by type; a batch
+    # that names a receive tensor twice finds the plan of one with two distinct ones, and is still refused.
+    a, b = _fresh(gen, (64,), torch.float32), _fresh(gen, (64,), torch.float32)
+    g1, g2 = torch.empty(64), torch.empty(64)
+    batch = [ops.P2POp(ops.isend, a, nxt), ops.P2POp(ops.isend, b, nxt), ops.P2POp(ops.irecv, g1, prv),
+             ops.P2POp(ops.irecv, g2, prv)]
+    for work in ops.batch_isend_irecv(batch):
+        work.wait()
+    sent = gathered((a, b))[prv]
+    assert torch.equal(g1, sent[0]) and torch.equal(g2, sent[1])
+    with pytest.raises(ValueError, match="received again"):
+        ops.batch_isend_irecv(batch[:3] + [ops.P2POp(ops.irecv, g1, prv)])
+    for bad in [float(nxt)] + ([True] if nxt == 1 else []):
+        with pytest.raises(TypeError, match="the peer must be an int"):
+            ops.batch_isend_irecv([ops.P2POp(ops.isend, a, bad), ops.P2POp(ops.isend, b, nxt),
+                                   ops.P2POp(ops.irecv, g1, prv), ops.P2POp(ops.irecv, g2, prv)])
+    return True
+
+
 def _check_all():
-    return _check_rings_and_pairs() and _check_groups_and_mismatch()
+    return _check_rings_and_pairs() and _check_groups_and_mismatch() and \
+        _check_process_group_route_and_cached_checks()
 
 
 def test_send_recv_against_torch():

@@ -427,8 +427,18 @@ class Launch:
         if self.kernel is None:
             self.fn[self.grid](*args, **self.options, **self.constexprs)
             return
+        self._launch(torch._C._cuda_getCurrentRawStream(self.device), args)
+
+    def on(self, stream, *args) -> None:
+        """The launch on `stream` (a torch.cuda.Stream) rather than the current one: no stream context to enter
+        and leave (a few µs of host time). Under the interpreter, which has no streams, the plain call."""
+        if self.kernel is None:
+            self.fn[self.grid](*args, **self.options, **self.constexprs)
+            return
+        self._launch(stream.cuda_stream, args)
+
+    def _launch(self, stream: int, args: tuple) -> None:
         g = self.grid
-        stream = torch._C._cuda_getCurrentRawStream(self.device)
         enter = triton.knobs.runtime.launch_enter_hook
         if enter is None or not getattr(enter, "calls", True):  # torch installs an empty HookChain
             if self.c_launch is not None:

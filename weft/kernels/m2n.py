@@ -69,7 +69,7 @@ import weft.language as wl
 
 from .. import tuning
 from .blocks import cast
-from .common import (ErrorWord, Plan, check_tensor, group_name, handle_group, plan, resolve, signature,
+from .common import (ErrorWord, Launch, Plan, check_tensor, group_name, handle_group, plan, resolve, signature,
                      signature_words, signatures, workspace, zero_everywhere)
 from ..runtime.group import Group
 from .registry import declare_op, export
@@ -384,20 +384,46 @@ class M2NPlan(Plan):
         self.dispatch_consts = dict(self.consts, BLOCK_T=min(32, triton.next_power_of_2(max_tokens)),
                                     BLOCK_K=triton.next_power_of_2(self.k), BLOCK_N=triton.next_power_of_2(n))
         self.heap = group.heap.descriptor
+        # The launches (compiled on GPUs for their first call's arguments): the arguments every call passes alike
+        # taken once, as the launch takes them (on GPUs addresses); a role's empty outputs made once.
+        ws, dev = self.ws, group.device
+        tail = (self.hidden, self.max_rows, self.half_elems, self.senders, self.receivers)
+        self.no_recv = torch.empty(self.recv_shape, dtype=self.dtype, device=dev) if self.is_sender else None
+        self.no_counts = torch.empty((0,), dtype=torch.int32, device=dev) if self.is_sender else None
+        self.no_routes = None if self.is_sender else torch.empty(dest.shape, dtype=torch.int32, device=dev)
+        self.no_out = None if self.is_sender else torch.empty((0, self.hidden), dtype=self.dtype, device=dev)
+        x, dest = x.contiguous(), dest.contiguous()
+        recv, counts, routes = self._outputs(x, dest)
+        d_fixed = (self.d_buf, ws.seg_counts, ws.d_flags, ws.d_acks, ws.d_counter, ws.d_done, ws.err, self.heap,
+                   ws.d_sig, ws.signatures.tensor, self.dispatch_fp)
+        self.dispatch_launch = Launch(m2n_dispatch_kernel, self.grid, (x, dest, routes, recv, counts, *d_fixed,
+                                                                       x.shape[0], *tail),
+                                      self.dispatch_consts, self.warps)
+        self.address = address = self.dispatch_launch.address
+        fixed = lambda args: tuple(address(a) if isinstance(a, torch.Tensor) else a for a in args)  # noqa: E731
+        self.d_fixed, self.tail = fixed(d_fixed), tail
+        self.c_fixed_tensors = (self.c_buf, ws.c_flags, ws.c_acks, ws.c_counter, ws.c_done, self.heap, ws.c_sig,
+                                ws.signatures.tensor, self.combine_fp)
+        self.c_fixed = fixed(self.c_fixed_tensors)
+        # By the 16-byte alignment of y, weights and routes (the caller's tensors: the compiled kernel assumes its
+        # first call's), made at the first combine of each.
+        self.combine_launches: dict = {}
+
+    def _outputs(self, x, dest):
+        """A dispatch's (recv, counts, routes): fresh where the role fills them, the plan's empty ones elsewhere."""
+        if self.is_sender:
+            return self.no_recv, self.no_counts, torch.empty(dest.shape, dtype=torch.int32, device=x.device)
+        return (torch.empty(self.recv_shape, dtype=self.dtype, device=x.device),
+                torch.zeros((self.counts_len,), dtype=torch.int32, device=x.device), self.no_routes)
 
     def dispatch(self, x, dest):
         ws = self.ws
         ws.raise_recorded()
         ws.signatures.raise_recorded()
         x, dest = x.contiguous(), dest.contiguous()
-        recv = torch.empty(self.recv_shape, dtype=self.dtype, device=x.device)
-        counts = torch.zeros((self.counts_len,), dtype=torch.int32, device=x.device)
-        routes = torch.empty(dest.shape, dtype=torch.int32, device=x.device)
-        m2n_dispatch_kernel[self.grid](x, dest, routes, recv, counts, self.d_buf, ws.seg_counts, ws.d_flags,
-                                       ws.d_acks, ws.d_counter, ws.d_done, ws.err, self.heap, ws.d_sig,
-                                       ws.signatures.tensor, self.dispatch_fp, x.shape[0], self.hidden,
-                                       self.max_rows, self.half_elems, self.senders, self.receivers,
-                                       **self.dispatch_consts, num_warps=self.warps)
+        recv, counts, routes = self._outputs(x, dest)
+        a = self.address
+        self.dispatch_launch(a(x), a(dest), a(routes), a(recv), a(counts), *self.d_fixed, x.shape[0], *self.tail)
         if x.device.type == "cpu":  # not a signature mismatch: the pair's combine raises it (the module doc)
             ws.raise_recorded()
         return recv, counts, M2NHandle(self, routes if self.is_sender else counts)
@@ -405,21 +431,26 @@ class M2NPlan(Plan):
     def combine(self, y, weights, handle):
         ws = self.ws  # a mismatch its dispatch found is raised after this launch, which its peers' combines await
         tokens = handle.routes.shape[0] if self.is_sender else 0
-        out = torch.empty((tokens, self.hidden), dtype=self.dtype, device=self.group.device)
         if self.is_sender:
             check_tensor("weights", weights, self.group, dtypes=(torch.float32,), contiguous=False)
             if tuple(weights.shape) != tuple(handle.routes.shape):
                 raise ValueError(f"weights has shape {tuple(weights.shape)}, expected {tuple(handle.routes.shape)}")
+            out = torch.empty((tokens, self.hidden), dtype=self.dtype, device=self.group.device)
             y, weights, counts = self.d_buf, weights.contiguous(), handle.routes  # y: unused on a sender
         else:
             check_tensor("y", y, self.group, dtypes=(self.dtype,), contiguous=False)
             if tuple(y.shape) != self.recv_shape:
                 raise ValueError(f"y has shape {tuple(y.shape)}, expected {self.recv_shape} (recv's)")
+            out = self.no_out
             y, weights, counts = y.contiguous(), self.d_buf, handle.routes  # weights: unused on a receiver
-        m2n_combine_kernel[self.grid](y, weights, handle.routes, counts, out, self.c_buf, ws.c_flags, ws.c_acks,
-                                      ws.c_counter, ws.c_done, self.heap, ws.c_sig, ws.signatures.tensor,
-                                      self.combine_fp, tokens, self.hidden, self.max_rows, self.half_elems,
-                                      self.senders, self.receivers, **self.consts, num_warps=self.warps)
+        key = (y.data_ptr() & 15 == 0, weights.data_ptr() & 15 == 0, handle.routes.data_ptr() & 15 == 0)
+        launch = self.combine_launches.get(key)
+        if launch is None:
+            launch = self.combine_launches[key] = Launch(
+                m2n_combine_kernel, self.grid, (y, weights, handle.routes, counts, out, *self.c_fixed_tensors, tokens,
+                                                *self.tail), self.consts, self.warps)
+        a = self.address
+        launch(a(y), a(weights), a(handle.routes), a(counts), a(out), *self.c_fixed, tokens, *self.tail)
         ws.signatures.raise_recorded()
         return out
 

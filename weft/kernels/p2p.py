@@ -53,7 +53,8 @@ MiB at ~350 GB/s where the kernel's 16 programs reach ~100. Both ends route a me
 in a valid program they agree; each route keeps its messages in order, so a pair's messages still match in
 order across routes. (A receiver whose tensor size differs from the sender's across the threshold waits on the
 other route: as with NCCL's own mismatched sizes, no error.) `forced_route` picks one route for the calls made
-within it (`weft bench p2p` times both). The cpu backend always runs the kernel.
+within it (`weft bench p2p` times both). The cpu backend runs the kernel, except within
+`forced_route(kernel=False)`: then gloo's send / recv (the tests check that route's code there).
 
 Workspace: the group's p2p workspace lives in its heap's tail, made by each rank at its own first p2p call with
 no collective step (weft/runtime/heap.py), so a first send between two members needs nothing of the others. A
@@ -63,8 +64,20 @@ group other than the world makes its heap on its first collective use among all 
 Streams: every p2p launch of a group runs on the group's p2p stream (GPUs), in issue order (the per-pair counters
 are the launch's own words); send/recv make the caller's stream wait for it, isend/irecv return a handle whose
 `wait()` does. On the cpu backend every call is done when it returns.
+
+Host path of an eager call (what it costs beside the transfer): one plan per batch signature (the tensors'
+signatures, the peers, forced_route / WEFT_P2P_KERNEL), made with the full checks and each message's route; a call
+that finds it checks only what the key cannot say (a peer that is not an int: 1.0 and True find peer 1's plan; a
+receive tensor named twice). The kernel's launch is a `Launch` compiled once per plan, given the tensors'
+addresses and the workspace's arguments taken once, on the p2p stream with no stream context; a blocking call
+joins the two streams through the workspace's two events (each wait issued right after its record) and needs no
+record_stream (the caller's stream waits for the launch before anything can reuse the memory); isend / irecv
+record their tensors on the p2p stream and return a fresh event. The process group's route calls isend / irecv
+directly for a lone message (no P2POp, no coalescing) and records no event for a blocking call.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -76,7 +89,7 @@ import weft.language as wl
 from .blocks import copy
 from .. import tuning
 from ..runtime import settings
-from .common import Plan, as_words, check_tensor, group_name, plan, resolve, signature, workspace
+from .common import Launch, Plan, as_words, check_tensor, group_name, plan, resolve, signature, workspace
 from .registry import declare_op, export
 
 SLOTS = 2  # chunk slots per ordered pair and program: double-buffered
@@ -106,10 +119,10 @@ def kernel_route(device: torch.device, nbytes: int, world_size: int) -> bool:
     """Whether a message of `nbytes` on `device` goes through weft's kernel (else the process group's send /
     recv): always on cpu; on GPUs as `forced_route` says within it, else WEFT_P2P_KERNEL, else whether it is at
     most p2p.kernel_max_bytes (module doc)."""
-    if device.type != "cuda":
-        return True
     if _forced:
         return _forced[-1]
+    if device.type != "cuda":
+        return True
     chosen = settings.get("WEFT_P2P_KERNEL")
     if chosen is not None:
         return bool(chosen)
@@ -288,11 +301,29 @@ class P2PWorkspace:
         self.state = rest[w:w + 2 * p * self.MAX_RECVS]
         self.err = rest[w + 2 * p * self.MAX_RECVS:]
         self.stream = torch.cuda.Stream(group.device) if group.device.type == "cuda" else None
+        # A blocking call's two stream joins (the p2p stream waits for the caller's, then the caller's for it): each
+        # wait is issued right after its record, so one pair of events serves every call.
+        self.issued, self.done = (torch.cuda.Event(), torch.cuda.Event()) if self.stream is not None else (None,
+                                                                                                        None)
+        self.callers: dict = {}  # the caller's stream objects by raw handle: torch.cuda.current_stream costs µs
+        self.err_host = self.err.numpy() if group.device.type == "cpu" else None
         group.error_checks.append(self.raise_recorded)
+
+    def caller_stream(self) -> torch.cuda.Stream:
+        """The current stream (GPUs): its object made once per stream (a few, reused: the handle names it)."""
+        raw = torch._C._cuda_getCurrentRawStream(self.stream.device_index)
+        found = self.callers.get(raw)
+        if found is None:
+            if len(self.callers) >= 64:  # a program making ever new streams
+                self.callers.clear()
+            found = self.callers[raw] = torch.cuda.current_stream(self.stream.device)
+        return found
 
     def raise_recorded(self, reported: bool = True) -> None:
         """The ValueError for a size mismatch this rank's kernels recorded (cleared as it is raised); with
         `reported`, also one a receiver reported into rerr that no launch has moved into err yet."""
+        if not reported and self.err_host is not None and not self.err_host[0]:
+            return  # the cpu backend's check after every launch: one load, no tensor op
         code, peer, got, want = (int(v) for v in self.err.tolist())
         if code == 0:
             if not reported:
@@ -328,18 +359,69 @@ def check_batch(group, sends, recvs) -> None:
                 raise ValueError(f"{kind}: peer {peer} is this rank (a rank cannot {kind} to itself)")
     if len(recvs) > P2PWorkspace.MAX_RECVS:
         raise ValueError(f"a batch takes at most {P2PWorkspace.MAX_RECVS} receives, got {len(recvs)}")
+    _distinct(sends, recvs)
+
+
+def _distinct(sends, recvs) -> None:
     for t, _ in recvs:
         if any(t is u for u, _ in sends) or sum(t is u for u, _ in recvs) > 1:
             raise ValueError("a recv tensor is also sent or received again in the same batch")
 
 
 class P2PPlan(Plan):
-    """A launch of sends and receives of one signature: word size, the rounds of each send in each program's
-    stream, the order of each peer's receives."""
+    """A batch of one signature (its tensors' signatures and peers, and what the routes depend on): its checks, the
+    route of each message (GPUs, or `forced_route`) and the kernel's launch of the messages it carries."""
 
     def __init__(self, group, sends, recvs):
         super().__init__(group)
         check_batch(group, sends, recvs)
+        route = lambda ops: [kernel_route(group.device, t.numel() * t.element_size(), group.size)  # noqa: E731
+                             for t, _ in ops]
+        self.send_kernel, self.recv_kernel = route(sends), route(recvs)
+        self.one_route = len(set(self.send_kernel + self.recv_kernel)) == 1  # no split to make per call
+        self.kernel = _KernelLaunch(group, *_routed(sends, recvs, self.send_kernel, self.recv_kernel, True)) \
+            if any(self.send_kernel) or any(self.recv_kernel) else None
+
+    def recheck(self, sends, recvs) -> None:
+        """What a call that found this plan must still be checked for: the peers' type (the key took them by value:
+        1.0 and True find the plan of 1) and that no receive tensor is also sent or received again."""
+        for _, peer in sends + recvs:
+            if type(peer) is not int:
+                check_batch(self.group, sends, recvs)
+                return
+        if recvs and len(sends) + len(recvs) > 1:
+            _distinct(sends, recvs)
+
+    def run(self, sends, recvs, blocking: bool):
+        """Launch the batch; on GPUs the event that ends it (None where `blocking`: the caller's stream waits for
+        it already), None on cpu (done)."""
+        if self.one_route:
+            if self.kernel is not None:
+                return self.kernel.run([t for t, _ in sends], [t for t, _ in recvs], blocking)
+            return _run_process_group(self.group, sends, recvs, blocking)
+        k_sends, k_recvs = _routed(sends, recvs, self.send_kernel, self.recv_kernel, True)
+        pg_sends, pg_recvs = _routed(sends, recvs, self.send_kernel, self.recv_kernel, False)
+        _run_process_group(self.group, pg_sends, pg_recvs, True)
+        event = self.kernel.run([t for t, _ in k_sends], [t for t, _ in k_recvs], blocking)
+        if event is None:
+            return None
+        torch.cuda.current_stream(self.group.device).wait_event(event)  # one event that ends both
+        return _recorded(self.group.device)
+
+
+def _routed(sends, recvs, send_kernel, recv_kernel, kernel: bool):
+    """(sends, recvs) of a batch that take the kernel's route (`kernel`), else the process group's, in order."""
+    return ([op for op, k in zip(sends, send_kernel) if k == kernel],
+            [op for op, k in zip(recvs, recv_kernel) if k == kernel])
+
+
+class _KernelLaunch:
+    """The kernel's launch of a batch's messages of one signature: word size, the rounds of each send in each
+    program's stream, the order of each peer's receives, the arguments that are the same every call. A call
+    passes its tensors only: on GPUs their addresses straight to the compiled kernel (`Launch`), on the group's
+    p2p stream."""
+
+    def __init__(self, group, sends, recvs):
         self.ws = ws = _workspace(group)
         nbytes = [t.numel() * t.element_size() for t, _ in sends + recvs]
         # Non-contiguous tensors are staged through fresh (aligned) copies: only the contiguous ones' addresses count.
@@ -347,62 +429,92 @@ class P2PPlan(Plan):
         aligned = all(n % 4 == 0 for n in nbytes) and all(a % 4 == 0 for a in addresses)
         self.word = torch.int32 if aligned else torch.uint8
         # 16-byte vectors where every address allows (parts and chunks start at multiples of 256 bytes).
-        self.vec = 4 if aligned and all(a % 16 == 0 for a in addresses) else 1
-        self.contig = [t.is_contiguous() for t, _ in sends + recvs]
-        self.send_peer = tuple(p for _, p in sends)
-        self.send_bytes = tuple(nbytes[:len(sends)])
+        vec = 4 if aligned and all(a % 16 == 0 for a in addresses) else 1
+        self.ns, self.nr = len(sends), len(recvs)
+        self.send_contig = [t.is_contiguous() for t, _ in sends]
+        self.recv_contig = [t.is_contiguous() for t, _ in recvs]
+        self.contig = all(self.send_contig) and all(self.recv_contig)
+        self.send_empty = [n == 0 for n in nbytes[:self.ns]]
+        self.recv_empty = [n == 0 for n in nbytes[self.ns:]]
+        send_peer = tuple(p for _, p in sends)
+        send_bytes = tuple(nbytes[:self.ns])
         # send_first[p][i]: the round of send i's first chunk in program p's stream to its peer (the chunks of the
         # launch's earlier sends to that peer come first).
         firsts = []
         for pid in range(ws.programs):
             row, stream_len = [], {}
-            for peer, n in zip(self.send_peer, self.send_bytes):
+            for peer, n in zip(send_peer, send_bytes):
                 row.append(stream_len.get(peer, 0))
                 stream_len[peer] = row[-1] + part_chunks(n, pid, ws)
             firsts.append(row or [0])
         self.send_first = torch.tensor(firsts, dtype=torch.int32, device=group.device)
-        self.recv_peer = tuple(p for _, p in recvs)
-        self.recv_bytes = tuple(nbytes[len(sends):])
+        recv_peer = tuple(p for _, p in recvs)
         prev, last = [], {}
-        for i, p in enumerate(self.recv_peer):
+        for i, p in enumerate(recv_peer):
             prev.append(last.get(p, -1))
             last[p] = i
-        self.recv_prev = tuple(prev)
-        self.ns, self.nr = len(sends), len(recvs)
-        self.heap = group.heap.descriptor
-        self.data = ws.data.view(self.word)
+        data = ws.data.view(self.word)
+        # A tuple argument may not be empty: an unused placeholder then (NS / NR say how many are real).
+        self.tuples = (send_peer or (0,), send_bytes or (0,))
+        fixed = (self.send_first, recv_peer or (0,), tuple(nbytes[self.ns:]) or (0,), tuple(prev) or (0,), data,
+                 ws.head, ws.full, ws.credit, ws.rerr, ws.sent, ws.recvd, ws.state, ws.err, group.heap.descriptor,
+                 ws.slot_bytes, ws.part_min_bytes)
+        # Compiled (GPUs) for the first call's tensors; its key (the batch's signatures) fixes their alignment.
+        first_sends = tuple(self._words(t if c else t.contiguous()) if t.numel() else data[:0]
+                            for (t, _), c in zip(sends, self.send_contig)) or (data[:0],)
+        first_recvs = tuple(self._words(t if c else torch.empty(t.shape, dtype=t.dtype, device=t.device))
+                            if t.numel() else data[:0] for (t, _), c in zip(recvs, self.recv_contig)) or (data[:0],)
+        self.launch = Launch(p2p_kernel, (ws.programs,), (first_sends, first_recvs, *self.tuples, *fixed),
+                             dict(NS=self.ns, NR=self.nr, WORD=self.word.itemsize, SLOTS=SLOTS,
+                                  STATE=2 * ws.MAX_RECVS, BLOCK=BLOCK, VEC=vec))
+        # What a call passes for a tensor: under the interpreter its words (the kernel's pointer type), on GPUs its
+        # address; the workspace's arguments so taken once.
+        interpreted = self.launch.kernel is None
+        self.pointer = self._words if interpreted else torch.Tensor.data_ptr
+        self.nothing = data[:0] if interpreted else data.data_ptr()
+        self.fixed = tuple(self.launch.address(a) if isinstance(a, torch.Tensor) else a for a in fixed)
 
-    def words(self, t):
-        return as_words(t).view(self.word) if t.numel() else self.data[:0]
+    def _words(self, t):
+        return as_words(t).view(self.word)
 
-    def run(self, send_tensors, recv_tensors) -> None:
-        ws = self.ws
-        contig = self.contig
-        sends = [self.words(t if contig[i] else t.contiguous()) for i, t in enumerate(send_tensors)]
-        staged = [t if contig[self.ns + i] else torch.empty(t.shape, dtype=t.dtype, device=t.device)
-                  for i, t in enumerate(recv_tensors)]
-        recvs = [self.words(t) for t in staged]
+    def run(self, send_tensors, recv_tensors, blocking: bool):
+        ws, ptr, nothing = self.ws, self.pointer, self.nothing
+        if self.contig:
+            staged_sends, staged = send_tensors, recv_tensors
+        else:
+            staged_sends = [t if c else t.contiguous() for t, c in zip(send_tensors, self.send_contig)]
+            staged = [t if c else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                      for t, c in zip(recv_tensors, self.recv_contig)]
+        sends = tuple(nothing if e else ptr(t) for t, e in zip(staged_sends, self.send_empty)) or (nothing,)
+        recvs = tuple(nothing if e else ptr(t) for t, e in zip(staged, self.recv_empty)) or (nothing,)
         stream = ws.stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(stream.device))
-        with torch.cuda.stream(stream) if stream is not None else _nothing():
-            # A tuple argument may not be empty: an unused placeholder then (NS / NR say how many are real).
-            p2p_kernel[(ws.programs,)](
-                tuple(sends) or (self.data,), tuple(recvs) or (self.data,),
-                self.send_peer or (0,), self.send_bytes or (0,), self.send_first,
-                self.recv_peer or (0,), self.recv_bytes or (0,), self.recv_prev or (0,),
-                self.data, ws.head, ws.full, ws.credit, ws.rerr, ws.sent, ws.recvd, ws.state, ws.err,
-                self.heap, ws.slot_bytes, ws.part_min_bytes, NS=self.ns, NR=self.nr, WORD=self.word.itemsize,
-                SLOTS=SLOTS, STATE=2 * ws.MAX_RECVS, BLOCK=BLOCK, VEC=self.vec)
-            for i, t in enumerate(recv_tensors):
-                if staged[i] is not t:
-                    t.copy_(staged[i])
         if stream is None:
+            self.launch(sends, recvs, *self.tuples, *self.fixed)
+            for t, buf in zip(recv_tensors, staged):
+                if buf is not t:
+                    t.copy_(buf)
             # The interpreter ran the launch: its errors are known now. Not a receiver's report of this launch's
             # send, which may or may not have arrived yet: the next launch or weft.check_errors() raises that.
             ws.raise_recorded(reported=False)
             return None
-        for t in (*send_tensors, *recv_tensors, *sends, *staged):
+        # The p2p stream waits for the caller's (the tensors' producers), runs the launch, and the caller's waits
+        # for it (blocking) or the returned event does.
+        current = ws.caller_stream()
+        ws.issued.record(current)
+        stream.wait_event(ws.issued)
+        self.launch.on(stream, sends, recvs, *self.tuples, *self.fixed)
+        if not self.contig:
+            with torch.cuda.stream(stream):
+                for t, buf in zip(recv_tensors, staged):
+                    if buf is not t:
+                        t.copy_(buf)
+        if blocking:
+            # The caller's stream waits for the launch before its next work: its tensors (and the staged copies,
+            # freed to it) are not reused before the launch is done, with no record_stream.
+            ws.done.record(stream)
+            current.wait_event(ws.done)
+            return None
+        for t in (*send_tensors, *recv_tensors, *staged_sends, *staged):
             t.record_stream(stream)
         event = torch.cuda.Event()
         event.record(stream)
@@ -416,70 +528,63 @@ def part_chunks(nbytes: int, pid: int, ws: P2PWorkspace) -> int:
     return max(1, -(-part // ws.slot_bytes))
 
 
-def _run_process_group(group, sends, recvs):
+def _run_process_group(group, sends, recvs, blocking: bool):
     """The messages of a (checked) batch that the process group's send / recv take (module doc: the large ones on
-    GPUs); the event on the caller's stream that ends them."""
-    ops, staged = [], []
-    for t, p in sends:
-        ops.append(dist.P2POp(dist.isend, t.contiguous(), group=group.process_group, group_peer=p))
-    for t, p in recvs:
-        buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
-        staged.append((t, buf))
-        ops.append(dist.P2POp(dist.irecv, buf, group=group.process_group, group_peer=p))
-    # One message alone goes by the plain call: batch_isend_irecv's coalescing costs tens of µs of host time.
-    if len(ops) == 1:
-        works = [dist.isend(ops[0].tensor, group=group.process_group, group_dst=sends[0][1]) if sends else
-                 dist.irecv(ops[0].tensor, group=group.process_group, group_src=recvs[0][1])]
+    GPUs); on GPUs the event on the caller's stream that ends them (None where `blocking`: that stream waits for
+    them already), None on cpu."""
+    pg, staged = group.process_group, []
+    # One message alone goes by the plain call: batch_isend_irecv's coalescing (and P2POp's checks) cost tens of
+    # µs of host time.
+    if len(sends) + len(recvs) == 1:
+        if sends:
+            t, p = sends[0]
+            works = [dist.isend(t.contiguous(), group=pg, group_dst=p)]
+        else:
+            t, p = recvs[0]
+            buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            staged.append((t, buf))
+            works = [dist.irecv(buf, group=pg, group_src=p)]
     else:
+        ops = [dist.P2POp(dist.isend, t.contiguous(), group=pg, group_peer=p) for t, p in sends]
+        for t, p in recvs:
+            buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            staged.append((t, buf))
+            ops.append(dist.P2POp(dist.irecv, buf, group=pg, group_peer=p))
         works = dist.batch_isend_irecv(ops)
     for work in works:
-        work.wait()  # the caller's stream waits for NCCL's
+        work.wait()  # the caller's stream waits for NCCL's (gloo: the transfer is done)
     for t, buf in staged:
         if buf is not t:
             t.copy_(buf)
-    return _recorded()
+    return None if blocking else _recorded(group.device)
 
 
-def _recorded() -> torch.cuda.Event:
+def _recorded(device: torch.device):
+    """An event recorded on the current stream on GPUs; None on cpu (no streams: what was issued is done)."""
+    if device.type != "cuda":
+        return None
     event = torch.cuda.Event()
     event.record()
     return event
 
 
-class _nothing:
-    def __enter__(self):
-        return None
+def _route_setting(device: torch.device):
+    """What a message's route depends on besides its size, for the plan key: forced_route's innermost choice, else
+    on GPUs WEFT_P2P_KERNEL as set (read per call, as kernel_route does; on cpu it does not count)."""
+    if _forced:
+        return _forced[-1]
+    return os.environ.get("WEFT_P2P_KERNEL") if device.type == "cuda" else None
 
-    def __exit__(self, *exc):
-        return False
 
-
-def _run(group, sends, recvs):
+def _run(group, sends, recvs, blocking: bool = False):
     """Launch `sends` [(tensor, peer)] and `recvs` as one batch on `group`; the GPU event that ends it (None on
-    cpu, where it has run)."""
+    cpu, where it has run, and where `blocking`: the caller's stream waits for it already)."""
     g = resolve(group)
-
-    def split(ops):  # (the kernel's, the process group's), each in order
-        routed = [kernel_route(g.device, t.numel() * t.element_size(), g.size) for t, _ in ops]
-        return [op for op, k in zip(ops, routed) if k], [op for op, k in zip(ops, routed) if not k]
-
-    if g.device.type == "cuda":
-        check_batch(g, sends, recvs)  # the whole batch, before either route takes its part
-        (k_sends, pg_sends), (k_recvs, pg_recvs) = split(sends), split(recvs)
-    else:
-        k_sends, pg_sends, k_recvs, pg_recvs = sends, [], recvs, []
-    events = []
-    if pg_sends or pg_recvs:
-        events.append(_run_process_group(g, pg_sends, pg_recvs))
-    if k_sends or k_recvs:
-        found = plan(g, lambda: ("p2p", tuple((signature(t), p) for t, p in k_sends),
-                                 tuple((signature(t), p) for t, p in k_recvs)),
-                     lambda: P2PPlan(g, list(k_sends), list(k_recvs)))
-        events.append(found.run([t for t, _ in k_sends], [t for t, _ in k_recvs]))
-    if len(events) == 2:  # GPUs, both routes: one event that ends both
-        torch.cuda.current_stream(g.device).wait_event(events[1])
-        events = [_recorded()]
-    return events[-1] if events else None
+    key = lambda: ("p2p", _route_setting(g.device), tuple((signature(t), p) for t, p in sends),  # noqa: E731
+                   tuple((signature(t), p) for t, p in recvs))
+    found = plan(g, key, lambda: P2PPlan(g, sends, recvs))
+    found.recheck(sends, recvs)
+    return found.run(sends, recvs, blocking)
 
 
 @export
@@ -500,25 +605,20 @@ class P2PWork:
         return self.event is None or self.event.query()
 
 
-def _wait_now(event) -> None:
-    if event is not None:
-        torch.cuda.current_stream().wait_event(event)
-
-
 @declare_op(collective=True)
 def send(tensor: torch.Tensor, dst: int, group=None) -> None:
     """Send `tensor` (any shape, dtype and layout) to group rank `dst` of `group` (default: the world), whose
     matching `recv` takes it, bit-exact. Device-initiated: no host sync, CUDA-graph capturable; ordered on the
     caller's stream. Returns once the data is in the receiver's workspace (messages larger than a slot move in
     chunks as the receiver frees slots)."""
-    _wait_now(_run(group, [(tensor, dst)], []))
+    _run(group, [(tensor, dst)], [], blocking=True)
 
 
 @declare_op(collective=True)
 def recv(tensor: torch.Tensor, src: int, group=None) -> None:
     """Receive the next message group rank `src` sends to this rank into `tensor` (any layout; its bytes must be
     the sent tensor's bytes: a mismatch raises a ValueError on both ranks and leaves `tensor` unchanged)."""
-    _wait_now(_run(group, [], [(tensor, src)]))
+    _run(group, [], [(tensor, src)], blocking=True)
 
 
 @declare_op(collective=True)
@@ -650,7 +750,7 @@ def _(tensor, src, group=None):
 @batch_isend_irecv.define(mutates_args=("recv_tensors",))
 def batch_isend_irecv_op(send_tensors: list[torch.Tensor], send_peers: list[int], recv_tensors: list[torch.Tensor],
                          recv_peers: list[int], group_name: str) -> None:
-    _wait_now(_run(group_name, list(zip(send_tensors, send_peers)), list(zip(recv_tensors, recv_peers))))
+    _run(group_name, list(zip(send_tensors, send_peers)), list(zip(recv_tensors, recv_peers)), blocking=True)
 
 
 @batch_isend_irecv_op.register_fake
