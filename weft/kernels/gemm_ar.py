@@ -58,6 +58,7 @@ import triton.language as tl
 import weft.language as wl
 
 from .. import tuning
+from . import hierarchical
 from .all_reduce import all_reduce
 from .blocks import cast
 from .common import (Launch, Plan, check_method, check_out, check_tensor, group_name, matmul_operands,
@@ -290,10 +291,18 @@ class GemmArPlan(Plan):
         refusal = fused_refusal(group, a, b_shard, out)
         if method == "fused" and refusal:
             raise ValueError(f"method='fused' cannot take this call: {refusal}")
-        if method == "auto":
+        spanning = hierarchical.hierarchy(group) if group.topology.spans_nodes else None
+        if spanning is None and group.topology.spans_nodes and method == "fused":
+            raise ValueError("method='fused' cannot take a group whose nodes hold different numbers of its members "
+                             "(the kernel reaches only its own node): use 'baseline'")
+        if method == "auto" and spanning is None:
             method = "fused" if m <= fused_max_m(group) and refusal is None and group.size > 1 else "baseline"
         if m == 0 or n == 0:
             self.run = self.run_empty
+        elif spanning is not None and method != "baseline":
+            # Across nodes: the node's gemm_ar ("auto" or "fused" there), then the rail's all_reduce
+            # (weft/kernels/hierarchical.py); "baseline" is torch.matmul then the hierarchical all_reduce.
+            self.run = hierarchical.GemmAr(group, spanning, method, self.check).run
         elif method == "baseline" and group.size == 1:  # nothing to reduce: cuBLAS alone, no copy after it
             self.run = self.run_matmul
         elif method == "baseline":
