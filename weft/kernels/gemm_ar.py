@@ -34,6 +34,10 @@ this kernel, tiled for the fused push, reached ~75 % (1 H100, Qwen3-8B's O and
 down projections). "auto" and "baseline" are torch.matmul there; "fused" still
 runs the kernel when asked.
 
+On a group that spans nodes, "auto" and "fused" run the node's gemm_ar (this kernel over the node's members)
+then the rail's all_reduce of the node sums (`hierarchical.GemmAr`, docs/nodes.md); "baseline" is torch.matmul
+then the hierarchical all_reduce.
+
 One workspace serves every shape (`GemmArWorkspace`): the stage in two halves
 used by call parity, per tile slot int32 flags arrived[W], and the epoch
 counter (`wl.next_epoch`: every call takes the next epoch, the same in all its
