@@ -99,7 +99,11 @@ def _ep_ops(cases):
             ref = (a.float() @ b.float()).to(tp)
             dist.all_reduce(ref, group=inside.process_group)
             torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=5e-2)
+        if step == 0:
+            heap_used = {h: h.heap.used for h in w.groups.values() if h._heap is not None}
         dist.barrier()
+    # Heap bounded: later calls of every size allocate nothing more in any group's heap.
+    assert {h: h.heap.used for h in heap_used} == heap_used
     return True
 
 
@@ -127,7 +131,7 @@ def _ep_fp8_and_errors(seeds):
     for seed in seeds:
         _ll_fp8_case(seed, [3, 5, 0, 4], 8, 3, 6)
     me = weft.rank()
-    x, idx, wts = _routing(5, 4, 4, 8, 2, 12)[me]
+    x, idx, wts = _routing(5, 4, 4, 8, 4, 12)[me]
     # A bad row on rank 1 (an expert out of range): every member raises before anything is sent.
     bad = idx.clone()
     if me == 1:
@@ -140,6 +144,11 @@ def _ep_fp8_and_errors(seeds):
         torch.ops.weft.ep_dispatch(x, idx, wts, 8, weft.world().name)
     # The calls after those work.
     recv, counts, _, handle = weft.ops.ep_dispatch_ll(x, idx, 8, 4)
+    # Each token crosses to a node once, however many of that node's experts (4 a node) it names: with k = 4 of
+    # 8 experts every token names at least two of one node's.
+    for node in range(2):
+        once = int(((idx >= 0) & (idx // 4 == node)).any(1).sum())
+        assert int((handle.routes.rail_src[node] < x.shape[0]).sum()) == once
     with pytest.raises(TypeError, match="ep_dispatch returned"):
         weft.ops.ep_combine(recv[0], handle)
     with pytest.raises(ValueError, match="expected"):

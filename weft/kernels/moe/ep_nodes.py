@@ -276,7 +276,8 @@ class NodesPlan(Plan):
         local = self._local(_field(rows, 0, self.w_at, torch.int64))
         counts = (local[:, :, None] == torch.arange(el, device=dev)).sum(dim=(0, 1)).to(torch.int32)
         recv_w = _field(rows, self.w_at, self.ids_at, torch.float32)  # padding rows: 0
-        return self._data(rows, self.data_at), local.to(self.idx_dtype), recv_w, counts, NodesHandle(self, routes, rows=n)
+        handle = NodesHandle(self, routes, rows=n)
+        return self._data(rows, self.data_at), local.to(self.idx_dtype), recv_w, counts, handle
 
     # -- combine ------------------------------------------------------------------------------------------------
 
