@@ -169,8 +169,9 @@ def _gemm_ar(cases):
     import torch.distributed as dist
 
     import weft
+    from test_nodes import _node_groups
 
-    w, across, inside = _node_groups_of_test()
+    w, across, inside = _node_groups()
     for step, (m, k, n, dtype) in enumerate(cases):
         tol = dict(rtol=2e-2, atol=5e-2) if dtype != torch.float32 else dict(rtol=1e-4, atol=1e-4)
         for i, group in enumerate((None, across, inside)):
@@ -190,12 +191,6 @@ def _gemm_ar(cases):
             kinds = {type(p.run.__self__).__name__ for key, p in g.plans.items() if key[0] == "gemm_ar"}
             assert ("GemmAr" in kinds) == g.topology.spans_nodes, kinds
     return True
-
-
-def _node_groups_of_test():
-    from test_nodes import _node_groups
-
-    return _node_groups()
 
 
 def test_gemm_ar_on_two_nodes_of_two():
