@@ -34,6 +34,10 @@ this kernel, tiled for the fused push, reached ~75 % (1 H100, Qwen3-8B's O and
 down projections). "auto" and "baseline" are torch.matmul there; "fused" still
 runs the kernel when asked.
 
+On a group that spans nodes, "auto" and "fused" run the node's gemm_ar (this kernel over the node's members)
+then the rail's all_reduce of the node sums (`hierarchical.GemmAr`, docs/nodes.md); "baseline" is torch.matmul
+then the hierarchical all_reduce.
+
 One workspace serves every shape (`GemmArWorkspace`): the stage in two halves
 used by call parity, per tile slot int32 flags arrived[W], and the epoch
 counter (`wl.next_epoch`: every call takes the next epoch, the same in all its
@@ -58,6 +62,7 @@ import triton.language as tl
 import weft.language as wl
 
 from .. import tuning
+from . import hierarchical
 from .all_reduce import all_reduce
 from .blocks import cast
 from .common import (Launch, Plan, check_method, check_out, check_tensor, group_name, matmul_operands,
@@ -290,10 +295,18 @@ class GemmArPlan(Plan):
         refusal = fused_refusal(group, a, b_shard, out)
         if method == "fused" and refusal:
             raise ValueError(f"method='fused' cannot take this call: {refusal}")
-        if method == "auto":
+        spanning = hierarchical.hierarchy(group) if group.topology.spans_nodes else None
+        if spanning is None and group.topology.spans_nodes and method == "fused":
+            raise ValueError("method='fused' cannot take a group whose nodes hold different numbers of its members "
+                             "(the kernel reaches only its own node): use 'baseline'")
+        if method == "auto" and spanning is None:
             method = "fused" if m <= fused_max_m(group) and refusal is None and group.size > 1 else "baseline"
         if m == 0 or n == 0:
             self.run = self.run_empty
+        elif spanning is not None and method != "baseline":
+            # Across nodes: the node's gemm_ar ("auto" or "fused" there), then the rail's all_reduce
+            # (weft/kernels/hierarchical.py); "baseline" is torch.matmul then the hierarchical all_reduce.
+            self.run = hierarchical.GemmAr(group, spanning, method, self.check).run
         elif method == "baseline" and group.size == 1:  # nothing to reduce: cuBLAS alone, no copy after it
             self.run = self.run_matmul
         elif method == "baseline":

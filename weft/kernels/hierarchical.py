@@ -1,5 +1,6 @@
 """The ops of a group that spans nodes, in two levels: all_reduce, reduce_scatter, all_gather, ag_gemm, gemm_rs,
-sp_flash_decode and the Ulysses all-to-all.
+gemm_ar, sp_flash_decode and the Ulysses all-to-all (the EP ops: weft/kernels/moe/ep_nodes.py, with the rail
+exchange below).
 
 A group whose members run on several nodes (weft.runtime.topology) reaches another node only through the
 network; inside a node its members keep NVLink. So each op splits into the node's own collective (weft's kernels
@@ -17,6 +18,7 @@ node:
   the node's ag_gemm of each other node's shards. Bit for bit the flat op's result.
 - gemm_rs (`GemmRS`): the node's overlapped gemm_rs of the rows destined to each node (the other nodes' first),
   the node sums exchanged over the rail beside the last one, summed in node order.
+- gemm_ar (`GemmAr`): the node's gemm_ar, then the rail's all_reduce of the node sums.
 - sp_flash_decode (`SpFlashDecode`): each member's partial (out, lse) gathered by the hierarchical all_gather,
   merged by every member in group-rank order.
 - ulysses_all_to_all (`UlyssesAllToAll`): the node's all-to-all of the blocks bound to each rail, then the
@@ -177,10 +179,10 @@ class Hierarchy:
         # Rail order is world order, which for a group is group-rank order.
         self.rails = [sorted(members[i] for members in topo.nodes) for i in range(self.local_size)]
         # Every member makes its node's group first, then its rail's: the same order on every rank. The node's
-        # heap holds six workspaces: the reduce and all_gather families', ag_gemm's and gemm_rs's two (receive
-        # and send), and the Ulysses family's (with its flags).
+        # heap holds seven workspaces: the reduce and all_gather families', ag_gemm's and gemm_rs's two (receive
+        # and send), the Ulysses family's (with its flags) and gemm_ar's.
         from .ulysses import flag_bytes
-        self.node = _subgroup(group, [group.ranks[i] for i in mine], extra_families=6,
+        self.node = _subgroup(group, [group.ranks[i] for i in mine], extra_families=7,
                               extra_bytes=flag_bytes(len(mine))) if len(mine) > 1 else None
         self.rail = _subgroup(group, [group.ranks[i] for i in self.rails[j]], extra_families=1)
         # The side stream the rail's NCCL calls of ag_gemm and gemm_rs run on, beside the node's kernels.
@@ -556,6 +558,29 @@ class UlyssesAllToAll:
         if self.scatter == "seq":  # from rail member k: (n, L, row); out (n, N, L, row)
             out.view(n, nodes, local, row).copy_(rows.view(nodes, n, local, row).transpose(0, 1))
         return out
+
+
+class GemmAr:
+    """gemm_ar over a spanning group: the node's gemm_ar (its fused kernel where the flat op would take it, over
+    NVLink; torch.matmul with one member per node), then the rail's all_reduce of the node sums (the network: every
+    member its rail's, the whole (M, N): decode-sized). Sum order: each node's sum as its gemm_ar makes it (fp32,
+    rounded to the dtype), then the N node sums (on the cpu backend in node order in fp32, rounded once; on GPUs
+    NCCL's all_reduce): within the dtype's tolerance of the flat op, the same bits on every member.
+    `run(a, b_shard, out)` is the plan's run (`check` first)."""
+
+    def __init__(self, group: Group, h: Hierarchy, method: str, check):
+        self.group, self.h, self.method, self.check = group, h, method, check
+
+    def run(self, a: torch.Tensor, b_shard: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        from .gemm_ar import gemm_ar
+
+        self.check(a, b_shard, out)
+        if self.h.node is None:  # one member per node: its partial is its node's sum
+            part = torch.matmul(a, b_shard)
+        else:
+            part = gemm_ar.eager(a, b_shard, method=self.method, group=self.h.node)
+        total = _rail_all_reduce(self.h.rail, part, "sum").view(part.shape)
+        return total if out is None else out.copy_(total)
 
 
 # The sm_90 compile check (weft.testing.compile): the rail exchange is cpu-only for now, but must stay compilable

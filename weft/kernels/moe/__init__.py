@@ -7,6 +7,8 @@ and tensor-parallel MoE. One idea per module, each op next to its kernels:
   of its experts, offsets from a device-side count exchange, one host sync (none with max_recv_tokens).
 - ep_ll: low-latency EP (decode), ep_dispatch_ll / ep_combine_ll: one launch each, LL words, no host sync,
   CUDA-graph capturable; return_recv_hook=True splits either op into a send and a receive hook.
+- ep_nodes: the EP ops (both) on a group that spans nodes: each token once per target node over the rail's
+  all-to-all, then the node's all-to-all to its experts' ranks (docs/nodes.md).
 - ep_workspace: the symmetric workspace the EP ops share, and the rows as their kernels move them.
 - grouped_gemm: grouped_gemm, the experts' GEMM between dispatch and combine (bf16 / fp16 / fp32, and fp8 with
   block scales: fp8_blocks), and the grouped GEMM tile the tensor-parallel ops use.

@@ -44,6 +44,7 @@ from ... import tuning
 from ..blocks import copy, halves_of, word_of
 from ..common import Launch, Plan, check_tensor, group_name, group_size, handle_group, plan, resolve, signature
 from ..registry import declare_op
+from . import ep_nodes
 from .ep_workspace import (HT_MAX_PROGRAMS, _ELEM, _rows, _rows_ready, _too_big, _word_columns,
                            _workspace)
 from .routing import _check_routing, check_rows, peer_error, valid_experts
@@ -547,8 +548,10 @@ def ep_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     outside the experts count as none, a repeated expert once). The token counts each rank sends are bounded by
     the receiver's region (a member whose call does not match raises on the receiver, what it sent ignored).
     """
-    return _plan(resolve(group), x, topk_idx, topk_weights, num_experts, max_recv_tokens).dispatch(
-        x, topk_idx, topk_weights)
+    g = resolve(group)
+    if g.topology.spans_nodes:  # the network to the target node, then NVLink: ep_nodes
+        return ep_nodes.ep_dispatch(g, x, topk_idx, topk_weights, num_experts, max_recv_tokens)
+    return _plan(g, x, topk_idx, topk_weights, num_experts, max_recv_tokens).dispatch(x, topk_idx, topk_weights)
 
 
 def _plan(group, x, topk_idx, topk_weights, num_experts, max_recv_tokens) -> HTPlan:
@@ -563,6 +566,8 @@ def ep_combine(y: torch.Tensor, handle: HTHandle, group=None) -> torch.Tensor:
     ranks the token went to of their y row (y (R, hidden): each rank's weighted sum of its local experts'
     outputs per received row), in rank order, fp32. Collective over the dispatch's group (`group`: default that
     one; another raises)."""
+    if isinstance(handle, ep_nodes.NodesHandle):  # a dispatch across nodes
+        return ep_nodes.ep_combine(y, handle, group)
     g = handle_group(handle, group, HTHandle, "ep_dispatch")
     p = handle.plan
     check_tensor("y", y, g, dtypes=(p.dtype,), contiguous=False)
@@ -585,6 +590,7 @@ def ep_combine(y: torch.Tensor, handle: HTHandle, group=None) -> torch.Tensor:
 def ep_dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
                    group_name: str, max_recv_tokens: Optional[int] = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ep_nodes.eager_only(group_name, "ep_dispatch")
     recv_x, recv_idx, recv_w, counts, handle = ep_dispatch.eager(x, topk_idx, topk_weights, num_experts,
                                                                  max_recv_tokens, group=group_name)
     return recv_x.contiguous(), recv_idx, recv_w, counts, handle.rank_pos, handle.table
@@ -614,6 +620,7 @@ def _(x, topk_idx, topk_weights, num_experts, max_recv_tokens=None, group=None):
 def ep_combine_op(y: torch.Tensor, rank_pos: torch.Tensor, table: torch.Tensor, x: torch.Tensor,
                   topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, group_name: str,
                   max_recv_tokens: Optional[int] = None) -> torch.Tensor:
+    ep_nodes.eager_only(group_name, "ep_combine")
     found = _plan(resolve(group_name), x, topk_idx, topk_weights, num_experts, max_recv_tokens)
     rows = y.shape[0]
     limit = found.cap if max_recv_tokens is None else rows

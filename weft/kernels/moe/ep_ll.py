@@ -36,6 +36,7 @@ from ..blocks import fp8_quantize, halves_of, word_of
 from ..common import Launch, Plan, check_tensor, group_name, group_size, handle_group, plan, resolve, signature
 from ..gemm import num_sms
 from ..registry import declare_op
+from . import ep_nodes
 from .ep_workspace import _ELEM, _rows, _rows_ready, _too_big, _word_columns, _workspace
 from .routing import INDEX_DTYPES, _check_routing, check_rows, peer_error, valid_experts
 
@@ -578,7 +579,10 @@ def ep_dispatch_ll(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, ma
     """
     if not isinstance(return_recv_hook, bool):
         raise TypeError(f"return_recv_hook must be a bool, got {type(return_recv_hook).__name__}")
-    found = _plan(resolve(group), x, topk_idx, num_experts, max_tokens_per_rank, fp8)
+    g = resolve(group)
+    if g.topology.spans_nodes:  # the network to the target node, then NVLink: ep_nodes
+        return ep_nodes.ep_dispatch_ll(g, x, topk_idx, num_experts, max_tokens_per_rank, fp8, return_recv_hook)
+    found = _plan(g, x, topk_idx, num_experts, max_tokens_per_rank, fp8)
     return found.dispatch(x, topk_idx, return_recv_hook)
 
 
@@ -601,6 +605,8 @@ def ep_combine_ll(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
     hook once, before the next ep_combine_ll."""
     if not isinstance(return_recv_hook, bool):
         raise TypeError(f"return_recv_hook must be a bool, got {type(return_recv_hook).__name__}")
+    if isinstance(handle, ep_nodes.NodesHandle):  # a dispatch across nodes
+        return ep_nodes.ep_combine_ll(y, topk_idx, topk_weights, handle, return_recv_hook, group)
     g = handle_group(handle, group, LLHandle, "ep_dispatch_ll")
     p = handle.plan
     check_tensor("y", y, g, dtypes=(p.dtype,), contiguous=False)
@@ -633,6 +639,7 @@ def _no_hook(return_recv_hook) -> None:
 def ep_dispatch_ll_op(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int,
                       group_name: str, fp8: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ep_nodes.eager_only(group_name, "ep_dispatch_ll")
     recv, counts, scales, handle = ep_dispatch_ll.eager(x, topk_idx, num_experts, max_tokens_per_rank, fp8,
                                                         group=group_name)
     if scales is None:
@@ -666,6 +673,7 @@ def _(x, topk_idx, num_experts, max_tokens_per_rank, fp8=False, return_recv_hook
 def ep_combine_ll_op(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, routes: torch.Tensor,
                      x: torch.Tensor, dispatch_topk_idx: torch.Tensor, num_experts: int, max_tokens_per_rank: int,
                      group_name: str, fp8: bool = False) -> torch.Tensor:
+    ep_nodes.eager_only(group_name, "ep_combine_ll")
     found = _plan(resolve(group_name), x, dispatch_topk_idx, num_experts, max_tokens_per_rank, fp8)
     handle = LLHandle(found, routes, found._src(routes),
                       (x, dispatch_topk_idx, num_experts, max_tokens_per_rank, fp8, group_name))
