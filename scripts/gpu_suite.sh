@@ -29,7 +29,7 @@
 #     groups: tests/test_gpu_groups.py on 1 and all GPUs, examples/train_tp_dp.py, overhead rows with group=,
 #     `weft bench groups` on all GPUs (the collectives and ag_gemm / gemm_rs on groups of N/2, consecutive and
 #     every other rank, against NCCL on the same groups and the same op on the world);
-#     nodes: tests/test_gpu_nodes.py over simulated nodes (2 nodes of 1; on 4+ GPUs all GPUs as 2 nodes of N/2 and
+#     nodes: tests/test_gpu_nodes.py and test_gpu_nodes_ep.py over simulated nodes (2 nodes of 1; on 4+ GPUs all GPUs as 2 nodes of N/2 and
 #     as N nodes of 1): the hierarchical collectives, ag_gemm, gemm_rs, sp_flash_decode and the Ulysses all-to-all
 #     against NCCL / torch, 1000 calls of each; `weft bench nodes` on all GPUs (each op at N nodes of 1, 2 of N/2
 #     and one of N, beside NCCL and the cost model's prediction, in one report);
@@ -164,7 +164,7 @@ if has nodes && [ "$NGPU" -ge 2 ]; then
     n=${layout%:*} local=${layout#*:}
     [ "$n" -ge 2 ] && [ "$local" -lt "$n" ] || continue
     step "gpu_nodes_${n}_local_$local" timeout 240 python3 -m weft run -n "$n" --local-world-size "$local" \
-      -m pytest tests/test_gpu_nodes.py -m gpu -q -x -p no:cacheprovider
+      -m pytest tests/test_gpu_nodes.py tests/test_gpu_nodes_ep.py -m gpu -q -x -p no:cacheprovider
   done
   # Three worlds in one run (one per layout), each compiling and making its heaps: more than a one-world suite.
   step "bench_nodes_$NGPU" timeout 400 python3 -m weft bench -n "$NGPU" nodes --out "$OUT/bench"
