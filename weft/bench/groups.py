@@ -134,37 +134,7 @@ def _bus_factor(op: str, size: int) -> float:
 def _collective(op: str, size: int, weft_group, pg, span: int, label: str):
     """(weft fn(i), baseline fn(i)) of `op` at `size` bytes per rank over `span` ranks (weft_group, pg: the same
     ranks; None, the world's group: the world), weft's checked against the baseline's."""
-    dtype = torch.bfloat16
-    n = size // dtype.itemsize // (1 if op == "all_reduce" else span)  # elements per rank's input (or shard)
-    xs = sweep.inputs(n * (span if op == "reduce_scatter" else 1), dtype)
-    dev = weft.device()
-    if op == "all_reduce":
-        ref = xs[0].clone()
-        dist.all_reduce(ref, group=pg)
-        in_place = [x.clone() for x in xs]
-        out = torch.empty_like(ref)
-        weft_fn = lambda i: weft.ops.all_reduce(xs[i], out=out, group=weft_group)  # noqa: E731
-        base_fn = lambda i: dist.all_reduce(in_place[i], group=pg)  # noqa: E731
-    elif op == "all_gather":
-        ref = torch.empty(n * span, dtype=dtype, device=dev)
-        all_gather_ref(ref, xs[0], pg)
-        out = torch.empty_like(ref)
-        weft_fn = lambda i: weft.ops.all_gather(xs[i], out=out, group=weft_group)  # noqa: E731
-        base_fn = lambda i: all_gather_ref(out, xs[i], pg)  # noqa: E731
-    else:
-        ref = torch.empty(n, dtype=dtype, device=dev)
-        reduce_scatter_ref(ref, xs[0], pg)
-        out = torch.empty_like(ref)
-        weft_fn = lambda i: weft.ops.reduce_scatter(xs[i], out=out, group=weft_group)  # noqa: E731
-        base_fn = lambda i: reduce_scatter_ref(out, xs[i], pg)  # noqa: E731
-    out.fill_(float("nan"))
-    got = weft_fn(0)
-    if op == "all_gather":  # pure data movement: bit for bit
-        if not torch.equal(got, ref):
-            raise RuntimeError(f"{label}: all_gather mismatch against the process group's at {human_bytes(size)}")
-    else:
-        sweep.check(label, got, ref, "the process group's", size)
-    return weft_fn, base_fn
+    return sweep.collective_case(op, size, span, weft_group, pg, label, "the process group's")
 
 
 def _gemm(op: str, shape: tuple[int, int, int], group_size: int, weft_group, pg, span: int, method: str,

@@ -129,36 +129,7 @@ def _check_path(w, op: str) -> None:
 
 def _collective(w, op: str, size: int, baseline: str, with_baseline: bool) -> dict:
     """{impl: fn(i)} for input set i of `op` at `size` bytes, checked."""
-    dtype = torch.bfloat16
-    g = w.group
-    n = size // dtype.itemsize // (1 if op == "all_reduce" else w.world_size)  # elements per rank's input
-    xs = sweep.inputs(n * (w.world_size if op == "reduce_scatter" else 1), dtype)
-    if op == "all_reduce":
-        ref = xs[0].clone()
-        dist.all_reduce(ref, group=g)
-        in_place = [x.clone() for x in xs]
-        out = torch.empty_like(ref)
-        weft_fn = lambda i: weft.ops.all_reduce(xs[i], out=out)  # noqa: E731
-        base_fn = lambda i: dist.all_reduce(in_place[i], group=g)  # noqa: E731
-    elif op == "all_gather":
-        ref = torch.empty(n * w.world_size, dtype=dtype, device=w.device)
-        all_gather_ref(ref, xs[0], g)
-        out = torch.empty_like(ref)
-        weft_fn = lambda i: weft.ops.all_gather(xs[i], out=out)  # noqa: E731
-        base_fn = lambda i: all_gather_ref(out, xs[i], g)  # noqa: E731
-    else:
-        ref = torch.empty(n, dtype=dtype, device=w.device)
-        reduce_scatter_ref(ref, xs[0], g)
-        out = torch.empty_like(ref)
-        weft_fn = lambda i: weft.ops.reduce_scatter(xs[i], out=out)  # noqa: E731
-        base_fn = lambda i: reduce_scatter_ref(out, xs[i], g)  # noqa: E731
-    out.fill_(float("nan"))
-    got = weft_fn(0)
-    if op == "all_gather":  # pure data movement: bit for bit
-        if not torch.equal(got, ref):
-            raise RuntimeError(f"all_gather: mismatch against {baseline} at {human_bytes(size)}")
-    else:
-        sweep.check(op, got, ref, baseline, size)
+    weft_fn, base_fn = sweep.collective_case(op, size, w.world_size, None, w.group, op, baseline)
     _check_path(w, op)
     impls = {_label(len(w.nodes[0]), w.world_size): weft_fn}
     if with_baseline:

@@ -4,8 +4,10 @@ views: CUDA-graph replay (every implementation) and eager back-to-back calls (th
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 import weft
+from weft.testing.reference import all_gather_ref, reduce_scatter_ref
 
 from .report import Row, human_bytes
 from .timing import cycling, time_calls
@@ -59,6 +61,44 @@ def check(name: str, got: torch.Tensor, ref: torch.Tensor, baseline: str, size: 
         torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
     except AssertionError as e:
         raise RuntimeError(f"{name}: mismatch against {baseline} at {human_bytes(size)}: {e}") from None
+
+
+def collective_case(op: str, size: int, span: int, weft_group, pg, label: str, baseline: str):
+    """(weft fn(i), baseline fn(i)) of all_reduce / all_gather / reduce_scatter on bf16 input set i at `size` bytes
+    (the all_reduce tensor, the all_gather output, the reduce_scatter input) over `span` ranks: weft's op with
+    group=`weft_group` (None: the world) into one output, the process group `pg`'s collective (all_reduce in
+    place); weft's result checked against the baseline's first (all_gather bit for bit) before any timing."""
+    dtype = torch.bfloat16
+    n = size // dtype.itemsize // (1 if op == "all_reduce" else span)  # elements per rank's input (or shard)
+    xs = inputs(n * (span if op == "reduce_scatter" else 1), dtype)
+    dev = weft.device()
+    if op == "all_reduce":
+        ref = xs[0].clone()
+        dist.all_reduce(ref, group=pg)
+        in_place = [x.clone() for x in xs]
+        out = torch.empty_like(ref)
+        weft_fn = lambda i: weft.ops.all_reduce(xs[i], out=out, group=weft_group)  # noqa: E731
+        base_fn = lambda i: dist.all_reduce(in_place[i], group=pg)  # noqa: E731
+    elif op == "all_gather":
+        ref = torch.empty(n * span, dtype=dtype, device=dev)
+        all_gather_ref(ref, xs[0], pg)
+        out = torch.empty_like(ref)
+        weft_fn = lambda i: weft.ops.all_gather(xs[i], out=out, group=weft_group)  # noqa: E731
+        base_fn = lambda i: all_gather_ref(out, xs[i], pg)  # noqa: E731
+    else:
+        ref = torch.empty(n, dtype=dtype, device=dev)
+        reduce_scatter_ref(ref, xs[0], pg)
+        out = torch.empty_like(ref)
+        weft_fn = lambda i: weft.ops.reduce_scatter(xs[i], out=out, group=weft_group)  # noqa: E731
+        base_fn = lambda i: reduce_scatter_ref(out, xs[i], pg)  # noqa: E731
+    out.fill_(float("nan"))
+    got = weft_fn(0)
+    if op == "all_gather":  # pure data movement: bit for bit
+        if not torch.equal(got, ref):
+            raise RuntimeError(f"{label}: all_gather mismatch against {baseline} at {human_bytes(size)}")
+    else:
+        check(label, got, ref, baseline, size)
+    return weft_fn, base_fn
 
 
 def torch_symm_op(name: str, dtype: torch.dtype):

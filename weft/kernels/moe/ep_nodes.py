@@ -40,6 +40,7 @@ import torch.distributed as dist
 from .. import hierarchical
 from ..common import Plan, check_tensor, plan, resolve, signature
 from ..pointwise import fp8_rows_torch
+from . import ep_ll  # its RecvHook (ep_ll imports this module: the attribute is read at call time)
 from .routing import INDEX_DTYPES, _check_routing
 
 
@@ -245,7 +246,7 @@ class NodesPlan(Plan):
         if not hook:
             receive()
             return recv, counts, scales, handle
-        return recv, counts, scales, handle, _Hook("ep_dispatch_ll", self.pending, receive)
+        return recv, counts, scales, handle, ep_ll.RecvHook("ep_dispatch_ll", self.pending, receive)
 
     def dispatch_ht(self, x, topk_idx, topk_weights, max_recv):
         """ep_dispatch's outputs (recv_x, recv_topk_idx, recv_topk_weights, counts, handle)."""
@@ -302,7 +303,7 @@ class NodesPlan(Plan):
         if not hook:
             return total.to(self.dtype)
         out = torch.empty((routes.tokens, self.hidden), dtype=self.dtype, device=y.device)
-        return out, _Hook("ep_combine_ll", self.pending, lambda: out.copy_(total))
+        return out, ep_ll.RecvHook("ep_combine_ll", self.pending, lambda: out.copy_(total))
 
     def combine_ht(self, y, handle):
         routes = handle.routes
@@ -311,22 +312,6 @@ class NodesPlan(Plan):
         partial = torch.zeros((arrived, self.hidden), dtype=self.dtype, device=y.device)
         partial[:take] = y[:take]  # rows past max_recv_tokens were dropped: nothing from here
         return self._backward(self._to_arrival(partial, routes), routes).to(self.dtype)
-
-
-class _Hook:
-    """The receive half of an LL call across nodes (return_recv_hook=True): the rail hop ran in the call; the hook
-    runs the rest. Call it once, before the next call of the same op."""
-
-    def __init__(self, op: str, pending: dict, receive):
-        self.op, self.pending, self.receive, self.done = op, pending, receive, False
-        pending[op] = self
-
-    def __call__(self) -> None:
-        if self.done:
-            raise RuntimeError(f"this {self.op} receive hook has run already")
-        self.done = True
-        del self.pending[self.op]
-        self.receive()
 
 
 def ep_dispatch_ll(group, x, topk_idx, num_experts, max_tokens, fp8, hook):
