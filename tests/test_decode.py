@@ -8,7 +8,7 @@ ranks:
 - both GEMV paths (tl.dot and dot-free) of every op at M = 1, 3 (and 8 outside CI), narrow and wide column runs, against torch
   and the layers path; decode.gemv's keys resolved per op and row range;
 - the decoder's decode steps and greedy generation on the fused path against the layers path and transformers
-  (Qwen3 and Llama configs, 1 and 2 ranks, batch 1 and 3; Llama's batch 3 outside CI).
+  (Qwen3 and Llama configs, 1 and 2 ranks, batch 1 and 3; batch 3 outside CI).
 """
 import pytest
 
@@ -321,9 +321,9 @@ def _decode_paths(kind, rope, batches):
     return tokens
 
 
-# Batch 3 at 2 ranks outside CI: qwen3 at 1 rank takes both batches, llama at 2 ranks batch 1 (the fused path's
-# default batch) in CI.
-@pytest.mark.parametrize("kind, world_size, batches", [("qwen3", 1, (1, 3)), ("llama", 2, (1,)),
+# Batch 1 (the fused path's default batch) in CI; batch 3 outside it (the fused ops at 3 rows: test_gemv_paths).
+@pytest.mark.parametrize("kind, world_size, batches", [("qwen3", 1, (1,)), ("llama", 2, (1,)),
+                                                       pytest.param("qwen3", 1, (3,), marks=pytest.mark.long),
                                                        pytest.param("llama", 2, (3,), marks=pytest.mark.long)])
 def test_fused_decode_matches_layers_and_transformers(kind, world_size, batches):
     from test_model import ENV, LLAMA3_ROPE
