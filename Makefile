@@ -1,5 +1,6 @@
 # make demo: environment + install + the main demo (all GPUs if present, else 4 cpu ranks)
-# make test: environment + install + the cpu test suite (interpreter ranks + sm_90 compile checks)
+# make test: environment + install + the cpu test suite (interpreter ranks + sm_90 compile checks); the 30 slowest
+# tests listed at the end, so that a CI log shows where its time goes
 # Every command runs the venv's own python and `weft` (`source .venv/bin/activate` puts them on PATH).
 # make docs: environment + the docs extra + the documentation site into site/ (mkdocs build --strict)
 VENV ?= .venv
@@ -22,7 +23,7 @@ demo: $(STAMP)
 	$(VENV)/bin/weft demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 # The wheel as a user installs it, in a fresh venv: imports and a tutorial through its `weft` command.
 wheel-check: $(STAMP)

@@ -5,10 +5,10 @@ ranks:
   and SiLU formulas) on fresh random inputs, fp32 and bf16, row counts and widths that leave every block ragged,
   shapes that take the split-K path and shapes that do not, each plan called twice (the split-K counters are
   zeroed for the next call), outputs that start poisoned; bad arguments refused, naming them;
-- both GEMV paths (tl.dot and dot-free) of every op at M = 1, 3, 8, narrow and wide column runs, against torch
+- both GEMV paths (tl.dot and dot-free) of every op at M = 1, 3 (and 8 outside CI), narrow and wide column runs, against torch
   and the layers path; decode.gemv's keys resolved per op and row range;
 - the decoder's decode steps and greedy generation on the fused path against the layers path and transformers
-  (Qwen3 and Llama configs, 1 and 2 ranks, batch 1 and 3).
+  (Qwen3 and Llama configs, 1 and 2 ranks, batch 1 and 3; batch 3 outside CI).
 """
 import pytest
 
@@ -94,9 +94,9 @@ def test_fused_ops_match_torch():
     assert run_ranks(_fused_ops, 1, 0, timeout=TIMEOUT)[0]
 
 
-def _gemv_paths(seed):
-    """Both GEMV paths (tl.dot and dot-free, forced through the plans' settings) of every fused op at M = 1, 3 and 8
-    on odd shapes (K, N, heads of 40 ragged against the blocks), split K and not, narrow and wide column runs (one
+def _gemv_paths(seed, row_counts):
+    """Both GEMV paths (tl.dot and dot-free, forced through the plans' settings) of every fused op at M in
+    `row_counts` on odd shapes (K, N, heads of 40 ragged against the blocks), split K and not, narrow and wide column runs (one
     and two heads a QKV program), against torch and the layers path (weft.ops.rms_norm, x @ W, silu_mul,
     qk_norm_rope: what the decoder runs without WEFT_DECODE=fused)."""
     import torch
@@ -120,7 +120,7 @@ def _gemv_paths(seed):
             # bf16: runs of 64 columns (one tile of the projections below; two heads of 40 a QKV program).
             block_n = 16 if dtype == torch.float32 else 64
             settings = dict(block_n=block_n, block_k=32, num_warps=4, num_stages=2, programs_per_sm=4, dot=dot)
-            for m in (1, 3, 8):
+            for m in row_counts:
                 what = f"dot={dot} M={m} {dtype}"
                 # linear_residual: K ragged against the K block, N against the two column runs of a program.
                 for k, n in ((200, 72), (24, 40)):
@@ -172,8 +172,10 @@ def _gemv_paths(seed):
     return True
 
 
-def test_gemv_paths_match_torch_and_layers():
-    assert run_ranks(_gemv_paths, 1, 1, timeout=TIMEOUT)[0]
+# M = 1 and 3 (one row, and rows ragged against every row block) in CI; 8 (whole row blocks) outside it.
+@pytest.mark.parametrize("row_counts", [(1, 3), pytest.param((8,), marks=pytest.mark.long)])
+def test_gemv_paths_match_torch_and_layers(row_counts):
+    assert run_ranks(_gemv_paths, 1, 1, row_counts, timeout=TIMEOUT)[0]
 
 
 def _settings_resolved():
@@ -279,9 +281,9 @@ def test_bad_arguments_are_refused():
     assert run_ranks(_bad_arguments, 1, timeout=TIMEOUT)[0]
 
 
-def _decode_paths(kind, rope):
+def _decode_paths(kind, rope, batches):
     """Decode steps on the fused path against the layers path and transformers, and greedy generation on it against
-    transformers', batch 1 and 3 (3 runs padded to its bucket of 4 in generate), the same tiny model."""
+    transformers', at each batch of `batches` (3 runs padded to its bucket of 4 in generate), the same tiny model."""
     import torch
 
     import weft
@@ -297,7 +299,7 @@ def _decode_paths(kind, rope):
     assert model.with_comm("nccl").decode_path(1) == "layers"  # the NCCL+cuBLAS baseline stays on the layers
     g = torch.Generator().manual_seed(2 + weft.world_size())
     tokens = {}
-    for batch in (1, 3):
+    for batch in batches:
         prompts = torch.randint(0, 96, (batch, 5), generator=g)
         cont = torch.randint(0, 96, (batch, 2), generator=g)
         with torch.no_grad():
@@ -319,12 +321,15 @@ def _decode_paths(kind, rope):
     return tokens
 
 
-@pytest.mark.parametrize("kind, world_size", [("qwen3", 1), ("llama", 2)])
-def test_fused_decode_matches_layers_and_transformers(kind, world_size):
+# Batch 1 (the fused path's default batch) in CI; batch 3 outside it (the fused ops at 3 rows: test_gemv_paths).
+@pytest.mark.parametrize("kind, world_size, batches", [("qwen3", 1, (1,)), ("llama", 2, (1,)),
+                                                       pytest.param("qwen3", 1, (3,), marks=pytest.mark.long),
+                                                       pytest.param("llama", 2, (3,), marks=pytest.mark.long)])
+def test_fused_decode_matches_layers_and_transformers(kind, world_size, batches):
     from test_model import ENV, LLAMA3_ROPE
 
-    results = run_ranks(_decode_paths, world_size, kind, LLAMA3_ROPE if kind == "llama" else None, timeout=TIMEOUT,
-                        env=ENV)
+    results = run_ranks(_decode_paths, world_size, kind, LLAMA3_ROPE if kind == "llama" else None, batches,
+                        timeout=TIMEOUT, env=ENV)
     assert all(r == results[0] for r in results), "ranks generated different tokens"
 
 
