@@ -4,6 +4,8 @@ micro-batches in ping-pong, at 3 + 1 with 4 (an M2N channel each: on one they wo
 baseline (DP attention + EPMoE over every rank).
 And the p2p workspace's first use between 2 of 4 ranks, the other two busy elsewhere.
 """
+import pytest
+
 from weft.testing import run_ranks
 
 ENV = {"WEFT_WAIT_TIMEOUT_S": "60"}
@@ -26,7 +28,15 @@ def _hf_moe(layers=2):
     return model
 
 
-def _generation_matches_transformers():
+# (name, placement, batch, micro-batches, new tokens): 3 + 1 at k = 4 deadlocks in its first decode step on one M2N
+# channel; a 5-token prefill in chunks of 4 tokens takes 2 M2N calls per micro-batch and layer. 2 + 2 runs two
+# decode steps (its M2N channels reused from step to step), the others one.
+PLACEMENTS = {"2+2": (dict(attention_ranks=[0, 1]), 4, 2, 3),
+              "3+1": (dict(attention_ranks=[0, 1, 2]), 12, 4, 2),
+              "colocated": (dict(colocated=True), 4, 1, 2)}
+
+
+def _generation_matches_transformers(names):
     import torch
 
     import weft
@@ -34,13 +44,9 @@ def _generation_matches_transformers():
 
     ref = _hf_moe()
     results = {}
-    # (name, placement, batch, micro-batches, new tokens): 3 + 1 at k = 4 deadlocks in its first decode step on one
-    # M2N channel; a 5-token prefill in chunks of 4 tokens takes 2 M2N calls per micro-batch and layer. 2 + 2 runs
-    # two decode steps (its M2N channels reused from step to step), the others one.
-    for name, kwargs, batch, micro, new in (("2+2", dict(attention_ranks=[0, 1]), 4, 2, 3),
-                                            ("3+1", dict(attention_ranks=[0, 1, 2]), 12, 4, 2),
-                                            ("colocated", dict(colocated=True), 4, 1, 2)):
-        prompts = torch.randint(0, 96, (batch, 5), generator=torch.Generator().manual_seed(len(results) + 1))
+    for name in names:
+        kwargs, batch, micro, new = PLACEMENTS[name]
+        prompts = torch.randint(0, 96, (batch, 5), generator=torch.Generator().manual_seed(len(name) + batch))
         model = disaggregated.from_hf(ref.config, ref.state_dict(), **kwargs)
         got = model.generate(prompts, new, micro_batches=micro, prefill_chunk=4)
         with torch.no_grad():
@@ -50,8 +56,10 @@ def _generation_matches_transformers():
     return results
 
 
-def test_generation_matches_transformers():
-    results = run_ranks(_generation_matches_transformers, 4, timeout=600, env=ENV)
+@pytest.mark.parametrize("names", [("2+2", "colocated"),
+                                   pytest.param(("3+1",), marks=pytest.mark.long)])  # CI: the issue's 2 + 2
+def test_generation_matches_transformers(names):
+    results = run_ranks(_generation_matches_transformers, 4, names, timeout=600, env=ENV)
     assert all(r == results[0] for r in results)
 
 
