@@ -89,12 +89,7 @@ def _sizes(args) -> list[int]:
 
 
 def _gemm_shapes(args, world_size: int, group_size: int) -> list[tuple[int, int, int]]:
-    try:
-        shapes = [tuple(int(d) for d in s.split("x")) for s in args.gemm_shapes.split(",") if s]
-    except ValueError:
-        shapes = []
-    if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes):
-        raise ValueError(f"--gemm-shapes must be MxNxK, comma-separated, got {args.gemm_shapes!r}")
+    shapes = sweep.gemm_shapes(args.gemm_shapes, "MxNxK")
     for m, n, k in shapes:  # the world reference's shards are M / world rows
         if m % world_size or n % group_size:
             raise ValueError(f"--gemm-shapes: {m}x{n}x{k} needs M divisible by the world size {world_size} and N "

@@ -95,13 +95,7 @@ def links(world_size: int) -> model.Links:
 
 
 def gemm_shapes(args) -> list[tuple[int, int, int]]:
-    try:
-        shapes = [tuple(int(d) for d in s.split("x")) for s in args.gemm_shapes.split(",") if s]
-    except ValueError:
-        shapes = []
-    if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes):
-        raise ValueError(f"--gemm-shapes must be MxKxN per rank, comma-separated, got {args.gemm_shapes!r}")
-    return shapes
+    return sweep.gemm_shapes(args.gemm_shapes, "MxKxN per rank")
 
 
 def _label(local: int, world_size: int) -> str:

@@ -63,6 +63,17 @@ def check(name: str, got: torch.Tensor, ref: torch.Tensor, baseline: str, size: 
         raise RuntimeError(f"{name}: mismatch against {baseline} at {human_bytes(size)}: {e}") from None
 
 
+def gemm_shapes(text: str, form: str) -> list[tuple[int, int, int]]:
+    """`--gemm-shapes`: comma-separated AxBxC of positive ints (`form` names the axes in the error)."""
+    try:
+        shapes = [tuple(int(d) for d in s.split("x")) for s in text.split(",") if s]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes):
+        raise ValueError(f"--gemm-shapes must be {form}, comma-separated, got {text!r}")
+    return shapes
+
+
 def collective_case(op: str, size: int, span: int, weft_group, pg, label: str, baseline: str):
     """(weft fn(i), baseline fn(i)) of all_reduce / all_gather / reduce_scatter on bf16 input set i at `size` bytes
     (the all_reduce tensor, the all_gather output, the reduce_scatter input) over `span` ranks: weft's op with

@@ -321,6 +321,19 @@ def _route_layout(local: int, world_size: int, max_tokens: int, k: int) -> tuple
     return at, at[2] + world_size * max_tokens * k
 
 
+def check_dispatch_ll(group, x, topk_idx, num_experts, max_tokens, fp8) -> None:
+    """ep_dispatch_ll's arguments but x's token count (checked per call against max_tokens): routing shapes and
+    dtypes, max_tokens_per_rank, fp8 and the hidden size it needs. The single-node and the across-nodes plans'."""
+    _check_routing(group, x, topk_idx, num_experts)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens < (1 << 16):
+        raise ValueError(f"max_tokens_per_rank must be an int in [1, 65536), got {max_tokens!r}")
+    if not isinstance(fp8, bool):
+        raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
+    if fp8 and x.shape[1] % 128:
+        raise ValueError(f"fp8 needs a hidden size that is a multiple of 128 (one scale per 128 channels), "
+                         f"got {x.shape[1]}")
+
+
 class RecvHook:
     """The receive half of an LL call made with return_recv_hook=True: the send was launched, and calling the
     hook launches the receive (on the current stream: the send's, or one ordered after it). Call it once,
@@ -368,16 +381,9 @@ class LLPlan(Plan):
 
     def __init__(self, group, x, topk_idx, num_experts, max_tokens, fp8):
         super().__init__(group)
-        _check_routing(group, x, topk_idx, num_experts)
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens < (1 << 16):
-            raise ValueError(f"max_tokens_per_rank must be an int in [1, 65536), got {max_tokens!r}")
+        check_dispatch_ll(group, x, topk_idx, num_experts, max_tokens, fp8)
         if x.shape[0] > max_tokens:
             raise ValueError(f"x has {x.shape[0]} tokens, more than max_tokens_per_rank={max_tokens}")
-        if not isinstance(fp8, bool):
-            raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
-        if fp8 and x.shape[1] % 128:
-            raise ValueError(f"fp8 needs a hidden size that is a multiple of 128 (one scale per 128 channels), "
-                             f"got {x.shape[1]}")
         w = group.size
         self.heap, self.fp8 = group.heap.descriptor, fp8
         self.k, self.hidden, self.dtype, self.max_tokens = topk_idx.shape[1], x.shape[1], x.dtype, max_tokens

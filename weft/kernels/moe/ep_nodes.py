@@ -40,7 +40,7 @@ import torch.distributed as dist
 from .. import hierarchical
 from ..common import Plan, check_tensor, plan, resolve, signature
 from ..pointwise import fp8_rows_torch
-from . import ep_ll  # its RecvHook (ep_ll imports this module: the attribute is read at call time)
+from . import ep_ll  # its RecvHook and LL checks (ep_ll imports this module: attributes read at call time)
 from .routing import INDEX_DTYPES, _check_routing
 
 
@@ -317,14 +317,7 @@ class NodesPlan(Plan):
 def ep_dispatch_ll(group, x, topk_idx, num_experts, max_tokens, fp8, hook):
     """ep_dispatch_ll on a spanning group (its arguments checked here as the single-node op checks them)."""
     def make():
-        _check_routing(group, x, topk_idx, num_experts)
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens < (1 << 16):
-            raise ValueError(f"max_tokens_per_rank must be an int in [1, 65536), got {max_tokens!r}")
-        if not isinstance(fp8, bool):
-            raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
-        if fp8 and x.shape[1] % 128:
-            raise ValueError(f"fp8 needs a hidden size that is a multiple of 128 (one scale per 128 channels), "
-                             f"got {x.shape[1]}")
+        ep_ll.check_dispatch_ll(group, x, topk_idx, num_experts, max_tokens, fp8)
         return NodesPlan(group, x, topk_idx, num_experts, ll=True, fp8=fp8, weights=False)
 
     found = plan(group, lambda: ("ep_ll_nodes", signature(x), signature(topk_idx), num_experts, max_tokens, fp8),
