@@ -166,9 +166,19 @@ def test_collectives_on_two_nodes_of_two():
     import torch
 
     # A 64 KiB workspace: the last case's rail exchange goes through in passes.
-    cases = [((3, 5), torch.float32), ((1,), torch.int32), ((33, 7), torch.bfloat16), ((4096 + 13,), torch.float32)]
+    # (8, 6) splits evenly between a node's two members: all_reduce's node reduce_scatter takes x unpadded.
+    cases = [((3, 5), torch.float32), ((1,), torch.int32), ((33, 7), torch.bfloat16), ((8, 6), torch.bfloat16),
+             ((4096 + 13,), torch.float32)]
     env = dict(TWO_NODES, WEFT_WORKSPACE_BYTES="64KiB")
     assert all(run_ranks(_collectives, 4, cases, env=env, timeout=400))
+
+
+def test_collectives_on_four_nodes_of_one():
+    import torch
+
+    # One member per node: no node op, the rail is the whole group in group order (no reorder, no padding).
+    cases = [((3, 5), torch.float32), ((8, 6), torch.bfloat16)]
+    assert all(run_ranks(_collectives, 4, cases, env={"WEFT_LOCAL_WORLD_SIZE": "1"}, timeout=400))
 
 
 def test_collectives_on_three_nodes_of_two():
