@@ -34,7 +34,9 @@ gemm_rs's on a side stream, beside the node's kernels: see their classes).
 The node and rail groups are made on the op's first call on the group, among its members only (torch's
 `use_local_synchronization`), once per set of ranks in a world, with a heap just large enough for the families'
 workspaces they use. A group whose nodes hold different numbers of its members has no rails: its ops take the
-process group's collective (`nccl` method) instead.
+process group's collective (`nccl` method) instead. The collectives call the node's reduce_scatter and all_gather
+through those ops' plans, made on their own first call: no dispatch, group resolution or plan key per call (an
+eager call's host cost: docs/nodes.md, scripts/probe_nodes_host.py).
 """
 from __future__ import annotations
 
