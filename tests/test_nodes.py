@@ -134,6 +134,10 @@ def _collectives(cases):
                 dist.all_gather(every, got, group=g.process_group)
                 assert all(torch.equal(e.view(torch.uint8) if e.dtype == torch.bfloat16 else e, every[0].view(
                     torch.uint8) if e.dtype == torch.bfloat16 else every[0]) for e in every)
+                if g.topology.spans_nodes:  # in place: the same algorithm, the same bits
+                    y = x.clone()
+                    assert weft.ops.all_reduce(y, op=op, out=y, group=group) is y
+                    assert torch.equal(y, got), (op, shape, dtype, g)
 
             rows = size * shape[0]
             xs = torch.randn((rows, *shape[1:]), generator=gen).to(dtype) if dtype.is_floating_point else \
