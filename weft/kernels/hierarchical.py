@@ -291,8 +291,8 @@ class AllReduce:
 
 class ReduceScatter:
     """reduce_scatter over a spanning group: blocks reordered by rail, node reduce_scatter, rail reduce_scatter.
-    `run(x, out)` as AllReduce's; the node's reduce_scatter and all_gather (AllGather) as there: their plans, run
-    directly from the second call on. With one member per node the rail order is group order: no reorder."""
+    `run(x, out)` as AllReduce's, the node's reduce_scatter as there (its plan, made on the first call). With one
+    member per node the rail order is group order: no reorder."""
 
     def __init__(self, group: Group, h: Hierarchy, shape, op: str, check):
         self.group, self.h, self.shape, self.op, self.check = group, h, tuple(shape), op, check
