@@ -327,7 +327,7 @@ class ReduceScatter:
 class AllGather:
     """all_gather over a spanning group: rail all_gather, node all_gather, blocks back in group order.
     `run(x, out)` as AllReduce's. With one member per node the rail's gather is the whole result, in group
-    order: straight into the output."""
+    order: straight into the output; else the node's all_gather as AllReduce's (its plan, made on the first call)."""
 
     def __init__(self, group: Group, h: Hierarchy, shape, dtype: torch.dtype, check):
         self.group, self.h, self.shape, self.dtype, self.check = group, h, tuple(shape), dtype, check
