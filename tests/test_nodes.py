@@ -134,6 +134,10 @@ def _collectives(cases):
                 dist.all_gather(every, got, group=g.process_group)
                 assert all(torch.equal(e.view(torch.uint8) if e.dtype == torch.bfloat16 else e, every[0].view(
                     torch.uint8) if e.dtype == torch.bfloat16 else every[0]) for e in every)
+                if g.topology.spans_nodes:  # in place: the same algorithm, the same bits
+                    y = x.clone()
+                    assert weft.ops.all_reduce(y, op=op, out=y, group=group) is y
+                    assert torch.equal(y, got), (op, shape, dtype, g)
 
             rows = size * shape[0]
             xs = torch.randn((rows, *shape[1:]), generator=gen).to(dtype) if dtype.is_floating_point else \
@@ -166,9 +170,19 @@ def test_collectives_on_two_nodes_of_two():
     import torch
 
     # A 64 KiB workspace: the last case's rail exchange goes through in passes.
-    cases = [((3, 5), torch.float32), ((1,), torch.int32), ((33, 7), torch.bfloat16), ((4096 + 13,), torch.float32)]
+    # (8, 6) splits evenly between a node's two members: all_reduce's node reduce_scatter takes x unpadded.
+    cases = [((3, 5), torch.float32), ((1,), torch.int32), ((33, 7), torch.bfloat16), ((8, 6), torch.bfloat16),
+             ((4096 + 13,), torch.float32)]
     env = dict(TWO_NODES, WEFT_WORKSPACE_BYTES="64KiB")
     assert all(run_ranks(_collectives, 4, cases, env=env, timeout=400))
+
+
+def test_collectives_on_four_nodes_of_one():
+    import torch
+
+    # One member per node: no node op, the rail is the whole group in group order (no reorder, no padding).
+    cases = [((3, 5), torch.float32), ((8, 6), torch.bfloat16)]
+    assert all(run_ranks(_collectives, 4, cases, env={"WEFT_LOCAL_WORLD_SIZE": "1"}, timeout=400))
 
 
 def test_collectives_on_three_nodes_of_two():

@@ -34,7 +34,9 @@ gemm_rs's on a side stream, beside the node's kernels: see their classes).
 The node and rail groups are made on the op's first call on the group, among its members only (torch's
 `use_local_synchronization`), once per set of ranks in a world, with a heap just large enough for the families'
 workspaces they use. A group whose nodes hold different numbers of its members has no rails: its ops take the
-process group's collective (`nccl` method) instead.
+process group's collective (`nccl` method) instead. The collectives call the node's reduce_scatter and all_gather
+through those ops' plans, made on their own first call: no dispatch, group resolution or plan key per call (an
+eager call's host cost: docs/nodes.md, scripts/probe_nodes_host.py).
 """
 from __future__ import annotations
 
@@ -225,67 +227,98 @@ def _finish_avg(t: torch.Tensor, size: int) -> torch.Tensor:
 
 class AllReduce:
     """all_reduce of n elements over a spanning group: node reduce_scatter, rail all_reduce, node all_gather.
-    `run(x, out)` is the plan's run: `check(x, out)` first (the plan's own), the result into `out` when given."""
+    `run(x, out)` is the plan's run: `check(x, out)` first (the plan's own), the result into `out` when given.
+
+    The node's reduce_scatter and all_gather are their plans, made on the first call and then run directly: no
+    op dispatch, group resolution or plan key per call (host cost: docs/nodes.md). x goes to the node's
+    reduce_scatter as it is when its n elements split evenly among the node's members (that op only reads it),
+    else through a zero-padded copy."""
 
     def __init__(self, group: Group, h: Hierarchy, shape, op: str, check):
         self.group, self.h, self.shape, self.op, self.check = group, h, tuple(shape), op, check
         self.n = n = int(torch.Size(shape).numel())
         self.chunk = triton.cdiv(n, h.local_size)
+        self.padded = self.chunk * h.local_size != n
+        self.hop = "sum" if op == "avg" else op  # the op of both levels; avg divides once at the end
+        self.node_rs = self.node_ag = None  # the node's plans' runs (first call)
 
     def run(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         self.check(x, out)
+        if out is not None and self.h.local_size == 1 and out.is_contiguous():
+            # One member per node: the rail's all_reduce (in place on GPUs) on `out` itself, x copied there
+            # first (not at all in place): one copy fewer than reducing a copy of x and copying that to out.
+            if out is not x:
+                out.copy_(x)
+            flat = out.view(-1)
+            res = self.finish(_rail_all_reduce(self.h.rail, flat, self.hop))
+            if res.data_ptr() != flat.data_ptr():  # the cpu backend's rail sums into a new tensor
+                flat.copy_(res)
+            return out
         res = self.reduce(x)
         return res if out is None else out.copy_(res)
 
+    def finish(self, part: torch.Tensor) -> torch.Tensor:
+        return _finish_avg(part, self.group.size) if self.op == "avg" else part
+
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The reduced values, a new contiguous tensor of x's shape."""
-        from .all_gather import all_gather
-        from .all_reduce import reduce_scatter
-
         h, n, chunk = self.h, self.n, self.chunk
-        hop = "sum" if self.op == "avg" else self.op
         flat = x.reshape(-1)
         if h.local_size > 1:
-            padded = torch.empty(h.local_size * chunk, dtype=x.dtype, device=x.device)
-            padded[:n] = flat
-            padded[n:] = 0  # the padding's results are dropped; zeros keep them finite
-            part = reduce_scatter(padded.view(h.local_size, chunk), op=hop, group=h.node)
+            if self.padded:
+                blocks = torch.empty((h.local_size, chunk), dtype=x.dtype, device=x.device)
+                blocks.view(-1)[:n] = flat
+                blocks.view(-1)[n:] = 0  # the padding's results are dropped; zeros keep them finite
+            else:
+                blocks = flat.view(h.local_size, chunk)
+            if self.node_rs is None:
+                from .all_reduce import ReduceScatterPlan
+                self.node_rs = ReduceScatterPlan(h.node, blocks, self.hop, None, "auto").run
+            part = self.node_rs(blocks, None)
         else:
-            part = flat.clone()
-        part = _rail_all_reduce(h.rail, part, hop)
-        if self.op == "avg":
-            part = _finish_avg(part, self.group.size)
+            part = flat.clone()  # the rail's all_reduce is in place
+        part = self.finish(_rail_all_reduce(h.rail, part, self.hop))
         if h.local_size > 1:
-            part = all_gather(part.view(1, chunk), group=h.node).view(-1)[:n]
+            part = part.view(1, chunk)
+            if self.node_ag is None:
+                from .all_gather import AllGatherPlan
+                self.node_ag = AllGatherPlan(h.node, part, None, "auto").run
+            part = self.node_ag(part, None).view(-1)
+            if self.padded:
+                part = part[:n]
         return part.view(self.shape)
 
 
 class ReduceScatter:
     """reduce_scatter over a spanning group: blocks reordered by rail, node reduce_scatter, rail reduce_scatter.
-    `run(x, out)` as AllReduce's."""
+    `run(x, out)` as AllReduce's, the node's reduce_scatter as there (its plan, made on the first call). With one
+    member per node the rail order is group order: no reorder."""
 
     def __init__(self, group: Group, h: Hierarchy, shape, op: str, check):
         self.group, self.h, self.shape, self.op, self.check = group, h, tuple(shape), op, check
-        self.order = torch.tensor([g for rail in h.rails for g in rail], device=group.device)
+        self.hop = "sum" if op == "avg" else op
+        order = [g for rail in h.rails for g in rail]
+        self.order = None if order == list(range(group.size)) else torch.tensor(order, device=group.device)
+        self.node_rs = None
 
     def run(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         self.check(x, out)
-        res = self.reduce(x)  # from a reordered copy of x: an in-place out (a block of x) is safe
+        res = self.reduce(x)  # a new tensor (the rail's result): an in-place out (a block of x) is safe
         return res if out is None else out.copy_(res)
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
-        from .all_reduce import reduce_scatter
-
         h, w = self.h, self.group.size
-        hop = "sum" if self.op == "avg" else self.op
         blocks = x.reshape(w, -1)
         m = blocks.shape[1]
-        stacked = blocks.index_select(0, self.order)  # [rail j][rail member i]
-        if h.local_size > 1:
-            mine = reduce_scatter(stacked.view(h.local_size, -1), op=hop, group=h.node).view(-1, m)
+        if self.order is None:  # one member per node: the rail is the group, in its order
+            mine = blocks if blocks.is_contiguous() else blocks.contiguous()
         else:
-            mine = stacked
-        res = _rail_reduce_scatter(h.rail, mine, hop).reshape(self.shape)
+            stacked = blocks.index_select(0, self.order).view(h.local_size, -1)  # [rail j][rail member i]
+            if self.node_rs is None:
+                from .all_reduce import ReduceScatterPlan
+                self.node_rs = ReduceScatterPlan(h.node, stacked, self.hop, None, "auto").run
+            mine = self.node_rs(stacked, None).view(-1, m)
+        res = _rail_reduce_scatter(h.rail, mine, self.hop).reshape(self.shape)
         if self.op == "avg":
             res = _finish_avg(res, w)
         return res
@@ -293,11 +326,14 @@ class ReduceScatter:
 
 class AllGather:
     """all_gather over a spanning group: rail all_gather, node all_gather, blocks back in group order.
-    `run(x, out)` as AllReduce's."""
+    `run(x, out)` as AllReduce's. With one member per node the rail's gather is the whole result, in group
+    order: straight into the output; else the node's all_gather as AllReduce's (its plan, made on the first call)."""
 
     def __init__(self, group: Group, h: Hierarchy, shape, dtype: torch.dtype, check):
         self.group, self.h, self.shape, self.dtype, self.check = group, h, tuple(shape), dtype, check
-        self.order = torch.tensor([g for rail in h.rails for g in rail], device=group.device)
+        order = [g for rail in h.rails for g in rail]
+        self.order = None if order == list(range(group.size)) else torch.tensor(order, device=group.device)
+        self.node_ag = None
 
     def run(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         self.check(x, out)
@@ -310,18 +346,19 @@ class AllGather:
 
     def gather(self, x: torch.Tensor, dst: torch.Tensor) -> None:
         """Gather x into `dst` (contiguous, the op's output shape)."""
-        from .all_gather import all_gather
-
         h = self.h
         shard = x.reshape(-1)
         if not shard.is_contiguous():
             shard = shard.contiguous()
-        rail_rows = _rail_all_gather(h.rail, shard)
-        if h.local_size > 1:
-            gathered = all_gather(rail_rows.reshape(1, -1), group=h.node)
-        else:
-            gathered = rail_rows
-        dst.view(self.group.size, -1).index_copy_(0, self.order, gathered.reshape(self.group.size, -1))
+        if self.order is None:
+            _rail_all_gather(h.rail, shard, dst.view(self.group.size, -1))
+            return
+        rail_rows = _rail_all_gather(h.rail, shard).view(1, -1)
+        if self.node_ag is None:
+            from .all_gather import AllGatherPlan
+            self.node_ag = AllGatherPlan(h.node, rail_rows, None, "auto").run
+        gathered = self.node_ag(rail_rows, None)
+        dst.view(self.group.size, -1).index_copy_(0, self.order, gathered.view(self.group.size, -1))
 
 
 class AgGemm:
