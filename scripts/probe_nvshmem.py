@@ -51,6 +51,9 @@ import socket
 import time
 import traceback
 
+import torch
+import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
 import torch.distributed._symmetric_memory._nvshmem_triton as nvshmem
 import triton
 import triton.language as tl
@@ -439,14 +442,9 @@ COPY_BLOCK = 1024  # bytes a program moves per step of its loops
 
 
 class Pe:
-    """This PE in an N-PE experiment: its rank (GPU and NVSHMEM PE), torch's modules and the kernels."""
+    """This PE in an N-PE experiment: its rank (its GPU, and its NVSHMEM PE) and the kernels."""
 
     def __init__(self, rank: int, npes: int):
-        import torch
-        import torch.distributed as dist
-        import torch.distributed._symmetric_memory as symm_mem
-
-        self.torch, self.dist, self.symm_mem = torch, dist, symm_mem
         self.rank, self.npes = rank, npes
         self.nxt, self.prv = (rank + 1) % npes, (rank - 1) % npes
         torch.cuda.set_device(rank)
@@ -458,26 +456,25 @@ class Pe:
 
     def symmetric(self, *shape, dtype=None):
         """A zeroed symmetric tensor (collective: every PE allocates the same, in the same order)."""
-        return self.symm_mem.empty(*shape, dtype=dtype or self.torch.uint8, device="cuda").zero_()
+        return symm_mem.empty(*shape, dtype=dtype or torch.uint8, device="cuda").zero_()
 
     def local(self, *shape, dtype=None):
-        return self.torch.zeros(*shape, dtype=dtype or self.torch.uint8, device="cuda")
+        return torch.zeros(*shape, dtype=dtype or torch.uint8, device="cuda")
 
     def ready(self):
         """Every PE's buffers are zeroed before any peer writes into them."""
-        self.torch.cuda.synchronize()
-        self.dist.barrier()
+        torch.cuda.synchronize()
+        dist.barrier()
 
     def gathered(self, t):
         """(npes, *t.shape): every PE's `t`, by NCCL (the reference)."""
-        out = self.torch.empty((self.npes, *t.shape), dtype=t.dtype, device=t.device)
-        self.dist.all_gather_into_tensor(out, t.contiguous())
+        out = torch.empty((self.npes, *t.shape), dtype=t.dtype, device=t.device)
+        dist.all_gather_into_tensor(out, t.contiguous())
         return out
 
 
 def _blocks_differ(got, want, what):
     """None where `got` equals `want` (both (calls, sources, bytes)), else which blocks differ."""
-    torch = __import__("torch")
     if torch.equal(got, want):
         return None
     bad = (got != want).flatten(2).any(-1).nonzero().tolist()
@@ -487,7 +484,6 @@ def _blocks_differ(got, want, what):
 def _timed(pe, calls, launch):
     """launch(i) for i in range(calls) back to back: (µs per call on the host clock, µs per call between CUDA
     events)."""
-    torch = pe.torch
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -501,35 +497,34 @@ def _timed(pe, calls, launch):
 
 
 def pes_init(pe):
-    torch = pe.torch
     t0 = time.perf_counter()
     buf = pe.symmetric(BLOCK_BYTES)
     alloc_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    handle = pe.symm_mem.rendezvous(buf, pe.dist.group.WORLD)
-    rendezvous_s = time.perf_counter() - t0
-    mapped = [bool(p) for p in handle.buffer_ptrs]
+    try:  # reported, not required: only peer_load uses the handle
+        handle = symm_mem.rendezvous(buf, dist.group.WORLD)
+        rendezvous = {"rendezvous s": round(time.perf_counter() - t0, 2),
+                      "peers the handle maps": [bool(p) for p in handle.buffer_ptrs]}
+    except Exception as e:  # noqa: BLE001 - reported
+        rendezvous = {"rendezvous": f"FAILED {type(e).__name__}: {e}"[:300]}
     info = pe.local(2, dtype=torch.int32)
     pe.k["pe_info"][(1,)](info)
     torch.cuda.synchronize()
     _stage(f"my_pe, n_pes {info.tolist()}")
     every = pe.gathered(info).tolist()
-    assert every[pe.rank] == [pe.rank, pe.npes], f"nvshmem my_pe, n_pes {every[pe.rank]}: not rank {pe.rank} of {pe.npes}"
-    import torch.version
+    assert every[pe.rank] == [pe.rank, pe.npes], f"my_pe, n_pes {every[pe.rank]}: not rank {pe.rank} of {pe.npes}"
     return {"init_process_group s": round(pe.init_s, 2), "first symmetric allocation s": round(alloc_s, 2),
-            "rendezvous s": round(rendezvous_s, 2), "peers the handle maps": mapped,
-            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__}
+            **rendezvous, "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__}
 
 
 def pes_ring_put(pe):
-    torch = pe.torch
     src, dst = pe.symmetric(BLOCK_BYTES), pe.symmetric(BLOCK_BYTES)
     gen = torch.Generator(device="cuda").manual_seed(1000 + pe.rank)
     src.copy_(torch.randint(0, 256, (BLOCK_BYTES,), generator=gen, dtype=torch.uint8, device="cuda"))
     pe.ready()
     pe.k["put_quiet"][(1,)](dst, src, BLOCK_BYTES, pe.nxt)
     torch.cuda.synchronize()
-    pe.dist.barrier()
+    dist.barrier()
     _stage("put, barrier")
     every = pe.gathered(src)
     assert torch.equal(dst, every[pe.prv]), f"{int((dst != every[pe.prv]).sum())} bytes differ from PE {pe.prv}'s"
@@ -537,7 +532,7 @@ def pes_ring_put(pe):
 
 
 def pes_put_signal(pe):
-    torch, n = pe.torch, pe.npes
+    n = pe.npes
     slots = 2 * n  # more than the N - 1 calls a PE may run ahead of the next in a ring
     calls = 1001  # one, then 1000
     stage, recv = pe.symmetric(BLOCK_BYTES), pe.symmetric(slots, BLOCK_BYTES)
@@ -563,7 +558,7 @@ def pes_put_signal(pe):
 
 
 def _exchange_buffers(pe, calls):
-    torch, n = pe.torch, pe.npes
+    n = pe.npes
     bufs = dict(stage=pe.symmetric(n, BLOCK_BYTES), recv=pe.symmetric(2, n, BLOCK_BYTES),
                 flags=pe.symmetric(n, dtype=torch.int64), sent=pe.local(calls, n, BLOCK_BYTES),
                 out=pe.local(calls, n, BLOCK_BYTES), counter=pe.local(1, dtype=torch.int32))
@@ -583,7 +578,7 @@ def _exchange_check(pe, b, calls, nbytes=None):
     want = every[:, :, pe.rank].transpose(0, 1)  # (call, sender, bytes)
     got = b["out"]
     if nbytes is not None:
-        mask = pe.torch.arange(BLOCK_BYTES, device="cuda") < pe.torch.tensor(nbytes, device="cuda")[:, None]
+        mask = torch.arange(BLOCK_BYTES, device="cuda") < torch.tensor(nbytes, device="cuda")[:, None]
         want, got = want * mask[:, None], got * mask[:, None]
     return _blocks_differ(got, want, "received")
 
@@ -592,7 +587,7 @@ def _exchange(pe, programs):
     calls = 1000
     b = _exchange_buffers(pe, calls)
     _exchange_call(pe, b, programs, 1, calls)
-    pe.torch.cuda.synchronize()
+    torch.cuda.synchronize()
     _stage(f"first call, flags {b['flags'].tolist()}")
     host_us, device_us = _timed(pe, calls - 1, lambda i: _exchange_call(pe, b, programs, i + 2, calls))
     _stage(f"{calls} calls")
@@ -612,7 +607,6 @@ def pes_exchange_ctas(pe):
 
 
 def pes_graph(pe):
-    torch = pe.torch
     replays = 100
     calls = replays + 2  # an eager call, one replay, then the timed replays
     b = _exchange_buffers(pe, calls)
@@ -642,7 +636,6 @@ def pes_graph(pe):
 
 
 def pes_recompile(pe):
-    torch = pe.torch
     # (num_warps, bytes): each new pair is a new cubin (byte counts specialise by divisibility by 16); PE 0 runs
     # one phase at a num_warps no other PE compiles, so it compiles while its peers wait in their kernels.
     phases = [(4, BLOCK_BYTES), (1, 3), (8 if pe.rank == 0 else 4, 17), (2, 16), (4, BLOCK_BYTES)]
@@ -663,12 +656,11 @@ def pes_recompile(pe):
 
 
 def pes_peer_load(pe):
-    torch = pe.torch
     buf = pe.symmetric(BLOCK_BYTES)
     gen = torch.Generator(device="cuda").manual_seed(2000 + pe.rank)
     buf.copy_(torch.randint(0, 256, (BLOCK_BYTES,), generator=gen, dtype=torch.uint8, device="cuda"))
     every = pe.gathered(buf)
-    handle = pe.symm_mem.rendezvous(buf, pe.dist.group.WORLD)
+    handle = symm_mem.rendezvous(buf, dist.group.WORLD)
     pe.ready()
     found = {}
 
@@ -702,7 +694,7 @@ def pes_peer_load(pe):
 
     check("nvshmem_ptr", through_nvshmem_ptr)
     _stage(f"{found}")
-    pe.dist.barrier()  # no PE leaves while a peer may still read its buffer
+    dist.barrier()  # no PE leaves while a peer may still read its buffer
     assert not any(v.startswith("FAILED") for v in found.values()), found
     return found
 
@@ -783,11 +775,20 @@ def _run(name, npes, limit):
         got[rank] = (status, extra)
         if status == "FAILED":
             deadline = min(deadline, time.perf_counter() + FAILED_GRACE_S)
+    while True:  # what came in while the last get waited
+        try:
+            rank, status, extra = queue.get(timeout=0.1)
+        except queues.Empty:
+            break
+        got[rank] = (status, extra)
     for rank, proc in enumerate(procs):
-        if proc.is_alive():
+        if proc.is_alive() and rank not in got:
             proc.kill()
             proc.join()
-            got.setdefault(rank, ("HUNG", {"limit_s": round(time.perf_counter() - t0, 1)}))
+            got[rank] = ("HUNG", {"limit_s": round(deadline - t0, 1)})
+        elif proc.is_alive():  # reported, then stuck on its way out
+            proc.kill()
+            proc.join()
         else:
             proc.join()
             got.setdefault(rank, ("FAILED", {"error": f"process exited {proc.exitcode} without a result"}))
@@ -813,11 +814,15 @@ def _show(name, record):
             print(record["trace"], flush=True)
         return
     pes = record["pes"]
-    first = {k: v for k, v in pes["0"].items() if k not in ("status", "trace")}
-    print(f"{name:14s} {record['status']:7s} {record['seconds']} s, PE 0: {first}", flush=True)
+    oks = [pe for pe in pes.values() if pe["status"] == "ok"]
+    first = {k: v for k, v in oks[0].items() if k != "status"} if oks else {}
+    print(f"{name:14s} {record['status']:7s} {record['seconds']} s, {len(oks)} of {len(pes)} PEs ok {first}",
+          flush=True)
     for rank, pe in pes.items():
-        if pe["status"] != "ok" and rank != "0":
-            print(f"{'':22s} PE {rank}: {pe['status']} {pe.get('error', pe.get('limit_s', ''))}", flush=True)
+        if pe["status"] == "HUNG":
+            print(f"{'':22s} PE {rank}: HUNG, killed after {pe['limit_s']} s", flush=True)
+        elif pe["status"] != "ok":
+            print(f"{'':22s} PE {rank}: {pe['status']} {pe['error']}", flush=True)
     traces = [pe["trace"] for pe in pes.values() if "trace" in pe]
     if traces:
         print(traces[0], flush=True)
@@ -903,7 +908,8 @@ def main():
     p.add_argument("--pes", type=int, default=1, help="PEs (GPUs of this host): 1 runs the one-GPU experiments")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per experiment before it counts as hung")
     p.add_argument("--budget", type=float, default=170.0,
-                   help="seconds for the whole run: an experiment that would start later is skipped")
+                   help="seconds for the whole run: each experiment's limit is cut to what is left, and one with "
+                        "less than 10 s left is skipped")
     p.add_argument("--only", help="comma-separated experiment names")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--compile-check", action="store_true",
@@ -911,17 +917,15 @@ def main():
     args = p.parse_args()
     if args.compile_check:
         raise SystemExit(1 if compile_check(90) else 0)
-    experiments = EXPERIMENTS if args.pes == 1 else PES_EXPERIMENTS
     if args.pes < 1:
         p.error(f"--pes must be 1 or more, not {args.pes}")
+    experiments = EXPERIMENTS if args.pes == 1 else PES_EXPERIMENTS
     if args.timeout <= 0 or args.budget <= 0:
         p.error("--timeout and --budget must be positive")
     names = args.only.split(",") if args.only else list(experiments)
     unknown = [n for n in names if n not in experiments]
     if unknown:
         p.error(f"--only: no experiment {unknown} at --pes {args.pes} (there are {list(experiments)})")
-    import torch
-
     visible = torch.cuda.device_count()
     if visible < args.pes:
         p.error(f"--pes {args.pes} needs {args.pes} GPUs; {visible} visible")
@@ -941,10 +945,10 @@ def main():
             print(f"{name:14s} SKIPPED {results[name]['reason']}", flush=True)
         else:
             _show(name, results[name])
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"pes": args.pes, "env": {k: os.environ.get(k, v) for k, v in ENV.items()}, "results": results}
-                      if args.pes > 1 else results, f, indent=1)
+        if args.out:  # after every experiment: a run cut short still leaves what it found
+            with open(args.out, "w") as f:
+                json.dump({"pes": args.pes, "env": {k: os.environ.get(k, v) for k, v in ENV.items()},
+                           "results": results} if args.pes > 1 else results, f, indent=1)
 
 
 if __name__ == "__main__":
