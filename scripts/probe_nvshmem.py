@@ -25,8 +25,8 @@ every call's received bytes are copied out and compared bit for bit with an NCCL
 - init:           process group, symmetric allocations, rendezvous; nvshmem my_pe / n_pes against the ranks.
 - ring_put:       `nvshmem.put` (+ quiet) of 4 KiB to the next PE, checked on the receiver after a barrier.
 - put_signal:     `putmem_signal_block` to the next PE + `signal_wait_until` (GE epoch) on its own flag, one
-                  kernel: once, then 1000 calls back to back, epochs never reset (slots by epoch, N of them or more:
-                  in a ring a PE may run up to N - 1 calls ahead of the next), time per call.
+                  kernel: once, then 1000 calls back to back, epochs never reset (2N slots by epoch: in a ring a PE
+                  may run up to N - 1 calls ahead of the next), time per call.
 - exchange:       the rail exchange's protocol (weft/kernels/hierarchical.py): each PE puts a block to every other
                   PE (N - 1 `putmem_signal_block`, one flag word per source), then waits for the N - 1 flags;
                   double-buffered by epoch parity, 1000 calls, one program.
@@ -36,7 +36,8 @@ every call's received bytes are copied out and compared bit for bit with an NCCL
                   num_warps the others do not use in one phase.
 - peer_load:      direct loads from a peer's symmetric buffer: through the rendezvous handle's `get_buffer` and
                   `get_remote_tensor` (a plain Triton load), and through `nvshmem_ptr` called in the kernel.
-If init does not pass, the rest are skipped; an experiment that would start past --budget seconds is skipped.
+If init does not pass, the rest are skipped; each experiment's limit is cut to what is left of --budget seconds,
+and one with less than 10 s left is skipped.
 
 Prints one line per experiment: ok / FAILED (the error) / HUNG (past the limit) / SKIPPED, and the times. A PE's
 "reached:" lines tell how far it got.
@@ -707,11 +708,6 @@ PES_EXPERIMENTS = {name[4:]: fn for name, fn in globals().items() if name.starts
 FAILED_GRACE_S = 5.0  # after one PE fails, how long the others get to report before they count as hung
 
 
-def _use_env():
-    for key, value in ENV.items():
-        os.environ.setdefault(key, value)
-
-
 def _finish(queue):
     # Leave without NVSHMEM's and the process group's teardown (a hang there is not the experiment's).
     queue.close()
@@ -724,7 +720,6 @@ def _failure(e):
 
 
 def _child(name, queue):
-    _use_env()
     try:
         queue.put((0, "ok", EXPERIMENTS[name]()))
     except BaseException as e:  # noqa: BLE001 - the probe reports whatever happened
@@ -733,7 +728,6 @@ def _child(name, queue):
 
 
 def _pe_child(name, rank, npes, port, queue):
-    _use_env()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(npes),
                       LOCAL_RANK=str(rank))
     globals()["_PE_PREFIX"] = f"[PE {rank}] "
@@ -830,44 +824,40 @@ def _show(name, record):
 
 # -- the compile check (no GPU) -----------------------------------------------------------------------------------
 
-def _signature(**kinds):
-    return kinds
-
-
 COMPILE_CASES = [
     # (kernel, signature, constexprs, num_warps)
-    (put_kernel, _signature(dst="*u8", src="*u8", nelems="i32", pe="i32"), {}, 4),
-    (signal_op_kernel, _signature(sig="*i64", value="i32", op="constexpr", pe="i32"), {"op": SIGNAL_SET}, 4),
-    (put_signal_wait_kernel, _signature(dst="*u8", src="*u8", nbytes="i32", sig="*i64", epoch="i32", pe="i32"), {},
+    (put_kernel, dict(dst="*u8", src="*u8", nelems="i32", pe="i32"), {}, 4),
+    (signal_op_kernel, dict(sig="*i64", value="i32", op="constexpr", pe="i32"), {"op": SIGNAL_SET}, 4),
+    (put_signal_wait_kernel, dict(dst="*u8", src="*u8", nbytes="i32", sig="*i64", epoch="i32", pe="i32"), {},
      4),
-    (wait_kernel, _signature(sig="*i64", cmp="constexpr", value="i32"), {"cmp": CMP_GE}, 4),
+    (wait_kernel, dict(sig="*i64", cmp="constexpr", value="i32"), {"cmp": CMP_GE}, 4),
     (put_signal_wait_counter_kernel,
-     _signature(dst="*u8", src="*u8", nbytes="i32", sig="*i64", counter="*i64", pe="i32"), {}, 4),
-    (pe_info_kernel, _signature(out="*i32"), {}, 4),
-    (put_quiet_kernel, _signature(dst="*u8", src="*u8", nelems="i32", pe="i32"), {}, 4),
+     dict(dst="*u8", src="*u8", nbytes="i32", sig="*i64", counter="*i64", pe="i32"), {}, 4),
+    (pe_info_kernel, dict(out="*i32"), {}, 4),
+    (put_quiet_kernel, dict(dst="*u8", src="*u8", nelems="i32", pe="i32"), {}, 4),
     # The JIT makes an integer argument of 1 a constant: PE 1 as the target, or as `me`.
-    (put_quiet_kernel, _signature(dst="*u8", src="*u8", nelems="i32", pe="constexpr"), {"pe": 1}, 4),
+    (put_quiet_kernel, dict(dst="*u8", src="*u8", nelems="i32", pe="constexpr"), {"pe": 1}, 4),
     (ring_put_signal_kernel,
-     _signature(stage="*u8", recv="*u8", flags="*i64", sent="*u8", out="*u8", nbytes="i32", slot_bytes="i32",
+     dict(stage="*u8", recv="*u8", flags="*i64", sent="*u8", out="*u8", nbytes="i32", slot_bytes="i32",
                 epoch="i32", rows="i32", me="i32", npes="i32", SLOTS="constexpr", BLOCK="constexpr"),
      {"SLOTS": 8, "BLOCK": COPY_BLOCK}, 4),
     (ring_put_signal_kernel,
-     _signature(stage="*u8", recv="*u8", flags="*i64", sent="*u8", out="*u8", nbytes="i32", slot_bytes="i32",
+     dict(stage="*u8", recv="*u8", flags="*i64", sent="*u8", out="*u8", nbytes="i32", slot_bytes="i32",
                 epoch="i32", rows="i32", me="constexpr", npes="i32", SLOTS="constexpr", BLOCK="constexpr"),
      {"me": 1, "SLOTS": 4, "BLOCK": COPY_BLOCK}, 4),
     *[(exchange_kernel,
-       _signature(stage="*u8", recv="*u8", flags="*i64", sent="*u8", out="*u8", counter="*i32", nbytes="i32",
+       dict(stage="*u8", recv="*u8", flags="*i64", sent="*u8", out="*u8", counter="*i32", nbytes="i32",
                   slot_bytes="i32", epoch="i32", rows="i32", me="i32", N="constexpr",
                   EPOCH_FROM_COUNTER="constexpr", BLOCK="constexpr"),
        {"N": 4, "EPOCH_FROM_COUNTER": from_counter, "BLOCK": COPY_BLOCK}, warps)
       for from_counter, warps in ((False, 4), (True, 4), (False, 1))],
     (exchange_kernel,
-     _signature(stage="*u8", recv="*u8", flags="*i64", sent="*u8", out="*u8", counter="*i32", nbytes="i32",
+     dict(stage="*u8", recv="*u8", flags="*i64", sent="*u8", out="*u8", counter="*i32", nbytes="i32",
                 slot_bytes="i32", epoch="i32", rows="i32", me="constexpr", N="constexpr",
                 EPOCH_FROM_COUNTER="constexpr", BLOCK="constexpr"),
      {"me": 1, "N": 2, "EPOCH_FROM_COUNTER": False, "BLOCK": COPY_BLOCK}, 8),
-    (copy_kernel, _signature(dst="*u8", src="*u8", nbytes="i32", BLOCK="constexpr"), {"BLOCK": COPY_BLOCK}, 4),
-    *[(ptr_load_kernel, _signature(buf="*u8", out="*u8", where="*i64", nbytes="i32", pe=pe, BLOCK="constexpr"),
+    (copy_kernel, dict(dst="*u8", src="*u8", nbytes="i32", BLOCK="constexpr"), {"BLOCK": COPY_BLOCK}, 4),
+    *[(ptr_load_kernel, dict(buf="*u8", out="*u8", where="*i64", nbytes="i32", pe=pe, BLOCK="constexpr"),
        {"BLOCK": COPY_BLOCK, **consts}, 4) for pe, consts in (("i32", {}), ("constexpr", {"pe": 1}))],
 ]
 
@@ -930,6 +920,8 @@ def main():
     if visible < args.pes:
         p.error(f"--pes {args.pes} needs {args.pes} GPUs; {visible} visible")
 
+    for key, value in ENV.items():  # before the experiments' processes start (and import torch)
+        os.environ.setdefault(key, value)
     start = time.perf_counter()
     results = {}
     for name in names:
@@ -947,7 +939,7 @@ def main():
             _show(name, results[name])
         if args.out:  # after every experiment: a run cut short still leaves what it found
             with open(args.out, "w") as f:
-                json.dump({"pes": args.pes, "env": {k: os.environ.get(k, v) for k, v in ENV.items()},
+                json.dump({"pes": args.pes, "env": {k: os.environ[k] for k in ENV},
                            "results": results} if args.pes > 1 else results, f, indent=1)
 
 
