@@ -244,16 +244,16 @@ NVSHMEM_KERNELS = dict(
     ring=ring_put_signal_kernel, exchange=exchange_kernel, ptr_load=ptr_load_kernel)
 
 
+_LAUNCHABLE = {}
+
+
 def _kernels():
     """The kernels that call NVSHMEM, wrapped by torch's `requires_nvshmem` (it links libnvshmem_device.bc and
-    runs nvshmemx_cumodule_init on each new cubin), and the plain copy kernel."""
-    from torch.distributed._symmetric_memory._nvshmem_triton import requires_nvshmem
-
-    found = globals().setdefault("_WRAPPED", {})
-    if not found:
-        found.update({name: requires_nvshmem(fn) for name, fn in NVSHMEM_KERNELS.items()})
-        found["copy"] = copy_kernel
-    return found
+    runs nvshmemx_cumodule_init on each new cubin; on a GPU machine only), and the plain copy kernel."""
+    if not _LAUNCHABLE:
+        _LAUNCHABLE.update({name: nvshmem.requires_nvshmem(fn) for name, fn in NVSHMEM_KERNELS.items()},
+                           copy=copy_kernel)
+    return _LAUNCHABLE
 
 
 def _setup():
