@@ -119,8 +119,7 @@ def _gemv_paths(seed, row_counts):
         for dot in (True, False):
             # bf16: runs of 64 columns (one tile of the projections below; two heads of 40 a QKV program).
             block_n = 16 if dtype == torch.float32 else 64
-            settings = dict(block_n=block_n, block_k=32, num_warps=4, num_stages=2, programs_per_sm=4, dot=dot,
-                            prefetch_k=16)
+            settings = dict(block_n=block_n, block_k=32, num_warps=4, num_stages=2, programs_per_sm=4, dot=dot)
             for m in row_counts:
                 what = f"dot={dot} M={m} {dtype}"
                 # linear_residual: K ragged against the K block, N against the two column runs of a program.
@@ -187,10 +186,10 @@ def _settings_resolved():
     from weft.testing.checks import rejects
 
     table = {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "dot": True,
-             "prefetch_k": 64, "few_max_m": 4, "few.dot": False, "few.block_k": 32, "qkv.block_k": 256, "qkv.few.block_k": 64,
+             "few_max_m": 4, "few.dot": False, "few.block_k": 32, "qkv.block_k": 256, "qkv.few.block_k": 64,
              "down.many.programs_per_sm": 1}
     assert resolve(table, "o", 1) == dict(block_n=64, block_k=32, num_warps=4, num_stages=3, programs_per_sm=2,
-                                          dot=False, prefetch_k=64)
+                                          dot=False)
     assert resolve(table, "o", 5)["dot"] is True and resolve(table, "o", 5)["block_k"] == 128
     assert resolve(table, "qkv", 4)["block_k"] == 64 and resolve(table, "qkv", 8)["block_k"] == 256
     assert resolve(table, "down", 8)["programs_per_sm"] == 1 and resolve(table, "down", 1)["programs_per_sm"] == 2

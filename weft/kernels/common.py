@@ -43,7 +43,7 @@ import triton
 from triton.backends.nvidia.driver import make_tensordesc_arg as _make_tensordesc_arg
 
 from .. import tuning
-from ..runtime import backend, errors, process_group, settings
+from ..runtime import backend, errors, process_group
 from ..runtime import world as _world
 from ..runtime.errors import SignatureMismatch
 from ..runtime.world import resolve  # noqa: F401  (the families resolve their `group=` through here)
@@ -383,15 +383,6 @@ def signature_words(group, world_size: int) -> torch.Tensor:
 
 # -- launches ---------------------------------------------------------------------
 
-def dependent_launch(device: torch.device) -> bool:
-    """Whether kernels that wait for the kernel before them (weft.language.dependent) launch as programmatic
-    dependents on `device`: WEFT_DEPENDENT_LAUNCH, else on GPUs of compute capability 9.0 and later (never under
-    the interpreter, whose kernels run one after another)."""
-    if backend.INTERPRET or device.type != "cuda":
-        return False
-    return settings.get("WEFT_DEPENDENT_LAUNCH", torch.cuda.get_device_capability(device)[0] >= 9)
-
-
 class Launch:
     """A kernel launch with its grid, constexprs and options fixed, for the plans.
 
@@ -405,14 +396,11 @@ class Launch:
     kernel's pointer types.
     """
 
-    def __init__(self, fn, grid, args, constexprs: dict, num_warps: int = 4, num_stages: int | None = None,
-                 dependent: bool = False):
+    def __init__(self, fn, grid, args, constexprs: dict, num_warps: int = 4, num_stages: int | None = None):
         self.fn, self.grid = fn, tuple(grid) + (1,) * (3 - len(grid))
         self.constexprs = constexprs
         self.options = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps,
                                                                                   num_stages=num_stages)
-        if dependent and not backend.INTERPRET:  # a programmatic dependent launch (weft.language.dependent)
-            self.options["launch_pdl"] = True
         names = fn.arg_names[len(args):]
         if list(names) != list(constexprs):
             raise TypeError(f"{fn.__name__}: constexprs must follow the runtime arguments in order: {names}")

@@ -44,7 +44,7 @@ import weft.language as wl
 
 from .. import tuning
 from .blocks import cast
-from .common import Launch, Plan, dependent_launch, plan, signature, world_or_raise
+from .common import Launch, Plan, plan, signature, world_or_raise
 from .gemm import num_sms
 from .pointwise import _check, _rotate
 from .registry import declare_op
@@ -55,9 +55,8 @@ MIN_BLOCK = 16
 # Rows the dot-free path takes at most (its accumulators are rows x K block x columns).
 FMA_MAX_BLOCK_M = 16
 # Launch settings (weft.tuning's decode.gemv; `resolve`): columns per run (a program takes two runs), K block,
-# warps, pipeline stages, programs per SM the split-K aims at, tl.dot or dot-free, and the rows of its weight slab
-# a program prefetches into L2 before it waits for the kernel before (a dependent launch; 0: none).
-FIELDS = ("block_n", "block_k", "num_warps", "num_stages", "programs_per_sm", "dot", "prefetch_k")
+# warps, pipeline stages, programs per SM the split-K aims at, tl.dot or dot-free.
+FIELDS = ("block_n", "block_k", "num_warps", "num_stages", "programs_per_sm", "dot")
 # The projections the settings are chosen for: linear_residual is "down" where K > N (the MLP's down projection),
 # else "o".
 OPS = ("qkv", "o", "gate_up", "down")
@@ -65,7 +64,7 @@ RANGES = ("few", "many")
 # Under the interpreter (cpu): small blocks and 4 programs per "SM" (num_sms is 2 there), so that the tests'
 # small shapes take the split-K path as well as the direct one; dot-free at few rows, tl.dot above.
 CPU_SETTINGS = {"block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 1, "programs_per_sm": 4, "dot": True,
-                "prefetch_k": 0, "few_max_m": 4, "few.dot": False}
+                "few_max_m": 4, "few.dot": False}
 # Elements of x per step of the epilogue's sum of squares (BLOCK_M rows x NORM_K columns): 32 registers a thread
 # at 4 warps, beside the accumulators.
 NORM_ELEMENTS = 4096
@@ -236,33 +235,6 @@ def _split_done(counter, SPLIT: tl.constexpr):
     return last
 
 
-@triton.jit
-def _prefetch_run(w, ldw, col0, width, k_first, k_rows, ROWS: tl.constexpr, LINES: tl.constexpr):
-    """The first min(ROWS, k_rows) rows from k_first of w's columns [col0, col0 + width) fetched into L2, one
-    address per 128-byte line."""
-    LINE: tl.constexpr = 1024 // w.dtype.element_ty.primitive_bitwidth  # elements a line
-    r = tl.arange(0, ROWS)[:, None]
-    c = tl.arange(0, LINES)[None, :] * LINE
-    wl.prefetch_l2(w + (k_first + r).to(tl.int64) * ldw + col0 + c, (r < k_rows) & (c < width))
-
-
-@triton.jit
-def _start(w, ldw, col0, width, col1, K, kb0, k_blocks, DEPENDENT: tl.constexpr, BLOCK_K: tl.constexpr,
-           PREFETCH_K: tl.constexpr, PREFETCH_LINES: tl.constexpr):
-    """A dependent launch's start (weft.language.dependent): while the kernel before still runs, the first
-    PREFETCH_K rows of this program's weight slab into L2 (columns [col0, +width), and [col1, +width) unless
-    col1 < 0), then the wait for that kernel, then the release of the next one."""
-    if DEPENDENT:
-        if PREFETCH_K > 0:
-            k_first = kb0 * BLOCK_K
-            k_rows = tl.minimum(k_blocks * BLOCK_K, K - k_first)
-            _prefetch_run(w, ldw, col0, width, k_first, k_rows, PREFETCH_K, PREFETCH_LINES)
-            if col1 >= 0:
-                _prefetch_run(w, ldw, col1, width, k_first, k_rows, PREFETCH_K, PREFETCH_LINES)
-        wl.wait_prior_kernel()
-        wl.release_dependents()
-
-
 # -- epilogues ------------------------------------------------------------------
 
 @triton.jit
@@ -353,18 +325,15 @@ def _qkv_out(acc_a, acc_b, head0, x, q_out, k_dst, v_dst, rows, positions, inv_f
 @triton.jit
 def linear_residual_kernel(x, w, residual, out, partial, counter, M, K, N, KB, BPS, SPLIT: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
-                           IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
-                           DEPENDENT: tl.constexpr, PREFETCH_K: tl.constexpr, PREFETCH_LINES: tl.constexpr):
+                           IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
     """out = residual + x @ w; a program's columns are two runs of BLOCK_N, [2 BLOCK_N tile, +2 BLOCK_N)."""
     tile, split, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    kb0 = split * BPS
-    _start(w, N, tile * 2 * BLOCK_N, tl.minimum(2 * BLOCK_N, N - tile * 2 * BLOCK_N), -1, K, kb0,
-           tl.minimum(BPS, KB - kb0), DEPENDENT, BLOCK_K, PREFETCH_K, PREFETCH_LINES)
     m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < M
     cols_a = tile * 2 * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_b = cols_a + BLOCK_N
     col_mask_a, col_mask_b = cols_a < N, cols_b < N
+    kb0 = split * BPS
     acc_a, acc_b = _gemv_pair(x, w, x, m, m_mask, K, N, cols_a, cols_b, col_mask_a, col_mask_b, kb0 * BLOCK_K,
                               tl.minimum(BPS, KB - kb0), False, EVEN_K, EVEN_N, IEEE, DOT, BLOCK_M, BLOCK_N,
                               BLOCK_K, STAGES)
@@ -383,19 +352,16 @@ def linear_residual_kernel(x, w, residual, out, partial, counter, M, K, N, KB, B
 def norm_gate_up_silu_kernel(x, norm_w, w, out, partial, counter, M, K, I, KB, BPS, eps, SPLIT: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                              EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
-                             EVEN_N: tl.constexpr, NORM_K: tl.constexpr, DEPENDENT: tl.constexpr,
-                             PREFETCH_K: tl.constexpr, PREFETCH_LINES: tl.constexpr):
+                             EVEN_N: tl.constexpr, NORM_K: tl.constexpr):
     """out (M, I) = silu(gate) * up of norm(x) @ w, w (K, 2 I) = [gate | up]: a program's columns are gate's
     [BLOCK_N tile, +BLOCK_N) and the same of up."""
     tile, split, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    kb0 = split * BPS
-    _start(w, 2 * I, tile * BLOCK_N, tl.minimum(BLOCK_N, I - tile * BLOCK_N), I + tile * BLOCK_N, K, kb0,
-           tl.minimum(BPS, KB - kb0), DEPENDENT, BLOCK_K, PREFETCH_K, PREFETCH_LINES)
     m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < M
     cols_a = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask_a = cols_a < I
     cols_b = cols_a + I
+    kb0 = split * BPS
     acc_a, acc_b = _gemv_pair(x, w, norm_w, m, m_mask, K, 2 * I, cols_a, cols_b, col_mask_a, col_mask_a,
                               kb0 * BLOCK_K, tl.minimum(BPS, KB - kb0), True, EVEN_K, EVEN_N, IEEE, DOT, BLOCK_M,
                               BLOCK_N, BLOCK_K, STAGES)
@@ -416,8 +382,7 @@ def norm_qkv_rope_kernel(x, norm_w, w, q_out, k_dst, v_dst, rows, positions, inv
                          KV_HEADS: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, SPLIT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
                          IEEE: tl.constexpr, DOT: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr,
-                         NORM_K: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH_K: tl.constexpr,
-                         PREFETCH_LINES: tl.constexpr):
+                         NORM_K: tl.constexpr):
     """q, k, v of norm(x) @ w, w (K, (HEADS + 2 KV_HEADS) 2 HALF) = [q | k | v]: program `tile` owns heads
     [HEADS_P tile, +HEADS_P) (HEADS_P divides both head counts: they are all q, k or v heads), its runs their first
     halves and their second halves (HALF columns each, padded to HALF_P), so the heads' norm and rotation happen
@@ -425,16 +390,13 @@ def norm_qkv_rope_kernel(x, norm_w, w, q_out, k_dst, v_dst, rows, positions, inv
     tile, split, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     head0 = tile * HEADS_P
     N: tl.constexpr = (HEADS + 2 * KV_HEADS) * 2 * HALF
-    kb0 = split * BPS
-    # The program's heads are one run of the weight's columns.
-    _start(w, N, head0 * 2 * HALF, HEADS_P * 2 * HALF, -1, K, kb0, tl.minimum(BPS, KB - kb0), DEPENDENT, BLOCK_K,
-           PREFETCH_K, PREFETCH_LINES)
     m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < M
     j = tl.arange(0, HEADS_P * HALF_P)
     cols_a = (head0 + j // HALF_P) * 2 * HALF + j % HALF_P
     cols_b = cols_a + HALF
     j_mask = j % HALF_P < HALF
+    kb0 = split * BPS
     acc_a, acc_b = _gemv_pair(x, w, norm_w, m, m_mask, K, N, cols_a, cols_b, j_mask, j_mask, kb0 * BLOCK_K,
                               tl.minimum(BPS, KB - kb0), True, EVEN_K, HALF == HALF_P, IEEE, DOT, BLOCK_M,
                               HEADS_P * HALF_P, BLOCK_K, STAGES)
@@ -532,10 +494,6 @@ class GemvPlan(Plan):
         self.num_warps, self.stages = s["num_warps"], s["num_stages"]
         self.even_k, self.ieee = k % self.block_k == 0, dtype == torch.float32
         self.norm_k = max(MIN_BLOCK, min(NORM_ELEMENTS // self.block_m, triton.next_power_of_2(max(k, 1))))
-        # A dependent launch (weft.language.dependent) prefetches prefetch_k rows (a power of two) of each run.
-        self.dependent = dependent_launch(group.device)
-        self.prefetch_k = triton.next_power_of_2(s["prefetch_k"]) if self.dependent and s["prefetch_k"] else 0
-        self.line = 128 // dtype.itemsize  # elements of a 128-byte line
         self.launch = None
 
     def split_k(self, tiles: int, n: int) -> None:
@@ -551,11 +509,6 @@ class GemvPlan(Plan):
         self.counter = torch.zeros((self.m_blocks, tiles), dtype=torch.int32, device=device)
         self.common = dict(SPLIT=self.split, BLOCK_M=self.block_m, BLOCK_K=self.block_k, STAGES=self.stages,
                            EVEN_K=self.even_k, IEEE=self.ieee, DOT=self.dot)
-
-    def start(self, run_width: int) -> dict:
-        """The dependent-launch constexprs for runs of run_width columns (`_start`)."""
-        lines = triton.next_power_of_2(triton.cdiv(run_width, self.line)) if self.prefetch_k else 1
-        return dict(DEPENDENT=self.dependent, PREFETCH_K=self.prefetch_k, PREFETCH_LINES=lines)
 
 
 @declare_op()
@@ -587,9 +540,8 @@ class LinearResidualPlan(GemvPlan):
             out = torch.empty(self.shape, dtype=x.dtype, device=x.device)
             self.launch = Launch(linear_residual_kernel, self.grid,
                                  (x, weight, residual, out, self.partial, self.counter, *self.args),
-                                 dict(**self.common, BLOCK_N=self.block_n, EVEN_N=n % (2 * self.block_n) == 0,
-                                      **self.start(2 * self.block_n)),
-                                 self.num_warps, dependent=self.dependent)
+                                 dict(**self.common, BLOCK_N=self.block_n, EVEN_N=n % (2 * self.block_n) == 0),
+                                 self.num_warps)
 
     def run(self, x, weight, residual):
         out = torch.empty(self.shape, dtype=x.dtype, device=x.device)
@@ -641,8 +593,7 @@ class GateUpPlan(GemvPlan):
             self.launch = Launch(norm_gate_up_silu_kernel, self.grid,
                                  (x, norm_weight, gate_up_weight, out, self.partial, self.counter, *self.args, eps),
                                  dict(**self.common, BLOCK_N=self.block_n, EVEN_N=inter % self.block_n == 0,
-                                      NORM_K=self.norm_k, **self.start(self.block_n)),
-                                 self.num_warps, dependent=self.dependent)
+                                      NORM_K=self.norm_k), self.num_warps)
 
     def run(self, x, norm_weight, gate_up_weight, eps):
         out = torch.empty(self.shape, dtype=x.dtype, device=x.device)
@@ -736,8 +687,7 @@ class QkvPlan(GemvPlan):
                                  (x, norm_weight, qkv_weight, q, k_dst, v_dst, rows, positions, inv_freq, *norms,
                                   self.partial, self.counter, *self.args, eps, *self.strides),
                                  dict(HEADS=heads, KV_HEADS=kv_heads, HALF=half, QK_NORM=self.qk_norm, **self.common,
-                                      HALF_P=half_p, HEADS_P=heads_p, NORM_K=self.norm_k, **self.start(heads_p * d)),
-                                 self.num_warps, dependent=self.dependent)
+                                      HALF_P=half_p, HEADS_P=heads_p, NORM_K=self.norm_k), self.num_warps)
 
     def run(self, x, norm_weight, qkv_weight, inv_freq, rows, positions, k_dst, v_dst, q_weight, k_weight, eps):
         q = torch.empty(self.q_shape, dtype=self.dtype, device=x.device)
@@ -795,8 +745,7 @@ def _(x, norm_weight, qkv_weight, heads, kv_heads, inv_freq, rows, positions, k_
 def _compile_cases():
     """Qwen3-8B's decode shapes at one rank (hidden 4096, 32 + 2 x 8 heads of 128, intermediate 12288), bf16 and
     fp32: the tl.dot path at M = 1 and 16 rows in a block (16 rows) and 64, split-K and not; the dot-free path at 1
-    row (wide column runs, two heads a QKV program) and 8 (on 8 warps); a Llama-shaped QKV without the q/k norm.
-    bf16 as a dependent launch prefetching 64 rows (sm_90 on: griddepcontrol), fp32 as a plain one."""
+    row (wide column runs, two heads a QKV program) and 8 (on 8 warps); a Llama-shaped QKV without the q/k norm."""
     out = []
     dot = dict(block_n=64, block_k=128, num_warps=4, num_stages=4, dot=True)
     fma = dict(block_n=128, block_k=32, num_warps=4, num_stages=3, dot=False)  # two heads a QKV program
@@ -806,21 +755,15 @@ def _compile_cases():
             common = dict(SPLIT=split, BLOCK_M=block_m, BLOCK_K=s["block_k"], STAGES=s["num_stages"], EVEN_K=True,
                           IEEE=ieee, DOT=s["dot"])
             options = dict(num_warps=s["num_warps"])
-            if ieee:
-                start = dict(DEPENDENT=False, PREFETCH_K=0, PREFETCH_LINES=1)
-            else:  # two runs of block_n bf16 columns a program (a QKV program's heads: one run of 2 block_n)
-                start = dict(DEPENDENT=True, PREFETCH_K=64, PREFETCH_LINES=max(1, 2 * s["block_n"] // 64))
-                options["min_arch"] = 90
             norm_k = NORM_ELEMENTS // block_m
             out.append((linear_residual_kernel,
                         dict(x=t, w=t, residual=t, out=t, partial="*fp32", counter="*i32", M="i32", K="i32", N="i32",
                              KB="i32", BPS="i32"),
-                        dict(**common, BLOCK_N=s["block_n"], EVEN_N=True, **start),
-                        dict(options, divisible=("K", "N"))))
+                        dict(**common, BLOCK_N=s["block_n"], EVEN_N=True), dict(options, divisible=("K", "N"))))
             out.append((norm_gate_up_silu_kernel,
                         dict(x=t, norm_w=t, w=t, out=t, partial="*fp32", counter="*i32", M="i32", K="i32", I="i32",
                              KB="i32", BPS="i32", eps="fp32"),
-                        dict(**common, BLOCK_N=s["block_n"], EVEN_N=True, NORM_K=norm_k, **start),
+                        dict(**common, BLOCK_N=s["block_n"], EVEN_N=True, NORM_K=norm_k),
                         dict(options, divisible=("K", "I"))))
             for qk_norm in (True, False):
                 out.append((norm_qkv_rope_kernel,
@@ -828,7 +771,7 @@ def _compile_cases():
                                  inv_freq="*fp32", q_weight=t, k_weight=t, partial="*fp32", counter="*i32", M="i32",
                                  K="i32", KB="i32", BPS="i32", eps="fp32", dst_sb="i64", dst_sp="i64", dst_sh="i64"),
                             dict(HEADS=32, KV_HEADS=8, HALF=64, QK_NORM=qk_norm, **common, HALF_P=64,
-                                 HEADS_P=s["block_n"] // 64, NORM_K=norm_k, **start),
+                                 HEADS_P=s["block_n"] // 64, NORM_K=norm_k),
                             dict(options, divisible=("K",))))
     return out
 

@@ -95,8 +95,8 @@ from .. import tuning
 from . import hierarchical
 from .blocks import cast
 from ..runtime.world import is_initialized
-from .common import (ErrorWord, Launch, Plan, dependent_launch, group_name, plan, resolve, signature,
-                     signature_words, signatures, workspace, world_or_raise, zero_everywhere)
+from .common import (ErrorWord, Launch, Plan, group_name, plan, resolve, signature, signature_words, signatures,
+                     workspace, world_or_raise, zero_everywhere)
 from .registry import declare_op
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -193,7 +193,7 @@ def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse,
                               splits, kv_heads, q_heads, q_sb, q_sh, k_s0, k_s1, k_sh, v_s0, v_s1, v_sh, bt_sb,
                               bt_sp, num_pages, first_row, limits, GROUP: tl.constexpr, HEADS: tl.constexpr,
                               CHUNKS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                              PAGED: tl.constexpr, DEPENDENT: tl.constexpr):
+                              PAGED: tl.constexpr):
     """Partial attention of query heads [c * HEADS, (c + 1) * HEADS) of KV head kvh's group, sequence b,
     over positions [split * split_len, (split + 1) * split_len) of the sequence.
 
@@ -204,12 +204,8 @@ def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse,
 
     Lengths and pages are data: a length outside [0, max_len] is clamped and a page outside [0, num_pages)
     is never read (its positions count as zero keys and values); either is recorded in the error word `err`
-    (_record: sequence first_row + b, the call's `limits`) for the host to raise. DEPENDENT: launched as a
-    programmatic dependent (weft.language.dependent), it waits for the kernel before first.
+    (_record: sequence first_row + b, the call's `limits`) for the host to raise.
     """
-    if DEPENDENT:
-        wl.wait_prior_kernel()
-        wl.release_dependents()
     pid = tl.program_id(0)
     split = tl.program_id(1)
     c = pid % CHUNKS
@@ -270,13 +266,9 @@ def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse,
 
 @triton.jit(do_not_specialize=["max_len", "split_len", "splits"])
 def flash_decode_merge_kernel(part_out, part_lse, seqlens, out, lse, max_len, split_len, splits, q_heads,
-                              D: tl.constexpr, SPLIT_BLOCK: tl.constexpr, RETURN_LSE: tl.constexpr,
-                              DEPENDENT: tl.constexpr):
+                              D: tl.constexpr, SPLIT_BLOCK: tl.constexpr, RETURN_LSE: tl.constexpr):
     """out[row] (q's dtype) and, with RETURN_LSE, lse[row] (natural log) from the live partials of row =
-    b * q_heads + head: program `row`. DEPENDENT: as the split kernel's."""
-    if DEPENDENT:
-        wl.wait_prior_kernel()
-        wl.release_dependents()
+    b * q_heads + head: program `row`."""
     row = tl.program_id(0)
     seqlen = _seqlen(seqlens, row // q_heads, max_len)
     o, lse2 = _merge_splits(part_out, part_lse, row, splits, tl.cdiv(seqlen, split_len), D, SPLIT_BLOCK)
@@ -461,24 +453,13 @@ def _split_launch(q, k_cache, v_cache, seqlens, block_table, scale, max_len, pag
     def args(q, k, v, lens, table, part_out, part_lse):
         return (q, k, v, lens, table, part_out, part_lse, err, *consts)
     part_out, part_lse = _partial_buffers(batch * q_heads, splits, head_dim, q.device)
-    dependent = dependent_launch(q.device)  # waits for the kernel before it: any context takes it
     launch = Launch(flash_decode_split_kernel, (batch * kv_heads * chunks, splits),
                     args(q, k_cache, v_cache, seqlens, table, part_out, part_lse),
                     dict(GROUP=group, HEADS=heads, CHUNKS=chunks, D=head_dim, BLOCK_N=block_n, PAGE_SIZE=page_size,
-                         PAGED=paged, DEPENDENT=dependent),
+                         PAGED=paged),
                     num_warps=4 if heads <= 32 else 8,
-                    num_stages=3 if q.element_size() <= 2 else 2,  # fp32 tiles: 3 stages would not fit an A100
-                    dependent=dependent)
+                    num_stages=3 if q.element_size() <= 2 else 2)  # fp32 tiles: 3 stages would not fit an A100
     return launch, args, splits, split_len
-
-
-def _merge_launch(part_out, part_lse, seqlens, out, lse, max_len, split_len, splits, q_heads, return_lse):
-    """The merge kernel's launch: a program per (sequence, query head) row of out."""
-    dependent = dependent_launch(out.device)
-    return Launch(flash_decode_merge_kernel, (out.numel() // out.shape[-1],),
-                  (part_out, part_lse, seqlens, out, lse, max_len, split_len, splits, q_heads),
-                  dict(D=out.shape[-1], SPLIT_BLOCK=SPLIT_BLOCK, RETURN_LSE=return_lse, DEPENDENT=dependent),
-                  num_warps=4, dependent=dependent)
 
 
 def _partial_buffers(rows: int, splits: int, head_dim: int, device):
@@ -548,8 +529,9 @@ class FlashDecodePlan(Plan):
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty((batch, q_heads), dtype=torch.float32, device=q.device)
         part_out, part_lse = _partial_buffers(self.rows, self.splits, head_dim, q.device)
-        self.merge = _merge_launch(part_out, part_lse, seqlens, out, lse, max_len, self.split_len, self.splits,
-                                   q_heads, return_lse)
+        self.merge = Launch(flash_decode_merge_kernel, (self.rows,),
+                            (part_out, part_lse, seqlens, out, lse, max_len, self.split_len, self.splits, q_heads),
+                            dict(D=head_dim, SPLIT_BLOCK=SPLIT_BLOCK, RETURN_LSE=return_lse), num_warps=4)
 
     def result(self, out, lse):
         return (out, lse) if self.return_lse else out
@@ -814,17 +796,15 @@ _SPLIT_SIG = dict(q=None, k=None, v=None, seqlens="*i32", block_table="*i32", pa
                   bt_sb="i32", bt_sp="i32", num_pages="i32", first_row="i32", limits="i64")
 COMPILE_CASES = [
     (flash_decode_split_kernel, {**_SPLIT_SIG, "q": t, "k": t, "v": t},
-     dict(GROUP=g, HEADS=h, CHUNKS=c, D=d, BLOCK_N=32 if d == 256 else 64, PAGE_SIZE=ps, PAGED=ps > 0,
-          DEPENDENT=t == "*bf16"),  # bf16: as a dependent launch (griddepcontrol: sm_90 on)
-     dict(num_warps=4 if h <= 32 else 8, min_arch=90 if t == "*bf16" else 0))
+     dict(GROUP=g, HEADS=h, CHUNKS=c, D=d, BLOCK_N=32 if d == 256 else 64, PAGE_SIZE=ps, PAGED=ps > 0),
+     dict(num_warps=4 if h <= 32 else 8))
     for t, d, g, h, c, ps in [(t, d, 4, 16, 1, ps) for t in ("*bf16",) for d in HEAD_DIMS for ps in (0, 16)]
     + [("*fp16", 128, 8, 16, 1, 0), ("*fp32", 128, 4, 16, 1, 0), ("*fp32", 128, 4, 16, 1, 16),
        ("*bf16", 128, 1, 16, 1, 1), ("*bf16", 128, 32, 32, 1, 256), ("*bf16", 128, 128, 64, 2, 16)]
 ] + [
     (flash_decode_merge_kernel, dict(part_out="*fp32", part_lse="*fp32", seqlens="*i32", out=t, lse="*fp32",
                                      max_len="i32", split_len="i32", splits="i32", q_heads="i32"),
-     dict(D=d, SPLIT_BLOCK=SPLIT_BLOCK, RETURN_LSE=r, DEPENDENT=t == "*bf16"),
-     dict(num_warps=4, min_arch=90 if t == "*bf16" else 0))
+     dict(D=d, SPLIT_BLOCK=SPLIT_BLOCK, RETURN_LSE=r), dict(num_warps=4))
     for t, d, r in [(t, 128, True) for t in _PTR.values()] + [("*bf16", 64, False), ("*bf16", 256, False)]
 ] + [
     (sp_flash_decode_merge_kernel, dict(part_out="*fp32", part_lse="*fp32", seqlens="*i32", ll="*i64", counter="*i64",

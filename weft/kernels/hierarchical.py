@@ -500,6 +500,7 @@ class SpFlashDecode:
 
     def __init__(self, group: Group, q, k_cache, v_cache, seqlens, block_table, scale, max_len, page_size, errors):
         from . import flash_decode as fd
+        from .common import Launch
 
         self.group, self.errors = group, errors
         batch, self.q_heads, self.head_dim = q.shape
@@ -509,8 +510,10 @@ class SpFlashDecode:
         part_out, part_lse = fd._partial_buffers(self.rows, self.splits, self.head_dim, q.device)
         local_out = torch.empty((self.rows, self.head_dim), dtype=torch.float32, device=q.device)
         local_lse = torch.empty((self.rows,), dtype=torch.float32, device=q.device)
-        self.merge = fd._merge_launch(part_out, part_lse, seqlens, local_out, local_lse, max_len, self.split_len,
-                                      self.splits, self.q_heads, True)
+        self.merge = Launch(fd.flash_decode_merge_kernel, (self.rows,),
+                            (part_out, part_lse, seqlens, local_out, local_lse, max_len, self.split_len, self.splits,
+                             self.q_heads),
+                            dict(D=self.head_dim, SPLIT_BLOCK=fd.SPLIT_BLOCK, RETURN_LSE=True), num_warps=4)
 
     def run(self, q, k_cache, v_cache, seqlens, block_table):
         from . import flash_decode as fd

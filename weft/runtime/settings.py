@@ -137,9 +137,6 @@ SETTINGS = {s.name: s for s in (
             "the decoder's decode step (weft.models): fused (weft/kernels/decode.py: a GEMV with the norm, rotary, "
             "SiLU or residual add fused in, five launches a layer) or layers (the layers' GEMMs and pointwise "
             "kernels)"),
-    Setting("WEFT_DEPENDENT_LAUNCH", _flag, "0 or 1", "1 on GPUs of compute capability 9.0 and later",
-            "1: the decode step's kernels launch as programmatic dependents (weft.language.dependent: each starts "
-            "while the one before finishes, prefetching its weights); 0: plain stream order"),
     Setting("WEFT_BENCH_OUT", str, "a directory", "bench_results", "`weft bench`'s output folder (or --out)"),
 )}
 
