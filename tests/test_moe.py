@@ -175,9 +175,9 @@ def _ll_fp8_case(seed, tokens, experts, k, max_tokens, hidden=256):
     return True
 
 
-def test_ep_ll_fp8():
-    for w in (1, 3, 8):
-        assert all(run_ranks(_ll_fp8_case, w, 7, UNEVEN_TOKENS[:w], EXPERTS[w], 3, 8, timeout=TIMEOUT, env=ENV))
+@pytest.mark.parametrize("w", [1, 3, pytest.param(8, marks=pytest.mark.long)])  # 8: as test_ep_ll
+def test_ep_ll_fp8(w):
+    assert all(run_ranks(_ll_fp8_case, w, 7, UNEVEN_TOKENS[:w], EXPERTS[w], 3, 8, timeout=TIMEOUT, env=ENV))
 
 
 def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens, hook=False, dtype="bfloat16", strided=False,
