@@ -37,27 +37,41 @@ def test_info():
         assert key in res.stdout
 
 
-def test_bench_suite_help_lists_every_option_once():
-    res = weft_cmd("bench", "allgather", "-h", timeout=120)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.count("usage: weft bench allgather") == 1 and "[rank" not in res.stdout  # no rank started
+def weft_main(capfd, *args):
+    """(exit status, stdout, stderr) of `weft ARGS` run in this process (weft.cli.main): for what exits before any
+    rank starts (help, refusals), without a fresh interpreter's imports. capfd, not capsys: the output of any rank
+    started by mistake would be in it too."""
+    from weft.cli import main
+
+    try:
+        status = main(list(args))
+    except SystemExit as e:
+        status = e.code
+    out, err = capfd.readouterr()
+    return status, out, err
+
+
+def test_bench_suite_help_lists_every_option_once(capfd):
+    status, out, err = weft_main(capfd, "bench", "allgather", "-h")
+    assert status == 0, err
+    assert out.count("usage: weft bench allgather") == 1 and "[rank" not in out + err  # no rank started
     for option in ("-n N", "--out", "--min-bytes", "--max-bytes", "--samples", "--dtype", "--view"):
-        assert option in res.stdout
-    res = weft_cmd("bench", "-n", "2", "allgather", "--no-such-option", timeout=120)
-    assert res.returncode == 2 and res.stderr.count("unrecognized arguments: --no-such-option") == 1
+        assert option in out
+    status, out, err = weft_main(capfd, "bench", "-n", "2", "allgather", "--no-such-option")
+    assert status == 2 and err.count("unrecognized arguments: --no-such-option") == 1 and "[rank" not in out + err
 
 
-def test_demo_help_and_its_refusals():
-    res = weft_cmd("demo", "-h", timeout=120)
-    assert res.returncode == 0, res.stderr
+def test_demo_help_and_its_refusals(capfd):
+    status, out, err = weft_main(capfd, "demo", "-h")
+    assert status == 0, err
     for option in ("-n N", "--model", "--prompt", "--batch", "--prompt-len", "--new-tokens", "--layers"):
-        assert option in res.stdout
+        assert option in out
     # Refused before any rank runs, with the reason.
     for args, reason in ((("--model", ROOT), "not a checkpoint directory (it has no config.json)"),
                          (("--prompt", "hello"), "--prompt needs --model"),
                          (("--model", "CKPT", "--layers", "1"), "--layers applies to the built-in model")):
-        res = weft_cmd("demo", *args, timeout=120)
-        assert res.returncode == 2 and reason in res.stderr and "[rank" not in res.stderr, res.stderr
+        status, out, err = weft_main(capfd, "demo", *args)
+        assert status == 2 and reason in err and "[rank" not in out + err, err
 
 
 def test_demo_runs_a_checkpoint_on_cpu_ranks(tmp_path):
@@ -110,16 +124,30 @@ def test_demo_checks_the_model_against_transformers():
 
 
 # Tutorials run 15-40 s each here. CI runs the first two (notify / wait, all_gather: the step-by-step kernels the
-# others build on) and the groups one; the rest (their kernels are the library's all_reduce, tile layer, ag_gemm,
+# others build on) at 2 ranks, and the groups one at the 4 its 2 x 2 layout needs; the first two at 4 ranks (as
+# their docstrings run them) and the rest (their kernels are the library's all_reduce, tile layer, ag_gemm,
 # gemm_rs, EP and flash_decode, each tested in its own file) run outside CI (WEFT_LONG_TESTS=1).
 _LIBRARY_TUTORIALS = ("03_all_reduce.py", "04_ag_gemm.py", "05_gemm_rs.py", "06_moe_all_to_all.py",
                       "07_flash_decode.py", "08_tile_primitives.py")
+_FOUR_RANK_TUTORIALS = ("09_groups.py",)
 
 
-@pytest.mark.parametrize("tutorial", [pytest.param(f, marks=pytest.mark.long) if f in _LIBRARY_TUTORIALS else f
-                                      for f in sorted(os.listdir(os.path.join(ROOT, "tutorials"))) if f.endswith(".py")])
-def test_tutorial_runs_on_four_cpu_ranks(tutorial):
-    res = weft_cmd("run", "-n", "4", os.path.join("tutorials", tutorial), timeout=300)
+def _tutorial_cases():
+    for f in sorted(os.listdir(os.path.join(ROOT, "tutorials"))):
+        if not f.endswith(".py"):
+            continue
+        if f in _LIBRARY_TUTORIALS:
+            yield pytest.param(f, 4, marks=pytest.mark.long)
+        elif f in _FOUR_RANK_TUTORIALS:
+            yield pytest.param(f, 4)
+        else:
+            yield pytest.param(f, 2)
+            yield pytest.param(f, 4, marks=pytest.mark.long)
+
+
+@pytest.mark.parametrize("tutorial, ranks", list(_tutorial_cases()))
+def test_tutorial_runs_on_cpu_ranks(tutorial, ranks):
+    res = weft_cmd("run", "-n", str(ranks), os.path.join("tutorials", tutorial), timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 

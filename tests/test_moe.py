@@ -175,9 +175,9 @@ def _ll_fp8_case(seed, tokens, experts, k, max_tokens, hidden=256):
     return True
 
 
-def test_ep_ll_fp8():
-    for w in (1, 3, 8):
-        assert all(run_ranks(_ll_fp8_case, w, 7, UNEVEN_TOKENS[:w], EXPERTS[w], 3, 8, timeout=TIMEOUT, env=ENV))
+@pytest.mark.parametrize("w", [1, 3, pytest.param(8, marks=pytest.mark.long)])  # 8: as test_ep_ll
+def test_ep_ll_fp8(w):
+    assert all(run_ranks(_ll_fp8_case, w, 7, UNEVEN_TOKENS[:w], EXPERTS[w], 3, 8, timeout=TIMEOUT, env=ENV))
 
 
 def _ll_case(seed, tokens, experts, k, hidden, mode, max_tokens, hook=False, dtype="bfloat16", strided=False,
@@ -387,19 +387,20 @@ def test_many_calls_mixed():
     assert all(run_ranks(_mixed, 2, 4, timeout=TIMEOUT, env=ENV))
 
 
-def _any_layout(units):
+def _any_layout(units, first, step):
     """What torch takes, the EP ops take: fp32 and fp16 rows, 16-bit rows of an odd length (whole 4-byte words
     only with a zero column more), x, topk_idx, topk_weights and y in layouts that are not contiguous (x at an
-    odd element offset); each call after calls of other signatures, bit for bit as always."""
+    odd element offset); each call after calls of other signatures, bit for bit as always. The layouts
+    numbered first, first + step, ... of the five."""
     import weft
     import weft.kernels.moe.ep_ll as ep_ll
 
     ep_ll.LL_CPU = units
     w = weft.world_size()
     experts = EXPERTS[w]
-    for i, (dtype, hidden, strided) in enumerate((("float32", 24, False), ("bfloat16", 37, False),
-                                                   ("float16", 40, True), ("bfloat16", 33, True),
-                                                   ("float32", 7, True))):
+    layouts = (("float32", 24, False), ("bfloat16", 37, False), ("float16", 40, True), ("bfloat16", 33, True),
+               ("float32", 7, True))
+    for i, (dtype, hidden, strided) in list(enumerate(layouts))[first::step]:
         _ht_case(300 + i, UNEVEN_TOKENS[:w], experts, 3, hidden, "masked", None, dtype, strided)
         _ht_case(310 + i, 4, experts, 2, hidden, "random", 16, dtype, strided)
         _ll_case(320 + i, [3, 4, 0, 2][:w], experts, 3, hidden, "random", 4, i % 2 == 1, dtype, strided)
@@ -408,7 +409,9 @@ def _any_layout(units):
 
 @pytest.mark.parametrize("w", [1, 2, 3])
 def test_ep_any_layout(w):
-    assert all(run_ranks(_any_layout, w, (4, 32, 4), timeout=TIMEOUT, env=ENV))
+    # Every layout at 1 rank; across ranks each at one world size: 2 ranks the even-numbered, 3 the others.
+    first, step = {1: (0, 1), 2: (0, 2), 3: (1, 2)}[w]
+    assert all(run_ranks(_any_layout, w, (4, 32, 4), first, step, timeout=TIMEOUT, env=ENV))
 
 
 def _rejects():

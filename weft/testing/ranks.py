@@ -46,10 +46,11 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, env: dict | No
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, kwargs, results, env or {}),
                          daemon=True) for r in range(world_size)]
-    # Garbage of this process freed here, and the rest frozen for the ranks: a forked rank must never run the
-    # finalizer of an object it inherited. A torch.distributed process group's joins threads that exist only in
-    # the parent (a gloo group's destructor then waits for ever inside the rank's gc.collect()).
-    gc.collect()
+    # Everything this process holds, garbage included, frozen for the ranks: a forked rank must never run the
+    # finalizer of an object it inherited (a torch.distributed process group's joins threads that exist only in
+    # the parent: a gloo group's destructor would wait for ever inside the rank's gc.collect()), and frozen
+    # objects are never collected there. No gc.collect() first: it cost ~0.2 s a call once transformers is
+    # imported; the parent collects its garbage as usual once unfrozen.
     gc.freeze()
     try:
         for p in procs:
