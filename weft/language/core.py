@@ -2,7 +2,7 @@
 
 Every weft kernel receives the heap descriptor `heap` (an int64 pointer):
     heap[0] = my rank, heap[1] = world size, heap[2 + r] = base of rank r's heap,
-    heap[2 + W + r] = the node rank r runs on
+    heap[2 + W + r] = the node rank r runs on, heap[2 + 2W + r] = rank r's world rank (its NVSHMEM PE)
 
 `symm_at` reaches the ranks of this node (loads and stores through the peer mappings); a rank on another node
 is reached only through the network primitives (weft.language.shmem's puts and gets, `signal_op`,
@@ -70,6 +70,13 @@ def network_at(ptr, peer, heap):
     if INTERPRET:
         interpreter.stall_before_peer(me, peer)  # WEFT_TEST_DELAY: a peer's data arrives late
     return _translate(ptr, peer, me, heap)
+
+
+@triton.jit
+def network_pe(peer, heap):
+    """Rank `peer`'s world rank: its PE number in NVSHMEM, which torch bootstraps over the world (the network
+    primitives' NVSHMEM form addresses PEs, not a group's ranks)."""
+    return tl.load(heap + 2 + 2 * tl.load(heap + 1) + peer).to(tl.int32)
 
 
 @triton.jit
