@@ -27,9 +27,11 @@ node:
 The rail exchange: on the cpu backend `network_exchange_kernel`, which moves data with the network primitives
 only (`putmem_signal_block`, then a wait on its own flags), through a double-buffered workspace in the rail's
 heap, in passes when larger; the rail's reductions are then summed on the host in rank order (the same bits on
-every member). On GPUs, until the network primitives have an NVSHMEM backend, the rail exchange is the rail's
-process group (NCCL: on InfiniBand between nodes), ordered with the node's kernels by stream order (ag_gemm's and
-gemm_rs's on a side stream, beside the node's kernels: see their classes).
+every member). On GPUs the rail exchange is by default the rail's process group (NCCL: on InfiniBand between
+nodes); with WEFT_RAIL=nvshmem (weft.init put every heap on NVSHMEM's symmetric memory) it is
+`network_exchange_nvshmem_kernel`, the same protocol through the network primitives' NVSHMEM form, with its epochs
+in device memory (CUDA-graph replays) and the reductions summed as on cpu. Either is ordered with the node's
+kernels by stream order (ag_gemm's and gemm_rs's on a side stream, beside the node's kernels: see their classes).
 
 The node and rail groups are made on the op's first call on the group, among its members only (torch's
 `use_local_synchronization`), once per set of ranks in a world, with a heap just large enough for the families'

@@ -64,8 +64,8 @@ def _translate(ptr, peer, me, heap):
 @triton.jit
 def network_at(ptr, peer, heap):
     """`symm_at` for the network primitives, to a rank of any node. On the cpu backend every node's heap lies in
-    one shared file (the simulated network); on GPUs a peer on another node has no mapping (base 0): the
-    primitives reach only this node's ranks there until they have a network backend."""
+    one shared file (the simulated network); on GPUs a peer on another node has no mapping (base 0): there the
+    primitives reach other nodes only in their NVSHMEM form (weft.language.nvshmem), which needs no translation."""
     me = tl.load(heap)
     if INTERPRET:
         interpreter.stall_before_peer(me, peer)  # WEFT_TEST_DELAY: a peer's data arrives late
