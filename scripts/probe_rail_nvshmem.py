@@ -54,7 +54,9 @@ def _cases(world, device):
 
     size, rank = world.world_size, world.rank
     gen = torch.Generator(device).manual_seed(101 + rank)
-    slot = world.workspace_bytes // 3 // size  # the NVSHMEM exchange's slot: larger messages go in passes
+    # At most the NVSHMEM exchange's slot (a third of the workspace over the rail's members, at most the world's):
+    # messages of several slots go in passes.
+    slot = world.workspace_bytes // 3 // size
     cases = []
     for n in (4099, 3 * slot + 17):  # floats: one pass, several
         x = torch.randn(n, generator=gen, device=device)
@@ -135,7 +137,8 @@ def rank_main(calls: int) -> None:
         assert int(mismatches) == 0, f"{name}: {int(mismatches)} of {calls} calls differ from the first"
         weft_us = _per_call_us(call, min(calls, 100), sync)
         nccl_us = _per_call_us(reference, min(calls, 100), sync)
-        _stage(rank, f"{name}: {calls} calls ok; us per eager call {weft_us} (NCCL's collective {nccl_us})")
+        _stage(rank, f"{name}: {calls} calls ok; us per eager call {weft_us} "
+                     f"(the process group's collective {nccl_us})")
     sync()
     w.barrier()
     print(f"rank {rank}: ok", flush=True)
