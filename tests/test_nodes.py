@@ -51,6 +51,7 @@ def _topology_and_language():
 
     w = weft.world()
     assert w.nodes == ((0, 1), (2, 3)) and w.topology.spans_nodes
+    assert w.rail_route == "cpu"  # the cpu rail is weft's kernel over the simulated network, whatever WEFT_RAIL says
     evens, odds = weft.new_group([0, 2]), weft.new_group([1, 3])
     rail = evens or odds
     pair = weft.new_subgroups(2)

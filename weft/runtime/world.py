@@ -48,9 +48,10 @@ class World(Group):
         self.groups: dict[str, Group] = {self.name: self}  # by process-group name: every group of this world
         self.made_groups: list = []  # process groups weft made (new_group), destroyed at finalize
         self._owns_group = owns_group
-        # The hierarchical ops' exchange between nodes on GPUs (WEFT_RAIL, fixed at init: it decides torch's
-        # symmetric-memory backend): "nccl" (the rail's process group) or "nvshmem" (weft's kernel over NVSHMEM).
-        self.rail_route = "nccl"
+        # The hierarchical ops' exchange between nodes (WEFT_RAIL on GPUs, fixed at init: it decides torch's
+        # symmetric-memory backend): "nccl" (the rail's process group) or "nvshmem" (weft's kernel over NVSHMEM);
+        # "cpu" on the cpu backend (weft's kernel over the simulated network, whatever WEFT_RAIL says).
+        self.rail_route = "nccl" if device.type == "cuda" else "cpu"
 
     @property
     def error_checks(self) -> list:
