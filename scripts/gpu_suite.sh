@@ -31,8 +31,11 @@
 #     every other rank, against NCCL on the same groups and the same op on the world);
 #     nodes: tests/test_gpu_nodes.py and test_gpu_nodes_ep.py over simulated nodes (2 nodes of 1; on 4+ GPUs all GPUs as 2 nodes of N/2 and
 #     as N nodes of 1): the hierarchical collectives, ag_gemm, gemm_rs, sp_flash_decode and the Ulysses all-to-all
-#     against NCCL / torch, 1000 calls of each; `weft bench nodes` on all GPUs (each op at N nodes of 1, 2 of N/2
-#     and one of N, beside NCCL and the cost model's prediction, in one report);
+#     against NCCL / torch, 1000 calls of each; then the rail over NVSHMEM (WEFT_RAIL=nvshmem): the smoke probe
+#     scripts/probe_rail_nvshmem.py (each layout under its own time limit), and, where it passed, test_gpu_nodes.py
+#     at the same layouts with WEFT_RAIL=nvshmem and NVSHMEM's single-host settings; `weft bench nodes` on all
+#     GPUs (each op at N nodes of 1, 2 of N/2 and one of N, beside NCCL and the cost model's prediction, in one
+#     report);
 #     p2p: tests/test_gpu_p2p.py on 2 GPUs on the default route and with WEFT_P2P_KERNEL=1, `weft bench p2p` on
 #     all GPUs (send/recv 4 KiB..256 MiB between ranks 0 and 1: weft's kernel, weft via the process group, NCCL;
 #     M2N 128 x 7168 from the first half of the ranks to the rest, beside all_to_all_single and the NVLink bound), examples/disaggregated_moe.py and `weft bench disagg` on 4 GPUs
@@ -166,6 +169,20 @@ if has nodes && [ "$NGPU" -ge 2 ]; then
     step "gpu_nodes_${n}_local_$local" timeout 240 python3 -m weft run -n "$n" --local-world-size "$local" \
       -m pytest tests/test_gpu_nodes.py tests/test_gpu_nodes_ep.py -m gpu -q -x -p no:cacheprovider
   done
+  # The rail over NVSHMEM: the smoke probe first (a hang costs one layout's limit), the tests only where it passed.
+  layouts=$(printf '%s\n' 2:1 "$NGPU:1" "$NGPU:$((NGPU / 2))" | awk '!seen[$0]++' | paste -sd, -)
+  before=$status
+  status=0
+  step probe_rail_nvshmem timeout 600 python3 scripts/probe_rail_nvshmem.py --layouts "$layouts" --timeout 150
+  if [ $status -eq 0 ]; then
+    for layout in ${layouts//,/ }; do
+      n=${layout%:*} local=${layout#*:}
+      step "gpu_nodes_nvshmem_${n}_local_$local" timeout 300 env WEFT_RAIL=nvshmem NVSHMEM_REMOTE_TRANSPORT=none \
+        NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_CUDA_VMM=1 python3 -m weft run -n "$n" \
+        --local-world-size "$local" -m pytest tests/test_gpu_nodes.py -m gpu -q -x -p no:cacheprovider
+    done
+  fi
+  [ $before -eq 0 ] || status=1
   # Three worlds in one run (one per layout), each compiling and making its heaps: more than a one-world suite.
   step "bench_nodes_$NGPU" timeout 400 python3 -m weft bench -n "$NGPU" nodes --out "$OUT/bench"
 fi

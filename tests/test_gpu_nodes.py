@@ -1,13 +1,21 @@
 """The hierarchical collectives, ag_gemm, gemm_rs, sp_flash_decode and the Ulysses all-to-all on GPUs over
-simulated nodes: the node's kernels inside a node, NCCL on the rail between nodes, the heap mapped per node; and
-1000 consecutive calls of every path across nodes (outputs and memory steady). Run:
+simulated nodes: the node's kernels inside a node, the rail between nodes, the heap mapped per node; and 1000
+consecutive calls of every path across nodes (outputs and memory steady). Run:
 `weft run -n 2 --local-world-size 1 -m pytest tests/test_gpu_nodes.py -m gpu` (2 nodes of 1), or `-n 4
---local-world-size 2` (2 nodes of 2), `-n 4 --local-world-size 1` (4 nodes of 1)."""
+--local-world-size 2` (2 nodes of 2), `-n 4 --local-world-size 1` (4 nodes of 1).
+
+The rail is NCCL on the rail's process group by default; with WEFT_RAIL=nvshmem in the environment (read at init)
+every test here runs with the rail's exchange as weft's kernel over NVSHMEM instead, and checks that it did. On
+one machine NVSHMEM needs its single-host settings (scripts/gpu_suite.sh's nodes part, docs/nodes.md):
+`WEFT_RAIL=nvshmem NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_CUDA_VMM=1
+weft run -n 4 --local-world-size 2 -m pytest tests/test_gpu_nodes.py -m gpu`."""
 import pytest
 import torch
 import torch.distributed as dist
 
 import weft
+from weft.runtime import settings
+from weft.testing.graphs import capture
 
 pytestmark = pytest.mark.gpu
 
@@ -17,6 +25,21 @@ def world():
     w = weft.init()
     yield w
     weft.finalize()
+
+
+def _rail_workspaces(world):
+    """The kinds of rail-exchange workspace this rank's groups made so far: "nvshmem", "cpu kernel"."""
+    from weft.kernels import hierarchical
+
+    kinds = {hierarchical.NvshmemRailWorkspace: "nvshmem", hierarchical.RailWorkspace: "cpu kernel"}
+    return {kinds[type(ctx)] for g in world.groups.values() for ctx in g.contexts.values() if type(ctx) in kinds}
+
+
+def _check_rail_route(world):
+    """The rail's route is the one WEFT_RAIL asked for: with nvshmem, the exchanges so far went through weft's
+    NVSHMEM kernel (its workspace exists, the NCCL route's does not apply); with nccl no exchange kernel ran."""
+    assert world.rail_route == settings.rail()
+    assert _rail_workspaces(world) == ({"nvshmem"} if settings.rail() == "nvshmem" else set())
 
 
 def test_collectives_across_simulated_nodes(world):
@@ -36,11 +59,41 @@ def test_collectives_across_simulated_nodes(world):
             ag = torch.empty_like(xs)
             dist.all_gather_into_tensor(ag, x)
             assert torch.equal(weft.ops.all_gather(x, method="push"), ag)
+    _check_rail_route(world)
     # The per-node heap: this node's peers are mapped, another node's are not.
     far = next(r for r in range(world.world_size) if world.node_ids[r] != world.node_ids[world.rank])
     t = weft.empty((4,), torch.float32)
     with pytest.raises(ValueError, match="not mapped here"):
         weft.peer(t, far)
+
+
+def test_collectives_across_simulated_nodes_in_a_cuda_graph(world):
+    """all_gather and all_reduce across nodes captured in one CUDA graph, replayed on new inputs, against NCCL:
+    on the NVSHMEM rail each replay's exchanges take new epochs from device memory."""
+    gen = torch.Generator("cuda").manual_seed(41 + world.rank)
+    n = 3 * 4096 + 5  # not a multiple of any block
+    x = torch.randn(n, generator=gen, device="cuda")
+    gathered = torch.empty(world.world_size * n, device="cuda")
+    reduced = torch.empty(n, device="cuda")
+
+    def calls():
+        weft.ops.all_gather(x, method="push", out=gathered)
+        weft.ops.all_reduce(x, method="two_shot", out=reduced)
+
+    calls()  # plans and workspaces outside capture
+    graph = capture(calls)
+    for _ in range(5):
+        x.copy_(torch.randn(n, generator=gen, device="cuda"))
+        gathered.fill_(float("nan"))
+        reduced.fill_(float("nan"))
+        graph.replay()
+        want = torch.empty_like(gathered)
+        dist.all_gather_into_tensor(want, x)
+        assert torch.equal(gathered, want)
+        total = x.clone()
+        dist.all_reduce(total)
+        torch.testing.assert_close(reduced, total, rtol=1e-5, atol=1e-4)
+    _check_rail_route(world)
 
 
 def test_gemm_ops_across_simulated_nodes(world):
@@ -223,3 +276,4 @@ def test_every_path_across_nodes_1000_calls(world):
     ops = ("all_reduce", "all_gather", "reduce_scatter", "ag_gemm", "gemm_rs", "sp_flash_decode",
            "ulysses_all_to_all")
     assert all(_hierarchical(world, (op,)) for op in ops)
+    _check_rail_route(world)

@@ -29,6 +29,12 @@ def exchange_kernel(src, recv, flags, heap, n, epoch, W: tl.constexpr):
 
 
 @triton.jit
+def network_pe_kernel(out, heap, W: tl.constexpr):
+    for q in range(W):
+        tl.store(out + q, wl.network_pe(q, heap))
+
+
+@triton.jit
 def get_kernel(dst, src, n, peer, heap):
     wl.getmem_block(dst, src, n * 4, peer, heap)
 
@@ -45,6 +51,7 @@ def _topology_and_language():
 
     w = weft.world()
     assert w.nodes == ((0, 1), (2, 3)) and w.topology.spans_nodes
+    assert w.rail_route == "cpu"  # the cpu rail is weft's kernel over the simulated network, whatever WEFT_RAIL says
     evens, odds = weft.new_group([0, 2]), weft.new_group([1, 3])
     rail = evens or odds
     pair = weft.new_subgroups(2)
@@ -53,6 +60,10 @@ def _topology_and_language():
     seen = torch.full((4,), -1, dtype=torch.int32)
     same_node_kernel[(1,)](seen, w.heap.descriptor, W=4)
     assert seen.tolist() == [int(r // 2 == w.rank // 2) for r in range(4)]
+    # A member's PE for the network primitives' NVSHMEM form: its world rank, in any group.
+    pes = torch.full((2,), -1, dtype=torch.int32)
+    network_pe_kernel[(1,)](pes, rail.heap.descriptor, W=2)
+    assert pes.tolist() == [w.rank % 2, w.rank % 2 + 2] == list(rail.ranks)
 
     # Across nodes: every rank's put with its signal into slot `me` of every rank, then the wait on my flags.
     n = 5
@@ -391,6 +402,21 @@ def test_attention_ops_on_three_nodes_of_two():
     import torch
 
     assert all(run_ranks(_attention_ops, 6, [(3, 6, 5, torch.float32, 2, 7)], env=TWO_NODES, timeout=400))
+
+
+def test_rail_setting(monkeypatch):
+    """WEFT_RAIL: nccl (the default) or nvshmem, any case; anything else is refused, naming what it takes. On the
+    cpu backend it changes nothing (the rail is weft's kernel over the simulated network)."""
+    from weft.runtime import settings
+
+    monkeypatch.delenv("WEFT_RAIL", raising=False)
+    assert settings.rail() == "nccl"
+    for text, value in (("nccl", "nccl"), ("NVSHMEM", "nvshmem"), (" nvshmem ", "nvshmem")):
+        monkeypatch.setenv("WEFT_RAIL", text)
+        assert settings.rail() == value
+    monkeypatch.setenv("WEFT_RAIL", "ib")
+    with pytest.raises(ValueError, match=r"WEFT_RAIL='ib': expected nccl or nvshmem"):
+        settings.check_all()
 
 
 def test_launcher_nodes(tmp_path):

@@ -27,9 +27,11 @@ node:
 The rail exchange: on the cpu backend `network_exchange_kernel`, which moves data with the network primitives
 only (`putmem_signal_block`, then a wait on its own flags), through a double-buffered workspace in the rail's
 heap, in passes when larger; the rail's reductions are then summed on the host in rank order (the same bits on
-every member). On GPUs, until the network primitives have an NVSHMEM backend, the rail exchange is the rail's
-process group (NCCL: on InfiniBand between nodes), ordered with the node's kernels by stream order (ag_gemm's and
-gemm_rs's on a side stream, beside the node's kernels: see their classes).
+every member). On GPUs the rail exchange is by default the rail's process group (NCCL: on InfiniBand between
+nodes); with WEFT_RAIL=nvshmem (weft.init put every heap on NVSHMEM's symmetric memory) it is
+`network_exchange_nvshmem_kernel`, the same protocol through the network primitives' NVSHMEM form, with its epochs
+in device memory (CUDA-graph replays) and the reductions summed as on cpu. Either is ordered with the node's
+kernels by stream order (ag_gemm's and gemm_rs's on a side stream, beside the node's kernels: see their classes).
 
 The node and rail groups are made on the op's first call on the group, among its members only (torch's
 `use_local_synchronization`), once per set of ranks in a world, with a heap just large enough for the families'
@@ -68,6 +70,51 @@ def network_exchange_kernel(src, recv, flags, heap, nbytes, src_stride, slot_byt
         wl.signal_wait_until(flags + q, wl.CMP_GE, epoch)
 
 
+@triton.jit
+def _copy_bytes(dst, src, nbytes, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    for lo in range(0, nbytes, BLOCK):
+        idx = lo + offs
+        tl.store(dst + idx, tl.load(src + idx, mask=idx < nbytes), mask=idx < nbytes)
+
+
+@triton.jit(do_not_specialize=["nbytes", "src_stride", "slot_bytes", "out_stride"])
+def network_exchange_nvshmem_kernel(src, out, stage, recv, flags, counter, heap, nbytes, src_stride, slot_bytes,
+                                    out_stride, W: tl.constexpr, BLOCK: tl.constexpr):
+    """`network_exchange_kernel`'s protocol over NVSHMEM (GPUs, WEFT_RAIL=nvshmem), one program: rank `me` puts
+    bytes [q * src_stride, + nbytes) of `src` into slot `me` of half epoch % 2 of `recv` on every other rail member
+    q, each put followed by its signal (SET to epoch) in flag `me` there; then waits (GE epoch) for every other
+    member's flag and copies its slot to row q of `out` (row stride `out_stride`; its own block straight from
+    `src`). The epoch is the device `counter` + 1, stored back at the end: monotonic, and a CUDA graph's replays
+    take new ones. The puts read a symmetric `stage` (a network transport reads registered memory only): one
+    block for an all_gather (src_stride 0), one per member for an all-to-all. Half e % 2 is written again by a
+    member's call e + 2 only after its call e + 1 waited for my call e + 1's signal, given after my call e (its
+    last reader of that half) ended."""
+    me = wl.rank(heap)
+    epoch = tl.load(counter) + 1
+    tl.debug_barrier()  # every thread has read the counter before it is stored back
+    half = epoch % 2
+    if src_stride == 0:
+        _copy_bytes(stage, src, nbytes, BLOCK)
+    else:
+        for i in range(1, W):
+            q = (me + i) % W
+            _copy_bytes(stage + q * slot_bytes, src + q.to(tl.int64) * src_stride, nbytes, BLOCK)
+    _copy_bytes(out + me.to(tl.int64) * out_stride, src + me.to(tl.int64) * src_stride, nbytes, BLOCK)
+    tl.debug_barrier()  # the block's stores to `stage` before the block-scoped puts read it
+    stage_stride = tl.where(src_stride == 0, 0, slot_bytes)
+    for i in range(1, W):
+        q = (me + i) % W  # each member starts with a different peer
+        wl.putmem_signal_block(recv + (half * W + me) * slot_bytes, stage + q * stage_stride, nbytes, flags + me,
+                               epoch, wl.SIGNAL_SET, q, heap, BLOCK, NVSHMEM=True)
+    for i in range(1, W):
+        s = (me + W - i) % W
+        wl.signal_wait_until(flags + s, wl.CMP_GE, epoch, NVSHMEM=True)
+        _copy_bytes(out + s.to(tl.int64) * out_stride, recv + (half * W + s) * slot_bytes, nbytes, BLOCK)
+    tl.debug_barrier()
+    tl.store(counter, epoch)
+
+
 class RailWorkspace:
     """The rail exchange's workspace in the rail's heap: two halves (by call parity) of one slot per member, one
     flag per member (epochs, never reset: a flag may already show the next call's epoch, whose data goes to the
@@ -82,9 +129,66 @@ class RailWorkspace:
         zero_everywhere(rail, self.flags)
 
 
+class NvshmemRailWorkspace:
+    """The rail exchange's workspace over NVSHMEM, in the rail's heap (NVSHMEM's symmetric memory): two halves
+    (by epoch parity) of one slot per member, the staging slots of the puts, one 64-bit signal word per member
+    (NVSHMEM's signals are uint64; epochs, never reset), and the epoch counter in device memory (a replayed CUDA
+    graph reads its epochs there)."""
+
+    def __init__(self, rail: Group):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if symm_mem.get_backend(rail.device) != "NVSHMEM":
+            raise RuntimeError(f"{rail!r}: the NVSHMEM rail needs weft's heaps in NVSHMEM's symmetric memory "
+                               "(weft.init() with WEFT_RAIL=nvshmem on a world that spans nodes)")
+        w = rail.size
+        self.slot_bytes = rail.workspace_bytes // 3 // w // 256 * 256
+        self.recv = rail.heap.empty((2, w, self.slot_bytes), torch.uint8)
+        self.stage = rail.heap.empty((w, self.slot_bytes), torch.uint8)
+        self.flags = rail.heap.empty((w,), torch.int64)
+        self.counter = torch.zeros(1, dtype=torch.int32, device=rail.device)
+        zero_everywhere(rail, self.flags)
+
+
+_nvshmem_kernel = None  # network_exchange_nvshmem_kernel through torch's requires_nvshmem (made on first use)
+
+
+def _nvshmem_exchange_kernel():
+    """The NVSHMEM exchange kernel as torch's `requires_nvshmem` wraps it: launched with NVSHMEM's device library
+    linked in, `nvshmemx_cumodule_init` run on each new cubin (scripts/probe_nvshmem.py's route)."""
+    global _nvshmem_kernel
+    if _nvshmem_kernel is None:
+        from torch.distributed._symmetric_memory import _nvshmem_triton
+
+        _nvshmem_kernel = _nvshmem_triton.requires_nvshmem(network_exchange_nvshmem_kernel)
+    return _nvshmem_kernel
+
+
+def _nvshmem(rail: Group) -> bool:
+    """Whether the rail's exchange is weft's kernel over NVSHMEM (GPUs, WEFT_RAIL=nvshmem at init)."""
+    return rail.world.rail_route == "nvshmem"
+
+
+def _exchange_nvshmem(rail: Group, src: torch.Tensor, block_bytes: int, all_to_all: bool) -> torch.Tensor:
+    """`_exchange` on GPUs over NVSHMEM: the kernel copies the received slots to the output itself (a CUDA graph
+    knows no host-side call parity), in passes of one slot."""
+    ws = workspace(rail, "rail_nvshmem", NvshmemRailWorkspace)
+    kernel = _nvshmem_exchange_kernel()
+    out = torch.empty((rail.size, block_bytes), dtype=torch.uint8, device=src.device)
+    src = src.reshape(-1).view(torch.uint8)
+    stride = block_bytes if all_to_all else 0
+    for lo in range(0, block_bytes, ws.slot_bytes):
+        hi = min(lo + ws.slot_bytes, block_bytes)
+        kernel[(1,)](src[lo:], out[:, lo:], ws.stage, ws.recv, ws.flags, ws.counter, rail.heap.descriptor, hi - lo,
+                     stride, ws.slot_bytes, block_bytes, W=rail.size, BLOCK=1024)
+    return out
+
+
 def _exchange(rail: Group, src: torch.Tensor, block_bytes: int, all_to_all: bool) -> torch.Tensor:
     """(rail size, block_bytes) uint8: row i is member i's block (all_gather: its `src`; all-to-all: row me of
     its `src`, which holds one block per member), through the network kernel in passes of one slot."""
+    if _nvshmem(rail):
+        return _exchange_nvshmem(rail, src, block_bytes, all_to_all)
     ws = workspace(rail, "rail", RailWorkspace)
     w = rail.size
     out = torch.empty((w, block_bytes), dtype=torch.uint8, device=src.device)
@@ -118,7 +222,7 @@ def _combine(rows: torch.Tensor, op: str) -> torch.Tensor:
 def _rail_all_reduce(rail: Group, part: torch.Tensor, op: str) -> torch.Tensor:
     if rail.size == 1:
         return part
-    if not backend.INTERPRET:
+    if not backend.INTERPRET and not _nvshmem(rail):
         dist.all_reduce(part, op=getattr(dist.ReduceOp, op.upper()), group=rail.process_group)
         return part
     rows = _exchange(rail, part, part.numel() * part.element_size(), all_to_all=False)
@@ -129,7 +233,7 @@ def _rail_reduce_scatter(rail: Group, blocks: torch.Tensor, op: str) -> torch.Te
     """blocks: (rail size, m); returns (m,), member i's row i reduced over the rail."""
     if rail.size == 1:
         return blocks[0]
-    if not backend.INTERPRET:
+    if not backend.INTERPRET and not _nvshmem(rail):
         out = torch.empty(blocks.shape[1], dtype=blocks.dtype, device=blocks.device)
         nccl_reduce_scatter(out, blocks.reshape(-1), rail.process_group, op=getattr(dist.ReduceOp, op.upper()))
         return out
@@ -141,7 +245,7 @@ def _rail_all_gather(rail: Group, shard: torch.Tensor, out: torch.Tensor | None 
     """shard: (m,) bytes of any dtype; returns (rail size, m), into `out` (contiguous) when given."""
     if rail.size == 1:
         return shard.view(1, -1) if out is None else out.copy_(shard.view(1, -1))
-    if not backend.INTERPRET:
+    if not backend.INTERPRET and not _nvshmem(rail):
         if out is None:
             out = torch.empty((rail.size, shard.numel()), dtype=shard.dtype, device=shard.device)
         nccl_all_gather(out.view(-1), shard, rail.process_group)
@@ -153,7 +257,7 @@ def _rail_all_gather(rail: Group, shard: torch.Tensor, out: torch.Tensor | None 
 def _rail_all_to_all(rail: Group, blocks: torch.Tensor, rows: torch.Tensor, keep: int) -> None:
     """blocks: (rail size, m) contiguous; rows[i] = member i's blocks[me], for every member i but `keep` (this
     member's rail rank: its row is its own business, written by the caller). rows: (rail size, m), contiguous."""
-    if not backend.INTERPRET:
+    if not backend.INTERPRET and not _nvshmem(rail):
         # NCCL's all-to-all of every row but my own (none sent to or received from myself: the caller may be
         # writing rows[keep] on another stream meanwhile).
         none = blocks.new_empty(0)
@@ -620,10 +724,15 @@ class GemmAr:
         return total if out is None else out.copy_(total)
 
 
-# The sm_90 compile check (weft.testing.compile): the rail exchange is cpu-only for now, but must stay compilable
-# for the day the network primitives have a GPU backend.
+# The sm_90 compile check (weft.testing.compile): the cpu rail's kernel must stay compilable; the NVSHMEM one is
+# compiled to a relocatable cubin (ptxas -c), its NVSHMEM calls left for libnvshmem_device.bc, linked in on GPUs.
 COMPILE_CASES = [
-    (network_exchange_kernel, dict(src="*u8", recv="*u8", flags="*i32", heap="*i64", nbytes="i32", src_stride="i32",
-                                   slot_bytes="i32", epoch="i32"), dict(W=w, BLOCK=1024))
-    for w in (2, 4)
+    *[(network_exchange_kernel, dict(src="*u8", recv="*u8", flags="*i32", heap="*i64", nbytes="i32",
+                                     src_stride="i32", slot_bytes="i32", epoch="i32"), dict(W=w, BLOCK=1024))
+      for w in (2, 4)],
+    *[(network_exchange_nvshmem_kernel,
+       dict(src="*u8", out="*u8", stage="*u8", recv="*u8", flags="*i64", counter="*i32", heap="*i64", nbytes="i32",
+            src_stride="i32", slot_bytes="i32", out_stride="i32"), dict(W=w, BLOCK=1024),
+       {"ptx_options": "-c", "unaligned": ("src", "out")})
+      for w in (2, 4)],
 ]

@@ -1,7 +1,7 @@
 """Device-side primitives: `import weft.language as wl` inside `@triton.jit` kernels."""
 from .core import (CMP_EQ, CMP_GE, CMP_GT, CMP_LE, CMP_LT, CMP_NE, INTERPRET, SCOPE_GPU, SCOPE_SYS, SIGNAL_ADD,
-                   SIGNAL_SET, num_ranks,
-                   rank, remote_ptr, same_node, symm_at)
+                   SIGNAL_SET, network_pe,
+                   num_ranks, rank, remote_ptr, same_node, symm_at)
 from .hardware import global_timer, lane_id, sm_id, tid
 from .interpreter import WaitTimeout
 from .shmem import getmem_block, putmem_block, putmem_nbi_block, putmem_signal_block, putmem_signal_nbi_block
@@ -11,7 +11,7 @@ from .tile import (ALL_RANKS, ShardMapping, TileMapping, tile_count, tile_flag, 
                    tile_offsets, tile_owner, tile_pull, tile_push, tile_rect, tile_wait, tile_wait_tiles)
 
 __all__ = [
-    "rank", "num_ranks", "same_node", "symm_at", "remote_ptr", "notify", "notify_all", "wait", "next_epoch", "last_epoch", "pack_ll", "wait_ll",
+    "rank", "num_ranks", "same_node", "network_pe", "symm_at", "remote_ptr", "notify", "notify_all", "wait", "next_epoch", "last_epoch", "pack_ll", "wait_ll",
     "sign", "check_signed", "signature_live", "consume_token", "fence", "program_sync", "quiet",
     "barrier_all", "putmem_block", "putmem_nbi_block", "getmem_block", "putmem_signal_block",
     "putmem_signal_nbi_block", "signal_op", "signal_wait_until", "tid", "lane_id", "sm_id", "global_timer",

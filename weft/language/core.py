@@ -2,7 +2,7 @@
 
 Every weft kernel receives the heap descriptor `heap` (an int64 pointer):
     heap[0] = my rank, heap[1] = world size, heap[2 + r] = base of rank r's heap,
-    heap[2 + W + r] = the node rank r runs on
+    heap[2 + W + r] = the node rank r runs on, heap[2 + 2W + r] = rank r's world rank (its NVSHMEM PE)
 
 `symm_at` reaches the ranks of this node (loads and stores through the peer mappings); a rank on another node
 is reached only through the network primitives (weft.language.shmem's puts and gets, `signal_op`,
@@ -64,12 +64,19 @@ def _translate(ptr, peer, me, heap):
 @triton.jit
 def network_at(ptr, peer, heap):
     """`symm_at` for the network primitives, to a rank of any node. On the cpu backend every node's heap lies in
-    one shared file (the simulated network); on GPUs a peer on another node has no mapping (base 0): the
-    primitives reach only this node's ranks there until they have a network backend."""
+    one shared file (the simulated network); on GPUs a peer on another node has no mapping (base 0): there the
+    primitives reach other nodes only in their NVSHMEM form (weft.language.nvshmem), which needs no translation."""
     me = tl.load(heap)
     if INTERPRET:
         interpreter.stall_before_peer(me, peer)  # WEFT_TEST_DELAY: a peer's data arrives late
     return _translate(ptr, peer, me, heap)
+
+
+@triton.jit
+def network_pe(peer, heap):
+    """Rank `peer`'s world rank: its PE number in NVSHMEM, which torch bootstraps over the world (the network
+    primitives' NVSHMEM form addresses PEs, not a group's ranks)."""
+    return tl.load(heap + 2 + 2 * tl.load(heap + 1) + peer).to(tl.int32)
 
 
 @triton.jit

@@ -4,12 +4,15 @@ These are the network primitives: with `signal_op` and `signal_wait_until`, the 
 rank on another node (weft.runtime.topology). On the cpu backend every rank's heap, of every simulated node, is
 mapped into every process (one shared file, the simulated network), so a put is a vectorised copy through
 `network_at`, and the non-blocking forms are the blocking ones (stores complete at `quiet`). On GPUs the
-node's peers are mapped the same way; another node's are not (no network backend yet: the hierarchical ops
-cross nodes through the process group instead). Sizes are in bytes, as in SHMEM.
+node's peers are mapped the same way; another node's are not: there `putmem_signal_block` and
+`signal_wait_until` take `NVSHMEM=True`, their NVSHMEM form (weft.language.nvshmem), on heaps of NVSHMEM's
+symmetric memory (WEFT_RAIL=nvshmem); otherwise the hierarchical ops cross nodes through the process group.
+Sizes are in bytes, as in SHMEM.
 """
 import triton
 import triton.language as tl
 
+from . import nvshmem
 from .core import network_at
 from .signals import quiet, signal_op
 
@@ -44,10 +47,14 @@ def getmem_block(dst, src, nbytes, peer, heap, BLOCK: tl.constexpr = 1024):
 
 @triton.jit
 def putmem_signal_block(dst, src, nbytes, sig_addr, signal, sig_op: tl.constexpr, peer, heap,
-                        BLOCK: tl.constexpr = 1024):
-    """Put, then signal `peer` (release): the signal is seen only after the data."""
-    _copy_bytes(network_at(dst, peer, heap), src, nbytes, BLOCK)
-    signal_op(sig_addr, signal, sig_op, peer, heap)
+                        BLOCK: tl.constexpr = 1024, NVSHMEM: tl.constexpr = False):
+    """Put, then signal `peer` (release): the signal is seen only after the data. NVSHMEM: NVSHMEM's block-scoped
+    put with signal (int64 signal words, `src` symmetric too where the transport is a network)."""
+    if NVSHMEM:
+        nvshmem.putmem_signal_block(dst, src, nbytes, sig_addr, signal, sig_op, peer, heap)
+    else:
+        _copy_bytes(network_at(dst, peer, heap), src, nbytes, BLOCK)
+        signal_op(sig_addr, signal, sig_op, peer, heap)
 
 
 putmem_signal_nbi_block = putmem_signal_block

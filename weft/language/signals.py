@@ -23,7 +23,7 @@ after my call e, the last reader of that slot, had completed.
 import triton
 import triton.language as tl
 
-from . import interpreter, ptx
+from . import interpreter, nvshmem, ptx
 from .core import (CMP_EQ, CMP_GE, CMP_GT, CMP_LE, CMP_LT, CMP_NE, INTERPRET, SIGNAL_ADD, SIGNAL_SET, SCOPE_SYS,
                    WAIT_TIMEOUT_NS, network_at, num_ranks, rank, symm_at)
 
@@ -336,5 +336,10 @@ def signal_op(sig_addr, signal, sig_op: tl.constexpr, peer, heap):
 
 
 @triton.jit
-def signal_wait_until(sig_addr, cmp: tl.constexpr, cmp_value):
-    return wait(sig_addr, 1, cmp_value, cmp)
+def signal_wait_until(sig_addr, cmp: tl.constexpr, cmp_value, NVSHMEM: tl.constexpr = False):
+    """Spin (acquire) until my flag at `sig_addr` satisfies `flag <cmp> cmp_value`. NVSHMEM: NVSHMEM's wait on
+    an int64 signal word (weft.language.nvshmem). Returns a token for `consume_token`."""
+    if NVSHMEM:
+        return nvshmem.signal_wait_until(sig_addr, cmp, cmp_value)
+    else:
+        return wait(sig_addr, 1, cmp_value, cmp)

@@ -3,7 +3,8 @@
 Every op runs over one group (`group=None`: the world). Kernels see only their group: the heap descriptor a
 group hands them is [my rank in the group, group size, base of member 0, ..., base of member size-1], so
 `wl.rank`, `wl.num_ranks` and `wl.symm_at` are group-relative and no kernel knows groups exist. After the
-bases come the members' node ids (weft.runtime.topology), for `wl.same_node`.
+bases come the members' node ids (weft.runtime.topology), for `wl.same_node`, then their world ranks (their
+NVSHMEM PE numbers, for the network primitives' NVSHMEM form: `wl.network_pe`).
 
 A group's heap is its own block per member (the world's is made at init; another group's on its first use,
 collectively among its members: the first op, `empty` or `barrier` they call on it), so members allocate in
@@ -114,11 +115,11 @@ def make_heap(rank: int, size: int, nbytes: int, process_group, device: torch.de
     the two ends of a transfer make alone (weft/runtime/heap.py)."""
     node_of = tuple(node_of) if node_of is not None else (0,) * size
     if size == 1:
-        return local_heap(nbytes, device, node_of)
+        return local_heap(nbytes, device, node_of, world_ranks)
     tail = min(-(-workspace_bytes // ALIGN) * ALIGN, nbytes // 2 // ALIGN * ALIGN)
     if device.type == "cuda":
         return cuda_heap(rank, size, nbytes, process_group, device, tail, node_of, world_ranks)
-    return cpu_heap(rank, size, nbytes, process_group, tail, node_of)
+    return cpu_heap(rank, size, nbytes, process_group, tail, node_of, world_ranks)
 
 
 # What an op's or weft's `group=` argument takes (world.resolve turns it into a Group): None (the world), a weft

@@ -4,10 +4,12 @@ Every rank allocates the same sequence of sizes, so an allocation sits at one
 byte offset in every rank's block. `descriptor` is what kernels receive as
 their `heap` argument, an int64 tensor on the device:
 
-    [my_rank, world_size, base_0, base_1, ..., base_{W-1}, node_0, ..., node_{W-1}]
+    [my_rank, world_size, base_0, base_1, ..., base_{W-1}, node_0, ..., node_{W-1}, pe_0, ..., pe_{W-1}]
 
 where base_r is where rank r's block starts *in this process's address
-space*, and node_r the node rank r runs on (weft.runtime.topology).
+space*, node_r the node rank r runs on (weft.runtime.topology), and pe_r
+its world rank, which is its NVSHMEM PE number (torch bootstraps NVSHMEM
+over the world: `wl.network_pe`).
 `weft.language.symm_at` translates a pointer with it, to a rank of this
 node only; `wl.same_node` compares the node ids.
 
@@ -34,7 +36,8 @@ class SymmetricHeap:
     """Bump allocator over this rank's block; `peer_block(r)` views rank r's."""
 
     def __init__(self, rank: int, world_size: int, size: int, device: torch.device,
-                 local: torch.Tensor, bases: list[int], peer_block, tail_bytes: int = 0, node_of=None):
+                 local: torch.Tensor, bases: list[int], peer_block, tail_bytes: int = 0, node_of=None,
+                 world_ranks=None):
         self.rank, self.world_size, self.size, self.device = rank, world_size, size, device
         if not 0 <= tail_bytes <= size or tail_bytes % ALIGN:
             raise ValueError(f"tail_bytes must be a multiple of {ALIGN} in [0, {size}], got {tail_bytes}")
@@ -47,7 +50,9 @@ class SymmetricHeap:
         self._peer_block = peer_block
         self.used = 0
         self.node_of = tuple(node_of) if node_of is not None else (0,) * world_size
-        self.descriptor = torch.tensor([rank, world_size, *bases, *self.node_of], dtype=torch.int64, device=device)
+        self.world_ranks = tuple(world_ranks) if world_ranks is not None else tuple(range(world_size))
+        self.descriptor = torch.tensor([rank, world_size, *bases, *self.node_of, *self.world_ranks],
+                                       dtype=torch.int64, device=device)
 
     # -- allocation ---------------------------------------------------------
     def alloc(self, nbytes: int) -> int:
@@ -111,7 +116,8 @@ class SymmetricHeap:
 
 # -- cpu: one shared-memory file holding every rank's block -------------------
 
-def cpu_heap(rank: int, world_size: int, size: int, group, tail_bytes: int = 0, node_of=None) -> SymmetricHeap:
+def cpu_heap(rank: int, world_size: int, size: int, group, tail_bytes: int = 0, node_of=None,
+             world_ranks=None) -> SymmetricHeap:
     """`rank` and `world_size` are the process group's (a group's heap is among its members). Rank 0 makes an anonymous shared-memory file (memfd: it never has a name in /dev/shm, so a rank killed
     at any point leaves nothing behind); every rank maps it whole (MAP_SHARED) through rank 0's descriptor
     (/proc/<pid>/fd/<fd>); once all have, rank 0 closes it and the mappings alone keep the memory.
@@ -137,15 +143,16 @@ def cpu_heap(rank: int, world_size: int, size: int, group, tail_bytes: int = 0, 
     base = whole.data_ptr()
     bases = [base + r * size for r in range(world_size)]
     return SymmetricHeap(rank, world_size, size, torch.device("cpu"), local, bases,
-                         lambda r: whole[r * size:(r + 1) * size], tail_bytes, node_of)
+                         lambda r: whole[r * size:(r + 1) * size], tail_bytes, node_of, world_ranks)
 
 
 # -- one rank: a plain block, no peers to map ------------------------------------
 
-def local_heap(size: int, device: torch.device, node_of=None) -> SymmetricHeap:
+def local_heap(size: int, device: torch.device, node_of=None, world_ranks=None) -> SymmetricHeap:
     """The heap of a group of one (a TP=1 replica, a stage of one): device memory no peer maps."""
     block = torch.zeros(size, dtype=torch.uint8, device=device)
-    return SymmetricHeap(0, 1, size, device, block, [block.data_ptr()], lambda r: block, node_of=node_of)
+    return SymmetricHeap(0, 1, size, device, block, [block.data_ptr()], lambda r: block, node_of=node_of,
+                         world_ranks=world_ranks)
 
 
 # -- cuda: one torch symmetric-memory block per rank -------------------------
@@ -179,7 +186,8 @@ def cuda_heap(rank: int, world_size: int, size: int, group, device: torch.device
                              "its heap block is not mapped here")
         return block if r == rank else handle.get_buffer(mine.index(r), (size,), torch.uint8, 0)
 
-    heap = SymmetricHeap(rank, world_size, size, device, block, bases, peer_block, tail_bytes, node_of)
+    heap = SymmetricHeap(rank, world_size, size, device, block, bases, peer_block, tail_bytes, node_of,
+                         world_ranks)
     heap.node_group = node_group
     heap.handle = handle  # keeps the rendezvous (and the peer mappings) alive
     torch.cuda.synchronize(device)

@@ -84,6 +84,13 @@ def _decode_path(text: str) -> str:
     return value
 
 
+def _rail(text: str) -> str:
+    value = text.lower()
+    if value not in ("nccl", "nvshmem"):
+        raise ValueError(text)
+    return value
+
+
 def _backend(text: str) -> str:
     value = text.lower()
     if value not in ("cpu", "cuda"):
@@ -132,6 +139,10 @@ SETTINGS = {s.name: s for s in (
             "unset: LOCAL_WORLD_SIZE (torchrun's ranks per node), else every rank on one node",
             "ranks per node: splits one machine's ranks into simulated nodes of this many (`weft run "
             "--local-world-size`), whose peers are reached only through the network primitives"),
+    Setting("WEFT_RAIL", _rail, "nccl or nvshmem", "nccl",
+            "GPUs, a world that spans nodes: the hierarchical ops' exchange between nodes (the rail) through NCCL "
+            "on the rail's process group, or weft's exchange kernel over NVSHMEM (every symmetric allocation of "
+            "the process then NVSHMEM's: docs/nodes.md); the cpu backend's rail is always weft's kernel"),
     Setting("WEFT_DECODE", _decode_path, "fused or layers",
             "fused at decode batch buckets up to weft.tuning's decode.fused_max_m, layers above",
             "the decoder's decode step (weft.models): fused (weft/kernels/decode.py: a GEMV with the norm, rotary, "
@@ -180,6 +191,11 @@ def test_delay() -> Delay | None:
 def decode_path() -> str | None:
     """WEFT_DECODE ("fused" or "layers"), None when unset (the tuning data decides per batch)."""
     return get("WEFT_DECODE")
+
+
+def rail() -> str:
+    """WEFT_RAIL ("nccl" or "nvshmem"), "nccl" when unset."""
+    return get("WEFT_RAIL", "nccl")
 
 
 def init_timeout_s() -> float:

@@ -48,6 +48,10 @@ class World(Group):
         self.groups: dict[str, Group] = {self.name: self}  # by process-group name: every group of this world
         self.made_groups: list = []  # process groups weft made (new_group), destroyed at finalize
         self._owns_group = owns_group
+        # The hierarchical ops' exchange between nodes (WEFT_RAIL on GPUs, fixed at init: it decides torch's
+        # symmetric-memory backend): "nccl" (the rail's process group) or "nvshmem" (weft's kernel over NVSHMEM);
+        # "cpu" on the cpu backend (weft's kernel over the simulated network, whatever WEFT_RAIL says).
+        self.rail_route = "nccl" if device.type == "cuda" else "cpu"
 
     @property
     def error_checks(self) -> list:
@@ -96,6 +100,33 @@ def _check_sizes_agree(heap_size: int, workspace_bytes: int, world_size: int, gr
             raise ValueError(f"weft.init: {name} differs across ranks ({per_rank}); every rank must pass the same "
                              f"value (WEFT_HEAP_SIZE / WEFT_WORKSPACE_BYTES or weft.init's arguments; "
                              f"WEFT_LOCAL_WORLD_SIZE / LOCAL_WORLD_SIZE for the ranks per node)")
+
+
+def _nvshmem_rail(device: torch.device, node_ids, heap_size: int, workspace_bytes: int) -> bool:
+    """WEFT_RAIL=nvshmem on GPUs where the world spans nodes: torch's symmetric memory switched to NVSHMEM before
+    the first allocation (the backend is per process and fixed by it), so that every weft heap is NVSHMEM's
+    symmetric memory, which the rail's exchange kernel puts into by NVSHMEM calls (weft/kernels/hierarchical.py).
+    The node's peers still come from each heap's rendezvous among the node's members (nvshmem_ptr underneath).
+    True where the switch is made (or was, by an earlier world of this process)."""
+    if settings.rail() != "nvshmem" or device.type != "cuda" or len(set(node_ids)) < 2:
+        return False
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if not symm_mem.is_nvshmem_available():
+        raise RuntimeError("WEFT_RAIL=nvshmem: this torch build has no NVSHMEM (libnvshmem_host.so.3 not found); "
+                           "unset WEFT_RAIL for the NCCL rail")
+    # NVSHMEM's symmetric heap holds every weft heap: the world's and, for the world's hierarchical ops, its
+    # node's (eight workspaces and flags) and its rail's (two), with room. NVSHMEM reads it at its init (the
+    # first allocation); a value the caller set is kept.
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap_size + 12 * workspace_bytes + (256 << 20)))
+    if symm_mem.get_backend(device) != "NVSHMEM":
+        try:
+            symm_mem.set_backend("NVSHMEM")
+        except RuntimeError as e:
+            raise RuntimeError("WEFT_RAIL=nvshmem: torch's symmetric memory could not switch to NVSHMEM (its "
+                               "backend is fixed by the process's first symmetric allocation: weft.init() must "
+                               f"come first): {e}") from e
+    return True
 
 
 def _launcher_store(rank: int, world_size: int, timeout: datetime.timedelta):
@@ -173,9 +204,12 @@ def init(heap_size: int | None = None, workspace_bytes: int | None = None) -> Wo
         raise
 
     node_ids = topology.world_nodes(world_size)
+    nvshmem = _nvshmem_rail(device, node_ids, heap_size, workspace_bytes)
     heap = make_heap(rank, world_size, heap_size, group, device, workspace_bytes, node_ids,
                      tuple(range(world_size)))
     _world = World(rank, world_size, local_rank, device, group, heap, owns, heap_size, workspace_bytes, node_ids)
+    if nvshmem:
+        _world.rail_route = "nvshmem"
     _world.barrier()
     return _world
 
@@ -202,10 +236,13 @@ def init_over(process_group, rank: int, world_size: int) -> World:
     local_world_size = topology.local_world_size(world_size)
     _check_sizes_agree(heap_size, workspace_bytes, world_size, process_group, device, local_world_size)
     node_ids = topology.world_nodes(world_size)
+    nvshmem = _nvshmem_rail(device, node_ids, heap_size, workspace_bytes)
     heap = make_heap(rank, world_size, heap_size, process_group, device, workspace_bytes, node_ids,
                      tuple(range(world_size)))
     _world = World(rank, world_size, local_rank, device, process_group, heap, False, heap_size, workspace_bytes,
                    node_ids)
+    if nvshmem:
+        _world.rail_route = "nvshmem"
     _world.barrier()
     return _world
 

@@ -26,11 +26,12 @@ import tempfile
 
 
 def compile_kernel(fn, signature: dict, constexprs: dict | None = None, arch: int = 90, num_warps: int = 4,
-                   divisible=(), unaligned=()):
+                   divisible=(), unaligned=(), ptx_options: str | None = None):
     """Compile `fn` for sm_`arch` as the JIT would for a launch whose pointers are 16-byte aligned (torch's
     allocations: the JIT specialises them, and the vector loads and stores follow from it) but those named in
     `unaligned`, and whose integer arguments named in `divisible` are multiples of 16 (a row stride of a
-    hidden size: the JIT specialises those too)."""
+    hidden size: the JIT specialises those too). `ptx_options` go to ptxas: "-c" for a kernel that calls a
+    device library linked in only on GPUs (NVSHMEM's), whose calls stay unresolved in a relocatable cubin."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -50,7 +51,10 @@ def compile_kernel(fn, signature: dict, constexprs: dict | None = None, arch: in
             if (k.startswith("*") and name not in unaligned) or (name in divisible and k[0] in "iu"):
                 attrs[(index,) + sub] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=sig, constexprs=paths, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    options = {"num_warps": num_warps}
+    if ptx_options is not None:
+        options["ptx_options"] = ptx_options
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def kernel_modules(names=None):
