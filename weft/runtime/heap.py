@@ -175,10 +175,14 @@ def cuda_heap(rank: int, world_size: int, size: int, group, device: torch.device
         node_group = dist.new_group([world_ranks[i] for i in mine], use_local_synchronization=True)
     block.zero_()  # before the rendezvous: a peer's first write into this block comes after it
     torch.cuda.synchronize(device)
-    handle = symm_mem.rendezvous(block, node_group.group_name)
     bases = [0] * world_size
-    for j, i in enumerate(mine):
-        bases[i] = int(handle.buffer_ptrs[j])
+    if len(mine) == 1:  # alone on its node: no peer to map (and NVSHMEM's rendezvous refuses a group of one)
+        handle = None
+        bases[rank] = block.data_ptr()
+    else:
+        handle = symm_mem.rendezvous(block, node_group.group_name)
+        for j, i in enumerate(mine):
+            bases[i] = int(handle.buffer_ptrs[j])
 
     def peer_block(r):
         if r not in mine:
