@@ -10,7 +10,7 @@ the larger messages go through the exchange in several passes); each layout is k
 (the ranks also dump their stacks and exit on their own a few seconds before). Each rank:
 - checks that weft.init took the NVSHMEM route (torch's symmetric memory on NVSHMEM);
 - runs one hierarchical all_gather, all_reduce and reduce_scatter (the exchange's all-to-all form) of a small
-  and of a several-pass size, each against NCCL's (all_gather bit for bit);
+  size, of all_gather's one full pass and of a several-pass size, each against NCCL's (all_gather bit for bit);
 - then --calls consecutive calls of each op on fixed inputs: every output bit for bit the first one, every 100th
   against NCCL; with µs per call (eager, host clock) beside NCCL's own collective.
 Prints "reached:" lines as it goes (a hang shows where), one line per layout: ok / FAILED / HUNG.
@@ -54,11 +54,11 @@ def _cases(world, device):
 
     size, rank = world.world_size, world.rank
     gen = torch.Generator(device).manual_seed(101 + rank)
-    # At most the NVSHMEM exchange's slot (a third of the workspace over the rail's members, at most the world's):
+    # The NVSHMEM exchange's slot: a third of the workspace over the rail's other members (one per other node);
     # messages of several slots go in passes.
-    slot = world.workspace_bytes // 3 // size
+    slot = world.workspace_bytes // 3 // (len(world.nodes) - 1)
     cases = []
-    for n in (4099, 3 * slot + 17):  # floats: one pass, several
+    for n in (4099, slot // 4, 3 * slot + 17):  # floats: one pass, one full pass of all_gather, several passes
         x = torch.randn(n, generator=gen, device=device)
         xs = torch.randn(size * n, generator=gen, device=device)
 

@@ -5,7 +5,8 @@ consecutive calls of every path across nodes (outputs and memory steady). Run:
 --local-world-size 2` (2 nodes of 2), `-n 4 --local-world-size 1` (4 nodes of 1).
 
 The rail is NCCL on the rail's process group by default; with WEFT_RAIL=nvshmem in the environment (read at init)
-every test here runs with the rail's exchange as weft's kernel over NVSHMEM instead, and checks that it did. On
+every test here runs with the rail's exchange as weft's kernel over NVSHMEM instead, and checks that it did (one
+more tests that kernel itself at the sizes its chunking turns on; it is skipped on the NCCL route). On
 one machine NVSHMEM needs its single-host settings (scripts/gpu_suite.sh's nodes part, docs/nodes.md):
 `WEFT_RAIL=nvshmem NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo NVSHMEM_DISABLE_CUDA_VMM=1
 weft run -n 4 --local-world-size 2 -m pytest tests/test_gpu_nodes.py -m gpu`."""
@@ -93,6 +94,38 @@ def test_collectives_across_simulated_nodes_in_a_cuda_graph(world):
         total = x.clone()
         dist.all_reduce(total)
         torch.testing.assert_close(reduced, total, rtol=1e-5, atol=1e-4)
+    _check_rail_route(world)
+
+
+def test_nvshmem_rail_exchange_chunks(world):
+    """The NVSHMEM rail's exchange itself, all_gather and all-to-all forms, against NCCL's on the rail, at the
+    sizes its chunking turns on (one byte, one chunk, a partial last chunk, the most chunks and then larger
+    chunks, two passes) from unaligned offsets too, the sizes changing from call to call (flags of chunks that a
+    call leaves out stay behind the epoch)."""
+    if world.rail_route != "nvshmem":
+        pytest.skip("the NVSHMEM rail's kernel (WEFT_RAIL=nvshmem)")
+    from weft.kernels import hierarchical
+    from weft.kernels.common import workspace
+
+    rail = hierarchical.hierarchy(world).rail
+    ws = workspace(rail, "rail_nvshmem", hierarchical.NvshmemRailWorkspace)
+    least = ws.MIN_CHUNK_BYTES
+    gen = torch.Generator("cuda").manual_seed(59 + world.rank)
+    sizes = (1, 255, least, least + 1, least * ws.max_chunks - 1, 3 * least * ws.max_chunks + 17, 4099,
+             ws.slot_bytes + 5)
+    for nbytes in sizes:
+        for offset in (0, 3):
+            for all_to_all in (False, True):
+                count = rail.size * nbytes if all_to_all else nbytes
+                data = torch.randint(0, 256, (offset + count,), generator=gen, device="cuda", dtype=torch.uint8)
+                src = data[offset:]
+                got = hierarchical._exchange(rail, src, nbytes, all_to_all)
+                want = torch.empty((rail.size, nbytes), dtype=torch.uint8, device="cuda")
+                if all_to_all:
+                    dist.all_to_all_single(want.view(-1), src.contiguous(), group=rail.process_group)
+                else:
+                    dist.all_gather_into_tensor(want.view(-1), src.contiguous(), group=rail.process_group)
+                assert torch.equal(got, want), (nbytes, offset, all_to_all)
     _check_rail_route(world)
 
 

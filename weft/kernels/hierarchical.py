@@ -72,47 +72,61 @@ def network_exchange_kernel(src, recv, flags, heap, nbytes, src_stride, slot_byt
 
 @triton.jit
 def _copy_bytes(dst, src, nbytes, BLOCK: tl.constexpr):
+    """`nbytes` from `src` to `dst`: whole BLOCKs unmasked (vector loads and stores where the pointers' alignment
+    is known), then the masked tail."""
     offs = tl.arange(0, BLOCK)
-    for lo in range(0, nbytes, BLOCK):
-        idx = lo + offs
-        tl.store(dst + idx, tl.load(src + idx, mask=idx < nbytes), mask=idx < nbytes)
+    whole = nbytes // BLOCK * BLOCK
+    for lo in range(0, whole, BLOCK):
+        tl.store(dst + lo + offs, tl.load(src + lo + offs))
+    idx = whole + offs
+    tl.store(dst + idx, tl.load(src + idx, mask=idx < nbytes), mask=idx < nbytes)
 
 
-@triton.jit(do_not_specialize=["nbytes", "src_stride", "slot_bytes", "out_stride"])
+@triton.jit(do_not_specialize=["nbytes"])
 def network_exchange_nvshmem_kernel(src, out, stage, recv, flags, counter, heap, nbytes, src_stride, slot_bytes,
-                                    out_stride, W: tl.constexpr, BLOCK: tl.constexpr):
-    """`network_exchange_kernel`'s protocol over NVSHMEM (GPUs, WEFT_RAIL=nvshmem), one program: rank `me` puts
-    bytes [q * src_stride, + nbytes) of `src` into slot `me` of half epoch % 2 of `recv` on every other rail member
-    q, each put followed by its signal (SET to epoch) in flag `me` there; then waits (GE epoch) for every other
-    member's flag and copies its slot to row q of `out` (row stride `out_stride`; its own block straight from
-    `src`). The epoch is the device `counter` + 1, stored back at the end: monotonic, and a CUDA graph's replays
-    take new ones. The puts read a symmetric `stage` (a network transport reads registered memory only): one
-    block for an all_gather (src_stride 0), one per member for an all-to-all. Half e % 2 is written again by a
-    member's call e + 2 only after its call e + 1 waited for my call e + 1's signal, given after my call e (its
-    last reader of that half) ended."""
+                                    out_stride, chunk_bytes, W: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+                                    BLOCK: tl.constexpr):
+    """`network_exchange_kernel`'s protocol over NVSHMEM (GPUs, WEFT_RAIL=nvshmem), in programs (i, c): the
+    block's bytes split into chunks of `chunk_bytes` (a multiple of 256), program (i, c) with i >= 1 moves chunk c
+    between rank `me` and its peers at distance i: it stages chunk c of the block for q = me + i (bytes
+    [q * src_stride, + nbytes) of `src`; src_stride 0: one block for all, an all_gather) in its own slot i - 1 of
+    the symmetric `stage` (a network transport reads registered memory only), puts it into slot i - 1 of half
+    epoch % 2 of q's `recv` with flag (i - 1, c) there SET to the epoch, then waits (GE epoch) for flag (i - 1, c)
+    of its own, set by s = me - i, and copies that chunk to row s of `out` (row stride `out_stride`). Programs
+    (0, c) copy chunk c of the own block straight from `src`. Every program puts before it waits, and the host
+    keeps the grid within what the GPU holds at once, so no waiter keeps a putter from running.
+
+    The epoch is the device `counter[0]` + 1: the last program to arrive on `counter[1]` stores it back (every
+    program read it before arriving) and zeroes the arrivals, so epochs are monotonic and a CUDA graph's replays
+    take new ones. Half e % 2 is written again by a member's call e + 2 only after its call e + 1 waited for my
+    call e + 1's chunk 0 (every call has one), put after my call e (its last reader of that half) ended."""
     me = wl.rank(heap)
+    i = tl.program_id(0)
+    c = tl.program_id(1)
     epoch = tl.load(counter) + 1
-    tl.debug_barrier()  # every thread has read the counter before it is stored back
-    half = epoch % 2
-    if src_stride == 0:
-        _copy_bytes(stage, src, nbytes, BLOCK)
-    else:
-        for i in range(1, W):
+    lo = c * chunk_bytes
+    n = tl.minimum(chunk_bytes, nbytes - lo)
+    if n > 0:
+        if i == 0:
+            _copy_bytes(out + me.to(tl.int64) * out_stride + lo, src + me.to(tl.int64) * src_stride + lo, n,
+                        BLOCK)
+        else:
             q = (me + i) % W
-            _copy_bytes(stage + q * slot_bytes, src + q.to(tl.int64) * src_stride, nbytes, BLOCK)
-    _copy_bytes(out + me.to(tl.int64) * out_stride, src + me.to(tl.int64) * src_stride, nbytes, BLOCK)
-    tl.debug_barrier()  # the block's stores to `stage` before the block-scoped puts read it
-    stage_stride = tl.where(src_stride == 0, 0, slot_bytes)
-    for i in range(1, W):
-        q = (me + i) % W  # each member starts with a different peer
-        wl.putmem_signal_block(recv + (half * W + me) * slot_bytes, stage + q * stage_stride, nbytes, flags + me,
-                               epoch, wl.SIGNAL_SET, q, heap, BLOCK, NVSHMEM=True)
-    for i in range(1, W):
-        s = (me + W - i) % W
-        wl.signal_wait_until(flags + s, wl.CMP_GE, epoch, NVSHMEM=True)
-        _copy_bytes(out + s.to(tl.int64) * out_stride, recv + (half * W + s) * slot_bytes, nbytes, BLOCK)
-    tl.debug_barrier()
-    tl.store(counter, epoch)
+            s = (me + W - i) % W
+            staged = stage + (i - 1) * slot_bytes + lo
+            _copy_bytes(staged, src + q.to(tl.int64) * src_stride + lo, n, BLOCK)
+            tl.debug_barrier()  # the block's stores to `stage` before the block-scoped put reads it
+            slot = ((epoch % 2) * (W - 1) + i - 1).to(tl.int64) * slot_bytes + lo
+            flag = flags + (i - 1) * MAX_CHUNKS + c
+            wl.putmem_signal_block(recv + slot, staged, n, flag, epoch, wl.SIGNAL_SET, q, heap, BLOCK,
+                                   NVSHMEM=True)
+            wl.signal_wait_until(flag, wl.CMP_GE, epoch, NVSHMEM=True)
+            _copy_bytes(out + s.to(tl.int64) * out_stride + lo, recv + slot, n, BLOCK)
+    tl.debug_barrier()  # every thread has read the counter before this program arrives
+    arrived = tl.atomic_add(counter + 1, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+        tl.store(counter + 1, 0)
+        tl.store(counter, epoch)
 
 
 class RailWorkspace:
@@ -131,9 +145,14 @@ class RailWorkspace:
 
 class NvshmemRailWorkspace:
     """The rail exchange's workspace over NVSHMEM, in the rail's heap (NVSHMEM's symmetric memory): two halves
-    (by epoch parity) of one slot per member, the staging slots of the puts, one 64-bit signal word per member
-    (NVSHMEM's signals are uint64; epochs, never reset), and the epoch counter in device memory (a replayed CUDA
-    graph reads its epochs there)."""
+    (by epoch parity) of one receive slot per other member (slot i - 1: from the member i before me), the staging
+    slots of the puts (slot i - 1: to the member i after me), so a slot is a third of the workspace over the other
+    members; one 64-bit signal word per (other member, chunk) (NVSHMEM's signals are uint64; epochs, never reset);
+    and in device memory the epoch counter and the programs' arrival count (a replayed CUDA graph reads its epochs
+    there). `max_chunks` keeps the grid, (members, chunks), within PROGRAMS."""
+
+    PROGRAMS = 128  # at most this many programs at once: all resident on an H100 / H200 (132 SMs)
+    MIN_CHUNK_BYTES = 16 << 10  # a program's share is at least this (then fewer chunks)
 
     def __init__(self, rail: Group):
         import torch.distributed._symmetric_memory as symm_mem
@@ -142,12 +161,20 @@ class NvshmemRailWorkspace:
             raise RuntimeError(f"{rail!r}: the NVSHMEM rail needs weft's heaps in NVSHMEM's symmetric memory "
                                "(weft.init() with WEFT_RAIL=nvshmem on a world that spans nodes)")
         w = rail.size
-        self.slot_bytes = rail.workspace_bytes // 3 // w // 256 * 256
-        self.recv = rail.heap.empty((2, w, self.slot_bytes), torch.uint8)
-        self.stage = rail.heap.empty((w, self.slot_bytes), torch.uint8)
-        self.flags = rail.heap.empty((w,), torch.int64)
-        self.counter = torch.zeros(1, dtype=torch.int32, device=rail.device)
+        self.max_chunks = max(1, self.PROGRAMS // w)
+        self.slot_bytes = rail.workspace_bytes // 3 // (w - 1) // 256 * 256
+        self.recv = rail.heap.empty((2, w - 1, self.slot_bytes), torch.uint8)
+        self.stage = rail.heap.empty((w - 1, self.slot_bytes), torch.uint8)
+        self.flags = rail.heap.empty((w - 1, self.max_chunks), torch.int64)
+        self.counter = torch.zeros(2, dtype=torch.int32, device=rail.device)
         zero_everywhere(rail, self.flags)
+
+    def chunking(self, nbytes: int) -> tuple[int, int]:
+        """(chunk bytes, chunks) of a pass of `nbytes`: as many chunks as allowed of at least MIN_CHUNK_BYTES,
+        each a multiple of 256 bytes (the programs' pointers keep the block's alignment)."""
+        chunks = min(self.max_chunks, triton.cdiv(nbytes, self.MIN_CHUNK_BYTES))
+        chunk = triton.cdiv(triton.cdiv(nbytes, chunks), 256) * 256
+        return chunk, triton.cdiv(nbytes, chunk)
 
 
 _nvshmem_kernel = None  # network_exchange_nvshmem_kernel through torch's requires_nvshmem (made on first use)
@@ -171,7 +198,7 @@ def _nvshmem(rail: Group) -> bool:
 
 def _exchange_nvshmem(rail: Group, src: torch.Tensor, block_bytes: int, all_to_all: bool) -> torch.Tensor:
     """`_exchange` on GPUs over NVSHMEM: the kernel copies the received slots to the output itself (a CUDA graph
-    knows no host-side call parity), in passes of one slot."""
+    knows no host-side call parity), in passes of one slot, each over (rail size, chunks) programs."""
     ws = workspace(rail, "rail_nvshmem", NvshmemRailWorkspace)
     kernel = _nvshmem_exchange_kernel()
     out = torch.empty((rail.size, block_bytes), dtype=torch.uint8, device=src.device)
@@ -179,8 +206,10 @@ def _exchange_nvshmem(rail: Group, src: torch.Tensor, block_bytes: int, all_to_a
     stride = block_bytes if all_to_all else 0
     for lo in range(0, block_bytes, ws.slot_bytes):
         hi = min(lo + ws.slot_bytes, block_bytes)
-        kernel[(1,)](src[lo:], out[:, lo:], ws.stage, ws.recv, ws.flags, ws.counter, rail.heap.descriptor, hi - lo,
-                     stride, ws.slot_bytes, block_bytes, W=rail.size, BLOCK=1024)
+        chunk, chunks = ws.chunking(hi - lo)
+        kernel[(rail.size, chunks)](src[lo:], out[:, lo:], ws.stage, ws.recv, ws.flags, ws.counter,
+                                    rail.heap.descriptor, hi - lo, stride, ws.slot_bytes, block_bytes, chunk,
+                                    W=rail.size, MAX_CHUNKS=ws.max_chunks, BLOCK=4096)
     return out
 
 
@@ -732,7 +761,8 @@ COMPILE_CASES = [
       for w in (2, 4)],
     *[(network_exchange_nvshmem_kernel,
        dict(src="*u8", out="*u8", stage="*u8", recv="*u8", flags="*i64", counter="*i32", heap="*i64", nbytes="i32",
-            src_stride="i32", slot_bytes="i32", out_stride="i32"), dict(W=w, BLOCK=1024),
-       {"ptx_options": "-c", "unaligned": ("src", "out")})
+            src_stride="i32", slot_bytes="i32", out_stride="i32", chunk_bytes="i32"),
+       dict(W=w, MAX_CHUNKS=128 // w, BLOCK=4096),
+       {"ptx_options": "-c", "unaligned": ("src", "out"), "divisible": ("slot_bytes", "chunk_bytes")})
       for w in (2, 4)],
 ]
