@@ -68,9 +68,9 @@ RANGES = ("few", "many")
 # small shapes take the split-K path as well as the direct one; dot-free at few rows, tl.dot above.
 CPU_SETTINGS = {"block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 1, "programs_per_sm": 4, "dot": True,
                 "few_max_m": 4, "few.dot": False}
-# The last split sums the splits' partials in an unrolled loop (every load issued at once) up to this many splits,
-# in a loop above.
-UNROLL_SPLITS = tl.constexpr(16)
+# The last split loads the splits' partials a few splits at once (an unrolled group of loads in flight together,
+# not one L2 round trip per split): as many as this many fp32 elements (32 registers a thread at 4 warps) hold.
+PARTIAL_ELEMENTS = 4096
 
 
 # -- device helpers -------------------------------------------------------------
@@ -144,11 +144,12 @@ def _gemv_pair_dot(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, 
                 g = tl.load(norm_w + k)
             else:
                 g = tl.load(norm_w + k, mask=k < K, other=0.0)
-            af = a.to(tl.float32)
-            sumsq += tl.sum(af * af, axis=1)
-            a = cast(af * g.to(tl.float32)[None, :], w.dtype.element_ty)
+            xf = a.to(tl.float32)
+            a = cast(xf * g.to(tl.float32)[None, :], w.dtype.element_ty)
         acc_a = _dot(a, wa, acc_a, IEEE)
         acc_b = _dot(a, wb, acc_b, IEEE)
+        if NORM:
+            sumsq += tl.sum(xf * xf, axis=1)
     return acc_a, acc_b, sumsq
 
 
@@ -210,25 +211,28 @@ def _store_partials(acc_a, acc_b, partial, row0, m_mask, cols_a, cols_b, col_mas
 def _sum_partials(partial, slab0, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N, SPLIT: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The sums of every split's slab (slabs slab0 .. slab0 + SPLIT - 1, BLOCK_M rows each, the valid ones read),
-    read past L1 (other programs wrote them), added in split order. Up to UNROLL_SPLITS splits the loop is
-    unrolled, so that the loads, independent of each other, are all in flight at once rather than one split's
-    L2 round trip after another's."""
+    read past L1 (other programs wrote them), added in split order. The loads go in groups of GROUP splits
+    (unrolled: independent of each other, in flight together), as many as PARTIAL_ELEMENTS hold."""
+    GROUP: tl.constexpr = _splits_at_once(SPLIT, 2 * BLOCK_M * BLOCK_N)
     acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     rr = tl.arange(0, BLOCK_M)[:, None]
     mask_a = m_mask[:, None] & col_mask_a[None, :]
     mask_b = m_mask[:, None] & col_mask_b[None, :]
-    if SPLIT <= UNROLL_SPLITS:
-        for s in tl.static_range(SPLIT):
-            r = ((slab0 + s) * BLOCK_M + rr).to(tl.int64) * N
-            acc_a += tl.load(partial + r + cols_a[None, :], mask=mask_a, other=0.0, cache_modifier=".cg")
-            acc_b += tl.load(partial + r + cols_b[None, :], mask=mask_b, other=0.0, cache_modifier=".cg")
-    else:
-        for s in range(SPLIT):
-            r = ((slab0 + s) * BLOCK_M + rr).to(tl.int64) * N
-            acc_a += tl.load(partial + r + cols_a[None, :], mask=mask_a, other=0.0, cache_modifier=".cg")
-            acc_b += tl.load(partial + r + cols_b[None, :], mask=mask_b, other=0.0, cache_modifier=".cg")
+    for s0 in range(0, SPLIT, GROUP):
+        for i in tl.static_range(GROUP):
+            r = ((slab0 + s0 + i) * BLOCK_M + rr).to(tl.int64) * N
+            there = s0 + i < SPLIT  # a last group past SPLIT adds zeros
+            acc_a += tl.load(partial + r + cols_a[None, :], mask=mask_a & there, other=0.0, cache_modifier=".cg")
+            acc_b += tl.load(partial + r + cols_b[None, :], mask=mask_b & there, other=0.0, cache_modifier=".cg")
     return acc_a, acc_b
+
+
+@triton.constexpr_function
+def _splits_at_once(split, elements):
+    """Splits whose partials (`elements` fp32 each) the last split loads at once: PARTIAL_ELEMENTS' worth, 1 to
+    SPLIT."""
+    return max(1, min(split, PARTIAL_ELEMENTS // elements))
 
 
 @triton.jit
@@ -248,15 +252,14 @@ def _store_sumsq(sumsq, slots, split, m_mask, BLOCK_M: tl.constexpr):
 @triton.jit
 def _sum_sumsq(slots, m_mask, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr):
     """The rows' sums of squares over all of K: the splits' shares, read past L1 and added in split order
-    (deterministic), the loads unrolled as _sum_partials' are."""
+    (deterministic), loaded in groups as _sum_partials' are."""
+    GROUP: tl.constexpr = _splits_at_once(SPLIT, BLOCK_M)
     sumsq = tl.zeros([BLOCK_M], tl.float32)
     r = tl.arange(0, BLOCK_M)
-    if SPLIT <= UNROLL_SPLITS:
-        for s in tl.static_range(SPLIT):
-            sumsq += tl.load(slots + s * BLOCK_M + r, mask=m_mask, other=0.0, cache_modifier=".cg")
-    else:
-        for s in range(SPLIT):
-            sumsq += tl.load(slots + s * BLOCK_M + r, mask=m_mask, other=0.0, cache_modifier=".cg")
+    for s0 in range(0, SPLIT, GROUP):
+        for i in tl.static_range(GROUP):
+            there = s0 + i < SPLIT
+            sumsq += tl.load(slots + (s0 + i) * BLOCK_M + r, mask=m_mask & there, other=0.0, cache_modifier=".cg")
     return sumsq
 
 
