@@ -118,6 +118,8 @@ CPU_MAX_SPLITS = 3
 CPU_BLOCK_N = 16
 # Partials merged per step of flash_decode's merge kernel.
 SPLIT_BLOCK = 16
+# Splits whose lse the split kernel's merge (flash_decode) loads at once: all of them up to max_splits 64.
+LSE_BLOCK = tl.constexpr(64)
 # sp_flash_decode's merge kernel (8 warps) merges up to SP_SPLIT_WORDS // head_dim partials per step: all
 # of a row's splits (at most flash_decode.max_splits) in one step at head_dim 128, so that the local merge, on the
 # latency path of the exchange, is one round of loads rather than one per 16 splits.
@@ -163,9 +165,11 @@ def _seqlen(seqlens, b, max_len):
     return tl.minimum(tl.maximum(tl.load(seqlens + b), 0), max_len)
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _record(err, limits, row, value, KIND: tl.constexpr):
-    """Record a bad value of sequence `row` (one program's word: any program may record over another)."""
+    """Record a bad value of sequence `row` (one program's word: any program may record over another). A call, not
+    inlined: a cold path, and inlined at each of the split kernel's page checks it cost the paged kernel (bf16,
+    head_dim 128) ptxas's 32-register mode with 5-10 KB of stack (1.6 KB of spills as a call)."""
     tl.store(err + 1, limits)
     tl.store(err, ERROR_SET | (KIND << 61) | (row.to(tl.int64) << 32) | (value.to(tl.int64) & 0xFFFFFFFF))
 
@@ -237,24 +241,44 @@ def _attend(qv, kb, vb, in_seq, m, l, acc, scale_log2):
     return m_new, l, acc
 
 
+@triton.constexpr_function
+def _partials_at_once(heads, d):
+    """Partials ([heads, d] fp32 each) _merge_heads loads at once: 8192 values' worth (64 registers a thread at 4
+    warps), at least 1."""
+    return max(1, 8192 // (heads * d))
+
+
 @triton.jit
-def _merge_heads(part_out, part_lse, rows, live_rows, splits, live, offs_d):
-    """_merge_splits for a program's query heads at once: rows [HEADS] (live_rows those that exist), the first
-    `live` partials each, in split order; read past L1 (other programs wrote them). (out [HEADS, D], lse base 2)."""
-    acc = tl.zeros([rows.shape[0], offs_d.shape[0]], tl.float32)
-    m = tl.full([rows.shape[0]], float("-inf"), tl.float32)
-    l = tl.zeros([rows.shape[0]], tl.float32)
-    for s in range(0, live):
-        idx = rows.to(tl.int64) * splits + s
-        lse_s = tl.load(part_lse + idx, mask=live_rows, other=float("-inf"), cache_modifier=".cg")
-        out_s = tl.load(part_out + idx[:, None] * offs_d.shape[0] + offs_d[None, :], mask=live_rows[:, None],
-                        other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse_s)  # finite for an existing row: partial s is live
-        alpha = tl.exp2(m - m_new)
-        weight = tl.exp2(lse_s - m_new)
-        acc = acc * alpha[:, None] + weight[:, None] * out_s
-        l = l * alpha + weight
-        m = m_new
+def _merge_heads(part_out, part_lse, rows, live_rows, splits, live, D: tl.constexpr, LSE_BLOCK: tl.constexpr):
+    """The log-sum-exp merge of a program's query heads at once: rows [HEADS] (live_rows those that exist), the
+    first `live` partials each, read past L1 (other programs wrote them). The max of the lse first (LSE_BLOCK
+    splits a load), then the weighted sum in split order, its loads in unrolled groups so that a group's are in
+    flight together (not one L2 round trip per split). (out [HEADS, D], lse base 2.)"""
+    HEADS: tl.constexpr = rows.shape[0]
+    GROUP: tl.constexpr = _partials_at_once(HEADS, D)
+    base = rows.to(tl.int64) * splits
+    offs_s = tl.arange(0, LSE_BLOCK)
+    offs_d = tl.arange(0, D)
+    m_blocks = tl.full([HEADS, LSE_BLOCK], float("-inf"), tl.float32)
+    for s0 in range(0, live, LSE_BLOCK):
+        s = s0 + offs_s
+        lse_s = tl.load(part_lse + base[:, None] + s[None, :], mask=live_rows[:, None] & (s < live)[None, :],
+                        other=float("-inf"), cache_modifier=".cg")
+        m_blocks = tl.maximum(m_blocks, lse_s)
+    m = tl.max(m_blocks, axis=1)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no live partial (or a padded row): weights 0
+    acc = tl.zeros([HEADS, D], tl.float32)
+    l = tl.zeros([HEADS], tl.float32)
+    for s0 in range(0, live, GROUP):
+        for i in tl.static_range(GROUP):
+            there = live_rows & (s0 + i < live)
+            idx = base + s0 + i
+            lse_s = tl.load(part_lse + idx, mask=there, other=float("-inf"), cache_modifier=".cg")
+            out_s = tl.load(part_out + idx[:, None] * D + offs_d[None, :], mask=there[:, None], other=0.0,
+                            cache_modifier=".cg")
+            weight = tl.exp2(lse_s - m)
+            acc += weight[:, None] * out_s
+            l += weight
     return acc / tl.where(l > 0, l, 1.0)[:, None], m + tl.log2(l)
 
 
@@ -336,7 +360,8 @@ def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse,
         done = tl.atomic_add(counter + pid, 1, sem="acq_rel", scope="gpu")
         if done == splits - 1:
             tl.atomic_xchg(counter + pid, 0, sem="relaxed", scope="gpu")
-            o, lse2 = _merge_heads(part_out, part_lse, rows, live_rows, splits, tl.cdiv(seqlen, split_len), offs_d)
+            o, lse2 = _merge_heads(part_out, part_lse, rows, live_rows, splits, tl.cdiv(seqlen, split_len), D,
+                                   LSE_BLOCK)
             tl.store(out + rows.to(tl.int64)[:, None] * D + offs_d[None, :], cast(o, out.dtype.element_ty),
                      mask=live_rows[:, None])
             if RETURN_LSE:
