@@ -18,7 +18,7 @@ K block once after the loop, so nothing but the loads touches the weight (comput
 is tiles x splits x row blocks, at most programs_per_sm per SM: a tail wave of a few programs would cost a
 whole wave's latency): each split stores its fp32 partial sums to a workspace and counts itself done on the
 tile's counter; the split that counts last sums the partials in split order (deterministic, no float atomics;
-the loads of every split's partials issued at once) and runs the epilogue (then zeroes the counter for the next
+their loads in unrolled groups of splits, in flight together) and runs the epilogue (then zeroes the counter for the next
 call, so a CUDA graph replays it). The RMSNorm prologue is folded into the GEMV: norm(x) @ W = diag(1 / rms(x))
 ((x g) @ W) for the norm's weight g, so a program multiplies x g by its slab and the epilogue applies 1 / rms.
 The sum of squares behind rms comes from the x blocks the main loop loads anyway: each split adds up x² over
@@ -98,9 +98,9 @@ def _gemv_pair(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_
     BLOCK_N] tile is BLOCK_K contiguous runs, pipelined STAGES deep and loaded evict-first (read once). DOT: tl.dot
     (rows padded to 16); else dot-free (module doc)."""
     if DOT:
-        acc_a, acc_b, sumsq = _gemv_pair_dot(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_mask_b,
-                                      k_first, k_blocks, NORM, EVEN_K, EVEN_N, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-                                      STAGES)
+        acc_a, acc_b, sumsq = _gemv_pair_dot(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a,
+                                             col_mask_b, k_first, k_blocks, NORM, EVEN_K, EVEN_N, IEEE, BLOCK_M,
+                                             BLOCK_N, BLOCK_K, STAGES)
     else:
         acc_a, acc_b, sumsq = _gemv_pair_fma(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a,
                                              col_mask_b, k_first, k_blocks, NORM, EVEN_K, EVEN_N, BLOCK_M, BLOCK_N,

@@ -900,9 +900,10 @@ def _(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table=None, scale=No
 
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 _SPLIT_SIG = dict(q=None, k=None, v=None, seqlens="*i32", block_table="*i32", part_out="*fp32", part_lse="*fp32",
-                  out=None, lse="*fp32", counter="*i32", err="*i64", scale_log2="fp32", max_len="i32", split_len="i32", splits="i32", kv_heads="i32", q_heads="i32",
-                  q_sb="i32", q_sh="i32", k_s0="i32", k_s1="i32", k_sh="i32", v_s0="i32", v_s1="i32", v_sh="i32",
-                  bt_sb="i32", bt_sp="i32", num_pages="i32", first_row="i32", limits="i64")
+                  out=None, lse="*fp32", counter="*i32", err="*i64", scale_log2="fp32", max_len="i32",
+                  split_len="i32", splits="i32", kv_heads="i32", q_heads="i32", q_sb="i32", q_sh="i32", k_s0="i32",
+                  k_s1="i32", k_sh="i32", v_s0="i32", v_s1="i32", v_sh="i32", bt_sb="i32", bt_sp="i32",
+                  num_pages="i32", first_row="i32", limits="i64")
 COMPILE_CASES = [
     (flash_decode_split_kernel, {**_SPLIT_SIG, "q": t, "k": t, "v": t, "out": t},
      dict(GROUP=g, HEADS=h, CHUNKS=c, D=d, BLOCK_N=32 if d == 256 else 64, PAGE_SIZE=ps, PAGED=ps > 0, MERGE=mg,
