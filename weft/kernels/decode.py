@@ -112,11 +112,14 @@ def _gemv_pair(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_
 def _gemv_pair_dot(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_mask_b, k_first, k_blocks,
                    NORM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """_gemv_pair with tl.dot: x's [BLOCK_M >= 16, BLOCK_K] block times each weight tile; the sum of squares
-    reduced a block at a time (an elementwise accumulator would hold BLOCK_M BLOCK_K / threads more registers)."""
+    """_gemv_pair with tl.dot: x's [BLOCK_M >= 16, BLOCK_K] block times each weight tile. The sum of squares: 16-bit
+    operands reduce x² a block at a time (an elementwise accumulator costs ~30 registers at 16 rows); IEEE fp32 ones
+    (the FMA dot) add x² elementwise and reduce once after the loop (the per-block reduction put ptxas into its
+    32-register mode at 64 rows, with ~40 KB of stack)."""
     acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     sumsq = tl.zeros([BLOCK_M], tl.float32)
+    sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     kk = tl.arange(0, BLOCK_K)
     x_rows = x + m[:, None].to(tl.int64) * K
     for i in tl.range(0, k_blocks, num_stages=STAGES):
@@ -149,7 +152,12 @@ def _gemv_pair_dot(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, 
         acc_a = _dot(a, wa, acc_a, IEEE)
         acc_b = _dot(a, wb, acc_b, IEEE)
         if NORM:
-            sumsq += tl.sum(xf * xf, axis=1)
+            if IEEE:
+                sq += xf * xf
+            else:
+                sumsq += tl.sum(xf * xf, axis=1)
+    if IEEE:
+        sumsq = tl.sum(sq, axis=1)
     return acc_a, acc_b, sumsq
 
 
