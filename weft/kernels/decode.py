@@ -17,10 +17,13 @@ K block once after the loop, so nothing but the loads touches the weight (comput
 4096-wide projection has too few column tiles for the programs the GPU holds, so K is split as well (the grid
 is tiles x splits x row blocks, at most programs_per_sm per SM: a tail wave of a few programs would cost a
 whole wave's latency): each split stores its fp32 partial sums to a workspace and counts itself done on the
-tile's counter; the split that counts last sums the partials in split order (deterministic, no float atomics)
-and runs the epilogue (then zeroes the counter for the next call, so a CUDA graph replays it). The RMSNorm
-prologue is folded into the GEMV: norm(x) @ W = diag(1 / rms(x)) ((x g) @ W) for the norm's weight g, so a
-program multiplies x g by its slab and the epilogue (which reads x's whole rows, a few KB) applies 1 / rms.
+tile's counter; the split that counts last sums the partials in split order (deterministic, no float atomics;
+their loads in unrolled groups of splits, in flight together) and runs the epilogue (then zeroes the counter for the next
+call, so a CUDA graph replays it). The RMSNorm prologue is folded into the GEMV: norm(x) @ W = diag(1 / rms(x))
+((x g) @ W) for the norm's weight g, so a program multiplies x g by its slab and the epilogue applies 1 / rms.
+The sum of squares behind rms comes from the x blocks the main loop loads anyway: each split adds up x² over
+its K range in fp32 and stores it beside its partials (one float a row), and the last split adds the splits'
+shares in split order, so the tail does not walk x's rows again after the partials.
 
 Roundings follow the layers path where the fusion allows: the projection's output is rounded to the dtype before
 the epilogue's norm, rotary, SiLU and residual add, which round as the pointwise kernels do (pointwise.py); the
@@ -65,9 +68,9 @@ RANGES = ("few", "many")
 # small shapes take the split-K path as well as the direct one; dot-free at few rows, tl.dot above.
 CPU_SETTINGS = {"block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 1, "programs_per_sm": 4, "dot": True,
                 "few_max_m": 4, "few.dot": False}
-# Elements of x per step of the epilogue's sum of squares (BLOCK_M rows x NORM_K columns): 32 registers a thread
-# at 4 warps, beside the accumulators.
-NORM_ELEMENTS = 4096
+# The last split loads the splits' partials a few splits at once (an unrolled group of loads in flight together,
+# not one L2 round trip per split): as many as this many fp32 elements (32 registers a thread at 4 warps) hold.
+PARTIAL_ELEMENTS = 4096
 
 
 # -- device helpers -------------------------------------------------------------
@@ -89,26 +92,34 @@ def _gemv_pair(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_
                DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                STAGES: tl.constexpr):
     """(x[m, K range] @ w[K range, cols_a], ... @ w[K range, cols_b]) in fp32, [BLOCK_M, BLOCK_N] each, the K range
-    k_blocks blocks of BLOCK_K from k_first; NORM: x's columns times norm_w (rounded to x's dtype) first. Weight
-    rows are contiguous along the columns: each [BLOCK_K, BLOCK_N] tile is BLOCK_K contiguous runs, pipelined
-    STAGES deep and loaded evict-first (read once). DOT: tl.dot (rows padded to 16); else dot-free (module doc)."""
+    k_blocks blocks of BLOCK_K from k_first; NORM: x's columns times norm_w (rounded to x's dtype) first, and the
+    third result is sum(x[m, K range]²) (fp32, [BLOCK_M]: the RMSNorm's share of this K range, from the x blocks
+    the loop loads anyway; zeros without NORM). Weight rows are contiguous along the columns: each [BLOCK_K,
+    BLOCK_N] tile is BLOCK_K contiguous runs, pipelined STAGES deep and loaded evict-first (read once). DOT: tl.dot
+    (rows padded to 16); else dot-free (module doc)."""
     if DOT:
-        acc_a, acc_b = _gemv_pair_dot(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_mask_b,
-                                      k_first, k_blocks, NORM, EVEN_K, EVEN_N, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-                                      STAGES)
+        acc_a, acc_b, sumsq = _gemv_pair_dot(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a,
+                                             col_mask_b, k_first, k_blocks, NORM, EVEN_K, EVEN_N, IEEE, BLOCK_M,
+                                             BLOCK_N, BLOCK_K, STAGES)
     else:
-        acc_a, acc_b = _gemv_pair_fma(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_mask_b,
-                                      k_first, k_blocks, NORM, EVEN_K, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
-    return acc_a, acc_b
+        acc_a, acc_b, sumsq = _gemv_pair_fma(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a,
+                                             col_mask_b, k_first, k_blocks, NORM, EVEN_K, EVEN_N, BLOCK_M, BLOCK_N,
+                                             BLOCK_K, STAGES)
+    return acc_a, acc_b, sumsq
 
 
 @triton.jit
 def _gemv_pair_dot(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_mask_b, k_first, k_blocks,
                    NORM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """_gemv_pair with tl.dot: x's [BLOCK_M >= 16, BLOCK_K] block times each weight tile."""
+    """_gemv_pair with tl.dot: x's [BLOCK_M >= 16, BLOCK_K] block times each weight tile. The sum of squares: 16-bit
+    operands reduce x² a block at a time (an elementwise accumulator costs ~30 registers at 16 rows); IEEE fp32 ones
+    (the FMA dot) add x² elementwise and reduce once after the loop (the per-block reduction put ptxas into its
+    32-register mode at 64 rows, with ~40 KB of stack)."""
     acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    sumsq = tl.zeros([BLOCK_M], tl.float32)
+    sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     kk = tl.arange(0, BLOCK_K)
     x_rows = x + m[:, None].to(tl.int64) * K
     for i in tl.range(0, k_blocks, num_stages=STAGES):
@@ -136,10 +147,18 @@ def _gemv_pair_dot(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, 
                 g = tl.load(norm_w + k)
             else:
                 g = tl.load(norm_w + k, mask=k < K, other=0.0)
-            a = cast(a.to(tl.float32) * g.to(tl.float32)[None, :], w.dtype.element_ty)
+            xf = a.to(tl.float32)
+            a = cast(xf * g.to(tl.float32)[None, :], w.dtype.element_ty)
         acc_a = _dot(a, wa, acc_a, IEEE)
         acc_b = _dot(a, wb, acc_b, IEEE)
-    return acc_a, acc_b
+        if NORM:
+            if IEEE:
+                sq += xf * xf
+            else:
+                sumsq += tl.sum(xf * xf, axis=1)
+    if IEEE:
+        sumsq = tl.sum(sq, axis=1)
+    return acc_a, acc_b, sumsq
 
 
 @triton.jit
@@ -147,9 +166,10 @@ def _gemv_pair_fma(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, 
                    NORM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """_gemv_pair without tl.dot: acc[m, k, n] += x[m, k] w[k, n] in fp32 registers (every operand built in the
-    accumulators' 3D layout, so no layout change in the loop), summed over k once after it."""
+    accumulators' 3D layout, so no layout change in the loop), summed over k once after it; x² likewise."""
     acc_a = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_N], tl.float32)
     acc_b = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_N], tl.float32)
+    sq = tl.zeros([BLOCK_M, BLOCK_K, 1], tl.float32)
     kk = tl.arange(0, BLOCK_K)[None, :, None]
     x_rows = x + m[:, None, None].to(tl.int64) * K
     row_mask = m_mask[:, None, None]
@@ -177,11 +197,12 @@ def _gemv_pair_fma(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, 
                 g = tl.load(norm_w + k)
             else:
                 g = tl.load(norm_w + k, mask=k < K, other=0.0)
+            sq += a * a
             # Rounded to the dtype as the dot path's operand is (the same product of x g and w).
             a = cast(a * g.to(tl.float32), w.dtype.element_ty).to(tl.float32)
         acc_a += a * wa.to(tl.float32)
         acc_b += a * wb.to(tl.float32)
-    return tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1)
+    return tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1), tl.reshape(tl.sum(sq, axis=1), [BLOCK_M])
 
 
 @triton.jit
@@ -198,29 +219,62 @@ def _store_partials(acc_a, acc_b, partial, row0, m_mask, cols_a, cols_b, col_mas
 def _sum_partials(partial, slab0, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N, SPLIT: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The sums of every split's slab (slabs slab0 .. slab0 + SPLIT - 1, BLOCK_M rows each, the valid ones read),
-    read past L1 (other programs wrote them)."""
+    read past L1 (other programs wrote them), added in split order. The loads go in groups of GROUP splits
+    (unrolled: independent of each other, in flight together), as many as PARTIAL_ELEMENTS hold."""
+    GROUP: tl.constexpr = _splits_at_once(SPLIT, 2 * BLOCK_M * BLOCK_N)
     acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     rr = tl.arange(0, BLOCK_M)[:, None]
     mask_a = m_mask[:, None] & col_mask_a[None, :]
     mask_b = m_mask[:, None] & col_mask_b[None, :]
-    for s in range(SPLIT):
-        r = ((slab0 + s) * BLOCK_M + rr).to(tl.int64) * N
-        acc_a += tl.load(partial + r + cols_a[None, :], mask=mask_a, other=0.0, cache_modifier=".cg")
-        acc_b += tl.load(partial + r + cols_b[None, :], mask=mask_b, other=0.0, cache_modifier=".cg")
+    for s0 in range(0, SPLIT, GROUP):
+        for i in tl.static_range(GROUP):
+            r = ((slab0 + s0 + i) * BLOCK_M + rr).to(tl.int64) * N
+            there = s0 + i < SPLIT  # a last group past SPLIT adds zeros
+            acc_a += tl.load(partial + r + cols_a[None, :], mask=mask_a & there, other=0.0, cache_modifier=".cg")
+            acc_b += tl.load(partial + r + cols_b[None, :], mask=mask_b & there, other=0.0, cache_modifier=".cg")
     return acc_a, acc_b
 
 
+@triton.constexpr_function
+def _splits_at_once(split, elements):
+    """Splits whose partials (`elements` fp32 each) the last split loads at once: PARTIAL_ELEMENTS' worth, 1 to
+    SPLIT."""
+    return max(1, min(split, PARTIAL_ELEMENTS // elements))
+
+
 @triton.jit
-def _inv_rms(x, m, m_mask, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / sqrt(mean(x[m]²) + eps) per row (fp32), as RMSNorm computes it."""
-    ss = tl.zeros([BLOCK_M], tl.float32)
-    rows = x + m[:, None].to(tl.int64) * K
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)[None, :]
-        v = tl.load(rows + k, mask=m_mask[:, None] & (k < K), other=0.0).to(tl.float32)
-        ss += tl.sum(v * v, axis=1)
-    return tl.rsqrt(ss / K + eps)
+def _sumsq_slots(partial, N, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Where the splits' sums of squares of x's rows go: past the partial sums of every row block's slabs, one
+    float per row, split and tile ((row blocks, tiles, SPLIT, BLOCK_M); this program's tile's slots first)."""
+    slots = partial + tl.num_programs(2).to(tl.int64) * SPLIT * BLOCK_M * N
+    return slots + (tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)) * SPLIT * BLOCK_M
+
+
+@triton.jit
+def _store_sumsq(sumsq, slots, split, m_mask, BLOCK_M: tl.constexpr):
+    """This split's sums of squares into its slots (before _split_done: its release covers them)."""
+    tl.store(slots + split * BLOCK_M + tl.arange(0, BLOCK_M), sumsq, mask=m_mask)
+
+
+@triton.jit
+def _sum_sumsq(slots, m_mask, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The rows' sums of squares over all of K: the splits' shares, read past L1 and added in split order
+    (deterministic), loaded in groups as _sum_partials' are."""
+    GROUP: tl.constexpr = _splits_at_once(SPLIT, BLOCK_M)
+    sumsq = tl.zeros([BLOCK_M], tl.float32)
+    r = tl.arange(0, BLOCK_M)
+    for s0 in range(0, SPLIT, GROUP):
+        for i in tl.static_range(GROUP):
+            there = s0 + i < SPLIT
+            sumsq += tl.load(slots + (s0 + i) * BLOCK_M + r, mask=m_mask & there, other=0.0, cache_modifier=".cg")
+    return sumsq
+
+
+@triton.jit
+def _inv_rms(sumsq, K, eps):
+    """1 / sqrt(mean(x[m]²) + eps) per row (fp32) from the rows' sums of squares, as RMSNorm computes it."""
+    return tl.rsqrt(sumsq / K + eps)
 
 
 @triton.jit
@@ -251,12 +305,11 @@ def _residual_out(acc_a, acc_b, residual, out, m, m_mask, cols_a, cols_b, col_ma
 
 
 @triton.jit
-def _gate_up_out(acc_a, acc_b, x, out, m, m_mask, K, cols_a, col_mask_a, I, eps, BLOCK_M: tl.constexpr,
-                 NORM_K: tl.constexpr):
-    """out[m, cols] = silu(gate) * up, gate and up the normed projection's columns rounded to the dtype (rounded
-    as silu_mul rounds them)."""
+def _gate_up_out(acc_a, acc_b, inv_rms, out, m, m_mask, cols_a, col_mask_a, I):
+    """out[m, cols] = silu(gate) * up, gate and up the normed projection's columns (the rows' 1 / rms applied)
+    rounded to the dtype (rounded as silu_mul rounds them)."""
     dt = out.dtype.element_ty
-    inv = _inv_rms(x, m, m_mask, K, eps, BLOCK_M, NORM_K)[:, None]
+    inv = inv_rms[:, None]
     gate = cast(acc_a * inv, dt).to(tl.float32)
     up = cast(acc_b * inv, dt).to(tl.float32)
     y = cast(cast(gate / (1.0 + tl.exp(-gate)), dt).to(tl.float32) * up, dt)
@@ -277,19 +330,18 @@ def _head_norm(x1, x2, weight, eps, j_mask, HALF: tl.constexpr):
 
 
 @triton.jit
-def _qkv_out(acc_a, acc_b, head0, x, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, m, m_mask,
-             K, eps, dst_sb, dst_sp, dst_sh, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-             QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr,
-             NORM_K: tl.constexpr):
+def _qkv_out(acc_a, acc_b, head0, inv_rms, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, m,
+             m_mask, eps, dst_sb, dst_sp, dst_sh, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+             QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr):
     """HEADS_P heads from head0 of the normed projection (their halves acc_a, acc_b [rows, HEADS_P HALF_P], head by
-    head), all q, k or v heads: q heads normed (QK_NORM) and rotated into q_out (M, HEADS, 2 HALF); k heads
-    likewise into k_dst[rows[m], positions[m], h]; v heads as they are into v_dst."""
+    head, times the rows' 1 / rms), all q, k or v heads: q heads normed (QK_NORM) and rotated into q_out (M, HEADS,
+    2 HALF); k heads likewise into k_dst[rows[m], positions[m], h]; v heads as they are into v_dst."""
     dt = q_out.dtype.element_ty
     j = tl.arange(0, HALF_P)[None, None, :]
     h = tl.arange(0, HEADS_P)[None, :, None]
     j_mask = j < HALF
     mask = m_mask[:, None, None] & j_mask & (h < HEADS_P)  # (h: the mask's full shape)
-    inv = _inv_rms(x, m, m_mask, K, eps, BLOCK_M, NORM_K)[:, None, None]
+    inv = inv_rms[:, None, None]
     x1 = cast(tl.reshape(acc_a, [BLOCK_M, HEADS_P, HALF_P]) * inv, dt).to(tl.float32)
     x2 = cast(tl.reshape(acc_b, [BLOCK_M, HEADS_P, HALF_P]) * inv, dt).to(tl.float32)
     pos = tl.load(positions + m, mask=m_mask, other=0)[:, None, None]
@@ -334,9 +386,9 @@ def linear_residual_kernel(x, w, residual, out, partial, counter, M, K, N, KB, B
     cols_b = cols_a + BLOCK_N
     col_mask_a, col_mask_b = cols_a < N, cols_b < N
     kb0 = split * BPS
-    acc_a, acc_b = _gemv_pair(x, w, x, m, m_mask, K, N, cols_a, cols_b, col_mask_a, col_mask_b, kb0 * BLOCK_K,
-                              tl.minimum(BPS, KB - kb0), False, EVEN_K, EVEN_N, IEEE, DOT, BLOCK_M, BLOCK_N,
-                              BLOCK_K, STAGES)
+    acc_a, acc_b, _ = _gemv_pair(x, w, x, m, m_mask, K, N, cols_a, cols_b, col_mask_a, col_mask_b, kb0 * BLOCK_K,
+                                 tl.minimum(BPS, KB - kb0), False, EVEN_K, EVEN_N, IEEE, DOT, BLOCK_M, BLOCK_N,
+                                 BLOCK_K, STAGES)
     if SPLIT == 1:
         _residual_out(acc_a, acc_b, residual, out, m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N)
     else:
@@ -352,7 +404,7 @@ def linear_residual_kernel(x, w, residual, out, partial, counter, M, K, N, KB, B
 def norm_gate_up_silu_kernel(x, norm_w, w, out, partial, counter, M, K, I, KB, BPS, eps, SPLIT: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                              EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
-                             EVEN_N: tl.constexpr, NORM_K: tl.constexpr):
+                             EVEN_N: tl.constexpr):
     """out (M, I) = silu(gate) * up of norm(x) @ w, w (K, 2 I) = [gate | up]: a program's columns are gate's
     [BLOCK_N tile, +BLOCK_N) and the same of up."""
     tile, split, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -362,18 +414,21 @@ def norm_gate_up_silu_kernel(x, norm_w, w, out, partial, counter, M, K, I, KB, B
     col_mask_a = cols_a < I
     cols_b = cols_a + I
     kb0 = split * BPS
-    acc_a, acc_b = _gemv_pair(x, w, norm_w, m, m_mask, K, 2 * I, cols_a, cols_b, col_mask_a, col_mask_a,
-                              kb0 * BLOCK_K, tl.minimum(BPS, KB - kb0), True, EVEN_K, EVEN_N, IEEE, DOT, BLOCK_M,
-                              BLOCK_N, BLOCK_K, STAGES)
+    acc_a, acc_b, sumsq = _gemv_pair(x, w, norm_w, m, m_mask, K, 2 * I, cols_a, cols_b, col_mask_a, col_mask_a,
+                                     kb0 * BLOCK_K, tl.minimum(BPS, KB - kb0), True, EVEN_K, EVEN_N, IEEE, DOT,
+                                     BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
     if SPLIT == 1:
-        _gate_up_out(acc_a, acc_b, x, out, m, m_mask, K, cols_a, col_mask_a, I, eps, BLOCK_M, NORM_K)
+        _gate_up_out(acc_a, acc_b, _inv_rms(sumsq, K, eps), out, m, m_mask, cols_a, col_mask_a, I)
     else:
         _store_partials(acc_a, acc_b, partial, (mb * SPLIT + split) * BLOCK_M, m_mask, cols_a, cols_b, col_mask_a,
                         col_mask_a, 2 * I, BLOCK_M)
+        slots = _sumsq_slots(partial, 2 * I, SPLIT, BLOCK_M)
+        _store_sumsq(sumsq, slots, split, m_mask, BLOCK_M)
         if _split_done(counter + mb * tl.num_programs(0) + tile, SPLIT):
             acc_a, acc_b = _sum_partials(partial, mb * SPLIT, m_mask, cols_a, cols_b, col_mask_a, col_mask_a,
                                          2 * I, SPLIT, BLOCK_M, BLOCK_N)
-            _gate_up_out(acc_a, acc_b, x, out, m, m_mask, K, cols_a, col_mask_a, I, eps, BLOCK_M, NORM_K)
+            sumsq = _sum_sumsq(slots, m_mask, SPLIT, BLOCK_M)
+            _gate_up_out(acc_a, acc_b, _inv_rms(sumsq, K, eps), out, m, m_mask, cols_a, col_mask_a, I)
 
 
 @triton.jit
@@ -381,8 +436,7 @@ def norm_qkv_rope_kernel(x, norm_w, w, q_out, k_dst, v_dst, rows, positions, inv
                          counter, M, K, KB, BPS, eps, dst_sb, dst_sp, dst_sh, HEADS: tl.constexpr,
                          KV_HEADS: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, SPLIT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
-                         IEEE: tl.constexpr, DOT: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr,
-                         NORM_K: tl.constexpr):
+                         IEEE: tl.constexpr, DOT: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr):
     """q, k, v of norm(x) @ w, w (K, (HEADS + 2 KV_HEADS) 2 HALF) = [q | k | v]: program `tile` owns heads
     [HEADS_P tile, +HEADS_P) (HEADS_P divides both head counts: they are all q, k or v heads), its runs their first
     halves and their second halves (HALF columns each, padded to HALF_P), so the heads' norm and rotation happen
@@ -397,22 +451,25 @@ def norm_qkv_rope_kernel(x, norm_w, w, q_out, k_dst, v_dst, rows, positions, inv
     cols_b = cols_a + HALF
     j_mask = j % HALF_P < HALF
     kb0 = split * BPS
-    acc_a, acc_b = _gemv_pair(x, w, norm_w, m, m_mask, K, N, cols_a, cols_b, j_mask, j_mask, kb0 * BLOCK_K,
-                              tl.minimum(BPS, KB - kb0), True, EVEN_K, HALF == HALF_P, IEEE, DOT, BLOCK_M,
-                              HEADS_P * HALF_P, BLOCK_K, STAGES)
+    acc_a, acc_b, sumsq = _gemv_pair(x, w, norm_w, m, m_mask, K, N, cols_a, cols_b, j_mask, j_mask,
+                                     kb0 * BLOCK_K, tl.minimum(BPS, KB - kb0), True, EVEN_K, HALF == HALF_P, IEEE,
+                                     DOT, BLOCK_M, HEADS_P * HALF_P, BLOCK_K, STAGES)
     if SPLIT == 1:
-        _qkv_out(acc_a, acc_b, head0, x, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, m,
-                 m_mask, K, eps, dst_sb, dst_sp, dst_sh, HEADS, KV_HEADS, HALF, QK_NORM, BLOCK_M, HALF_P, HEADS_P,
-                 NORM_K)
+        _qkv_out(acc_a, acc_b, head0, _inv_rms(sumsq, K, eps), q_out, k_dst, v_dst, rows, positions, inv_freq,
+                 q_weight, k_weight, m, m_mask, eps, dst_sb, dst_sp, dst_sh, HEADS, KV_HEADS, HALF, QK_NORM, BLOCK_M,
+                 HALF_P, HEADS_P)
     else:
         _store_partials(acc_a, acc_b, partial, (mb * SPLIT + split) * BLOCK_M, m_mask, cols_a, cols_b, j_mask,
                         j_mask, N, BLOCK_M)
+        slots = _sumsq_slots(partial, N, SPLIT, BLOCK_M)
+        _store_sumsq(sumsq, slots, split, m_mask, BLOCK_M)
         if _split_done(counter + mb * tl.num_programs(0) + tile, SPLIT):
             acc_a, acc_b = _sum_partials(partial, mb * SPLIT, m_mask, cols_a, cols_b, j_mask, j_mask, N, SPLIT,
                                          BLOCK_M, HEADS_P * HALF_P)
-            _qkv_out(acc_a, acc_b, head0, x, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, m,
-                     m_mask, K, eps, dst_sb, dst_sp, dst_sh, HEADS, KV_HEADS, HALF, QK_NORM, BLOCK_M, HALF_P, HEADS_P,
-                     NORM_K)
+            sumsq = _sum_sumsq(slots, m_mask, SPLIT, BLOCK_M)
+            _qkv_out(acc_a, acc_b, head0, _inv_rms(sumsq, K, eps), q_out, k_dst, v_dst, rows, positions, inv_freq,
+                     q_weight, k_weight, m, m_mask, eps, dst_sb, dst_sp, dst_sh, HEADS, KV_HEADS, HALF, QK_NORM,
+                     BLOCK_M, HALF_P, HEADS_P)
 
 
 # -- host side ------------------------------------------------------------------
@@ -493,19 +550,21 @@ class GemvPlan(Plan):
         self.programs = num_sms(group.device) * s["programs_per_sm"]
         self.num_warps, self.stages = s["num_warps"], s["num_stages"]
         self.even_k, self.ieee = k % self.block_k == 0, dtype == torch.float32
-        self.norm_k = max(MIN_BLOCK, min(NORM_ELEMENTS // self.block_m, triton.next_power_of_2(max(k, 1))))
         self.launch = None
 
-    def split_k(self, tiles: int, n: int) -> None:
+    def split_k(self, tiles: int, n: int, norm: bool = False) -> None:
         """The grid for `tiles` column tiles of an n-column weight: K split as far as the programs allow (rounded
-        down: a tail wave of a few programs would cost a whole wave's latency), the workspace and counters."""
+        down: a tail wave of a few programs would cost a whole wave's latency), the workspace (norm: with the
+        splits' sums of squares of x's rows after the partial sums, _sumsq_slots) and counters."""
         device = self.group.device
         split = max(1, min(self.kb, self.programs // max(tiles * self.m_blocks, 1)))
         self.bps = triton.cdiv(self.kb, split)
         self.split = triton.cdiv(self.kb, self.bps)
         self.grid = (tiles, self.split, self.m_blocks)
-        shape = (self.m_blocks, self.split, self.block_m, n) if self.split > 1 else (1,)
-        self.partial = torch.empty(shape, dtype=torch.float32, device=device)
+        size = 1
+        if self.split > 1:
+            size = self.m_blocks * self.split * self.block_m * (n + (tiles if norm else 0))
+        self.partial = torch.empty((size,), dtype=torch.float32, device=device)
         self.counter = torch.zeros((self.m_blocks, tiles), dtype=torch.int32, device=device)
         self.common = dict(SPLIT=self.split, BLOCK_M=self.block_m, BLOCK_K=self.block_k, STAGES=self.stages,
                            EVEN_K=self.even_k, IEEE=self.ieee, DOT=self.dot)
@@ -586,14 +645,14 @@ class GateUpPlan(GemvPlan):
         inter = gate_up_weight.shape[1] // 2
         self.shape = (m, inter)
         super().__init__(group, "gate_up", m, k, x.dtype, settings)
-        self.split_k(triton.cdiv(inter, self.block_n), 2 * inter)
+        self.split_k(triton.cdiv(inter, self.block_n), 2 * inter, norm=True)
         self.args = (m, k, inter, self.kb, self.bps)
         if min(m, inter) > 0:
             out = torch.empty(self.shape, dtype=x.dtype, device=x.device)
             self.launch = Launch(norm_gate_up_silu_kernel, self.grid,
                                  (x, norm_weight, gate_up_weight, out, self.partial, self.counter, *self.args, eps),
-                                 dict(**self.common, BLOCK_N=self.block_n, EVEN_N=inter % self.block_n == 0,
-                                      NORM_K=self.norm_k), self.num_warps)
+                                 dict(**self.common, BLOCK_N=self.block_n, EVEN_N=inter % self.block_n == 0),
+                                 self.num_warps)
 
     def run(self, x, norm_weight, gate_up_weight, eps):
         out = torch.empty(self.shape, dtype=x.dtype, device=x.device)
@@ -677,7 +736,7 @@ class QkvPlan(GemvPlan):
         while heads_p * 2 * half_p <= self.block_n and heads % (heads_p * 2) == 0 and kv_heads % (heads_p * 2) == 0:
             heads_p *= 2
         self.heads_p = heads_p
-        self.split_k((heads + 2 * kv_heads) // heads_p, (heads + 2 * kv_heads) * d)
+        self.split_k((heads + 2 * kv_heads) // heads_p, (heads + 2 * kv_heads) * d, norm=True)
         self.args = (m, k, self.kb, self.bps)
         self.strides = k_dst.stride()[:3]
         if m > 0:
@@ -687,7 +746,7 @@ class QkvPlan(GemvPlan):
                                  (x, norm_weight, qkv_weight, q, k_dst, v_dst, rows, positions, inv_freq, *norms,
                                   self.partial, self.counter, *self.args, eps, *self.strides),
                                  dict(HEADS=heads, KV_HEADS=kv_heads, HALF=half, QK_NORM=self.qk_norm, **self.common,
-                                      HALF_P=half_p, HEADS_P=heads_p, NORM_K=self.norm_k), self.num_warps)
+                                      HALF_P=half_p, HEADS_P=heads_p), self.num_warps)
 
     def run(self, x, norm_weight, qkv_weight, inv_freq, rows, positions, k_dst, v_dst, q_weight, k_weight, eps):
         q = torch.empty(self.q_shape, dtype=self.dtype, device=x.device)
@@ -755,7 +814,6 @@ def _compile_cases():
             common = dict(SPLIT=split, BLOCK_M=block_m, BLOCK_K=s["block_k"], STAGES=s["num_stages"], EVEN_K=True,
                           IEEE=ieee, DOT=s["dot"])
             options = dict(num_warps=s["num_warps"])
-            norm_k = NORM_ELEMENTS // block_m
             out.append((linear_residual_kernel,
                         dict(x=t, w=t, residual=t, out=t, partial="*fp32", counter="*i32", M="i32", K="i32", N="i32",
                              KB="i32", BPS="i32"),
@@ -763,7 +821,7 @@ def _compile_cases():
             out.append((norm_gate_up_silu_kernel,
                         dict(x=t, norm_w=t, w=t, out=t, partial="*fp32", counter="*i32", M="i32", K="i32", I="i32",
                              KB="i32", BPS="i32", eps="fp32"),
-                        dict(**common, BLOCK_N=s["block_n"], EVEN_N=True, NORM_K=norm_k),
+                        dict(**common, BLOCK_N=s["block_n"], EVEN_N=True),
                         dict(options, divisible=("K", "I"))))
             for qk_norm in (True, False):
                 out.append((norm_qkv_rope_kernel,
@@ -771,7 +829,7 @@ def _compile_cases():
                                  inv_freq="*fp32", q_weight=t, k_weight=t, partial="*fp32", counter="*i32", M="i32",
                                  K="i32", KB="i32", BPS="i32", eps="fp32", dst_sb="i64", dst_sp="i64", dst_sh="i64"),
                             dict(HEADS=32, KV_HEADS=8, HALF=64, QK_NORM=qk_norm, **common, HALF_P=64,
-                                 HEADS_P=s["block_n"] // 64, NORM_K=norm_k),
+                                 HEADS_P=s["block_n"] // 64),
                             dict(options, divisible=("K",))))
     return out
 
