@@ -1,11 +1,9 @@
 """flash_decode and sp_flash_decode on the cpu backend (interpreter), against a float64 softmax reference.
 
-Caches hold NaN wherever a kernel must not take values from (positions past a sequence's length, which a
-split's first block loads before it knows the length and must mask; pages no sequence uses), block tables
-hold out-of-range page numbers past a sequence's pages, and every torch.empty of the op (its outputs and
-its partials' workspace) is filled with NaN: a result that is right was computed from what it should be,
-and every element was written. Planned calls run twice: flash_decode's per-plan merge counters must be
-back at zero after each call, or the second call's outputs stay NaN.
+Caches hold NaN wherever a kernel must not read (positions past a sequence's length, pages no sequence
+uses), block tables hold out-of-range page numbers past a sequence's pages, and every torch.empty of
+the op (its outputs and its partials' workspace) is filled with NaN: a result that is right was computed
+from what it should be, and every element was written.
 """
 import hashlib
 import math

@@ -15,21 +15,12 @@ positions, and one program handles one (sequence, KV head, range):
 1. flash_decode_split_kernel loads BLOCK_N keys x head_dim per step and scores all G query heads of its
    KV head in one tl.dot (every KV byte is read once), keeping an online softmax in fp32 (running max
    m, running sum l, rescaled accumulator; exp2 with log2(e) folded into the scale). It writes its
-   partial result: out_s = acc / l and lse_s = m + log2(l) (base 2), fp32. At decode sizes a program
-   reads a few blocks, so its time is a chain of latencies: the first block's K and V loads are masked by
-   the split's positions in the cache rather than by the sequence's length (its scores and values are
-   masked by the length once loaded), so they do not wait for the length's load; later blocks are read
-   up to the length (a split past the end reads one block in vain, not its range).
-2. The partials of a (sequence, query head) are combined by log-sum-exp: lse = log2(sum_s 2^lse_s),
-   out = sum_s 2^(lse_s - lse) out_s. That is exact: softmax over a union of key sets is the weighted
-   mean of the softmaxes over the parts, weighted by their share of the normaliser. Ranges past a
-   sequence's length are skipped; a sequence of length 0 gives out 0 and lse -inf. flash_decode merges
-   in the split kernel: the programs of a (sequence, KV head) count themselves done on a counter of the
-   plan's (acquire-release, after a barrier that orders every thread's partial stores), and the one that
-   counts last merges its heads' partials in split order and zeroes the counter for the next call (so a
-   CUDA graph replays it): one launch, no merge kernel's launch and load chain after the split kernel.
-   flash_decode_merge_kernel, the same merge as a kernel of its own (a program per row), serves the
-   hierarchical path below.
+   partial result: out_s = acc / l and lse_s = m + log2(l) (base 2), fp32.
+2. flash_decode_merge_kernel combines the partials of a (sequence, query head) by log-sum-exp:
+   lse = log2(sum_s 2^lse_s), out = sum_s 2^(lse_s - lse) out_s. That is exact: softmax over a union of
+   key sets is the weighted mean of the softmaxes over the parts, weighted by their share of the
+   normaliser. Ranges past a sequence's length are skipped; a sequence of length 0 gives out 0 and
+   lse -inf.
 
 sp_flash_decode: sequence parallelism over a group (default the world; ranks below are group ranks).
 Rank r holds the r-th contiguous slice of every sequence's KV.
@@ -48,11 +39,13 @@ many launches as flash_decode: the split kernel, then
    pushed by a peer program that is running or has run; with at most one program per SM, all are
    resident (work of other streams only delays them).
 
-Why not merge and push in the split kernel's last program per row, as flash_decode merges? It would hide
-the local merge (a few hundred ns: the partials are in L2) under the slowest split, but the exchange would
-still need a second kernel to wait in: the split programs cannot wait for peers (they are many more than
-the SMs, so a waiting one could block the ones it waits for). One merge kernel after the split kernel is
-as few launches, and its phase 1 merges the local splits anyway.
+Why not merge and push in the split kernel's last program per row (a counter of finished splits, the
+last one merges)? It would hide the local merge (a few hundred ns: the partials are in L2) under the
+slowest split, but the split kernel, shared with flash_decode and tuned for its KV read, would need a
+per-row atomic counter, a release of every partial before it and a reset per call, and the exchange
+would still need a second kernel to wait in: the split programs cannot wait for peers (they are many
+more than the SMs, so a waiting one could block the ones it waits for). One merge kernel after the
+split kernel is as few launches, simpler, and keeps the split kernel as it is.
 
 Memory ordering of the exchange. An LL word is written with one 8-byte store, single-copy atomic: a
 reader that sees the current epoch in a word's high half sees the payload stored with it, so there is
@@ -118,8 +111,6 @@ CPU_MAX_SPLITS = 3
 CPU_BLOCK_N = 16
 # Partials merged per step of flash_decode's merge kernel.
 SPLIT_BLOCK = 16
-# Splits whose lse the split kernel's merge (flash_decode) loads at once: all of them up to max_splits 64.
-LSE_BLOCK = tl.constexpr(64)
 # sp_flash_decode's merge kernel (8 warps) merges up to SP_SPLIT_WORDS // head_dim partials per step: all
 # of a row's splits (at most flash_decode.max_splits) in one step at head_dim 128, so that the local merge, on the
 # latency path of the exchange, is one round of loads rather than one per 16 splits.
@@ -165,11 +156,9 @@ def _seqlen(seqlens, b, max_len):
     return tl.minimum(tl.maximum(tl.load(seqlens + b), 0), max_len)
 
 
-@triton.jit(noinline=True)
+@triton.jit
 def _record(err, limits, row, value, KIND: tl.constexpr):
-    """Record a bad value of sequence `row` (one program's word: any program may record over another). A call, not
-    inlined: a cold path, and inlined at each of the split kernel's page checks it cost the paged kernel (bf16,
-    head_dim 128) ptxas's 32-register mode with 5-10 KB of stack (1.6 KB of spills as a call)."""
+    """Record a bad value of sequence `row` (one program's word: any program may record over another)."""
     tl.store(err + 1, limits)
     tl.store(err, ERROR_SET | (KIND << 61) | (row.to(tl.int64) << 32) | (value.to(tl.int64) & 0xFFFFFFFF))
 
@@ -197,100 +186,14 @@ def _merge_splits(part_out, part_lse, row, splits, live, D: tl.constexpr, SPLIT_
     return acc / tl.where(l > 0, l, 1.0), m + tl.log2(l)
 
 
-@triton.jit
-def _kv_block(k, v, block_table, b, kvh, pos, readable, in_seq, end, err, limits, first_row, k_s0, k_s1, k_sh, v_s0,
-              v_s1, v_sh, bt_sb, bt_sp, num_pages, offs_d, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
-              SPECULATIVE: tl.constexpr):
-    """K and V rows of positions `pos` [BLOCK_N, D] of sequence b, KV head kvh: read where `readable` (and, paged,
-    where the position's page exists), zero elsewhere. A page outside [0, num_pages) at a position in_seq is
-    recorded (_record), never read. SPECULATIVE: `readable` is the split's cache positions, not the sequence's
-    (the loads then wait for no length): V is zeroed past in_seq after the load, as a stale or NaN value there
-    would otherwise reach the weighted sum (0 * NaN); K's scores are masked by the caller."""
-    if PAGED:
-        page = tl.load(block_table + b * bt_sb + (pos // PAGE_SIZE) * bt_sp, mask=readable, other=0)
-        bad = readable & ((page < 0) | (page >= num_pages))
-        bad_in_seq = bad & in_seq
-        if tl.max(bad_in_seq.to(tl.int32), axis=0) > 0:
-            first = tl.min(tl.where(bad_in_seq, pos, end), axis=0)
-            _record(err, limits, first_row + b, tl.sum(tl.where(pos == first, page, 0), axis=0), 0)
-        readable = readable & ~bad
-        k_rows = page.to(tl.int64) * k_s0 + (pos % PAGE_SIZE) * k_s1 + kvh * k_sh
-        v_rows = page.to(tl.int64) * v_s0 + (pos % PAGE_SIZE) * v_s1 + kvh * v_sh
-    else:
-        k_rows = b.to(tl.int64) * k_s0 + pos.to(tl.int64) * k_s1 + kvh * k_sh
-        v_rows = b.to(tl.int64) * v_s0 + pos.to(tl.int64) * v_s1 + kvh * v_sh
-    kb = tl.load(k + k_rows[:, None] + offs_d[None, :], mask=readable[:, None], other=0.0)
-    vb = tl.load(v + v_rows[:, None] + offs_d[None, :], mask=readable[:, None], other=0.0)
-    if SPECULATIVE:
-        vb = tl.where(in_seq[:, None], vb, 0.0)
-    return kb, vb
-
-
-@triton.jit
-def _attend(qv, kb, vb, in_seq, m, l, acc, scale_log2):
-    """One block of the online softmax: scores of the positions in_seq (none may be: then nothing changes), the
-    running max m, sum l and accumulator acc rescaled and the block's weighted values added."""
-    s = _dot(qv, tl.trans(kb), tl.zeros([qv.shape[0], kb.shape[0]], tl.float32)) * scale_log2
-    s = tl.where(in_seq[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with no position yet: weights 0, not NaN
-    alpha = tl.exp2(m - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
-    acc = _dot(p.to(vb.dtype), vb, acc * alpha[:, None])
-    return m_new, l, acc
-
-
-@triton.constexpr_function
-def _partials_at_once(heads, d):
-    """Partials ([heads, d] fp32 each) _merge_heads loads at once: 8192 values' worth (64 registers a thread at 4
-    warps), at least 1."""
-    return max(1, 8192 // (heads * d))
-
-
-@triton.jit
-def _merge_heads(part_out, part_lse, rows, live_rows, splits, live, D: tl.constexpr, LSE_BLOCK: tl.constexpr):
-    """The log-sum-exp merge of a program's query heads at once: rows [HEADS] (live_rows those that exist), the
-    first `live` partials each, read past L1 (other programs wrote them). The max of the lse first (LSE_BLOCK
-    splits a load), then the weighted sum in split order, its loads in unrolled groups so that a group's are in
-    flight together (not one L2 round trip per split). (out [HEADS, D], lse base 2.)"""
-    HEADS: tl.constexpr = rows.shape[0]
-    GROUP: tl.constexpr = _partials_at_once(HEADS, D)
-    base = rows.to(tl.int64) * splits
-    offs_s = tl.arange(0, LSE_BLOCK)
-    offs_d = tl.arange(0, D)
-    m_blocks = tl.full([HEADS, LSE_BLOCK], float("-inf"), tl.float32)
-    for s0 in range(0, live, LSE_BLOCK):
-        s = s0 + offs_s
-        lse_s = tl.load(part_lse + base[:, None] + s[None, :], mask=live_rows[:, None] & (s < live)[None, :],
-                        other=float("-inf"), cache_modifier=".cg")
-        m_blocks = tl.maximum(m_blocks, lse_s)
-    m = tl.max(m_blocks, axis=1)
-    m = tl.where(m == float("-inf"), 0.0, m)  # no live partial (or a padded row): weights 0
-    acc = tl.zeros([HEADS, D], tl.float32)
-    l = tl.zeros([HEADS], tl.float32)
-    for s0 in range(0, live, GROUP):
-        for i in tl.static_range(GROUP):
-            there = live_rows & (s0 + i < live)
-            idx = base + s0 + i
-            lse_s = tl.load(part_lse + idx, mask=there, other=float("-inf"), cache_modifier=".cg")
-            out_s = tl.load(part_out + idx[:, None] * D + offs_d[None, :], mask=there[:, None], other=0.0,
-                            cache_modifier=".cg")
-            weight = tl.exp2(lse_s - m)
-            acc += weight[:, None] * out_s
-            l += weight
-    return acc / tl.where(l > 0, l, 1.0)[:, None], m + tl.log2(l)
-
-
 # -- kernels --------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["max_len", "split_len", "splits", "num_pages", "first_row", "limits"])
-def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse, out, lse, counter, err, scale_log2,
-                              max_len, split_len, splits, kv_heads, q_heads, q_sb, q_sh, k_s0, k_s1, k_sh, v_s0, v_s1,
-                              v_sh, bt_sb, bt_sp, num_pages, first_row, limits, GROUP: tl.constexpr,
-                              HEADS: tl.constexpr, CHUNKS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                              PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, MERGE: tl.constexpr,
-                              RETURN_LSE: tl.constexpr):
+def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse, err, scale_log2, max_len, split_len,
+                              splits, kv_heads, q_heads, q_sb, q_sh, k_s0, k_s1, k_sh, v_s0, v_s1, v_sh, bt_sb,
+                              bt_sp, num_pages, first_row, limits, GROUP: tl.constexpr, HEADS: tl.constexpr,
+                              CHUNKS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                              PAGED: tl.constexpr):
     """Partial attention of query heads [c * HEADS, (c + 1) * HEADS) of KV head kvh's group, sequence b,
     over positions [split * split_len, (split + 1) * split_len) of the sequence.
 
@@ -298,15 +201,6 @@ def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse,
     n * k_s1; paged: k + page * k_s0 + (n % PAGE_SIZE) * k_s1, page = block_table[b, n // PAGE_SIZE].
     Writes part_out[row, split, :] = acc / l and part_lse[row, split] = m + log2(l), row = b * q_heads +
     head, for a split that holds at least one position.
-
-    The split's first block is read before its length is known: its loads are masked by the split's positions
-    in the cache (never past max_len or a missing page) and its scores and values by the length afterwards, so
-    the first K and V loads wait for no other load. (Only the first: a split past the length reads one block in
-    vain, not its whole range.) The blocks after it are read up to the length.
-
-    MERGE (flash_decode): the programs of (b, kvh, c) count themselves done on counter[pid] (zeroed again by the
-    last, so a CUDA graph replays it), and the last merges the live partials of its rows into out[row] (q's
-    dtype) and, RETURN_LSE, lse[row] (natural log): no merge launch. Otherwise out, lse and counter are not read.
 
     Lengths and pages are data: a length outside [0, max_len] is clamped and a page outside [0, num_pages)
     is never read (its positions count as zero keys and values); either is recorded in the error word `err`
@@ -324,7 +218,6 @@ def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse,
             _record(err, limits, first_row + b, raw_len, 1)
     start = split * split_len
     end = tl.minimum(start + split_len, seqlen)
-    cache_end = tl.minimum(start + split_len, max_len)  # the split's positions in the cache
 
     g = c * HEADS + tl.arange(0, HEADS)  # query heads within the group; padded rows are masked
     live_rows = g < GROUP
@@ -337,35 +230,38 @@ def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse,
     l = tl.zeros([HEADS], tl.float32)
     acc = tl.zeros([HEADS, D], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    pos = start + offs_n
-    in_seq = pos < end
-    kb, vb = _kv_block(k, v, block_table, b, kvh, pos, pos < cache_end, in_seq, end, err, limits, first_row, k_s0,
-                       k_s1, k_sh, v_s0, v_s1, v_sh, bt_sb, bt_sp, num_pages, offs_d, PAGE_SIZE, PAGED, True)
-    m, l, acc = _attend(qv, kb, vb, in_seq, m, l, acc, scale_log2)
-    for n0 in range(start + BLOCK_N, end, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         in_seq = pos < end
-        kb, vb = _kv_block(k, v, block_table, b, kvh, pos, in_seq, in_seq, end, err, limits, first_row, k_s0,
-                           k_s1, k_sh, v_s0, v_s1, v_sh, bt_sb, bt_sp, num_pages, offs_d, PAGE_SIZE, PAGED, False)
-        m, l, acc = _attend(qv, kb, vb, in_seq, m, l, acc, scale_log2)
+        readable = in_seq
+        if PAGED:
+            page = tl.load(block_table + b * bt_sb + (pos // PAGE_SIZE) * bt_sp, mask=in_seq, other=0)
+            bad = in_seq & ((page < 0) | (page >= num_pages))
+            if tl.max(bad.to(tl.int32), axis=0) > 0:
+                first = tl.min(tl.where(bad, pos, end), axis=0)
+                _record(err, limits, first_row + b, tl.sum(tl.where(pos == first, page, 0), axis=0), 0)
+            readable = in_seq & ~bad
+            k_rows = page.to(tl.int64) * k_s0 + (pos % PAGE_SIZE) * k_s1 + kvh * k_sh
+            v_rows = page.to(tl.int64) * v_s0 + (pos % PAGE_SIZE) * v_s1 + kvh * v_sh
+        else:
+            k_rows = b.to(tl.int64) * k_s0 + pos.to(tl.int64) * k_s1 + kvh * k_sh
+            v_rows = b.to(tl.int64) * v_s0 + pos.to(tl.int64) * v_s1 + kvh * v_sh
+        kb = tl.load(k + k_rows[:, None] + offs_d[None, :], mask=readable[:, None], other=0.0)
+        vb = tl.load(v + v_rows[:, None] + offs_d[None, :], mask=readable[:, None], other=0.0)
+        s = _dot(qv, tl.trans(kb), tl.zeros([HEADS, BLOCK_N], tl.float32)) * scale_log2
+        s = tl.where(in_seq[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every block holds at least one position
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = _dot(p.to(vb.dtype), vb, acc * alpha[:, None])
+        m = m_new
 
     rows = b * q_heads + heads
     live = live_rows & (start < end)
     idx = rows.to(tl.int64) * splits + split
     tl.store(part_out + idx[:, None] * D + offs_d[None, :], acc / l[:, None], mask=live[:, None])
     tl.store(part_lse + idx, m + tl.log2(l), mask=live)
-    if MERGE:
-        # Every thread's partial stores before the release; the last program's acquire sees every split's.
-        tl.debug_barrier()
-        done = tl.atomic_add(counter + pid, 1, sem="acq_rel", scope="gpu")
-        if done == splits - 1:
-            tl.atomic_xchg(counter + pid, 0, sem="relaxed", scope="gpu")
-            o, lse2 = _merge_heads(part_out, part_lse, rows, live_rows, splits, tl.cdiv(seqlen, split_len), D,
-                                   LSE_BLOCK)
-            tl.store(out + rows.to(tl.int64)[:, None] * D + offs_d[None, :], cast(o, out.dtype.element_ty),
-                     mask=live_rows[:, None])
-            if RETURN_LSE:
-                tl.store(lse + rows, lse2 * LN2, mask=live_rows)  # log(x) = log2(x) * ln(2)
 
 
 @triton.jit(do_not_specialize=["max_len", "split_len", "splits"])
@@ -533,14 +429,11 @@ def _check(q, k_cache, v_cache, seqlens, block_table, scale, device=None) -> tup
     return max_len, page_size, float(scale)
 
 
-def _split_launch(q, k_cache, v_cache, seqlens, block_table, scale, max_len, page_size, errors, op, first_row=0,
-                  merge=False, return_lse=False):
+def _split_launch(q, k_cache, v_cache, seqlens, block_table, scale, max_len, page_size, errors, op, first_row=0):
     """The split kernel's launch for this signature; returns (launch, args(q, k, v, seqlens, table, part_out,
-    part_lse[, out, lse]) -> its runtime arguments, splits, split_len). The strides go in as plan constants (the
-    key holds every stride: Triton specialises integer arguments on their value). Bad lengths and pages are
-    recorded in `errors` (an ErrorWord of 2 words) as op OPS[op]'s, of sequence first_row + b. merge: the
-    kernel merges its partials into out (and lse, return_lse) itself, counting its programs on a counter per
-    (sequence, KV head, chunk) that this launch owns (zero between calls); args then takes out and lse."""
+    part_lse) -> its runtime arguments, splits, split_len). The strides go in as plan constants (the key
+    holds every stride: Triton specialises integer arguments on their value). Bad lengths and pages are
+    recorded in `errors` (an ErrorWord of 2 words) as op OPS[op]'s, of sequence first_row + b."""
     batch, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = q_heads // kv_heads
@@ -557,22 +450,13 @@ def _split_launch(q, k_cache, v_cache, seqlens, block_table, scale, max_len, pag
               *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0), table.stride(-1), num_pages, first_row,
               limits)
 
-    programs = batch * kv_heads * chunks
-    counter = torch.zeros((programs,), dtype=torch.int32, device=q.device) if merge else None
-
-    def args(q, k, v, lens, table, part_out, part_lse, out=None, lse=None):
-        if not merge:  # not read: any tensors of the pointer types
-            out, lse, count = part_out, part_lse, lens
-        else:
-            count = counter
-        return (q, k, v, lens, table, part_out, part_lse, out, lse, count, err, *consts)
+    def args(q, k, v, lens, table, part_out, part_lse):
+        return (q, k, v, lens, table, part_out, part_lse, err, *consts)
     part_out, part_lse = _partial_buffers(batch * q_heads, splits, head_dim, q.device)
-    sample = (torch.empty_like(q, memory_format=torch.contiguous_format),
-              torch.empty((batch, q_heads), dtype=torch.float32, device=q.device)) if merge else ()
-    launch = Launch(flash_decode_split_kernel, (programs, splits),
-                    args(q, k_cache, v_cache, seqlens, table, part_out, part_lse, *sample),
+    launch = Launch(flash_decode_split_kernel, (batch * kv_heads * chunks, splits),
+                    args(q, k_cache, v_cache, seqlens, table, part_out, part_lse),
                     dict(GROUP=group, HEADS=heads, CHUNKS=chunks, D=head_dim, BLOCK_N=block_n, PAGE_SIZE=page_size,
-                         PAGED=paged, MERGE=merge, RETURN_LSE=merge and return_lse),
+                         PAGED=paged),
                     num_warps=4 if heads <= 32 else 8,
                     num_stages=3 if q.element_size() <= 2 else 2)  # fp32 tiles: 3 stages would not fit an A100
     return launch, args, splits, split_len
@@ -626,7 +510,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 class FlashDecodePlan(Plan):
     """flash_decode of one signature (local: `group` is the world, or None without weft.init()): the split
-    launch, which merges its partials itself, or no launch for an empty batch."""
+    launch and the merge launch, or no launch for an empty batch."""
 
     def __init__(self, group, q, k_cache, v_cache, seqlens, block_table, scale, return_lse):
         super().__init__(group)
@@ -640,8 +524,14 @@ class FlashDecodePlan(Plan):
         self.errors = _errors(group)
         qc = _prepare_q(q)
         self.split, self.split_args, self.splits, self.split_len = _split_launch(
-            qc, k_cache, v_cache, seqlens, block_table, scale, max_len, page_size, self.errors, 0, merge=True,
-            return_lse=return_lse)
+            qc, k_cache, v_cache, seqlens, block_table, scale, max_len, page_size, self.errors, 0)
+        self.max_len = max_len
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty((batch, q_heads), dtype=torch.float32, device=q.device)
+        part_out, part_lse = _partial_buffers(self.rows, self.splits, head_dim, q.device)
+        self.merge = Launch(flash_decode_merge_kernel, (self.rows,),
+                            (part_out, part_lse, seqlens, out, lse, max_len, self.split_len, self.splits, q_heads),
+                            dict(D=head_dim, SPLIT_BLOCK=SPLIT_BLOCK, RETURN_LSE=return_lse), num_warps=4)
 
     def result(self, out, lse):
         return (out, lse) if self.return_lse else out
@@ -658,7 +548,8 @@ class FlashDecodePlan(Plan):
         lse = torch.empty((self.batch, self.q_heads), dtype=torch.float32, device=q.device)
         part_out, part_lse = _partial_buffers(self.rows, self.splits, self.head_dim, q.device)
         self.split(*self.split_args(q, k_cache, v_cache, seqlens, seqlens if block_table is None else block_table,
-                                    part_out, part_lse, out, lse))
+                                    part_out, part_lse))
+        self.merge(part_out, part_lse, seqlens, out, lse, self.max_len, self.split_len, self.splits, self.q_heads)
         return self.result(out, lse)
 
 
@@ -900,22 +791,16 @@ def _(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table=None, scale=No
 
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 _SPLIT_SIG = dict(q=None, k=None, v=None, seqlens="*i32", block_table="*i32", part_out="*fp32", part_lse="*fp32",
-                  out=None, lse="*fp32", counter="*i32", err="*i64", scale_log2="fp32", max_len="i32",
-                  split_len="i32", splits="i32", kv_heads="i32", q_heads="i32", q_sb="i32", q_sh="i32", k_s0="i32",
-                  k_s1="i32", k_sh="i32", v_s0="i32", v_s1="i32", v_sh="i32", bt_sb="i32", bt_sp="i32",
-                  num_pages="i32", first_row="i32", limits="i64")
+                  err="*i64", scale_log2="fp32", max_len="i32", split_len="i32", splits="i32", kv_heads="i32", q_heads="i32",
+                  q_sb="i32", q_sh="i32", k_s0="i32", k_s1="i32", k_sh="i32", v_s0="i32", v_s1="i32", v_sh="i32",
+                  bt_sb="i32", bt_sp="i32", num_pages="i32", first_row="i32", limits="i64")
 COMPILE_CASES = [
-    (flash_decode_split_kernel, {**_SPLIT_SIG, "q": t, "k": t, "v": t, "out": t},
-     dict(GROUP=g, HEADS=h, CHUNKS=c, D=d, BLOCK_N=32 if d == 256 else 64, PAGE_SIZE=ps, PAGED=ps > 0, MERGE=mg,
-          RETURN_LSE=mg and lse),
+    (flash_decode_split_kernel, {**_SPLIT_SIG, "q": t, "k": t, "v": t},
+     dict(GROUP=g, HEADS=h, CHUNKS=c, D=d, BLOCK_N=32 if d == 256 else 64, PAGE_SIZE=ps, PAGED=ps > 0),
      dict(num_warps=4 if h <= 32 else 8))
-    # flash_decode's (merging, with and without lse) and sp_flash_decode's (not merging) launches
-    for t, d, g, h, c, ps, mg, lse in [(t, d, 4, 16, 1, ps, True, False) for t in ("*bf16",) for d in HEAD_DIMS
-                                       for ps in (0, 16)]
-    + [("*fp16", 128, 8, 16, 1, 0, True, True), ("*fp32", 128, 4, 16, 1, 0, True, True),
-       ("*fp32", 128, 4, 16, 1, 16, False, False), ("*bf16", 128, 1, 16, 1, 1, True, True),
-       ("*bf16", 128, 32, 32, 1, 256, True, False), ("*bf16", 128, 128, 64, 2, 16, True, True),
-       ("*bf16", 128, 4, 16, 1, 0, False, False), ("*bf16", 128, 4, 16, 1, 16, False, False)]
+    for t, d, g, h, c, ps in [(t, d, 4, 16, 1, ps) for t in ("*bf16",) for d in HEAD_DIMS for ps in (0, 16)]
+    + [("*fp16", 128, 8, 16, 1, 0), ("*fp32", 128, 4, 16, 1, 0), ("*fp32", 128, 4, 16, 1, 16),
+       ("*bf16", 128, 1, 16, 1, 1), ("*bf16", 128, 32, 32, 1, 256), ("*bf16", 128, 128, 64, 2, 16)]
 ] + [
     (flash_decode_merge_kernel, dict(part_out="*fp32", part_lse="*fp32", seqlens="*i32", out=t, lse="*fp32",
                                      max_len="i32", split_len="i32", splits="i32", q_heads="i32"),
