@@ -27,15 +27,9 @@ import subprocess
 import sys
 import time
 
-# NVSHMEM on one host through torch (scripts/probe_nvshmem.py): no network transport, bootstrap over loopback.
-NVSHMEM_ENV = {
-    "NVSHMEM_REMOTE_TRANSPORT": "none",
-    "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
-    "NVSHMEM_DISABLE_CUDA_VMM": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-}
+# NVSHMEM on one host through torch, as scripts/probe_nvshmem.py found it: no network transport, bootstrap over
+# loopback (this script's folder is on sys.path, whether run directly or by torchrun).
+from probe_nvshmem import ENV as NVSHMEM_ENV  # noqa: E402
 RANK_ENV = {"WEFT_RAIL": "nvshmem", "WEFT_WORKSPACE_BYTES": "1MiB", "WEFT_HEAP_SIZE": "64MiB"}
 CHECK_EVERY = 100
 EXIT_MARGIN_S = 10  # the ranks dump their stacks and exit this long before the layout's limit

@@ -179,9 +179,9 @@ def _pipeline(tp):
     import torch
 
     import weft
-    from weft.models import KVCache, from_hf
+    from weft.models import from_hf
 
-    me, world = weft.rank(), weft.world_size()
+    world = weft.world_size()
     tp_group = weft.new_subgroups(tp)
     pp_group = None
     for first in range(tp):

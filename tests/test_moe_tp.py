@@ -513,8 +513,6 @@ def _routed_case(seed, m, hidden, n, experts, k, mode, with_layout=True):
 def _fp8_values(q, scales, block_rows: bool):
     """The fp32 values of fp8 q with its scales: per row and 128 channels (fp8_rows), or per 128 x 128 block of
     (E, K, N) weights (fp8_blocks)."""
-    import torch
-
     if not block_rows:
         return q.float() * scales.repeat_interleave(128, dim=-1)
     return q.float() * scales.repeat_interleave(128, dim=1).repeat_interleave(128, dim=2)[..., :q.shape[2]]
