@@ -1,5 +1,5 @@
-"""Probe: NVSHMEM device calls from stock Triton through torch's NVSHMEM symmetric memory, on one GPU (PE 0 to
-itself) or on N GPUs of one host (N PEs). Each experiment runs in its own process (its own N processes, with their
+"""Probe: NVSHMEM's GPU-side calls from stock Triton kernels through torch's NVSHMEM symmetric memory, on one GPU
+(PE 0 to itself) or on N GPUs of one host (N PEs). Each experiment runs in its own process (its own N processes, with their
 own process group) with a time limit, so a hang is reported and the next one runs.
 
     python scripts/probe_nvshmem.py [--pes N] [--timeout 60] [--budget 170] [--out results.json]
