@@ -143,9 +143,9 @@ def _gemv_paths(seed, row_counts):
                     close(got, weft.ops.silu_mul(weft.ops.rms_norm(x, nw, eps) @ w),
                           f"norm_gate_up_silu {m, k, inter} {what} against the layers path")
                 # norm_qkv_rope: heads of 40 (halves of 20, padded to 32), with Qwen3's q/k norm and without
-                # (Llama-3); 8 heads in all, one or two a program, so that K = 160 splits (K = 24 does not).
+                # (Llama-3); 8 heads in all, one or two a program, so that K = 192 splits (K = 24 does not).
                 heads, kv, d = 4, 2, 40
-                for qk_norm, k in ((True, 160), (False, 24), (False, 160)):
+                for qk_norm, k in ((True, 192), (False, 24), (False, 192)):
                     x, nw = randn(m, k), randn(k, scale=0.5) + 1
                     w = randn(k, (heads + 2 * kv) * d, scale=k ** -0.5)
                     inv_freq = 1.0 / 100.0 ** (torch.arange(0, d, 2).float() / d)
@@ -212,8 +212,8 @@ def _splits_taken():
     from weft.kernels.decode import LinearResidualPlan
 
     splits = []
-    for k in (32, 200):
-        x, w, res = torch.randn(1, k), torch.randn(k, 64), torch.randn(1, 64)
+    for m, k, n in ((1, 32, 64), (3, 200, 72)):
+        x, w, res = torch.randn(m, k), torch.randn(k, n), torch.randn(m, n)
         splits.append(LinearResidualPlan(weft.world(), x, w, res).split)
     assert splits[0] == 1 and splits[1] > 1, splits
     return True
@@ -292,7 +292,7 @@ def _decode_paths(kind, rope, batches):
 
     ref = _hf_model(kind, 4, 2, 96, rope=rope)
     model = from_hf(ref.config, state_dict=ref.state_dict())
-    # The default: tuning's decode.fused_max_m (1 since the H200 measurement: the fused path wins at batch 1 only).
+    # The default: tuning's decode.fused_max_m (16 since the H200 measurement: the fused path wins up to batch 16).
     from weft.kernels.decode import fused_max_m
     limit = fused_max_m(weft.device())
     assert model.decode_path(max(limit, 1)) == ("fused" if limit else "layers") and model.decode_path(64) == "layers"
@@ -355,3 +355,18 @@ def _path_setting():
     del os.environ["WEFT_DECODE"]
     rejects(lambda: model.decode_path(1, "fast"), ValueError, "path must be one of", [])
     return True
+
+
+def test_balanced_split():
+    """The one-wave split where it spreads the work evenly; where it leaves SMs idle or uneven, the split with the
+    least work on the busiest SM (the fewest splits among near-equals)."""
+    from weft.kernels.decode import balanced_split
+
+    # Qwen3-8B's gate/up at 8 rows on 132 SMs, 96 column tiles of 32 K blocks: one wave leaves 36 SMs idle.
+    assert balanced_split(96, 32, 132, 264) == 4
+    # 48 QKV tiles: the one-wave split (5) puts 2 programs of 7 blocks on some SMs, 8 puts 3 of 4.
+    assert balanced_split(48, 32, 132, 264) == 8
+    # Even already: the one-wave split stays (O at 1 row: 32 tiles x 4 splits on 132 SMs).
+    assert balanced_split(32, 32, 132, 132) == 4
+    assert balanced_split(192, 64, 132, 528) == 2
+    assert balanced_split(4, 1, 132, 528) == 1

@@ -15,11 +15,11 @@ two ways, a launch setting: tl.dot (rows padded to 16, the weight tile in the do
 (`dot` false): fp32 FMAs of the real rows into [rows, K block, columns] accumulators in registers, summed over the
 K block once after the loop, so nothing but the loads touches the weight (compute is free here either way). A
 4096-wide projection has too few column tiles for the programs the GPU holds, so K is split as well (the grid
-is tiles x splits x row blocks, at most programs_per_sm per SM: a tail wave of a few programs would cost a
-whole wave's latency): each split stores its fp32 partial sums to a workspace and counts itself done on the
-tile's counter; the split that counts last sums the partials in split order (deterministic, no float atomics;
-their loads in unrolled groups of splits, in flight together) and runs the epilogue (then zeroes the counter for the next
-call, so a CUDA graph replays it). The RMSNorm prologue is folded into the GEMV: norm(x) @ W = diag(1 / rms(x))
+is tiles x splits x row blocks, at most programs_per_sm per SM, or the split that spreads the work most evenly over
+the SMs where that one leaves some idle: `balanced_split`): each split stores its fp32 partial sums to a workspace
+and counts itself done on the tile's counter; the split that counts last sums the partials in split order
+(deterministic, no float atomics; their loads in unrolled groups of splits, in flight together) and runs the
+epilogue (then zeroes the counter for the next call, so a CUDA graph replays it). The RMSNorm prologue is folded into the GEMV: norm(x) @ W = diag(1 / rms(x))
 ((x g) @ W) for the norm's weight g, so a program multiplies x g by its slab and the epilogue applies 1 / rms.
 The sum of squares behind rms comes from the x blocks the main loop loads anyway: each split adds up x² over
 its K range in fp32 and stores it beside its partials (one float a row), and the last split adds the splits'
@@ -531,10 +531,34 @@ def _same_device(device, **tensors) -> None:
             raise ValueError(f"{name} is on {t.device}, but this rank's device is {device}")
 
 
+# A split other than the one-wave one (balanced_split) must save at least this share of the kernel's time.
+BALANCE_GAIN = 0.1
+# Splits within this share of the least time count as equal to it (balanced_split).
+BALANCE_SLACK = 0.03
+
+
+def balanced_split(units: int, k_blocks: int, sms: int, programs: int) -> int:
+    """The K splits of a GEMV of `units` (column tiles x row blocks) whose K is k_blocks blocks, on `sms` SMs.
+    By default as far as `programs` (the SMs times programs_per_sm) allow in one wave, rounded down: a tail wave of
+    a few programs would cost a whole wave's latency. But the kernel is bound by each SM's share of the copy
+    bandwidth, so its time is that of the busiest SM: ceil(programs / sms) programs of bps = ceil(k_blocks / split)
+    blocks each (side by side or one after another). When the one-wave split leaves SMs idle or uneven (96 column
+    tiles of gate/up at 8 rows on 132 SMs: split 1, 36 SMs idle, 73 % of the ideal), the split with the least such
+    time is taken, if it saves BALANCE_GAIN of it: the fewest splits within BALANCE_SLACK of that time (each split
+    adds a partial sum of the rows to write and add up)."""
+    def busiest_sm(split: int) -> int:
+        bps = triton.cdiv(k_blocks, split)
+        return triton.cdiv(units * triton.cdiv(k_blocks, bps), sms) * bps
+
+    one_wave = max(1, min(k_blocks, programs // max(units, 1)))
+    least = min(busiest_sm(s) for s in range(1, k_blocks + 1))
+    best = next(s for s in range(1, k_blocks + 1) if busiest_sm(s) <= (1 + BALANCE_SLACK) * least)
+    return best if busiest_sm(best) < (1 - BALANCE_GAIN) * busiest_sm(one_wave) else one_wave
+
+
 class GemvPlan(Plan):
     """The grid of one fused GEMV call signature: M rows in row blocks, column tiles, K in splits of BPS blocks
-    (programs_per_sm per SM at most, so that no tail wave runs after the full one), the split-K workspace and
-    counters. `settings` (`resolve`'s form) replaces the tuned ones: the tests run both GEMV paths with it."""
+    (balanced_split), the split-K workspace and counters. `settings` (`resolve`'s form) replaces the tuned ones: the tests run both GEMV paths with it."""
 
     def __init__(self, group, op: str, m: int, k: int, dtype: torch.dtype, settings: dict | None):
         super().__init__(group)
@@ -553,11 +577,10 @@ class GemvPlan(Plan):
         self.launch = None
 
     def split_k(self, tiles: int, n: int, norm: bool = False) -> None:
-        """The grid for `tiles` column tiles of an n-column weight: K split as far as the programs allow (rounded
-        down: a tail wave of a few programs would cost a whole wave's latency), the workspace (norm: with the
-        splits' sums of squares of x's rows after the partial sums, _sumsq_slots) and counters."""
+        """The grid for `tiles` column tiles of an n-column weight: K split as `balanced_split` says, the workspace
+        (norm: with the splits' sums of squares of x's rows after the partial sums, _sumsq_slots) and counters."""
         device = self.group.device
-        split = max(1, min(self.kb, self.programs // max(tiles * self.m_blocks, 1)))
+        split = balanced_split(tiles * self.m_blocks, self.kb, num_sms(device), self.programs)
         self.bps = triton.cdiv(self.kb, split)
         self.split = triton.cdiv(self.kb, self.bps)
         self.grid = (tiles, self.split, self.m_blocks)
