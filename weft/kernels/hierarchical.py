@@ -70,18 +70,6 @@ def network_exchange_kernel(src, recv, flags, heap, nbytes, src_stride, slot_byt
         wl.signal_wait_until(flags + q, wl.CMP_GE, epoch)
 
 
-@triton.jit
-def _copy_bytes(dst, src, nbytes, BLOCK: tl.constexpr):
-    """`nbytes` from `src` to `dst`: whole BLOCKs unmasked (vector loads and stores where the pointers' alignment
-    is known), then the masked tail."""
-    offs = tl.arange(0, BLOCK)
-    whole = nbytes // BLOCK * BLOCK
-    for lo in range(0, whole, BLOCK):
-        tl.store(dst + lo + offs, tl.load(src + lo + offs))
-    idx = whole + offs
-    tl.store(dst + idx, tl.load(src + idx, mask=idx < nbytes), mask=idx < nbytes)
-
-
 @triton.jit(do_not_specialize=["nbytes"])
 def network_exchange_nvshmem_kernel(src, out, stage, recv, flags, counter, heap, nbytes, src_stride, slot_bytes,
                                     out_stride, chunk_bytes, W: tl.constexpr, MAX_CHUNKS: tl.constexpr,
@@ -108,20 +96,20 @@ def network_exchange_nvshmem_kernel(src, out, stage, recv, flags, counter, heap,
     n = tl.minimum(chunk_bytes, nbytes - lo)
     if n > 0:
         if i == 0:
-            _copy_bytes(out + me.to(tl.int64) * out_stride + lo, src + me.to(tl.int64) * src_stride + lo, n,
+            wl.copy_bytes(out + me.to(tl.int64) * out_stride + lo, src + me.to(tl.int64) * src_stride + lo, n,
                         BLOCK)
         else:
             q = (me + i) % W
             s = (me + W - i) % W
             staged = stage + (i - 1) * slot_bytes + lo
-            _copy_bytes(staged, src + q.to(tl.int64) * src_stride + lo, n, BLOCK)
+            wl.copy_bytes(staged, src + q.to(tl.int64) * src_stride + lo, n, BLOCK)
             tl.debug_barrier()  # the block's stores to `stage` before the block-scoped put reads it
             slot = ((epoch % 2) * (W - 1) + i - 1).to(tl.int64) * slot_bytes + lo
             flag = flags + (i - 1) * MAX_CHUNKS + c
             wl.putmem_signal_block(recv + slot, staged, n, flag, epoch, wl.SIGNAL_SET, q, heap, BLOCK,
                                    NVSHMEM=True)
             wl.signal_wait_until(flag, wl.CMP_GE, epoch, NVSHMEM=True)
-            _copy_bytes(out + s.to(tl.int64) * out_stride + lo, recv + slot, n, BLOCK)
+            wl.copy_bytes(out + s.to(tl.int64) * out_stride + lo, recv + slot, n, BLOCK)
     tl.debug_barrier()  # every thread has read the counter before this program arrives
     arrived = tl.atomic_add(counter + 1, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
