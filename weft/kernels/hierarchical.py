@@ -184,6 +184,12 @@ def _nvshmem(rail: Group) -> bool:
     return rail.world.rail_route == "nvshmem"
 
 
+def _rail_through_process_group(rail: Group) -> bool:
+    """Whether the rail's exchange is its process group's collective (GPUs on the default route: NCCL), not weft's
+    exchange kernel (the cpu backend's simulated network, or NVSHMEM with WEFT_RAIL=nvshmem)."""
+    return not backend.INTERPRET and not _nvshmem(rail)
+
+
 def _exchange_nvshmem(rail: Group, src: torch.Tensor, block_bytes: int, all_to_all: bool) -> torch.Tensor:
     """`_exchange` on GPUs over NVSHMEM: the kernel copies the received slots to the output itself (a CUDA graph
     knows no host-side call parity), in passes of one slot, each over (rail size, chunks) programs."""
@@ -239,7 +245,7 @@ def _combine(rows: torch.Tensor, op: str) -> torch.Tensor:
 def _rail_all_reduce(rail: Group, part: torch.Tensor, op: str) -> torch.Tensor:
     if rail.size == 1:
         return part
-    if not backend.INTERPRET and not _nvshmem(rail):
+    if _rail_through_process_group(rail):
         dist.all_reduce(part, op=getattr(dist.ReduceOp, op.upper()), group=rail.process_group)
         return part
     rows = _exchange(rail, part, part.numel() * part.element_size(), all_to_all=False)
@@ -250,7 +256,7 @@ def _rail_reduce_scatter(rail: Group, blocks: torch.Tensor, op: str) -> torch.Te
     """blocks: (rail size, m); returns (m,), member i's row i reduced over the rail."""
     if rail.size == 1:
         return blocks[0]
-    if not backend.INTERPRET and not _nvshmem(rail):
+    if _rail_through_process_group(rail):
         out = torch.empty(blocks.shape[1], dtype=blocks.dtype, device=blocks.device)
         nccl_reduce_scatter(out, blocks.reshape(-1), rail.process_group, op=getattr(dist.ReduceOp, op.upper()))
         return out
@@ -262,7 +268,7 @@ def _rail_all_gather(rail: Group, shard: torch.Tensor, out: torch.Tensor | None 
     """shard: (m,) bytes of any dtype; returns (rail size, m), into `out` (contiguous) when given."""
     if rail.size == 1:
         return shard.view(1, -1) if out is None else out.copy_(shard.view(1, -1))
-    if not backend.INTERPRET and not _nvshmem(rail):
+    if _rail_through_process_group(rail):
         if out is None:
             out = torch.empty((rail.size, shard.numel()), dtype=shard.dtype, device=shard.device)
         nccl_all_gather(out.view(-1), shard, rail.process_group)
@@ -274,7 +280,7 @@ def _rail_all_gather(rail: Group, shard: torch.Tensor, out: torch.Tensor | None 
 def _rail_all_to_all(rail: Group, blocks: torch.Tensor, rows: torch.Tensor, keep: int) -> None:
     """blocks: (rail size, m) contiguous; rows[i] = member i's blocks[me], for every member i but `keep` (this
     member's rail rank: its row is its own business, written by the caller). rows: (rail size, m), contiguous."""
-    if not backend.INTERPRET and not _nvshmem(rail):
+    if _rail_through_process_group(rail):
         # NCCL's all-to-all of every row but my own (none sent to or received from myself: the caller may be
         # writing rows[keep] on another stream meanwhile).
         none = blocks.new_empty(0)
