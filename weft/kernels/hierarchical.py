@@ -49,7 +49,7 @@ import triton.language as tl
 
 from .. import language as wl
 from ..runtime import backend
-from ..runtime.group import Group
+from ..runtime.group import Group, check_heap_route
 from ..runtime.streams import StreamSet
 from .common import nccl_all_gather, nccl_reduce_scatter, workspace, zero_everywhere
 
@@ -300,6 +300,8 @@ class Hierarchy:
     members at this member's place on every node), and `rails[j]`: the group ranks of rail j in rail order."""
 
     def __init__(self, group: Group):
+        # Before the node and rail groups' process groups: the NVSHMEM rail takes only the world's hierarchy.
+        check_heap_route(group.world.rail_route, group.ranks, group.world.node_ids)
         topo = group.topology
         self.group = group
         mine = topo.nodes[topo.node_index[group.rank]]
@@ -321,7 +323,8 @@ class Hierarchy:
 def _subgroup(parent: Group, world_ranks: list[int], extra_families: int, extra_bytes: int = 0) -> Group:
     """The Group of `world_ranks` for the hierarchical ops (made among those ranks only, once per world), with a
     heap of `extra_families` workspaces, `extra_bytes` (flags beyond them), the heap's tail (the p2p workspace:
-    weft/runtime/heap.py) and some room."""
+    weft/runtime/heap.py) and some room; its heap made by every member of `parent` at the same point (every member
+    makes its node's and its rail's in turn)."""
     w = parent.world
     cache = w.__dict__.setdefault("hierarchy_groups", {})
     key = tuple(world_ranks)
@@ -330,7 +333,7 @@ def _subgroup(parent: Group, world_ranks: list[int], extra_families: int, extra_
         pg = dist.new_group(list(key), use_local_synchronization=True)
         w.made_groups.append(pg)
         heap_size = (extra_families + 1) * parent.workspace_bytes + extra_bytes + (1 << 20)
-        found = cache[key] = Group(w, pg, key, heap_size, parent.workspace_bytes)
+        found = cache[key] = Group(w, pg, key, heap_size, parent.workspace_bytes, heap_makers=parent.ranks)
         w.groups[found.name] = found
     return found
 
