@@ -97,7 +97,7 @@ def network_exchange_nvshmem_kernel(src, out, stage, recv, flags, counter, heap,
     if n > 0:
         if i == 0:
             wl.copy_bytes(out + me.to(tl.int64) * out_stride + lo, src + me.to(tl.int64) * src_stride + lo, n,
-                        BLOCK)
+                          BLOCK)
         else:
             q = (me + i) % W
             s = (me + W - i) % W
