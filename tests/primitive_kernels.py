@@ -69,6 +69,11 @@ def put_signal_kernel(dst, src, sig, out, heap, nbytes, epoch, MODE: tl.constexp
 
 
 @triton.jit
+def copy_bytes_kernel(dst, src, nbytes, BLOCK: tl.constexpr):
+    wl.copy_bytes(dst, src, nbytes, BLOCK)
+
+
+@triton.jit
 def cmp_kernel(flag, out, heap, value):
     """out[i] = the token of waits that must pass immediately for flag == value."""
     tl.store(out + 0, wl.wait(flag, 1, value, wl.CMP_EQ).to(tl.int32))

@@ -109,6 +109,21 @@ def test_putmem_signal_getmem(world, mode):
     assert all(run_ranks(_put_signal, world, mode, 1501, 4, timeout=240))
 
 
+@pytest.mark.parametrize("nbytes", [0, 5, 64, 64 * 3 + 17])
+def test_copy_bytes_whole_blocks_and_tail(nbytes):
+    """copy_bytes at BLOCK 64: nothing, a tail alone, one whole block, whole blocks and a tail; a float32 source
+    (its pointer taken as bytes), nothing written past nbytes."""
+    import torch
+
+    from primitive_kernels import copy_bytes_kernel
+
+    src = torch.randn(64, dtype=torch.float32)
+    dst = torch.full((256,), 7, dtype=torch.uint8)
+    copy_bytes_kernel[(1,)](dst, src, nbytes, BLOCK=64)
+    assert torch.equal(dst[:nbytes], src.view(torch.uint8)[:nbytes])
+    assert (dst[nbytes:] == 7).all(), "copy_bytes wrote past nbytes"
+
+
 def _cmp_and_hardware():
     import torch
 

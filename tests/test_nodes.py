@@ -57,6 +57,25 @@ def _topology_and_language():
     pair = weft.new_subgroups(2)
     assert rail.nodes == ((0,), (1,)) and pair.nodes == ((0, 1),) and not pair.topology.spans_nodes
 
+    # The NVSHMEM rail's heap check where groups make their heaps, with the world's route set to nvshmem (the cpu
+    # heaps never call NVSHMEM: the check alone is under test). The world's hierarchy (its node and rail groups'
+    # heaps made by every rank at the same point) passes; a group of the user's across nodes is refused, on every
+    # member, before anything collective: its hierarchy, and its heap's first use.
+    from weft.kernels import hierarchical
+
+    w.rail_route = "nvshmem"
+    try:
+        h = hierarchical.hierarchy(w)
+        assert h.node.heap_makers == h.rail.heap_makers == w.ranks
+        assert h.node.heap.size == h.node.heap_size and h.rail.heap.size == h.rail.heap_size
+        refused = rf"a group of 2 ranks \(world ranks \[{w.rank % 2}, {w.rank % 2 + 2}\]\) spans 2 nodes"
+        with pytest.raises(ValueError, match=refused):
+            hierarchical.hierarchy(rail)
+        with pytest.raises(ValueError, match=refused):
+            rail.heap
+    finally:
+        w.rail_route = "cpu"
+
     seen = torch.full((4,), -1, dtype=torch.int32)
     same_node_kernel[(1,)](seen, w.heap.descriptor, W=4)
     assert seen.tolist() == [int(r // 2 == w.rank // 2) for r in range(4)]
@@ -417,6 +436,38 @@ def test_rail_setting(monkeypatch):
     monkeypatch.setenv("WEFT_RAIL", "ib")
     with pytest.raises(ValueError, match=r"WEFT_RAIL='ib': expected nccl or nvshmem"):
         settings.check_all()
+
+
+def test_nvshmem_heap_check():
+    """On the NVSHMEM rail a heap made by ranks that span nodes but are not the world raises (nvshmem_malloc is
+    collective over the whole world: a hang otherwise), naming the group's size, its nodes and what to do; the
+    world, ranks inside one node, and the other routes pass. Layouts drawn at random: 2-4 nodes of 1-4 ranks."""
+    import random
+
+    from weft.runtime.group import check_heap_route
+
+    rng = random.Random()
+    for _ in range(20):
+        per_node, n_nodes = rng.randint(1, 4), rng.randint(2, 4)
+        if per_node * n_nodes < 3:  # no group across nodes that leaves a rank out
+            n_nodes = 3
+        node_ids = tuple(r // per_node for r in range(per_node * n_nodes))
+        world = list(range(len(node_ids)))
+        # Ranks across 2 .. n_nodes nodes, at least one rank left out.
+        spanning = sorted(rng.sample(world, rng.randint(2, len(world) - 1)))
+        while len({node_ids[r] for r in spanning}) < 2:
+            spanning = sorted(rng.sample(world, rng.randint(2, len(world) - 1)))
+        nodes = len({node_ids[r] for r in spanning})
+        with pytest.raises(ValueError) as raised:
+            check_heap_route("nvshmem", spanning, node_ids)
+        for part in (f"a group of {len(spanning)} ranks (world ranks {spanning}) spans {nodes} nodes",
+                     f"not the world of {len(world)} ranks", "WEFT_RAIL=nvshmem", "group=None", "unset WEFT_RAIL"):
+            assert part in str(raised.value), (part, str(raised.value))
+        node = rng.randrange(n_nodes)
+        inside = [r for r in world if node_ids[r] == node][:rng.randint(1, per_node)]
+        for route, ranks in (("nvshmem", world), ("nvshmem", rng.sample(world, len(world))), ("nvshmem", inside),
+                             ("nccl", spanning), ("cpu", spanning)):
+            check_heap_route(route, ranks, node_ids)
 
 
 def test_launcher_nodes(tmp_path):

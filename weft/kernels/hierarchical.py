@@ -49,7 +49,7 @@ import triton.language as tl
 
 from .. import language as wl
 from ..runtime import backend
-from ..runtime.group import Group
+from ..runtime.group import Group, check_heap_route
 from ..runtime.streams import StreamSet
 from .common import nccl_all_gather, nccl_reduce_scatter, workspace, zero_everywhere
 
@@ -68,18 +68,6 @@ def network_exchange_kernel(src, recv, flags, heap, nbytes, src_stride, slot_byt
                                wl.SIGNAL_SET, q, heap, BLOCK)
     for q in range(W):
         wl.signal_wait_until(flags + q, wl.CMP_GE, epoch)
-
-
-@triton.jit
-def _copy_bytes(dst, src, nbytes, BLOCK: tl.constexpr):
-    """`nbytes` from `src` to `dst`: whole BLOCKs unmasked (vector loads and stores where the pointers' alignment
-    is known), then the masked tail."""
-    offs = tl.arange(0, BLOCK)
-    whole = nbytes // BLOCK * BLOCK
-    for lo in range(0, whole, BLOCK):
-        tl.store(dst + lo + offs, tl.load(src + lo + offs))
-    idx = whole + offs
-    tl.store(dst + idx, tl.load(src + idx, mask=idx < nbytes), mask=idx < nbytes)
 
 
 @triton.jit(do_not_specialize=["nbytes"])
@@ -108,20 +96,20 @@ def network_exchange_nvshmem_kernel(src, out, stage, recv, flags, counter, heap,
     n = tl.minimum(chunk_bytes, nbytes - lo)
     if n > 0:
         if i == 0:
-            _copy_bytes(out + me.to(tl.int64) * out_stride + lo, src + me.to(tl.int64) * src_stride + lo, n,
-                        BLOCK)
+            wl.copy_bytes(out + me.to(tl.int64) * out_stride + lo, src + me.to(tl.int64) * src_stride + lo, n,
+                          BLOCK)
         else:
             q = (me + i) % W
             s = (me + W - i) % W
             staged = stage + (i - 1) * slot_bytes + lo
-            _copy_bytes(staged, src + q.to(tl.int64) * src_stride + lo, n, BLOCK)
+            wl.copy_bytes(staged, src + q.to(tl.int64) * src_stride + lo, n, BLOCK)
             tl.debug_barrier()  # the block's stores to `stage` before the block-scoped put reads it
             slot = ((epoch % 2) * (W - 1) + i - 1).to(tl.int64) * slot_bytes + lo
             flag = flags + (i - 1) * MAX_CHUNKS + c
             wl.putmem_signal_block(recv + slot, staged, n, flag, epoch, wl.SIGNAL_SET, q, heap, BLOCK,
                                    NVSHMEM=True)
             wl.signal_wait_until(flag, wl.CMP_GE, epoch, NVSHMEM=True)
-            _copy_bytes(out + s.to(tl.int64) * out_stride + lo, recv + slot, n, BLOCK)
+            wl.copy_bytes(out + s.to(tl.int64) * out_stride + lo, recv + slot, n, BLOCK)
     tl.debug_barrier()  # every thread has read the counter before this program arrives
     arrived = tl.atomic_add(counter + 1, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
@@ -196,6 +184,12 @@ def _nvshmem(rail: Group) -> bool:
     return rail.world.rail_route == "nvshmem"
 
 
+def _rail_through_process_group(rail: Group) -> bool:
+    """Whether the rail's exchange is its process group's collective (GPUs on the default route: NCCL), not weft's
+    exchange kernel (the cpu backend's simulated network, or NVSHMEM with WEFT_RAIL=nvshmem)."""
+    return not backend.INTERPRET and not _nvshmem(rail)
+
+
 def _exchange_nvshmem(rail: Group, src: torch.Tensor, block_bytes: int, all_to_all: bool) -> torch.Tensor:
     """`_exchange` on GPUs over NVSHMEM: the kernel copies the received slots to the output itself (a CUDA graph
     knows no host-side call parity), in passes of one slot, each over (rail size, chunks) programs."""
@@ -251,7 +245,7 @@ def _combine(rows: torch.Tensor, op: str) -> torch.Tensor:
 def _rail_all_reduce(rail: Group, part: torch.Tensor, op: str) -> torch.Tensor:
     if rail.size == 1:
         return part
-    if not backend.INTERPRET and not _nvshmem(rail):
+    if _rail_through_process_group(rail):
         dist.all_reduce(part, op=getattr(dist.ReduceOp, op.upper()), group=rail.process_group)
         return part
     rows = _exchange(rail, part, part.numel() * part.element_size(), all_to_all=False)
@@ -262,7 +256,7 @@ def _rail_reduce_scatter(rail: Group, blocks: torch.Tensor, op: str) -> torch.Te
     """blocks: (rail size, m); returns (m,), member i's row i reduced over the rail."""
     if rail.size == 1:
         return blocks[0]
-    if not backend.INTERPRET and not _nvshmem(rail):
+    if _rail_through_process_group(rail):
         out = torch.empty(blocks.shape[1], dtype=blocks.dtype, device=blocks.device)
         nccl_reduce_scatter(out, blocks.reshape(-1), rail.process_group, op=getattr(dist.ReduceOp, op.upper()))
         return out
@@ -274,7 +268,7 @@ def _rail_all_gather(rail: Group, shard: torch.Tensor, out: torch.Tensor | None 
     """shard: (m,) bytes of any dtype; returns (rail size, m), into `out` (contiguous) when given."""
     if rail.size == 1:
         return shard.view(1, -1) if out is None else out.copy_(shard.view(1, -1))
-    if not backend.INTERPRET and not _nvshmem(rail):
+    if _rail_through_process_group(rail):
         if out is None:
             out = torch.empty((rail.size, shard.numel()), dtype=shard.dtype, device=shard.device)
         nccl_all_gather(out.view(-1), shard, rail.process_group)
@@ -286,7 +280,7 @@ def _rail_all_gather(rail: Group, shard: torch.Tensor, out: torch.Tensor | None 
 def _rail_all_to_all(rail: Group, blocks: torch.Tensor, rows: torch.Tensor, keep: int) -> None:
     """blocks: (rail size, m) contiguous; rows[i] = member i's blocks[me], for every member i but `keep` (this
     member's rail rank: its row is its own business, written by the caller). rows: (rail size, m), contiguous."""
-    if not backend.INTERPRET and not _nvshmem(rail):
+    if _rail_through_process_group(rail):
         # NCCL's all-to-all of every row but my own (none sent to or received from myself: the caller may be
         # writing rows[keep] on another stream meanwhile).
         none = blocks.new_empty(0)
@@ -306,6 +300,8 @@ class Hierarchy:
     members at this member's place on every node), and `rails[j]`: the group ranks of rail j in rail order."""
 
     def __init__(self, group: Group):
+        # Before the node and rail groups' process groups: the NVSHMEM rail takes only the world's hierarchy.
+        check_heap_route(group.world.rail_route, group.ranks, group.world.node_ids)
         topo = group.topology
         self.group = group
         mine = topo.nodes[topo.node_index[group.rank]]
@@ -327,7 +323,8 @@ class Hierarchy:
 def _subgroup(parent: Group, world_ranks: list[int], extra_families: int, extra_bytes: int = 0) -> Group:
     """The Group of `world_ranks` for the hierarchical ops (made among those ranks only, once per world), with a
     heap of `extra_families` workspaces, `extra_bytes` (flags beyond them), the heap's tail (the p2p workspace:
-    weft/runtime/heap.py) and some room."""
+    weft/runtime/heap.py) and some room; its heap made by every member of `parent` at the same point (every member
+    makes its node's and its rail's in turn)."""
     w = parent.world
     cache = w.__dict__.setdefault("hierarchy_groups", {})
     key = tuple(world_ranks)
@@ -336,7 +333,7 @@ def _subgroup(parent: Group, world_ranks: list[int], extra_families: int, extra_
         pg = dist.new_group(list(key), use_local_synchronization=True)
         w.made_groups.append(pg)
         heap_size = (extra_families + 1) * parent.workspace_bytes + extra_bytes + (1 << 20)
-        found = cache[key] = Group(w, pg, key, heap_size, parent.workspace_bytes)
+        found = cache[key] = Group(w, pg, key, heap_size, parent.workspace_bytes, heap_makers=parent.ranks)
         w.groups[found.name] = found
     return found
 

@@ -7,7 +7,8 @@ mapped into every process (one shared file, the simulated network), so a put is 
 node's peers are mapped the same way; another node's are not: there `putmem_signal_block` and
 `signal_wait_until` take `NVSHMEM=True`, their NVSHMEM form (weft.language.nvshmem), on heaps of NVSHMEM's
 symmetric memory (WEFT_RAIL=nvshmem); otherwise the hierarchical ops cross nodes through the process group.
-Sizes are in bytes, as in SHMEM.
+Sizes are in bytes, as in SHMEM. `copy_bytes` is the program's local copy under the puts and gets (whole blocks
+unmasked, then a masked tail), for kernels' own byte copies too.
 """
 import triton
 import triton.language as tl
@@ -18,31 +19,36 @@ from .signals import quiet, signal_op
 
 
 @triton.jit
-def _copy_bytes(dst, src, nbytes, BLOCK: tl.constexpr):
+def copy_bytes(dst, src, nbytes, BLOCK: tl.constexpr = 1024):
+    """Copy `nbytes` from `src` to `dst` in this program (the copy under every put and get, and a kernel's own
+    local copies): whole BLOCKs unmasked (vector loads and stores where the pointers' alignment is known), then
+    the masked tail."""
     d = dst.to(tl.pointer_type(tl.int8), bitcast=True)
     s = src.to(tl.pointer_type(tl.int8), bitcast=True)
-    for start in range(0, nbytes, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < nbytes
-        tl.store(d + offs, tl.load(s + offs, mask=mask), mask=mask)
+    offs = tl.arange(0, BLOCK)
+    whole = nbytes // BLOCK * BLOCK
+    for lo in range(0, whole, BLOCK):
+        tl.store(d + lo + offs, tl.load(s + lo + offs))
+    tail = whole + offs
+    tl.store(d + tail, tl.load(s + tail, mask=tail < nbytes), mask=tail < nbytes)
 
 
 @triton.jit
 def putmem_block(dst, src, nbytes, peer, heap, BLOCK: tl.constexpr = 1024):
     """Copy `nbytes` from local `src` to `dst` (symmetric) on rank `peer`."""
-    _copy_bytes(network_at(dst, peer, heap), src, nbytes, BLOCK)
+    copy_bytes(network_at(dst, peer, heap), src, nbytes, BLOCK)
     quiet()
 
 
 @triton.jit
 def putmem_nbi_block(dst, src, nbytes, peer, heap, BLOCK: tl.constexpr = 1024):
-    _copy_bytes(network_at(dst, peer, heap), src, nbytes, BLOCK)
+    copy_bytes(network_at(dst, peer, heap), src, nbytes, BLOCK)
 
 
 @triton.jit
 def getmem_block(dst, src, nbytes, peer, heap, BLOCK: tl.constexpr = 1024):
     """Copy `nbytes` from `src` (symmetric) on rank `peer` to local `dst`."""
-    _copy_bytes(dst, network_at(src, peer, heap), nbytes, BLOCK)
+    copy_bytes(dst, network_at(src, peer, heap), nbytes, BLOCK)
 
 
 @triton.jit
@@ -53,7 +59,7 @@ def putmem_signal_block(dst, src, nbytes, sig_addr, signal, sig_op: tl.constexpr
     if NVSHMEM:
         nvshmem.putmem_signal_block(dst, src, nbytes, sig_addr, signal, sig_op, peer, heap)
     else:
-        _copy_bytes(network_at(dst, peer, heap), src, nbytes, BLOCK)
+        copy_bytes(network_at(dst, peer, heap), src, nbytes, BLOCK)
         signal_op(sig_addr, signal, sig_op, peer, heap)
 
 

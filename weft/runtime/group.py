@@ -10,7 +10,9 @@ A group's heap is its own block per member (the world's is made at init; another
 collectively among its members: the first op, `empty` or `barrier` they call on it), so members allocate in
 the same order without the ranks outside taking part. Op families keep one workspace per group
 (`contexts`), plans are cached per group (`plans`): calls on different groups never share a flag or a buffer,
-so they interleave freely, and run concurrently on different streams where the caller does so.
+so they interleave freely, and run concurrently on different streams where the caller does so. On the NVSHMEM
+rail (WEFT_RAIL=nvshmem) every heap is an `nvshmem_malloc`, collective over the whole world: a group that spans
+nodes and is not the world cannot make its heap there (`check_heap_route` raises before anything collective).
 """
 from __future__ import annotations
 
@@ -28,10 +30,11 @@ class Group:
     numbers a group's ranks), `name` the torch process
     group's name (what `torch.ops.weft` operators take), `process_group` the torch.distributed group. `nodes`: the
     group ranks on each node the group spans (one tuple per node), `topology` the rest of that
-    (weft.runtime.topology.Topology)."""
+    (weft.runtime.topology.Topology). `heap_makers`: the world ranks that make its heap at the same point (default
+    its members; the hierarchical ops' node and rail groups: every member of the group they split)."""
 
     def __init__(self, world, process_group, ranks: tuple[int, ...], heap_size: int, workspace_bytes: int,
-                 heap: SymmetricHeap | None = None):
+                 heap: SymmetricHeap | None = None, heap_makers: tuple[int, ...] | None = None):
         self.world = world
         self.process_group = process_group
         self.name = process_group.group_name
@@ -44,6 +47,7 @@ class Group:
         self.backend = backend.BACKEND
         self.heap_size, self.workspace_bytes = heap_size, workspace_bytes
         self._heap = heap
+        self.heap_makers = tuple(heap_makers) if heap_makers is not None else self.ranks
         self.contexts: dict = {}  # op family -> its workspace in this group's heap
         self.plans: dict = {}  # call signature -> the call's Plan (weft.kernels.common)
         self.barriers = 0  # host barriers made so far: ops make none once their workspaces exist
@@ -70,6 +74,7 @@ class Group:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"{self!r}: its symmetric heap is made collectively on first use; use the group "
                                    "once outside CUDA-graph capture before capturing")
+            check_heap_route(self.world.rail_route, self.heap_makers, self.world.node_ids)
             self._heap = make_heap(self.rank, self.size, self.heap_size, self.process_group, self.device,
                                    self.workspace_bytes, self.topology.node_of, self.ranks)
         return self._heap
@@ -105,6 +110,23 @@ class Group:
         """Drop the workspaces and plans (finalize): what kept device memory and compiled launches alive."""
         self.contexts.clear()
         self.plans.clear()
+
+
+def check_heap_route(rail_route: str, ranks, node_ids) -> None:
+    """Raise a ValueError where the world ranks `ranks`, making a heap alone, cannot on the world's `rail_route`;
+    `node_ids[r]`: the node of world rank r (the world's size is its length). On "nvshmem" every heap is an
+    `nvshmem_malloc`, collective over every rank of the world: ranks that span nodes but are not the whole world
+    would wait for ranks that never join it. Host-only, from values every member holds: it raises on every member,
+    before any collective step."""
+    ranks = tuple(ranks)
+    nodes = sorted({node_ids[r] for r in ranks})
+    if rail_route != "nvshmem" or len(nodes) < 2 or len(set(ranks)) == len(node_ids):
+        return
+    raise ValueError(f"a group of {len(ranks)} ranks (world ranks {sorted(ranks)}) spans {len(nodes)} nodes and is "
+                     f"not the world of {len(node_ids)} ranks: on the NVSHMEM rail (WEFT_RAIL=nvshmem) its heap "
+                     "would be an nvshmem_malloc, collective over the whole world, which the ranks outside the group "
+                     "never join (a hang). Run its ops on the world (group=None), or unset WEFT_RAIL for the NCCL "
+                     "rail, where a group's heap is made by its members alone")
 
 
 def make_heap(rank: int, size: int, nbytes: int, process_group, device: torch.device,

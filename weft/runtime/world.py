@@ -33,11 +33,12 @@ class World(Group):
     """The world group (every rank), and the process-wide state: the device, the other groups made in it.
 
     `world_size` is its size; `group` its torch process group (dist.group.WORLD); `node_ids[r]` the node of
-    world rank r (weft.runtime.topology)."""
+    world rank r (weft.runtime.topology); `rail_route` the hierarchical ops' exchange between nodes (below; None:
+    the device's default)."""
 
     def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device, process_group,
                  heap: SymmetricHeap, owns_group: bool, heap_size: int, workspace_bytes: int,
-                 node_ids: tuple[int, ...] | None = None):
+                 node_ids: tuple[int, ...] | None = None, rail_route: str | None = None):
         self.rank, self.world_size, self.local_rank, self.device = rank, world_size, local_rank, device
         self.node_ids = tuple(node_ids) if node_ids is not None else (0,) * world_size
         self.group = process_group
@@ -51,7 +52,7 @@ class World(Group):
         # The hierarchical ops' exchange between nodes (WEFT_RAIL on GPUs, fixed at init: it decides torch's
         # symmetric-memory backend): "nccl" (the rail's process group) or "nvshmem" (weft's kernel over NVSHMEM);
         # "cpu" on the cpu backend (weft's kernel over the simulated network, whatever WEFT_RAIL says).
-        self.rail_route = "nccl" if device.type == "cuda" else "cpu"
+        self.rail_route = rail_route if rail_route is not None else "nccl" if device.type == "cuda" else "cpu"
 
     @property
     def error_checks(self) -> list:
@@ -207,9 +208,8 @@ def init(heap_size: int | None = None, workspace_bytes: int | None = None) -> Wo
     nvshmem = _nvshmem_rail(device, node_ids, heap_size, workspace_bytes)
     heap = make_heap(rank, world_size, heap_size, group, device, workspace_bytes, node_ids,
                      tuple(range(world_size)))
-    _world = World(rank, world_size, local_rank, device, group, heap, owns, heap_size, workspace_bytes, node_ids)
-    if nvshmem:
-        _world.rail_route = "nvshmem"
+    _world = World(rank, world_size, local_rank, device, group, heap, owns, heap_size, workspace_bytes, node_ids,
+                   "nvshmem" if nvshmem else None)
     _world.barrier()
     return _world
 
@@ -240,9 +240,7 @@ def init_over(process_group, rank: int, world_size: int) -> World:
     heap = make_heap(rank, world_size, heap_size, process_group, device, workspace_bytes, node_ids,
                      tuple(range(world_size)))
     _world = World(rank, world_size, local_rank, device, process_group, heap, False, heap_size, workspace_bytes,
-                   node_ids)
-    if nvshmem:
-        _world.rail_route = "nvshmem"
+                   node_ids, "nvshmem" if nvshmem else None)
     _world.barrier()
     return _world
 
