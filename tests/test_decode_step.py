@@ -69,7 +69,7 @@ def _step_against_fused(case):
         positions = (torch.tensor([7, 20, 37, 3, 30])[:m] + call).to(torch.int64)
         lengths = (positions + 1).to(torch.int32)
         h = torch.randn(m, hidden, generator=g).to(dtype)
-        got = weft.ops.decode_step(h, weights, inv_freq, rows, positions, lengths, cache, heads, kv_heads, eps)
+        got = weft.ops.decode_step(h, weights, inv_freq, positions, lengths, cache, heads, kv_heads, eps)
         want = _fused_layers(h, weights, inv_freq, rows, positions, lengths, want_cache, heads, kv_heads, eps)
         assert torch.equal(got, want), (case, call, (got.float() - want.float()).abs().max().item())
         assert torch.equal(cache, want_cache), (case, call, "the KV cache")
@@ -167,11 +167,11 @@ def _bad_arguments():
     w = _weights(g, 1, hidden, heads, kv_heads, d, inter, True, torch.float32)
     h = torch.randn(m, hidden, generator=g)
     inv = torch.ones(d // 2)
-    rows, pos, lens = torch.arange(m), torch.zeros(m, dtype=torch.int64), torch.ones(m, dtype=torch.int32)
+    pos, lens = torch.zeros(m, dtype=torch.int64), torch.ones(m, dtype=torch.int32)
     cache = torch.zeros(1, 2, m, 16, kv_heads, d)
 
-    def step(h=h, w=w, inv=inv, rows=rows, pos=pos, lens=lens, cache=cache, heads=heads, kv_heads=kv_heads, eps=1e-6):
-        return lambda: weft.ops.decode_step(h, w, inv, rows, pos, lens, cache, heads, kv_heads, eps)
+    def step(h=h, w=w, inv=inv, pos=pos, lens=lens, cache=cache, heads=heads, kv_heads=kv_heads, eps=1e-6):
+        return lambda: weft.ops.decode_step(h, w, inv, pos, lens, cache, heads, kv_heads, eps)
 
     def swap(j, t):
         return [t if i == j else x for i, x in enumerate(w)]
@@ -188,7 +188,7 @@ def _bad_arguments():
         (step(w=[*w[:7], "down"]), TypeError, "weights must be a list of tensors"),
         (step(inv=torch.ones(4)), ValueError, "inv_freq gives head_dim 8"),
         (step(inv=inv.double()), TypeError, "inv_freq has dtype torch.float64"),
-        (step(rows=rows.int()), TypeError, "rows has dtype torch.int32"),
+        (step(pos=pos.int()), TypeError, "positions has dtype torch.int32"),
         (step(pos=pos[:1]), ValueError, "positions has shape (1,)"),
         (step(lens=lens.long()), TypeError, "lengths has dtype torch.int64"),
         (step(cache=cache[:, :, :1]), ValueError, "cache must be (layers, 2, 2, max_len, 1, 64)"),

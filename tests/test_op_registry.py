@@ -80,9 +80,9 @@ def _cases(w: int, me: int) -> dict:
     # The persistent decode step (weft/kernels/decode_step.py): one layer of head_dim 64, the cache written into.
     def decode_step(h, an, wqkv, qw, kw, wo, mn, wgu, wdown, inv_freq, cache):
         cache = cache.clone()
-        rows, positions = torch.tensor([0, 1]), torch.tensor([2, 3])
-        out = ops.decode_step(h, [an, wqkv, qw, kw, wo, mn, wgu, wdown], inv_freq, rows, positions,
-                              (positions + 1).int(), cache, 2, 1)
+        positions = torch.tensor([2, 3])
+        out = ops.decode_step(h, [an, wqkv, qw, kw, wo, mn, wgu, wdown], inv_freq, positions, (positions + 1).int(),
+                              cache, 2, 1)
         return out, cache
     cases["decode_step"] = (decode_step, [_randn(s + 45, 2, 32), _randn(s + 46, 32), _randn(s + 47, 32, 4 * 64),
                                           _randn(s + 48, 64), _randn(s + 49, 64), _randn(s + 50, 2 * 64, 32),

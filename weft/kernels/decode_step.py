@@ -1,7 +1,7 @@
 """The persistent decode step: every layer of a dense Llama-3 / Qwen3 decoder at one rank in one launch.
 
 decode_step(h, weights, ...) runs what the fused decode path (weft/models/decoder.py, WEFT_DECODE=fused) runs as
-six kernels a layer: per layer the phases
+six kernels a layer (flash_decode's two among them): per layer the phases
 
     QKV      norm_qkv_rope's programs (RMSNorm, QKV projection, q/k norm, rotary, KV-cache write; decode.py)
     ATTN     flash_decode's split programs (flash_decode.py, the contiguous cache)
@@ -42,10 +42,10 @@ place in `out` (O and DOWN read a tile's residual and write it in the same progr
 
 No deadlock. Every task depends only on tasks earlier in the table; each program runs its tasks in table order;
 and all P programs are resident at once (P is at most what the SMs hold of the compiled kernel: registers,
-shared memory, threads, read from the compiled kernel and the device; never more). So take the earliest task
-not yet finished: every task it waits for is earlier and finished, so it is running or will run on its program,
-which is resident and has nothing earlier left to run (its earlier tasks are finished, being earlier still):
-the step always makes progress. Under the interpreter (the cpu backend) programs run one after another, so a
+shared memory, threads, read from the compiled kernel and the device; never more). So consider the earliest
+task of the table not yet finished: every task it waits for is earlier, hence finished, so its wait ends; its
+program is resident and has finished its own earlier tasks, so it runs this one now or next. It finishes, and
+so, one after another, does every task. Under the interpreter (the cpu backend) programs run one after another, so a
 second program could never run while the first waits: there P = 1, and one program running the table in order
 finds every dependency already met.
 
@@ -53,8 +53,9 @@ Weights are addressed through an int64 table of each layer's tensors' addresses 
 q norm, k norm, O, post-attention norm, gate/up, down), which the kernel turns into pointers (with a 16-byte
 alignment hint, so that its weight loads stay vectorised): the model's own tensors, no copy and no stacking (a
 stacked copy would double the weights' memory; views of one stacked tensor would need the model built around
-it). The plan's key holds every address, so a table is only reused for the same tensors' memory. The KV cache is
-one tensor (layers, 2, batch, max_len, kv_heads, head_dim), addressed by its strides.
+it). The plan's key holds every address, so a table is only reused for the same tensors' memory (building the key
+costs an eager call a few µs per weight tensor; a CUDA graph's replay none). The KV cache is one tensor (layers,
+2, batch, max_len, kv_heads, head_dim), addressed by its strides.
 """
 from __future__ import annotations
 
@@ -247,7 +248,7 @@ def resident_programs(kernel, num_warps: int, device: torch.device) -> int:
 
 
 @declare_op()
-def decode_step(h: torch.Tensor, weights: list[Optional[torch.Tensor]], inv_freq: torch.Tensor, rows: torch.Tensor,
+def decode_step(h: torch.Tensor, weights: list[Optional[torch.Tensor]], inv_freq: torch.Tensor,
                 positions: torch.Tensor, lengths: torch.Tensor, cache: torch.Tensor, heads: int, kv_heads: int,
                 eps: float = 1e-6) -> torch.Tensor:
     """Every layer of a dense Llama-3 / Qwen3 decoder at one rank (TP = 1, no pipeline) for M tokens, one per
@@ -258,22 +259,21 @@ def decode_step(h: torch.Tensor, weights: list[Optional[torch.Tensor]], inv_freq
     the input RMSNorm's weight (hidden,), the QKV projection (hidden, (heads + 2 kv_heads) head_dim) = [q | k | v],
     Qwen3's q and k norms' weights (head_dim,) (None, None in every layer for Llama), O (heads head_dim, hidden),
     the post-attention RMSNorm's weight (hidden,), gate/up (hidden, 2 I) = [gate | up], down (I, hidden).
-    inv_freq (head_dim / 2,) fp32: the rotary frequencies. rows (M,) int64: token t's cache row, positions (M,)
-    int64: its position, lengths (M,) int32: positions + 1 (the sequence lengths after the step; none of the three
-    checked against the others or the cache: that would need a host sync; a length outside [0, max_len] is
-    recorded as flash_decode records it, and raised at the next call). cache (layers, 2, M, max_len, kv_heads,
-    head_dim), contiguous: layer l's keys and values (sequence b in row b); the step's k and v are written into it.
+    inv_freq (head_dim / 2,) fp32: the rotary frequencies. positions (M,) int64: token t's position in sequence t,
+    lengths (M,) int32: positions + 1 (the sequence lengths after the step; neither checked against the other or
+    the cache: that would need a host sync; a length outside [0, max_len] is recorded as flash_decode records it,
+    and raised at the next call). cache (layers, 2, M, max_len, kv_heads, head_dim), contiguous: layer l's keys
+    and values, sequence t in row t; the step's k and v are written into it.
     eps: every RMSNorm's. One dtype (bf16, fp16, fp32), head_dim 64, 128 or 256, everything contiguous on this
     rank's device. The same bits as the fused decode path's kernels (norm_qkv_rope, flash_decode, linear_residual,
     norm_gate_up_silu), which it replaces."""
     world = world_or_raise()
     _head_counts(heads, kv_heads)  # before the plan's key, where 2.0 would find the plan of 2
     found = plan(world, lambda: ("decode_step", signature(h), _weights_key(weights), signature(inv_freq),
-                                 signature(rows), signature(positions), signature(lengths), signature(cache),
+                                 signature(positions), signature(lengths), signature(cache),
                                  cache.stride(), heads, kv_heads),
-                 lambda: DecodeStepPlan(world, h, weights, inv_freq, rows, positions, lengths, cache, heads, kv_heads,
-                                        eps))
-    return found.run(h, inv_freq, rows, positions, lengths, cache, eps)
+                 lambda: DecodeStepPlan(world, h, weights, inv_freq, positions, lengths, cache, heads, kv_heads, eps))
+    return found.run(h, inv_freq, positions, lengths, cache, eps)
 
 
 def _weights_key(weights) -> tuple:
@@ -311,7 +311,7 @@ class DecodeStepPlan(Plan):
     """decode_step of one signature (and one set of weight tensors): the task table, the workspaces, the
     counters, P and the launch."""
 
-    def __init__(self, group, h, weights, inv_freq, rows, positions, lengths, cache, heads, kv_heads, eps):
+    def __init__(self, group, h, weights, inv_freq, positions, lengths, cache, heads, kv_heads, eps):
         super().__init__(group)
         device = group.device
         _operand("h", h, None, (None, None))
@@ -359,11 +359,10 @@ class DecodeStepPlan(Plan):
             _operand(name, w, dtype, shapes[what])
             _aligned(name, w)
             _same_device(device, **{name: w})
-        for name, t, dt in (("rows", rows, torch.int64), ("positions", positions, torch.int64),
-                            ("lengths", lengths, torch.int32)):
+        for name, t, dt in (("positions", positions, torch.int64), ("lengths", lengths, torch.int32)):
             _operand(name, t, dt, (m,))
         _eps(eps)
-        _same_device(device, h=h, inv_freq=inv_freq, rows=rows, positions=positions, lengths=lengths, cache=cache)
+        _same_device(device, h=h, inv_freq=inv_freq, positions=positions, lengths=lengths, cache=cache)
         s = settings(device)
         self.shape, self.dtype = (m, hidden), dtype
 
@@ -405,7 +404,9 @@ class DecodeStepPlan(Plan):
                 w[2] = w[3] = w[0]  # not read without QK_NORM
             table.append([t.data_ptr() for t in w])
         self.table = torch.tensor(table, dtype=torch.int64, device=device)
-        # Workspaces, reused by every layer (module doc).
+        # Workspaces, reused by every layer (module doc); token t's cache row (norm_qkv_rope's rows) is t, as
+        # attention reads it.
+        self.rows = torch.arange(m, dtype=torch.int64, device=device)
         self.q = torch.empty((m, heads, d), dtype=dtype, device=device)
         self.part_out, self.part_lse = fd._partial_buffers(m * heads, splits, d, device)
         self.attn = torch.empty((m, heads * d), dtype=dtype, device=device)
@@ -430,7 +431,7 @@ class DecodeStepPlan(Plan):
                           GU_LINES=_lines(gu.p.block_n, dtype), D_LINES=_lines(2 * down.p.block_n, dtype))
         out = torch.empty_like(h)
         self.launch = Launch(decode_step_kernel, (1,),
-                             self._args(h, out, cache, rows, positions, lengths, inv_freq, eps, _itself),
+                             self._args(h, out, cache, positions, lengths, inv_freq, eps, _itself),
                              constexprs, num_warps)
         if device.type == "cuda":
             per_sm = min(s["programs_per_sm"], resident_programs(self.launch.kernel, num_warps, device))
@@ -442,20 +443,20 @@ class DecodeStepPlan(Plan):
         # else one program (module doc)
         self.programs = self.launch.grid[0]
 
-    def _args(self, h, out, cache, rows, positions, lengths, inv_freq, eps, a) -> tuple:
+    def _args(self, h, out, cache, positions, lengths, inv_freq, eps, a) -> tuple:
         (qkv, o_op, gu, down), m = self.gemvs, self.consts
         return (a(self.tasks), self.n_tasks, a(self.phase_tasks), a(self.done), a(self.table), a(h), a(out),
-                a(cache), a(rows), a(positions), a(lengths), a(inv_freq), a(self.q), a(self.part_out),
+                a(cache), a(self.rows), a(positions), a(lengths), a(inv_freq), a(self.q), a(self.part_out),
                 a(self.part_lse), a(self.attn), a(self.g), a(qkv.p.partial), a(qkv.p.counter), a(o_op.p.partial),
                 a(o_op.p.counter), a(gu.p.partial), a(gu.p.counter), a(down.p.partial), a(down.p.counter),
                 a(self.errors.tensor), *m, eps, *self.tail)
 
-    def run(self, h, inv_freq, rows, positions, lengths, cache, eps):
+    def run(self, h, inv_freq, positions, lengths, cache, eps):
         # A bad length an earlier call recorded raises before anything is launched (flash_decode's error word).
         self.errors.raise_recorded()
         out = torch.empty(self.shape, dtype=self.dtype, device=h.device)
         self.done.zero_()  # the phases' counters, on the stream before the launch (a memset node in a graph)
-        self.launch(*self._args(h, out, cache, rows, positions, lengths, inv_freq, _eps(eps), self.launch.address))
+        self.launch(*self._args(h, out, cache, positions, lengths, inv_freq, _eps(eps), self.launch.address))
         return out
 
 
@@ -470,18 +471,18 @@ def _aligned(name: str, t: torch.Tensor) -> None:
 
 
 # -- the operator (inference only: not differentiable) ----------------------------------------------------------
-#   torch.ops.weft.decode_step(h, weights, inv_freq, rows, positions, lengths, cache!, heads, kv_heads, eps) -> out
+#   torch.ops.weft.decode_step(h, weights, inv_freq, positions, lengths, cache!, heads, kv_heads, eps) -> out
 #                                                                     (the step's k and v written into cache)
 
 @decode_step.define(mutates_args=("cache",))
-def decode_step_op(h: torch.Tensor, weights: list[Optional[torch.Tensor]], inv_freq: torch.Tensor, rows: torch.Tensor,
+def decode_step_op(h: torch.Tensor, weights: list[Optional[torch.Tensor]], inv_freq: torch.Tensor,
                    positions: torch.Tensor, lengths: torch.Tensor, cache: torch.Tensor, heads: int, kv_heads: int,
                    eps: float = 1e-6) -> torch.Tensor:
-    return decode_step.eager(h, weights, inv_freq, rows, positions, lengths, cache, heads, kv_heads, eps)
+    return decode_step.eager(h, weights, inv_freq, positions, lengths, cache, heads, kv_heads, eps)
 
 
 @decode_step_op.register_fake
-def _(h, weights, inv_freq, rows, positions, lengths, cache, heads, kv_heads, eps=1e-6):
+def _(h, weights, inv_freq, positions, lengths, cache, heads, kv_heads, eps=1e-6):
     return h.new_empty(h.shape)
 
 

@@ -372,7 +372,7 @@ class Transformer(nn.Module):
         pos = Positions.decode(positions, self.rope)
         if path == "persistent":  # one rank, one stage (decode_path): every layer in one launch
             attn = self.blocks[0].attn
-            h = weft.ops.decode_step(self.embed(tokens), self._step_weights(), pos.inv_freq, pos.rows, pos.positions,
+            h = weft.ops.decode_step(self.embed(tokens), self._step_weights(), pos.inv_freq, pos.positions,
                                      pos.lengths, cache.data, attn.heads, attn.kv_heads, self.blocks[0].attn_norm.eps)
             return self.lm_head(self.norm(h))
         if path == "fused":  # one stage (decode_path): the stream is one tensor, the adds in the epilogues
