@@ -23,9 +23,10 @@
 #     decode: one GPU against the HBM floor: the sm_90 compile of the fused decode kernels (weft/kernels/decode.py,
 #     registers), tests/test_gpu_model.py on 1 GPU, scripts/bench_gemv.py (the fused GEMVs alone against
 #     torch.matmul, % of copy bandwidth), `weft bench -n 1 e2e` at Qwen3-8B's and Llama-3-8B's decode cases
-#     b1/b8/b64 ctx 512 and b8 ctx 4096 (weft fused and layers, NCCL+cuBLAS, transformers' own model, the floor),
-#     and scripts/profile_decode.py (each kernel's GPU µs per replayed step and its bytes' share of the copy
-#     bandwidth) at b1 ctx 512 on both decode paths;
+#     b1/b8/b64 ctx 512 and b8 ctx 4096 (weft fused, layers and persistent, NCCL+cuBLAS, transformers' own model,
+#     the floor), and scripts/profile_decode.py (each kernel's GPU µs per replayed step and its bytes' share of the
+#     copy bandwidth) at b1 ctx 512 on the three decode paths, and the persistent one at b1 and b8 without its L2
+#     prefetch;
 #     groups: tests/test_gpu_groups.py on 1 and all GPUs, examples/train_tp_dp.py, overhead rows with group=,
 #     `weft bench groups` on all GPUs (the collectives and ag_gemm / gemm_rs on groups of N/2, consecutive and
 #     every other rank, against NCCL on the same groups and the same op on the world);
@@ -195,17 +196,23 @@ if has p2p && [ "$NGPU" -ge 2 ]; then
   step "bench_disagg_$disagg" timeout 400 python3 -m weft bench -n "$disagg" disagg --out "$OUT/bench"
 fi
 if has decode; then  # one GPU: bench/bench_gemv.json, bench/e2e_1.{json,md,png}, bench/profile_decode_*.json
-  step compile_decode timeout 240 env WEFT_BACKEND=cuda python3 -m weft.testing.compile 90 decode --registers
+  step compile_decode timeout 240 env WEFT_BACKEND=cuda python3 -m weft.testing.compile 90 decode decode_step \
+    --registers
   step gpu_model_tests_1 timeout 200 env CUDA_VISIBLE_DEVICES=0 python3 -m weft run -n 1 -m pytest \
     tests/test_gpu_model.py -m gpu -q -x -p no:cacheprovider
   step bench_gemv timeout 200 env CUDA_VISIBLE_DEVICES=0 python3 -m weft run -n 1 scripts/bench_gemv.py \
     --out "$OUT/bench/bench_gemv.json"
   step bench_e2e_decode_1 timeout 420 env CUDA_VISIBLE_DEVICES=0 python3 -m weft bench -n 1 e2e \
     --models Qwen3-8B,Llama-3-8B --prefill none --decode 1x512,8x512,64x512,8x4096 --samples 20 --out "$OUT/bench"
-  for path in fused layers; do
+  for path in fused layers persistent; do
     step "profile_decode_b1_ctx512_$path" timeout 200 env CUDA_VISIBLE_DEVICES=0 python3 -m weft run -n 1 \
       scripts/profile_decode.py --batch 1 --context 512 --path "$path" \
       --out "$OUT/bench/profile_decode_b1_ctx512_$path.json"
+  done
+  for batch in 1 8; do
+    step "profile_decode_b${batch}_ctx512_persistent_no_prefetch" timeout 200 env CUDA_VISIBLE_DEVICES=0 \
+      python3 -m weft run -n 1 scripts/profile_decode.py --batch "$batch" --context 512 --path persistent \
+      --prefetch-rows 0 --out "$OUT/bench/profile_decode_b${batch}_ctx512_persistent_no_prefetch.json"
   done
 fi
 cat "$OUT"/bench/*.md 2>/dev/null

@@ -4,6 +4,8 @@ graph under torch.profiler, on one GPU.
     python3 -m weft run -n 1 scripts/profile_decode.py --out $OUT/profile_decode.json      # Qwen3-8B, b1 ctx512
     python3 -m weft run -n 1 scripts/profile_decode.py --batch 8 --context 4096 --out ...
     python3 -m weft run -n 1 scripts/profile_decode.py --path layers --out ...             # the layers path
+    python3 -m weft run -n 1 scripts/profile_decode.py --path persistent --prefetch-rows 0 --out ...
+                                                        # the persistent step (decode_step.py), no L2 prefetch
     python3 -m weft run -n 1 scripts/profile_decode.py --model tiny --layers 1 --batch 2 --context 4 --steps 2 \
         --out /tmp/profile_decode.json                                                      # cpu smoke run
 
@@ -12,7 +14,9 @@ time, and where it can be computed the bytes the kernel must read per step and t
 bandwidth (a large device-to-device copy in the same run, read + write) that makes: projections (the
 torch.matmul / cuBLAS GEMMs, their weights' bytes by the shapes an eager step's profile records),
 flash_decode (the KV cache read), gemm_ar_kernel (the O and down projections' weights), the fused decode
-path's kernels (norm_qkv_rope, linear_residual, norm_gate_up_silu: their projections' weights). Also the step's
+path's kernels (norm_qkv_rope, linear_residual, norm_gate_up_silu: their projections' weights), the persistent
+step's decode_step_kernel (every block's weights and the KV cache: it is the whole step but the embedding, the
+final norm and the LM head). Also the step's
 replayed time against its HBM floor (weights + KV bytes over the copy bandwidth) and the kernels' sum (the
 rest is gaps between kernels). On the cpu backend the same report of CPU ops' self time (a check of the
 script, not a profile).
@@ -20,6 +24,7 @@ script, not a profile).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -30,6 +35,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import weft  # noqa: E402
+from weft import tuning  # noqa: E402
 from weft.bench.e2e import MODELS, copy_bandwidth  # noqa: E402
 from weft.bench.timing import time_calls  # noqa: E402
 from weft.models import DecodeSession, from_hf  # noqa: E402
@@ -47,6 +53,10 @@ def parse(argv=None):
     p.add_argument("--comm", default="weft", choices=("weft", "nccl"))
     p.add_argument("--path", default=None, choices=DECODE_PATHS,
                    help="the decode path (default: the model's for this batch: WEFT_DECODE, else the tuning data)")
+    p.add_argument("--prefetch-rows", type=int, default=None,
+                   help="the persistent path's L2 prefetch rows (default: weft.tuning's decode.persistent; 0: none)")
+    p.add_argument("--programs-per-sm", type=int, default=None,
+                   help="the persistent path's programs per SM at most (default: weft.tuning's decode.persistent)")
     p.add_argument("--steps", type=int, default=20, help="steps profiled (and timed samples x 2)")
     p.add_argument("--out", required=True, help="the JSON report's path")
     return p.parse_args(argv)
@@ -106,6 +116,17 @@ def main(argv=None) -> int:
     if args.layers:
         config["num_hidden_layers"] = min(args.layers, config["num_hidden_layers"])
     model = from_hf(config, comm=args.comm)
+    runs = contextlib.ExitStack()
+    persistent = {}
+    if args.prefetch_rows is not None or args.programs_per_sm is not None:
+        from weft.kernels.decode_step import settings as persistent_settings
+        persistent = persistent_settings(w.device)
+        if args.prefetch_rows is not None:
+            persistent["prefetch_rows"] = args.prefetch_rows
+        if args.programs_per_sm is not None:
+            persistent["programs_per_sm"] = args.programs_per_sm
+        # For the whole run (the session's plans are made at its capture and kept): left at exit.
+        runs.enter_context(tuning.overrides({"decode.persistent": persistent}))
     cache = model.new_cache(args.batch, args.context + 1)
     session = DecodeSession(model, cache, path=args.path)
     session.tokens.copy_(torch.randint(0, model.config.vocab_size, (args.batch,)))
@@ -129,7 +150,9 @@ def main(argv=None) -> int:
              "linear_residual_kernel": gemm_ar,
              "norm_gate_up_silu_kernel": sum(b.mlp.gate_up_weight.nbytes for b in model.blocks)}
     for name in times:
-        if "flash_decode_split" in name:
+        if "decode_step_kernel" in name:
+            bytes_of[name] = sum(p.nbytes for p in model.blocks.parameters()) + need["kv"]
+        elif "flash_decode_split" in name:
             bytes_of[name] = need["kv"]
         elif "gemm_ar_kernel" in name:
             bytes_of[name] = gemm_ar
@@ -146,7 +169,7 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else "cpu (interpreter)"
     report = dict(meta=dict(device=device, torch=torch.__version__, model=args.model, layers=model.config.num_layers,
                             batch=args.batch, context=args.context, comm=args.comm, path=session.path,
-                            steps=args.steps,
+                            steps=args.steps, persistent_settings=persistent or None,
                             profiled=profiled, commit=os.environ.get("WEFT_COMMIT")),
                   copy_bandwidth_gbps=round(bandwidth / 1e9, 1), decode_bytes=need, step_us=round(step_us, 1),
                   floor_us=round(floor_us, 1), kernels_us=round(total_us, 1), kernels=kernels)
@@ -166,6 +189,7 @@ def main(argv=None) -> int:
         print(f"{k['us_per_step']:9.1f} {k['launches_per_step']:8.0f} {k['share']:6.1%} {mib:>9} {frac:>10}  "
               f"{k['name'][:100]}")
     print(f"written to {args.out}")
+    runs.close()
     weft.finalize()
     return 0
 

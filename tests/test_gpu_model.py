@@ -8,7 +8,9 @@ the same weights on one GPU (every rank runs it on its own):
 - prefill into the KV cache then decode steps, against transformers' full forward at those positions;
 - decode replayed from the CUDA graph against eager decode, and generate() with graphs (batch 3 in the
   bucket of 4) against generate() without;
-- the fused decode path (WEFT_DECODE=fused) against the layers path and transformers, both graph-replayed.
+- the fused decode path (WEFT_DECODE=fused) against the layers path and transformers, both graph-replayed;
+- at one rank, the persistent decode step (WEFT_DECODE=persistent, weft/kernels/decode_step.py) against the fused
+  path bit for bit over 200 graph-replayed steps, with and without its L2 prefetch, and against transformers.
 """
 import pytest
 import torch
@@ -108,6 +110,45 @@ def test_fused_decode_matches_layers_under_graph_replay(reference, models, batch
         got = {path: s.step(seqs[:, 64 + j], 64 + j).clone() for path, s in sessions.items()}
         assert _rel(got["fused"], want[:, 64 + j]) < TOL, (j, _rel(got["fused"], want[:, 64 + j]))
         assert _rel(got["fused"], got["layers"]) < TOL, (j, _rel(got["fused"], got["layers"]))
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("prefetch_rows", [16, 0])
+def test_persistent_decode_equals_fused_under_graph_replay(reference, models, batch, prefetch_rows):
+    """The persistent decode step (one launch for both layers; tasks ordered by counters in global memory) equals
+    the fused path's six kernels a layer bit for bit (the same program bodies and splits) over 200 steps replayed
+    from their CUDA graphs, each step's logits against the other's (a task that read its input before the phase
+    before had written it, or a stale L1 line, would differ at some step), and is within TOL of transformers at
+    the first steps. One session at a time: a session's graph uses its plans' workspaces, so the plans are dropped
+    only once its session is, and the module's earlier plans are put back (the model's cached sessions replay into
+    their workspaces)."""
+    from weft import tuning
+    from weft.kernels.decode_step import settings
+
+    model, world = models["weft"], weft.world()
+    if model.persistent_refusal() is not None:
+        pytest.skip(model.persistent_refusal())
+    seqs = _ids(batch, 40, 21 + batch)
+    with torch.no_grad():
+        want = reference(seqs[:, :36]).logits
+    logits, saved = {}, dict(world.plans)
+    with tuning.overrides({"decode.persistent": dict(settings(world.device), prefetch_rows=prefetch_rows)}):
+        for path in ("fused", "persistent"):
+            world.plans.clear()
+            session = DecodeSession(model, model.new_cache(batch, 256), path=path)
+            assert session.graph is not None and session.path == path
+            model.prefill(seqs[:, :32], session.cache)
+            steps = [session.step(seqs[:, 32 + j % 8], 32 + j).clone() for j in range(200)]
+            logits[path] = torch.stack(steps)
+            del session
+            torch.cuda.synchronize()
+    world.plans.clear()
+    world.plans.update(saved)
+    for j in range(4):
+        got = logits["persistent"][j]
+        assert _rel(got, want[:, 32 + j]) < TOL, (j, _rel(got, want[:, 32 + j]))
+    differ = (logits["persistent"] != logits["fused"]).flatten(1).any(1).nonzero().flatten().tolist()
+    assert not differ, f"steps {differ[:10]} of the persistent step differ from the fused path's"
 
 
 def test_generate_with_graphs_equals_eager(models):

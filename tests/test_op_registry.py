@@ -77,6 +77,18 @@ def _cases(w: int, me: int) -> dict:
     cases["norm_gate_up_silu"] = (lambda x, nw, wgu: ops.norm_gate_up_silu(x, nw, wgu),
                                   [_randn(s + 36, 2, 32), _randn(s + 37, 32), _randn(s + 38, 32, 48)])
 
+    # The persistent decode step (weft/kernels/decode_step.py): one layer of head_dim 64, the cache written into.
+    def decode_step(h, an, wqkv, qw, kw, wo, mn, wgu, wdown, inv_freq, cache):
+        cache = cache.clone()
+        positions = torch.tensor([2, 3])
+        out = ops.decode_step(h, [an, wqkv, qw, kw, wo, mn, wgu, wdown], inv_freq, positions, (positions + 1).int(),
+                              cache, 2, 1)
+        return out, cache
+    cases["decode_step"] = (decode_step, [_randn(s + 45, 2, 32), _randn(s + 46, 32), _randn(s + 47, 32, 4 * 64),
+                                          _randn(s + 48, 64), _randn(s + 49, 64), _randn(s + 50, 2 * 64, 32),
+                                          _randn(s + 51, 32), _randn(s + 52, 32, 2 * 16), _randn(s + 53, 16, 32),
+                                          1.0 / 10000 ** (torch.arange(32) / 32), _randn(s + 54, 1, 2, 2, 8, 1, 64)])
+
     # MoE: routing, then each dispatch with its combine (a handle joins them), each grouped GEMM with its sum.
     e = 4 * w
     idx = torch.stack([torch.randperm(e, generator=torch.Generator().manual_seed(s + 30 + t))[:2] for t in range(5)])

@@ -6,9 +6,11 @@ forces it), split over all ranks; both implementations share the weights (Transf
   tokens' logits, eager calls (a prefill is tens of ms of GEMMs);
 - decode: one step of every sequence (embedding, every layer with flash_decode over the cache, LM head) at
   --batches (1, 8, 64, 128) and --contexts tokens already cached (512, 4096), replayed from a CUDA graph in
-  both (the decode session of weft.models), on one KV cache shared by both; weft on both of its decode paths,
-  a row each: "weft (fused)" (weft/kernels/decode.py's GEMVs with the pointwise work fused in) and "weft
-  (layers)" (the layers' GEMMs and pointwise kernels), whatever WEFT_DECODE says.
+  both (the decode session of weft.models), on one KV cache shared by both; weft on each of its decode paths,
+  a row each: "weft (fused)" (weft/kernels/decode.py's GEMVs with the pointwise work fused in), "weft
+  (layers)" (the layers' GEMMs and pointwise kernels) and, where it applies (one rank: the model's
+  persistent_refusal), "weft (persistent)" (weft/kernels/decode_step.py: every layer in one launch), whatever
+  WEFT_DECODE says.
 Beside them, for decode:
 - "HBM floor": the bytes a step must read on a rank (its weights and the KV cache it attends over,
   Transformer.decode_bytes) over the copy bandwidth measured at the start of the same run (a large
@@ -40,7 +42,8 @@ from .sweep import note
 from .timing import time_calls
 
 SUITE = "e2e"
-WEFT_PATHS = {"fused": "weft (fused)", "layers": "weft (layers)"}  # decode rows: weft's two decode paths
+# Decode rows: weft's decode paths (persistent where the model allows it).
+WEFT_PATHS = {"fused": "weft (fused)", "layers": "weft (layers)", "persistent": "weft (persistent)"}
 BASELINE = "NCCL+cuBLAS"
 TRANSFORMERS = "transformers"
 FLOOR = "HBM floor"
@@ -223,8 +226,9 @@ def _decode_rows(label, models, hf, cases, samples, bandwidth, w) -> list[Row]:
             continue
         cache = model.new_cache(batch, ctx + 1)
         tokens = torch.randint(0, cfg.vocab_size, (batch,), generator=torch.Generator().manual_seed(batch))
-        # weft on both decode paths (WEFT_DECODE's two values), one row each, on the same cache and weights.
-        sessions = {WEFT_PATHS[path]: DecodeSession(model, cache, path=path) for path in WEFT_PATHS}
+        # weft on its decode paths (WEFT_DECODE's values), one row each, on the same cache and weights.
+        paths = [p for p in WEFT_PATHS if p != "persistent" or model.persistent_refusal() is None]
+        sessions = {WEFT_PATHS[path]: DecodeSession(model, cache, path=path) for path in paths}
         sessions[BASELINE] = DecodeSession(models[BASELINE], cache)
         steps = {name: s.run if s.graph is None else s.graph.replay for name, s in sessions.items()}
         graph = all(s.graph is not None for s in sessions.values())
@@ -243,7 +247,7 @@ def _decode_rows(label, models, hf, cases, samples, bandwidth, w) -> list[Row]:
             s.positions.fill_(ctx)
             steps[name]()
             logits[name] = s.logits.clone()
-        for impl in WEFT_PATHS.values():
+        for impl in (WEFT_PATHS[p] for p in paths):
             _agree(case, logits[impl], logits[BASELINE], impl=impl)
         if hf_session is not None:
             hf_session.replay()

@@ -29,6 +29,11 @@ Roundings follow the layers path where the fusion allows: the projection's outpu
 the epilogue's norm, rotary, SiLU and residual add, which round as the pointwise kernels do (pointwise.py); the
 prologue rounds x g, not (x / rms) g, before the GEMV (a last-bit difference in the projection's inputs).
 
+Each kernel is a thin wrapper of its program body (`_qkv_program`, `_linear_residual_program`, `_gate_up_program`),
+which takes its program ids as arguments: decode_step.py's persistent kernel runs the same bodies as its tasks. So
+the bodies read what another program of a launch may have written (x, the residual, the partials) past L1
+(.cg): in the persistent kernel the same buffers are rewritten every layer, and an SM's L1 may hold an old line.
+
 Launch settings (columns per run, K block, stages, warps, programs per SM, tl.dot or not) come from weft.tuning's
 decode.gemv, per projection (qkv, o, gate_up, down) and row range where the sweep found them to differ
 (`resolve`), and the largest M the decode path takes these kernels at from decode.fused_max_m (the layers' cuBLAS
@@ -126,7 +131,7 @@ def _gemv_pair_dot(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, 
         k = k_first + i * BLOCK_K + kk
         w_rows = w + k[:, None].to(tl.int64) * ldw
         if EVEN_K:
-            a = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0)
+            a = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
             if EVEN_N:
                 wa = tl.load(w_rows + cols_a[None, :], eviction_policy="evict_first")
                 wb = tl.load(w_rows + cols_b[None, :], eviction_policy="evict_first")
@@ -137,7 +142,8 @@ def _gemv_pair_dot(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, 
                              eviction_policy="evict_first")
         else:
             k_mask = k < K
-            a = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            a = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0,
+                        cache_modifier=".cg")
             wa = tl.load(w_rows + cols_a[None, :], mask=k_mask[:, None] & col_mask_a[None, :], other=0.0,
                          eviction_policy="evict_first")
             wb = tl.load(w_rows + cols_b[None, :], mask=k_mask[:, None] & col_mask_b[None, :], other=0.0,
@@ -179,7 +185,7 @@ def _gemv_pair_fma(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, 
         k = k_first + i * BLOCK_K + kk
         w_rows = w + k.to(tl.int64) * ldw
         if EVEN_K:
-            a = tl.load(x_rows + k, mask=row_mask, other=0.0)
+            a = tl.load(x_rows + k, mask=row_mask, other=0.0, cache_modifier=".cg")
             if EVEN_N:
                 wa = tl.load(w_rows + ca, eviction_policy="evict_first")
                 wb = tl.load(w_rows + cb, eviction_policy="evict_first")
@@ -188,7 +194,7 @@ def _gemv_pair_fma(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, 
                 wb = tl.load(w_rows + cb, mask=mask_b, other=0.0, eviction_policy="evict_first")
         else:
             k_mask = k < K
-            a = tl.load(x_rows + k, mask=row_mask & k_mask, other=0.0)
+            a = tl.load(x_rows + k, mask=row_mask & k_mask, other=0.0, cache_modifier=".cg")
             wa = tl.load(w_rows + ca, mask=k_mask & mask_a, other=0.0, eviction_policy="evict_first")
             wb = tl.load(w_rows + cb, mask=k_mask & mask_b, other=0.0, eviction_policy="evict_first")
         a = a.to(tl.float32)
@@ -244,11 +250,12 @@ def _splits_at_once(split, elements):
 
 
 @triton.jit
-def _sumsq_slots(partial, N, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr):
+def _sumsq_slots(partial, N, tile, mb, tiles, m_blocks, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr):
     """Where the splits' sums of squares of x's rows go: past the partial sums of every row block's slabs, one
-    float per row, split and tile ((row blocks, tiles, SPLIT, BLOCK_M); this program's tile's slots first)."""
-    slots = partial + tl.num_programs(2).to(tl.int64) * SPLIT * BLOCK_M * N
-    return slots + (tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)) * SPLIT * BLOCK_M
+    float per row, split and tile ((m_blocks, tiles, SPLIT, BLOCK_M); the slots of tile `tile` of row block mb
+    first)."""
+    slots = partial + tl.cast(m_blocks, tl.int64) * SPLIT * BLOCK_M * N
+    return slots + (mb * tiles + tile) * SPLIT * BLOCK_M
 
 
 @triton.jit
@@ -298,8 +305,8 @@ def _residual_out(acc_a, acc_b, residual, out, m, m_mask, cols_a, cols_b, col_ma
     r = m[:, None].to(tl.int64) * N
     for_a = m_mask[:, None] & col_mask_a[None, :]
     for_b = m_mask[:, None] & col_mask_b[None, :]
-    res_a = tl.load(residual + r + cols_a[None, :], mask=for_a, other=0.0).to(tl.float32)
-    res_b = tl.load(residual + r + cols_b[None, :], mask=for_b, other=0.0).to(tl.float32)
+    res_a = tl.load(residual + r + cols_a[None, :], mask=for_a, other=0.0, cache_modifier=".cg").to(tl.float32)
+    res_b = tl.load(residual + r + cols_b[None, :], mask=for_b, other=0.0, cache_modifier=".cg").to(tl.float32)
     tl.store(out + r + cols_a[None, :], cast(cast(acc_a, dt).to(tl.float32) + res_a, dt), mask=for_a)
     tl.store(out + r + cols_b[None, :], cast(cast(acc_b, dt).to(tl.float32) + res_b, dt), mask=for_b)
 
@@ -370,16 +377,19 @@ def _qkv_out(acc_a, acc_b, head0, inv_rms, q_out, k_dst, v_dst, rows, positions,
         tl.store(dst + HALF, cast(x2, dt), mask=mask)
 
 
-# -- kernels --------------------------------------------------------------------
+# -- program bodies and kernels ------------------------------------------------------
 # Grid (column tiles, splits, row blocks). A split covers BPS blocks of BLOCK_K of K's KB blocks. partial: (row
-# blocks, SPLIT, BLOCK_M, N) fp32; counter: (row blocks, tiles) int32, zero between calls.
+# blocks, SPLIT, BLOCK_M, N) fp32; counter: (row blocks, tiles) int32, zero between calls. Each kernel is a thin
+# wrapper of its program body, which takes the program's ids (tile, split, row block) and the grid's tiles and row
+# blocks as arguments: decode_step.py's persistent kernel runs the same bodies as its tasks.
 
 @triton.jit
-def linear_residual_kernel(x, w, residual, out, partial, counter, M, K, N, KB, BPS, SPLIT: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
-                           IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
-    """out = residual + x @ w; a program's columns are two runs of BLOCK_N, [2 BLOCK_N tile, +2 BLOCK_N)."""
-    tile, split, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _linear_residual_program(tile, split, mb, tiles, x, w, residual, out, partial, counter, M, K, N, KB, BPS,
+                             SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                             STAGES: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
+                             BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+    """Program (tile, split, mb) of out = residual + x @ w: columns [2 BLOCK_N tile, +2 BLOCK_N), two runs of
+    BLOCK_N."""
     m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < M
     cols_a = tile * 2 * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -394,20 +404,29 @@ def linear_residual_kernel(x, w, residual, out, partial, counter, M, K, N, KB, B
     else:
         _store_partials(acc_a, acc_b, partial, (mb * SPLIT + split) * BLOCK_M, m_mask, cols_a, cols_b, col_mask_a,
                         col_mask_b, N, BLOCK_M)
-        if _split_done(counter + mb * tl.num_programs(0) + tile, SPLIT):
+        if _split_done(counter + mb * tiles + tile, SPLIT):
             acc_a, acc_b = _sum_partials(partial, mb * SPLIT, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N,
                                          SPLIT, BLOCK_M, BLOCK_N)
             _residual_out(acc_a, acc_b, residual, out, m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N)
 
 
 @triton.jit
-def norm_gate_up_silu_kernel(x, norm_w, w, out, partial, counter, M, K, I, KB, BPS, eps, SPLIT: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                             EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
-                             EVEN_N: tl.constexpr):
-    """out (M, I) = silu(gate) * up of norm(x) @ w, w (K, 2 I) = [gate | up]: a program's columns are gate's
-    [BLOCK_N tile, +BLOCK_N) and the same of up."""
-    tile, split, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def linear_residual_kernel(x, w, residual, out, partial, counter, M, K, N, KB, BPS, SPLIT: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                           IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+    """out = residual + x @ w (_linear_residual_program)."""
+    _linear_residual_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0), x, w,
+                             residual, out, partial, counter, M, K, N, KB, BPS, SPLIT, BLOCK_M, BLOCK_K, STAGES,
+                             EVEN_K, IEEE, DOT, BLOCK_N, EVEN_N)
+
+
+@triton.jit
+def _gate_up_program(tile, split, mb, tiles, m_blocks, x, norm_w, w, out, partial, counter, M, K, I, KB, BPS, eps,
+                     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                     EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+                     EVEN_N: tl.constexpr):
+    """Program (tile, split, mb) of out (M, I) = silu(gate) * up of norm(x) @ w, w (K, 2 I) = [gate | up]: its
+    columns are gate's [BLOCK_N tile, +BLOCK_N) and the same of up."""
     m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < M
     cols_a = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -422,9 +441,9 @@ def norm_gate_up_silu_kernel(x, norm_w, w, out, partial, counter, M, K, I, KB, B
     else:
         _store_partials(acc_a, acc_b, partial, (mb * SPLIT + split) * BLOCK_M, m_mask, cols_a, cols_b, col_mask_a,
                         col_mask_a, 2 * I, BLOCK_M)
-        slots = _sumsq_slots(partial, 2 * I, SPLIT, BLOCK_M)
+        slots = _sumsq_slots(partial, 2 * I, tile, mb, tiles, m_blocks, SPLIT, BLOCK_M)
         _store_sumsq(sumsq, slots, split, m_mask, BLOCK_M)
-        if _split_done(counter + mb * tl.num_programs(0) + tile, SPLIT):
+        if _split_done(counter + mb * tiles + tile, SPLIT):
             acc_a, acc_b = _sum_partials(partial, mb * SPLIT, m_mask, cols_a, cols_b, col_mask_a, col_mask_a,
                                          2 * I, SPLIT, BLOCK_M, BLOCK_N)
             sumsq = _sum_sumsq(slots, m_mask, SPLIT, BLOCK_M)
@@ -432,16 +451,27 @@ def norm_gate_up_silu_kernel(x, norm_w, w, out, partial, counter, M, K, I, KB, B
 
 
 @triton.jit
-def norm_qkv_rope_kernel(x, norm_w, w, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, partial,
-                         counter, M, K, KB, BPS, eps, dst_sb, dst_sp, dst_sh, HEADS: tl.constexpr,
-                         KV_HEADS: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, SPLIT: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
-                         IEEE: tl.constexpr, DOT: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr):
-    """q, k, v of norm(x) @ w, w (K, (HEADS + 2 KV_HEADS) 2 HALF) = [q | k | v]: program `tile` owns heads
-    [HEADS_P tile, +HEADS_P) (HEADS_P divides both head counts: they are all q, k or v heads), its runs their first
-    halves and their second halves (HALF columns each, padded to HALF_P), so the heads' norm and rotation happen
-    in registers."""
-    tile, split, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def norm_gate_up_silu_kernel(x, norm_w, w, out, partial, counter, M, K, I, KB, BPS, eps, SPLIT: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                             EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+                             EVEN_N: tl.constexpr):
+    """out (M, I) = silu(gate) * up of norm(x) @ w (_gate_up_program)."""
+    _gate_up_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0), tl.num_programs(2),
+                     x, norm_w, w, out, partial, counter, M, K, I, KB, BPS, eps, SPLIT, BLOCK_M, BLOCK_K, STAGES,
+                     EVEN_K, IEEE, DOT, BLOCK_N, EVEN_N)
+
+
+@triton.jit
+def _qkv_program(tile, split, mb, tiles, m_blocks, x, norm_w, w, q_out, k_dst, v_dst, rows, positions, inv_freq,
+                 q_weight, k_weight, partial, counter, M, K, KB, BPS, eps, dst_sb, dst_sp, dst_sh,
+                 HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
+                 SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                 EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, HALF_P: tl.constexpr,
+                 HEADS_P: tl.constexpr):
+    """Program (tile, split, mb) of q, k, v of norm(x) @ w, w (K, (HEADS + 2 KV_HEADS) 2 HALF) = [q | k | v]: it
+    owns heads [HEADS_P tile, +HEADS_P) (HEADS_P divides both head counts: they are all q, k or v heads), its runs
+    their first halves and their second halves (HALF columns each, padded to HALF_P), so the heads' norm and
+    rotation happen in registers."""
     head0 = tile * HEADS_P
     N: tl.constexpr = (HEADS + 2 * KV_HEADS) * 2 * HALF
     m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -461,15 +491,28 @@ def norm_qkv_rope_kernel(x, norm_w, w, q_out, k_dst, v_dst, rows, positions, inv
     else:
         _store_partials(acc_a, acc_b, partial, (mb * SPLIT + split) * BLOCK_M, m_mask, cols_a, cols_b, j_mask,
                         j_mask, N, BLOCK_M)
-        slots = _sumsq_slots(partial, N, SPLIT, BLOCK_M)
+        slots = _sumsq_slots(partial, N, tile, mb, tiles, m_blocks, SPLIT, BLOCK_M)
         _store_sumsq(sumsq, slots, split, m_mask, BLOCK_M)
-        if _split_done(counter + mb * tl.num_programs(0) + tile, SPLIT):
+        if _split_done(counter + mb * tiles + tile, SPLIT):
             acc_a, acc_b = _sum_partials(partial, mb * SPLIT, m_mask, cols_a, cols_b, j_mask, j_mask, N, SPLIT,
                                          BLOCK_M, HEADS_P * HALF_P)
             sumsq = _sum_sumsq(slots, m_mask, SPLIT, BLOCK_M)
             _qkv_out(acc_a, acc_b, head0, _inv_rms(sumsq, K, eps), q_out, k_dst, v_dst, rows, positions, inv_freq,
                      q_weight, k_weight, m, m_mask, eps, dst_sb, dst_sp, dst_sh, HEADS, KV_HEADS, HALF, QK_NORM,
                      BLOCK_M, HALF_P, HEADS_P)
+
+
+@triton.jit
+def norm_qkv_rope_kernel(x, norm_w, w, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, partial,
+                         counter, M, K, KB, BPS, eps, dst_sb, dst_sp, dst_sh, HEADS: tl.constexpr,
+                         KV_HEADS: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, SPLIT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                         IEEE: tl.constexpr, DOT: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr):
+    """q, k, v of norm(x) @ w (_qkv_program)."""
+    _qkv_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0), tl.num_programs(2), x,
+                 norm_w, w, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, partial, counter, M,
+                 K, KB, BPS, eps, dst_sb, dst_sp, dst_sh, HEADS, KV_HEADS, HALF, QK_NORM, SPLIT, BLOCK_M, BLOCK_K,
+                 STAGES, EVEN_K, IEEE, DOT, HALF_P, HEADS_P)
 
 
 # -- host side ------------------------------------------------------------------
@@ -717,6 +760,15 @@ def _head_counts(heads, kv_heads) -> None:
             raise ValueError(f"{name} must be >= 1, got {v}")
 
 
+def heads_per_program(block_n: int, half_p: int, heads: int, kv_heads: int) -> int:
+    """A QKV program's heads: block_n columns a run, half a head (half_p, padded) each, as a power of two that
+    divides both head counts (a program's heads are then all q, k or v heads)."""
+    heads_p = 1
+    while heads_p * 2 * half_p <= block_n and heads % (heads_p * 2) == 0 and kv_heads % (heads_p * 2) == 0:
+        heads_p *= 2
+    return heads_p
+
+
 class QkvPlan(GemvPlan):
     def __init__(self, group, x, norm_weight, qkv_weight, heads, kv_heads, inv_freq, rows, positions, k_dst, v_dst,
                  q_weight, k_weight, eps, settings=None):
@@ -753,12 +805,7 @@ class QkvPlan(GemvPlan):
         self.qk_norm = q_weight is not None
         half_p = max(MIN_BLOCK, triton.next_power_of_2(half))
         super().__init__(group, "qkv", m, k, x.dtype, settings)
-        # Heads a program: block_n columns a run, half a head each, as a power of two that divides both head counts
-        # (a program's heads are then all q, k or v heads).
-        heads_p = 1
-        while heads_p * 2 * half_p <= self.block_n and heads % (heads_p * 2) == 0 and kv_heads % (heads_p * 2) == 0:
-            heads_p *= 2
-        self.heads_p = heads_p
+        self.heads_p = heads_p = heads_per_program(self.block_n, half_p, heads, kv_heads)
         self.split_k((heads + 2 * kv_heads) // heads_p, (heads + 2 * kv_heads) * d, norm=True)
         self.args = (m, k, self.kb, self.bps)
         self.strides = k_dst.stride()[:3]

@@ -165,7 +165,7 @@ def _record(err, limits, row, value, KIND: tl.constexpr):
 
 @triton.jit
 def _merge_splits(part_out, part_lse, row, splits, live, D: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
-    """The log-sum-exp merge of the first `live` partials of `row`: (out [D] fp32, lse base 2)."""
+    """The log-sum-exp merge of the first `live` partials of `row` (read past L1): (out [D] fp32, lse base 2)."""
     offs_s = tl.arange(0, SPLIT_BLOCK)
     offs_d = tl.arange(0, D)
     acc = tl.zeros([D], tl.float32)
@@ -175,8 +175,9 @@ def _merge_splits(part_out, part_lse, row, splits, live, D: tl.constexpr, SPLIT_
         s = s0 + offs_s
         mask = s < live
         idx = tl.cast(row, tl.int64) * splits + s  # row may be a loop counter: a plain int under the interpreter
-        lse_s = tl.load(part_lse + idx, mask=mask, other=float("-inf"))
-        out_s = tl.load(part_out + idx[:, None] * D + offs_d[None, :], mask=mask[:, None], other=0.0)
+        lse_s = tl.load(part_lse + idx, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        out_s = tl.load(part_out + idx[:, None] * D + offs_d[None, :], mask=mask[:, None], other=0.0,
+                        cache_modifier=".cg")
         m_new = tl.maximum(m, tl.max(lse_s, axis=0))  # finite: partial s0 is live
         alpha = tl.exp2(m - m_new)
         weight = tl.exp2(lse_s - m_new)
@@ -194,6 +195,18 @@ def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse,
                               bt_sp, num_pages, first_row, limits, GROUP: tl.constexpr, HEADS: tl.constexpr,
                               CHUNKS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                               PAGED: tl.constexpr):
+    """Program (pid, split) of the split step (_split_program)."""
+    _split_program(tl.program_id(0), tl.program_id(1), q, k, v, seqlens, block_table, part_out, part_lse, err,
+                   scale_log2, max_len, split_len, splits, kv_heads, q_heads, q_sb, q_sh, k_s0, k_s1, k_sh, v_s0,
+                   v_s1, v_sh, bt_sb, bt_sp, num_pages, first_row, limits, GROUP, HEADS, CHUNKS, D, BLOCK_N,
+                   PAGE_SIZE, PAGED)
+
+
+@triton.jit
+def _split_program(pid, split, q, k, v, seqlens, block_table, part_out, part_lse, err, scale_log2, max_len,
+                   split_len, splits, kv_heads, q_heads, q_sb, q_sh, k_s0, k_s1, k_sh, v_s0, v_s1, v_sh, bt_sb, bt_sp,
+                   num_pages, first_row, limits, GROUP: tl.constexpr, HEADS: tl.constexpr, CHUNKS: tl.constexpr,
+                   D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr):
     """Partial attention of query heads [c * HEADS, (c + 1) * HEADS) of KV head kvh's group, sequence b,
     over positions [split * split_len, (split + 1) * split_len) of the sequence.
 
@@ -205,9 +218,10 @@ def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse,
     Lengths and pages are data: a length outside [0, max_len] is clamped and a page outside [0, num_pages)
     is never read (its positions count as zero keys and values); either is recorded in the error word `err`
     (_record: sequence first_row + b, the call's `limits`) for the host to raise.
+
+    q, keys and values are read past L1 (.cg): in decode_step's persistent kernel another program of the same
+    launch has just written them.
     """
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
     c = pid % CHUNKS
     kvh = (pid // CHUNKS) % kv_heads
     b = pid // (CHUNKS * kv_heads)
@@ -224,7 +238,7 @@ def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse,
     heads = kvh * GROUP + g
     offs_d = tl.arange(0, D)
     qv = tl.load(q + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + offs_d[None, :], mask=live_rows[:, None],
-                 other=0.0)
+                 other=0.0, cache_modifier=".cg")
 
     m = tl.full([HEADS], float("-inf"), tl.float32)
     l = tl.zeros([HEADS], tl.float32)
@@ -246,8 +260,8 @@ def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse,
         else:
             k_rows = b.to(tl.int64) * k_s0 + pos.to(tl.int64) * k_s1 + kvh * k_sh
             v_rows = b.to(tl.int64) * v_s0 + pos.to(tl.int64) * v_s1 + kvh * v_sh
-        kb = tl.load(k + k_rows[:, None] + offs_d[None, :], mask=readable[:, None], other=0.0)
-        vb = tl.load(v + v_rows[:, None] + offs_d[None, :], mask=readable[:, None], other=0.0)
+        kb = tl.load(k + k_rows[:, None] + offs_d[None, :], mask=readable[:, None], other=0.0, cache_modifier=".cg")
+        vb = tl.load(v + v_rows[:, None] + offs_d[None, :], mask=readable[:, None], other=0.0, cache_modifier=".cg")
         s = _dot(qv, tl.trans(kb), tl.zeros([HEADS, BLOCK_N], tl.float32)) * scale_log2
         s = tl.where(in_seq[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every block holds at least one position
@@ -268,8 +282,16 @@ def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse,
 def flash_decode_merge_kernel(part_out, part_lse, seqlens, out, lse, max_len, split_len, splits, q_heads,
                               D: tl.constexpr, SPLIT_BLOCK: tl.constexpr, RETURN_LSE: tl.constexpr):
     """out[row] (q's dtype) and, with RETURN_LSE, lse[row] (natural log) from the live partials of row =
-    b * q_heads + head: program `row`."""
-    row = tl.program_id(0)
+    b * q_heads + head: program `row` (_merge_program)."""
+    _merge_program(tl.program_id(0), part_out, part_lse, seqlens, out, lse, max_len, split_len, splits, q_heads, D,
+                   SPLIT_BLOCK, RETURN_LSE)
+
+
+@triton.jit
+def _merge_program(row, part_out, part_lse, seqlens, out, lse, max_len, split_len, splits, q_heads, D: tl.constexpr,
+                   SPLIT_BLOCK: tl.constexpr, RETURN_LSE: tl.constexpr):
+    """Row `row` of the merge step: its live partials (read past L1, _merge_splits) merged into out[row] and, with
+    RETURN_LSE, lse[row]."""
     seqlen = _seqlen(seqlens, row // q_heads, max_len)
     o, lse2 = _merge_splits(part_out, part_lse, row, splits, tl.cdiv(seqlen, split_len), D, SPLIT_BLOCK)
     offs_d = tl.arange(0, D)

@@ -1,5 +1,5 @@
-"""Hardware registers. Under the interpreter a program is one vectorised
-thread, so tid/lane/sm are 0 and the timer is the host's monotonic clock."""
+"""Hardware registers and cache hints. Under the interpreter a program is one vectorised
+thread, so tid/lane/sm are 0, the timer is the host's monotonic clock and a prefetch does nothing."""
 import triton
 import triton.language as tl
 
@@ -37,3 +37,11 @@ def global_timer():
         return interpreter.monotonic_ns()
     else:
         return ptx.global_timer()
+
+
+@triton.jit
+def prefetch_l2(ptr, mask):
+    """Fetch the lines of `ptr` where `mask` holds into L2 (GPU: prefetch.global.L2, one per element: give one
+    address a 128-byte line). A hint: nothing is loaded, no fault is raised; nothing on the cpu backend."""
+    if not INTERPRET:
+        ptx.prefetch_l2(ptr, mask)

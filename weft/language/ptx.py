@@ -72,3 +72,10 @@ def special_reg(name: tl.constexpr):
 @triton.jit
 def global_timer():
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_l2(ptr, mask):
+    """Each thread's lines of `ptr` where `mask` holds, fetched into L2 (a hint: nothing is loaded into registers)."""
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptr, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)

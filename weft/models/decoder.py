@@ -47,7 +47,7 @@ from weft.layers.transformer import (ParallelLMHead, Positions, RMSNorm, RotaryE
 
 from .weights import CheckpointWeights, RandomWeights, StateDictWeights, hf_shapes, read_config
 
-DECODE_PATHS = ("fused", "layers")
+DECODE_PATHS = ("fused", "layers", "persistent")
 # KV cache capacity is rounded up to a multiple of this, so that a session serves prompts of nearby lengths.
 CACHE_ROUND = 128
 
@@ -299,13 +299,25 @@ class Transformer(nn.Module):
     def decode_path(self, batch: int, path: str | None = None) -> str:
         """The kernels a decode step of `batch` sequences runs on: "fused" (weft/kernels/decode.py: per layer
         norm + QKV + q/k norm + rotary + cache write, attention, O + residual, norm + gate/up + SiLU, down +
-        residual) or "layers" (the layers' GEMMs and pointwise kernels). `path` if given, else WEFT_DECODE, else
-        fused where the batch's bucket is at most weft.tuning's decode.fused_max_m. Always layers on the NCCL
-        comm (the NCCL+cuBLAS baseline), in a pipeline (the stages hand on the layers path's stream) and where a
-        block's norms do not share one eps."""
+        residual), "layers" (the layers' GEMMs and pointwise kernels) or "persistent" (the fused path's kernels'
+        work, every layer in one persistent launch: weft.ops.decode_step, weft/kernels/decode_step.py). `path` if
+        given, else WEFT_DECODE, else fused where the batch's bucket is at most weft.tuning's decode.fused_max_m.
+        Always layers on the NCCL comm (the NCCL+cuBLAS baseline), in a pipeline (the stages hand on the layers
+        path's stream) and where a block's norms do not share one eps. "persistent" needs one rank (TP = 1), one
+        stage, blocks whose norms share one eps and attention flash_decode takes: a `path` argument of
+        "persistent" where that fails is a ValueError saying why; WEFT_DECODE=persistent there gives the default
+        choice (so one setting serves a job's models of any TP size)."""
+        asked = path
         path = path or settings.decode_path()
         if path is not None and path not in DECODE_PATHS:
             raise ValueError(f"path must be one of {DECODE_PATHS}, got {path!r}")
+        if path == "persistent":
+            why = self.persistent_refusal()
+            if why is None:
+                return path
+            if asked == "persistent":
+                raise ValueError(f"the persistent decode step cannot run this model: {why}")
+            path = None
         if self.comm.name != "weft" or (self.stage is not None and self.stage.count > 1) or \
                 not all(b.fusable() for b in self.blocks):
             return "layers"
@@ -319,16 +331,50 @@ class Transformer(nn.Module):
                path: str | None = None) -> torch.Tensor:
         """One decode step of every sequence of the cache: tokens (batch,) int64 at positions (batch,) int64 (each
         sequence's length so far; not checked against the cache, which would need a host sync). Returns the
-        logits (batch, vocab). path: "fused" or "layers" (decode_path; default: WEFT_DECODE, else by batch)."""
+        logits (batch, vocab). path: "fused", "layers" or "persistent" (decode_path; default: WEFT_DECODE, else by
+        batch)."""
         path = self.decode_path(tokens.shape[0], path)
         return self._from_last(self._decode_logits(tokens, positions, cache, path),
                                (tokens.shape[0], self.config.vocab_size), self.dtype)
+
+    def persistent_refusal(self) -> str | None:
+        """Why the persistent decode step (weft.ops.decode_step) cannot run this model's decode steps, in words;
+        None where it can."""
+        attn = self.blocks[0].attn
+        eps = {b.attn_norm.eps for b in self.blocks} | {b.mlp_norm.eps for b in self.blocks}
+        if self.comm.name != "weft":
+            return f"it runs on weft's kernels, this model on {self.comm.name!r} (the baseline's layers path)"
+        if self.world_size > 1:
+            return f"it runs one rank (TP = 1), this model is split over {self.world_size} ranks"
+        if self.stage is not None and self.stage.count > 1:
+            return f"it runs every layer, this rank holds one stage of a pipeline of {self.stage.count}"
+        if not all(b.fusable() for b in self.blocks) or len(eps) > 1:
+            return "it takes one eps for every RMSNorm, this model's norms have several"
+        if attn.head_dim not in weft.ops.flash_decode.head_dims or self.dtype not in weft.ops.flash_decode.dtypes:
+            return (f"its attention is flash_decode's (head_dim {weft.ops.flash_decode.head_dims}), this model has "
+                    f"head_dim {attn.head_dim}, {self.dtype}")
+        return None
+
+    def _step_weights(self) -> list:
+        """weft.ops.decode_step's weights: 8 a layer (decode_step.LAYER_WEIGHTS)."""
+        out = []
+        for b in self.blocks:
+            qk = b.attn.q_norm is not None
+            out += [b.attn_norm.weight, b.attn.qkv_weight, b.attn.q_norm.weight if qk else None,
+                    b.attn.k_norm.weight if qk else None, b.attn.o_weight, b.mlp_norm.weight, b.mlp.gate_up_weight,
+                    b.mlp.down_weight]
+        return out
 
     def _decode_logits(self, tokens: torch.Tensor | None, positions: torch.Tensor, cache: KVCache,
                        path: str = "layers"):
         """One decode step through this stage: the logits on the last stage, None before it (tokens: the first
         stage's input, None elsewhere)."""
         pos = Positions.decode(positions, self.rope)
+        if path == "persistent":  # one rank, one stage (decode_path): every layer in one launch
+            attn = self.blocks[0].attn
+            h = weft.ops.decode_step(self.embed(tokens), self._step_weights(), pos.inv_freq, pos.positions,
+                                     pos.lengths, cache.data, attn.heads, attn.kv_heads, self.blocks[0].attn_norm.eps)
+            return self.lm_head(self.norm(h))
         if path == "fused":  # one stage (decode_path): the stream is one tensor, the adds in the epilogues
             h = self.embed(tokens)
             for i, block in enumerate(self.blocks):
@@ -358,7 +404,8 @@ class Transformer(nn.Module):
     def session(self, batch: int, max_len: int, cuda_graph: bool = True, path: str | None = None) -> "DecodeSession":
         """The decode session of `batch`'s bucket (the next power of two: a batch runs padded to it, with or
         without graphs, so both compute the same) with a cache of at least max_len positions, kept and reused.
-        path: the decode path ("fused" or "layers", decode_path; default: WEFT_DECODE, else by the bucket)."""
+        path: the decode path ("fused", "layers" or "persistent", decode_path; default: WEFT_DECODE, else by the
+        bucket)."""
         graph = cuda_graph and self.device.type == "cuda"
         bucket = 1 << (batch - 1).bit_length()
         path = self.decode_path(bucket, path)
@@ -387,7 +434,8 @@ class Transformer(nn.Module):
         stage samples (per micro-batch: sampled tokens differ from one stage's for the same seed, greedy ones do
         not) and sends each micro-batch's token back to the first stage; every stage returns the same tokens.
         The steps run eagerly there (cuda_graph is for the one-stage model), callback on the last stage only.
-        decode_path: "fused" or "layers" (see decode_path; default: WEFT_DECODE, else by the batch's bucket)."""
+        decode_path: "fused", "layers" or "persistent" (see decode_path; default: WEFT_DECODE, else by the batch's
+        bucket)."""
         ids = self._ids(input_ids)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
@@ -495,9 +543,9 @@ def sample(logits: torch.Tensor, do_sample: bool, temperature: float = 1.0, top_
 
 class DecodeSession:
     """Decode steps of the sequences of one KV cache from static input buffers (tokens, positions), on the decode
-    path `path` ("fused" or "layers": Transformer.decode_path); on GPUs the step is captured once in a CUDA graph
-    and replayed. The capture's warm-up step writes position 0 of
-    every row: make the session before prefilling its cache."""
+    path `path` ("fused", "layers" or "persistent": Transformer.decode_path); on GPUs the step is captured once in
+    a CUDA graph and replayed. The capture's warm-up step writes position 0 of every row: make the session before
+    prefilling its cache."""
 
     def __init__(self, model: Transformer, cache: KVCache, cuda_graph: bool = True, path: str | None = None):
         self.model, self.cache = model, cache

@@ -79,7 +79,7 @@ def _flag(text: str) -> bool:
 
 def _decode_path(text: str) -> str:
     value = text.lower()
-    if value not in ("fused", "layers"):
+    if value not in ("fused", "layers", "persistent"):
         raise ValueError(text)
     return value
 
@@ -143,11 +143,12 @@ SETTINGS = {s.name: s for s in (
             "GPUs, a world that spans nodes: the hierarchical ops' exchange between nodes (the rail) through NCCL "
             "on the rail's process group, or weft's exchange kernel over NVSHMEM (every symmetric allocation of "
             "the process then NVSHMEM's: docs/nodes.md); the cpu backend's rail is always weft's kernel"),
-    Setting("WEFT_DECODE", _decode_path, "fused or layers",
+    Setting("WEFT_DECODE", _decode_path, "fused, layers or persistent",
             "fused at decode batch buckets up to weft.tuning's decode.fused_max_m, layers above",
             "the decoder's decode step (weft.models): fused (weft/kernels/decode.py: a GEMV with the norm, rotary, "
-            "SiLU or residual add fused in, five launches a layer) or layers (the layers' GEMMs and pointwise "
-            "kernels)"),
+            "SiLU or residual add fused in, five launches a layer), layers (the layers' GEMMs and pointwise "
+            "kernels) or persistent (weft/kernels/decode_step.py: the fused path's work, every layer in one "
+            "persistent launch; one rank, one stage, else the default choice)"),
     Setting("WEFT_BENCH_OUT", str, "a directory", "bench_results", "`weft bench`'s output folder (or --out)"),
 )}
 
@@ -189,7 +190,7 @@ def test_delay() -> Delay | None:
 
 
 def decode_path() -> str | None:
-    """WEFT_DECODE ("fused" or "layers"), None when unset (the tuning data decides per batch)."""
+    """WEFT_DECODE ("fused", "layers" or "persistent"), None when unset (the tuning data decides per batch)."""
     return get("WEFT_DECODE")
 
 

@@ -135,6 +135,7 @@ KEYS = {
     "flash_decode.max_splits": _count,
     "decode.gemv": _settings,
     "decode.fused_max_m": _count,
+    "decode.persistent": _settings,
     "ulysses.nccl_above": _limit,
     "ulysses.auto_fused": _flag,
     "ulysses.push": _settings,
