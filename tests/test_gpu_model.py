@@ -9,8 +9,9 @@ the same weights on one GPU (every rank runs it on its own):
 - decode replayed from the CUDA graph against eager decode, and generate() with graphs (batch 3 in the
   bucket of 4) against generate() without;
 - the fused decode path (WEFT_DECODE=fused) against the layers path and transformers, both graph-replayed;
-- at one rank, the persistent decode step (WEFT_DECODE=persistent, weft/kernels/decode_step.py) against the fused
-  path bit for bit over 200 graph-replayed steps, with and without its L2 prefetch, and against transformers.
+- at one rank, the persistent decode step (WEFT_DECODE=persistent, weft/kernels/decode_step.py) over 200
+  graph-replayed steps: the same bits in two sessions, with and without its L2 prefetch, and within tolerance of
+  the fused path and transformers.
 """
 import pytest
 import torch
@@ -114,14 +115,15 @@ def test_fused_decode_matches_layers_under_graph_replay(reference, models, batch
 
 @pytest.mark.parametrize("batch", [1, 3, 8])
 @pytest.mark.parametrize("prefetch_rows", [16, 0])
-def test_persistent_decode_equals_fused_under_graph_replay(reference, models, batch, prefetch_rows):
-    """The persistent decode step (one launch for both layers; tasks ordered by counters in global memory) equals
-    the fused path's six kernels a layer bit for bit (the same program bodies and splits) over 200 steps replayed
-    from their CUDA graphs, each step's logits against the other's (a task that read its input before the phase
-    before had written it, or a stale L1 line, would differ at some step), and is within TOL of transformers at
-    the first steps. One session at a time: a session's graph uses its plans' workspaces, so the plans are dropped
-    only once its session is, and the module's earlier plans are put back (the model's cached sessions replay into
-    their workspaces)."""
+def test_persistent_decode_under_graph_replay(reference, models, batch, prefetch_rows):
+    """The persistent decode step (one launch for both layers; tasks ordered by counters in global memory) over 200
+    steps replayed from its CUDA graph: the same bits in two sessions (a task that read its input before the phase
+    before had written it, or a stale L1 line, would make them differ at some step), within TOL of the fused path's
+    six kernels a layer at every step and of transformers at the first steps. Not bit for bit against the fused
+    path: the same program bodies compiled into one kernel round a few q/k elements differently (measured on 1x
+    H200: last-bit differences in the rotated keys at some positions, which the cache then carries). One session at
+    a time: a session's graph uses its plans' workspaces, so the plans are dropped only once its session is, and
+    the module's earlier plans are put back (the model's cached sessions replay into their workspaces)."""
     from weft import tuning
     from weft.kernels.decode_step import settings
 
@@ -131,24 +133,25 @@ def test_persistent_decode_equals_fused_under_graph_replay(reference, models, ba
     seqs = _ids(batch, 40, 21 + batch)
     with torch.no_grad():
         want = reference(seqs[:, :36]).logits
-    logits, saved = {}, dict(world.plans)
+    runs, saved = [], dict(world.plans)
     with tuning.overrides({"decode.persistent": dict(settings(world.device), prefetch_rows=prefetch_rows)}):
-        for path in ("fused", "persistent"):
+        for path in ("fused", "persistent", "persistent"):
             world.plans.clear()
             session = DecodeSession(model, model.new_cache(batch, 256), path=path)
             assert session.graph is not None and session.path == path
             model.prefill(seqs[:, :32], session.cache)
-            steps = [session.step(seqs[:, 32 + j % 8], 32 + j).clone() for j in range(200)]
-            logits[path] = torch.stack(steps)
+            runs.append(torch.stack([session.step(seqs[:, 32 + j % 8], 32 + j).clone() for j in range(200)]))
             del session
             torch.cuda.synchronize()
     world.plans.clear()
     world.plans.update(saved)
+    fused, persistent, again = runs
     for j in range(4):
-        got = logits["persistent"][j]
-        assert _rel(got, want[:, 32 + j]) < TOL, (j, _rel(got, want[:, 32 + j]))
-    differ = (logits["persistent"] != logits["fused"]).flatten(1).any(1).nonzero().flatten().tolist()
-    assert not differ, f"steps {differ[:10]} of the persistent step differ from the fused path's"
+        assert _rel(persistent[j], want[:, 32 + j]) < TOL, (j, _rel(persistent[j], want[:, 32 + j]))
+    differ = (persistent != again).flatten(1).any(1).nonzero().flatten().tolist()
+    assert not differ, f"steps {differ[:10]} of the persistent step differ between two sessions"
+    worst = max(_rel(persistent[j], fused[j]) for j in range(200))
+    assert worst < TOL, f"the persistent step differs from the fused path by {worst:.2e} (relative) at worst"
 
 
 def test_generate_with_graphs_equals_eager(models):
