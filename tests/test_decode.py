@@ -287,7 +287,7 @@ def _decode_paths(kind, rope, batches):
     import torch
 
     import weft
-    from test_model import _close, _hf_model
+    from test_model import _close, _decode_steps, _hf_model
     from weft.models import from_hf
 
     ref = _hf_model(kind, 4, 2, 96, rope=rope)
@@ -302,16 +302,11 @@ def _decode_paths(kind, rope, batches):
     for batch in batches:
         prompts = torch.randint(0, 96, (batch, 5), generator=g)
         cont = torch.randint(0, 96, (batch, 2), generator=g)
+        want, got = _decode_steps(model, ref, prompts, cont, ("fused", "layers"), 16)
         with torch.no_grad():
-            want = ref(torch.cat([prompts, cont], dim=1)).logits
-            got = {}
-            for path in ("fused", "layers"):
-                cache = model.new_cache(batch, 16)
-                model.prefill(prompts, cache)
-                got[path] = [model.decode(cont[:, j], torch.full((batch,), 5 + j), cache, path=path) for j in range(2)]
             for j in range(2):
                 _close(got["fused"][j], got["layers"][j], f"{kind} batch {batch} step {j}: fused against layers")
-                _close(got["fused"][j], want[:, 5 + j], f"{kind} batch {batch} step {j}: fused against transformers")
+                _close(got["fused"][j], want[:, j], f"{kind} batch {batch} step {j}: fused against transformers")
             # Greedy tokens: the layers path's (test_model.py) are transformers' too.
             fused = model.generate(prompts, 3, decode_path="fused")
             mask = torch.ones_like(prompts)

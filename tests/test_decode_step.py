@@ -119,7 +119,7 @@ def _model_paths(kind, batch):
 
     import torch
 
-    from test_model import _close
+    from test_model import _close, _decode_steps
     from weft.models import from_hf
 
     ref = _tiny_hf(kind)
@@ -133,16 +133,11 @@ def _model_paths(kind, batch):
     g = torch.Generator().manual_seed(3 + batch)
     prompts = torch.randint(0, 96, (batch, 18), generator=g)
     cont = torch.randint(0, 96, (batch, 2), generator=g)
+    want, got = _decode_steps(model, ref, prompts, cont, ("fused", "persistent"), 40)
     with torch.no_grad():
-        want = ref(torch.cat([prompts, cont], dim=1)).logits
-        got = {}
-        for path in ("fused", "persistent"):
-            cache = model.new_cache(batch, 40)
-            model.prefill(prompts, cache)
-            got[path] = [model.decode(cont[:, j], torch.full((batch,), 18 + j), cache, path=path) for j in range(2)]
         for j in range(2):
             assert torch.equal(got["persistent"][j], got["fused"][j]), f"{kind} batch {batch} step {j}"
-            _close(got["persistent"][j], want[:, 18 + j], f"{kind} batch {batch} step {j}: against transformers")
+            _close(got["persistent"][j], want[:, j], f"{kind} batch {batch} step {j}: against transformers")
         if batch == 1:
             tokens = model.generate(prompts, 3, decode_path="persistent")
             mask = torch.ones_like(prompts)

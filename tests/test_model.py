@@ -46,6 +46,23 @@ def _close(got, want, what):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda s: f"{what}: {s}")
 
 
+def _decode_steps(model, ref, prompts, cont, paths, cache_len):
+    """transformers' logits at the continuation's positions, and per decode path the model's decode steps over the
+    continuation after a prefill of the prompts: (want (batch, steps, vocab), {path: [each step's logits]})."""
+    import torch
+
+    batch, plen = prompts.shape
+    with torch.no_grad():
+        want = ref(torch.cat([prompts, cont], dim=1)).logits[:, plen:]
+        got = {}
+        for path in paths:
+            cache = model.new_cache(batch, cache_len)
+            model.prefill(prompts, cache)
+            got[path] = [model.decode(cont[:, j], torch.full((batch,), plen + j), cache, path=path)
+                         for j in range(cont.shape[1])]
+    return want, got
+
+
 def _matches_transformers(kind, heads, kv_heads, vocab, tie, rope, comm, extras):
     import torch
 
