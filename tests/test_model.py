@@ -311,6 +311,9 @@ def test_greedy_agreement_stops_at_the_first_near_tie():
     tokens[2, 2] += 1  # row 2 differs before any near-tie: 2 of its 6 agree
     assert greedy_agreement(tokens, reference, ties) == (3 + 1 + 2, 3 + 1 + 6)
     assert greedy_agreement(reference, reference, ties) == (10, 10)
+    # With a margin (two models' logits differing by that much), row 2's step 4 (0.1 of its top logit apart) is one.
+    margin = 0.1 * logits[2, 4, top[2, 4]].abs().item()
+    assert near_ties(logits, margin)[2, 4] and not near_ties(logits, margin / 2)[2, 4]
 
 
 def _next_token_difference(config):
@@ -331,4 +334,5 @@ def test_next_token_difference_on_a_shared_cache():
     config = dict(model_type="qwen3", hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=96)
     for same, other in run_ranks(_next_token_difference, 2, config, timeout=TIMEOUT, env=ENV):
-        assert same < 1e-5 and other > 0.1, (same, other)
+        assert same[0] < 1e-5 and other[0] > 0.1, (same, other)  # relative
+        assert same[1] < 1e-5 * other[1], (same, other)  # rms
