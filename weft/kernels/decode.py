@@ -9,21 +9,21 @@ to four (weft/models/decoder.py's WEFT_DECODE=fused path, a few tokens per step)
   silu(gate) * up, a program computing matching gate and up columns.
 
 Weights are (K, N), contiguous, as the layers keep them. The kernels are memory-bound GEMVs for M = 1..16 rows
-(tokens): a program streams a [K range, its columns] slab of the weight once (evict-first: it is read once)
-through `tl.range`'s pipelined loads, two runs of columns a program, and multiplies it by the few rows in one of
-two ways, a launch setting: tl.dot (rows padded to 16, the weight tile in the dot's operand layout), or dot-free
-(`dot` false): fp32 FMAs of the real rows into [rows, K block, columns] accumulators in registers, summed over the
-K block once after the loop, so nothing but the loads touches the weight (compute is free here either way). A
-4096-wide projection has too few column tiles for the programs the GPU holds, so K is split as well (the grid
-is tiles x splits x row blocks, at most programs_per_sm per SM, or the split that spreads the work most evenly over
-the SMs where that one leaves some idle: `balanced_split`): each split stores its fp32 partial sums to a workspace
-and counts itself done on the tile's counter; the split that counts last sums the partials in split order
+(tokens): a program streams a [K range, its columns] slab of the weight once (evict-first: it is read once) through
+`tl.range`'s pipelined loads, two runs of columns a program, and multiplies it by the few rows in one of two ways, a
+launch setting: tl.dot (rows padded to 16, the weight tile in the dot's operand layout), or dot-free (`dot` false):
+fp32 FMAs of the real rows into [rows, K block, columns] accumulators in registers, summed over the K block once
+after the loop, so nothing but the loads touches the weight (compute is free here either way). A 4096-wide
+projection has too few column tiles for the programs the GPU holds, so K is split as well (the grid is tiles x
+splits x row blocks, at most programs_per_sm per SM, or the split that spreads the work most evenly over the SMs
+where that one leaves some idle: `balanced_split`): each split stores its fp32 partial sums to a workspace and
+counts itself done on the tile's counter; the split that counts last sums the partials in split order
 (deterministic, no float atomics; their loads in unrolled groups of splits, in flight together) and runs the
-epilogue (then zeroes the counter for the next call, so a CUDA graph replays it). The RMSNorm prologue is folded into the GEMV: norm(x) @ W = diag(1 / rms(x))
-((x g) @ W) for the norm's weight g, so a program multiplies x g by its slab and the epilogue applies 1 / rms.
-The sum of squares behind rms comes from the x blocks the main loop loads anyway: each split adds up x² over
-its K range in fp32 and stores it beside its partials (one float a row), and the last split adds the splits'
-shares in split order, so the tail does not walk x's rows again after the partials.
+epilogue (then zeroes the counter for the next call, so a CUDA graph replays it). The RMSNorm prologue is folded
+into the GEMV: norm(x) @ W = diag(1 / rms(x)) ((x g) @ W) for the norm's weight g, so a program multiplies x g by
+its slab and the epilogue applies 1 / rms. The sum of squares behind rms comes from the x blocks the main loop loads
+anyway: each split adds up x² over its K range in fp32 and stores it beside its partials (one float a row), and the
+last split adds the splits' shares in split order, so the tail does not walk x's rows again after the partials.
 
 Roundings follow the layers path where the fusion allows: the projection's output is rounded to the dtype before
 the epilogue's norm, rotary, SiLU and residual add, which round as the pointwise kernels do (pointwise.py); the
@@ -35,10 +35,10 @@ the bodies read what another program of a launch may have written (x, the residu
 (.cg): in the persistent kernel the same buffers are rewritten every layer, and an SM's L1 may hold an old line.
 
 Launch settings (columns per run, K block, stages, warps, programs per SM, tl.dot or not) come from weft.tuning's
-decode.gemv, per projection (qkv, o, gate_up, down) and row range where the sweep found them to differ
-(`resolve`), and the largest M the decode path takes these kernels at from decode.fused_max_m (the layers' cuBLAS
-GEMMs above). A QKV program owns whole heads (its epilogue needs them): block_n // (head_dim / 2) of them, a power
-of two that divides both head counts.
+decode.gemv, per projection (qkv, o, gate_up, down) and row range where the sweep found them to differ (`resolve`),
+and the largest M the decode path takes these kernels at from decode.fused_max_m, per tensor-parallel size
+(`fused_max_m`; the layers' cuBLAS GEMMs above). A QKV program owns whole heads (its epilogue needs them): block_n
+// (head_dim / 2) of them, a power of two that divides both head counts.
 """
 from __future__ import annotations
 
@@ -552,9 +552,12 @@ def resolve(table: dict, op: str, m: int) -> dict:
     return out
 
 
-def fused_max_m(device: torch.device) -> int:
-    """The largest number of rows (a decode step's batch bucket) the fused decode path takes by default."""
-    return tuning.value("decode.fused_max_m", device)
+def fused_max_m(device: torch.device, tp_size: int = 1) -> int:
+    """The largest number of rows (a decode step's batch bucket) the fused decode path takes by default in a model
+    split over tp_size ranks: decode.fused_max_m gives it per tensor-parallel size (its keys), and the entry of the
+    largest size not above tp_size holds (the smallest size's below it). The GEMVs shrink with TP, their fixed
+    costs do not: on 4x H200 the layers path wins even at batch 1."""
+    return tuning.by_size("decode.fused_max_m", device, tp_size)
 
 
 def _operand(name: str, t, dtype, shape: tuple) -> None:
@@ -601,7 +604,8 @@ def balanced_split(units: int, k_blocks: int, sms: int, programs: int) -> int:
 
 class GemvPlan(Plan):
     """The grid of one fused GEMV call signature: M rows in row blocks, column tiles, K in splits of BPS blocks
-    (balanced_split), the split-K workspace and counters. `settings` (`resolve`'s form) replaces the tuned ones: the tests run both GEMV paths with it."""
+    (balanced_split), the split-K workspace and counters. `settings` (`resolve`'s form) replaces the tuned ones:
+    the tests run both GEMV paths with it."""
 
     def __init__(self, group, op: str, m: int, k: int, dtype: torch.dtype, settings: dict | None):
         super().__init__(group)

@@ -301,7 +301,8 @@ class Transformer(nn.Module):
         norm + QKV + q/k norm + rotary + cache write, attention, O + residual, norm + gate/up + SiLU, down +
         residual), "layers" (the layers' GEMMs and pointwise kernels) or "persistent" (the fused path's kernels'
         work, every layer in one persistent launch: weft.ops.decode_step, weft/kernels/decode_step.py). `path` if
-        given, else WEFT_DECODE, else fused where the batch's bucket is at most weft.tuning's decode.fused_max_m.
+        given, else WEFT_DECODE, else fused where the batch's bucket is at most weft.tuning's decode.fused_max_m at
+        this model's tensor-parallel size.
         Always layers on the NCCL comm (the NCCL+cuBLAS baseline), in a pipeline (the stages hand on the layers
         path's stream) and where a block's norms do not share one eps. "persistent" needs one rank (TP = 1), one
         stage, blocks whose norms share one eps and attention flash_decode takes: a `path` argument of
@@ -323,7 +324,7 @@ class Transformer(nn.Module):
             return "layers"
         if path is None:
             bucket = 1 << (batch - 1).bit_length()
-            path = "fused" if bucket <= tuning.value("decode.fused_max_m", self.device) else "layers"
+            path = "fused" if bucket <= tuning.by_size("decode.fused_max_m", self.device, self.world_size) else "layers"
         return path
 
     @torch.no_grad()

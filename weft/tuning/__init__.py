@@ -82,6 +82,11 @@ def _row_configs(v) -> bool:  # [[largest m or null, config], ...], the last row
             and all(isinstance(e, list) and len(e) == 2 and _limit(e[0]) and _settings(e[1]) for e in v))
 
 
+def _per_size(v) -> bool:  # {size: count}: read by `by_size`
+    return isinstance(v, dict) and bool(v) and all(isinstance(k, str) and k.isdigit() and int(k) > 0 and _count(x)
+                                                  for k, x in v.items())
+
+
 def _name(v) -> bool:
     return isinstance(v, str) and bool(v)
 
@@ -95,7 +100,7 @@ KINDS = {_count: "a non-negative integer", _limit: "a non-negative integer or nu
          _number: "a non-negative number", _flag: "true or false", _settings: "an object of integer settings",
          _named_settings: "an object of named settings objects", _tuned_shapes: "a list of [m, n, k, config name]",
          _row_configs: "a list of [largest m or null, config], the last with null", _name: "a name",
-         _flags: "an object of true/false"}
+         _flags: "an object of true/false", _per_size: "an object of {size: non-negative integer}"}
 KEYS = {
     "all_gather.push_program_bytes": _count,
     "all_gather.push_max_programs": _count,
@@ -134,7 +139,7 @@ KEYS = {
     "flash_decode.min_blocks_per_split": _count,
     "flash_decode.max_splits": _count,
     "decode.gemv": _settings,
-    "decode.fused_max_m": _count,
+    "decode.fused_max_m": _per_size,  # {tensor-parallel size: largest batch bucket}
     "decode.persistent": _settings,
     "ulysses.nccl_above": _limit,
     "ulysses.auto_fused": _flag,
@@ -316,6 +321,14 @@ def value(key: str, device: torch.device, world_size: int = 1):
     if found is None and KEYS[key] is _limit:
         return float("inf")
     return found
+
+
+def by_size(key: str, device: torch.device, size: int) -> int:
+    """A value given per size (a key of kind {size: value}, as decode.fused_max_m per tensor-parallel size): the
+    entry of the largest size not above `size`, or the smallest size's where all are above it."""
+    table = value(key, device)
+    sizes = sorted(int(s) for s in table)
+    return table[str(max((s for s in sizes if s <= size), default=sizes[0]))]
 
 
 @contextlib.contextmanager
