@@ -30,8 +30,8 @@
 #     groups: tests/test_gpu_groups.py on 1 and all GPUs, examples/train_tp_dp.py, overhead rows with group=,
 #     `weft bench groups` on all GPUs (the collectives and ag_gemm / gemm_rs on groups of N/2, consecutive and
 #     every other rank, against NCCL on the same groups and the same op on the world);
-#     nodes: tests/test_gpu_nodes.py and test_gpu_nodes_ep.py over simulated nodes (2 nodes of 1; on 4+ GPUs all GPUs as 2 nodes of N/2 and
-#     as N nodes of 1): the hierarchical collectives, ag_gemm, gemm_rs, sp_flash_decode and the Ulysses all-to-all
+#     nodes: tests/test_gpu_nodes_groups.py (first, in a fresh world), test_gpu_nodes.py and test_gpu_nodes_ep.py over simulated nodes (2 nodes of 1; on 4+ GPUs all GPUs as 2 nodes of N/2 and
+#     as N nodes of 1): a group of some ranks made before the world's hierarchy, the hierarchical collectives, ag_gemm, gemm_rs, sp_flash_decode and the Ulysses all-to-all
 #     against NCCL / torch, 1000 calls of each; then the rail over NVSHMEM (WEFT_RAIL=nvshmem): the smoke probe
 #     scripts/probe_rail_nvshmem.py (each layout under its own time limit), and, where it passed, test_gpu_nodes.py
 #     at the same layouts with WEFT_RAIL=nvshmem and NVSHMEM's single-host settings; `weft bench nodes` on all
@@ -168,7 +168,8 @@ if has nodes && [ "$NGPU" -ge 2 ]; then
     n=${layout%:*} local=${layout#*:}
     [ "$n" -ge 2 ] && [ "$local" -lt "$n" ] || continue
     step "gpu_nodes_${n}_local_$local" timeout 240 python3 -m weft run -n "$n" --local-world-size "$local" \
-      -m pytest tests/test_gpu_nodes.py tests/test_gpu_nodes_ep.py -m gpu -q -x -p no:cacheprovider
+      -m pytest tests/test_gpu_nodes_groups.py tests/test_gpu_nodes.py tests/test_gpu_nodes_ep.py -m gpu -q -x \
+      -p no:cacheprovider
   done
   # The rail over NVSHMEM: the smoke probe first (a hang costs one layout's limit), the tests only where it passed.
   layouts=$(printf '%s\n' 2:1 "$NGPU:1" "$NGPU:$((NGPU / 2))" | awk '!seen[$0]++' | paste -sd, -)

@@ -221,6 +221,59 @@ def test_collectives_on_three_nodes_of_two():
     assert all(run_ranks(_collectives, 6, [((5, 3), torch.float32)], env=TWO_NODES, timeout=400))
 
 
+def _groups_before_hierarchies():
+    """User groups that only some ranks belong to, made before the hierarchies (the world's and the groups' own,
+    made on their first hierarchical op by their members alone), in two orders; every all_gather checked against
+    the process group's own on fresh inputs."""
+    import torch
+    import torch.distributed as dist
+
+    import weft
+
+    def check_all_gather(group, seed):
+        g = weft.get_group(group)
+        x = torch.randn(3, 2, generator=torch.Generator().manual_seed(seed + weft.rank()))
+        parts = [torch.empty_like(x) for _ in range(g.size)]
+        dist.all_gather(parts, x, group=g.process_group)
+        assert torch.equal(weft.ops.all_gather(x, group=group), torch.cat(parts)), g
+        assert g.topology.spans_nodes and "hierarchy" in g.contexts  # the hierarchical path ran
+
+    # A group of ranks 0 and 3 only (torch registers it on its members only), then the world's first
+    # hierarchical op: its node and rail groups made among ranks that hold different numbers of groups.
+    corners = weft.new_group([0, 3])
+    check_all_gather(None, 10)
+    if corners is not None:  # its own hierarchy, among its two members alone
+        check_all_gather(corners, 20)
+    middle = dist.new_group([1, 2])  # a torch group, its weft Group made on first use
+    if weft.rank() in (1, 2):
+        check_all_gather(middle, 30)
+    x = torch.randn(4, generator=torch.Generator().manual_seed(40 + weft.rank()))
+    ref = x.clone()
+    dist.all_reduce(ref)
+    torch.testing.assert_close(weft.ops.all_reduce(x), ref)
+
+    # The other order, the user group's hierarchy first, then the world's: in two worlds over one process group of
+    # the caller's (one store), whose second makes the same node and rail groups again under keys of their own.
+    weft.finalize()
+    dist.init_process_group("gloo", init_method="env://")
+    for world in range(2):
+        weft.init()
+        corners = weft.new_group([0, 3])
+        if corners is not None:
+            check_all_gather(corners, 50 + world)
+        check_all_gather(None, 60 + world)
+        weft.finalize()
+    dist.destroy_process_group()
+    weft.init()  # the world run_ranks finalizes
+    return True
+
+
+def test_groups_before_the_world_hierarchy():
+    # Hung in torch's new_group(use_local_synchronization=True) before the node and rail groups got names of
+    # weft's own (weft/runtime/subgroups.py): the timeout turns a hang into a failure.
+    assert all(run_ranks(_groups_before_hierarchies, 4, env=TWO_NODES, timeout=45))
+
+
 def _gemm_ops(cases):
     """Every rank checks ag_gemm and gemm_rs (the overlap method) against torch on fresh inputs, outputs poisoned,
     over the world, a group across nodes and one inside a node, m changing from call to call. Returns the

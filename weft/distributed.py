@@ -28,12 +28,12 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroupGloo, _create_work_from_future
-from torch.distributed import distributed_c10d as c10d
+from torch._C._distributed_c10d import _create_work_from_future
 
 from . import ops
-from .runtime import backend, world as _world
+from .runtime import world as _world
 from .runtime.group import Group
+from .runtime.subgroups import backend_type, registered_process_group, unregister
 
 NAME = "weft"
 
@@ -59,8 +59,8 @@ class WeftProcessGroup(dist.ProcessGroup):
         # What C++ callers reach without a Python override (coalesced calls, functional collectives) goes to the
         # internal group's backends; default: the weft device's.
         for device in internal._device_types:
-            self._register_backend(device, _backend_type(device), internal._get_backend(device))
-        self._set_default_backend(_backend_type(group.device))
+            self._register_backend(device, backend_type(device), internal._get_backend(device))
+        self._set_default_backend(backend_type(group.device))
 
     def getBackendName(self) -> str:
         return NAME
@@ -206,7 +206,7 @@ class WeftProcessGroup(dist.ProcessGroup):
             for name in [n for n, g in w.groups.items() if g is self.group]:
                 del w.groups[name]
             self.group.release()
-        _unregister(self.internal)
+        unregister(self.internal)
         self.internal.shutdown()
 
 
@@ -224,57 +224,7 @@ def _apart(x: torch.Tensor, outs) -> torch.Tensor:
     return x
 
 
-def _backend_type(device: torch.device):
-    return dist.ProcessGroup.BackendType.NCCL if device.type == "cuda" else dist.ProcessGroup.BackendType.GLOO
-
-
 # -- making groups ------------------------------------------------------------------------------------------------
-
-def _internal_group(store, rank: int, size: int, timeout, name: str, global_ranks: list[int]) -> dist.ProcessGroup:
-    """A gloo (and on GPUs NCCL) group of this group's ranks, from the same store under keys of its own, registered
-    with torch.distributed under `name` so that its host collectives and symmetric-memory rendezvous find it."""
-    store = dist.PrefixStore(f"{NAME}/", store)
-    pg = dist.ProcessGroup(store, rank, size)
-    gloo = ProcessGroupGloo(dist.PrefixStore("cpu/", store), rank, size, timeout)
-    gloo._set_sequence_number_for_group()
-    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
-    config = "gloo"
-    if backend.BACKEND == "cuda":
-        options = dist.ProcessGroupNCCL.Options()
-        options.is_high_priority_stream = False
-        options._timeout = timeout
-        options.global_ranks_in_group = global_ranks
-        options.group_name = name
-        nccl = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", store), rank, size, options)
-        nccl._set_sequence_number_for_group()
-        pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
-        config = "cpu:gloo,cuda:nccl"
-    pg._set_default_backend(_backend_type(torch.device(backend.BACKEND)))
-    pg._set_group_name(name)
-    pg._set_group_desc(name)
-    world = c10d._world
-    world.pg_map[pg] = (config, store)
-    world.pg_names[pg] = name
-    world.pg_group_ranks[pg] = {g: i for i, g in enumerate(global_ranks)}
-    world.pg_backend_config[pg] = config
-    world.pg_to_tag[pg] = f"ptd:{name}"
-    world.tags_to_pg.setdefault(f"ptd:{name}", []).append(pg)
-    c10d._register_process_group(name, pg)
-    return pg
-
-
-def _unregister(pg) -> None:
-    world = c10d._world
-    if pg not in world.pg_map:  # destroy_process_group() of the world cleared every entry already
-        return
-    name = world.pg_names.pop(pg)
-    for table in (world.pg_map, world.pg_group_ranks, world.pg_backend_config):
-        table.pop(pg, None)
-    tag = world.pg_to_tag.pop(pg, None)
-    if tag is not None and pg in world.tags_to_pg.get(tag, []):
-        world.tags_to_pg[tag].remove(pg)
-    c10d._unregister_process_group(name)
-
 
 def _create(options, pg_options) -> WeftProcessGroup:
     """The backend's creator (c10d's extended API): on every member, at init_process_group / new_group."""
@@ -291,8 +241,8 @@ def _create(options, pg_options) -> WeftProcessGroup:
                            f"(or init_process_group(backend={NAME!r}))")
     # torch's destroy_process_group() shuts every registered group down in reverse order of their names: "(" sorts
     # below digits and letters, so a weft group is shut down (its world finalized over the internal group) first.
-    internal = _internal_group(options.store, rank, size, options.timeout, f"({NAME}){name}",
-                               global_ranks or list(range(size)))
+    internal = registered_process_group(dist.PrefixStore(f"{NAME}/", options.store), rank, size, options.timeout,
+                                        f"({NAME}){name}", global_ranks or list(range(size)))
     try:
         if made_world:
             group = _world.init_over(internal, rank, size)
@@ -302,7 +252,7 @@ def _create(options, pg_options) -> WeftProcessGroup:
             w.groups[group.name] = group
         group.world.groups[name] = group  # an op's group= may name the weft process group: this Group
     except BaseException:
-        _unregister(internal)
+        unregister(internal)
         raise
     return WeftProcessGroup(group, internal, made_world)
 

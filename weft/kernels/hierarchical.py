@@ -33,12 +33,13 @@ nodes); with WEFT_RAIL=nvshmem (weft.init put every heap on NVSHMEM's symmetric 
 in device memory (CUDA-graph replays) and the reductions summed as on cpu. Either is ordered with the node's
 kernels by stream order (ag_gemm's and gemm_rs's on a side stream, beside the node's kernels: see their classes).
 
-The node and rail groups are made on the op's first call on the group, among its members only (torch's
-`use_local_synchronization`), once per set of ranks in a world, with a heap just large enough for the families'
-workspaces they use. A group whose nodes hold different numbers of its members has no rails: its ops take the
-process group's collective (`nccl` method) instead. The collectives call the node's reduce_scatter and all_gather
-through those ops' plans, made on their own first call: no dispatch, group resolution or plan key per call (an
-eager call's host cost: docs/nodes.md, scripts/probe_nodes_host.py).
+The node and rail groups are made on the op's first call on the group, among its members only (named after the
+group and their ranks, whatever groups some ranks made before: weft/runtime/subgroups.py), once per set of ranks
+in a world, with a heap just large enough for the families' workspaces they use. A group whose nodes hold
+different numbers of its members has no rails: its ops take the process group's collective (`nccl` method)
+instead. The collectives call the node's reduce_scatter and all_gather through those ops' plans, made on their own
+first call: no dispatch, group resolution or plan key per call (an eager call's host cost: docs/nodes.md,
+scripts/probe_nodes_host.py).
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ from .. import language as wl
 from ..runtime import backend
 from ..runtime.group import Group, check_heap_route
 from ..runtime.streams import StreamSet
+from ..runtime.subgroups import member_process_group
 from .common import nccl_all_gather, nccl_reduce_scatter, workspace, zero_everywhere
 
 
@@ -330,7 +332,9 @@ def _subgroup(parent: Group, world_ranks: list[int], extra_families: int, extra_
     key = tuple(world_ranks)
     found = cache.get(key)
     if found is None:
-        pg = dist.new_group(list(key), use_local_synchronization=True)
+        # Named after the parent and the ranks, never torch's local new_group: its name counts the groups each
+        # process registered, which differs between members after a group only some of them made (a hang).
+        pg = member_process_group(parent.process_group, "hierarchy", key)
         w.made_groups.append(pg)
         heap_size = (extra_families + 1) * parent.workspace_bytes + extra_bytes + (1 << 20)
         found = cache[key] = Group(w, pg, key, heap_size, parent.workspace_bytes, heap_makers=parent.ranks)

@@ -25,6 +25,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from .subgroups import member_process_group
+
 ALIGN = 256  # bytes; TMA and 16-byte vector accesses need far less, peers agree on it
 
 
@@ -172,7 +174,7 @@ def cuda_heap(rank: int, world_size: int, size: int, group, device: torch.device
         if world_ranks is None:
             raise ValueError("cuda_heap: members on several nodes need their world ranks")
         # Only this node's members take part (the other nodes make theirs at the same time).
-        node_group = dist.new_group([world_ranks[i] for i in mine], use_local_synchronization=True)
+        node_group = member_process_group(group, "heap-node", [world_ranks[i] for i in mine])
     block.zero_()  # before the rendezvous: a peer's first write into this block comes after it
     torch.cuda.synchronize(device)
     bases = [0] * world_size
