@@ -81,3 +81,12 @@ def race_delay(request, monkeypatch):
     """Forked ranks inherit the delay from this process's environment."""
     if _race_test_id(request.node) in RACE_TESTS and "WEFT_TEST_DELAY" not in os.environ:
         monkeypatch.setenv("WEFT_TEST_DELAY", RACE_TESTS[_race_test_id(request.node)])
+
+
+@pytest.fixture(scope="module")
+def gpu_world():
+    """A GPU test module's world (the module runs under `weft run -n N -m pytest`): weft.init() before its first
+    test, weft.finalize() after its last. Modules take it through their autouse `world` fixture."""
+    w = weft.init()
+    yield w
+    weft.finalize()

@@ -19,10 +19,8 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module", autouse=True)
-def world():
-    weft.init()
-    yield
-    weft.finalize()
+def world(gpu_world):
+    return gpu_world
 
 
 def _paged_case(batch=3, heads=4, kv_heads=2, dim=64, page=16, pages_per_row=4):

@@ -22,10 +22,8 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module", autouse=True)
-def world():
-    w = weft.init()
-    yield w
-    weft.finalize()
+def world(gpu_world):
+    return gpu_world
 
 
 def _rail_workspaces(world):

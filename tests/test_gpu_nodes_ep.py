@@ -13,10 +13,8 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module", autouse=True)
-def world():
-    w = weft.init()
-    yield w
-    weft.finalize()
+def world(gpu_world):
+    return gpu_world
 
 
 def _inputs(seed, tokens, experts, k, hidden, dtype):
@@ -60,7 +58,7 @@ def _combined(x, idx, wts):
 
 def _ll_round(world, seed, tokens, experts, k, hidden, max_tokens, fp8=False, check_dispatch=True):
     """One ep_dispatch_ll + ep_combine_ll on the world; returns (out, the reference) after the dispatch's checks."""
-    size, me, local = world.world_size, world.rank, experts // world.world_size
+    me, local = world.rank, experts // world.world_size
     inputs = _inputs(seed, tokens, experts, k, hidden, torch.bfloat16)
     x, idx, wts = inputs[me]
     recv, counts, scales, handle = weft.ops.ep_dispatch_ll(x, idx, experts, max_tokens, fp8=fp8)
