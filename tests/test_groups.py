@@ -1,6 +1,5 @@
 """Groups (weft/runtime/group.py, world.py): new_group, new_subgroups, a torch ProcessGroup as a group, group heaps,
 a rank in several groups, members and non-members, and the errors of groups used wrongly."""
-import pytest
 
 from weft.testing import run_ranks
 

@@ -8,7 +8,6 @@ pass count (what used to hang) are among them.
 """
 import re
 
-import pytest
 import torch
 
 from weft.testing import run_ranks
