@@ -181,7 +181,8 @@ def test_bench_harness_writes_json_table_and_plot(tmp_path):
 @pytest.mark.parametrize("suite, impls", [
     ("allreduce", {"gloo", "weft one_shot", "weft two_shot", "weft auto", "weft auto (in place)",
                    "weft two_shot (symmetric, in place)"}),
-    ("reducescatter", {"gloo", "weft"}),
+    # The same harness as allreduce's: outside CI (`long`) for the suite's time.
+    pytest.param("reducescatter", {"gloo", "weft"}, marks=pytest.mark.long),
 ])
 def test_bench_reduction_suites(tmp_path, suite, impls):
     """One size, one sample: the harness's sweep over sizes is test_bench_harness_writes_json_table_and_plot's."""
