@@ -12,9 +12,11 @@ six kernels a layer (flash_decode's two among them): per layer the phases
 
 Each phase's tasks are exactly the programs of the standalone kernel's grid, run by the same device bodies
 (decode.py's `_qkv_program`, `_linear_residual_program`, `_gate_up_program`; flash_decode.py's `_split_program`,
-`_merge_program`) with the same launch settings and splits (the fused path's plans compute them), so the step
-computes the fused path's bits (with one number of warps for every body: the fused path's agree on the shipped
-settings). A split-K phase's last split sums the partials and runs the epilogue inside its task, as in the
+`_merge_program`) with the same launch settings and splits (the fused path's plans compute them), so the step does
+the fused path's arithmetic (with one number of warps for every body: the fused path's agree on the shipped
+settings): the same bits under the interpreter; on GPUs the bodies compiled into one kernel round the last bit of
+some rotated keys differently (measured on 1x H200, both paths deterministic), a difference the KV cache carries
+on. A split-K phase's last split sums the partials and runs the epilogue inside its task, as in the
 standalone kernel.
 
 Algorithm. The host builds once per signature an int32 task table in phase-major order: (layer 0's QKV tasks,
@@ -70,7 +72,7 @@ import weft.language as wl
 
 from .. import tuning
 from . import flash_decode as fd
-from .common import Launch, Plan, plan, signature, world_or_raise
+from .common import Launch, Plan, _itself, plan, signature, world_or_raise
 from .decode import (GemvPlan, _eps, _gate_up_program, _head_counts, _linear_residual_program, _operand, _qkv_program,
                      _same_device, heads_per_program, MIN_BLOCK)
 from .gemm import num_sms
@@ -265,8 +267,9 @@ def decode_step(h: torch.Tensor, weights: list[Optional[torch.Tensor]], inv_freq
     and raised at the next call). cache (layers, 2, M, max_len, kv_heads, head_dim), contiguous: layer l's keys
     and values, sequence t in row t; the step's k and v are written into it.
     eps: every RMSNorm's. One dtype (bf16, fp16, fp32), head_dim 64, 128 or 256, everything contiguous on this
-    rank's device. The same bits as the fused decode path's kernels (norm_qkv_rope, flash_decode, linear_residual,
-    norm_gate_up_silu), which it replaces."""
+    rank's device. The fused decode path's kernels' arithmetic (norm_qkv_rope, flash_decode, linear_residual,
+    norm_gate_up_silu), which it replaces: their bits on the cpu backend, within rounding of them on GPUs (module
+    doc)."""
     world = world_or_raise()
     _head_counts(heads, kv_heads)  # before the plan's key, where 2.0 would find the plan of 2
     found = plan(world, lambda: ("decode_step", signature(h), _weights_key(weights), signature(inv_freq),
@@ -459,9 +462,6 @@ class DecodeStepPlan(Plan):
         self.launch(*self._args(h, out, cache, positions, lengths, inv_freq, _eps(eps), self.launch.address))
         return out
 
-
-def _itself(t):
-    return t
 
 
 def _aligned(name: str, t: torch.Tensor) -> None:
