@@ -37,7 +37,7 @@ the bodies read what another program of a launch may have written (x, the residu
 Launch settings (columns per run, K block, stages, warps, programs per SM, tl.dot or not) come from weft.tuning's
 decode.gemv, per projection (qkv, o, gate_up, down) and row range where the sweep found them to differ (`resolve`),
 and the largest M the decode path takes these kernels at from decode.fused_max_m, per tensor-parallel size
-(`fused_max_m`; the layers' cuBLAS GEMMs above). A QKV program owns whole heads (its epilogue needs them): block_n
+(`tuning.by_size`; the layers' cuBLAS GEMMs above). A QKV program owns whole heads (its epilogue needs them): block_n
 // (head_dim / 2) of them, a power of two that divides both head counts.
 """
 from __future__ import annotations
@@ -550,14 +550,6 @@ def resolve(table: dict, op: str, m: int) -> dict:
         else:
             raise tuning.TuningError(f"decode.gemv gives {op} at {m} rows no {field!r}")
     return out
-
-
-def fused_max_m(device: torch.device, tp_size: int = 1) -> int:
-    """The largest number of rows (a decode step's batch bucket) the fused decode path takes by default in a model
-    split over tp_size ranks: decode.fused_max_m gives it per tensor-parallel size (its keys), and the entry of the
-    largest size not above tp_size holds (the smallest size's below it). The GEMVs shrink with TP, their fixed
-    costs do not: on 4x H200 the layers path wins even at batch 1."""
-    return tuning.by_size("decode.fused_max_m", device, tp_size)
 
 
 def _operand(name: str, t, dtype, shape: tuple) -> None:

@@ -463,7 +463,6 @@ class DecodeStepPlan(Plan):
         return out
 
 
-
 def _aligned(name: str, t: torch.Tensor) -> None:
     if t.data_ptr() % 16:
         raise ValueError(f"{name} must be 16-byte aligned (its address goes into the step's table), got address "
