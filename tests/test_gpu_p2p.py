@@ -3,9 +3,11 @@
 from one chunk to messages spread over every program of the kernel in several chunks each, many times over (on
 2x H100 the kernel once delivered only the first chunk of a four-chunk message: a race shows in some calls only);
 a batch exchange both ways; send / recv captured in a CUDA graph and replayed on new data; a batch over both routes;
-blocking sends of temporaries freed at once."""
+blocking sends of temporaries freed at once. M2N (m2n_dispatch / m2n_combine) from the first half of the ranks to the
+rest at top-1, 2 and 8 against torch, eager and replayed from a CUDA graph on new inputs."""
 import pytest
 import torch
+import torch.distributed as dist
 
 import weft
 from weft import tuning
@@ -137,4 +139,80 @@ def test_mixed_routes_batch_and_freed_temporaries():
                     weft.ops.recv(y, 0)
                     assert torch.equal(y.view(torch.int16), _message((4096,), 1000 + it).view(torch.int16)), \
                         (kernel, it)
+    weft.barrier()
+
+
+def _m2n_reference(x, dest, weights, processed, n):
+    """The combine's result for a sender's x, dest and weights, each receiver d having turned a row r into
+    processed(r, d): the kernels' order of fp32 sums (each receiver's entries of a row in j order, then the
+    receivers in the order of their first entries)."""
+    want = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        named = [int(d) for d in dest[t] if 0 <= d < n]
+        for d in dict.fromkeys(named):
+            part = torch.zeros(x.shape[1], device=x.device)
+            for j in range(dest.shape[1]):
+                if int(dest[t, j]) == d:
+                    part += weights[t, j] * processed(x[t], d).float()
+            want[t] += part
+    return want.to(x.dtype)
+
+
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_m2n_against_torch_and_graph_replay(k):
+    """M2N between the first half of the ranks and the rest: recv bit-exact, the combine within a rounding of the
+    reference (the GPU may fuse the multiply-adds), calls eager and replayed from a CUDA graph on new inputs."""
+    w = weft.world()
+    if w.world_size < 2:
+        pytest.skip("needs 2 GPUs")
+    m = w.world_size // 2
+    n = w.world_size - m
+    senders, receivers = list(range(m)), list(range(m, w.world_size))
+    sender = w.rank < m
+    hidden, max_tokens = 7168 + 64, 96
+    tokens = max_tokens - 5 if sender else 0
+    x = torch.empty((tokens, hidden), dtype=torch.bfloat16, device="cuda")
+    dest = torch.empty((tokens, k), dtype=torch.int64, device="cuda")
+    weights = torch.empty((tokens, k), dtype=torch.float32, device="cuda")
+
+    def fill(it):
+        gen = torch.Generator(device="cuda").manual_seed(100 * it + w.rank)
+        x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
+        dest.copy_(torch.randint(-1, n, dest.shape, device="cuda", generator=gen))
+        weights.copy_(torch.rand(weights.shape, device="cuda", generator=gen))
+
+    def step():
+        recv, counts, handle = weft.ops.m2n_dispatch(x, dest, senders, receivers, max_tokens)
+        y = (recv.float() * (w.rank + 1) + 0.5).to(torch.bfloat16) if not sender else None
+        out = weft.ops.m2n_combine(y, weights if sender else None, handle)
+        return recv, counts, out
+
+    def check(recv, counts, out):
+        torch.cuda.synchronize()
+        every = [None] * w.world_size
+        dist.all_gather_object(every, (x.cpu(), dest.cpu()), group=w.group)
+        if sender:
+            processed = lambda row, d: (row.float() * (m + d + 1) + 0.5).to(torch.bfloat16)  # noqa: E731
+            want = _m2n_reference(x.cpu(), dest.cpu(), weights.cpu(), processed, n)
+            torch.testing.assert_close(out.cpu(), want, rtol=1e-2, atol=1e-2)
+        else:
+            r = w.rank - m
+            for s in range(m):
+                xs, ds = every[s]
+                rows = [xs[t] for t in range(ds.shape[0]) for j in range(k) if ds[t, j] == r]
+                assert int(counts[s]) == len(rows)
+                if rows:
+                    assert torch.equal(recv[s, :len(rows)].cpu().view(torch.int16),
+                                       torch.stack(rows).view(torch.int16))
+
+    for it in range(3):  # eager
+        fill(it)
+        check(*step())
+    fill(0)
+    outputs = []
+    graph = capture(lambda: outputs.extend(step()))
+    for it in range(3, 6):  # replayed on new inputs
+        fill(it)
+        graph.replay()
+        check(*outputs)
     weft.barrier()

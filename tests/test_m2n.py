@@ -57,13 +57,18 @@ def _round_trip(m, n, hidden, k, max_tokens, tokens, seed, pattern="random"):
     else:
         assert recv.shape[0] == 0 and counts.numel() == 0
         out = ops.m2n_combine(None, weights, handle)
+        # The kernels' order of fp32 sums: each receiver sums its entries of a row in j order (k > 1), the sender
+        # those sums in the order of the receivers' first entries in the row.
         want = torch.zeros(tokens, hidden)
         for t in range(tokens):
-            for j in range(k):
-                d = int(dest[t, j])
-                if d >= 0:
-                    processed = (x[t].float() * (m + d + 1) + 0.5).to(torch.bfloat16).float()
-                    want[t] += weights[t, j] * processed
+            named = [int(d) for d in dest[t] if d >= 0]
+            for d in dict.fromkeys(named):
+                processed = (x[t].float() * (m + d + 1) + 0.5).to(torch.bfloat16).float()
+                part = torch.zeros(hidden)
+                for j in range(k):
+                    if int(dest[t, j]) == d:
+                        part += weights[t, j] * processed
+                want[t] += part
         torch.testing.assert_close(out.float(), want.to(torch.bfloat16).float(), rtol=0, atol=0)
 
 
@@ -77,6 +82,7 @@ def _check(m, n):
     hidden, k, max_tokens = 19, 2, 6
     for it, tokens in enumerate((max_tokens, 0)):
         _round_trip(m, n, hidden, k, max_tokens, tokens, 1000 * it)
+    _round_trip(m, n, hidden, 1, max_tokens, max_tokens - 1, 3000)  # top-1: slot rows in x's dtype, no weights sent
     # A destination outside [-1, N): a ValueError on that sender after its launch, the others unharmed.
     x = torch.randn(2 if me == 0 else 0, hidden).to(torch.bfloat16)
     dest = torch.tensor([[0, n + 3], [-1, -1]])[:x.shape[0]]

@@ -8,8 +8,10 @@ send / recv (nccl; gloo on the cpu backend), whatever WEFT_P2P_KERNEL says. Size
 M2N: m2n_dispatch + m2n_combine of --m2n-tokens tokens x --m2n-hidden bf16 per sender (top-k 1 and 8 over the
 receivers, entry j of token t to receiver (t + j) % N), the first half of the ranks senders and the rest
 receivers (1 + 1 at 2 ranks), beside two all_to_all_single of the process group moving the same rows there and
-back (rows already grouped by receiver: no gather or reduction), and the NVLink bound: the bytes a sender sends
-and gets back, over --link-gbps per direction. GB/s: those bytes over the time.
+back (rows already grouped by receiver: no gather or reduction; every entry's row, k per token), and the NVLink
+bound: the bytes a sender sends and gets back, over --link-gbps per direction. Where k > 1 a second bound: the
+bytes weft's M2N moves (a token's row once to each receiver it names, one fp32 sum back). GB/s: a sender's bytes
+(every entry's row, there and back) over the time.
 Two views (--view): CUDA-graph replay and eager back-to-back calls. Medians of the slowest rank
 (weft.bench.timing). Every result is checked before it is timed.
 """
@@ -50,9 +52,8 @@ def _views(args) -> tuple:
     return ("graph", "eager") if args.view == "both" else (args.view,)
 
 
-def _time(cases: dict, case: str, nbytes: int, args, bound_ms: float | None = None,
-          bound_name: str = "") -> list[Row]:
-    """Rows of `cases` {impl: fn} in each view; GB/s = nbytes / time. `bound_ms`: a row of that time too."""
+def _time(cases: dict, case: str, nbytes: int, args, bounds: dict | None = None) -> list[Row]:
+    """Rows of `cases` {impl: fn} in each view; GB/s = nbytes / time. `bounds` {name: ms}: a row of each too."""
     w = weft.world()
     gpu = w.device.type == "cuda"
     calls = 1 if not gpu else 20 if nbytes < (1 << 20) else 4
@@ -62,8 +63,8 @@ def _time(cases: dict, case: str, nbytes: int, args, bound_ms: float | None = No
                            graph=gpu and view == "graph")
         rows += [Row(SUITE, case, name, ms, nbytes / ms / 1e6, nbytes, w.world_size, view)
                  for name, ms in times.items()]
-        if bound_ms is not None:
-            rows.append(Row(SUITE, case, bound_name, bound_ms, nbytes / bound_ms / 1e6, nbytes, w.world_size, view))
+        rows += [Row(SUITE, case, name, ms, nbytes / ms / 1e6, nbytes, w.world_size, view)
+                 for name, ms in (bounds or {}).items()]
         weft.barrier()
     return rows
 
@@ -168,10 +169,15 @@ def m2n_rows(args, baseline: str) -> list[Row]:
             raise RuntimeError(f"{baseline} all_to_all_single: the rows did not come back intact")
         weft.barrier()
         nbytes = 2 * tokens * k * hidden * x.element_size()  # a sender's rows, there and back
-        bound_ms = nbytes / (args.link_gbps * 1e9) * 1e3
+        # What weft moves: a token's row once per receiver it names, back as one row (fp32 sums where k > 1).
+        slots = tokens * min(k, n_recv)
+        moved = slots * hidden * (x.element_size() + (4 if k > 1 else x.element_size()))
+        link = args.link_gbps * 1e9
         case = f"m2n {tokens}x{hidden} top-{k} ({m}+{world - m}; {baseline}: 2 all_to_all_single)"
-        rows += _time({"weft kernel": weft_m2n, baseline: nccl_m2n}, case, nbytes, args, bound_ms,
-                      f"NVLink bound ({args.link_gbps:g} GB/s per direction)")
+        bounds = {f"NVLink bound ({args.link_gbps:g} GB/s per direction)": nbytes / link * 1e3}
+        if moved != nbytes:
+            bounds["NVLink bound, a row once per receiver"] = moved / link * 1e3
+        rows += _time({"weft kernel": weft_m2n, baseline: nccl_m2n}, case, nbytes, args, bounds)
     return rows
 
 
