@@ -178,6 +178,59 @@ def test_gemv_paths_match_torch_and_layers(row_counts):
     assert run_ranks(_gemv_paths, 1, 1, row_counts, timeout=TIMEOUT)[0]
 
 
+def _linear_residual_ar(seed):
+    """linear_residual_ar on the world and on a group of some ranks, against torch: residual + the sum of every
+    member's x @ w (each member's own shards), the same bits on every member; fp32 and bf16, shapes with and
+    without split K, several row blocks, each plan called twice (new inputs; the split-K counters and the
+    all-reduce's epochs go on), then the group of one (linear_residual's own kernel). A member whose shapes differ
+    gets weft.SignatureMismatch on every member."""
+    import torch
+    import torch.distributed as dist
+
+    import weft
+    from weft.kernels.decode import LinearResidualArPlan
+
+    me, w = weft.rank(), weft.world_size()
+    pair = weft.new_group([0, w - 1])  # None on the ranks between
+    singles = [weft.new_group([r]) for r in range(w)]
+    splits = set()
+    for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2)):
+        for group in (None, pair) if pair is not None else (None,):
+            g = weft.get_group(group)
+            for m, k, n in ((1, 32, 64), (3, 200, 72), (70, 96, 40)):
+                for call in range(2):
+                    gen = torch.Generator().manual_seed(seed + 100 * call + 7 * m)
+                    res = torch.randn(m, n, generator=gen).to(dtype)  # the same on every member
+                    shards = [(torch.randn(m, k, generator=gen).to(dtype),
+                               (torch.randn(k, n, generator=gen) * k ** -0.5).to(dtype)) for _ in range(g.size)]
+                    x, wt = shards[g.rank]
+                    got = weft.ops.linear_residual_ar(x, wt, res, group=group)
+                    total = sum(a.float() @ b.float() for a, b in shards)
+                    want = (total.to(dtype).float() + res.float()).to(dtype)
+                    torch.testing.assert_close(got, want, rtol=tol, atol=tol,
+                                               msg=lambda s: f"linear_residual_ar {m, k, n} {dtype} {g.ranks}: {s}")
+                    every = [torch.empty_like(got) for _ in range(g.size)]
+                    dist.all_gather(every, got, group=g.process_group)
+                    assert all(torch.equal(e, got) for e in every), "members got different bits"
+                    splits.add(LinearResidualArPlan(g, x, wt, res).split)
+    assert 1 in splits and max(splits) > 1, splits
+    x, wt, res = torch.randn(3, 200), torch.randn(200, 72), torch.randn(3, 72)
+    assert torch.equal(weft.ops.linear_residual_ar(x, wt, res, group=singles[me]),
+                       weft.ops.linear_residual(x, wt, res))
+    # Members whose shapes differ: every member raises, none returns a wrong sum.
+    x = torch.randn(2 if me == 0 else 3, 16)
+    with pytest.raises(weft.SignatureMismatch, match="linear_residual_ar"):
+        weft.ops.linear_residual_ar(x, torch.randn(16, 24), torch.randn(x.shape[0], 24))
+        weft.check_errors()
+    return True
+
+
+# 3 ranks in CI (the world, a group of ranks 0 and 2, rank 1 outside it); 2 outside it.
+@pytest.mark.parametrize("world_size", [3, pytest.param(2, marks=pytest.mark.long)])
+def test_linear_residual_ar_matches_torch(world_size):
+    assert all(run_ranks(_linear_residual_ar, world_size, 5, timeout=TIMEOUT, env={"WEFT_WAIT_TIMEOUT_S": "60"}))
+
+
 def _settings_resolved():
     """decode.gemv's keys: the most specific of op.range.field, op.field, range.field, field wins; a bad key is
     refused naming it."""

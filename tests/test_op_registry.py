@@ -74,6 +74,8 @@ def _cases(w: int, me: int) -> dict:
                                               _randn(s + 24, hd), _randn(s + 25, hd), _randn(s + 26, 2, 4, 1, hd)])
     cases["linear_residual"] = (lambda x, wo, r: ops.linear_residual(x, wo, r),
                                 [_randn(s + 33, 2, 32), _randn(s + 34, 32, 24), _randn(s + 35, 2, 24)])
+    cases["linear_residual_ar"] = (lambda x, wo, r: ops.linear_residual_ar(x, wo, r),
+                                   [_randn(s + 39, 2, 32), _randn(s + 40, 32, 24), _randn(55, 2, 24)])
     cases["norm_gate_up_silu"] = (lambda x, nw, wgu: ops.norm_gate_up_silu(x, nw, wgu),
                                   [_randn(s + 36, 2, 32), _randn(s + 37, 32), _randn(s + 38, 32, 48)])
 

@@ -52,8 +52,10 @@ import weft.language as wl
 
 from .. import tuning
 from .blocks import cast
-from .common import Launch, Plan, plan, signature, world_or_raise
+from .common import Launch, Plan, group_name, plan, signature, workspace, world_or_raise
+from .common import resolve as resolve_group
 from .gemm import num_sms
+from .gemm_ar import MAX_TILES, GemmArWorkspace, gemm_ar
 from .pointwise import _check, _rotate
 from .registry import declare_op
 
@@ -384,12 +386,12 @@ def _qkv_out(acc_a, acc_b, head0, inv_rms, q_out, k_dst, v_dst, rows, positions,
 # blocks as arguments: decode_step.py's persistent kernel runs the same bodies as its tasks.
 
 @triton.jit
-def _linear_residual_program(tile, split, mb, tiles, x, w, residual, out, partial, counter, M, K, N, KB, BPS,
-                             SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                             STAGES: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
-                             BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
-    """Program (tile, split, mb) of out = residual + x @ w: columns [2 BLOCK_N tile, +2 BLOCK_N), two runs of
-    BLOCK_N."""
+def _linear_sums(tile, split, mb, tiles, x, w, partial, counter, M, K, N, KB, BPS, SPLIT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                 IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+    """Program (tile, split, mb)'s share of x @ w, columns [2 BLOCK_N tile, +2 BLOCK_N) in two runs of BLOCK_N:
+    (the rows m, the two runs' columns, their fp32 sums, whether they are the tile's whole sums: the only split's,
+    or the last split's after it summed every split's partials; another split's sums are its own share)."""
     m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < M
     cols_a = tile * 2 * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -399,15 +401,28 @@ def _linear_residual_program(tile, split, mb, tiles, x, w, residual, out, partia
     acc_a, acc_b, _ = _gemv_pair(x, w, x, m, m_mask, K, N, cols_a, cols_b, col_mask_a, col_mask_b, kb0 * BLOCK_K,
                                  tl.minimum(BPS, KB - kb0), False, EVEN_K, EVEN_N, IEEE, DOT, BLOCK_M, BLOCK_N,
                                  BLOCK_K, STAGES)
-    if SPLIT == 1:
-        _residual_out(acc_a, acc_b, residual, out, m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N)
-    else:
+    whole = tl.full([], 1, tl.int1)
+    if SPLIT > 1:
         _store_partials(acc_a, acc_b, partial, (mb * SPLIT + split) * BLOCK_M, m_mask, cols_a, cols_b, col_mask_a,
                         col_mask_b, N, BLOCK_M)
-        if _split_done(counter + mb * tiles + tile, SPLIT):
+        whole = _split_done(counter + mb * tiles + tile, SPLIT)
+        if whole:
             acc_a, acc_b = _sum_partials(partial, mb * SPLIT, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N,
                                          SPLIT, BLOCK_M, BLOCK_N)
-            _residual_out(acc_a, acc_b, residual, out, m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N)
+    return m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, acc_a, acc_b, whole
+
+
+@triton.jit
+def _linear_residual_program(tile, split, mb, tiles, x, w, residual, out, partial, counter, M, K, N, KB, BPS,
+                             SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                             STAGES: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
+                             BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+    """Program (tile, split, mb) of out = residual + x @ w (_linear_sums' columns)."""
+    m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, acc_a, acc_b, whole = _linear_sums(
+        tile, split, mb, tiles, x, w, partial, counter, M, K, N, KB, BPS, SPLIT, BLOCK_M, BLOCK_K, STAGES, EVEN_K,
+        IEEE, DOT, BLOCK_N, EVEN_N)
+    if whole:
+        _residual_out(acc_a, acc_b, residual, out, m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N)
 
 
 @triton.jit
@@ -418,6 +433,48 @@ def linear_residual_kernel(x, w, residual, out, partial, counter, M, K, N, KB, B
     _linear_residual_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0), x, w,
                              residual, out, partial, counter, M, K, N, KB, BPS, SPLIT, BLOCK_M, BLOCK_K, STAGES,
                              EVEN_K, IEEE, DOT, BLOCK_N, EVEN_N)
+
+
+@triton.jit(do_not_specialize=["half_len", "fp"])
+def linear_residual_ar_kernel(x, w, residual, out, partial, counter, stage, flags, epochs, heap, sig, err, fp, M, K, N,
+                              KB, BPS, half_len, WORLD: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                              DOT: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+    """out = residual + the sum over the group's WORLD ranks of x @ w (each rank its own x and w): the split-K
+    GEMV of linear_residual, then the all-reduce in the epilogue, as gemm_ar's kernel does it (gemm_ar.py, whose
+    workspace it shares: the stage's two halves by call parity, arrived[WORLD] flags per tile, the epoch counter,
+    the signature words). The program that holds a tile's whole sums pushes them (fp32) into slot [me] of the
+    tile in every rank's stage half, raises its arrived flag there, waits for every rank's, and sums the WORLD
+    slots in rank order (the same bits on every rank), rounds the sum to the dtype and adds the residual. Every
+    program takes the epoch and signs; the sum waits on the signature check (a mismatch writes no output)."""
+    tile, split, mb, tiles = tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0)
+    epoch = wl.next_epoch(epochs)
+    if wl.signature_live(sig, heap):
+        wl.sign(sig, epoch, fp, heap)
+        m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, acc_a, acc_b, whole = _linear_sums(
+            tile, split, mb, tiles, x, w, partial, counter, M, K, N, KB, BPS, SPLIT, BLOCK_M, BLOCK_K, STAGES,
+            EVEN_K, IEEE, DOT, BLOCK_N, EVEN_N)
+        if whole:
+            me = wl.rank(heap)
+            arrived = flags + (mb * tiles + tile) * WORLD
+            slots = stage + (epoch % 2).to(tl.int64) * half_len
+            r = m[:, None].to(tl.int64) * N
+            mask_a = m_mask[:, None] & col_mask_a[None, :]
+            mask_b = m_mask[:, None] & col_mask_b[None, :]
+            for i in tl.static_range(WORLD):  # each rank starts with itself and goes round
+                there = wl.symm_at(slots + me * M * N, (me + i) % WORLD, heap)
+                tl.store(there + r + cols_a[None, :], acc_a, mask=mask_a)
+                tl.store(there + r + cols_b[None, :], acc_b, mask=mask_b)
+            wl.notify_all(arrived + me, heap, epoch)
+            if wl.check_signed(sig, epoch, fp, heap, err, op="linear_residual_ar"):
+                token = wl.wait(arrived, WORLD, epoch, wl.CMP_GE, heap=heap, op="linear_residual_ar")
+                slots = wl.consume_token(slots, token)
+                total_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                total_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for q in tl.static_range(WORLD):  # unrolled: every rank's loads in flight together
+                    total_a += tl.load(slots + q * M * N + r + cols_a[None, :], mask=mask_a, other=0.0)
+                    total_b += tl.load(slots + q * M * N + r + cols_b[None, :], mask=mask_b, other=0.0)
+                _residual_out(total_a, total_b, residual, out, m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N)
 
 
 @triton.jit
@@ -657,12 +714,14 @@ class LinearResidualPlan(GemvPlan):
         super().__init__(group, "down" if k > n else "o", m, k, x.dtype, settings)
         self.split_k(triton.cdiv(n, 2 * self.block_n), n)
         self.args = (m, k, n, self.kb, self.bps)
+        self.consts = dict(**self.common, BLOCK_N=self.block_n, EVEN_N=n % (2 * self.block_n) == 0)
         if min(m, n) > 0:
-            out = torch.empty(self.shape, dtype=x.dtype, device=x.device)
-            self.launch = Launch(linear_residual_kernel, self.grid,
-                                 (x, weight, residual, out, self.partial, self.counter, *self.args),
-                                 dict(**self.common, BLOCK_N=self.block_n, EVEN_N=n % (2 * self.block_n) == 0),
-                                 self.num_warps)
+            self.prepare(x, weight, residual, torch.empty(self.shape, dtype=x.dtype, device=x.device))
+
+    def prepare(self, x, weight, residual, out):
+        self.launch = Launch(linear_residual_kernel, self.grid,
+                             (x, weight, residual, out, self.partial, self.counter, *self.args), self.consts,
+                             self.num_warps)
 
     def run(self, x, weight, residual):
         out = torch.empty(self.shape, dtype=x.dtype, device=x.device)
@@ -670,6 +729,62 @@ class LinearResidualPlan(GemvPlan):
             a = self.launch.address
             self.launch(a(x), a(weight), a(residual), a(out), a(self.partial), a(self.counter), *self.args)
         return out
+
+
+@declare_op(collective=True)
+def linear_residual_ar(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, group=None) -> torch.Tensor:
+    """residual + the sum over the members of `group` (default: the world) of x @ weight, in one kernel: the
+    row-parallel O and down projections of a decode step at tensor-parallel size > 1 (gemm_ar and the residual
+    add, on linear_residual's split-K GEMV). Each member passes its x (M, K) and weight (K, N) shards and the same
+    residual (M, N); one dtype (bf16, fp16, fp32), contiguous. The sum is rounded to the dtype before the add
+    (as `gemm_ar(x, weight) + residual` rounds); every member gets the same bits. On a group of one it is
+    linear_residual; on a group that spans nodes, gemm_ar (the node's kernel, then the rail) and the add.
+    Collective: every member calls it with the same shapes and dtype."""
+    g = resolve_group(group)
+    found = plan(g, lambda: ("linear_residual_ar", signature(x), signature(weight), signature(residual)),
+                 lambda: LinearResidualArPlan(g, x, weight, residual))
+    return found.run(x, weight, residual)
+
+
+class LinearResidualArPlan(LinearResidualPlan):
+    """linear_residual's grid with the all-reduce in its epilogue (linear_residual_ar_kernel), on gemm_ar's
+    workspace; linear_residual's own on a group of one."""
+
+    def prepare(self, x, weight, residual, out):
+        group = self.group
+        if group.size == 1:
+            return super().prepare(x, weight, residual, out)
+        if group.topology.spans_nodes:
+            self.launch, self.run = None, self.run_spanning
+            return
+        ws = workspace(group, "gemm_ar", GemmArWorkspace)
+        m, k, n = self.args[:3]
+        tiles = self.grid[0] * self.grid[2]
+        if tiles > MAX_TILES:
+            raise ValueError(f"linear_residual_ar: the output has {tiles} tiles, more than {MAX_TILES}")
+        if group.size * m * n * 4 > ws.half_bytes:
+            raise ValueError(f"linear_residual_ar: the staged sums take {group.size * m * n * 4} bytes, more than half "
+                             f"the workspace ({group.workspace_bytes} bytes: raise WEFT_WORKSPACE_BYTES)")
+        self.fp = self.sign("linear_residual_ar", m=m, n=n, k=k, dtype=str(x.dtype).removeprefix("torch."))
+        self.errors = ws.errors
+        stage = ws.stage.view(torch.float32)
+        fixed = (stage, ws.flags, ws.counter, group.heap.descriptor, ws.sig, ws.errors.tensor, self.fp)
+        self.tail = (*self.args, ws.half_bytes // 4)
+        self.launch = Launch(linear_residual_ar_kernel, self.grid,
+                             (x, weight, residual, out, self.partial, self.counter, *fixed, *self.tail),
+                             dict(WORLD=group.size, **self.consts), self.num_warps)
+        self.fixed = tuple(self.launch.address(t) if isinstance(t, torch.Tensor) else t for t in fixed)
+        self.run = self.run_all_reduce
+
+    def run_all_reduce(self, x, weight, residual):
+        out = torch.empty(self.shape, dtype=x.dtype, device=x.device)
+        a = self.launch.address
+        self.launch(a(x), a(weight), a(residual), a(out), a(self.partial), a(self.counter), *self.fixed, *self.tail)
+        self.errors.raise_recorded()
+        return out
+
+    def run_spanning(self, x, weight, residual):
+        return gemm_ar.eager(x, weight, group=self.group) + residual
 
 
 @declare_op()
@@ -827,6 +942,7 @@ class QkvPlan(GemvPlan):
 
 # -- the operators (inference only: not differentiable) ---------------------------------------------------------
 #   torch.ops.weft.linear_residual(x, weight, residual) -> out
+#   torch.ops.weft.linear_residual_ar(x, weight, residual, group_name) -> out
 #   torch.ops.weft.norm_gate_up_silu(x, norm_weight, gate_up_weight, eps) -> out
 #   torch.ops.weft.norm_qkv_rope(x, norm_weight, qkv_weight, heads, kv_heads, inv_freq, rows, positions, k_dst!,
 #                                v_dst!, q_weight, k_weight, eps) -> q   (k and v written into k_dst / v_dst)
@@ -839,6 +955,22 @@ def linear_residual_op(x: torch.Tensor, weight: torch.Tensor, residual: torch.Te
 @linear_residual_op.register_fake
 def _(x, weight, residual):
     return x.new_empty((x.shape[0], weight.shape[1]))
+
+
+@linear_residual_ar.define
+def linear_residual_ar_op(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                          group_name: str) -> torch.Tensor:
+    return linear_residual_ar.eager(x, weight, residual, group=group_name)
+
+
+@linear_residual_ar_op.register_fake
+def _(x, weight, residual, group_name):
+    return x.new_empty((x.shape[0], weight.shape[1]))
+
+
+@linear_residual_ar.traced
+def _(x, weight, residual, group=None):
+    return torch.ops.weft.linear_residual_ar(x, weight, residual, group_name(group))
 
 
 @norm_gate_up_silu.define
@@ -884,6 +1016,14 @@ def _compile_cases():
                         dict(x=t, w=t, residual=t, out=t, partial="*fp32", counter="*i32", M="i32", K="i32", N="i32",
                              KB="i32", BPS="i32"),
                         dict(**common, BLOCK_N=s["block_n"], EVEN_N=True), dict(options, divisible=("K", "N"))))
+            if t == "*bf16":  # at 2 and 8 ranks
+                for world in (2, 8):
+                    out.append((linear_residual_ar_kernel,
+                                dict(x=t, w=t, residual=t, out=t, partial="*fp32", counter="*i32", stage="*fp32",
+                                     flags="*i32", epochs="*i64", heap="*i64", sig="*i64", err="*i64", fp="i32",
+                                     M="i32", K="i32", N="i32", KB="i32", BPS="i32", half_len="i32"),
+                                dict(WORLD=world, **common, BLOCK_N=s["block_n"], EVEN_N=True),
+                                dict(options, divisible=("K", "N"))))
             out.append((norm_gate_up_silu_kernel,
                         dict(x=t, norm_w=t, w=t, out=t, partial="*fp32", counter="*i32", M="i32", K="i32", I="i32",
                              KB="i32", BPS="i32", eps="fp32"),

@@ -1,11 +1,13 @@
 """How the tensor-parallel layers of a decoder communicate: on weft's ops, or on the NCCL + cuBLAS baseline.
 
-A layer asks its `comm` for six things; the two implementations compute the same values:
+A layer asks its `comm` for seven things; the two implementations compute the same values:
 
     call                  what it is                                  "weft"              "nccl"
     ag_gemm(x_shard, w)   all_gather(x_shard, dim 0) @ w (column, SP)  ops.ag_gemm         all_gather, matmul
     gemm_rs(x, w)         reduce_scatter(x @ w, dim 0) (row, SP)      ops.gemm_rs         matmul, reduce_scatter
     gemm_ar(x, w)         all_reduce(x @ w) (row, plain TP)           ops.gemm_ar         matmul, all_reduce
+    gemm_ar_residual(x, w, r)  r + all_reduce(x @ w) (decode's row    ops.linear_residual_ar  matmul, all_reduce,
+                          projections: O, down)                                           add
     all_reduce(x)         the sum over ranks                          ops.all_reduce      all_reduce
     reduce_scatter(x)     rows [r m, (r + 1) m) of the sum            ops.reduce_scatter  reduce_scatter
     all_gather(x)         the concatenation over ranks (dim 0)        ops.all_gather      all_gather
@@ -51,6 +53,9 @@ class WeftComm(Comm):
     def gemm_ar(self, x, w):
         return ops.gemm_ar(x, w, group=self.group)
 
+    def gemm_ar_residual(self, x, w, residual):
+        return ops.linear_residual_ar(x, w, residual, group=self.group)
+
     def all_reduce(self, x):
         return ops.all_reduce(x, group=self.group)
 
@@ -75,6 +80,9 @@ class NcclComm(Comm):
         y = x @ w
         dist.all_reduce(y, group=self.group.process_group)
         return y
+
+    def gemm_ar_residual(self, x, w, residual):
+        return self.gemm_ar(x, w) + residual
 
     def all_reduce(self, x):
         y = x.clone(memory_format=torch.contiguous_format)

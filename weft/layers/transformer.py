@@ -326,8 +326,8 @@ class TensorParallelAttention(nn.Module):
         """The fused decode form of h + decode(norm(h)) (weft/kernels/decode.py): h (batch, hidden) the residual
         stream on every rank, returns the stream after attention. norm, the QKV projection, q/k norm, rotary and
         the KV-cache write in one kernel (ops.norm_qkv_rope, which takes one eps: the q/k norms' must be norm's),
-        attention, then the O projection with the residual add (ops.linear_residual; at W > 1 comm.gemm_ar,
-        then the add)."""
+        attention, then the O projection with the residual add (ops.linear_residual; at W > 1
+        comm.gemm_ar_residual: ops.linear_residual_ar on weft's ops)."""
         qk = self.q_norm is not None
         q = ops.norm_qkv_rope(h, norm.weight, self.qkv_weight, self.heads, self.kv_heads, pos.inv_freq, pos.rows,
                               pos.positions, *kv, self.q_norm.weight if qk else None,
@@ -382,7 +382,7 @@ class TensorParallelMLP(nn.Module):
 
 def _project_residual(comm, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, world_size: int):
     """residual + x @ weight summed over the group: one kernel on one rank (ops.linear_residual), else the row
-    projection's all-reduce (comm.gemm_ar) and the add."""
+    projection with its all-reduce and the add (comm.gemm_ar_residual: one kernel on weft's ops)."""
     if world_size == 1:
         return ops.linear_residual(x, weight, residual)
-    return comm.gemm_ar(x, weight) + residual
+    return comm.gemm_ar_residual(x, weight, residual)
