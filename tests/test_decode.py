@@ -345,7 +345,7 @@ def _decode_paths(kind, rope, batches):
 
     ref = _hf_model(kind, 4, 2, 96, rope=rope)
     model = from_hf(ref.config, state_dict=ref.state_dict())
-    # The default: tuning's decode.fused_max_m at this TP size (1x, 2x and 4x H200 measured: 16, 8 and 0).
+    # The default: tuning's decode.fused_max_m at this TP size (1x, 2x and 4x H200 measured: 16, 16 and 0).
     from weft import tuning
     limit = tuning.by_size("decode.fused_max_m", weft.device(), weft.world_size())
     assert model.decode_path(max(limit, 1)) == ("fused" if limit else "layers") and model.decode_path(64) == "layers"
