@@ -1,5 +1,5 @@
-"""The fused decode GEMVs (weft/kernels/decode.py) alone, at a model's one-GPU decode shapes, against torch.matmul of
-the same weight, as a fraction of the copy bandwidth; on one GPU.
+"""The fused decode GEMVs (weft/kernels/decode.py) alone, at a model's one-GPU decode shapes (or one rank's at
+--tp N), against torch.matmul of the same weight, as a fraction of the copy bandwidth; on one GPU.
 
     python3 -m weft run -n 1 scripts/bench_gemv.py --out $OUT/bench_gemv.json                   # Qwen3-8B, M 1,8,16,64
     python3 -m weft run -n 1 scripts/bench_gemv.py --sweep --ms 1,8 --samples 10 --out $OUT/bench_gemv_sweep.json
@@ -57,6 +57,8 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="Qwen3-8B", choices=sorted(MODELS))
     p.add_argument("--ms", default="1,8,16,64", help="rows (tokens) per call")
+    p.add_argument("--tp", type=int, default=1,
+                   help="the shapes of one rank of this tensor-parallel size (heads and intermediate split)")
     p.add_argument("--samples", type=int, default=30)
     p.add_argument("--ops", default=",".join(OPS), help=f"of {', '.join(OPS)}")
     p.add_argument("--sweep", action="store_true", help="every launch setting of a small grid (module doc)")
@@ -173,7 +175,11 @@ def main(argv=None) -> int:
         raise SystemExit("bench_gemv.py runs on one rank: `weft run -n 1`")
     device = w.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = MODELS[args.model]
+    config = dict(MODELS[args.model])
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if config[key] % args.tp:
+            raise SystemExit(f"--tp {args.tp} does not divide {key} = {config[key]}")
+        config[key] //= args.tp
     bandwidth = copy_bandwidth(device)
     gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
     print(f"{args.model}, {gpu_name}, copy bandwidth {bandwidth / 1e9:,.0f} GB/s, {dtype}", flush=True)

@@ -1,5 +1,6 @@
 """Where a decode step's time goes, kernel by kernel: weft's decode session (weft.models) replayed from its CUDA
-graph under torch.profiler, on one GPU.
+graph under torch.profiler, on one GPU or tensor-parallel over several (`-n 2`: every rank replays and profiles,
+rank 0 reports its own kernels, bytes and floor).
 
     python3 -m weft run -n 1 scripts/profile_decode.py --out $OUT/profile_decode.json      # Qwen3-8B, b1 ctx512
     python3 -m weft run -n 1 scripts/profile_decode.py --batch 8 --context 4096 --out ...
@@ -110,8 +111,6 @@ def main(argv=None) -> int:
     args = parse(argv)
     weft.init()
     w = weft.world()
-    if w.world_size != 1:
-        raise SystemExit("profile_decode.py runs on one rank: `weft run -n 1`")
     config = dict(MODELS[args.model])
     if args.layers:
         config["num_hidden_layers"] = min(args.layers, config["num_hidden_layers"])
@@ -147,7 +146,7 @@ def main(argv=None) -> int:
     gemm_ar = sum(b.attn.o_weight.nbytes + b.mlp.down_weight.nbytes for b in model.blocks)
     # The fused decode kernels (weft/kernels/decode.py), each named for the weights it reads.
     fused = {"norm_qkv_rope_kernel": sum(b.attn.qkv_weight.nbytes for b in model.blocks),
-             "linear_residual_kernel": gemm_ar,
+             "linear_residual_kernel": gemm_ar, "linear_residual_ar_kernel": gemm_ar,
              "norm_gate_up_silu_kernel": sum(b.mlp.gate_up_weight.nbytes for b in model.blocks)}
     for name in times:
         if "decode_step_kernel" in name:
@@ -167,18 +166,22 @@ def main(argv=None) -> int:
         kernels.append(dict(name=name, us_per_step=round(us, 2), launches_per_step=round(launches, 2),
                             share=round(us / total_us, 4), bytes_per_step=nbytes, copy_bandwidth_fraction=fraction))
     device = torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else "cpu (interpreter)"
-    report = dict(meta=dict(device=device, torch=torch.__version__, model=args.model, layers=model.config.num_layers,
+    report = dict(meta=dict(device=device, ranks=w.world_size, torch=torch.__version__, model=args.model, layers=model.config.num_layers,
                             batch=args.batch, context=args.context, comm=args.comm, path=session.path,
                             steps=args.steps, persistent_settings=persistent or None,
                             profiled=profiled, commit=os.environ.get("WEFT_COMMIT")),
                   copy_bandwidth_gbps=round(bandwidth / 1e9, 1), decode_bytes=need, step_us=round(step_us, 1),
                   floor_us=round(floor_us, 1), kernels_us=round(total_us, 1), kernels=kernels)
+    if w.rank != 0:  # every rank replays and profiles its step; rank 0 reports its own
+        runs.close()
+        weft.finalize()
+        return 0
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
 
     print(f"{args.model} ({model.config.num_layers} layers) decode b{args.batch} ctx{args.context}, comm={args.comm}, "
-          f"{session.path} path, {device}, {profiled}")
+          f"{session.path} path, {device} x {w.world_size} (rank 0's kernels and bytes), {profiled}")
     print(f"step {step_us:.0f} µs, HBM floor {floor_us:.0f} µs ({floor_us / step_us:.0%}; weights "
           f"{need['weights'] / 2**30:.2f} GiB + KV {need['kv'] / 2**30:.3f} GiB at {bandwidth / 1e9:,.0f} GB/s copy); "
           f"kernels {total_us:.0f} µs, gaps {step_us - total_us:.0f} µs")
