@@ -13,8 +13,9 @@ device-to-device copy, read + write bytes over its time, measured in the same ru
 (weight, x, outputs) over its time. Calls replay from a CUDA graph, and go round a set of weight copies larger
 than L2, so the weights come from HBM as in a decode step. --sweep: every launch setting of a grid (weft.tuning
 decode.gemv's fields: block_n, block_k, num_stages, num_warps, programs_per_sm, dot) for each fused op and M, set
-as that op's and row range's keys (`{op}.{few|many}.{field}`, weft.kernels.decode.resolve), best per op and M
-reported beside cuBLAS, and at the end the keys to write into weft/tuning/data as measured values. The default
+as that op's weight shape's and row range's keys (`{op}.{K}x{N}.{few|many}.{field}`, weft.kernels.decode.resolve),
+best per op and M reported beside cuBLAS, and at the end the keys to write into weft/tuning/data as measured values
+(the op's `{op}.{few|many}.{field}` at one GPU's shapes, the shape's at --tp > 1). The default
 grid (SWEEP: the dot-free path's tiles, stages and programs per SM, on 4 warps or 8 where 4 would spill, then
 tl.dot's; 44 settings at M = 1, 20 at M = 8, where most dot-free tiles would spill; for QKV block_n // 64 heads a
 program) is 256 compiles and timings for the four ops at M = 1 and 8, about 4 minutes at ~1 s each (an estimate,
@@ -194,13 +195,17 @@ def main(argv=None) -> int:
     for op, m in itertools.product(ops, [int(v) for v in args.ms.split(",") if v]):
         case = Case(op, config, m, dtype, device, L2_BYTES[device.type])
         # linear_residual resolves "down" at K > N, else "o": the bench's op names.
-        scope = f"{op}.{'few' if m <= table.get('few_max_m', 0) else 'many'}"
+        row_range = 'few' if m <= table.get('few_max_m', 0) else 'many'
+        # Each setting tried under this weight shape's scope (the most specific key, whatever the table holds); the
+        # keys to write: the op's at one GPU's shapes, the shape's at one rank's of a larger TP size (resolve).
+        tried = f"{op}.{case.k}x{case.n}.{row_range}"
+        scope = f"{op}.{row_range}" if args.tp == 1 else tried
         settings = [None]
         if args.sweep:
             settings = sweep_settings(grid, m, config["head_dim"] // 2 if op == "qkv" else 1)
         fused, errors = {}, {}
         for s in settings:
-            scoped = {f"{scope}.{field}": v for field, v in (s or {}).items()}
+            scoped = {f"{tried}.{field}": v for field, v in (s or {}).items()}
             with tuning.overrides({"decode.gemv": dict(table, **scoped)} if s else {}):
                 w.plans.clear()
                 try:
@@ -224,7 +229,7 @@ def main(argv=None) -> int:
                    matmul_us=round(matmul_ms * 1e3, 2),
                    matmul_bandwidth_fraction=round(case.matmul_bytes / (matmul_ms * 1e-3) / bandwidth, 3),
                    error_vs_layers=float(f"{error:.2e}"),
-                   settings=json.loads(best) or launch_settings(device, op, m))
+                   settings=json.loads(best) or launch_settings(device, op, m, (case.k, case.n)))
         if args.sweep:
             row["sweep_us"] = {k: round(v * 1e3, 2) for k, v in sorted(fused.items(), key=lambda kv: kv[1])}
         rows.append(row)

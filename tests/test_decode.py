@@ -232,8 +232,8 @@ def test_linear_residual_ar_matches_torch(world_size):
 
 
 def _settings_resolved():
-    """decode.gemv's keys: the most specific of op.range.field, op.field, range.field, field wins; a bad key is
-    refused naming it."""
+    """decode.gemv's keys: the most specific of op.KxN.range.field, op.KxN.field, op.range.field, op.field,
+    range.field, field wins; a bad key is refused naming it."""
     from weft import tuning
     from weft.kernels.decode import resolve
     from weft.testing.checks import rejects
@@ -250,6 +250,17 @@ def _settings_resolved():
     rejects(lambda: resolve(dict(table, **{"up.dot": True}), "o", 1), tuning.TuningError, "'up.dot'", [])
     rejects(lambda: resolve({"block_n": 64}, "o", 1), tuning.TuningError, "no 'block_k'", [])
     rejects(lambda: resolve(table, "gate", 1), ValueError, "op must be one of", [])
+    # A weight shape's keys (one rank's shapes at a TP size): the most specific, for that shape only.
+    shaped = dict(table, **{"gate_up.4096x12288.few.num_stages": 6, "gate_up.4096x12288.programs_per_sm": 1})
+    assert resolve(shaped, "gate_up", 1, (4096, 12288))["num_stages"] == 6
+    assert resolve(shaped, "gate_up", 8, (4096, 12288))["num_stages"] == 3
+    assert resolve(shaped, "gate_up", 8, (4096, 12288))["programs_per_sm"] == 1
+    assert resolve(shaped, "gate_up", 1, (4096, 24576)) == resolve(table, "gate_up", 1)
+    assert resolve(shaped, "gate_up", 1) == resolve(table, "gate_up", 1)
+    rejects(lambda: resolve(dict(table, **{"4096x12288.dot": True}), "o", 1), tuning.TuningError,
+            "'4096x12288.dot'", [])
+    rejects(lambda: resolve(dict(table, **{"qkv.few.4096x12288.dot": True}), "o", 1), tuning.TuningError,
+            "'qkv.few.4096x12288.dot'", [])
     return True
 
 

@@ -35,9 +35,9 @@ the bodies read what another program of a launch may have written (x, the residu
 (.cg): in the persistent kernel the same buffers are rewritten every layer, and an SM's L1 may hold an old line.
 
 Launch settings (columns per run, K block, stages, warps, programs per SM, tl.dot or not) come from weft.tuning's
-decode.gemv, per projection (qkv, o, gate_up, down) and row range where the sweep found them to differ (`resolve`),
-and the largest M the decode path takes these kernels at from decode.fused_max_m, per tensor-parallel size
-(`tuning.by_size`; the layers' cuBLAS GEMMs above). A QKV program owns whole heads (its epilogue needs them): block_n
+decode.gemv, per projection (qkv, o, gate_up, down), weight shape and row range where the sweep found them to differ
+(`resolve`), and the largest M the decode path takes these kernels at from decode.fused_max_m, per tensor-parallel
+size (`tuning.by_size`; the layers' cuBLAS GEMMs above). A QKV program owns whole heads (its epilogue needs them): block_n
 // (head_dim / 2) of them, a power of two that divides both head counts.
 """
 from __future__ import annotations
@@ -574,33 +574,46 @@ def norm_qkv_rope_kernel(x, norm_w, w, q_out, k_dst, v_dst, rows, positions, inv
 
 # -- host side ------------------------------------------------------------------
 
-def launch_settings(device: torch.device, op: str, m: int) -> dict:
-    """The launch settings of `op` (one of OPS) at m rows: {FIELDS: value}, resolved from weft.tuning's decode.gemv
-    on GPUs (CPU_SETTINGS under the interpreter) as `resolve` reads it."""
+def launch_settings(device: torch.device, op: str, m: int, shape: tuple | None = None) -> dict:
+    """The launch settings of `op` (one of OPS) at m rows of a (K, N) weight `shape`: {FIELDS: value}, resolved
+    from weft.tuning's decode.gemv on GPUs (CPU_SETTINGS under the interpreter) as `resolve` reads it."""
     table = CPU_SETTINGS if device.type != "cuda" else tuning.value("decode.gemv", device)
-    return resolve(table, op, m)
+    return resolve(table, op, m, shape)
 
 
-def resolve(table: dict, op: str, m: int) -> dict:
-    """The settings `table` (decode.gemv's form) gives `op` at m rows. Its keys are `[op.][range.]field`: a field
-    of FIELDS for every op and row count, or scoped to one op of OPS, to a row range ("few": m <= the table's
-    few_max_m, else "many"), or both; the most specific key present wins. TuningError naming a key that is none
-    of these, or a field no key gives."""
+def _shape_scope(part: str) -> bool:
+    """Whether a key's scope part names a weight shape, KxN (`4096x12288`)."""
+    k, x, n = part.partition("x")
+    return bool(x) and k.isdigit() and n.isdigit()
+
+
+def resolve(table: dict, op: str, m: int, shape: tuple | None = None) -> dict:
+    """The settings `table` (decode.gemv's form) gives `op` at m rows of a (K, N) weight `shape`. Its keys are
+    `[op.[KxN.]][range.]field`: a field of FIELDS for every op and row count, or scoped to one op of OPS, to one
+    of its weight shapes (the shapes of one rank at some tensor-parallel size differ from one GPU's: a setting
+    swept there), to a row range ("few": m <= the table's few_max_m, else "many"), or to several; the most
+    specific key present wins. TuningError naming a key that is none of these, or a field no key gives."""
     if op not in OPS:
         raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
     for key in table:
         if key == "few_max_m":
             continue
         *scope, field = key.split(".")
-        if field not in FIELDS or len(scope) > 2 or not (
-                not scope or (len(scope) == 1 and scope[0] in OPS + RANGES)
-                or (len(scope) == 2 and scope[0] in OPS and scope[1] in RANGES)):
-            raise tuning.TuningError(f"decode.gemv: unknown key {key!r} (keys are [op.][range.]field: op of "
-                                     f"{', '.join(OPS)}, range of {', '.join(RANGES)}, field of {', '.join(FIELDS)})")
+        op_scope = scope[:1] if scope and scope[0] in OPS else []
+        shape_scope = scope[1:2] if op_scope and len(scope) > 1 and _shape_scope(scope[1]) else []
+        rest = scope[len(op_scope) + len(shape_scope):]
+        if field not in FIELDS or len(rest) > 1 or (rest and rest[0] not in RANGES):
+            raise tuning.TuningError(f"decode.gemv: unknown key {key!r} (keys are [op.[KxN.]][range.]field: op of "
+                                     f"{', '.join(OPS)}, a weight shape such as 4096x12288, range of "
+                                     f"{', '.join(RANGES)}, field of {', '.join(FIELDS)})")
     rows = "few" if m <= table.get("few_max_m", 0) else "many"
+    scopes = [f"{op}.{rows}.", f"{op}.", f"{rows}.", ""]
+    if shape is not None:
+        at = f"{op}.{shape[0]}x{shape[1]}."
+        scopes = [f"{at}{rows}.", at] + scopes
     out = {}
     for field in FIELDS:
-        for key in (f"{op}.{rows}.{field}", f"{op}.{field}", f"{rows}.{field}", field):
+        for key in (scope + field for scope in scopes):
             if key in table:
                 out[field] = table[key]
                 break
@@ -656,9 +669,9 @@ class GemvPlan(Plan):
     (balanced_split), the split-K workspace and counters. `settings` (`resolve`'s form) replaces the tuned ones:
     the tests run both GEMV paths with it."""
 
-    def __init__(self, group, op: str, m: int, k: int, dtype: torch.dtype, settings: dict | None):
+    def __init__(self, group, op: str, m: int, k: int, n: int, dtype: torch.dtype, settings: dict | None):
         super().__init__(group)
-        s = launch_settings(group.device, op, m) if settings is None else settings
+        s = launch_settings(group.device, op, m, (k, n)) if settings is None else settings
         self.dot = bool(s["dot"])
         # tl.dot takes 16 rows at least; the dot-free path holds just M's (a power of two) in its accumulators.
         rows = triton.next_power_of_2(max(m, 1))
@@ -711,7 +724,7 @@ class LinearResidualPlan(GemvPlan):
         if k == 0:
             raise ValueError("x has no columns (K = 0): nothing to project")
         self.shape = (m, n)
-        super().__init__(group, "down" if k > n else "o", m, k, x.dtype, settings)
+        super().__init__(group, "down" if k > n else "o", m, k, n, x.dtype, settings)
         self.split_k(triton.cdiv(n, 2 * self.block_n), n)
         self.args = (m, k, n, self.kb, self.bps)
         self.consts = dict(**self.common, BLOCK_N=self.block_n, EVEN_N=n % (2 * self.block_n) == 0)
@@ -821,7 +834,7 @@ class GateUpPlan(GemvPlan):
             raise ValueError("x has no columns: RMSNorm of an empty row is undefined")
         inter = gate_up_weight.shape[1] // 2
         self.shape = (m, inter)
-        super().__init__(group, "gate_up", m, k, x.dtype, settings)
+        super().__init__(group, "gate_up", m, k, gate_up_weight.shape[1], x.dtype, settings)
         self.split_k(triton.cdiv(inter, self.block_n), 2 * inter, norm=True)
         self.args = (m, k, inter, self.kb, self.bps)
         if min(m, inter) > 0:
@@ -915,7 +928,7 @@ class QkvPlan(GemvPlan):
         self.q_shape, self.dtype = (m, heads, d), x.dtype
         self.qk_norm = q_weight is not None
         half_p = max(MIN_BLOCK, triton.next_power_of_2(half))
-        super().__init__(group, "qkv", m, k, x.dtype, settings)
+        super().__init__(group, "qkv", m, k, qkv_weight.shape[1], x.dtype, settings)
         self.heads_p = heads_p = heads_per_program(self.block_n, half_p, heads, kv_heads)
         self.split_k((heads + 2 * kv_heads) // heads_p, (heads + 2 * kv_heads) * d, norm=True)
         self.args = (m, k, self.kb, self.bps)

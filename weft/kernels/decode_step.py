@@ -290,7 +290,7 @@ class _Gemv:
     tile counters) and its tile count."""
 
     def __init__(self, group, op, m, k, n, tiles, dtype, norm):
-        self.p = p = GemvPlan(group, op, m, k, dtype, None)
+        self.p = p = GemvPlan(group, op, m, k, n, dtype, None)
         self.tiles = tiles(p)
         p.split_k(self.tiles, n, norm)
         self.tasks = self.tiles * p.split * p.m_blocks
