@@ -1,4 +1,5 @@
-"""GPU checks of the overlapped GEMMs, run on every rank:
+"""GPU checks of the overlapped GEMMs (and linear_residual_ar, the decode GEMV with gemm_ar's all-reduce), run on
+every rank:
 `weft run -n N -m pytest tests/test_gpu_gemm.py -m gpu` (scripts/gpu_suite.sh)."""
 import pytest
 import torch
@@ -126,3 +127,43 @@ def test_overlapped_gemms_cuda_graph_replay_back_to_back():
         assert _rel(o2, _partials_sum(a2, b2).chunk(w.world_size)[w.rank]) < 1e-2, it
         assert _rel(o3, _partials_sum(a3, b3)) < 1e-2, it
     dist.barrier(group=w.group)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+def test_linear_residual_ar_matches_reference_and_replays(m):
+    """linear_residual_ar (the decode step's O and down projections at TP > 1) against residual + the fp32 sum of
+    every rank's a @ b, at Qwen3-8B's two-GPU O and down shapes: the same bits on every rank, eager and replayed
+    from a CUDA graph on new inputs, its calls interleaved with gemm_ar's (they share the workspace's epochs)."""
+    w = weft.world()
+    shapes = [(4096 // w.world_size, 4096), (12288 // w.world_size, 4096)]  # (K shard, N): O, down
+    ops = []
+    for k, n in shapes:
+        a = torch.randn(m, k, device=w.device).to(torch.bfloat16)
+        b = (torch.randn(k, n, device=w.device) / k ** 0.5).to(torch.bfloat16)
+        res = torch.randn(m, n, device=w.device).to(torch.bfloat16)
+        dist.broadcast(res, 0, group=w.group)  # the residual stream is the same on every rank
+        ops.append((a, b, res))
+
+    def check(outs, what):
+        for (a, b, res), got in zip(ops, outs):
+            want = (_partials_sum(a, b).to(torch.bfloat16).float() + res.float()).to(torch.bfloat16)
+            assert _rel(got, want) < 1e-2, (what, m, tuple(b.shape))
+            every = [torch.empty_like(got) for _ in range(w.world_size)]
+            dist.all_gather(every, got, group=w.group)
+            assert all(torch.equal(e, got) for e in every), (what, "ranks got different bits")
+
+    def step():
+        out = [weft.ops.linear_residual_ar(a, b, res) for a, b, res in ops]
+        weft.ops.gemm_ar(ops[0][0], ops[0][1], method="fused")
+        return out
+
+    for it in range(3):
+        check(step(), f"eager {it}")
+    outs = []
+    g = capture(lambda: outs.extend(step()))
+    for it in range(3):
+        for a, b, res in ops:
+            a.copy_(torch.randn(a.shape, device=w.device))
+        g.replay()
+        torch.cuda.synchronize()
+        check(outs, f"replay {it}")
