@@ -8,8 +8,9 @@ The first half of the ranks send, the others receive. Each sender's rows (tokens
 default) name `topk` receivers each (round-robin from the row's index, so every receiver gets tokens x topk / N
 entries of each sender). For each setting: m2n_dispatch, and dispatch + combine, CUDA-graph replay, slowest rank's
 median; `bound_us`: every entry's row, once per op, at `--link-gbs` GB/s a direction, a sender's links to the
-receivers in parallel (M2N itself moves a row once per receiver it names: k / N times fewer at top-k). Each setting's first call is checked against torch (recv's
-rows; combine of y = recv with weights 1 gives each row its number of live entries times itself).
+receivers in parallel (M2N itself moves a row once per receiver it names: k / N times fewer at top-k). Each
+setting's first call is checked against torch (recv's rows; combine of y = recv with weights 1 gives each row its
+number of live entries times itself).
 """
 from __future__ import annotations
 

@@ -166,7 +166,8 @@ def main(argv=None) -> int:
         kernels.append(dict(name=name, us_per_step=round(us, 2), launches_per_step=round(launches, 2),
                             share=round(us / total_us, 4), bytes_per_step=nbytes, copy_bandwidth_fraction=fraction))
     device = torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else "cpu (interpreter)"
-    report = dict(meta=dict(device=device, ranks=w.world_size, torch=torch.__version__, model=args.model, layers=model.config.num_layers,
+    report = dict(meta=dict(device=device, ranks=w.world_size, torch=torch.__version__, model=args.model,
+                            layers=model.config.num_layers,
                             batch=args.batch, context=args.context, comm=args.comm, path=session.path,
                             steps=args.steps, persistent_settings=persistent or None,
                             profiled=profiled, commit=os.environ.get("WEFT_COMMIT")),

@@ -37,8 +37,8 @@ the bodies read what another program of a launch may have written (x, the residu
 Launch settings (columns per run, K block, stages, warps, programs per SM, tl.dot or not) come from weft.tuning's
 decode.gemv, per projection (qkv, o, gate_up, down), weight shape and row range where the sweep found them to differ
 (`resolve`), and the largest M the decode path takes these kernels at from decode.fused_max_m, per tensor-parallel
-size (`tuning.by_size`; the layers' cuBLAS GEMMs above). A QKV program owns whole heads (its epilogue needs them): block_n
-// (head_dim / 2) of them, a power of two that divides both head counts.
+size (`tuning.by_size`; the layers' cuBLAS GEMMs above). A QKV program owns whole heads (its epilogue needs them):
+block_n // (head_dim / 2) of them, a power of two that divides both head counts.
 """
 from __future__ import annotations
 
