@@ -14,6 +14,7 @@ from weft import tuning
 from weft.kernels import p2p
 from weft.runtime import settings
 from weft.testing.graphs import capture
+from weft.testing.reference import m2n_combine_ref
 
 pytestmark = pytest.mark.gpu
 
@@ -142,22 +143,6 @@ def test_mixed_routes_batch_and_freed_temporaries():
     weft.barrier()
 
 
-def _m2n_reference(x, dest, weights, processed, n):
-    """The combine's result for a sender's x, dest and weights, each receiver d having turned a row r into
-    processed(r, d): the kernels' order of fp32 sums (each receiver's entries of a row in j order, then the
-    receivers in the order of their first entries)."""
-    want = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for t in range(x.shape[0]):
-        named = [int(d) for d in dest[t] if 0 <= d < n]
-        for d in dict.fromkeys(named):
-            part = torch.zeros(x.shape[1], device=x.device)
-            for j in range(dest.shape[1]):
-                if int(dest[t, j]) == d:
-                    part += weights[t, j] * processed(x[t], d).float()
-            want[t] += part
-    return want.to(x.dtype)
-
-
 @pytest.mark.parametrize("k", [1, 2, 8])
 def test_m2n_against_torch_and_graph_replay(k):
     """M2N between the first half of the ranks and the rest: recv bit-exact, the combine within a rounding of the
@@ -193,7 +178,7 @@ def test_m2n_against_torch_and_graph_replay(k):
         dist.all_gather_object(every, (x.cpu(), dest.cpu()), group=w.group)
         if sender:
             processed = lambda row, d: (row.float() * (m + d + 1) + 0.5).to(torch.bfloat16)  # noqa: E731
-            want = _m2n_reference(x.cpu(), dest.cpu(), weights.cpu(), processed, n)
+            want = m2n_combine_ref(x.cpu(), dest.cpu(), weights.cpu(), processed)
             torch.testing.assert_close(out.cpu(), want, rtol=1e-2, atol=1e-2)
         else:
             r = w.rank - m

@@ -19,6 +19,7 @@ def _round_trip(m, n, hidden, k, max_tokens, tokens, seed, pattern="random"):
 
     import weft
     import weft.ops as ops
+    from weft.testing.reference import m2n_combine_ref
 
     me = weft.rank()
     senders, receivers = list(range(m)), list(range(m, m + n))
@@ -57,19 +58,8 @@ def _round_trip(m, n, hidden, k, max_tokens, tokens, seed, pattern="random"):
     else:
         assert recv.shape[0] == 0 and counts.numel() == 0
         out = ops.m2n_combine(None, weights, handle)
-        # The kernels' order of fp32 sums: each receiver sums its entries of a row in j order (k > 1), the sender
-        # those sums in the order of the receivers' first entries in the row.
-        want = torch.zeros(tokens, hidden)
-        for t in range(tokens):
-            named = [int(d) for d in dest[t] if d >= 0]
-            for d in dict.fromkeys(named):
-                processed = (x[t].float() * (m + d + 1) + 0.5).to(torch.bfloat16).float()
-                part = torch.zeros(hidden)
-                for j in range(k):
-                    if int(dest[t, j]) == d:
-                        part += weights[t, j] * processed
-                want[t] += part
-        torch.testing.assert_close(out.float(), want.to(torch.bfloat16).float(), rtol=0, atol=0)
+        want = m2n_combine_ref(x, dest, weights, lambda row, d: (row.float() * (m + d + 1) + 0.5).to(torch.bfloat16))
+        torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=0)
 
 
 def _check(m, n):

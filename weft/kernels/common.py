@@ -423,6 +423,11 @@ class Launch:
                 self.c_head = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None)
                 self.encoded = {}  # descriptor position -> (its tensor's address, its encoded arguments)
 
+    def arguments(self, args) -> tuple:
+        """`args` as the launch takes them (`address` of each tensor, the rest as given): what a plan takes once of
+        the arguments every call passes alike."""
+        return tuple(self.address(a) if isinstance(a, torch.Tensor) else a for a in args)
+
     def __call__(self, *args) -> None:
         if self.kernel is None:
             self.fn[self.grid](*args, **self.options, **self.constexprs)

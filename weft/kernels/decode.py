@@ -786,7 +786,7 @@ class LinearResidualArPlan(LinearResidualPlan):
         self.launch = Launch(linear_residual_ar_kernel, self.grid,
                              (x, weight, residual, out, self.partial, self.counter, *fixed, *self.tail),
                              dict(WORLD=group.size, **self.consts), self.num_warps)
-        self.fixed = tuple(self.launch.address(t) if isinstance(t, torch.Tensor) else t for t in fixed)
+        self.fixed = self.launch.arguments(fixed)
         self.run = self.run_all_reduce
 
     def run_all_reduce(self, x, weight, residual):

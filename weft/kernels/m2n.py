@@ -455,10 +455,6 @@ class M2NPlan(Plan):
         self.c_weights = ws.data[2 * q:].view(torch.float32)
         self.recv_shape = (m if not self.is_sender else 0, self.max_rows, self.hidden)
         self.counts_len = 0 if self.is_sender else m
-        # A handle's routing table: a sender's (T, 2k) entry and slot routes, a receiver's (M, max_tokens + 2) slot
-        # counts, starts and entry counts (m2n_dispatch_kernel's doc).
-        self.table_shape = (lambda tokens: (tokens, 2 * self.k)) if self.is_sender else \
-            (lambda tokens: (m, max_tokens + 2))
         # What the members must agree on (each sender's token count is its own, up to max_tokens); the grids are
         # each side's own (_last_out), so not the launch settings.
         agreed = dict(M=m, N=n, k=self.k, hidden=self.hidden, dtype=str(x.dtype).removeprefix("torch."),
@@ -499,19 +495,21 @@ class M2NPlan(Plan):
         self.dispatch_launch = Launch(m2n_dispatch_kernel, self.grid, (x, dest, routes, recv, counts, *d_fixed,
                                                                        x.shape[0], *self.d_tail),
                                       self.dispatch_consts, self.warps)
-        self.address = address = self.dispatch_launch.address
-        fixed = lambda args: tuple(address(a) if isinstance(a, torch.Tensor) else a for a in args)  # noqa: E731
-        self.d_fixed = fixed(d_fixed)
+        self.address = self.dispatch_launch.address
+        self.d_fixed = self.dispatch_launch.arguments(d_fixed)
         self.c_fixed_tensors = (self.c_buf, self.c_weights, ws.c_flags, ws.c_wflags, ws.c_acks, ws.c_counter,
                                 ws.c_done, self.heap, ws.c_sig, ws.signatures.tensor, self.combine_fp)
-        self.c_fixed = fixed(self.c_fixed_tensors)
+        self.c_fixed = self.dispatch_launch.arguments(self.c_fixed_tensors)
         # By the 16-byte alignment of y, weights and routes (the caller's tensors: the compiled kernel assumes its
         # first call's), made at the first combine of each.
         self.combine_launches: dict = {}
 
     def _outputs(self, x, dest):
         """A dispatch's (recv, counts, routes): fresh where the role fills them, the plan's empty ones elsewhere."""
-        routes = torch.empty(self.table_shape(dest.shape[0]), dtype=torch.int32, device=x.device)
+        # The handle's routing table: a sender's (T, 2k) entry and slot routes, a receiver's (M, max_tokens + 2)
+        # slot counts, starts and entry counts (m2n_dispatch_kernel's doc).
+        shape = (dest.shape[0], 2 * self.k) if self.is_sender else (len(self.senders), self.max_tokens + 2)
+        routes = torch.empty(shape, dtype=torch.int32, device=x.device)
         if self.is_sender:
             return self.no_recv, self.no_counts, routes
         return (torch.empty(self.recv_shape, dtype=self.dtype, device=x.device),

@@ -472,7 +472,7 @@ class _KernelLaunch:
         interpreted = self.launch.kernel is None
         self.pointer = self._words if interpreted else torch.Tensor.data_ptr
         self.nothing = data[:0] if interpreted else data.data_ptr()
-        self.fixed = tuple(self.launch.address(a) if isinstance(a, torch.Tensor) else a for a in fixed)
+        self.fixed = self.launch.arguments(fixed)
 
     def _words(self, t):
         return as_words(t).view(self.word)
