@@ -39,13 +39,16 @@ many launches as flash_decode: the split kernel, then
    pushed by a peer program that is running or has run; with at most one program per SM, all are
    resident (work of other streams only delays them).
 
-Why not merge and push in the split kernel's last program per row (a counter of finished splits, the
-last one merges)? It would hide the local merge (a few hundred ns: the partials are in L2) under the
-slowest split, but the split kernel, shared with flash_decode and tuned for its KV read, would need a
-per-row atomic counter, a release of every partial before it and a reset per call, and the exchange
-would still need a second kernel to wait in: the split programs cannot wait for peers (they are many
-more than the SMs, so a waiting one could block the ones it waits for). One merge kernel after the
-split kernel is as few launches, simpler, and keeps the split kernel as it is.
+Why not merge (and push) in the split kernel's last program per KV head (a counter of finished splits, the
+last one merges)? For sp_flash_decode the exchange would still need a second kernel to wait in: the split
+programs cannot wait for peers (they are many more than the SMs, so a waiting one could block the ones it
+waits for). For flash_decode it was built and measured (1x H200, Qwen3-8B decode step, fused path, graph
+replay, 2026-11-26): the merge kernel's launch went (~2 us and the ~0.75 us gap between kernels), but the last
+split's tail grew by ~2.4 us (the release of its partials, the counter's round trip, the partials' loads, in a
+kernel already at 255 registers): the step took 4347 us at b1 ctx 512 against 4343 with two launches, 4761
+against 4800 at b8, 4574 against 4557 at b1 ctx 4096, and loading more partials at once (16 splits, not 8) made
+b1 slower still (4375, 4637). Not kept: one merge kernel after the split kernel keeps the split kernel as it
+is.
 
 Memory ordering of the exchange. An LL word is written with one 8-byte store, single-copy atomic: a
 reader that sees the current epoch in a word's high half sees the payload stored with it, so there is
