@@ -302,10 +302,11 @@ def _split_done(counter, SPLIT: tl.constexpr):
 
 @triton.jit
 def _residual_tiles(residual, m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N):
-    """The residual's [rows, columns] tiles of a program's two runs (read past L1). A program loads them before
-    the split-K handshake (and linear_residual_ar before its all-reduce), so that their latency hides under it
-    rather than following it: 1.63 -> 1.44 us from the last split's loop to the kernel's end at M = 1 on an
-    H200 (O and down, Qwen3-8B shapes)."""
+    """The residual's [rows, columns] tiles of a program's two runs (read past L1). linear_residual loads them
+    before the split-K handshake, so that their latency hides under it rather than following it: 1.63 -> 1.44 us
+    from the last split's loop to the kernel's end at M = 1 on an H200 (O and down, Qwen3-8B shapes), the decode
+    step 4330 -> 4294 us at b1 (graph replay). linear_residual_ar loads them after its all-reduce: loaded before
+    the handshake there, the two-GPU step took 3137 us at b1 against 3070 (2x H200; not understood)."""
     r = m[:, None].to(tl.int64) * N
     res_a = tl.load(residual + r + cols_a[None, :], mask=m_mask[:, None] & col_mask_a[None, :], other=0.0,
                     cache_modifier=".cg")
@@ -399,13 +400,11 @@ def _qkv_out(acc_a, acc_b, head0, inv_rms, q_out, k_dst, v_dst, rows, positions,
 # blocks as arguments: decode_step.py's persistent kernel runs the same bodies as its tasks.
 
 @triton.jit
-def _linear_sums(tile, split, mb, tiles, x, w, residual, partial, counter, M, K, N, KB, BPS, SPLIT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
-                 IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+def _linear_share(tile, split, mb, x, w, M, K, N, KB, BPS, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                  STAGES: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
+                  BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
     """Program (tile, split, mb)'s share of x @ w, columns [2 BLOCK_N tile, +2 BLOCK_N) in two runs of BLOCK_N:
-    (the rows m, the two runs' columns, their fp32 sums, whether they are the tile's whole sums: the only split's,
-    or the last split's after it summed every split's partials; another split's sums are its own share; the
-    residual's tiles of those columns, _residual_tiles)."""
+    (the rows m, the two runs' columns and masks, their fp32 sums over the split's K range)."""
     m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < M
     cols_a = tile * 2 * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -415,7 +414,15 @@ def _linear_sums(tile, split, mb, tiles, x, w, residual, partial, counter, M, K,
     acc_a, acc_b, _ = _gemv_pair(x, w, x, m, m_mask, K, N, cols_a, cols_b, col_mask_a, col_mask_b, kb0 * BLOCK_K,
                                  tl.minimum(BPS, KB - kb0), False, EVEN_K, EVEN_N, IEEE, DOT, BLOCK_M, BLOCK_N,
                                  BLOCK_K, STAGES)
-    res_a, res_b = _residual_tiles(residual, m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N)
+    return m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, acc_a, acc_b
+
+
+@triton.jit
+def _linear_whole(acc_a, acc_b, tile, split, mb, tiles, partial, counter, m_mask, cols_a, cols_b, col_mask_a,
+                  col_mask_b, N, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The split-K handshake of a program's share (_linear_share): (the tile's whole sums, whether this program
+    holds them: the only split, or the last split after it summed every split's partials; another split's sums
+    are its own share)."""
     whole = tl.full([], 1, tl.int1)
     if SPLIT > 1:
         _store_partials(acc_a, acc_b, partial, (mb * SPLIT + split) * BLOCK_M, m_mask, cols_a, cols_b, col_mask_a,
@@ -424,7 +431,7 @@ def _linear_sums(tile, split, mb, tiles, x, w, residual, partial, counter, M, K,
         if whole:
             acc_a, acc_b = _sum_partials(partial, mb * SPLIT, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N,
                                          SPLIT, BLOCK_M, BLOCK_N)
-    return m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, acc_a, acc_b, whole, res_a, res_b
+    return acc_a, acc_b, whole
 
 
 @triton.jit
@@ -432,10 +439,13 @@ def _linear_residual_program(tile, split, mb, tiles, x, w, residual, out, partia
                              SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                              STAGES: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
                              BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
-    """Program (tile, split, mb) of out = residual + x @ w (_linear_sums' columns)."""
-    m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, acc_a, acc_b, whole, res_a, res_b = _linear_sums(
-        tile, split, mb, tiles, x, w, residual, partial, counter, M, K, N, KB, BPS, SPLIT, BLOCK_M, BLOCK_K, STAGES,
-        EVEN_K, IEEE, DOT, BLOCK_N, EVEN_N)
+    """Program (tile, split, mb) of out = residual + x @ w (_linear_share's columns): the residual's tiles are
+    loaded between the program's share and the split-K handshake (_residual_tiles)."""
+    m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, acc_a, acc_b = _linear_share(
+        tile, split, mb, x, w, M, K, N, KB, BPS, BLOCK_M, BLOCK_K, STAGES, EVEN_K, IEEE, DOT, BLOCK_N, EVEN_N)
+    res_a, res_b = _residual_tiles(residual, m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N)
+    acc_a, acc_b, whole = _linear_whole(acc_a, acc_b, tile, split, mb, tiles, partial, counter, m_mask, cols_a,
+                                        cols_b, col_mask_a, col_mask_b, N, SPLIT, BLOCK_M, BLOCK_N)
     if whole:
         _residual_out(acc_a, acc_b, res_a, res_b, out, m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N)
 
@@ -466,9 +476,10 @@ def linear_residual_ar_kernel(x, w, residual, out, partial, counter, stage, flag
     epoch = wl.next_epoch(epochs)
     if wl.signature_live(sig, heap):
         wl.sign(sig, epoch, fp, heap)
-        m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, acc_a, acc_b, whole, res_a, res_b = _linear_sums(
-            tile, split, mb, tiles, x, w, residual, partial, counter, M, K, N, KB, BPS, SPLIT, BLOCK_M, BLOCK_K,
-            STAGES, EVEN_K, IEEE, DOT, BLOCK_N, EVEN_N)
+        m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, acc_a, acc_b = _linear_share(
+            tile, split, mb, x, w, M, K, N, KB, BPS, BLOCK_M, BLOCK_K, STAGES, EVEN_K, IEEE, DOT, BLOCK_N, EVEN_N)
+        acc_a, acc_b, whole = _linear_whole(acc_a, acc_b, tile, split, mb, tiles, partial, counter, m_mask, cols_a,
+                                            cols_b, col_mask_a, col_mask_b, N, SPLIT, BLOCK_M, BLOCK_N)
         if whole:
             me = wl.rank(heap)
             arrived = flags + (mb * tiles + tile) * WORLD
@@ -489,6 +500,7 @@ def linear_residual_ar_kernel(x, w, residual, out, partial, counter, stage, flag
                 for q in tl.static_range(WORLD):  # unrolled: every rank's loads in flight together
                     total_a += tl.load(slots + q * M * N + r + cols_a[None, :], mask=mask_a, other=0.0)
                     total_b += tl.load(slots + q * M * N + r + cols_b[None, :], mask=mask_b, other=0.0)
+                res_a, res_b = _residual_tiles(residual, m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N)
                 _residual_out(total_a, total_b, res_a, res_b, out, m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b,
                               N)
 
