@@ -182,8 +182,8 @@ def _linear_residual_ar(seed):
     """linear_residual_ar on the world and on a group of some ranks, against torch: residual + the sum of every
     member's x @ w (each member's own shards), the same bits on every member; fp32 and bf16, shapes with and
     without split K, several row blocks, each plan called twice (new inputs; the split-K counters and the
-    all-reduce's epochs go on), then the group of one (linear_residual's own kernel). A member whose shapes differ
-    gets weft.SignatureMismatch on every member."""
+    all-reduce's epochs go on); a call beyond the LL words of the workspace (gemm_ar and the add); then the group of
+    one (linear_residual's own kernel). A member whose shapes differ gets weft.SignatureMismatch on every member."""
     import torch
     import torch.distributed as dist
 
@@ -214,6 +214,18 @@ def _linear_residual_ar(seed):
                     assert all(torch.equal(e, got) for e in every), "members got different bits"
                     splits.add(LinearResidualArPlan(g, x, wt, res).split)
     assert 1 in splits and max(splits) > 1, splits
+    # Beyond the LL words of gemm_ar's workspace (the members' rows x columns): gemm_ar and the add.
+    from weft.kernels.common import workspace
+    from weft.kernels.gemm_ar import GemmArWorkspace
+    world = weft.get_group(None)
+    m, k = 64, 16
+    n = workspace(world, "gemm_ar", GemmArWorkspace).ll_half // (w * m) + 8
+    gen = torch.Generator().manual_seed(seed + 1)
+    res = torch.randn(m, n, generator=gen)
+    shards = [(torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen) * k ** -0.5) for _ in range(w)]
+    assert LinearResidualArPlan(world, *shards[me], res).launch is None
+    got = weft.ops.linear_residual_ar(*shards[me], res)
+    torch.testing.assert_close(got, sum(a @ b for a, b in shards) + res, rtol=2e-5, atol=2e-5)
     x, wt, res = torch.randn(3, 200), torch.randn(200, 72), torch.randn(3, 72)
     assert torch.equal(weft.ops.linear_residual_ar(x, wt, res, group=singles[me]),
                        weft.ops.linear_residual(x, wt, res))

@@ -55,7 +55,7 @@ from .blocks import cast
 from .common import Launch, Plan, group_name, plan, signature, workspace, world_or_raise
 from .common import resolve as resolve_group
 from .gemm import num_sms
-from .gemm_ar import MAX_TILES, GemmArWorkspace, gemm_ar
+from .gemm_ar import GemmArWorkspace, gemm_ar
 from .pointwise import _check, _rotate
 from .registry import declare_op
 
@@ -460,18 +460,21 @@ def linear_residual_kernel(x, w, residual, out, partial, counter, M, K, N, KB, B
                              EVEN_K, IEEE, DOT, BLOCK_N, EVEN_N)
 
 
-@triton.jit(do_not_specialize=["half_len", "fp"])
-def linear_residual_ar_kernel(x, w, residual, out, partial, counter, stage, flags, epochs, heap, sig, err, fp, M, K, N,
-                              KB, BPS, half_len, WORLD: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+@triton.jit(do_not_specialize=["ll_half", "fp"])
+def linear_residual_ar_kernel(x, w, residual, out, partial, counter, ll, epochs, heap, sig, err, fp, M, K, N, KB, BPS,
+                              ll_half, WORLD: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                               DOT: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
     """out = residual + the sum over the group's WORLD ranks of x @ w (each rank its own x and w): the split-K
-    GEMV of linear_residual, then the all-reduce in the epilogue, as gemm_ar's kernel does it (gemm_ar.py, whose
-    workspace it shares: the stage's two halves by call parity, arrived[WORLD] flags per tile, the epoch counter,
-    the signature words). The program that holds a tile's whole sums pushes them (fp32) into slot [me] of the
-    tile in every rank's stage half, raises its arrived flag there, waits for every rank's, and sums the WORLD
-    slots in rank order (the same bits on every rank), rounds the sum to the dtype and adds the residual. Every
-    program takes the epoch and signs; the sum waits on the signature check (a mismatch writes no output)."""
+    GEMV of linear_residual, then the all-reduce in the epilogue, in LL words (wl.pack_ll: a value's fp32 bits and
+    the call's epoch in one 8-byte store; gemm_ar's workspace holds them, its `ll` halves by call parity, and its
+    epoch counter and signature words). The program that holds a tile's whole sums stores them as LL words into
+    slot [me] of the tile in every other rank's half, then waits for every other rank's words of the tile
+    (wl.wait_ll polls the words themselves: no flag, no fence) and sums the WORLD ranks' values in rank order, its
+    own from registers (the same bits on every rank), rounds the sum to the dtype and adds the residual. Every
+    program takes the epoch and signs; the sum waits on the signature check (a mismatch writes no output).
+    Reuse: a rank writes half e % 2 of a peer in call e only after its call e - 1 received that peer's words of
+    call e - 1, which the peer stored after its own call e - 2, the last reader of half e % 2, had ended."""
     tile, split, mb, tiles = tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0)
     epoch = wl.next_epoch(epochs)
     if wl.signature_live(sig, heap):
@@ -482,24 +485,29 @@ def linear_residual_ar_kernel(x, w, residual, out, partial, counter, stage, flag
                                             cols_b, col_mask_a, col_mask_b, N, SPLIT, BLOCK_M, BLOCK_N)
         if whole:
             me = wl.rank(heap)
-            arrived = flags + (mb * tiles + tile) * WORLD
-            slots = stage + (epoch % 2).to(tl.int64) * half_len
+            half = ll + (epoch % 2).to(tl.int64) * ll_half
             r = m[:, None].to(tl.int64) * N
             mask_a = m_mask[:, None] & col_mask_a[None, :]
             mask_b = m_mask[:, None] & col_mask_b[None, :]
-            for i in tl.static_range(WORLD):  # each rank starts with itself and goes round
-                there = wl.symm_at(slots + me * M * N, (me + i) % WORLD, heap)
-                tl.store(there + r + cols_a[None, :], acc_a, mask=mask_a)
-                tl.store(there + r + cols_b[None, :], acc_b, mask=mask_b)
-            wl.notify_all(arrived + me, heap, epoch)
+            words_a = wl.pack_ll(acc_a.to(tl.int32, bitcast=True), epoch)
+            words_b = wl.pack_ll(acc_b.to(tl.int32, bitcast=True), epoch)
+            for i in tl.static_range(1, WORLD):  # each rank starts with the next one and goes round
+                there = wl.symm_at(half + me * M * N, (me + i) % WORLD, heap)
+                tl.store(there + r + cols_a[None, :], words_a, mask=mask_a)
+                tl.store(there + r + cols_b[None, :], words_b, mask=mask_b)
             if wl.check_signed(sig, epoch, fp, heap, err, op="linear_residual_ar"):
-                token = wl.wait(arrived, WORLD, epoch, wl.CMP_GE, heap=heap, op="linear_residual_ar")
-                slots = wl.consume_token(slots, token)
                 total_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 total_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for q in tl.static_range(WORLD):  # unrolled: every rank's loads in flight together
-                    total_a += tl.load(slots + q * M * N + r + cols_a[None, :], mask=mask_a, other=0.0)
-                    total_b += tl.load(slots + q * M * N + r + cols_b[None, :], mask=mask_b, other=0.0)
+                for q in tl.static_range(WORLD):  # rank order: the same bits on every rank
+                    if q == me:
+                        total_a += acc_a
+                        total_b += acc_b
+                    else:
+                        slot = half + q * M * N + r
+                        got_a = wl.wait_ll(slot + cols_a[None, :], mask_a, epoch, heap, q, op="linear_residual_ar")
+                        got_b = wl.wait_ll(slot + cols_b[None, :], mask_b, epoch, heap, q, op="linear_residual_ar")
+                        total_a += got_a.to(tl.float32, bitcast=True)
+                        total_b += got_b.to(tl.float32, bitcast=True)
                 res_a, res_b = _residual_tiles(residual, m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N)
                 _residual_out(total_a, total_b, res_a, res_b, out, m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b,
                               N)
@@ -779,7 +787,8 @@ def linear_residual_ar(x: torch.Tensor, weight: torch.Tensor, residual: torch.Te
     add, on linear_residual's split-K GEMV). Each member passes its x (M, K) and weight (K, N) shards and the same
     residual (M, N); one dtype (bf16, fp16, fp32), contiguous. The sum is rounded to the dtype before the add
     (as `gemm_ar(x, weight) + residual` rounds); every member gets the same bits. On a group of one it is
-    linear_residual; on a group that spans nodes, gemm_ar (the node's kernel, then the rail) and the add.
+    linear_residual; on a group that spans nodes, or where the members' rows x columns exceed gemm_ar's workspace's
+    LL words (2M a call at the default 128 MiB workspace), gemm_ar (the node's kernel, then the rail) and the add.
     Collective: every member calls it with the same shapes and dtype."""
     g = resolve_group(group)
     found = plan(g, lambda: ("linear_residual_ar", signature(x), signature(weight), signature(residual)),
@@ -796,21 +805,17 @@ class LinearResidualArPlan(LinearResidualPlan):
         if group.size == 1:
             return super().prepare(x, weight, residual, out)
         if group.topology.spans_nodes:
-            self.launch, self.run = None, self.run_spanning
+            self.launch, self.run = None, self.run_unfused
             return
         ws = workspace(group, "gemm_ar", GemmArWorkspace)
         m, k, n = self.args[:3]
-        tiles = self.grid[0] * self.grid[2]
-        if tiles > MAX_TILES:
-            raise ValueError(f"linear_residual_ar: the output has {tiles} tiles, more than {MAX_TILES}")
-        if group.size * m * n * 4 > ws.half_bytes:
-            raise ValueError(f"linear_residual_ar: the staged sums take {group.size * m * n * 4} bytes, more than half "
-                             f"the workspace ({group.workspace_bytes} bytes: raise WEFT_WORKSPACE_BYTES)")
+        if group.size * m * n > ws.ll_half:  # beyond the LL words: the all-reduce as gemm_ar's, then the add
+            self.launch, self.run = None, self.run_unfused
+            return
         self.fp = self.sign("linear_residual_ar", m=m, n=n, k=k, dtype=str(x.dtype).removeprefix("torch."))
         self.errors = ws.errors
-        stage = ws.stage.view(torch.float32)
-        fixed = (stage, ws.flags, ws.counter, group.heap.descriptor, ws.sig, ws.errors.tensor, self.fp)
-        self.tail = (*self.args, ws.half_bytes // 4)
+        fixed = (ws.ll, ws.counter, group.heap.descriptor, ws.sig, ws.errors.tensor, self.fp)
+        self.tail = (*self.args, ws.ll_half)
         self.launch = Launch(linear_residual_ar_kernel, self.grid,
                              (x, weight, residual, out, self.partial, self.counter, *fixed, *self.tail),
                              dict(WORLD=group.size, **self.consts), self.num_warps)
@@ -824,7 +829,7 @@ class LinearResidualArPlan(LinearResidualPlan):
         self.errors.raise_recorded()
         return out
 
-    def run_spanning(self, x, weight, residual):
+    def run_unfused(self, x, weight, residual):
         return gemm_ar.eager(x, weight, group=self.group) + residual
 
 
@@ -1060,9 +1065,9 @@ def _compile_cases():
             if t == "*bf16":  # at 2 and 8 ranks
                 for world in (2, 8):
                     out.append((linear_residual_ar_kernel,
-                                dict(x=t, w=t, residual=t, out=t, partial="*fp32", counter="*i32", stage="*fp32",
-                                     flags="*i32", epochs="*i64", heap="*i64", sig="*i64", err="*i64", fp="i32",
-                                     M="i32", K="i32", N="i32", KB="i32", BPS="i32", half_len="i32"),
+                                dict(x=t, w=t, residual=t, out=t, partial="*fp32", counter="*i32", ll="*i64",
+                                     epochs="*i64", heap="*i64", sig="*i64", err="*i64", fp="i32", M="i32", K="i32",
+                                     N="i32", KB="i32", BPS="i32", ll_half="i32"),
                                 dict(WORLD=world, **common, BLOCK_N=s["block_n"], EVEN_N=True),
                                 dict(options, divisible=("K", "N"))))
             out.append((norm_gate_up_silu_kernel,

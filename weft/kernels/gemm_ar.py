@@ -210,12 +210,17 @@ def stage_dtype(m: int, dtype: torch.dtype) -> torch.dtype:
 
 # Tile slots of the workspace's flags: the most output tiles a fused call may have.
 MAX_TILES = 4096
+# linear_residual_ar's LL words take 1 / LL_SHARE of the workspace's bytes beside it (both halves): at the default
+# 128 MiB, 2M words a half, the group's members' rows x columns (W x M x N) of a call.
+LL_SHARE = 4
 
 
 class GemmArWorkspace:
     """The stage (two halves by call parity, as bytes: viewed in each call's stage dtype), flags arrived[W]
     per tile slot, the epoch counter, the signature words and the group's SignatureWord; one for every shape,
-    one per group."""
+    one per group. And linear_residual_ar's LL words (decode.py): two halves by call parity of ll_half int64
+    words, zero at first, only ever written with LL words (wl.pack_ll), so no word there can carry a later
+    call's epoch before that call writes it (the raw stage could: its data may look like any tag)."""
 
     def __init__(self, group):
         heap = group.heap
@@ -223,10 +228,12 @@ class GemmArWorkspace:
         self.stage = heap.empty((2 * self.half_bytes,), torch.uint8)
         self.flags = heap.empty((MAX_TILES * group.size,), torch.int32)
         self.counter = heap.empty((1,), torch.int64)
+        self.ll_half = group.workspace_bytes // LL_SHARE // 8 // 32 * 32
+        self.ll = heap.empty((2 * self.ll_half,), torch.int64)
         self.sig = signature_words(group, group.size)
         self.errors = signatures(group)
         self.errors.register(self.sig, self.counter)
-        zero_everywhere(group, self.flags, self.counter, self.sig)
+        zero_everywhere(group, self.flags, self.counter, self.sig, self.ll)
 
 
 def _check_operands(a, b_shard, out, group) -> None:
