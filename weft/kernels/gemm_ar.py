@@ -228,7 +228,7 @@ class GemmArWorkspace:
         self.stage = heap.empty((2 * self.half_bytes,), torch.uint8)
         self.flags = heap.empty((MAX_TILES * group.size,), torch.int32)
         self.counter = heap.empty((1,), torch.int64)
-        self.ll_half = group.workspace_bytes // LL_SHARE // 8 // 32 * 32
+        self.ll_half = group.workspace_bytes // LL_SHARE // 2 // 8 // 32 * 32  # int64 words a half
         self.ll = heap.empty((2 * self.ll_half,), torch.int64)
         self.sig = signature_words(group, group.size)
         self.errors = signatures(group)
