@@ -115,6 +115,26 @@ def test_flash_decode_several_blocks_per_split_and_scale():
     assert torch.equal(out_paged, out)  # the same blocks in the same order: the same bits
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "paged 4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flash_decode_one_split_writes_the_result(dtype, layout):
+    """A cache of one block of keys gives one split, whose programs write out and lse themselves (no merge
+    launch): the reference's values, 0 and -inf for an empty sequence, the same out with and without lse."""
+    lens = [13, 0, 16, 1]
+    q, k, v, seqlens = make_inputs(11, lens, fd.CPU_BLOCK_N, 8, 2, dtype=dtype)
+    cache = (k, v, None)
+    if layout != "contiguous":
+        cache = paged(k, v, int(layout.split()[1]), seed=11)
+    one = fd.FlashDecodePlan(None, q, *cache[:2], seqlens, cache[2], None, True)
+    assert one.splits == 1 and one.run.__func__ is fd.FlashDecodePlan.run_direct
+    with nan_allocations():
+        out, lse = fd.flash_decode(q, *cache[:2], seqlens, block_table=cache[2], return_lse=True)
+        out_only = fd.flash_decode(q, *cache[:2], seqlens, block_table=cache[2])
+    check(q, k, v, seqlens, out, lse)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()  # length 0
+    assert torch.equal(out_only, out)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_flash_decode_16_bit(dtype):
     q, k, v, seqlens = make_inputs(5, [20, 3], 24, 8, 2, dtype=dtype)

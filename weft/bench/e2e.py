@@ -6,7 +6,8 @@ forces it), split over all ranks; both implementations share the weights (Transf
   tokens' logits, eager calls (a prefill is tens of ms of GEMMs);
 - decode: one step of every sequence (embedding, every layer with flash_decode over the cache, LM head) at
   --batches (1, 8, 64, 128) and --contexts tokens already cached (512, 4096), replayed from a CUDA graph in
-  both (the decode session of weft.models), on one KV cache shared by both; weft on each of its decode paths,
+  both (the decode session of weft.models), and the same steps called eagerly (every kernel launched from the
+  host; a table of its own, "eager"; --no-eager leaves it out), on one KV cache shared by both; weft on each of its decode paths,
   a row each: "weft (fused)" (weft/kernels/decode.py's GEMVs with the pointwise work fused in), "weft
   (layers)" (the layers' GEMMs and pointwise kernels) and, where it applies (one rank: the model's
   persistent_refusal), "weft (persistent)" (weft/kernels/decode_step.py: every layer in one launch), whatever
@@ -88,6 +89,8 @@ def add_arguments(p) -> None:
     p.add_argument("--samples", type=int, default=20, help="samples per decode case")
     p.add_argument("--prefill-samples", type=int, default=5)
     p.add_argument("--no-transformers", action="store_true", help="leave out transformers' model (-n 1)")
+    p.add_argument("--no-eager", action="store_true",
+                   help="decode: time the CUDA-graph replay only, not also the same steps called eagerly")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -214,7 +217,7 @@ def _prefill_rows(label, models, cases, samples, w) -> list[Row]:
     return rows
 
 
-def _decode_rows(label, models, hf, cases, samples, bandwidth, w) -> list[Row]:
+def _decode_rows(label, models, hf, cases, samples, bandwidth, w, eager: bool = True) -> list[Row]:
     rows = []
     model = models["weft"]
     cfg = model.config
@@ -258,15 +261,22 @@ def _decode_rows(label, models, hf, cases, samples, bandwidth, w) -> list[Row]:
                 steps[f"{TRANSFORMERS} (eager)" if eager_only else TRANSFORMERS] = hf_session.replay
             else:
                 note(f"{case}: {TRANSFORMERS} left out, its logits differ from weft's by more than {AGREE}")
-        view = "graph" if graph else "eager"
-        times = time_calls(steps, calls=1, samples=samples)
         floor = (need["weights"] + need["kv"]) / bandwidth * 1e3
-        times[FLOOR] = floor
-        for name, ms in times.items():
-            rows.append(Row(SUITE, case, name, ms, 0.0, batch, w.world_size, view))
+        timed = {"graph" if graph else "eager": steps}
+        if graph and eager:  # the same steps called eagerly: every kernel launched from the host
+            timed["eager"] = {name: s.run for name, s in sessions.items()}
+            if TRANSFORMERS in steps:
+                timed["eager"][TRANSFORMERS] = hf_session.run
+        for view, fns in timed.items():
+            times = time_calls(fns, calls=1, samples=samples)
+            times[FLOOR] = floor
+            for name, ms in times.items():
+                rows.append(Row(SUITE, case, name, ms, 0.0, batch, w.world_size, view))
+                if w.rank == 0 and name != FLOOR:
+                    print(f"{case} {name} ({view}): {ms * 1e3:.0f} µs per step ({batch / ms * 1e3:,.0f} tokens/s, "
+                          f"{floor / ms:.0%} of the HBM floor)", flush=True)
             if w.rank == 0:
-                print(f"{case} {name}: {ms * 1e3:.0f} µs per step ({batch / ms * 1e3:,.0f} tokens/s, "
-                      f"{floor / ms:.0%} of the HBM floor)", flush=True)
+                print(f"{case} {FLOOR}: {floor * 1e3:.0f} µs per step", flush=True)
         del sessions, steps, hf_session, cache, logits
         gc.collect()
     return rows
@@ -305,7 +315,7 @@ def run(args) -> list[Row]:
                 hf = TransformersDecode(config, model)
             else:
                 note(f"{label}: {TRANSFORMERS} left out, a second copy of the weights does not fit")
-        rows += _decode_rows(label, models, hf, decode, args.samples, bandwidth, w)
+        rows += _decode_rows(label, models, hf, decode, args.samples, bandwidth, w, not args.no_eager)
         del model, models, hf
         gc.collect()
         if w.device.type == "cuda":

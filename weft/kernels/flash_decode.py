@@ -16,6 +16,10 @@ positions, and one program handles one (sequence, KV head, range):
    KV head in one tl.dot (every KV byte is read once), keeping an online softmax in fp32 (running max
    m, running sum l, rescaled accumulator; exp2 with log2(e) folded into the scale). It writes its
    partial result: out_s = acc / l and lse_s = m + log2(l) (base 2), fp32.
+   Where the splits come to one (the (sequence, KV head) programs alone fill a wave, e.g. 64 sequences of 8
+   KV heads), it writes out and lse itself and there is no merge: the merge of one partial is that partial, so
+   the bits are the merge's (Qwen3-8B decode step b64 on 1x H200, layers path: 6611 -> 6278 us at ctx 512, 15030
+   -> 14662 at ctx 4096, with the one-wave split rule below).
 2. flash_decode_merge_kernel combines the partials of a (sequence, query head) by log-sum-exp:
    lse = log2(sum_s 2^lse_s), out = sum_s 2^(lse_s - lse) out_s. That is exact: softmax over a union of
    key sets is the weighted mean of the softmaxes over the parts, weighted by their share of the
@@ -106,9 +110,13 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (64, 128, 256)
 MAX_PAGE_SIZE = 256
 
-# Split-KV on GPUs (weft.tuning, family flash_decode): aim for split_programs_per_sm programs per SM over the
-# whole grid, but give every split at least min_blocks_per_split blocks of keys (so the partials' write and
-# merge stay a few per cent of the KV read) and at most max_splits splits (the merge walks them).
+# Split-KV on GPUs (weft.tuning, family flash_decode): the most splits whose programs fit split_programs_per_sm
+# per SM (one wave: the split kernel holds 2 programs an SM by its shared memory; a second, part-filled wave of
+# programs as long as the first costs more than the longer splits do: Qwen3-8B decode b8 ctx 4096 on 1x H100,
+# 5 splits in 320 programs 7690-7698 us a step, 4 in 256 7625-7628), but give every split at least
+# min_blocks_per_split blocks of keys (so the partials' write and merge stay a few per cent of the KV read) and at
+# most max_splits splits (the merge walks them). A grid past one wave (more (sequence, KV head) programs than that)
+# runs flash_decode.stages_past_one_wave pipeline stages, not 3 (_stages).
 # On the cpu backend (interpreter): few splits of small blocks, enough to exercise the split logic.
 CPU_MAX_SPLITS = 3
 CPU_BLOCK_N = 16
@@ -193,30 +201,34 @@ def _merge_splits(part_out, part_lse, row, splits, live, D: tl.constexpr, SPLIT_
 # -- kernels --------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["max_len", "split_len", "splits", "num_pages", "first_row", "limits"])
-def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse, err, scale_log2, max_len, split_len,
-                              splits, kv_heads, q_heads, q_sb, q_sh, k_s0, k_s1, k_sh, v_s0, v_s1, v_sh, bt_sb,
-                              bt_sp, num_pages, first_row, limits, GROUP: tl.constexpr, HEADS: tl.constexpr,
+def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse, out, lse, err, scale_log2, max_len,
+                              split_len, splits, kv_heads, q_heads, q_sb, q_sh, k_s0, k_s1, k_sh, v_s0, v_s1, v_sh,
+                              bt_sb, bt_sp, num_pages, first_row, limits, GROUP: tl.constexpr, HEADS: tl.constexpr,
                               CHUNKS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                              PAGED: tl.constexpr):
-    """Program (pid, split) of the split step (_split_program)."""
+                              PAGED: tl.constexpr, DIRECT: tl.constexpr, RETURN_LSE: tl.constexpr):
+    """Program (pid, split) of the split step (_split_program); DIRECT (one split): the result itself into out
+    (and lse), no partials."""
     _split_program(tl.program_id(0), tl.program_id(1), q, k, v, seqlens, block_table, part_out, part_lse, err,
                    scale_log2, max_len, split_len, splits, kv_heads, q_heads, q_sb, q_sh, k_s0, k_s1, k_sh, v_s0,
                    v_s1, v_sh, bt_sb, bt_sp, num_pages, first_row, limits, GROUP, HEADS, CHUNKS, D, BLOCK_N,
-                   PAGE_SIZE, PAGED)
+                   PAGE_SIZE, PAGED, out, lse, DIRECT, RETURN_LSE)
 
 
 @triton.jit
 def _split_program(pid, split, q, k, v, seqlens, block_table, part_out, part_lse, err, scale_log2, max_len,
                    split_len, splits, kv_heads, q_heads, q_sb, q_sh, k_s0, k_s1, k_sh, v_s0, v_s1, v_sh, bt_sb, bt_sp,
                    num_pages, first_row, limits, GROUP: tl.constexpr, HEADS: tl.constexpr, CHUNKS: tl.constexpr,
-                   D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr):
+                   D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, out=None,
+                   lse=None, DIRECT: tl.constexpr = False, RETURN_LSE: tl.constexpr = False):
     """Partial attention of query heads [c * HEADS, (c + 1) * HEADS) of KV head kvh's group, sequence b,
     over positions [split * split_len, (split + 1) * split_len) of the sequence.
 
     Program (((b * kv_heads + kvh) * CHUNKS + c), split). KV row of position n: contiguous: k + b * k_s0 +
     n * k_s1; paged: k + page * k_s0 + (n % PAGE_SIZE) * k_s1, page = block_table[b, n // PAGE_SIZE].
     Writes part_out[row, split, :] = acc / l and part_lse[row, split] = m + log2(l), row = b * q_heads +
-    head, for a split that holds at least one position.
+    head, for a split that holds at least one position. DIRECT (the only split: the merge would copy it): out[row]
+    = acc / l in out's dtype (0 for an empty sequence) and, with RETURN_LSE, lse[row] in natural log (-inf for an
+    empty sequence), the merge's bits.
 
     Lengths and pages are data: a length outside [0, max_len] is clamped and a page outside [0, num_pages)
     is never read (its positions count as zero keys and values); either is recorded in the error word `err`
@@ -275,10 +287,17 @@ def _split_program(pid, split, q, k, v, seqlens, block_table, part_out, part_lse
         m = m_new
 
     rows = b * q_heads + heads
-    live = live_rows & (start < end)
-    idx = rows.to(tl.int64) * splits + split
-    tl.store(part_out + idx[:, None] * D + offs_d[None, :], acc / l[:, None], mask=live[:, None])
-    tl.store(part_lse + idx, m + tl.log2(l), mask=live)
+    if DIRECT:
+        o = acc / tl.where(l > 0, l, 1.0)[:, None]  # the merge of one live partial is that partial
+        tl.store(out + rows.to(tl.int64)[:, None] * D + offs_d[None, :], cast(o, out.dtype.element_ty),
+                 mask=live_rows[:, None])
+        if RETURN_LSE:
+            tl.store(lse + rows, (m + tl.log2(l)) * LN2, mask=live_rows)
+    else:
+        live = live_rows & (start < end)
+        idx = rows.to(tl.int64) * splits + split
+        tl.store(part_out + idx[:, None] * D + offs_d[None, :], acc / l[:, None], mask=live[:, None])
+        tl.store(part_lse + idx, m + tl.log2(l), mask=live)
 
 
 @triton.jit(do_not_specialize=["max_len", "split_len", "splits"])
@@ -383,7 +402,7 @@ def _splits(groups: int, max_len: int, block_n: int, device: torch.device) -> tu
         splits = min(CPU_MAX_SPLITS, blocks)
     else:
         per_sm = tuning.value("flash_decode.split_programs_per_sm", device)
-        want = triton.cdiv(per_sm * _sm_count(device.index), groups)
+        want = max(1, per_sm * _sm_count(device.index) // groups)  # one wave of programs at most
         splits = max(1, min(want, tuning.value("flash_decode.max_splits", device),
                             blocks // tuning.value("flash_decode.min_blocks_per_split", device)))
     split_len = triton.cdiv(blocks, splits) * block_n
@@ -454,11 +473,14 @@ def _check(q, k_cache, v_cache, seqlens, block_table, scale, device=None) -> tup
     return max_len, page_size, float(scale)
 
 
-def _split_launch(q, k_cache, v_cache, seqlens, block_table, scale, max_len, page_size, errors, op, first_row=0):
+def _split_launch(q, k_cache, v_cache, seqlens, block_table, scale, max_len, page_size, errors, op, first_row=0,
+                  direct=False, return_lse=False):
     """The split kernel's launch for this signature; returns (launch, args(q, k, v, seqlens, table, part_out,
-    part_lse) -> its runtime arguments, splits, split_len). The strides go in as plan constants (the key
-    holds every stride: Triton specialises integer arguments on their value). Bad lengths and pages are
-    recorded in `errors` (an ErrorWord of 2 words) as op OPS[op]'s, of sequence first_row + b."""
+    part_lse, out=None, lse=None) -> its runtime arguments, splits, split_len). The strides go in as plan
+    constants (the key holds every stride: Triton specialises integer arguments on their value). Bad lengths and
+    pages are recorded in `errors` (an ErrorWord of 2 words) as op OPS[op]'s, of sequence first_row + b. direct:
+    where the splits come to one, the kernel writes out (and, with return_lse, lse) itself (DIRECT) and no merge
+    is needed; the launch's arguments then name out and lse (the partials' are not read)."""
     batch, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = q_heads // kv_heads
@@ -475,16 +497,36 @@ def _split_launch(q, k_cache, v_cache, seqlens, block_table, scale, max_len, pag
               *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0), table.stride(-1), num_pages, first_row,
               limits)
 
-    def args(q, k, v, lens, table, part_out, part_lse):
-        return (q, k, v, lens, table, part_out, part_lse, err, *consts)
+    direct = direct and splits == 1
+
+    def args(q, k, v, lens, table, part_out, part_lse, out=None, lse=None):
+        # Unread pointers of the right type where a launch has no use for them: the partials (DIRECT), or out
+        # and lse (not DIRECT).
+        out = part_out if out is None else out
+        lse = part_lse if lse is None else lse
+        return (q, k, v, lens, table, part_out, part_lse, out, lse, err, *consts)
     part_out, part_lse = _partial_buffers(batch * q_heads, splits, head_dim, q.device)
+    sample = torch.empty_like(q, memory_format=torch.contiguous_format) if direct else None
     launch = Launch(flash_decode_split_kernel, (batch * kv_heads * chunks, splits),
-                    args(q, k_cache, v_cache, seqlens, table, part_out, part_lse),
+                    args(q, k_cache, v_cache, seqlens, table, part_out, part_lse, sample,
+                         part_lse if sample is None else part_lse.view(batch, q_heads)),
                     dict(GROUP=group, HEADS=heads, CHUNKS=chunks, D=head_dim, BLOCK_N=block_n, PAGE_SIZE=page_size,
-                         PAGED=paged),
-                    num_warps=4 if heads <= 32 else 8,
-                    num_stages=3 if q.element_size() <= 2 else 2)  # fp32 tiles: 3 stages would not fit an A100
+                         PAGED=paged, DIRECT=direct, RETURN_LSE=direct and return_lse),
+                    num_warps=4 if heads <= 32 else 8, num_stages=_stages(q, batch * kv_heads * chunks * splits))
     return launch, args, splits, split_len
+
+
+def _stages(q: torch.Tensor, programs: int) -> int:
+    """The split kernel's pipeline stages: 3 for 16-bit KV, 2 for fp32 (3 would not fit an A100's shared memory);
+    on GPUs flash_decode.stages_past_one_wave where the grid holds more than split_programs_per_sm programs a SM
+    (fewer stages: more programs resident; the tuning note has the measurements)."""
+    if q.element_size() > 2:
+        return 2
+    if q.device.type == "cuda":
+        per_sm = tuning.value("flash_decode.split_programs_per_sm", q.device)
+        if programs > per_sm * _sm_count(q.device.index):
+            return tuning.value("flash_decode.stages_past_one_wave", q.device)
+    return 3
 
 
 def _partial_buffers(rows: int, splits: int, head_dim: int, device):
@@ -549,8 +591,12 @@ class FlashDecodePlan(Plan):
         self.errors = _errors(group)
         qc = _prepare_q(q)
         self.split, self.split_args, self.splits, self.split_len = _split_launch(
-            qc, k_cache, v_cache, seqlens, block_table, scale, max_len, page_size, self.errors, 0)
+            qc, k_cache, v_cache, seqlens, block_table, scale, max_len, page_size, self.errors, 0, direct=True,
+            return_lse=return_lse)
         self.max_len = max_len
+        if self.splits == 1:  # the split kernel writes the result: no merge
+            self.run = self.run_direct
+            return
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty((batch, q_heads), dtype=torch.float32, device=q.device)
         part_out, part_lse = _partial_buffers(self.rows, self.splits, head_dim, q.device)
@@ -564,6 +610,16 @@ class FlashDecodePlan(Plan):
     def run_empty(self, q, k_cache, v_cache, seqlens, block_table):
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         return self.result(out, torch.empty((self.batch, self.q_heads), dtype=torch.float32, device=q.device))
+
+    def run_direct(self, q, k_cache, v_cache, seqlens, block_table):
+        """One split: the split kernel writes out and lse itself."""
+        self.errors.raise_recorded()
+        q = _prepare_q(q)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty((self.batch, self.q_heads), dtype=torch.float32, device=q.device)
+        self.split(*self.split_args(q, k_cache, v_cache, seqlens, seqlens if block_table is None else block_table,
+                                    lse, lse, out, lse))
+        return self.result(out, lse)
 
     def run(self, q, k_cache, v_cache, seqlens, block_table):
         # A bad length or page an earlier call recorded raises before anything is launched (no peers wait).
@@ -816,16 +872,18 @@ def _(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table=None, scale=No
 
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 _SPLIT_SIG = dict(q=None, k=None, v=None, seqlens="*i32", block_table="*i32", part_out="*fp32", part_lse="*fp32",
-                  err="*i64", scale_log2="fp32", max_len="i32", split_len="i32", splits="i32", kv_heads="i32", q_heads="i32",
+                  out=None, lse="*fp32", err="*i64", scale_log2="fp32", max_len="i32", split_len="i32", splits="i32", kv_heads="i32", q_heads="i32",
                   q_sb="i32", q_sh="i32", k_s0="i32", k_s1="i32", k_sh="i32", v_s0="i32", v_s1="i32", v_sh="i32",
                   bt_sb="i32", bt_sp="i32", num_pages="i32", first_row="i32", limits="i64")
 COMPILE_CASES = [
-    (flash_decode_split_kernel, {**_SPLIT_SIG, "q": t, "k": t, "v": t},
-     dict(GROUP=g, HEADS=h, CHUNKS=c, D=d, BLOCK_N=32 if d == 256 else 64, PAGE_SIZE=ps, PAGED=ps > 0),
+    (flash_decode_split_kernel, {**_SPLIT_SIG, "q": t, "k": t, "v": t, "out": t if direct else "*fp32"},
+     dict(GROUP=g, HEADS=h, CHUNKS=c, D=d, BLOCK_N=32 if d == 256 else 64, PAGE_SIZE=ps, PAGED=ps > 0, DIRECT=direct,
+          RETURN_LSE=direct and d == 128),
      dict(num_warps=4 if h <= 32 else 8))
     for t, d, g, h, c, ps in [(t, d, 4, 16, 1, ps) for t in ("*bf16",) for d in HEAD_DIMS for ps in (0, 16)]
     + [("*fp16", 128, 8, 16, 1, 0), ("*fp32", 128, 4, 16, 1, 0), ("*fp32", 128, 4, 16, 1, 16),
        ("*bf16", 128, 1, 16, 1, 1), ("*bf16", 128, 32, 32, 1, 256), ("*bf16", 128, 128, 64, 2, 16)]
+    for direct in (False, True)
 ] + [
     (flash_decode_merge_kernel, dict(part_out="*fp32", part_lse="*fp32", seqlens="*i32", out=t, lse="*fp32",
                                      max_len="i32", split_len="i32", splits="i32", q_heads="i32"),

@@ -138,6 +138,7 @@ KEYS = {
     "flash_decode.split_programs_per_sm": _count,
     "flash_decode.min_blocks_per_split": _count,
     "flash_decode.max_splits": _count,
+    "flash_decode.stages_past_one_wave": _count,
     "decode.gemv": _settings,
     "decode.fused_max_m": _per_size,  # {tensor-parallel size: largest batch bucket}
     "decode.persistent": _settings,
