@@ -105,7 +105,7 @@ def test_flash_decode_matches_reference(heads, layout):
 
 
 def test_flash_decode_several_blocks_per_split_and_scale():
-    lens = [130, 129, 64, 2]  # 3 splits of 3 blocks of 16 positions: full, partial and empty splits
+    lens = [130, 129, 64, 2]  # 3 splits of up to 3 blocks of 16 positions: full, partial and empty splits
     q, k, v, seqlens = make_inputs(3, lens, 130, 8, 2)
     with nan_allocations():
         out, lse = fd.flash_decode(q, k, v, seqlens, scale=0.3, return_lse=True)
@@ -113,6 +113,22 @@ def test_flash_decode_several_blocks_per_split_and_scale():
         out_paged = fd.flash_decode(q, k_pages, v_pages, seqlens, block_table=table, scale=0.3)
     check(q, k, v, seqlens, out, lse, scale=0.3)
     assert torch.equal(out_paged, out)  # the same blocks in the same order: the same bits
+
+
+def test_flash_decode_ranges_follow_each_sequence_length():
+    """Splits are planned for the cache's length, ranges for each sequence's own: a sequence of 3 blocks in a
+    cache of 10 fills all 3 splits (a block each), not the first split's 4 blocks; an empty one fills none."""
+    block = fd.CPU_BLOCK_N
+    lens = [3 * block - 5, 10 * block, 0]
+    q, k, v, seqlens = make_inputs(12, lens, 10 * block, 4, 2)
+    plan = fd.FlashDecodePlan(None, q, k, v, seqlens, None, None, False)
+    assert (plan.splits, plan.split_unit) == (3, block)
+    part_out = torch.full((3 * 4, plan.splits, 64), float("nan"))
+    part_lse = torch.full((3 * 4, plan.splits), float("nan"))
+    plan.split(*plan.split_args(q, k, v, seqlens, seqlens, part_out, part_lse))
+    written = ~part_lse.isnan().view(3, 4, plan.splits)
+    assert written[0].all() and written[1].all() and not written[2].any()
+    check(q, k, v, seqlens, fd.flash_decode(q, k, v, seqlens))
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged 4"])

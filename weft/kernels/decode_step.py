@@ -128,7 +128,7 @@ def _slab(i, tiles, K, KB, BPS, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def decode_step_kernel(tasks, n_tasks, phase_tasks, done, layers, h, out, cache, rows, positions, lengths, inv_freq,
                        q, part_out, part_lse, attn, g, q_partial, q_counter, o_partial, o_counter, gu_partial,
-                       gu_counter, d_partial, d_counter, err, M, HIDDEN, INTER, eps, scale_log2, max_len, split_len,
+                       gu_counter, d_partial, d_counter, err, M, HIDDEN, INTER, eps, scale_log2, max_len, split_unit,
                        splits, limits, c_sl, c_skv, c_sb, c_sp, c_sh, q_tiles, q_kb, q_bps, o_tiles, o_kb, o_bps,
                        gu_tiles, gu_kb, gu_bps, d_tiles, d_kb, d_bps,
                        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
@@ -195,11 +195,11 @@ def decode_step_kernel(tasks, n_tasks, phase_tasks, done, layers, h, out, cache,
         elif phase == 1:
             n0 = M * KV_HEADS * CHUNKS
             fd._split_program(i % n0, i // n0, q, k_cache, v_cache, lengths, lengths, part_out, part_lse, err,
-                              scale_log2, max_len, split_len, splits, KV_HEADS, HEADS, HEADS * D, D, c_sb, c_sp,
+                              scale_log2, max_len, split_unit, splits, KV_HEADS, HEADS, HEADS * D, D, c_sb, c_sp,
                               c_sh, c_sb, c_sp, c_sh, 0, 0, 0, 0, limits, GROUP, A_HEADS, CHUNKS, D, A_BLOCK_N, 0,
                               False)
         elif phase == 2:
-            fd._merge_program(i, part_out, part_lse, lengths, attn, part_lse, max_len, split_len, splits, HEADS, D,
+            fd._merge_program(i, part_out, part_lse, lengths, attn, part_lse, max_len, split_unit, splits, HEADS, D,
                               SPLIT_BLOCK, False)
         elif phase == 3:
             tile, split, mb, _, _ = _slab(i, o_tiles, HEADS * D, o_kb, o_bps, O_SPLIT, O_BLOCK_K)
@@ -386,7 +386,7 @@ class DecodeStepPlan(Plan):
         a_heads = min(max(16, triton.next_power_of_2(group_heads)), fd.MAX_HEADS_PER_PROGRAM)
         chunks = triton.cdiv(group_heads, a_heads)
         a_block_n = fd._block_n(d, device)
-        splits, split_len = fd._splits(m * kv_heads * chunks, max_len, a_block_n, device)
+        splits, split_unit = fd._splits(m * kv_heads * chunks, max_len, a_block_n, device)
         self.errors = fd._errors(group)
         limits = min(max_len, fd.LIMIT)  # op 0 (flash_decode's record), no pages
         counts = [qkv.tasks, m * kv_heads * chunks * splits, m * heads, o_op.tasks, gu.tasks, down.tasks]
@@ -419,7 +419,7 @@ class DecodeStepPlan(Plan):
         prefetch = triton.next_power_of_2(prefetch) if prefetch else 0
         ieee = dtype == torch.float32
         self.consts = (m, hidden, inter)
-        self.tail = ((1.0 / math.sqrt(d)) * fd.LOG2E, max_len, split_len, splits, limits, *cache.stride()[:5],
+        self.tail = ((1.0 / math.sqrt(d)) * fd.LOG2E, max_len, split_unit, splits, limits, *cache.stride()[:5],
                      qkv.tiles, qkv.p.kb, qkv.p.bps, o_op.tiles, o_op.p.kb, o_op.p.bps, gu.tiles, gu.p.kb, gu.p.bps,
                      down.tiles, down.p.kb, down.p.bps)
         self.gemvs = (qkv, o_op, gu, down)
@@ -497,7 +497,7 @@ def _compile_cases():
                part_lse="*fp32", attn=None, g=None, q_partial="*fp32", q_counter="*i32", o_partial="*fp32",
                o_counter="*i32", gu_partial="*fp32", gu_counter="*i32", d_partial="*fp32", d_counter="*i32",
                err="*i64", M="i32", HIDDEN="i32", INTER="i32", eps="fp32", scale_log2="fp32", max_len="i32",
-               split_len="i32", splits="i32", limits="i32", c_sl="i32", c_skv="i32", c_sb="i32", c_sp="i32",
+               split_unit="i32", splits="i32", limits="i32", c_sl="i32", c_skv="i32", c_sb="i32", c_sp="i32",
                c_sh="i32", q_tiles="i32", q_kb="i32", q_bps="i32", o_tiles="i32", o_kb="i32", o_bps="i32",
                gu_tiles="i32", gu_kb="i32", gu_bps="i32", d_tiles="i32", d_kb="i32", d_bps="i32")
     for t, gemv, qk_norm, prefetch in (("*bf16", fma, True, 16), ("*bf16", fma, False, 0), ("*fp32", dot, True, 16)):

@@ -9,8 +9,11 @@ block_table (batch, pages_per_seq) naming the page that holds each sequence's po
 [j * page_size, (j + 1) * page_size).
 
 Split-KV. One query token is too little work for a GPU: batch x kv_heads programs would leave most SMs
-idle while each walks a long sequence. So every sequence is cut into `splits` ranges of `split_len`
-positions, and one program handles one (sequence, KV head, range):
+idle while each walks a long sequence. So every sequence is cut into up to `splits` ranges, and one program handles
+one (sequence, KV head, range). The ranges follow the sequence's own length, read on the device: a sequence of L
+positions has ranges of _split_len(L) positions, a whole number of `split_unit`s (min_blocks_per_split key blocks),
+as few as cover L in `splits` ranges; programs past the last range exit. So a short sequence in a long cache is
+spread over the programs as a full one is (planning by the cache's length would give its first range all of it):
 
 1. flash_decode_split_kernel loads BLOCK_N keys x head_dim per step and scores all G query heads of its
    KV head in one tl.dot (every KV byte is read once), keeping an online softmax in fp32 (running max
@@ -168,6 +171,14 @@ def _seqlen(seqlens, b, max_len):
 
 
 @triton.jit
+def _split_len(seqlen, splits, split_unit):
+    """Positions a range of a sequence of seqlen positions covers: the fewest whole split_units that cover it in
+    `splits` ranges (one unit for an empty sequence: no live range). Its ranges [i L, (i + 1) L) for i <
+    cdiv(seqlen, L) are live; the split kernel and the merges compute it alike."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seqlen, split_unit), splits), 1) * split_unit
+
+
+@triton.jit
 def _record(err, limits, row, value, KIND: tl.constexpr):
     """Record a bad value of sequence `row` (one program's word: any program may record over another)."""
     tl.store(err + 1, limits)
@@ -200,28 +211,28 @@ def _merge_splits(part_out, part_lse, row, splits, live, D: tl.constexpr, SPLIT_
 
 # -- kernels --------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["max_len", "split_len", "splits", "num_pages", "first_row", "limits"])
+@triton.jit(do_not_specialize=["max_len", "split_unit", "splits", "num_pages", "first_row", "limits"])
 def flash_decode_split_kernel(q, k, v, seqlens, block_table, part_out, part_lse, out, lse, err, scale_log2, max_len,
-                              split_len, splits, kv_heads, q_heads, q_sb, q_sh, k_s0, k_s1, k_sh, v_s0, v_s1, v_sh,
+                              split_unit, splits, kv_heads, q_heads, q_sb, q_sh, k_s0, k_s1, k_sh, v_s0, v_s1, v_sh,
                               bt_sb, bt_sp, num_pages, first_row, limits, GROUP: tl.constexpr, HEADS: tl.constexpr,
                               CHUNKS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
                               PAGED: tl.constexpr, DIRECT: tl.constexpr, RETURN_LSE: tl.constexpr):
     """Program (pid, split) of the split step (_split_program); DIRECT (one split): the result itself into out
     (and lse), no partials."""
     _split_program(tl.program_id(0), tl.program_id(1), q, k, v, seqlens, block_table, part_out, part_lse, err,
-                   scale_log2, max_len, split_len, splits, kv_heads, q_heads, q_sb, q_sh, k_s0, k_s1, k_sh, v_s0,
+                   scale_log2, max_len, split_unit, splits, kv_heads, q_heads, q_sb, q_sh, k_s0, k_s1, k_sh, v_s0,
                    v_s1, v_sh, bt_sb, bt_sp, num_pages, first_row, limits, GROUP, HEADS, CHUNKS, D, BLOCK_N,
                    PAGE_SIZE, PAGED, out, lse, DIRECT, RETURN_LSE)
 
 
 @triton.jit
 def _split_program(pid, split, q, k, v, seqlens, block_table, part_out, part_lse, err, scale_log2, max_len,
-                   split_len, splits, kv_heads, q_heads, q_sb, q_sh, k_s0, k_s1, k_sh, v_s0, v_s1, v_sh, bt_sb, bt_sp,
+                   split_unit, splits, kv_heads, q_heads, q_sb, q_sh, k_s0, k_s1, k_sh, v_s0, v_s1, v_sh, bt_sb, bt_sp,
                    num_pages, first_row, limits, GROUP: tl.constexpr, HEADS: tl.constexpr, CHUNKS: tl.constexpr,
                    D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, out=None,
                    lse=None, DIRECT: tl.constexpr = False, RETURN_LSE: tl.constexpr = False):
     """Partial attention of query heads [c * HEADS, (c + 1) * HEADS) of KV head kvh's group, sequence b,
-    over positions [split * split_len, (split + 1) * split_len) of the sequence.
+    over positions [split * L, (split + 1) * L) of the sequence, L = _split_len(its length).
 
     Program (((b * kv_heads + kvh) * CHUNKS + c), split). KV row of position n: contiguous: k + b * k_s0 +
     n * k_s1; paged: k + page * k_s0 + (n % PAGE_SIZE) * k_s1, page = block_table[b, n // PAGE_SIZE].
@@ -245,6 +256,7 @@ def _split_program(pid, split, q, k, v, seqlens, block_table, part_out, part_lse
     if (split == 0) & (pid % (CHUNKS * kv_heads) == 0):  # one program per sequence checks its length
         if (raw_len < 0) | (raw_len > max_len):
             _record(err, limits, first_row + b, raw_len, 1)
+    split_len = _split_len(seqlen, splits, split_unit)
     start = split * split_len
     end = tl.minimum(start + split_len, seqlen)
 
@@ -300,30 +312,31 @@ def _split_program(pid, split, q, k, v, seqlens, block_table, part_out, part_lse
         tl.store(part_lse + idx, m + tl.log2(l), mask=live)
 
 
-@triton.jit(do_not_specialize=["max_len", "split_len", "splits"])
-def flash_decode_merge_kernel(part_out, part_lse, seqlens, out, lse, max_len, split_len, splits, q_heads,
+@triton.jit(do_not_specialize=["max_len", "split_unit", "splits"])
+def flash_decode_merge_kernel(part_out, part_lse, seqlens, out, lse, max_len, split_unit, splits, q_heads,
                               D: tl.constexpr, SPLIT_BLOCK: tl.constexpr, RETURN_LSE: tl.constexpr):
     """out[row] (q's dtype) and, with RETURN_LSE, lse[row] (natural log) from the live partials of row =
     b * q_heads + head: program `row` (_merge_program)."""
-    _merge_program(tl.program_id(0), part_out, part_lse, seqlens, out, lse, max_len, split_len, splits, q_heads, D,
+    _merge_program(tl.program_id(0), part_out, part_lse, seqlens, out, lse, max_len, split_unit, splits, q_heads, D,
                    SPLIT_BLOCK, RETURN_LSE)
 
 
 @triton.jit
-def _merge_program(row, part_out, part_lse, seqlens, out, lse, max_len, split_len, splits, q_heads, D: tl.constexpr,
+def _merge_program(row, part_out, part_lse, seqlens, out, lse, max_len, split_unit, splits, q_heads, D: tl.constexpr,
                    SPLIT_BLOCK: tl.constexpr, RETURN_LSE: tl.constexpr):
     """Row `row` of the merge step: its live partials (read past L1, _merge_splits) merged into out[row] and, with
     RETURN_LSE, lse[row]."""
     seqlen = _seqlen(seqlens, row // q_heads, max_len)
-    o, lse2 = _merge_splits(part_out, part_lse, row, splits, tl.cdiv(seqlen, split_len), D, SPLIT_BLOCK)
+    live_splits = tl.cdiv(seqlen, _split_len(seqlen, splits, split_unit))
+    o, lse2 = _merge_splits(part_out, part_lse, row, splits, live_splits, D, SPLIT_BLOCK)
     offs_d = tl.arange(0, D)
     tl.store(out + row.to(tl.int64) * D + offs_d, cast(o, out.dtype.element_ty))
     if RETURN_LSE:
         tl.store(lse + row, lse2 * LN2)  # log(x) = log2(x) * ln(2)
 
 
-@triton.jit(do_not_specialize=["max_len", "split_len", "splits", "rows", "slot_len", "fp"])
-def sp_flash_decode_merge_kernel(part_out, part_lse, seqlens, ll, counter, heap, out, max_len, split_len, splits,
+@triton.jit(do_not_specialize=["max_len", "split_unit", "splits", "rows", "slot_len", "fp"])
+def sp_flash_decode_merge_kernel(part_out, part_lse, seqlens, ll, counter, heap, out, max_len, split_unit, splits,
                                  q_heads, rows, slot_len, sig, sig_err, fp, D: tl.constexpr,
                                  SPLIT_BLOCK: tl.constexpr, WORLD: tl.constexpr, RANKS: tl.constexpr):
     """out[row] = attention over all ranks' slices, for rows p, p + P, ... (program p of P).
@@ -352,7 +365,8 @@ def sp_flash_decode_merge_kernel(part_out, part_lse, seqlens, ll, counter, heap,
     dst = wl.symm_at(half + wl.rank(heap) * slot_len, tl.minimum(lanes, WORLD - 1), heap)
     for row in range(p, rows, programs):
         seqlen = _seqlen(seqlens, row // q_heads, max_len)
-        o, lse2 = _merge_splits(part_out, part_lse, row, splits, tl.cdiv(seqlen, split_len), D, SPLIT_BLOCK)
+        live_splits = tl.cdiv(seqlen, _split_len(seqlen, splits, split_unit))
+        o, lse2 = _merge_splits(part_out, part_lse, row, splits, live_splits, D, SPLIT_BLOCK)
         o_words = wl.pack_ll(o.to(tl.int32, bitcast=True), epoch)
         lse_word = wl.pack_ll(lse2.to(tl.int32, bitcast=True), epoch)
         tl.store(dst[:, None] + row * D + offs_d[None, :], tl.broadcast_to(o_words[None, :], [RANKS, D]),
@@ -395,18 +409,22 @@ def _block_n(head_dim: int, device: torch.device) -> int:
 
 
 def _splits(groups: int, max_len: int, block_n: int, device: torch.device) -> tuple[int, int]:
-    """(splits, split_len) for `groups` (sequence, KV head, head chunk) programs over up to max_len positions:
-    no look at the actual lengths (that would need a host sync)."""
+    """(splits, split_unit) for `groups` (sequence, KV head, head chunk) programs over up to max_len positions:
+    the grid's ranges per sequence and the positions a range is a whole number of (_split_len). The count is
+    planned for max_len (the lengths are on the device: reading them would need a host sync), as the ranges of
+    a max_len sequence come out; a shorter sequence fills fewer."""
     blocks = max(1, triton.cdiv(max_len, block_n))
+    unit = block_n
     if device.type != "cuda":
         splits = min(CPU_MAX_SPLITS, blocks)
     else:
         per_sm = tuning.value("flash_decode.split_programs_per_sm", device)
         want = max(1, per_sm * _sm_count(device.index) // groups)  # one wave of programs at most
-        splits = max(1, min(want, tuning.value("flash_decode.max_splits", device),
-                            blocks // tuning.value("flash_decode.min_blocks_per_split", device)))
-    split_len = triton.cdiv(blocks, splits) * block_n
-    return triton.cdiv(max(max_len, 1), split_len), split_len
+        min_blocks = tuning.value("flash_decode.min_blocks_per_split", device)
+        splits = max(1, min(want, tuning.value("flash_decode.max_splits", device), blocks // min_blocks))
+        unit = min_blocks * block_n
+    per = triton.cdiv(triton.cdiv(max(max_len, 1), unit), splits) * unit  # _split_len(max_len)
+    return triton.cdiv(max(max_len, 1), per), unit
 
 
 def _check_tensor(name: str, t, device: torch.device | None = None) -> None:
@@ -476,7 +494,7 @@ def _check(q, k_cache, v_cache, seqlens, block_table, scale, device=None) -> tup
 def _split_launch(q, k_cache, v_cache, seqlens, block_table, scale, max_len, page_size, errors, op, first_row=0,
                   direct=False, return_lse=False):
     """The split kernel's launch for this signature; returns (launch, args(q, k, v, seqlens, table, part_out,
-    part_lse, out=None, lse=None) -> its runtime arguments, splits, split_len). The strides go in as plan
+    part_lse, out=None, lse=None) -> its runtime arguments, splits, split_unit). The strides go in as plan
     constants (the key holds every stride: Triton specialises integer arguments on their value). Bad lengths and
     pages are recorded in `errors` (an ErrorWord of 2 words) as op OPS[op]'s, of sequence first_row + b. direct:
     where the splits come to one, the kernel writes out (and, with return_lse, lse) itself (DIRECT) and no merge
@@ -487,13 +505,13 @@ def _split_launch(q, k_cache, v_cache, seqlens, block_table, scale, max_len, pag
     heads = min(max(16, triton.next_power_of_2(group)), MAX_HEADS_PER_PROGRAM)
     chunks = triton.cdiv(group, heads)
     block_n = _block_n(head_dim, q.device)
-    splits, split_len = _splits(batch * kv_heads * chunks, max_len, block_n, q.device)
+    splits, split_unit = _splits(batch * kv_heads * chunks, max_len, block_n, q.device)
     paged = block_table is not None
     table = block_table if paged else seqlens  # not read when contiguous
     num_pages = k_cache.shape[0] if paged else 0
     limits = op << 62 | min(num_pages, LIMIT) << 31 | min(max_len, LIMIT)
     err = errors.tensor
-    consts = (scale * LOG2E, max_len, split_len, splits, kv_heads, q_heads, q.stride(0), q.stride(1),
+    consts = (scale * LOG2E, max_len, split_unit, splits, kv_heads, q_heads, q.stride(0), q.stride(1),
               *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0), table.stride(-1), num_pages, first_row,
               limits)
 
@@ -513,7 +531,7 @@ def _split_launch(q, k_cache, v_cache, seqlens, block_table, scale, max_len, pag
                     dict(GROUP=group, HEADS=heads, CHUNKS=chunks, D=head_dim, BLOCK_N=block_n, PAGE_SIZE=page_size,
                          PAGED=paged, DIRECT=direct, RETURN_LSE=direct and return_lse),
                     num_warps=4 if heads <= 32 else 8, num_stages=_stages(q, batch * kv_heads * chunks * splits))
-    return launch, args, splits, split_len
+    return launch, args, splits, split_unit
 
 
 def _stages(q: torch.Tensor, programs: int) -> int:
@@ -590,7 +608,7 @@ class FlashDecodePlan(Plan):
             return
         self.errors = _errors(group)
         qc = _prepare_q(q)
-        self.split, self.split_args, self.splits, self.split_len = _split_launch(
+        self.split, self.split_args, self.splits, self.split_unit = _split_launch(
             qc, k_cache, v_cache, seqlens, block_table, scale, max_len, page_size, self.errors, 0, direct=True,
             return_lse=return_lse)
         self.max_len = max_len
@@ -601,7 +619,7 @@ class FlashDecodePlan(Plan):
         lse = torch.empty((batch, q_heads), dtype=torch.float32, device=q.device)
         part_out, part_lse = _partial_buffers(self.rows, self.splits, head_dim, q.device)
         self.merge = Launch(flash_decode_merge_kernel, (self.rows,),
-                            (part_out, part_lse, seqlens, out, lse, max_len, self.split_len, self.splits, q_heads),
+                            (part_out, part_lse, seqlens, out, lse, max_len, self.split_unit, self.splits, q_heads),
                             dict(D=head_dim, SPLIT_BLOCK=SPLIT_BLOCK, RETURN_LSE=return_lse), num_warps=4)
 
     def result(self, out, lse):
@@ -630,7 +648,7 @@ class FlashDecodePlan(Plan):
         part_out, part_lse = _partial_buffers(self.rows, self.splits, self.head_dim, q.device)
         self.split(*self.split_args(q, k_cache, v_cache, seqlens, seqlens if block_table is None else block_table,
                                     part_out, part_lse))
-        self.merge(part_out, part_lse, seqlens, out, lse, self.max_len, self.split_len, self.splits, self.q_heads)
+        self.merge(part_out, part_lse, seqlens, out, lse, self.max_len, self.split_unit, self.splits, self.q_heads)
         return self.result(out, lse)
 
 
@@ -738,8 +756,8 @@ class _SpPass:
     """One pass of sp_flash_decode: sequences [b0, b1) (`whole`: all of the batch), their split launch and
     their merge launch."""
 
-    def __init__(self, b0, b1, batch, rows, split_launch, split_args, splits, split_len, merge_launch):
-        self.b0, self.b1, self.rows, self.splits, self.split_len = b0, b1, rows, splits, split_len
+    def __init__(self, b0, b1, batch, rows, split_launch, split_args, splits, split_unit, merge_launch):
+        self.b0, self.b1, self.rows, self.splits, self.split_unit = b0, b1, rows, splits, split_unit
         self.whole = b1 - b0 == batch
         self.split_launch, self.split_args, self.merge_launch = split_launch, split_args, merge_launch
 
@@ -776,16 +794,16 @@ class SpFlashDecodePlan(Plan):
             rows = (b1 - b0) * q_heads
             # A pass's sequences: rows b0..b1 of q, seqlens, block_table (paged) or the cache (contiguous).
             k, v = (k_cache, v_cache) if self.paged else (k_cache[b0:b1], v_cache[b0:b1])
-            split, split_args, splits, split_len = _split_launch(
+            split, split_args, splits, split_unit = _split_launch(
                 qc[b0:b1], k, v, seqlens[b0:b1], block_table[b0:b1] if self.paged else None, scale, max_len,
                 page_size, self.errors, 1, b0)
             part_out, part_lse = _partial_buffers(rows, splits, head_dim, q.device)
             merge = Launch(sp_flash_decode_merge_kernel, (min(rows, _sp_max_programs(q.device)),),
                            (part_out, part_lse, seqlens[b0:b1], ctx.ll, ctx.counter, self.heap, sample[b0:b1],
-                            max_len, split_len, splits, q_heads, rows, SP_MAX_ENTRIES, *self.sig_args),
+                            max_len, split_unit, splits, q_heads, rows, SP_MAX_ENTRIES, *self.sig_args),
                            dict(D=head_dim, SPLIT_BLOCK=_sp_split_block(splits, head_dim), WORLD=group.size,
                                 RANKS=_sp_lanes(group.size)), num_warps=SP_NUM_WARPS)
-            self.passes.append(_SpPass(b0, b1, batch, rows, split, split_args, splits, split_len, merge))
+            self.passes.append(_SpPass(b0, b1, batch, rows, split, split_args, splits, split_unit, merge))
 
     def split(self, step, q, k_cache, v_cache, seqlens, block_table):
         """The pass's split kernel into new partials; returns (the pass's seqlens, part_out, part_lse)."""
@@ -805,7 +823,7 @@ class SpFlashDecodePlan(Plan):
     def merge(self, step, seqlens, part_out, part_lse, out):
         """The pass's merge kernel: its rows of `out` from every rank's partials."""
         step.merge_launch(part_out, part_lse, seqlens, self.ctx.ll, self.ctx.counter, self.heap,
-                          out if step.whole else out[step.b0:step.b1], self.max_len, step.split_len, step.splits,
+                          out if step.whole else out[step.b0:step.b1], self.max_len, step.split_unit, step.splits,
                           self.q_heads, step.rows, SP_MAX_ENTRIES, *self.sig_args)
 
     def run(self, q, k_cache, v_cache, seqlens, block_table):
@@ -872,7 +890,8 @@ def _(q, k_cache_shard, v_cache_shard, seqlens_shard, block_table=None, scale=No
 
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 _SPLIT_SIG = dict(q=None, k=None, v=None, seqlens="*i32", block_table="*i32", part_out="*fp32", part_lse="*fp32",
-                  out=None, lse="*fp32", err="*i64", scale_log2="fp32", max_len="i32", split_len="i32", splits="i32", kv_heads="i32", q_heads="i32",
+                  out=None, lse="*fp32", err="*i64", scale_log2="fp32", max_len="i32", split_unit="i32", splits="i32",
+                  kv_heads="i32", q_heads="i32",
                   q_sb="i32", q_sh="i32", k_s0="i32", k_s1="i32", k_sh="i32", v_s0="i32", v_s1="i32", v_sh="i32",
                   bt_sb="i32", bt_sp="i32", num_pages="i32", first_row="i32", limits="i64")
 COMPILE_CASES = [
@@ -886,12 +905,12 @@ COMPILE_CASES = [
     for direct in (False, True)
 ] + [
     (flash_decode_merge_kernel, dict(part_out="*fp32", part_lse="*fp32", seqlens="*i32", out=t, lse="*fp32",
-                                     max_len="i32", split_len="i32", splits="i32", q_heads="i32"),
+                                     max_len="i32", split_unit="i32", splits="i32", q_heads="i32"),
      dict(D=d, SPLIT_BLOCK=SPLIT_BLOCK, RETURN_LSE=r), dict(num_warps=4))
     for t, d, r in [(t, 128, True) for t in _PTR.values()] + [("*bf16", 64, False), ("*bf16", 256, False)]
 ] + [
     (sp_flash_decode_merge_kernel, dict(part_out="*fp32", part_lse="*fp32", seqlens="*i32", ll="*i64", counter="*i64",
-                                        heap="*i64", out=t, max_len="i32", split_len="i32", splits="i32",
+                                        heap="*i64", out=t, max_len="i32", split_unit="i32", splits="i32",
                                         q_heads="i32", rows="i32", slot_len="i32", sig="*i64", sig_err="*i64",
                                         fp="i32"),
      dict(D=d, SPLIT_BLOCK=_sp_split_block(64, d), WORLD=wd, RANKS=_sp_lanes(wd)),

@@ -639,13 +639,13 @@ class SpFlashDecode:
         self.group, self.errors = group, errors
         batch, self.q_heads, self.head_dim = q.shape
         self.rows, self.max_len, self.paged = batch * self.q_heads, max_len, block_table is not None
-        self.split, self.split_args, self.splits, self.split_len = fd._split_launch(
+        self.split, self.split_args, self.splits, self.split_unit = fd._split_launch(
             fd._prepare_q(q), k_cache, v_cache, seqlens, block_table, scale, max_len, page_size, errors, 1)
         part_out, part_lse = fd._partial_buffers(self.rows, self.splits, self.head_dim, q.device)
         local_out = torch.empty((self.rows, self.head_dim), dtype=torch.float32, device=q.device)
         local_lse = torch.empty((self.rows,), dtype=torch.float32, device=q.device)
         self.merge = Launch(fd.flash_decode_merge_kernel, (self.rows,),
-                            (part_out, part_lse, seqlens, local_out, local_lse, max_len, self.split_len, self.splits,
+                            (part_out, part_lse, seqlens, local_out, local_lse, max_len, self.split_unit, self.splits,
                              self.q_heads),
                             dict(D=self.head_dim, SPLIT_BLOCK=fd.SPLIT_BLOCK, RETURN_LSE=True), num_warps=4)
 
@@ -661,7 +661,7 @@ class SpFlashDecode:
                                     part_lse))
         local_out = torch.empty((rows, d), dtype=torch.float32, device=q.device)
         local_lse = torch.empty((rows,), dtype=torch.float32, device=q.device)  # natural log
-        self.merge(part_out, part_lse, seqlens, local_out, local_lse, self.max_len, self.split_len, self.splits,
+        self.merge(part_out, part_lse, seqlens, local_out, local_lse, self.max_len, self.split_unit, self.splits,
                    self.q_heads)
         parts = all_gather.eager(torch.cat([local_out, local_lse[:, None]], dim=1), group=self.group)
         parts = parts.view(w, rows, d + 1)
