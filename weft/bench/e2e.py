@@ -7,11 +7,11 @@ forces it), split over all ranks; both implementations share the weights (Transf
 - decode: one step of every sequence (embedding, every layer with flash_decode over the cache, LM head) at
   --batches (1, 8, 64, 128) and --contexts tokens already cached (512, 4096), replayed from a CUDA graph in
   both (the decode session of weft.models), and the same steps called eagerly (every kernel launched from the
-  host; a table of its own, "eager"; --no-eager leaves it out), on one KV cache shared by both; weft on each of its decode paths,
-  a row each: "weft (fused)" (weft/kernels/decode.py's GEMVs with the pointwise work fused in), "weft
-  (layers)" (the layers' GEMMs and pointwise kernels) and, where it applies (one rank: the model's
-  persistent_refusal), "weft (persistent)" (weft/kernels/decode_step.py: every layer in one launch), whatever
-  WEFT_DECODE says.
+  host; a table of its own, "eager"; --no-eager leaves it out), on one KV cache shared by both; weft on each
+  of its decode paths, a row each: "weft (fused)" (weft/kernels/decode.py's GEMVs with the pointwise work
+  fused in), "weft (layers)" (the layers' GEMMs and pointwise kernels) and, where it applies (one rank: the
+  model's persistent_refusal), "weft (persistent)" (weft/kernels/decode_step.py: every layer in one launch),
+  whatever WEFT_DECODE says.
 Beside them, for decode:
 - "HBM floor": the bytes a step must read on a rank (its weights and the KV cache it attends over,
   Transformer.decode_bytes) over the copy bandwidth measured at the start of the same run (a large
