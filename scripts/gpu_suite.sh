@@ -19,7 +19,8 @@
 #     tune: the launch/tile sweeps on all GPUs (`weft tune`, its table in $OUT/tuning; scripts/probe_ep_ll.py,
 #     probe_moe_tp.py; not in all);
 #     e2e: the tensor-parallel decoder (weft.models): GPU tests on 2 and all GPUs (logits against transformers,
-#     graph-replayed decode), `weft demo`, `weft bench e2e` (Qwen3-8B and -32B, prefill and decode) on all GPUs;
+#     graph-replayed decode), `weft demo`, `weft bench e2e` (Qwen3-8B and -32B, prefill and decode, the decode
+#     steps graph-replayed and eager) on all GPUs;
 #     decode: one GPU against the HBM floor: the sm_90 compile of the fused decode kernels (weft/kernels/decode.py,
 #     registers), tests/test_gpu_model.py on 1 GPU, scripts/bench_gemv.py (the fused GEMVs alone against
 #     torch.matmul, % of copy bandwidth), `weft bench -n 1 e2e` at Qwen3-8B's and Llama-3-8B's decode cases
@@ -144,7 +145,7 @@ if has e2e; then
     step "gpu_model_tests_$n" timeout 150 python3 -m weft run -n "$n" -m pytest tests/test_gpu_model.py -m gpu -q -x -p no:cacheprovider
   done
   step demo timeout 150 python3 -m weft demo
-  step bench_e2e timeout 330 python3 -m weft bench -n "$NGPU" e2e --samples 10 --prefill-samples 3 --out "$OUT/bench"
+  step bench_e2e timeout 420 python3 -m weft bench -n "$NGPU" e2e --samples 10 --prefill-samples 3 --out "$OUT/bench"
 fi
 if has groups; then
   # Every family with group= on the layouts the GPU count allows (1: the world and groups of one; 2+: pairs,
@@ -203,7 +204,7 @@ if has decode; then  # one GPU: bench/bench_gemv.json, bench/e2e_1.{json,md,png}
     tests/test_gpu_model.py -m gpu -q -x -p no:cacheprovider
   step bench_gemv timeout 200 env CUDA_VISIBLE_DEVICES=0 python3 -m weft run -n 1 scripts/bench_gemv.py \
     --out "$OUT/bench/bench_gemv.json"
-  step bench_e2e_decode_1 timeout 420 env CUDA_VISIBLE_DEVICES=0 python3 -m weft bench -n 1 e2e \
+  step bench_e2e_decode_1 timeout 480 env CUDA_VISIBLE_DEVICES=0 python3 -m weft bench -n 1 e2e \
     --models Qwen3-8B,Llama-3-8B --prefill none --decode 1x512,8x512,64x512,8x4096 --samples 20 --out "$OUT/bench"
   for path in fused layers persistent; do
     step "profile_decode_b1_ctx512_$path" timeout 200 env CUDA_VISIBLE_DEVICES=0 python3 -m weft run -n 1 \
