@@ -275,8 +275,8 @@ def _decode_rows(label, models, hf, cases, samples, bandwidth, w, eager: bool = 
                 if w.rank == 0 and name != FLOOR:
                     print(f"{case} {name} ({view}): {ms * 1e3:.0f} µs per step ({batch / ms * 1e3:,.0f} tokens/s, "
                           f"{floor / ms:.0%} of the HBM floor)", flush=True)
-            if w.rank == 0:
-                print(f"{case} {FLOOR}: {floor * 1e3:.0f} µs per step", flush=True)
+        if w.rank == 0:
+            print(f"{case} {FLOOR}: {floor * 1e3:.0f} µs per step", flush=True)
         del sessions, steps, hf_session, cache, logits
         gc.collect()
     return rows
