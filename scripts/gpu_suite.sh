@@ -27,7 +27,7 @@
 #     b1/b8/b64 ctx 512 and b8 ctx 4096 (weft fused, layers and persistent, NCCL+cuBLAS, transformers' own model,
 #     the floor), and scripts/profile_decode.py (each kernel's GPU µs per replayed step and its bytes' share of the
 #     copy bandwidth) at b1 ctx 512 on the three decode paths, and the persistent one at b1 and b8 without its L2
-#     prefetch;
+#     prefetch and without its waits' sleep;
 #     groups: tests/test_gpu_groups.py on 1 and all GPUs, examples/train_tp_dp.py, overhead rows with group=,
 #     `weft bench groups` on all GPUs (the collectives and ag_gemm / gemm_rs on groups of N/2, consecutive and
 #     every other rank, against NCCL on the same groups and the same op on the world);
@@ -215,6 +215,9 @@ if has decode; then  # one GPU: bench/bench_gemv.json, bench/e2e_1.{json,md,png}
     step "profile_decode_b${batch}_ctx512_persistent_no_prefetch" timeout 200 env CUDA_VISIBLE_DEVICES=0 \
       python3 -m weft run -n 1 scripts/profile_decode.py --batch "$batch" --context 512 --path persistent \
       --prefetch-rows 0 --out "$OUT/bench/profile_decode_b${batch}_ctx512_persistent_no_prefetch.json"
+    step "profile_decode_b${batch}_ctx512_persistent_no_wait_sleep" timeout 200 env CUDA_VISIBLE_DEVICES=0 \
+      python3 -m weft run -n 1 scripts/profile_decode.py --batch "$batch" --context 512 --path persistent \
+      --wait-backoff-ns 0 --out "$OUT/bench/profile_decode_b${batch}_ctx512_persistent_no_wait_sleep.json"
   done
 fi
 cat "$OUT"/bench/*.md 2>/dev/null

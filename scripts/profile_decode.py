@@ -5,8 +5,8 @@ rank 0 reports its own kernels, bytes and floor).
     python3 -m weft run -n 1 scripts/profile_decode.py --out $OUT/profile_decode.json      # Qwen3-8B, b1 ctx512
     python3 -m weft run -n 1 scripts/profile_decode.py --batch 8 --context 4096 --out ...
     python3 -m weft run -n 1 scripts/profile_decode.py --path layers --out ...             # the layers path
-    python3 -m weft run -n 1 scripts/profile_decode.py --path persistent --prefetch-rows 0 --out ...
-                                                        # the persistent step (decode_step.py), no L2 prefetch
+    python3 -m weft run -n 1 scripts/profile_decode.py --path persistent --prefetch-rows 0 --wait-backoff-ns 0 --out ...
+                                    # the persistent step (decode_step.py), no L2 prefetch, no sleep between polls
     python3 -m weft run -n 1 scripts/profile_decode.py --model tiny --layers 1 --batch 2 --context 4 --steps 2 \
         --out /tmp/profile_decode.json                                                      # cpu smoke run
 
@@ -58,6 +58,9 @@ def parse(argv=None):
                    help="the persistent path's L2 prefetch rows (default: weft.tuning's decode.persistent; 0: none)")
     p.add_argument("--programs-per-sm", type=int, default=None,
                    help="the persistent path's programs per SM at most (default: weft.tuning's decode.persistent)")
+    p.add_argument("--wait-backoff-ns", type=int, default=None,
+                   help="the persistent path's sleep between a wait's polls (default: weft.tuning's decode.persistent; "
+                        "0: none)")
     p.add_argument("--steps", type=int, default=20, help="steps profiled (and timed samples x 2)")
     p.add_argument("--out", required=True, help="the JSON report's path")
     return p.parse_args(argv)
@@ -117,13 +120,11 @@ def main(argv=None) -> int:
     model = from_hf(config, comm=args.comm)
     runs = contextlib.ExitStack()
     persistent = {}
-    if args.prefetch_rows is not None or args.programs_per_sm is not None:
+    given = {field: getattr(args, field) for field in ("prefetch_rows", "programs_per_sm", "wait_backoff_ns")
+             if getattr(args, field) is not None}
+    if given:
         from weft.kernels.decode_step import settings as persistent_settings
-        persistent = persistent_settings(w.device)
-        if args.prefetch_rows is not None:
-            persistent["prefetch_rows"] = args.prefetch_rows
-        if args.programs_per_sm is not None:
-            persistent["programs_per_sm"] = args.programs_per_sm
+        persistent = {**persistent_settings(w.device), **given}
         # For the whole run (the session's plans are made at its capture and kept): left at exit.
         runs.enter_context(tuning.overrides({"decode.persistent": persistent}))
     cache = model.new_cache(args.batch, args.context + 1)

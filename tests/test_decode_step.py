@@ -51,6 +51,33 @@ def _fused_layers(h, weights, inv_freq, rows, positions, lengths, cache, heads, 
     return h
 
 
+def _any_order(plan, seed):
+    """The plan's task table in a random order that keeps only what the table itself says: every task after the
+    tasks it waits for (its counters at their targets), nothing else. Run by one program, it computes what the
+    phase-major order computes only if each task waits for everything it reads, and nothing it reads is rewritten
+    by a task that does not wait for it (a layer's buffers reused by the next)."""
+    import numpy as np
+    import torch
+
+    from weft.kernels import decode_step as ds
+
+    tasks = plan.tasks.cpu().numpy()
+    signal, signals, wait, waits, target = (tasks[:, c.value] for c in (ds.SIGNAL_FIRST, ds.SIGNAL_COUNT,
+                                                                       ds.WAIT_FIRST, ds.WAIT_COUNT, ds.WAIT_TARGET))
+    rng = np.random.default_rng(seed)
+    done = np.zeros(plan.done.numel(), dtype=np.int64)
+    pending, order = list(range(len(tasks))), []
+    while pending:
+        ready = [j for j in pending if (done[wait[j]:wait[j] + waits[j]] >= target[j]).all()]
+        # Half the time the latest task ready (a consumer as early as its waits let it run), else any.
+        j = ready[-1] if rng.random() < 0.5 else ready[rng.integers(len(ready))]
+        pending.remove(j)
+        order.append(j)
+        done[signal[j]:signal[j] + signals[j]] += 1
+    assert order != sorted(order)
+    return torch.from_numpy(tasks[order]).to(plan.tasks.device)
+
+
 def _step_against_fused(case):
     import torch
 
@@ -64,11 +91,19 @@ def _step_against_fused(case):
     rows = torch.arange(m)
     cache = torch.randn(layers, 2, m, max_len, kv_heads, d, generator=g).to(dtype)
     want_cache = cache.clone()
-    for call in range(2):  # the second call: the phases' counters and the split-K tile counters were reset
+    # The second call: the counters and the split-K tile counters were reset. The third: the task table in another
+    # order its waits allow (_any_order).
+    for call in range(3):
         # Positions in the cpu backend's attention splits of 16 (0, 1 and 2).
         positions = (torch.tensor([7, 20, 37, 3, 30])[:m] + call).to(torch.int64)
         lengths = (positions + 1).to(torch.int32)
         h = torch.randn(m, hidden, generator=g).to(dtype)
+        if call == 2:
+            from weft.kernels.decode_step import DecodeStepPlan
+            from weft.kernels.common import world_or_raise
+
+            plan, = [p for p in world_or_raise().plans.values() if isinstance(p, DecodeStepPlan)]
+            plan.tasks = _any_order(plan, seed=m)
         got = weft.ops.decode_step(h, weights, inv_freq, positions, lengths, cache, heads, kv_heads, eps)
         want = _fused_layers(h, weights, inv_freq, rows, positions, lengths, want_cache, heads, kv_heads, eps)
         assert torch.equal(got, want), (case, call, (got.float() - want.float()).abs().max().item())

@@ -19,28 +19,36 @@ some rotated keys differently (measured on 1x H200, both paths deterministic), a
 on. A split-K phase's last split sums the partials and runs the epilogue inside its task, as in the
 standalone kernel.
 
-Algorithm. The host builds once per signature an int32 task table in phase-major order: (layer 0's QKV tasks,
-layer 0's ATTN tasks, ..., layer L-1's DOWN tasks), each entry (layer * 6 + phase, task index in the phase).
-Program p of P runs entries p, p + P, p + 2P, ... in that order. Before a task of (layer, phase) runs it waits
-until the completion counter of the phase before it in the table (the previous phase of its layer, or the last
-layer's DOWN) reaches that phase's task count: an acquire load by every thread, then a CTA barrier (wl.wait,
-which times out and reports like weft's other waits under WEFT_WAIT_TIMEOUT_S). After the task (its epilogue
-included) a CTA barrier orders every thread's stores, and one release add (gpu scope) counts it done on its own
-phase's counter. Counters are one int32 per (layer, phase), zeroed on the stream before each launch (a memset,
-which a CUDA graph captures with the launch). While a task waits it has already asked for the first
-`prefetch_rows` rows of its weight slab in L2 (prefetch.global.L2; decode.persistent's prefetch_rows, 0 for none),
-so a program that finished its share of a phase streams the next phase's weights while the phase's slowest
-programs (a split-K's last split) finish.
+Algorithm. The host builds once per signature an int32 task table in phase-major order (layer 0's QKV tasks,
+layer 0's ATTN tasks, ..., layer L-1's DOWN tasks; task_table), each entry (layer * 6 + phase, task index in the
+phase, the counters it counts itself done on, the counter it waits for and that counter's target). Program p of P
+runs entries p, p + P, p + 2P, ... in that order. A task waits only for what it reads, and one counter says it
+is there: a layer's counters are one a K split of each GEMV phase (the tasks that write its K range's columns of
+the input count on it: the previous layer's DOWN tiles for QKV, the q heads' MERGE rows for O, O's tiles for
+GATE_UP, GATE_UP's tiles for DOWN) and one a KV head for ATTN (the QKV tiles owning its group's heads) and for MERGE
+(the head's ATTN programs). So a K split of O starts once its heads are merged while other heads still merge; no
+phase waits for the whole phase before it. The wait is an acquire load by every thread, decode.persistent's
+`wait_backoff_ns` of sleep between polls (a spinning program shares its SM with a working one), then a CTA barrier
+(wl.wait, which times out and reports like weft's other waits under WEFT_WAIT_TIMEOUT_S). After the task (its
+epilogue included) a CTA barrier orders every thread's stores, and a release add (gpu scope) on each counter it
+counts on (one, or two where a tile's columns straddle two K ranges) counts it done. Counters are int32, zeroed on
+the stream before each launch (a memset, which a CUDA graph captures with the launch). While a task waits it has
+already asked for the first `prefetch_rows` rows of its weight slab in L2 (prefetch.global.L2; decode.persistent's
+prefetch_rows, 0 for none).
 
-Synchronisation. A phase's counter reaches its task count only after every task of the phase has released it,
-each after its own stores (and, for a last split, the epilogue's); the waiting task acquires it, so it sees
-them. Release/acquire chains are transitive, so a task also sees every earlier phase's stores: phases run
-strictly one after another, and every workspace (q, the attention partials and output, the split-K partials and
-tile counters, the SiLU output) is reused layer after layer: a phase of layer l + 1 writes a buffer only after
-the phase that read it in layer l completed. Loads of what another program of the launch wrote (the residual
-stream, q, the KV rows just written, partials, the attention output) read past L1 (.cg, in the shared bodies):
-an SM's L1 is not coherent, and the same addresses are rewritten every layer. The residual stream is updated in
-place in `out` (O and DOWN read a tile's residual and write it in the same program); layer 0 reads `h`.
+Synchronisation. A counter reaches its target only after every task that counts on it has released it, each after
+its own stores (and, for a last split, the epilogue's); the waiting task acquires it, so it sees them. Release/
+acquire chains are transitive, and every GEMV tile is whole only after its splits read all of its input, so a
+whole tile of any phase follows every task of the phase before the one it reads: a task of layer l + 1 that
+writes a workspace (q, the attention partials and output, the split-K partials and tile counters, the SiLU
+output) comes after every task of layer l that read it, and each workspace is reused layer after layer. The
+residual stream is updated in place in `out` (O and DOWN read a tile's residual and write it in the same
+program): DOWN's tile writes its columns only after its splits waited for every GATE_UP tile, which read the whole
+stream; O's likewise after every QKV task. tests/test_decode_step.py runs the table in random orders its waits
+allow (one program, the interpreter) and gets the phase-major order's bits: a missing wait would read a buffer
+before it is written or after the next layer rewrote it. Loads of what another program of the launch wrote (the
+residual stream, q, the KV rows just written, partials, the attention output) read past L1 (.cg, in the shared
+bodies): an SM's L1 is not coherent, and the same addresses are rewritten every layer. Layer 0 reads `h`.
 
 No deadlock. Every task depends only on tasks earlier in the table; each program runs its tasks in table order;
 and all P programs are resident at once (P is at most what the SMs hold of the compiled kernel: registers,
@@ -64,6 +72,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -86,11 +95,17 @@ PHASE_NAMES = ("QKV", "ATTN", "MERGE", "O", "GATE_UP", "DOWN")
 # table's slots.
 LAYER_WEIGHTS = ("attn_norm", "qkv", "q_norm", "k_norm", "o", "mlp_norm", "gate_up", "down")
 SLOTS = tl.constexpr(8)
-# Settings (weft.tuning's decode.persistent): programs per SM at most (the occupancy caps it as well) and rows of a
-# task's weight slab prefetched into L2 before it waits. Under the interpreter one program (module doc); the
-# prefetch is a no-op there, its addresses still computed.
-FIELDS = ("programs_per_sm", "prefetch_rows")
-CPU_SETTINGS = {"programs_per_sm": 1, "prefetch_rows": 16}
+# A task's entry in the task table, int32 fields: its phase code (layer * 6 + phase) and index in the phase (the
+# standalone kernel's program), the counters it counts itself done on (first, how many) and the counters it waits
+# for (first, how many, the value each must reach).
+CODE, INDEX, SIGNAL_FIRST, SIGNAL_COUNT, WAIT_FIRST, WAIT_COUNT, WAIT_TARGET = (tl.constexpr(j) for j in range(7))
+FIELDS_A_TASK = tl.constexpr(7)
+# Settings (weft.tuning's decode.persistent): programs per SM at most (the occupancy caps it as well), rows of a
+# task's weight slab prefetched into L2 before it waits, and the sleep between a waiting task's polls (ns; 0: none),
+# which leaves the SM's issue slots to the program beside it. Under the interpreter one program (module doc); the
+# prefetch and the sleep are no-ops there, the prefetch's addresses still computed.
+FIELDS = ("programs_per_sm", "prefetch_rows", "wait_backoff_ns")
+CPU_SETTINGS = {"programs_per_sm": 1, "prefetch_rows": 16, "wait_backoff_ns": 0}
 # What an SM holds when the device does not say (H100 / H200).
 SM_REGISTERS, SM_SHARED, SM_THREADS, SM_BLOCKS = 65536, 233472, 2048, 32
 
@@ -126,7 +141,7 @@ def _slab(i, tiles, K, KB, BPS, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def decode_step_kernel(tasks, n_tasks, phase_tasks, done, layers, h, out, cache, rows, positions, lengths, inv_freq,
+def decode_step_kernel(tasks, n_tasks, done, layers, h, out, cache, rows, positions, lengths, inv_freq,
                        q, part_out, part_lse, attn, g, q_partial, q_counter, o_partial, o_counter, gu_partial,
                        gu_counter, d_partial, d_counter, err, M, HIDDEN, INTER, eps, scale_log2, max_len, split_unit,
                        splits, limits, c_sl, c_skv, c_sb, c_sp, c_sh, q_tiles, q_kb, q_bps, o_tiles, o_kb, o_bps,
@@ -144,18 +159,19 @@ def decode_step_kernel(tasks, n_tasks, phase_tasks, done, layers, h, out, cache,
                        D_BLOCK_N: tl.constexpr, D_EVEN_N: tl.constexpr, GROUP: tl.constexpr, A_HEADS: tl.constexpr,
                        CHUNKS: tl.constexpr, A_BLOCK_N: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
                        PREFETCH_ROWS: tl.constexpr, Q_LINES: tl.constexpr, O_LINES: tl.constexpr,
-                       GU_LINES: tl.constexpr, D_LINES: tl.constexpr):
-    """Program p runs entries p, p + P, ... of the task table `tasks` ((n_tasks, 2) int32: layer * 6 + phase,
-    index), each after the phase before it completed (`done`: one counter per (layer, phase); `phase_tasks`: the
-    6 phases' task counts). `layers`: (L, 8) int64 addresses (module doc). h (M, HIDDEN) the stream in; out the
+                       GU_LINES: tl.constexpr, D_LINES: tl.constexpr, WAIT_BACKOFF_NS: tl.constexpr):
+    """Program p runs entries p, p + P, ... of the task table `tasks` ((n_tasks, FIELDS_A_TASK) int32, task_table),
+    each once its counter in `done` reaches its target, counting itself done on its own counters after.
+    `layers`: (L, 8) int64 addresses (module doc). h (M, HIDDEN) the stream in; out the
     stream, updated in place from layer 0's O on. The rest: the fused path's kernels' arguments and settings (Q_:
     norm_qkv_rope's, O_ / D_: linear_residual's for O / down, GU_: norm_gate_up_silu's, A_ and the attention's:
     flash_decode's)."""
     D: tl.constexpr = 2 * HALF
     QKV_N: tl.constexpr = (HEADS + 2 * KV_HEADS) * D
     for t in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
-        code = tl.load(tasks + 2 * t)
-        i = tl.load(tasks + 2 * t + 1)
+        entry = tasks + FIELDS_A_TASK * t
+        code = tl.load(entry + CODE)
+        i = tl.load(entry + INDEX)
         layer = code // PHASES
         phase = code % PHASES
         table = layers + layer.to(tl.int64) * SLOTS
@@ -178,9 +194,9 @@ def decode_step_kernel(tasks, n_tasks, phase_tasks, done, layers, h, out, cache,
                 tile, split, mb, k_first, k_rows = _slab(i, d_tiles, INTER, d_kb, d_bps, D_SPLIT, D_BLOCK_K)
                 _prefetch(_at(table, 7, h), HIDDEN, tile * 2 * D_BLOCK_N, 2 * D_BLOCK_N, k_first, k_rows,
                           PREFETCH_ROWS, D_LINES)
-        if code > 0:
-            wl.wait(done + code - 1, 1, tl.load(phase_tasks + (code - 1) % PHASES), wl.CMP_GE, wl.SCOPE_GPU,
-                    op="decode_step")
+        # The counters of what this task reads, each at its producers' task count (none for layer 0's QKV).
+        wl.wait(done + tl.load(entry + WAIT_FIRST), tl.load(entry + WAIT_COUNT), tl.load(entry + WAIT_TARGET),
+                wl.CMP_GE, wl.SCOPE_GPU, op="decode_step", backoff_ns=WAIT_BACKOFF_NS)
         stream = out  # the residual stream: the caller's h until layer 0's O has written out
         if layer == 0:
             stream = h
@@ -217,9 +233,11 @@ def decode_step_kernel(tasks, n_tasks, phase_tasks, done, layers, h, out, cache,
             _linear_residual_program(tile, split, mb, d_tiles, g, _at(table, 7, h), out, out, d_partial, d_counter,
                                      M, INTER, HIDDEN, d_kb, d_bps, D_SPLIT, D_BLOCK_M, D_BLOCK_K, D_STAGES,
                                      D_EVEN_K, IEEE, D_DOT, D_BLOCK_N, D_EVEN_N)
-        # Every thread's stores before the release that counts this task done.
+        # Every thread's stores before the releases that count this task done on the counters of what it wrote.
         tl.debug_barrier()
-        tl.atomic_add(done + code, 1, sem="release", scope="gpu")
+        first = tl.load(entry + SIGNAL_FIRST)
+        for j in range(tl.load(entry + SIGNAL_COUNT)):
+            tl.atomic_add(done + first + j, 1, sem="release", scope="gpu")
 
 
 # -- host side ------------------------------------------------------------------------
@@ -303,6 +321,101 @@ class _Gemv:
             out[f"{prefix}_BLOCK_N"] = p.block_n
             out[f"{prefix}_EVEN_N"] = even_n
         return out
+
+
+def _gemv_tasks(g: _Gemv):
+    """Each task of a GEMV phase (the standalone grid's order, _slab): (its column tile, its K split)."""
+    i = np.arange(g.tasks)
+    return i % g.tiles, (i // g.tiles) % g.p.split
+
+
+def _splits_reading(g: _Gemv, first, end):
+    """The K splits of GEMV phase `g` whose K ranges hold some of columns [first, end) of its input: (the first
+    split, how many)."""
+    rows = g.p.bps * g.p.block_k  # a split's K range
+    lo = first // rows
+    return lo, np.maximum(0, (end - 1) // rows + 1 - lo)
+
+
+def task_table(layers: int, m: int, heads: int, kv_heads: int, d: int, chunks: int, splits: int, qkv: _Gemv,
+               o_op: _Gemv, gu: _Gemv, down: _Gemv, hidden: int, inter: int):
+    """The step's task table ((tasks, FIELDS_A_TASK) int32, phase-major: layer 0's QKV tasks, its ATTN tasks, ...,
+    layer L-1's DOWN tasks) and how many counters it uses.
+
+    A task waits for one counter, its input's: the counter of everything it reads, which the tasks that write
+    those parts count up. A layer's counters, by the tasks that wait for them:
+        QKV      a K split's (its K range of the stream: the previous layer's DOWN tiles holding those columns)
+        ATTN     a KV head's (the q heads of its group and its k and v head: the QKV tiles that own them)
+        MERGE    a KV head's (its (sequence, chunk, split) ATTN programs)
+        O        a K split's (the q heads in its K range: their MERGE rows)
+        GATE_UP  a K split's (O's tiles holding its K range's columns)
+        DOWN     a K split's (GATE_UP's tiles holding its K range's columns)
+    and a task counts itself done on the counter of each task group that reads what it wrote (a tile whose columns
+    two K ranges share counts on both). The counter's target is how many tasks count on it. So no phase waits for
+    the whole phase before it (a K split of O starts once its heads are merged, while others still merge), and a
+    wait polls one word. Every task waited for is earlier in the table: the module doc's argument against
+    deadlock."""
+    group = heads // kv_heads
+    heads_p = (heads + 2 * kv_heads) // qkv.tiles
+    base, n = {}, 0
+    for phase, count in ((QKV, qkv.p.split), (ATTN, kv_heads), (MERGE, kv_heads), (O, o_op.p.split),
+                         (GATE_UP, gu.p.split), (DOWN, down.p.split)):
+        base[phase], n = n, n + count
+    per_layer = n
+    signals = []  # per phase: (the task's first counter, relative to its layer's; how many)
+
+    # QKV: tile t owns heads [heads_p t, +heads_p), all q, all k or all v (heads_p divides both counts); a group's
+    # ATTN counter counts the tasks of each tile holding its q heads, its k head or its v head.
+    tile, qkv_split = _gemv_tasks(qkv)
+    head0, last = tile * heads_p, tile * heads_p + heads_p - 1
+    g_first = np.where(head0 < heads, head0 // group, (head0 - heads) % kv_heads)
+    g_last = np.where(head0 < heads, last // group, (last - heads) % kv_heads)
+    signals.append((base[ATTN] + g_first, g_last - g_first + 1))
+    # ATTN: program ((b kv_heads + kvh) chunks + c, split) is entry pid + (m kv_heads chunks) split.
+    attn = np.arange(m * kv_heads * chunks * splits)
+    attn_kvh = (attn % (m * kv_heads * chunks) // chunks) % kv_heads
+    signals.append((base[MERGE] + attn_kvh, np.ones_like(attn)))
+    # MERGE: row b heads + head writes the head's columns of O's input.
+    merge = np.arange(m * heads)
+    first, count = _splits_reading(o_op, merge % heads * d, merge % heads * d + d)
+    signals.append((base[O] + first, count))
+    # O, GATE_UP, DOWN: a tile's columns of the next phase's input (DOWN's: the next layer's QKV input).
+    tiles = {}
+    for phase, g, width, n_cols, consumer, next_layer in ((O, o_op, 2 * o_op.p.block_n, hidden, gu, 0),
+                                                          (GATE_UP, gu, gu.p.block_n, inter, down, 0),
+                                                          (DOWN, down, 2 * down.p.block_n, hidden, qkv, per_layer)):
+        tiles[phase] = _gemv_tasks(g)
+        t = tiles[phase][0]
+        first, count = _splits_reading(consumer, t * width, np.minimum(n_cols, (t + 1) * width))
+        signals.append(({O: base[GATE_UP], GATE_UP: base[DOWN], DOWN: base[QKV]}[phase] + next_layer + first,
+                        count))
+    # What each task waits for, relative to its layer's counters.
+    waits = [base[QKV] + qkv_split, base[ATTN] + attn_kvh, base[MERGE] + merge % heads // group,
+             base[O] + tiles[O][1], base[GATE_UP] + tiles[GATE_UP][1], base[DOWN] + tiles[DOWN][1]]
+    # Each counter's target: how many tasks count on it (a QKV counter: the previous layer's DOWN tasks).
+    target = np.zeros(per_layer, dtype=np.int64)
+    for first, count in signals:
+        for f, c in zip(np.broadcast_to(first, np.shape(count)) % per_layer, count):
+            target[f:f + c] += 1
+    layer_rows = np.concatenate([
+        np.stack([np.full_like(w, phase), np.arange(len(w)), *np.broadcast_arrays(sig_first, sig_count), w,
+                  np.ones_like(w), target[w % per_layer]], axis=1)
+        for phase, ((sig_first, sig_count), w) in enumerate(zip(signals, waits))])
+    code, signal, signal_count, wait, count = (CODE.value, SIGNAL_FIRST.value, SIGNAL_COUNT.value, WAIT_FIRST.value,
+                                               WAIT_COUNT.value)
+    table = []
+    for layer in range(layers):
+        t = layer_rows.copy()
+        t[:, code] += layer * len(PHASE_NAMES)
+        t[:, signal] += layer * per_layer
+        t[:, wait] += layer * per_layer
+        if layer == 0:  # layer 0's QKV reads h, which no task writes
+            t[t[:, code] == QKV, wait] = 0
+            t[t[:, code] == QKV, count] = 0
+        if layer == layers - 1:  # the last DOWN's columns: no later layer reads them in this launch
+            t[t[:, code] == layer * len(PHASE_NAMES) + DOWN, signal_count] = 0
+        table.append(t)
+    return np.concatenate(table).astype(np.int32), layers * per_layer
 
 
 def _lines(width: int, dtype: torch.dtype) -> int:
@@ -389,17 +502,15 @@ class DecodeStepPlan(Plan):
         splits, split_unit = fd._splits(m * kv_heads * chunks, max_len, a_block_n, device)
         self.errors = fd._errors(group)
         limits = min(max_len, fd.LIMIT)  # op 0 (flash_decode's record), no pages
-        counts = [qkv.tasks, m * kv_heads * chunks * splits, m * heads, o_op.tasks, gu.tasks, down.tasks]
         num_warps = max(x.p.num_warps for x in (qkv, o_op, gu, down))
         num_warps = max(num_warps, 4 if a_heads <= 32 else 8)
 
-        # The task table, the counters, the address table.
-        self.tasks = torch.tensor([(layer * 6 + phase, i) for layer in range(layers)
-                                   for phase, count in enumerate(counts) for i in range(count)],
-                                  dtype=torch.int32, device=device)
+        # The task table and its counters (task_table), the address table.
+        tasks, counters = task_table(layers, m, heads, kv_heads, d, chunks, splits, qkv, o_op, gu, down, hidden,
+                                     inter)
+        self.tasks = torch.from_numpy(tasks).to(device)
         self.n_tasks = self.tasks.shape[0]
-        self.phase_tasks = torch.tensor(counts, dtype=torch.int32, device=device)
-        self.done = torch.zeros((layers * 6,), dtype=torch.int32, device=device)
+        self.done = torch.zeros((counters,), dtype=torch.int32, device=device)
         table = []
         for j in range(layers):
             w = list(weights[8 * j:8 * j + 8])
@@ -431,7 +542,8 @@ class DecodeStepPlan(Plan):
                           GROUP=group_heads, A_HEADS=a_heads, CHUNKS=chunks, A_BLOCK_N=a_block_n,
                           SPLIT_BLOCK=fd.SPLIT_BLOCK, PREFETCH_ROWS=prefetch,
                           Q_LINES=_lines(heads_p * d, dtype), O_LINES=_lines(2 * o_op.p.block_n, dtype),
-                          GU_LINES=_lines(gu.p.block_n, dtype), D_LINES=_lines(2 * down.p.block_n, dtype))
+                          GU_LINES=_lines(gu.p.block_n, dtype), D_LINES=_lines(2 * down.p.block_n, dtype),
+                          WAIT_BACKOFF_NS=s["wait_backoff_ns"])
         out = torch.empty_like(h)
         self.launch = Launch(decode_step_kernel, (1,),
                              self._args(h, out, cache, positions, lengths, inv_freq, eps, _itself),
@@ -448,7 +560,7 @@ class DecodeStepPlan(Plan):
 
     def _args(self, h, out, cache, positions, lengths, inv_freq, eps, a) -> tuple:
         (qkv, o_op, gu, down), m = self.gemvs, self.consts
-        return (a(self.tasks), self.n_tasks, a(self.phase_tasks), a(self.done), a(self.table), a(h), a(out),
+        return (a(self.tasks), self.n_tasks, a(self.done), a(self.table), a(h), a(out),
                 a(cache), a(self.rows), a(positions), a(lengths), a(inv_freq), a(self.q), a(self.part_out),
                 a(self.part_lse), a(self.attn), a(self.g), a(qkv.p.partial), a(qkv.p.counter), a(o_op.p.partial),
                 a(o_op.p.counter), a(gu.p.partial), a(gu.p.counter), a(down.p.partial), a(down.p.counter),
@@ -488,11 +600,11 @@ def _(h, weights, inv_freq, positions, lengths, cache, heads, kv_heads, eps=1e-6
 def _compile_cases():
     """Qwen3-8B's shapes at one rank (hidden 4096, 32 + 2 x 8 heads of 128, intermediate 12288) with the shipped
     settings' form at M = 1 (dot-free QKV and gate/up, tl.dot O and down, split-K everywhere) in bf16, with and
-    without the q/k norm and the prefetch; and tl.dot everywhere at 8 rows (16 in a block), fp32."""
+    without the q/k norm, the prefetch and the waits' sleep; and tl.dot everywhere at 8 rows (16 in a block), fp32."""
     out = []
     fma = dict(SPLIT=4, BLOCK_M=1, BLOCK_K=64, STAGES=2, EVEN_K=True, DOT=False)
     dot = dict(SPLIT=4, BLOCK_M=16, BLOCK_K=128, STAGES=3, EVEN_K=True, DOT=True)
-    sig = dict(tasks="*i32", n_tasks="i32", phase_tasks="*i32", done="*i32", layers="*i64", h=None, out=None,
+    sig = dict(tasks="*i32", n_tasks="i32", done="*i32", layers="*i64", h=None, out=None,
                cache=None, rows="*i64", positions="*i64", lengths="*i32", inv_freq="*fp32", q=None, part_out="*fp32",
                part_lse="*fp32", attn=None, g=None, q_partial="*fp32", q_counter="*i32", o_partial="*fp32",
                o_counter="*i32", gu_partial="*fp32", gu_counter="*i32", d_partial="*fp32", d_counter="*i32",
@@ -511,7 +623,7 @@ def _compile_cases():
         constexprs = dict(HEADS=32, KV_HEADS=8, HALF=64, QK_NORM=qk_norm, IEEE=t == "*fp32", **op("Q"), HALF_P=64,
                           HEADS_P=1, **op("O", 64), **op("GU", 64), **op("D", 64), GROUP=4, A_HEADS=16, CHUNKS=1,
                           A_BLOCK_N=64, SPLIT_BLOCK=fd.SPLIT_BLOCK, PREFETCH_ROWS=prefetch, Q_LINES=2, O_LINES=2,
-                          GU_LINES=1, D_LINES=2)
+                          GU_LINES=1, D_LINES=2, WAIT_BACKOFF_NS=200 if prefetch else 0)
         out.append((decode_step_kernel, one, constexprs,
                     dict(num_warps=4, divisible=("HIDDEN", "INTER", "c_sl", "c_skv", "c_sb", "c_sp", "c_sh"))))
     return out

@@ -75,6 +75,14 @@ def global_timer():
 
 
 @triton.jit
+def nanosleep(ns: tl.constexpr):
+    """Suspend the thread for about `ns` nanoseconds (0 to 2 x ns, as the hardware picks): a spinning wait's
+    backoff, which leaves the SM's issue slots to the other programs on it."""
+    tl.inline_asm_elementwise(f"nanosleep.u32 {ns}; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
 def prefetch_l2(ptr, mask):
     """Each thread's lines of `ptr` where `mask` holds, fetched into L2 (a hint: nothing is loaded into registers)."""
     tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",

@@ -96,7 +96,7 @@ def _holds(seen, value, cmp: tl.constexpr):
 
 @triton.jit
 def wait(flag_ptr, count, value, cmp: tl.constexpr = CMP_EQ, scope: tl.constexpr = SCOPE_SYS, heap=None, peer=0,
-         op: tl.constexpr = tl.constexpr("wait"), ranks: tl.constexpr = 0):
+         op: tl.constexpr = tl.constexpr("wait"), ranks: tl.constexpr = 0, backoff_ns: tl.constexpr = 0):
     """Spin (acquire) until the `count` flags from `flag_ptr` on satisfy `flag <cmp> value`.
 
     Every thread of the program polls for itself, so each thread's later loads
@@ -106,7 +106,8 @@ def wait(flag_ptr, count, value, cmp: tl.constexpr = CMP_EQ, scope: tl.constexpr
     signal is missing (flag i is raised by rank `peer + i`; with `ranks` > 0,
     flags laid out [program][rank], by rank i % ranks), the expected and the
     seen value: an error on the cpu backend; a printed report and a trap on
-    the GPU.
+    the GPU. `backoff_ns` > 0: each poll after the first sleeps about that long
+    first (ptx.nanosleep), for programs that share an SM with working ones.
     """
     if INTERPRET:
         me = -1
@@ -139,6 +140,8 @@ def wait(flag_ptr, count, value, cmp: tl.constexpr = CMP_EQ, scope: tl.constexpr
                                         (flag_ptr + i).to(tl.int64, bitcast=True), value,
                                         tl.min(tl.where(base + lanes == i, seen, value), axis=0))
                         ptx.trap()
+                if backoff_ns > 0:
+                    ptx.nanosleep(backoff_ns)
                 seen = ptx.ld_acquire(ptrs, scope)
                 ok = _holds(seen, value, cmp).to(tl.int32)
         tl.debug_barrier()
