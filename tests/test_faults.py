@@ -246,6 +246,24 @@ def test_a_wait_timeout_is_caught_by_its_own_type():
     assert message.endswith("expected flag == 1, seen 0")
 
 
+def _stuck_in_rank_one():
+    import time
+
+    import weft
+
+    if weft.rank() == 1:
+        time.sleep(600)  # a hang: run_ranks' timeout ends it
+    return True
+
+
+def test_a_timed_out_run_shows_where_its_ranks_hang(capfd):
+    with pytest.raises(RankFailure, match=r"timed out after 5 s; ranks still running: \[(0, )?1\] \(each wrote its "
+                                          r"threads' Python stacks to stderr\)"):
+        run_ranks(_stuck_in_rank_one, 2, timeout=5)
+    stacks = capfd.readouterr().err
+    assert "in _stuck_in_rank_one" in stacks, stacks[-2000:]
+
+
 def _registered_checks():
     import weft
 

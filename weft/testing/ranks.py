@@ -2,17 +2,25 @@
 
 A rank that raises makes the call raise `RankFailure` with that rank's
 traceback; the other ranks are killed, not left waiting. A run that outlasts
-`timeout` is killed too, and the error says which ranks were still running.
+`timeout` is killed too, and the error says which ranks were still running;
+first each of them writes every thread's Python stack to its stderr
+(faulthandler, on SIGUSR1), so a hang shows where it hangs.
 """
 from __future__ import annotations
 
+import faulthandler
 import gc
 import multiprocessing as mp
 import os
+import signal
 import time
 import traceback
 
 from ..runtime.launcher import free_port
+
+
+# How long a timed-out run waits for its ranks' stacks before killing them.
+STACKS_S = 1.0
 
 
 class RankFailure(AssertionError):
@@ -20,6 +28,7 @@ class RankFailure(AssertionError):
 
 
 def _rank_main(fn, rank, world_size, port, args, kwargs, results, env):
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_ranks asks for the stacks of a rank it times out
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -71,7 +80,12 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, env: dict | No
                             raise RankFailure(f"rank {r} died with exit code {p.exitcode}")
                 if time.monotonic() > deadline:
                     waiting = sorted(set(range(world_size)) - done)
-                    raise RankFailure(f"timed out after {timeout:g} s; ranks still running: {waiting}")
+                    for r in waiting:
+                        if procs[r].is_alive():
+                            os.kill(procs[r].pid, signal.SIGUSR1)
+                    time.sleep(STACKS_S)
+                    raise RankFailure(f"timed out after {timeout:g} s; ranks still running: {waiting} (each wrote "
+                                      f"its threads' Python stacks to stderr)")
                 continue
             if status == "error":
                 raise RankFailure(f"rank {rank} of {world_size} failed:\n{value}")
