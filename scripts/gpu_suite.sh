@@ -23,7 +23,8 @@
 #     steps graph-replayed and eager) on all GPUs;
 #     decode: one GPU against the HBM floor: the sm_90 compile of the fused decode kernels (weft/kernels/decode.py,
 #     registers), tests/test_gpu_model.py on 1 GPU, scripts/bench_gemv.py (the fused GEMVs alone against
-#     torch.matmul, % of copy bandwidth), `weft bench -n 1 e2e` at Qwen3-8B's and Llama-3-8B's decode cases
+#     torch.matmul, % of copy bandwidth), scripts/probe_gemv_layout.py (plain GEMVs on a (K, N) and an (N, K)
+#     weight), `weft bench -n 1 e2e` at Qwen3-8B's and Llama-3-8B's decode cases
 #     b1/b8/b64 ctx 512 and b8 ctx 4096 (weft fused, layers and persistent, NCCL+cuBLAS, transformers' own model,
 #     the floor), and scripts/profile_decode.py (each kernel's GPU µs per replayed step and its bytes' share of the
 #     copy bandwidth) at b1 ctx 512 on the three decode paths, and the persistent one at b1 and b8 without its L2
@@ -204,6 +205,8 @@ if has decode; then  # one GPU: bench/bench_gemv.json, bench/e2e_1.{json,md,png}
     tests/test_gpu_model.py -m gpu -q -x -p no:cacheprovider
   step bench_gemv timeout 200 env CUDA_VISIBLE_DEVICES=0 python3 -m weft run -n 1 scripts/bench_gemv.py \
     --out "$OUT/bench/bench_gemv.json"
+  step probe_gemv_layout timeout 200 env CUDA_VISIBLE_DEVICES=0 python3 -m weft run -n 1 \
+    scripts/probe_gemv_layout.py --out "$OUT/bench/probe_gemv_layout.json"
   step bench_e2e_decode_1 timeout 480 env CUDA_VISIBLE_DEVICES=0 python3 -m weft bench -n 1 e2e \
     --models Qwen3-8B,Llama-3-8B --prefill none --decode 1x512,8x512,64x512,8x4096 --samples 20 --out "$OUT/bench"
   for path in fused layers persistent; do

@@ -3,8 +3,8 @@
 A rank that raises makes the call raise `RankFailure` with that rank's
 traceback; the other ranks are killed, not left waiting. A run that outlasts
 `timeout` is killed too, and the error says which ranks were still running;
-first each of them writes every thread's Python stack to its stderr
-(faulthandler, on SIGUSR1), so a hang shows where it hangs.
+first each of them, one after another, writes every thread's Python stack to
+stderr under a line naming it (faulthandler, on SIGUSR1): a hang shows where.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import traceback
 from ..runtime.launcher import free_port
 
 
-# How long a timed-out run waits for its ranks' stacks before killing them.
-STACKS_S = 1.0
+# How long a timed-out run waits for each rank's stacks before the next rank's (and killing them).
+STACKS_S = 0.5
 
 
 class RankFailure(AssertionError):
@@ -80,10 +80,11 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, env: dict | No
                             raise RankFailure(f"rank {r} died with exit code {p.exitcode}")
                 if time.monotonic() > deadline:
                     waiting = sorted(set(range(world_size)) - done)
-                    for r in waiting:
+                    for r in waiting:  # one after another: dumps written at once interleave on the shared fd
                         if procs[r].is_alive():
+                            os.write(2, f"\n--- rank {r} (pid {procs[r].pid}) at run_ranks' timeout:\n".encode())
                             os.kill(procs[r].pid, signal.SIGUSR1)
-                    time.sleep(STACKS_S)
+                            time.sleep(STACKS_S)
                     raise RankFailure(f"timed out after {timeout:g} s; ranks still running: {waiting} (each wrote "
                                       f"its threads' Python stacks to stderr)")
                 continue
