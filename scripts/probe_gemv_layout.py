@@ -42,37 +42,27 @@ CPU_GRID = [(16, 32, 1, 4)]
 
 
 @triton.jit
-def gemv_kn_kernel(x, w, out, K, N, K_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   STAGES: tl.constexpr):
-    """out[n] += sum over this program's K range of x[k] w[k, n]: W (K, N), N contiguous; program (n tile, split)
-    walks K_SPLIT rows, each a BLOCK_N run (weft's decode layout)."""
+def gemv_kernel(x, w, out, K, N, K_SPLIT, W_NK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                STAGES: tl.constexpr):
+    """out[n] += sum over this program's K range of x[k] W[k, n], program (n tile, split) walking K_SPLIT rows of
+    K. W_NK: W stored (N, K), K contiguous: the tile's BLOCK_N columns are BLOCK_N contiguous runs along K. Else W
+    is (K, N), N contiguous (weft's decode layout): each row of K gives one BLOCK_N run."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * K_SPLIT
-    acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
+    kk = tl.arange(0, BLOCK_K)
+    # The accumulator keeps the weight tile's shape; one reduction over K after the loop.
+    acc = tl.zeros([BLOCK_N, BLOCK_K] if W_NK else [BLOCK_K, BLOCK_N], tl.float32)
     for k in tl.range(k0, tl.minimum(k0 + K_SPLIT, K), BLOCK_K, num_stages=STAGES):
-        rows = k + tl.arange(0, BLOCK_K)
-        xv = tl.load(x + rows, mask=rows < K, other=0.0).to(tl.float32)
-        wv = tl.load(w + rows[:, None].to(tl.int64) * N + cols[None, :], mask=(rows < K)[:, None] & (cols < N)[None, :],
-                     other=0.0, eviction_policy="evict_first")
-        acc += xv[:, None] * wv.to(tl.float32)
-    tl.atomic_add(out + cols, tl.sum(acc, axis=0), mask=cols < N, sem="relaxed")
-
-
-@triton.jit
-def gemv_nk_kernel(x, w, out, K, N, K_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   STAGES: tl.constexpr):
-    """out[n] += sum over this program's K range of x[k] w[n, k]: W stored (N, K), K contiguous; program (n tile,
-    split) reads BLOCK_N contiguous runs of its K range."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k0 = tl.program_id(1) * K_SPLIT
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k in tl.range(k0, tl.minimum(k0 + K_SPLIT, K), BLOCK_K, num_stages=STAGES):
-        ks = k + tl.arange(0, BLOCK_K)
-        xv = tl.load(x + ks, mask=ks < K, other=0.0).to(tl.float32)
-        wv = tl.load(w + cols[:, None].to(tl.int64) * K + ks[None, :], mask=(cols < N)[:, None] & (ks < K)[None, :],
-                     other=0.0, eviction_policy="evict_first")
-        acc += wv.to(tl.float32) * xv[None, :]
-    tl.atomic_add(out + cols, tl.sum(acc, axis=1), mask=cols < N, sem="relaxed")
+        xv = tl.load(x + k + kk, mask=k + kk < K, other=0.0).to(tl.float32)
+        if W_NK:
+            offs = cols[:, None].to(tl.int64) * K + (k + kk)[None, :]
+            mask = (cols < N)[:, None] & (k + kk < K)[None, :]
+            acc += tl.load(w + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * xv[None, :]
+        else:
+            offs = (k + kk)[:, None].to(tl.int64) * N + cols[None, :]
+            mask = (k + kk < K)[:, None] & (cols < N)[None, :]
+            acc += tl.load(w + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * xv[:, None]
+    tl.atomic_add(out + cols, tl.sum(acc, axis=1 if W_NK else 0), mask=cols < N, sem="relaxed")
 
 
 def one_wave_split(tiles: int, k: int, block_k: int, slots: int) -> int:
@@ -109,23 +99,22 @@ def main(args) -> None:
         out = torch.empty(n, dtype=torch.float32, device=device)
         want = (x.float() @ w_kn[-1].float()).reshape(-1)  # a call ends on the last copy
 
-        def triton_call(kernel, weights, block_n, block_k, stages, warps):
+        def triton_call(w_nk, weights, block_n, block_k, stages, warps):
             k_split = one_wave_split(triton.cdiv(n, block_n), k, block_k, slots)
             grid = (triton.cdiv(n, block_n), triton.cdiv(k, k_split))
 
             def call():
                 for w in weights:
                     out.zero_()
-                    kernel[grid](x, w, out, k, n, k_split, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-                                 num_warps=warps)
+                    gemv_kernel[grid](x, w, out, k, n, k_split, W_NK=w_nk, BLOCK_N=block_n, BLOCK_K=block_k,
+                                      STAGES=stages, num_warps=warps)
             return call
 
         fns = {"torch.matmul (K, N)": lambda: [torch.matmul(x, w) for w in w_kn],
                "torch.matmul (N, K)": lambda: [torch.matmul(x, w.t()) for w in w_nk]}
-        for layout, kernel, weights, grid in (("(K, N)", gemv_kn_kernel, w_kn, GRID_KN),
-                                             ("(N, K)", gemv_nk_kernel, w_nk, GRID_NK)):
+        for layout, nk, weights, grid in (("(K, N)", False, w_kn, GRID_KN), ("(N, K)", True, w_nk, GRID_NK)):
             for setting in (grid if cuda else CPU_GRID):
-                call = triton_call(kernel, weights, *setting)
+                call = triton_call(nk, weights, *setting)
                 call()
                 err = ((out - want).abs().max() / want.abs().max()).item()
                 if err > 1e-2:
