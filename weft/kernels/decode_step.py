@@ -380,18 +380,18 @@ def task_table(layers: int, m: int, heads: int, kv_heads: int, d: int, chunks: i
     first, count = _splits_reading(o_op, merge % heads * d, merge % heads * d + d)
     signals.append((base[O] + first, count))
     # O, GATE_UP, DOWN: a tile's columns of the next phase's input (DOWN's: the next layer's QKV input).
-    tiles = {}
-    for phase, g, width, n_cols, consumer, next_layer in ((O, o_op, 2 * o_op.p.block_n, hidden, gu, 0),
-                                                          (GATE_UP, gu, gu.p.block_n, inter, down, 0),
-                                                          (DOWN, down, 2 * down.p.block_n, hidden, qkv, per_layer)):
-        tiles[phase] = _gemv_tasks(g)
-        t = tiles[phase][0]
-        first, count = _splits_reading(consumer, t * width, np.minimum(n_cols, (t + 1) * width))
-        signals.append(({O: base[GATE_UP], GATE_UP: base[DOWN], DOWN: base[QKV]}[phase] + next_layer + first,
-                        count))
-    # What each task waits for, relative to its layer's counters.
-    waits = [base[QKV] + qkv_split, base[ATTN] + attn_kvh, base[MERGE] + merge % heads // group,
-             base[O] + tiles[O][1], base[GATE_UP] + tiles[GATE_UP][1], base[DOWN] + tiles[DOWN][1]]
+    gemv_split = {QKV: qkv_split}
+    for phase, g, width, n_cols, reader, reader_g, ahead in (
+            (O, o_op, 2 * o_op.p.block_n, hidden, GATE_UP, gu, 0),
+            (GATE_UP, gu, gu.p.block_n, inter, DOWN, down, 0),
+            (DOWN, down, 2 * down.p.block_n, hidden, QKV, qkv, per_layer)):  # the next layer's QKV
+        tile, gemv_split[phase] = _gemv_tasks(g)
+        first, count = _splits_reading(reader_g, tile * width, np.minimum(n_cols, (tile + 1) * width))
+        signals.append((base[reader] + ahead + first, count))
+    # What each task waits for, relative to its layer's counters: a GEMV task its K split's, ATTN and MERGE their
+    # KV head's.
+    waits = [base[QKV] + gemv_split[QKV], base[ATTN] + attn_kvh, base[MERGE] + merge % heads // group,
+             *(base[phase] + gemv_split[phase] for phase in (O, GATE_UP, DOWN))]
     # Each counter's target: how many tasks count on it (a QKV counter: the previous layer's DOWN tasks).
     target = np.zeros(per_layer, dtype=np.int64)
     for first, count in signals:
