@@ -11,7 +11,9 @@ gate/up projection) and rows M: µs per call of the fused op and of torch.matmul
 GEMM without its norm, rotary, SiLU or residual kernels), and each as a fraction of the copy bandwidth (a large
 device-to-device copy, read + write bytes over its time, measured in the same run): the bytes the op must move
 (weight, x, outputs) over its time. Calls replay from a CUDA graph, and go round a set of weight copies larger
-than L2, so the weights come from HBM as in a decode step. --sweep: every launch setting of a grid (weft.tuning
+than L2, so the weights come from HBM as in a decode step. --layout nk stores every weight K-contiguous (an (N, K)
+tensor, nn.Linear's layout, the ops and torch.matmul given its transpose) and scopes the sweep's keys with nk
+(`{op}.{K}x{N}.nk.{few|many}.{field}`). --sweep: every launch setting of a grid (weft.tuning
 decode.gemv's fields: block_n, block_k, num_stages, num_warps, programs_per_sm, dot) for each fused op and M, set
 as that op's weight shape's and row range's keys (`{op}.{K}x{N}.{few|many}.{field}`, weft.kernels.decode.resolve),
 best per op and M reported beside cuBLAS, and at the end the keys to write into weft/tuning/data as measured values
@@ -38,7 +40,7 @@ import weft  # noqa: E402
 from weft import tuning  # noqa: E402
 from weft.bench.e2e import MODELS, copy_bandwidth  # noqa: E402
 from weft.bench.timing import time_calls  # noqa: E402
-from weft.kernels.decode import launch_settings  # noqa: E402
+from weft.kernels.decode import LAYOUTS, launch_settings  # noqa: E402
 
 L2_BYTES = {"cuda": 256 << 20, "cpu": 0}  # weight bytes cycled through per call: well past an H100/H200's L2
 # --sweep's default grid (--grid replaces it), product grids each: the dot-free path (two runs of block_n columns
@@ -62,6 +64,9 @@ def parse(argv=None):
                    help="the shapes of one rank of this tensor-parallel size (heads and intermediate split)")
     p.add_argument("--samples", type=int, default=30)
     p.add_argument("--ops", default=",".join(OPS), help=f"of {', '.join(OPS)}")
+    p.add_argument("--layout", default="kn", choices=LAYOUTS,
+                   help="how the weights are stored: kn N-contiguous (weft's layout), nk K-contiguous (nn.Linear's; "
+                        "the ops get their transposes, and the sweep's keys carry nk)")
     p.add_argument("--sweep", action="store_true", help="every launch setting of a small grid (module doc)")
     p.add_argument("--grid", default=None,
                    help='the sweep\'s grid as JSON, each decode.gemv field a list ({"block_n": [64, 128], ...}), or '
@@ -73,7 +78,7 @@ def parse(argv=None):
 class Case:
     """One op at one M: `copies` sets of (weights, inputs); fused() and torch_matmul() run every copy once."""
 
-    def __init__(self, op: str, config: dict, m: int, dtype, device, copies_bytes: int):
+    def __init__(self, op: str, config: dict, m: int, dtype, device, copies_bytes: int, layout: str):
         hidden, inter = config["hidden_size"], config["intermediate_size"]
         heads, kv, d = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
         eps = config["rms_norm_eps"]
@@ -87,7 +92,10 @@ class Case:
 
         weight_bytes = k * n * dtype.itemsize
         self.copies = max(1, -(-copies_bytes // weight_bytes))
-        self.weights = [randn(k, n, scale=k ** -0.5) for _ in range(self.copies)]
+        if layout == "nk":  # (N, K) stored, the ops given its transpose
+            self.weights = [randn(n, k, scale=k ** -0.5).t() for _ in range(self.copies)]
+        else:
+            self.weights = [randn(k, n, scale=k ** -0.5) for _ in range(self.copies)]
         self.x = randn(m, k)
         out = n // 2 if op == "gate_up" else (n if op != "qkv" else heads * d)
         # What the fused op moves: the weight, x, its output (and for linear_residual the residual; for QKV the
@@ -193,13 +201,14 @@ def main(argv=None) -> int:
     table = tuning.value("decode.gemv", device)
     best_keys = {}
     for op, m in itertools.product(ops, [int(v) for v in args.ms.split(",") if v]):
-        case = Case(op, config, m, dtype, device, L2_BYTES[device.type])
+        case = Case(op, config, m, dtype, device, L2_BYTES[device.type], args.layout)
         # linear_residual resolves "down" at K > N, else "o": the bench's op names.
         row_range = 'few' if m <= table.get('few_max_m', 0) else 'many'
         # Each setting tried under this weight shape's scope (the most specific key, whatever the table holds); the
         # keys to write: the op's at one GPU's shapes, the shape's at one rank's of a larger TP size (resolve).
-        tried = f"{op}.{case.k}x{case.n}.{row_range}"
-        scope = f"{op}.{row_range}" if args.tp == 1 else tried
+        nk = ".nk" if args.layout == "nk" else ""
+        tried = f"{op}.{case.k}x{case.n}{nk}.{row_range}"
+        scope = f"{op}{nk}.{row_range}" if args.tp == 1 else tried
         settings = [None]
         if args.sweep:
             settings = sweep_settings(grid, m, config["head_dim"] // 2 if op == "qkv" else 1)
@@ -229,7 +238,7 @@ def main(argv=None) -> int:
                    matmul_us=round(matmul_ms * 1e3, 2),
                    matmul_bandwidth_fraction=round(case.matmul_bytes / (matmul_ms * 1e-3) / bandwidth, 3),
                    error_vs_layers=float(f"{error:.2e}"),
-                   settings=json.loads(best) or launch_settings(device, op, m, (case.k, case.n)))
+                   settings=json.loads(best) or launch_settings(device, op, m, (case.k, case.n), args.layout))
         if args.sweep:
             row["sweep_us"] = {k: round(v * 1e3, 2) for k, v in sorted(fused.items(), key=lambda kv: kv[1])}
         rows.append(row)
@@ -239,7 +248,7 @@ def main(argv=None) -> int:
               f"torch.matmul {row['matmul_us']:9.1f} µs {row['matmul_bandwidth_fraction']:6.1%}   "
               f"error {error:.1e}" + (f"   best {best}" if args.sweep else ""), flush=True)
     report = dict(meta=dict(device=gpu_name, torch=torch.__version__, model=args.model, dtype=str(dtype),
-                            commit=os.environ.get("WEFT_COMMIT"), sweep=args.sweep),
+                            commit=os.environ.get("WEFT_COMMIT"), sweep=args.sweep, layout=args.layout),
                   copy_bandwidth_gbps=round(bandwidth / 1e9, 1), rows=rows)
     if args.sweep:
         # The best setting of each op and row range, as decode.gemv keys (added to the table's present value).

@@ -96,9 +96,12 @@ def test_fused_ops_match_torch():
 
 def _gemv_paths(seed, row_counts):
     """Both GEMV paths (tl.dot and dot-free, forced through the plans' settings) of every fused op at M in
-    `row_counts` on odd shapes (K, N, heads of 40 ragged against the blocks), split K and not, narrow and wide column runs (one
-    and two heads a QKV program), against torch and the layers path (weft.ops.rms_norm, x @ W, silu_mul,
-    qk_norm_rope: what the decoder runs without WEFT_DECODE=fused)."""
+    `row_counts` on odd shapes (K, N, heads of 40 ragged against the blocks), split K and not, narrow and wide column
+    runs (one and two heads a QKV program), the weights stored both ways (N- and K-contiguous; the first row count
+    only), against torch and the layers path (weft.ops.rms_norm, x @ W, silu_mul, qk_norm_rope: what the decoder
+    runs without WEFT_DECODE=fused)."""
+    import itertools
+
     import torch
     import torch.nn.functional as F
 
@@ -116,6 +119,15 @@ def _gemv_paths(seed, row_counts):
         def close(got, want, what):
             torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=lambda s: f"{what}: {s}")
 
+        def weight(k, n, k_major):
+            """A (K, N) weight, stored K-contiguous (the transpose of an (N, K) tensor, nn.Linear's) or not."""
+            if k_major:
+                return randn(n, k, scale=k ** -0.5).t()
+            return randn(k, n, scale=k ** -0.5)
+
+        def layouts(m):  # both weight layouts at the first row count, weft's own at the others
+            return (False, True) if m == row_counts[0] else (False,)
+
         for dot in (True, False):
             # bf16: runs of 64 columns (one tile of the projections below; two heads of 40 a QKV program).
             block_n = 16 if dtype == torch.float32 else 64
@@ -123,31 +135,34 @@ def _gemv_paths(seed, row_counts):
             for m in row_counts:
                 what = f"dot={dot} M={m} {dtype}"
                 # linear_residual: K ragged against the K block, N against the two column runs of a program.
-                for k, n in ((200, 72), (24, 40)):
-                    x, w, res = randn(m, k), randn(k, n, scale=k ** -0.5), randn(m, n)
+                for (k, n), k_major in itertools.product(((200, 72), (24, 40)), layouts(m)):
+                    x, w, res = randn(m, k), weight(k, n, k_major), randn(m, n)
                     p = LinearResidualPlan(world, x, w, res, settings)
+                    assert p.k_major == k_major
                     splits.setdefault(("linear_residual", dot), set()).add(p.split)
                     for call in range(2):  # the split-K counters are zeroed for the next call
                         got = p.run(x, w, res)
                         close(got, ((x.float() @ w.float()).to(dtype).float() + res.float()).to(dtype),
-                              f"linear_residual {m, k, n} {what} call {call} against torch")
-                        close(got, x @ w + res, f"linear_residual {m, k, n} {what} against the layers path")
+                              f"linear_residual {m, k, n} {what} K-major={k_major} call {call} against torch")
+                        close(got, x @ w + res, f"linear_residual {m, k, n} {what} K-major={k_major} against the "
+                              "layers path")
                 # norm_gate_up_silu: the intermediate ragged against the column run.
-                for k, inter in ((136, 40), (24, 24)):
-                    x, nw, w = randn(m, k), randn(k, scale=0.5) + 1, randn(k, 2 * inter, scale=k ** -0.5)
+                for (k, inter), k_major in itertools.product(((136, 40), (24, 24)), layouts(m)):
+                    x, nw, w = randn(m, k), randn(k, scale=0.5) + 1, weight(k, 2 * inter, k_major)
                     p = GateUpPlan(world, x, nw, w, eps, settings)
+                    assert p.k_major == k_major
                     splits.setdefault(("norm_gate_up_silu", dot), set()).add(p.split)
                     got = p.run(x, nw, w, eps)
                     gate, up = (_hf_norm(x, nw, eps) @ w).chunk(2, dim=-1)
-                    close(got, F.silu(gate) * up, f"norm_gate_up_silu {m, k, inter} {what} against torch")
-                    close(got, weft.ops.silu_mul(weft.ops.rms_norm(x, nw, eps) @ w),
-                          f"norm_gate_up_silu {m, k, inter} {what} against the layers path")
+                    label = f"norm_gate_up_silu {m, k, inter} {what} K-major={k_major}"
+                    close(got, F.silu(gate) * up, f"{label} against torch")
+                    close(got, weft.ops.silu_mul(weft.ops.rms_norm(x, nw, eps) @ w), f"{label} against the layers path")
                 # norm_qkv_rope: heads of 40 (halves of 20, padded to 32), with Qwen3's q/k norm and without
                 # (Llama-3); 8 heads in all, one or two a program, so that K = 192 splits (K = 24 does not).
                 heads, kv, d = 4, 2, 40
-                for qk_norm, k in ((True, 192), (False, 24), (False, 192)):
+                for (qk_norm, k), k_major in itertools.product(((True, 192), (False, 24), (False, 192)), layouts(m)):
                     x, nw = randn(m, k), randn(k, scale=0.5) + 1
-                    w = randn(k, (heads + 2 * kv) * d, scale=k ** -0.5)
+                    w = weight(k, (heads + 2 * kv) * d, k_major)
                     inv_freq = 1.0 / 100.0 ** (torch.arange(0, d, 2).float() / d)
                     rows = torch.randperm(9, generator=g)[:m]
                     positions = torch.randint(0, 7, (m,), generator=g)
@@ -157,10 +172,11 @@ def _gemv_paths(seed, row_counts):
                                 eps, settings)
                     splits.setdefault(("norm_qkv_rope", dot), set()).add(p.split)
                     assert p.heads_p == (1 if dtype == torch.float32 else 2), p.heads_p
+                    assert p.k_major == k_major
                     q = p.run(x, nw, w, inv_freq, rows, positions, caches[0], caches[1], qw, kw, eps)
                     q_ref = weft.ops.qk_norm_rope(weft.ops.rms_norm(x, nw, eps) @ w, m, heads, kv, inv_freq, rows,
                                                   positions, caches[2], caches[3], qw, kw, eps)
-                    label = f"norm_qkv_rope K={k} qk_norm={qk_norm} {what} against the layers path"
+                    label = f"norm_qkv_rope K={k} qk_norm={qk_norm} {what} K-major={k_major} against the layers path"
                     close(q, q_ref, f"{label} q")
                     close(caches[0][rows, positions], caches[2][rows, positions], f"{label} k")
                     close(caches[1][rows, positions], caches[3][rows, positions], f"{label} v")
@@ -245,7 +261,8 @@ def test_linear_residual_ar_matches_torch(world_size):
 
 def _settings_resolved():
     """decode.gemv's keys: the most specific of op.KxN.range.field, op.KxN.field, op.range.field, op.field,
-    range.field, field wins; a bad key is refused naming it."""
+    range.field, field wins (for a K-contiguous weight, the same with nk after the op and shape first); a bad key is
+    refused naming it."""
     from weft import tuning
     from weft.kernels.decode import resolve
     from weft.testing.checks import rejects
@@ -273,6 +290,19 @@ def _settings_resolved():
             "'4096x12288.dot'", [])
     rejects(lambda: resolve(dict(table, **{"qkv.few.4096x12288.dot": True}), "o", 1), tuning.TuningError,
             "'qkv.few.4096x12288.dot'", [])
+    # Weights stored K-contiguous ("nk"): any key with nk before any without; none: the N-contiguous settings.
+    nk = dict(shaped, **{"qkv.nk.block_n": 128, "qkv.nk.few.num_stages": 2, "nk.block_k": 512,
+                         "qkv.4096x6144.nk.many.dot": False})
+    assert resolve(nk, "qkv", 1, layout="nk") == dict(block_n=128, block_k=512, num_warps=4, num_stages=2,
+                                                      programs_per_sm=2, dot=False)
+    assert resolve(nk, "qkv", 8, (4096, 6144), "nk")["dot"] is False
+    assert resolve(nk, "qkv", 8, (4096, 6144), "nk")["block_k"] == 512  # nk.block_k beats qkv.block_k
+    assert resolve(nk, "qkv", 1) == resolve(table, "qkv", 1)
+    assert resolve(nk, "gate_up", 1, (4096, 12288), "nk") == dict(resolve(shaped, "gate_up", 1, (4096, 12288)),
+                                                                  block_k=512)
+    rejects(lambda: resolve(nk, "qkv", 1, layout="kn "), ValueError, "layout must be one of", [])
+    rejects(lambda: resolve(dict(table, **{"qkv.few.nk.dot": True}), "o", 1), tuning.TuningError,
+            "'qkv.few.nk.dot'", [])
     return True
 
 
@@ -317,7 +347,9 @@ def _bad_arguments():
         (lambda: ops.linear_residual(x, w.double(), res), TypeError, "weight has dtype torch.float64"),
         (lambda: ops.linear_residual(x, w[:16], res), ValueError, "weight has shape (16, 48)"),
         (lambda: ops.linear_residual(x, w, res[:, :8]), ValueError, "residual has shape (2, 8)"),
-        (lambda: ops.linear_residual(x, w.t().contiguous().t(), res), ValueError, "weight must be contiguous"),
+        (lambda: ops.linear_residual(x, w.t().contiguous().t(), res), None, None),  # stored K-contiguous
+        (lambda: ops.linear_residual(x, torch.randn(32, 96)[:, ::2], res), ValueError,
+         "weight must be contiguous, or the transpose of a contiguous tensor"),
         (lambda: ops.linear_residual(x[:, :0], w[:0], res), ValueError, "x has no columns"),
         (lambda: ops.norm_gate_up_silu(x[:, :0], nw[:0], gu[:0]), ValueError, "x has no columns"),
         (lambda: ops.norm_gate_up_silu(x, nw[:8], gu), ValueError, "norm_weight has shape (8,)"),

@@ -19,19 +19,26 @@ TIMEOUT = 600
 ENV = {"WEFT_WAIT_TIMEOUT_S": "60"}
 
 
-def _weights(g, layers, hidden, heads, kv_heads, d, inter, qk_norm, dtype):
-    """decode_step's weights (8 a layer) with normal(0, 0.1)-ish matrices and norms near 1."""
+def _weights(g, layers, hidden, heads, kv_heads, d, inter, qk_norm, dtype, k_major=()):
+    """decode_step's weights (8 a layer) with normal(0, 0.1)-ish matrices and norms near 1; the projections named in
+    k_major (of "qkv", "o", "gate_up", "down") stored K-contiguous (transposes of (N, K) tensors, nn.Linear's
+    layout)."""
     import torch
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g) * scale).to(dtype)
 
+    def weight(name, k, n):
+        if name in k_major:
+            return randn(n, k, scale=k ** -0.5).t()
+        return randn(k, n, scale=k ** -0.5)
+
     out = []
     for _ in range(layers):
         norms = [randn(d, scale=0.1) + 1, randn(d, scale=0.1) + 1] if qk_norm else [None, None]
-        out += [randn(hidden, scale=0.1) + 1, randn(hidden, (heads + 2 * kv_heads) * d, scale=hidden ** -0.5),
-                *norms, randn(heads * d, hidden, scale=(heads * d) ** -0.5), randn(hidden, scale=0.1) + 1,
-                randn(hidden, 2 * inter, scale=hidden ** -0.5), randn(inter, hidden, scale=inter ** -0.5)]
+        out += [randn(hidden, scale=0.1) + 1, weight("qkv", hidden, (heads + 2 * kv_heads) * d), *norms,
+                weight("o", heads * d, hidden), randn(hidden, scale=0.1) + 1, weight("gate_up", hidden, 2 * inter),
+                weight("down", inter, hidden)]
     return out
 
 
@@ -83,10 +90,10 @@ def _step_against_fused(case):
 
     import weft
 
-    dtype, m, heads, kv_heads, inter, qk_norm = case
+    dtype, m, heads, kv_heads, inter, qk_norm, k_major = case
     hidden, d, layers, max_len, eps = 64, 64, 2, 40, 1e-6
     g = torch.Generator().manual_seed(7 + m)
-    weights = _weights(g, layers, hidden, heads, kv_heads, d, inter, qk_norm, dtype)
+    weights = _weights(g, layers, hidden, heads, kv_heads, d, inter, qk_norm, dtype, k_major)
     inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
     rows = torch.arange(m)
     cache = torch.randn(layers, 2, m, max_len, kv_heads, d, generator=g).to(dtype)
@@ -112,13 +119,15 @@ def _step_against_fused(case):
     return True
 
 
-# (dtype, rows, heads, kv_heads, intermediate, q/k norm). With the cpu settings (K blocks of 32, 8 programs):
-# 2 + 1 heads and I = 32 split K in every projection; 4 + 2 heads and I = 96 leave QKV and gate/up unsplit.
-# 1 and 3 rows take the dot-free GEMV, 5 rows tl.dot.
+# (dtype, rows, heads, kv_heads, intermediate, q/k norm, the projections stored K-contiguous). With the cpu
+# settings (K blocks of 32, 8 programs): 2 + 1 heads and I = 32 split K in every projection; 4 + 2 heads and I = 96
+# leave QKV and gate/up unsplit. 1 and 3 rows take the dot-free GEMV, 5 rows tl.dot. The first case stores QKV and
+# down K-contiguous, O and gate/up not (each GEMV body both ways), the third all four.
 # CI runs the first (the other two: `long`, for the suite's time; the fused kernels' own tests cover their paths).
-STEP_CASES = [pytest.param(("float32", 1, 2, 1, 32, True), id="qwen-fp32-m1"),
-              pytest.param(("bfloat16", 3, 4, 2, 96, False), id="llama-bf16-m3", marks=pytest.mark.long),
-              pytest.param(("float32", 5, 2, 1, 32, True), id="qwen-fp32-m5", marks=pytest.mark.long)]
+STEP_CASES = [pytest.param(("float32", 1, 2, 1, 32, True, ("qkv", "down")), id="qwen-fp32-m1"),
+              pytest.param(("bfloat16", 3, 4, 2, 96, False, ()), id="llama-bf16-m3", marks=pytest.mark.long),
+              pytest.param(("float32", 5, 2, 1, 32, True, ("qkv", "o", "gate_up", "down")), id="qwen-fp32-m5",
+                           marks=pytest.mark.long)]
 
 
 @pytest.mark.parametrize("case", STEP_CASES)
@@ -215,7 +224,11 @@ def _bad_arguments():
         (step(h=h.numpy()), TypeError, "h must be a torch.Tensor"),
         (step(w=swap(1, w[1].bfloat16())), TypeError, "weights[1] (layer 0's qkv) has dtype torch.bfloat16"),
         (step(w=swap(4, w[4][:, :32])), ValueError, "weights[4] (layer 0's o) has shape (128, 32)"),
-        (step(w=swap(7, w[7].t().contiguous().t())), ValueError, "weights[7] (layer 0's down) must be contiguous"),
+        (step(w=swap(7, w[7].t().contiguous().t())), None, None),  # stored K-contiguous
+        (step(w=swap(7, torch.randn(inter, 2 * hidden)[:, ::2])), ValueError,
+         "weights[7] (layer 0's down) must be contiguous, or the transpose of a contiguous tensor"),
+        (step(w=w + swap(7, w[7].t().contiguous().t()), cache=torch.zeros(2, 2, m, 16, kv_heads, d)), ValueError,
+         "weights[15] (layer 1's down) is stored K-contiguous, layer 0's N-contiguous"),
         (step(w=w[:7]), ValueError, "weights holds 7 tensors: 8 a layer"),
         (step(w=no_qk), ValueError, "give q_norm and k_norm in every layer, or in none"),
         (step(w=[*w[:7], "down"]), TypeError, "weights must be a list of tensors"),

@@ -8,7 +8,9 @@ to four (weft/models/decoder.py's WEFT_DECODE=fused path, a few tokens per step)
 - norm_gate_up_silu(x, norm_weight, gate_up_weight, eps): RMSNorm of x, the fused [gate | up] projection, and
   silu(gate) * up, a program computing matching gate and up columns.
 
-Weights are (K, N), contiguous, as the layers keep them. The kernels are memory-bound GEMVs for M = 1..16 rows
+Weights are (K, N): contiguous, as the layers keep them, or the transpose of a contiguous (N, K) tensor (an
+nn.Linear weight's .t(), K contiguous: LAYOUTS' "nk", a constexpr of each kernel, `_weight_at`; settings of their
+own). The kernels are memory-bound GEMVs for M = 1..16 rows
 (tokens): a program streams a [K range, its columns] slab of the weight once (evict-first: it is read once) through
 `tl.range`'s pipelined loads, two runs of columns a program, and multiplies it by the few rows in one of two ways, a
 launch setting: tl.dot (rows padded to 16, the weight tile in the dot's operand layout), or dot-free (`dot` false):
@@ -71,6 +73,9 @@ FIELDS = ("block_n", "block_k", "num_warps", "num_stages", "programs_per_sm", "d
 # else "o".
 OPS = ("qkv", "o", "gate_up", "down")
 RANGES = ("few", "many")
+# How a (K, N) weight is stored: "kn" N contiguous (weft's layout), "nk" K contiguous ((N, K): nn.Linear's layout;
+# the op is given its transpose). Settings keys for "nk" weights carry it as a scope part; "kn" is the default.
+LAYOUTS = ("kn", "nk")
 # Under the interpreter (cpu): small blocks and 4 programs per "SM" (num_sms is 2 there), so that the tests'
 # small shapes take the split-K path as well as the direct one; dot-free at few rows, tl.dot above.
 CPU_SETTINGS = {"block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 1, "programs_per_sm": 4, "dot": True,
@@ -78,6 +83,9 @@ CPU_SETTINGS = {"block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 1, "
 # The last split loads the splits' partials a few splits at once (an unrolled group of loads in flight together,
 # not one L2 round trip per split): as many as this many fp32 elements (32 registers a thread at 4 warps) hold.
 PARTIAL_ELEMENTS = 4096
+# The tl.dot path adds x² elementwise (one reduction after the loop) where x's block holds at most this many
+# elements (16 fp32 registers a thread at 4 warps), else reduces each block (_gemv_pair_dot).
+SUMSQ_ELEMENTS = tl.constexpr(2048)
 
 
 # -- device helpers -------------------------------------------------------------
@@ -94,35 +102,48 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _weight_at(w, k, cols, ldw, K_MAJOR: tl.constexpr):
+    """Where the (K, N) weight's elements (k, cols) lie (broadcast together): row k at w + k ldw, N contiguous
+    (weft's layout), or, K_MAJOR, column n at w + n ldw, K contiguous ((N, K) stored, nn.Linear's layout)."""
+    if K_MAJOR:
+        return w + cols.to(tl.int64) * ldw + k
+    return w + k.to(tl.int64) * ldw + cols
+
+
+@triton.jit
 def _gemv_pair(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_mask_b, k_first, k_blocks,
                NORM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
-               DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               STAGES: tl.constexpr):
+               DOT: tl.constexpr, K_MAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """(x[m, K range] @ w[K range, cols_a], ... @ w[K range, cols_b]) in fp32, [BLOCK_M, BLOCK_N] each, the K range
     k_blocks blocks of BLOCK_K from k_first; NORM: x's columns times norm_w (rounded to x's dtype) first, and the
     third result is sum(x[m, K range]²) (fp32, [BLOCK_M]: the RMSNorm's share of this K range, from the x blocks
-    the loop loads anyway; zeros without NORM). Weight rows are contiguous along the columns: each [BLOCK_K,
-    BLOCK_N] tile is BLOCK_K contiguous runs, pipelined STAGES deep and loaded evict-first (read once). DOT: tl.dot
-    (rows padded to 16); else dot-free (module doc)."""
+    the loop loads anyway; zeros without NORM). The (K, N) weight's rows are ldw apart and contiguous along the
+    columns (each [BLOCK_K, BLOCK_N] tile BLOCK_K contiguous runs), or, K_MAJOR, its columns are ldw apart and
+    contiguous along K (stored (N, K), nn.Linear's layout: a tile is BLOCK_N runs of BLOCK_K); tiles pipelined
+    STAGES deep and loaded evict-first (read once). DOT: tl.dot (rows padded to 16); else dot-free (module doc)."""
     if DOT:
         acc_a, acc_b, sumsq = _gemv_pair_dot(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a,
-                                             col_mask_b, k_first, k_blocks, NORM, EVEN_K, EVEN_N, IEEE, BLOCK_M,
-                                             BLOCK_N, BLOCK_K, STAGES)
+                                             col_mask_b, k_first, k_blocks, NORM, EVEN_K, EVEN_N, IEEE, K_MAJOR,
+                                             BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
     else:
         acc_a, acc_b, sumsq = _gemv_pair_fma(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a,
-                                             col_mask_b, k_first, k_blocks, NORM, EVEN_K, EVEN_N, BLOCK_M, BLOCK_N,
-                                             BLOCK_K, STAGES)
+                                             col_mask_b, k_first, k_blocks, NORM, EVEN_K, EVEN_N, K_MAJOR, BLOCK_M,
+                                             BLOCK_N, BLOCK_K, STAGES)
     return acc_a, acc_b, sumsq
 
 
 @triton.jit
 def _gemv_pair_dot(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_mask_b, k_first, k_blocks,
                    NORM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """_gemv_pair with tl.dot: x's [BLOCK_M >= 16, BLOCK_K] block times each weight tile. The sum of squares: 16-bit
-    operands reduce x² a block at a time (an elementwise accumulator costs ~30 registers at 16 rows); IEEE fp32 ones
-    (the FMA dot) add x² elementwise and reduce once after the loop (the per-block reduction put ptxas into its
-    32-register mode at 64 rows, with ~40 KB of stack)."""
+                   K_MAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   STAGES: tl.constexpr):
+    """_gemv_pair with tl.dot: x's [BLOCK_M >= 16, BLOCK_K] block times each weight tile. The sum of squares is
+    added elementwise and reduced once after the loop where the x block is small (at most SUMSQ_ELEMENTS: the
+    QKV projection's 16 x 32 blocks at 8 rows took 18.6 µs a call against 19.1 reducing every block, 1x H200) and
+    for IEEE fp32 operands (the FMA dot: the per-block reduction put ptxas into its 32-register mode at 64 rows,
+    with ~40 KB of stack); larger 16-bit blocks reduce x² a block at a time (an elementwise accumulator costs ~30
+    registers at 16 rows of 128)."""
     acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     sumsq = tl.zeros([BLOCK_M], tl.float32)
@@ -131,25 +152,22 @@ def _gemv_pair_dot(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, 
     x_rows = x + m[:, None].to(tl.int64) * K
     for i in tl.range(0, k_blocks, num_stages=STAGES):
         k = k_first + i * BLOCK_K + kk
-        w_rows = w + k[:, None].to(tl.int64) * ldw
+        at_a = _weight_at(w, k[:, None], cols_a[None, :], ldw, K_MAJOR)
+        at_b = _weight_at(w, k[:, None], cols_b[None, :], ldw, K_MAJOR)
         if EVEN_K:
             a = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
             if EVEN_N:
-                wa = tl.load(w_rows + cols_a[None, :], eviction_policy="evict_first")
-                wb = tl.load(w_rows + cols_b[None, :], eviction_policy="evict_first")
+                wa = tl.load(at_a, eviction_policy="evict_first")
+                wb = tl.load(at_b, eviction_policy="evict_first")
             else:
-                wa = tl.load(w_rows + cols_a[None, :], mask=col_mask_a[None, :], other=0.0,
-                             eviction_policy="evict_first")
-                wb = tl.load(w_rows + cols_b[None, :], mask=col_mask_b[None, :], other=0.0,
-                             eviction_policy="evict_first")
+                wa = tl.load(at_a, mask=col_mask_a[None, :], other=0.0, eviction_policy="evict_first")
+                wb = tl.load(at_b, mask=col_mask_b[None, :], other=0.0, eviction_policy="evict_first")
         else:
             k_mask = k < K
             a = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0,
                         cache_modifier=".cg")
-            wa = tl.load(w_rows + cols_a[None, :], mask=k_mask[:, None] & col_mask_a[None, :], other=0.0,
-                         eviction_policy="evict_first")
-            wb = tl.load(w_rows + cols_b[None, :], mask=k_mask[:, None] & col_mask_b[None, :], other=0.0,
-                         eviction_policy="evict_first")
+            wa = tl.load(at_a, mask=k_mask[:, None] & col_mask_a[None, :], other=0.0, eviction_policy="evict_first")
+            wb = tl.load(at_b, mask=k_mask[:, None] & col_mask_b[None, :], other=0.0, eviction_policy="evict_first")
         if NORM:
             if EVEN_K:
                 g = tl.load(norm_w + k)
@@ -160,18 +178,19 @@ def _gemv_pair_dot(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, 
         acc_a = _dot(a, wa, acc_a, IEEE)
         acc_b = _dot(a, wb, acc_b, IEEE)
         if NORM:
-            if IEEE:
+            if IEEE or BLOCK_M * BLOCK_K <= SUMSQ_ELEMENTS:
                 sq += xf * xf
             else:
                 sumsq += tl.sum(xf * xf, axis=1)
-    if IEEE:
+    if IEEE or BLOCK_M * BLOCK_K <= SUMSQ_ELEMENTS:
         sumsq = tl.sum(sq, axis=1)
     return acc_a, acc_b, sumsq
 
 
 @triton.jit
 def _gemv_pair_fma(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_mask_b, k_first, k_blocks,
-                   NORM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                   NORM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, K_MAJOR: tl.constexpr,
+                   BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """_gemv_pair without tl.dot: acc[m, k, n] += x[m, k] w[k, n] in fp32 registers (every operand built in the
     accumulators' 3D layout, so no layout change in the loop), summed over k once after it; x² likewise."""
@@ -185,20 +204,21 @@ def _gemv_pair_fma(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, 
     mask_a, mask_b = col_mask_a[None, None, :], col_mask_b[None, None, :]
     for i in tl.range(0, k_blocks, num_stages=STAGES):
         k = k_first + i * BLOCK_K + kk
-        w_rows = w + k.to(tl.int64) * ldw
+        at_a = _weight_at(w, k, ca, ldw, K_MAJOR)
+        at_b = _weight_at(w, k, cb, ldw, K_MAJOR)
         if EVEN_K:
             a = tl.load(x_rows + k, mask=row_mask, other=0.0, cache_modifier=".cg")
             if EVEN_N:
-                wa = tl.load(w_rows + ca, eviction_policy="evict_first")
-                wb = tl.load(w_rows + cb, eviction_policy="evict_first")
+                wa = tl.load(at_a, eviction_policy="evict_first")
+                wb = tl.load(at_b, eviction_policy="evict_first")
             else:
-                wa = tl.load(w_rows + ca, mask=mask_a, other=0.0, eviction_policy="evict_first")
-                wb = tl.load(w_rows + cb, mask=mask_b, other=0.0, eviction_policy="evict_first")
+                wa = tl.load(at_a, mask=mask_a, other=0.0, eviction_policy="evict_first")
+                wb = tl.load(at_b, mask=mask_b, other=0.0, eviction_policy="evict_first")
         else:
             k_mask = k < K
             a = tl.load(x_rows + k, mask=row_mask & k_mask, other=0.0, cache_modifier=".cg")
-            wa = tl.load(w_rows + ca, mask=k_mask & mask_a, other=0.0, eviction_policy="evict_first")
-            wb = tl.load(w_rows + cb, mask=k_mask & mask_b, other=0.0, eviction_policy="evict_first")
+            wa = tl.load(at_a, mask=k_mask & mask_a, other=0.0, eviction_policy="evict_first")
+            wb = tl.load(at_b, mask=k_mask & mask_b, other=0.0, eviction_policy="evict_first")
         a = a.to(tl.float32)
         if NORM:
             if EVEN_K:
@@ -402,7 +422,7 @@ def _qkv_out(acc_a, acc_b, head0, inv_rms, q_out, k_dst, v_dst, rows, positions,
 @triton.jit
 def _linear_share(tile, split, mb, x, w, M, K, N, KB, BPS, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                   STAGES: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
-                  BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+                  K_MAJOR: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
     """Program (tile, split, mb)'s share of x @ w, columns [2 BLOCK_N tile, +2 BLOCK_N) in two runs of BLOCK_N:
     (the rows m, the two runs' columns and masks, their fp32 sums over the split's K range)."""
     m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -411,9 +431,9 @@ def _linear_share(tile, split, mb, x, w, M, K, N, KB, BPS, BLOCK_M: tl.constexpr
     cols_b = cols_a + BLOCK_N
     col_mask_a, col_mask_b = cols_a < N, cols_b < N
     kb0 = split * BPS
-    acc_a, acc_b, _ = _gemv_pair(x, w, x, m, m_mask, K, N, cols_a, cols_b, col_mask_a, col_mask_b, kb0 * BLOCK_K,
-                                 tl.minimum(BPS, KB - kb0), False, EVEN_K, EVEN_N, IEEE, DOT, BLOCK_M, BLOCK_N,
-                                 BLOCK_K, STAGES)
+    acc_a, acc_b, _ = _gemv_pair(x, w, x, m, m_mask, K, K if K_MAJOR else N, cols_a, cols_b, col_mask_a,
+                                 col_mask_b, kb0 * BLOCK_K, tl.minimum(BPS, KB - kb0), False, EVEN_K, EVEN_N, IEEE,
+                                 DOT, K_MAJOR, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
     return m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, acc_a, acc_b
 
 
@@ -438,11 +458,12 @@ def _linear_whole(acc_a, acc_b, tile, split, mb, tiles, partial, counter, m_mask
 def _linear_residual_program(tile, split, mb, tiles, x, w, residual, out, partial, counter, M, K, N, KB, BPS,
                              SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                              STAGES: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
-                             BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+                             K_MAJOR: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
     """Program (tile, split, mb) of out = residual + x @ w (_linear_share's columns): the residual's tiles are
     loaded between the program's share and the split-K handshake (_residual_tiles)."""
     m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, acc_a, acc_b = _linear_share(
-        tile, split, mb, x, w, M, K, N, KB, BPS, BLOCK_M, BLOCK_K, STAGES, EVEN_K, IEEE, DOT, BLOCK_N, EVEN_N)
+        tile, split, mb, x, w, M, K, N, KB, BPS, BLOCK_M, BLOCK_K, STAGES, EVEN_K, IEEE, DOT, K_MAJOR, BLOCK_N,
+        EVEN_N)
     res_a, res_b = _residual_tiles(residual, m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, N)
     acc_a, acc_b, whole = _linear_whole(acc_a, acc_b, tile, split, mb, tiles, partial, counter, m_mask, cols_a,
                                         cols_b, col_mask_a, col_mask_b, N, SPLIT, BLOCK_M, BLOCK_N)
@@ -453,18 +474,20 @@ def _linear_residual_program(tile, split, mb, tiles, x, w, residual, out, partia
 @triton.jit
 def linear_residual_kernel(x, w, residual, out, partial, counter, M, K, N, KB, BPS, SPLIT: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
-                           IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+                           IEEE: tl.constexpr, DOT: tl.constexpr, K_MAJOR: tl.constexpr, BLOCK_N: tl.constexpr,
+                           EVEN_N: tl.constexpr):
     """out = residual + x @ w (_linear_residual_program)."""
     _linear_residual_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0), x, w,
                              residual, out, partial, counter, M, K, N, KB, BPS, SPLIT, BLOCK_M, BLOCK_K, STAGES,
-                             EVEN_K, IEEE, DOT, BLOCK_N, EVEN_N)
+                             EVEN_K, IEEE, DOT, K_MAJOR, BLOCK_N, EVEN_N)
 
 
 @triton.jit(do_not_specialize=["ll_half", "fp"])
 def linear_residual_ar_kernel(x, w, residual, out, partial, counter, ll, epochs, heap, sig, err, fp, M, K, N, KB, BPS,
                               ll_half, WORLD: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                              DOT: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+                              DOT: tl.constexpr, K_MAJOR: tl.constexpr, BLOCK_N: tl.constexpr,
+                              EVEN_N: tl.constexpr):
     """out = residual + the sum over the group's WORLD ranks of x @ w (each rank its own x and w): the split-K
     GEMV of linear_residual, then the all-reduce in the epilogue, in LL words (wl.pack_ll: a value's fp32 bits and
     the call's epoch in one 8-byte store; gemm_ar's workspace holds them, its `ll` halves by call parity, and its
@@ -480,7 +503,8 @@ def linear_residual_ar_kernel(x, w, residual, out, partial, counter, ll, epochs,
     if wl.signature_live(sig, heap):
         wl.sign(sig, epoch, fp, heap)
         m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, acc_a, acc_b = _linear_share(
-            tile, split, mb, x, w, M, K, N, KB, BPS, BLOCK_M, BLOCK_K, STAGES, EVEN_K, IEEE, DOT, BLOCK_N, EVEN_N)
+            tile, split, mb, x, w, M, K, N, KB, BPS, BLOCK_M, BLOCK_K, STAGES, EVEN_K, IEEE, DOT, K_MAJOR, BLOCK_N,
+        EVEN_N)
         acc_a, acc_b, whole = _linear_whole(acc_a, acc_b, tile, split, mb, tiles, partial, counter, m_mask, cols_a,
                                             cols_b, col_mask_a, col_mask_b, N, SPLIT, BLOCK_M, BLOCK_N)
         if whole:
@@ -516,8 +540,8 @@ def linear_residual_ar_kernel(x, w, residual, out, partial, counter, ll, epochs,
 @triton.jit
 def _gate_up_program(tile, split, mb, tiles, m_blocks, x, norm_w, w, out, partial, counter, M, K, I, KB, BPS, eps,
                      SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                     EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
-                     EVEN_N: tl.constexpr):
+                     EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, K_MAJOR: tl.constexpr,
+                     BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
     """Program (tile, split, mb) of out (M, I) = silu(gate) * up of norm(x) @ w, w (K, 2 I) = [gate | up]: its
     columns are gate's [BLOCK_N tile, +BLOCK_N) and the same of up."""
     m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -526,9 +550,9 @@ def _gate_up_program(tile, split, mb, tiles, m_blocks, x, norm_w, w, out, partia
     col_mask_a = cols_a < I
     cols_b = cols_a + I
     kb0 = split * BPS
-    acc_a, acc_b, sumsq = _gemv_pair(x, w, norm_w, m, m_mask, K, 2 * I, cols_a, cols_b, col_mask_a, col_mask_a,
-                                     kb0 * BLOCK_K, tl.minimum(BPS, KB - kb0), True, EVEN_K, EVEN_N, IEEE, DOT,
-                                     BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+    acc_a, acc_b, sumsq = _gemv_pair(x, w, norm_w, m, m_mask, K, K if K_MAJOR else 2 * I, cols_a, cols_b,
+                                     col_mask_a, col_mask_a, kb0 * BLOCK_K, tl.minimum(BPS, KB - kb0), True, EVEN_K,
+                                     EVEN_N, IEEE, DOT, K_MAJOR, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
     if SPLIT == 1:
         _gate_up_out(acc_a, acc_b, _inv_rms(sumsq, K, eps), out, m, m_mask, cols_a, col_mask_a, I)
     else:
@@ -546,12 +570,12 @@ def _gate_up_program(tile, split, mb, tiles, m_blocks, x, norm_w, w, out, partia
 @triton.jit
 def norm_gate_up_silu_kernel(x, norm_w, w, out, partial, counter, M, K, I, KB, BPS, eps, SPLIT: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                             EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
-                             EVEN_N: tl.constexpr):
+                             EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, K_MAJOR: tl.constexpr,
+                             BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
     """out (M, I) = silu(gate) * up of norm(x) @ w (_gate_up_program)."""
     _gate_up_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0), tl.num_programs(2),
                      x, norm_w, w, out, partial, counter, M, K, I, KB, BPS, eps, SPLIT, BLOCK_M, BLOCK_K, STAGES,
-                     EVEN_K, IEEE, DOT, BLOCK_N, EVEN_N)
+                     EVEN_K, IEEE, DOT, K_MAJOR, BLOCK_N, EVEN_N)
 
 
 @triton.jit
@@ -559,8 +583,8 @@ def _qkv_program(tile, split, mb, tiles, m_blocks, x, norm_w, w, q_out, k_dst, v
                  q_weight, k_weight, partial, counter, M, K, KB, BPS, eps, dst_sb, dst_sp, dst_sh,
                  HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
                  SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                 EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, HALF_P: tl.constexpr,
-                 HEADS_P: tl.constexpr):
+                 EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, K_MAJOR: tl.constexpr,
+                 HALF_P: tl.constexpr, HEADS_P: tl.constexpr):
     """Program (tile, split, mb) of q, k, v of norm(x) @ w, w (K, (HEADS + 2 KV_HEADS) 2 HALF) = [q | k | v]: it
     owns heads [HEADS_P tile, +HEADS_P) (HEADS_P divides both head counts: they are all q, k or v heads), its runs
     their first halves and their second halves (HALF columns each, padded to HALF_P), so the heads' norm and
@@ -574,9 +598,9 @@ def _qkv_program(tile, split, mb, tiles, m_blocks, x, norm_w, w, q_out, k_dst, v
     cols_b = cols_a + HALF
     j_mask = j % HALF_P < HALF
     kb0 = split * BPS
-    acc_a, acc_b, sumsq = _gemv_pair(x, w, norm_w, m, m_mask, K, N, cols_a, cols_b, j_mask, j_mask,
-                                     kb0 * BLOCK_K, tl.minimum(BPS, KB - kb0), True, EVEN_K, HALF == HALF_P, IEEE,
-                                     DOT, BLOCK_M, HEADS_P * HALF_P, BLOCK_K, STAGES)
+    acc_a, acc_b, sumsq = _gemv_pair(x, w, norm_w, m, m_mask, K, K if K_MAJOR else N, cols_a, cols_b, j_mask,
+                                     j_mask, kb0 * BLOCK_K, tl.minimum(BPS, KB - kb0), True, EVEN_K, HALF == HALF_P,
+                                     IEEE, DOT, K_MAJOR, BLOCK_M, HEADS_P * HALF_P, BLOCK_K, STAGES)
     if SPLIT == 1:
         _qkv_out(acc_a, acc_b, head0, _inv_rms(sumsq, K, eps), q_out, k_dst, v_dst, rows, positions, inv_freq,
                  q_weight, k_weight, m, m_mask, eps, dst_sb, dst_sp, dst_sh, HEADS, KV_HEADS, HALF, QK_NORM, BLOCK_M,
@@ -600,21 +624,25 @@ def norm_qkv_rope_kernel(x, norm_w, w, q_out, k_dst, v_dst, rows, positions, inv
                          counter, M, K, KB, BPS, eps, dst_sb, dst_sp, dst_sh, HEADS: tl.constexpr,
                          KV_HEADS: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, SPLIT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
-                         IEEE: tl.constexpr, DOT: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr):
+                         IEEE: tl.constexpr, DOT: tl.constexpr, K_MAJOR: tl.constexpr, HALF_P: tl.constexpr,
+                         HEADS_P: tl.constexpr):
     """q, k, v of norm(x) @ w (_qkv_program)."""
     _qkv_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0), tl.num_programs(2), x,
                  norm_w, w, q_out, k_dst, v_dst, rows, positions, inv_freq, q_weight, k_weight, partial, counter, M,
                  K, KB, BPS, eps, dst_sb, dst_sp, dst_sh, HEADS, KV_HEADS, HALF, QK_NORM, SPLIT, BLOCK_M, BLOCK_K,
-                 STAGES, EVEN_K, IEEE, DOT, HALF_P, HEADS_P)
+                 STAGES, EVEN_K, IEEE, DOT, K_MAJOR, HALF_P, HEADS_P)
 
 
 # -- host side ------------------------------------------------------------------
+# A plan's key holds each weight's strides beside its signature: a plan checked one layout (LAYOUTS), and a weight
+# stored K-contiguous and one of other strides are alike not contiguous.
 
-def launch_settings(device: torch.device, op: str, m: int, shape: tuple | None = None) -> dict:
-    """The launch settings of `op` (one of OPS) at m rows of a (K, N) weight `shape`: {FIELDS: value}, resolved
-    from weft.tuning's decode.gemv on GPUs (CPU_SETTINGS under the interpreter) as `resolve` reads it."""
+def launch_settings(device: torch.device, op: str, m: int, shape: tuple | None = None, layout: str = "kn") -> dict:
+    """The launch settings of `op` (one of OPS) at m rows of a (K, N) weight `shape` stored as `layout` (of
+    LAYOUTS): {FIELDS: value}, resolved from weft.tuning's decode.gemv on GPUs (CPU_SETTINGS under the
+    interpreter) as `resolve` reads it."""
     table = CPU_SETTINGS if device.type != "cuda" else tuning.value("decode.gemv", device)
-    return resolve(table, op, m, shape)
+    return resolve(table, op, m, shape, layout)
 
 
 def _shape_scope(part: str) -> bool:
@@ -623,14 +651,18 @@ def _shape_scope(part: str) -> bool:
     return bool(x) and k.isdigit() and n.isdigit()
 
 
-def resolve(table: dict, op: str, m: int, shape: tuple | None = None) -> dict:
-    """The settings `table` (decode.gemv's form) gives `op` at m rows of a (K, N) weight `shape`. Its keys are
-    `[op.[KxN.]][range.]field`: a field of FIELDS for every op and row count, or scoped to one op of OPS, to one
-    of its weight shapes (the shapes of one rank at some tensor-parallel size differ from one GPU's: a setting
-    swept there), to a row range ("few": m <= the table's few_max_m, else "many"), or to several; the most
-    specific key present wins. TuningError naming a key that is none of these, or a field no key gives."""
+def resolve(table: dict, op: str, m: int, shape: tuple | None = None, layout: str = "kn") -> dict:
+    """The settings `table` (decode.gemv's form) gives `op` at m rows of a (K, N) weight `shape` stored as
+    `layout`. Its keys are `[op.[KxN.]][nk.][range.]field`: a field of FIELDS for every op and row count, or
+    scoped to one op of OPS, to one of its weight shapes (the shapes of one rank at some tensor-parallel size
+    differ from one GPU's: a setting swept there), to weights stored K-contiguous ("nk"; a setting swept on one
+    layout says nothing of the other, so for an "nk" weight every key with it comes before any without), to a row
+    range ("few": m <= the table's few_max_m, else "many"), or to several; the most specific key present wins.
+    TuningError naming a key that is none of these, or a field no key gives."""
     if op not in OPS:
         raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     for key in table:
         if key == "few_max_m":
             continue
@@ -638,15 +670,18 @@ def resolve(table: dict, op: str, m: int, shape: tuple | None = None) -> dict:
         op_scope = scope[:1] if scope and scope[0] in OPS else []
         shape_scope = scope[1:2] if op_scope and len(scope) > 1 and _shape_scope(scope[1]) else []
         rest = scope[len(op_scope) + len(shape_scope):]
+        if rest and rest[0] == "nk":
+            rest = rest[1:]
         if field not in FIELDS or len(rest) > 1 or (rest and rest[0] not in RANGES):
-            raise tuning.TuningError(f"decode.gemv: unknown key {key!r} (keys are [op.[KxN.]][range.]field: op of "
-                                     f"{', '.join(OPS)}, a weight shape such as 4096x12288, range of "
-                                     f"{', '.join(RANGES)}, field of {', '.join(FIELDS)})")
+            raise tuning.TuningError(f"decode.gemv: unknown key {key!r} (keys are [op.[KxN.]][nk.][range.]field: op "
+                                     f"of {', '.join(OPS)}, a weight shape such as 4096x12288, nk for weights "
+                                     f"stored K-contiguous, range of {', '.join(RANGES)}, field of "
+                                     f"{', '.join(FIELDS)})")
     rows = "few" if m <= table.get("few_max_m", 0) else "many"
-    scopes = [f"{op}.{rows}.", f"{op}.", f"{rows}.", ""]
-    if shape is not None:
-        at = f"{op}.{shape[0]}x{shape[1]}."
-        scopes = [f"{at}{rows}.", at] + scopes
+    ops = [f"{op}.{shape[0]}x{shape[1]}.", f"{op}."] if shape is not None else [f"{op}."]
+    scopes = [s for at in ops for s in (f"{at}{rows}.", at)] + [f"{rows}.", ""]
+    if layout == "nk":
+        scopes = [s for at in ops + [""] for s in (f"{at}nk.{rows}.", f"{at}nk.")] + scopes
     out = {}
     for field in FIELDS:
         for key in (scope + field for scope in scopes):
@@ -667,6 +702,21 @@ def _operand(name: str, t, dtype, shape: tuple) -> None:
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+
+
+def _weight_operand(name: str, t, dtype, shape: tuple) -> bool:
+    """_operand's checks for a (K, N) weight, which may be stored either way (LAYOUTS): contiguous, or the
+    transpose of a contiguous (N, K) tensor (an nn.Linear weight's .t()); whether it is the latter."""
+    _check(name, t, dtype, 2)
+    if any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        want = tuple("any" if s is None else s for s in shape)
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want}")
+    if t.is_contiguous():
+        return False
+    if t.t().is_contiguous():
+        return True
+    raise ValueError(f"{name} must be contiguous, or the transpose of a contiguous tensor (K contiguous), got "
+                     f"strides {t.stride()}")
 
 
 def _same_device(device, **tensors) -> None:
@@ -703,11 +753,13 @@ def balanced_split(units: int, k_blocks: int, sms: int, programs: int) -> int:
 class GemvPlan(Plan):
     """The grid of one fused GEMV call signature: M rows in row blocks, column tiles, K in splits of BPS blocks
     (balanced_split), the split-K workspace and counters. `settings` (`resolve`'s form) replaces the tuned ones:
-    the tests run both GEMV paths with it."""
+    the tests run both GEMV paths with it. k_major: the weight is stored K-contiguous (LAYOUTS' "nk")."""
 
-    def __init__(self, group, op: str, m: int, k: int, n: int, dtype: torch.dtype, settings: dict | None):
+    def __init__(self, group, op: str, m: int, k: int, n: int, dtype: torch.dtype, settings: dict | None,
+                 k_major: bool = False):
         super().__init__(group)
-        s = launch_settings(group.device, op, m, (k, n)) if settings is None else settings
+        self.k_major = k_major
+        s = launch_settings(group.device, op, m, (k, n), "nk" if k_major else "kn") if settings is None else settings
         self.dot = bool(s["dot"])
         # tl.dot takes 16 rows at least; the dot-free path holds just M's (a power of two) in its accumulators.
         rows = triton.next_power_of_2(max(m, 1))
@@ -735,16 +787,17 @@ class GemvPlan(Plan):
         self.partial = torch.empty((size,), dtype=torch.float32, device=device)
         self.counter = torch.zeros((self.m_blocks, tiles), dtype=torch.int32, device=device)
         self.common = dict(SPLIT=self.split, BLOCK_M=self.block_m, BLOCK_K=self.block_k, STAGES=self.stages,
-                           EVEN_K=self.even_k, IEEE=self.ieee, DOT=self.dot)
+                           EVEN_K=self.even_k, IEEE=self.ieee, DOT=self.dot, K_MAJOR=self.k_major)
 
 
 @declare_op()
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """residual + x @ weight in one kernel: x (M, K), weight (K, N), residual (M, N), one dtype (bf16, fp16, fp32),
-    contiguous; x @ weight is rounded to the dtype before the add (as `x @ weight + residual` rounds). A decode
+    contiguous (weight: or the transpose of a contiguous (N, K), an nn.Linear weight's .t()); x @ weight is rounded to the dtype before the add (as `x @ weight + residual` rounds). A decode
     step's O and down projections at one rank, M a few tokens (module doc)."""
     world = world_or_raise()
-    found = plan(world, lambda: ("linear_residual", signature(x), signature(weight), signature(residual)),
+    found = plan(world, lambda: ("linear_residual", signature(x), signature(weight), weight.stride(),
+                                 signature(residual)),
                  lambda: LinearResidualPlan(world, x, weight, residual))
     return found.run(x, weight, residual)
 
@@ -753,14 +806,14 @@ class LinearResidualPlan(GemvPlan):
     def __init__(self, group, x, weight, residual, settings=None):
         _operand("x", x, None, (None, None))
         m, k = x.shape
-        _operand("weight", weight, x.dtype, (k, None))
+        k_major = _weight_operand("weight", weight, x.dtype, (k, None))
         n = weight.shape[1]
         _operand("residual", residual, x.dtype, (m, n))
         _same_device(group.device, x=x, weight=weight, residual=residual)
         if k == 0:
             raise ValueError("x has no columns (K = 0): nothing to project")
         self.shape = (m, n)
-        super().__init__(group, "down" if k > n else "o", m, k, n, x.dtype, settings)
+        super().__init__(group, "down" if k > n else "o", m, k, n, x.dtype, settings, k_major)
         self.split_k(triton.cdiv(n, 2 * self.block_n), n)
         self.args = (m, k, n, self.kb, self.bps)
         self.consts = dict(**self.common, BLOCK_N=self.block_n, EVEN_N=n % (2 * self.block_n) == 0)
@@ -785,13 +838,15 @@ def linear_residual_ar(x: torch.Tensor, weight: torch.Tensor, residual: torch.Te
     """residual + the sum over the members of `group` (default: the world) of x @ weight, in one kernel: the
     row-parallel O and down projections of a decode step at tensor-parallel size > 1 (gemm_ar and the residual
     add, on linear_residual's split-K GEMV). Each member passes its x (M, K) and weight (K, N) shards and the same
-    residual (M, N); one dtype (bf16, fp16, fp32), contiguous. The sum is rounded to the dtype before the add
+    residual (M, N); one dtype (bf16, fp16, fp32), contiguous (weight: or the transpose of a contiguous (N, K)).
+    The sum is rounded to the dtype before the add
     (as `gemm_ar(x, weight) + residual` rounds); every member gets the same bits. On a group of one it is
     linear_residual; on a group that spans nodes, or where the members' rows x columns exceed gemm_ar's workspace's
     LL words (2M a call at the default 128 MiB workspace), gemm_ar (the node's kernel, then the rail) and the add.
     Collective: every member calls it with the same shapes and dtype."""
     g = resolve_group(group)
-    found = plan(g, lambda: ("linear_residual_ar", signature(x), signature(weight), signature(residual)),
+    found = plan(g, lambda: ("linear_residual_ar", signature(x), signature(weight), weight.stride(),
+                             signature(residual)),
                  lambda: LinearResidualArPlan(g, x, weight, residual))
     return found.run(x, weight, residual)
 
@@ -838,9 +893,10 @@ def norm_gate_up_silu(x: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight
                       eps: float = 1e-6) -> torch.Tensor:
     """silu(gate) * up of RMSNorm(x) @ gate_up_weight, in one kernel: x (M, K), norm_weight (K,) (the norm's
     weight, transformers' LlamaRMSNorm), gate_up_weight (K, 2 I) = [gate | up] columns; returns (M, I). One dtype
-    (bf16, fp16, fp32), contiguous. A decode step's MLP up to the down projection (module doc for the roundings)."""
+    (bf16, fp16, fp32), contiguous (gate_up_weight: or the transpose of a contiguous (2 I, K)). A decode step's MLP up to the down projection (module doc for the roundings)."""
     world = world_or_raise()
-    found = plan(world, lambda: ("norm_gate_up_silu", signature(x), signature(norm_weight), signature(gate_up_weight)),
+    found = plan(world, lambda: ("norm_gate_up_silu", signature(x), signature(norm_weight), signature(gate_up_weight),
+                                 gate_up_weight.stride()),
                  lambda: GateUpPlan(world, x, norm_weight, gate_up_weight, eps))
     return found.run(x, norm_weight, gate_up_weight, eps)
 
@@ -858,7 +914,7 @@ class GateUpPlan(GemvPlan):
         _operand("x", x, None, (None, None))
         m, k = x.shape
         _operand("norm_weight", norm_weight, x.dtype, (k,))
-        _operand("gate_up_weight", gate_up_weight, x.dtype, (k, None))
+        k_major = _weight_operand("gate_up_weight", gate_up_weight, x.dtype, (k, None))
         _same_device(group.device, x=x, norm_weight=norm_weight, gate_up_weight=gate_up_weight)
         if gate_up_weight.shape[1] % 2:
             raise ValueError(f"gate_up_weight's columns ({gate_up_weight.shape[1]}) must be even: [gate | up]")
@@ -867,7 +923,7 @@ class GateUpPlan(GemvPlan):
             raise ValueError("x has no columns: RMSNorm of an empty row is undefined")
         inter = gate_up_weight.shape[1] // 2
         self.shape = (m, inter)
-        super().__init__(group, "gate_up", m, k, gate_up_weight.shape[1], x.dtype, settings)
+        super().__init__(group, "gate_up", m, k, gate_up_weight.shape[1], x.dtype, settings, k_major)
         self.split_k(triton.cdiv(inter, self.block_n), 2 * inter, norm=True)
         self.args = (m, k, inter, self.kb, self.bps)
         if min(m, inter) > 0:
@@ -897,10 +953,12 @@ def norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.
     rotated (angles positions[t] * inv_freq, rotate_half form); k (normed by k_weight, rotated) and v go to
     k_dst / v_dst[rows[t], positions[t]] ((sequences, positions, kv_heads, head_dim), head_dim contiguous).
     rows, positions: (M,) int64 (not checked against k_dst's size: that would need a host sync). eps: both
-    norms'. One dtype (bf16, fp16, fp32), x and the weights contiguous."""
+    norms'. One dtype (bf16, fp16, fp32), x and the weights contiguous (qkv_weight: or the transpose of a
+    contiguous ((heads + 2 kv_heads) head_dim, K), nn.Linear's layout)."""
     world = world_or_raise()
     _head_counts(heads, kv_heads)  # before the plan's key, where 2.0 would find the plan of 2
-    found = plan(world, lambda: ("norm_qkv_rope", signature(x), signature(norm_weight), signature(qkv_weight), heads,
+    found = plan(world, lambda: ("norm_qkv_rope", signature(x), signature(norm_weight), signature(qkv_weight),
+                                 qkv_weight.stride(), heads,
                                  kv_heads, signature(inv_freq), signature(rows), signature(positions), signature(k_dst),
                                  k_dst.stride(), signature(v_dst), v_dst.stride(),
                                  *(None if t is None else signature(t) for t in (q_weight, k_weight))),
@@ -938,7 +996,7 @@ class QkvPlan(GemvPlan):
             raise ValueError("inv_freq is empty: head_dim = 2 inv_freq.shape[0] must be >= 2")
         d = 2 * half
         _operand("norm_weight", norm_weight, x.dtype, (k,))
-        _operand("qkv_weight", qkv_weight, x.dtype, (k, (heads + 2 * kv_heads) * d))
+        k_major = _weight_operand("qkv_weight", qkv_weight, x.dtype, (k, (heads + 2 * kv_heads) * d))
         for name, t in (("rows", rows), ("positions", positions)):
             _operand(name, t, torch.int64, (m,))
         for name, t in (("k_dst", k_dst), ("v_dst", v_dst)):
@@ -961,7 +1019,7 @@ class QkvPlan(GemvPlan):
         self.q_shape, self.dtype = (m, heads, d), x.dtype
         self.qk_norm = q_weight is not None
         half_p = max(MIN_BLOCK, triton.next_power_of_2(half))
-        super().__init__(group, "qkv", m, k, qkv_weight.shape[1], x.dtype, settings)
+        super().__init__(group, "qkv", m, k, qkv_weight.shape[1], x.dtype, settings, k_major)
         self.heads_p = heads_p = heads_per_program(self.block_n, half_p, heads, kv_heads)
         self.split_k((heads + 2 * kv_heads) // heads_p, (heads + 2 * kv_heads) * d, norm=True)
         self.args = (m, k, self.kb, self.bps)
@@ -1056,7 +1114,7 @@ def _compile_cases():
     for t, ieee in (("*bf16", False), ("*fp32", True)):
         for s, block_m, split in ((dot, 16, 8), (dot, 16, 1), (dot, 64, 2), (fma, 1, 4), (fma8, 8, 1)):
             common = dict(SPLIT=split, BLOCK_M=block_m, BLOCK_K=s["block_k"], STAGES=s["num_stages"], EVEN_K=True,
-                          IEEE=ieee, DOT=s["dot"])
+                          IEEE=ieee, DOT=s["dot"], K_MAJOR=False)
             options = dict(num_warps=s["num_warps"])
             out.append((linear_residual_kernel,
                         dict(x=t, w=t, residual=t, out=t, partial="*fp32", counter="*i32", M="i32", K="i32", N="i32",
@@ -1075,13 +1133,13 @@ def _compile_cases():
                              KB="i32", BPS="i32", eps="fp32"),
                         dict(**common, BLOCK_N=s["block_n"], EVEN_N=True),
                         dict(options, divisible=("K", "I"))))
-            for qk_norm in (True, False):
+            for qk_norm, k_major in ((True, False), (False, False), (True, True)):  # K-major: the model's QKV
                 out.append((norm_qkv_rope_kernel,
                             dict(x=t, norm_w=t, w=t, q_out=t, k_dst=t, v_dst=t, rows="*i64", positions="*i64",
                                  inv_freq="*fp32", q_weight=t, k_weight=t, partial="*fp32", counter="*i32", M="i32",
                                  K="i32", KB="i32", BPS="i32", eps="fp32", dst_sb="i64", dst_sp="i64", dst_sh="i64"),
-                            dict(HEADS=32, KV_HEADS=8, HALF=64, QK_NORM=qk_norm, **common, HALF_P=64,
-                                 HEADS_P=s["block_n"] // 64),
+                            dict(HEADS=32, KV_HEADS=8, HALF=64, QK_NORM=qk_norm, **dict(common, K_MAJOR=k_major),
+                                 HALF_P=64, HEADS_P=s["block_n"] // 64),
                             dict(options, divisible=("K",))))
     return out
 

@@ -83,7 +83,7 @@ from .. import tuning
 from . import flash_decode as fd
 from .common import Launch, Plan, _itself, plan, signature, world_or_raise
 from .decode import (GemvPlan, _eps, _gate_up_program, _head_counts, _linear_residual_program, _operand, _qkv_program,
-                     _same_device, heads_per_program, MIN_BLOCK)
+                     _same_device, _weight_operand, heads_per_program, MIN_BLOCK)
 from .gemm import num_sms
 from .registry import declare_op
 
@@ -95,6 +95,8 @@ PHASE_NAMES = ("QKV", "ATTN", "MERGE", "O", "GATE_UP", "DOWN")
 # table's slots.
 LAYER_WEIGHTS = ("attn_norm", "qkv", "q_norm", "k_norm", "o", "mlp_norm", "gate_up", "down")
 SLOTS = tl.constexpr(8)
+# The projections among them: each may be stored either way (decode.py's LAYOUTS), the same in every layer.
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # A task's entry in the task table, int32 fields: its phase code (layer * 6 + phase) and index in the phase (the
 # standalone kernel's program), the counters it counts itself done on (first, how many) and the counters it waits
 # for (first, how many, the value each must reach).
@@ -120,13 +122,19 @@ def _at(table, slot, like):
 
 
 @triton.jit
-def _prefetch(w, ldw, col0, width, k_first, k_rows, ROWS: tl.constexpr, LINES: tl.constexpr):
-    """The first min(ROWS, k_rows) rows from k_first of w's columns [col0, col0 + width) fetched into L2, one
-    address per 128-byte line."""
-    LINE: tl.constexpr = 1024 // w.dtype.element_ty.primitive_bitwidth  # elements a line
-    r = tl.arange(0, ROWS)[:, None]
-    c = tl.arange(0, LINES)[None, :] * LINE
-    wl.prefetch_l2(w + (k_first + r).to(tl.int64) * ldw + col0 + c, (r < k_rows) & (c < width))
+def _prefetch(w, ldw, col0, width, k_first, k_rows, ROWS: tl.constexpr, LINES: tl.constexpr,
+              K_MAJOR: tl.constexpr):
+    """The first min(ROWS, k_rows) rows from k_first of the (K, N) weight w's columns [col0, col0 + width) fetched
+    into L2, one address per 128-byte line (LINES a row); K_MAJOR (w stored (N, K), decode.py's `_weight_at`): the
+    line holding each column's first K values of the range (LINES: the columns, padded)."""
+    if K_MAJOR:
+        c = tl.arange(0, LINES)
+        wl.prefetch_l2(w + (col0 + c).to(tl.int64) * ldw + k_first, c < width)
+    else:
+        LINE: tl.constexpr = 1024 // w.dtype.element_ty.primitive_bitwidth  # elements a line
+        r = tl.arange(0, ROWS)[:, None]
+        c = tl.arange(0, LINES)[None, :] * LINE
+        wl.prefetch_l2(w + (k_first + r).to(tl.int64) * ldw + col0 + c, (r < k_rows) & (c < width))
 
 
 @triton.jit
@@ -148,14 +156,16 @@ def decode_step_kernel(tasks, n_tasks, done, layers, h, out, cache, rows, positi
                        gu_tiles, gu_kb, gu_bps, d_tiles, d_kb, d_bps,
                        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
                        IEEE: tl.constexpr, Q_SPLIT: tl.constexpr, Q_BLOCK_M: tl.constexpr, Q_BLOCK_K: tl.constexpr,
-                       Q_STAGES: tl.constexpr, Q_EVEN_K: tl.constexpr, Q_DOT: tl.constexpr, HALF_P: tl.constexpr,
-                       HEADS_P: tl.constexpr, O_SPLIT: tl.constexpr, O_BLOCK_M: tl.constexpr,
-                       O_BLOCK_K: tl.constexpr, O_STAGES: tl.constexpr, O_EVEN_K: tl.constexpr, O_DOT: tl.constexpr,
+                       Q_STAGES: tl.constexpr, Q_EVEN_K: tl.constexpr, Q_DOT: tl.constexpr,
+                       Q_K_MAJOR: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr, O_SPLIT: tl.constexpr,
+                       O_BLOCK_M: tl.constexpr, O_BLOCK_K: tl.constexpr, O_STAGES: tl.constexpr,
+                       O_EVEN_K: tl.constexpr, O_DOT: tl.constexpr, O_K_MAJOR: tl.constexpr,
                        O_BLOCK_N: tl.constexpr, O_EVEN_N: tl.constexpr, GU_SPLIT: tl.constexpr,
                        GU_BLOCK_M: tl.constexpr, GU_BLOCK_K: tl.constexpr, GU_STAGES: tl.constexpr,
-                       GU_EVEN_K: tl.constexpr, GU_DOT: tl.constexpr, GU_BLOCK_N: tl.constexpr,
-                       GU_EVEN_N: tl.constexpr, D_SPLIT: tl.constexpr, D_BLOCK_M: tl.constexpr,
-                       D_BLOCK_K: tl.constexpr, D_STAGES: tl.constexpr, D_EVEN_K: tl.constexpr, D_DOT: tl.constexpr,
+                       GU_EVEN_K: tl.constexpr, GU_DOT: tl.constexpr, GU_K_MAJOR: tl.constexpr,
+                       GU_BLOCK_N: tl.constexpr, GU_EVEN_N: tl.constexpr, D_SPLIT: tl.constexpr,
+                       D_BLOCK_M: tl.constexpr, D_BLOCK_K: tl.constexpr, D_STAGES: tl.constexpr,
+                       D_EVEN_K: tl.constexpr, D_DOT: tl.constexpr, D_K_MAJOR: tl.constexpr,
                        D_BLOCK_N: tl.constexpr, D_EVEN_N: tl.constexpr, GROUP: tl.constexpr, A_HEADS: tl.constexpr,
                        CHUNKS: tl.constexpr, A_BLOCK_N: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
                        PREFETCH_ROWS: tl.constexpr, Q_LINES: tl.constexpr, O_LINES: tl.constexpr,
@@ -178,22 +188,24 @@ def decode_step_kernel(tasks, n_tasks, done, layers, h, out, cache, rows, positi
         if PREFETCH_ROWS > 0:  # the first rows of this task's weight slab, before the wait
             if phase == 0:
                 tile, split, mb, k_first, k_rows = _slab(i, q_tiles, HIDDEN, q_kb, q_bps, Q_SPLIT, Q_BLOCK_K)
-                _prefetch(_at(table, 1, h), QKV_N, tile * HEADS_P * D, HEADS_P * D, k_first, k_rows, PREFETCH_ROWS,
-                          Q_LINES)
+                _prefetch(_at(table, 1, h), HIDDEN if Q_K_MAJOR else QKV_N, tile * HEADS_P * D, HEADS_P * D,
+                          k_first, k_rows, PREFETCH_ROWS, Q_LINES, Q_K_MAJOR)
             elif phase == 3:
                 tile, split, mb, k_first, k_rows = _slab(i, o_tiles, HEADS * D, o_kb, o_bps, O_SPLIT, O_BLOCK_K)
-                _prefetch(_at(table, 4, h), HIDDEN, tile * 2 * O_BLOCK_N, 2 * O_BLOCK_N, k_first, k_rows,
-                          PREFETCH_ROWS, O_LINES)
+                _prefetch(_at(table, 4, h), HEADS * D if O_K_MAJOR else HIDDEN, tile * 2 * O_BLOCK_N,
+                          2 * O_BLOCK_N, k_first, k_rows, PREFETCH_ROWS, O_LINES, O_K_MAJOR)
             elif phase == 4:
                 tile, split, mb, k_first, k_rows = _slab(i, gu_tiles, HIDDEN, gu_kb, gu_bps, GU_SPLIT, GU_BLOCK_K)
                 w = _at(table, 6, h)
-                _prefetch(w, 2 * INTER, tile * GU_BLOCK_N, GU_BLOCK_N, k_first, k_rows, PREFETCH_ROWS, GU_LINES)
-                _prefetch(w, 2 * INTER, INTER + tile * GU_BLOCK_N, GU_BLOCK_N, k_first, k_rows, PREFETCH_ROWS,
-                          GU_LINES)
+                ldw = HIDDEN if GU_K_MAJOR else 2 * INTER
+                _prefetch(w, ldw, tile * GU_BLOCK_N, GU_BLOCK_N, k_first, k_rows, PREFETCH_ROWS, GU_LINES,
+                          GU_K_MAJOR)
+                _prefetch(w, ldw, INTER + tile * GU_BLOCK_N, GU_BLOCK_N, k_first, k_rows, PREFETCH_ROWS, GU_LINES,
+                          GU_K_MAJOR)
             elif phase == 5:
                 tile, split, mb, k_first, k_rows = _slab(i, d_tiles, INTER, d_kb, d_bps, D_SPLIT, D_BLOCK_K)
-                _prefetch(_at(table, 7, h), HIDDEN, tile * 2 * D_BLOCK_N, 2 * D_BLOCK_N, k_first, k_rows,
-                          PREFETCH_ROWS, D_LINES)
+                _prefetch(_at(table, 7, h), INTER if D_K_MAJOR else HIDDEN, tile * 2 * D_BLOCK_N, 2 * D_BLOCK_N,
+                          k_first, k_rows, PREFETCH_ROWS, D_LINES, D_K_MAJOR)
         # The counters of what this task reads, each at its producers' task count (none for layer 0's QKV).
         wl.wait(done + tl.load(entry + WAIT_FIRST), tl.load(entry + WAIT_COUNT), tl.load(entry + WAIT_TARGET),
                 wl.CMP_GE, wl.SCOPE_GPU, op="decode_step", backoff_ns=WAIT_BACKOFF_NS)
@@ -207,7 +219,8 @@ def decode_step_kernel(tasks, n_tasks, done, layers, h, out, cache, rows, positi
             _qkv_program(tile, split, mb, q_tiles, tl.cdiv(M, Q_BLOCK_M), stream, _at(table, 0, h), _at(table, 1, h),
                          q, k_cache, v_cache, rows, positions, inv_freq, _at(table, 2, h), _at(table, 3, h),
                          q_partial, q_counter, M, HIDDEN, q_kb, q_bps, eps, c_sb, c_sp, c_sh, HEADS, KV_HEADS, HALF,
-                         QK_NORM, Q_SPLIT, Q_BLOCK_M, Q_BLOCK_K, Q_STAGES, Q_EVEN_K, IEEE, Q_DOT, HALF_P, HEADS_P)
+                         QK_NORM, Q_SPLIT, Q_BLOCK_M, Q_BLOCK_K, Q_STAGES, Q_EVEN_K, IEEE, Q_DOT, Q_K_MAJOR, HALF_P,
+                         HEADS_P)
         elif phase == 1:
             n0 = M * KV_HEADS * CHUNKS
             fd._split_program(i % n0, i // n0, q, k_cache, v_cache, lengths, lengths, part_out, part_lse, err,
@@ -221,18 +234,18 @@ def decode_step_kernel(tasks, n_tasks, done, layers, h, out, cache, rows, positi
             tile, split, mb, _, _ = _slab(i, o_tiles, HEADS * D, o_kb, o_bps, O_SPLIT, O_BLOCK_K)
             _linear_residual_program(tile, split, mb, o_tiles, attn, _at(table, 4, h), stream, out, o_partial,
                                      o_counter, M, HEADS * D, HIDDEN, o_kb, o_bps, O_SPLIT, O_BLOCK_M, O_BLOCK_K,
-                                     O_STAGES, O_EVEN_K, IEEE, O_DOT, O_BLOCK_N, O_EVEN_N)
+                                     O_STAGES, O_EVEN_K, IEEE, O_DOT, O_K_MAJOR, O_BLOCK_N, O_EVEN_N)
         elif phase == 4:
             tile, split, mb, _, _ = _slab(i, gu_tiles, HIDDEN, gu_kb, gu_bps, GU_SPLIT, GU_BLOCK_K)
             _gate_up_program(tile, split, mb, gu_tiles, tl.cdiv(M, GU_BLOCK_M), out, _at(table, 5, h),
                              _at(table, 6, h), g, gu_partial, gu_counter, M, HIDDEN, INTER, gu_kb, gu_bps, eps,
-                             GU_SPLIT, GU_BLOCK_M, GU_BLOCK_K, GU_STAGES, GU_EVEN_K, IEEE, GU_DOT, GU_BLOCK_N,
-                             GU_EVEN_N)
+                             GU_SPLIT, GU_BLOCK_M, GU_BLOCK_K, GU_STAGES, GU_EVEN_K, IEEE, GU_DOT, GU_K_MAJOR,
+                             GU_BLOCK_N, GU_EVEN_N)
         else:
             tile, split, mb, _, _ = _slab(i, d_tiles, INTER, d_kb, d_bps, D_SPLIT, D_BLOCK_K)
             _linear_residual_program(tile, split, mb, d_tiles, g, _at(table, 7, h), out, out, d_partial, d_counter,
                                      M, INTER, HIDDEN, d_kb, d_bps, D_SPLIT, D_BLOCK_M, D_BLOCK_K, D_STAGES,
-                                     D_EVEN_K, IEEE, D_DOT, D_BLOCK_N, D_EVEN_N)
+                                     D_EVEN_K, IEEE, D_DOT, D_K_MAJOR, D_BLOCK_N, D_EVEN_N)
         # Every thread's stores before the releases that count this task done on the counters of what it wrote.
         tl.debug_barrier()
         first = tl.load(entry + SIGNAL_FIRST)
@@ -285,7 +298,8 @@ def decode_step(h: torch.Tensor, weights: list[Optional[torch.Tensor]], inv_freq
     and raised at the next call). cache (layers, 2, M, max_len, kv_heads, head_dim), contiguous: layer l's keys
     and values, sequence t in row t; the step's k and v are written into it.
     eps: every RMSNorm's. One dtype (bf16, fp16, fp32), head_dim 64, 128 or 256, everything contiguous on this
-    rank's device. The fused decode path's kernels' arithmetic (norm_qkv_rope, flash_decode, linear_residual,
+    rank's device, but that a projection may be stored K-contiguous (the transpose of a contiguous (N, K), as the
+    fused ops take it), the same in every layer. The fused decode path's kernels' arithmetic (norm_qkv_rope, flash_decode, linear_residual,
     norm_gate_up_silu), which it replaces: their bits on the cpu backend, within rounding of them on GPUs (module
     doc)."""
     world = world_or_raise()
@@ -298,17 +312,17 @@ def decode_step(h: torch.Tensor, weights: list[Optional[torch.Tensor]], inv_freq
 
 
 def _weights_key(weights) -> tuple:
-    """The weights' part of the plan key: each tensor's signature and address (the plan's address table holds
-    them)."""
-    return tuple(None if w is None else (signature(w), w.data_ptr()) for w in weights)
+    """The weights' part of the plan key: each tensor's signature, strides (a projection's layout) and address (the
+    plan's address table holds them)."""
+    return tuple(None if w is None else (signature(w), w.stride(), w.data_ptr()) for w in weights)
 
 
 class _Gemv:
     """One projection's geometry in the step: the fused path's plan of it (GemvPlan: settings, splits, partials,
     tile counters) and its tile count."""
 
-    def __init__(self, group, op, m, k, n, tiles, dtype, norm):
-        self.p = p = GemvPlan(group, op, m, k, n, dtype, None)
+    def __init__(self, group, op, m, k, n, tiles, dtype, norm, k_major):
+        self.p = p = GemvPlan(group, op, m, k, n, dtype, None, k_major)
         self.tiles = tiles(p)
         p.split_k(self.tiles, n, norm)
         self.tasks = self.tiles * p.split * p.m_blocks
@@ -316,7 +330,8 @@ class _Gemv:
     def constexprs(self, prefix: str, block_n: bool, even_n=None) -> dict:
         p = self.p
         out = {f"{prefix}_SPLIT": p.split, f"{prefix}_BLOCK_M": p.block_m, f"{prefix}_BLOCK_K": p.block_k,
-               f"{prefix}_STAGES": p.stages, f"{prefix}_EVEN_K": p.even_k, f"{prefix}_DOT": p.dot}
+               f"{prefix}_STAGES": p.stages, f"{prefix}_EVEN_K": p.even_k, f"{prefix}_DOT": p.dot,
+               f"{prefix}_K_MAJOR": p.k_major}
         if block_n:
             out[f"{prefix}_BLOCK_N"] = p.block_n
             out[f"{prefix}_EVEN_N"] = even_n
@@ -418,9 +433,10 @@ def task_table(layers: int, m: int, heads: int, kv_heads: int, d: int, chunks: i
     return np.concatenate(table).astype(np.int32), layers * per_layer
 
 
-def _lines(width: int, dtype: torch.dtype) -> int:
-    """Prefetch addresses a run of `width` columns needs, one a 128-byte line, as a power of two."""
-    return triton.next_power_of_2(triton.cdiv(width, 128 // dtype.itemsize))
+def _lines(g: "_Gemv", width: int, dtype: torch.dtype) -> int:
+    """Prefetch addresses across a task's `width` columns of GEMV g's weight (_prefetch), as a power of two: one a
+    128-byte line of a row, or one a column where the weight is K-contiguous."""
+    return triton.next_power_of_2(width if g.p.k_major else triton.cdiv(width, 128 // dtype.itemsize))
 
 
 class DecodeStepPlan(Plan):
@@ -464,6 +480,7 @@ class DecodeStepPlan(Plan):
             raise ValueError(f"weights[6] (layer 0's gate_up) must be ({hidden}, 2 I) with I >= 1")
         shapes = dict(attn_norm=(hidden,), qkv=(hidden, (heads + 2 * kv_heads) * d), q_norm=(d,), k_norm=(d,),
                       o=(heads * d, hidden), mlp_norm=(hidden,), gate_up=(hidden, 2 * inter), down=(inter, hidden))
+        k_major = {}  # each projection's layout (decode.py's LAYOUTS), layer 0's: every layer's must be the same
         for j, w in enumerate(weights):
             what = LAYER_WEIGHTS[j % 8]
             name = f"weights[{j}] (layer {j // 8}'s {what})"
@@ -472,7 +489,13 @@ class DecodeStepPlan(Plan):
                                  f"{'has' if qk_norm else 'has none'})")
             if w is None:
                 continue
-            _operand(name, w, dtype, shapes[what])
+            if what in PROJECTIONS:
+                stored = _weight_operand(name, w, dtype, shapes[what])
+                if k_major.setdefault(what, stored) != stored:
+                    raise ValueError(f"{name} is stored {'K' if stored else 'N'}-contiguous, layer 0's "
+                                     f"{'K' if k_major[what] else 'N'}-contiguous: every layer's must be stored alike")
+            else:
+                _operand(name, w, dtype, shapes[what])
             _aligned(name, w)
             _same_device(device, **{name: w})
         for name, t, dt in (("positions", positions, torch.int64), ("lengths", lengths, torch.int32)):
@@ -487,13 +510,14 @@ class DecodeStepPlan(Plan):
         half_p = max(MIN_BLOCK, triton.next_power_of_2(half))
         qkv = _Gemv(group, "qkv", m, hidden, (heads + 2 * kv_heads) * d,
                     lambda p: (heads + 2 * kv_heads) // heads_per_program(p.block_n, half_p, heads, kv_heads),
-                    dtype, True)
+                    dtype, True, k_major["qkv"])
         heads_p = (heads + 2 * kv_heads) // qkv.tiles
         o_op = _Gemv(group, "down" if heads * d > hidden else "o", m, heads * d, hidden,
-                     lambda p: triton.cdiv(hidden, 2 * p.block_n), dtype, False)
-        gu = _Gemv(group, "gate_up", m, hidden, 2 * inter, lambda p: triton.cdiv(inter, p.block_n), dtype, True)
+                     lambda p: triton.cdiv(hidden, 2 * p.block_n), dtype, False, k_major["o"])
+        gu = _Gemv(group, "gate_up", m, hidden, 2 * inter, lambda p: triton.cdiv(inter, p.block_n), dtype, True,
+                   k_major["gate_up"])
         down = _Gemv(group, "down" if inter > hidden else "o", m, inter, hidden,
-                     lambda p: triton.cdiv(hidden, 2 * p.block_n), dtype, False)
+                     lambda p: triton.cdiv(hidden, 2 * p.block_n), dtype, False, k_major["down"])
         # Attention as flash_decode's plan makes it.
         group_heads = heads // kv_heads
         a_heads = min(max(16, triton.next_power_of_2(group_heads)), fd.MAX_HEADS_PER_PROGRAM)
@@ -541,8 +565,8 @@ class DecodeStepPlan(Plan):
                           **down.constexprs("D", True, hidden % (2 * down.p.block_n) == 0),
                           GROUP=group_heads, A_HEADS=a_heads, CHUNKS=chunks, A_BLOCK_N=a_block_n,
                           SPLIT_BLOCK=fd.SPLIT_BLOCK, PREFETCH_ROWS=prefetch,
-                          Q_LINES=_lines(heads_p * d, dtype), O_LINES=_lines(2 * o_op.p.block_n, dtype),
-                          GU_LINES=_lines(gu.p.block_n, dtype), D_LINES=_lines(2 * down.p.block_n, dtype),
+                          Q_LINES=_lines(qkv, heads_p * d, dtype), O_LINES=_lines(o_op, 2 * o_op.p.block_n, dtype),
+                          GU_LINES=_lines(gu, gu.p.block_n, dtype), D_LINES=_lines(down, 2 * down.p.block_n, dtype),
                           WAIT_BACKOFF_NS=s["wait_backoff_ns"])
         out = torch.empty_like(h)
         self.launch = Launch(decode_step_kernel, (1,),
@@ -600,10 +624,11 @@ def _(h, weights, inv_freq, positions, lengths, cache, heads, kv_heads, eps=1e-6
 def _compile_cases():
     """Qwen3-8B's shapes at one rank (hidden 4096, 32 + 2 x 8 heads of 128, intermediate 12288) with the shipped
     settings' form at M = 1 (dot-free QKV and gate/up, tl.dot O and down, split-K everywhere) in bf16, with and
-    without the q/k norm, the prefetch and the waits' sleep; and tl.dot everywhere at 8 rows (16 in a block), fp32."""
+    without the q/k norm, the prefetch and the waits' sleep, and with QKV and down stored K-contiguous; and tl.dot
+    everywhere at 8 rows (16 in a block), fp32."""
     out = []
-    fma = dict(SPLIT=4, BLOCK_M=1, BLOCK_K=64, STAGES=2, EVEN_K=True, DOT=False)
-    dot = dict(SPLIT=4, BLOCK_M=16, BLOCK_K=128, STAGES=3, EVEN_K=True, DOT=True)
+    fma = dict(SPLIT=4, BLOCK_M=1, BLOCK_K=64, STAGES=2, EVEN_K=True, DOT=False, K_MAJOR=False)
+    dot = dict(SPLIT=4, BLOCK_M=16, BLOCK_K=128, STAGES=3, EVEN_K=True, DOT=True, K_MAJOR=False)
     sig = dict(tasks="*i32", n_tasks="i32", done="*i32", layers="*i64", h=None, out=None,
                cache=None, rows="*i64", positions="*i64", lengths="*i32", inv_freq="*fp32", q=None, part_out="*fp32",
                part_lse="*fp32", attn=None, g=None, q_partial="*fp32", q_counter="*i32", o_partial="*fp32",
@@ -612,18 +637,21 @@ def _compile_cases():
                split_unit="i32", splits="i32", limits="i32", c_sl="i32", c_skv="i32", c_sb="i32", c_sp="i32",
                c_sh="i32", q_tiles="i32", q_kb="i32", q_bps="i32", o_tiles="i32", o_kb="i32", o_bps="i32",
                gu_tiles="i32", gu_kb="i32", gu_bps="i32", d_tiles="i32", d_kb="i32", d_bps="i32")
-    for t, gemv, qk_norm, prefetch in (("*bf16", fma, True, 16), ("*bf16", fma, False, 0), ("*fp32", dot, True, 16)):
+    for t, gemv, qk_norm, prefetch, k_major in (("*bf16", fma, True, 16, ()), ("*bf16", fma, False, 0, ()),
+                                                ("*fp32", dot, True, 16, ()), ("*bf16", fma, True, 16, ("Q", "D"))):
         one = dict(sig, h=t, out=t, cache=t, q=t, attn=t, g=t)
 
         def op(prefix, block_n=None):
             c = {f"{prefix}_{k}": v for k, v in (dot if prefix in ("O", "D") else gemv).items()}
+            c[f"{prefix}_K_MAJOR"] = prefix in k_major
             if block_n:
                 c.update({f"{prefix}_BLOCK_N": block_n, f"{prefix}_EVEN_N": True})
             return c
         constexprs = dict(HEADS=32, KV_HEADS=8, HALF=64, QK_NORM=qk_norm, IEEE=t == "*fp32", **op("Q"), HALF_P=64,
                           HEADS_P=1, **op("O", 64), **op("GU", 64), **op("D", 64), GROUP=4, A_HEADS=16, CHUNKS=1,
-                          A_BLOCK_N=64, SPLIT_BLOCK=fd.SPLIT_BLOCK, PREFETCH_ROWS=prefetch, Q_LINES=2, O_LINES=2,
-                          GU_LINES=1, D_LINES=2, WAIT_BACKOFF_NS=200 if prefetch else 0)
+                          A_BLOCK_N=64, SPLIT_BLOCK=fd.SPLIT_BLOCK, PREFETCH_ROWS=prefetch,
+                          Q_LINES=128 if "Q" in k_major else 2, O_LINES=2, GU_LINES=1,
+                          D_LINES=128 if "D" in k_major else 2, WAIT_BACKOFF_NS=200 if prefetch else 0)
         out.append((decode_step_kernel, one, constexprs,
                     dict(num_warps=4, divisible=("HIDDEN", "INTER", "c_sl", "c_skv", "c_sb", "c_sp", "c_sh"))))
     return out
