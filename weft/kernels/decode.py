@@ -84,8 +84,9 @@ CPU_SETTINGS = {"block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 1, "
 # not one L2 round trip per split): as many as this many fp32 elements (32 registers a thread at 4 warps) hold.
 PARTIAL_ELEMENTS = 4096
 # The tl.dot path adds x² elementwise (one reduction after the loop) where x's block holds at most this many
-# elements (16 fp32 registers a thread at 4 warps), else reduces each block (_gemv_pair_dot).
-SUMSQ_ELEMENTS = tl.constexpr(2048)
+# elements (8 fp32 registers a thread at 4 warps), else reduces each block (_gemv_pair_dot). At 16 x 128 the
+# elementwise form took the sm_90 compile from 158-168 registers to 198-207 (norm_gate_up_silu, norm_qkv_rope).
+SUMSQ_ELEMENTS = tl.constexpr(1024)
 
 
 # -- device helpers -------------------------------------------------------------
@@ -102,39 +103,38 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _weight_at(w, k, cols, ldw, K_MAJOR: tl.constexpr):
-    """Where the (K, N) weight's elements (k, cols) lie (broadcast together): row k at w + k ldw, N contiguous
-    (weft's layout), or, K_MAJOR, column n at w + n ldw, K contiguous ((N, K) stored, nn.Linear's layout)."""
+def _weight_at(w, k, cols, K, N, K_MAJOR: tl.constexpr):
+    """Where the (K, N) weight's elements (k, cols) lie (broadcast together): row k at w + k N, N contiguous
+    (weft's layout), or, K_MAJOR, column n at w + n K, K contiguous ((N, K) stored, nn.Linear's layout)."""
     if K_MAJOR:
-        return w + cols.to(tl.int64) * ldw + k
-    return w + k.to(tl.int64) * ldw + cols
+        return w + cols.to(tl.int64) * K + k
+    return w + k.to(tl.int64) * N + cols
 
 
 @triton.jit
-def _gemv_pair(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_mask_b, k_first, k_blocks,
+def _gemv_pair(x, w, norm_w, m, m_mask, K, N, cols_a, cols_b, col_mask_a, col_mask_b, k_first, k_blocks,
                NORM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
                DOT: tl.constexpr, K_MAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """(x[m, K range] @ w[K range, cols_a], ... @ w[K range, cols_b]) in fp32, [BLOCK_M, BLOCK_N] each, the K range
     k_blocks blocks of BLOCK_K from k_first; NORM: x's columns times norm_w (rounded to x's dtype) first, and the
     third result is sum(x[m, K range]²) (fp32, [BLOCK_M]: the RMSNorm's share of this K range, from the x blocks
-    the loop loads anyway; zeros without NORM). The (K, N) weight's rows are ldw apart and contiguous along the
-    columns (each [BLOCK_K, BLOCK_N] tile BLOCK_K contiguous runs), or, K_MAJOR, its columns are ldw apart and
-    contiguous along K (stored (N, K), nn.Linear's layout: a tile is BLOCK_N runs of BLOCK_K); tiles pipelined
+    the loop loads anyway; zeros without NORM). The (K, N) weight's rows are contiguous along the columns (each
+    [BLOCK_K, BLOCK_N] tile BLOCK_K contiguous runs), or, K_MAJOR, its columns are contiguous along K (stored (N, K), nn.Linear's layout: a tile is BLOCK_N runs of BLOCK_K); tiles pipelined
     STAGES deep and loaded evict-first (read once). DOT: tl.dot (rows padded to 16); else dot-free (module doc)."""
     if DOT:
-        acc_a, acc_b, sumsq = _gemv_pair_dot(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a,
+        acc_a, acc_b, sumsq = _gemv_pair_dot(x, w, norm_w, m, m_mask, K, N, cols_a, cols_b, col_mask_a,
                                              col_mask_b, k_first, k_blocks, NORM, EVEN_K, EVEN_N, IEEE, K_MAJOR,
                                              BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
     else:
-        acc_a, acc_b, sumsq = _gemv_pair_fma(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a,
+        acc_a, acc_b, sumsq = _gemv_pair_fma(x, w, norm_w, m, m_mask, K, N, cols_a, cols_b, col_mask_a,
                                              col_mask_b, k_first, k_blocks, NORM, EVEN_K, EVEN_N, K_MAJOR, BLOCK_M,
                                              BLOCK_N, BLOCK_K, STAGES)
     return acc_a, acc_b, sumsq
 
 
 @triton.jit
-def _gemv_pair_dot(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_mask_b, k_first, k_blocks,
+def _gemv_pair_dot(x, w, norm_w, m, m_mask, K, N, cols_a, cols_b, col_mask_a, col_mask_b, k_first, k_blocks,
                    NORM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
                    K_MAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    STAGES: tl.constexpr):
@@ -152,8 +152,8 @@ def _gemv_pair_dot(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, 
     x_rows = x + m[:, None].to(tl.int64) * K
     for i in tl.range(0, k_blocks, num_stages=STAGES):
         k = k_first + i * BLOCK_K + kk
-        at_a = _weight_at(w, k[:, None], cols_a[None, :], ldw, K_MAJOR)
-        at_b = _weight_at(w, k[:, None], cols_b[None, :], ldw, K_MAJOR)
+        at_a = _weight_at(w, k[:, None], cols_a[None, :], K, N, K_MAJOR)
+        at_b = _weight_at(w, k[:, None], cols_b[None, :], K, N, K_MAJOR)
         if EVEN_K:
             a = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
             if EVEN_N:
@@ -188,7 +188,7 @@ def _gemv_pair_dot(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, 
 
 
 @triton.jit
-def _gemv_pair_fma(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, col_mask_b, k_first, k_blocks,
+def _gemv_pair_fma(x, w, norm_w, m, m_mask, K, N, cols_a, cols_b, col_mask_a, col_mask_b, k_first, k_blocks,
                    NORM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, K_MAJOR: tl.constexpr,
                    BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
@@ -204,8 +204,8 @@ def _gemv_pair_fma(x, w, norm_w, m, m_mask, K, ldw, cols_a, cols_b, col_mask_a, 
     mask_a, mask_b = col_mask_a[None, None, :], col_mask_b[None, None, :]
     for i in tl.range(0, k_blocks, num_stages=STAGES):
         k = k_first + i * BLOCK_K + kk
-        at_a = _weight_at(w, k, ca, ldw, K_MAJOR)
-        at_b = _weight_at(w, k, cb, ldw, K_MAJOR)
+        at_a = _weight_at(w, k, ca, K, N, K_MAJOR)
+        at_b = _weight_at(w, k, cb, K, N, K_MAJOR)
         if EVEN_K:
             a = tl.load(x_rows + k, mask=row_mask, other=0.0, cache_modifier=".cg")
             if EVEN_N:
@@ -431,9 +431,9 @@ def _linear_share(tile, split, mb, x, w, M, K, N, KB, BPS, BLOCK_M: tl.constexpr
     cols_b = cols_a + BLOCK_N
     col_mask_a, col_mask_b = cols_a < N, cols_b < N
     kb0 = split * BPS
-    acc_a, acc_b, _ = _gemv_pair(x, w, x, m, m_mask, K, K if K_MAJOR else N, cols_a, cols_b, col_mask_a,
-                                 col_mask_b, kb0 * BLOCK_K, tl.minimum(BPS, KB - kb0), False, EVEN_K, EVEN_N, IEEE,
-                                 DOT, K_MAJOR, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+    acc_a, acc_b, _ = _gemv_pair(x, w, x, m, m_mask, K, N, cols_a, cols_b, col_mask_a, col_mask_b, kb0 * BLOCK_K,
+                                 tl.minimum(BPS, KB - kb0), False, EVEN_K, EVEN_N, IEEE, DOT, K_MAJOR, BLOCK_M,
+                                 BLOCK_N, BLOCK_K, STAGES)
     return m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, acc_a, acc_b
 
 
@@ -504,7 +504,7 @@ def linear_residual_ar_kernel(x, w, residual, out, partial, counter, ll, epochs,
         wl.sign(sig, epoch, fp, heap)
         m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, acc_a, acc_b = _linear_share(
             tile, split, mb, x, w, M, K, N, KB, BPS, BLOCK_M, BLOCK_K, STAGES, EVEN_K, IEEE, DOT, K_MAJOR, BLOCK_N,
-        EVEN_N)
+            EVEN_N)
         acc_a, acc_b, whole = _linear_whole(acc_a, acc_b, tile, split, mb, tiles, partial, counter, m_mask, cols_a,
                                             cols_b, col_mask_a, col_mask_b, N, SPLIT, BLOCK_M, BLOCK_N)
         if whole:
@@ -550,9 +550,9 @@ def _gate_up_program(tile, split, mb, tiles, m_blocks, x, norm_w, w, out, partia
     col_mask_a = cols_a < I
     cols_b = cols_a + I
     kb0 = split * BPS
-    acc_a, acc_b, sumsq = _gemv_pair(x, w, norm_w, m, m_mask, K, K if K_MAJOR else 2 * I, cols_a, cols_b,
-                                     col_mask_a, col_mask_a, kb0 * BLOCK_K, tl.minimum(BPS, KB - kb0), True, EVEN_K,
-                                     EVEN_N, IEEE, DOT, K_MAJOR, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+    acc_a, acc_b, sumsq = _gemv_pair(x, w, norm_w, m, m_mask, K, 2 * I, cols_a, cols_b, col_mask_a, col_mask_a,
+                                     kb0 * BLOCK_K, tl.minimum(BPS, KB - kb0), True, EVEN_K, EVEN_N, IEEE, DOT,
+                                     K_MAJOR, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
     if SPLIT == 1:
         _gate_up_out(acc_a, acc_b, _inv_rms(sumsq, K, eps), out, m, m_mask, cols_a, col_mask_a, I)
     else:
@@ -598,9 +598,9 @@ def _qkv_program(tile, split, mb, tiles, m_blocks, x, norm_w, w, q_out, k_dst, v
     cols_b = cols_a + HALF
     j_mask = j % HALF_P < HALF
     kb0 = split * BPS
-    acc_a, acc_b, sumsq = _gemv_pair(x, w, norm_w, m, m_mask, K, K if K_MAJOR else N, cols_a, cols_b, j_mask,
-                                     j_mask, kb0 * BLOCK_K, tl.minimum(BPS, KB - kb0), True, EVEN_K, HALF == HALF_P,
-                                     IEEE, DOT, K_MAJOR, BLOCK_M, HEADS_P * HALF_P, BLOCK_K, STAGES)
+    acc_a, acc_b, sumsq = _gemv_pair(x, w, norm_w, m, m_mask, K, N, cols_a, cols_b, j_mask, j_mask,
+                                     kb0 * BLOCK_K, tl.minimum(BPS, KB - kb0), True, EVEN_K, HALF == HALF_P, IEEE,
+                                     DOT, K_MAJOR, BLOCK_M, HEADS_P * HALF_P, BLOCK_K, STAGES)
     if SPLIT == 1:
         _qkv_out(acc_a, acc_b, head0, _inv_rms(sumsq, K, eps), q_out, k_dst, v_dst, rows, positions, inv_freq,
                  q_weight, k_weight, m, m_mask, eps, dst_sb, dst_sp, dst_sh, HEADS, KV_HEADS, HALF, QK_NORM, BLOCK_M,
@@ -634,8 +634,8 @@ def norm_qkv_rope_kernel(x, norm_w, w, q_out, k_dst, v_dst, rows, positions, inv
 
 
 # -- host side ------------------------------------------------------------------
-# A plan's key holds each weight's strides beside its signature: a plan checked one layout (LAYOUTS), and a weight
-# stored K-contiguous and one of other strides are alike not contiguous.
+# A plan's key holds each weight's strides beside its signature (which says only whether a tensor is contiguous): a
+# plan checked one layout (LAYOUTS), and must not serve a weight of the same shape and other strides.
 
 def launch_settings(device: torch.device, op: str, m: int, shape: tuple | None = None, layout: str = "kn") -> dict:
     """The launch settings of `op` (one of OPS) at m rows of a (K, N) weight `shape` stored as `layout` (of
@@ -696,21 +696,23 @@ def resolve(table: dict, op: str, m: int, shape: tuple | None = None, layout: st
 def _operand(name: str, t, dtype, shape: tuple) -> None:
     """TypeError/ValueError naming `name` unless t is a contiguous tensor of `dtype` (None: bf16, fp16, fp32) and
     `shape` (None: any size there)."""
+    _shaped(name, t, dtype, shape)
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+
+
+def _shaped(name: str, t, dtype, shape: tuple) -> None:
+    """_check's checks, and `shape` (None: any size there), naming `name`."""
     _check(name, t, dtype, len(shape))
     if any(want is not None and got != want for got, want in zip(t.shape, shape)):
         want = tuple("any" if s is None else s for s in shape)
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
 
 
 def _weight_operand(name: str, t, dtype, shape: tuple) -> bool:
     """_operand's checks for a (K, N) weight, which may be stored either way (LAYOUTS): contiguous, or the
     transpose of a contiguous (N, K) tensor (an nn.Linear weight's .t()); whether it is the latter."""
-    _check(name, t, dtype, 2)
-    if any(want is not None and got != want for got, want in zip(t.shape, shape)):
-        want = tuple("any" if s is None else s for s in shape)
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want}")
+    _shaped(name, t, dtype, shape)
     if t.is_contiguous():
         return False
     if t.t().is_contiguous():

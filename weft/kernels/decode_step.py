@@ -83,7 +83,7 @@ from .. import tuning
 from . import flash_decode as fd
 from .common import Launch, Plan, _itself, plan, signature, world_or_raise
 from .decode import (GemvPlan, _eps, _gate_up_program, _head_counts, _linear_residual_program, _operand, _qkv_program,
-                     _same_device, _weight_operand, heads_per_program, MIN_BLOCK)
+                     _same_device, _weight_at, _weight_operand, heads_per_program, MIN_BLOCK)
 from .gemm import num_sms
 from .registry import declare_op
 
@@ -122,19 +122,19 @@ def _at(table, slot, like):
 
 
 @triton.jit
-def _prefetch(w, ldw, col0, width, k_first, k_rows, ROWS: tl.constexpr, LINES: tl.constexpr,
+def _prefetch(w, K, N, col0, width, k_first, k_rows, ROWS: tl.constexpr, LINES: tl.constexpr,
               K_MAJOR: tl.constexpr):
     """The first min(ROWS, k_rows) rows from k_first of the (K, N) weight w's columns [col0, col0 + width) fetched
     into L2, one address per 128-byte line (LINES a row); K_MAJOR (w stored (N, K), decode.py's `_weight_at`): the
     line holding each column's first K values of the range (LINES: the columns, padded)."""
     if K_MAJOR:
         c = tl.arange(0, LINES)
-        wl.prefetch_l2(w + (col0 + c).to(tl.int64) * ldw + k_first, c < width)
+        wl.prefetch_l2(_weight_at(w, k_first, col0 + c, K, N, True), c < width)
     else:
         LINE: tl.constexpr = 1024 // w.dtype.element_ty.primitive_bitwidth  # elements a line
         r = tl.arange(0, ROWS)[:, None]
         c = tl.arange(0, LINES)[None, :] * LINE
-        wl.prefetch_l2(w + (k_first + r).to(tl.int64) * ldw + col0 + c, (r < k_rows) & (c < width))
+        wl.prefetch_l2(_weight_at(w, k_first + r, col0 + c, K, N, False), (r < k_rows) & (c < width))
 
 
 @triton.jit
@@ -188,24 +188,23 @@ def decode_step_kernel(tasks, n_tasks, done, layers, h, out, cache, rows, positi
         if PREFETCH_ROWS > 0:  # the first rows of this task's weight slab, before the wait
             if phase == 0:
                 tile, split, mb, k_first, k_rows = _slab(i, q_tiles, HIDDEN, q_kb, q_bps, Q_SPLIT, Q_BLOCK_K)
-                _prefetch(_at(table, 1, h), HIDDEN if Q_K_MAJOR else QKV_N, tile * HEADS_P * D, HEADS_P * D,
-                          k_first, k_rows, PREFETCH_ROWS, Q_LINES, Q_K_MAJOR)
+                _prefetch(_at(table, 1, h), HIDDEN, QKV_N, tile * HEADS_P * D, HEADS_P * D, k_first, k_rows,
+                          PREFETCH_ROWS, Q_LINES, Q_K_MAJOR)
             elif phase == 3:
                 tile, split, mb, k_first, k_rows = _slab(i, o_tiles, HEADS * D, o_kb, o_bps, O_SPLIT, O_BLOCK_K)
-                _prefetch(_at(table, 4, h), HEADS * D if O_K_MAJOR else HIDDEN, tile * 2 * O_BLOCK_N,
-                          2 * O_BLOCK_N, k_first, k_rows, PREFETCH_ROWS, O_LINES, O_K_MAJOR)
+                _prefetch(_at(table, 4, h), HEADS * D, HIDDEN, tile * 2 * O_BLOCK_N, 2 * O_BLOCK_N, k_first, k_rows,
+                          PREFETCH_ROWS, O_LINES, O_K_MAJOR)
             elif phase == 4:
                 tile, split, mb, k_first, k_rows = _slab(i, gu_tiles, HIDDEN, gu_kb, gu_bps, GU_SPLIT, GU_BLOCK_K)
                 w = _at(table, 6, h)
-                ldw = HIDDEN if GU_K_MAJOR else 2 * INTER
-                _prefetch(w, ldw, tile * GU_BLOCK_N, GU_BLOCK_N, k_first, k_rows, PREFETCH_ROWS, GU_LINES,
-                          GU_K_MAJOR)
-                _prefetch(w, ldw, INTER + tile * GU_BLOCK_N, GU_BLOCK_N, k_first, k_rows, PREFETCH_ROWS, GU_LINES,
-                          GU_K_MAJOR)
+                _prefetch(w, HIDDEN, 2 * INTER, tile * GU_BLOCK_N, GU_BLOCK_N, k_first, k_rows, PREFETCH_ROWS,
+                          GU_LINES, GU_K_MAJOR)
+                _prefetch(w, HIDDEN, 2 * INTER, INTER + tile * GU_BLOCK_N, GU_BLOCK_N, k_first, k_rows,
+                          PREFETCH_ROWS, GU_LINES, GU_K_MAJOR)
             elif phase == 5:
                 tile, split, mb, k_first, k_rows = _slab(i, d_tiles, INTER, d_kb, d_bps, D_SPLIT, D_BLOCK_K)
-                _prefetch(_at(table, 7, h), INTER if D_K_MAJOR else HIDDEN, tile * 2 * D_BLOCK_N, 2 * D_BLOCK_N,
-                          k_first, k_rows, PREFETCH_ROWS, D_LINES, D_K_MAJOR)
+                _prefetch(_at(table, 7, h), INTER, HIDDEN, tile * 2 * D_BLOCK_N, 2 * D_BLOCK_N, k_first, k_rows,
+                          PREFETCH_ROWS, D_LINES, D_K_MAJOR)
         # The counters of what this task reads, each at its producers' task count (none for layer 0's QKV).
         wl.wait(done + tl.load(entry + WAIT_FIRST), tl.load(entry + WAIT_COUNT), tl.load(entry + WAIT_TARGET),
                 wl.CMP_GE, wl.SCOPE_GPU, op="decode_step", backoff_ns=WAIT_BACKOFF_NS)
