@@ -495,16 +495,23 @@ def linear_residual_ar_kernel(x, w, residual, out, partial, counter, ll, epochs,
     slot [me] of the tile in every other rank's half, then waits for every other rank's words of the tile
     (wl.wait_ll polls the words themselves: no flag, no fence) and sums the WORLD ranks' values in rank order, its
     own from registers (the same bits on every rank), rounds the sum to the dtype and adds the residual. Every
-    program takes the epoch and signs; the sum waits on the signature check (a mismatch writes no output).
+    program takes the epoch; the first program of the grid signs (every member's launch has one: the word comes
+    whatever the grids; not all ~250 programs storing it to every member); the sum waits on the signature check
+    (a mismatch writes no output), whose words are loaded before the split-K handshake, so that its round trip
+    is covered by the handshake's (~0.15 µs a call each: docs/design.md, section 4).
     Reuse: a rank writes half e % 2 of a peer in call e only after its call e - 1 received that peer's words of
     call e - 1, which the peer stored after its own call e - 2, the last reader of half e % 2, had ended."""
     tile, split, mb, tiles = tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0)
     epoch = wl.next_epoch(epochs)
     if wl.signature_live(sig, heap):
-        wl.sign(sig, epoch, fp, heap)
+        if (tile == 0) & (split == 0) & (mb == 0):  # one signature a launch: the first program's
+            wl.sign(sig, epoch, fp, heap)
         m, m_mask, cols_a, cols_b, col_mask_a, col_mask_b, acc_a, acc_b = _linear_share(
             tile, split, mb, x, w, M, K, N, KB, BPS, BLOCK_M, BLOCK_K, STAGES, EVEN_K, IEEE, DOT, K_MAJOR, BLOCK_N,
             EVEN_N)
+        # The members' signature words, loaded before the split-K handshake, whose round trips cover the load's:
+        # the check after it needs no round trip of its own where every member had signed by then.
+        seen = wl.signature_words(sig, epoch, heap)
         acc_a, acc_b, whole = _linear_whole(acc_a, acc_b, tile, split, mb, tiles, partial, counter, m_mask, cols_a,
                                             cols_b, col_mask_a, col_mask_b, N, SPLIT, BLOCK_M, BLOCK_N)
         if whole:
@@ -519,7 +526,7 @@ def linear_residual_ar_kernel(x, w, residual, out, partial, counter, ll, epochs,
                 there = wl.symm_at(half + me * M * N, (me + i) % WORLD, heap)
                 tl.store(there + r + cols_a[None, :], words_a, mask=mask_a)
                 tl.store(there + r + cols_b[None, :], words_b, mask=mask_b)
-            if wl.check_signed(sig, epoch, fp, heap, err, op="linear_residual_ar"):
+            if wl.check_signed(sig, epoch, fp, heap, err, op="linear_residual_ar", seen=seen):
                 total_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 total_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 for q in tl.static_range(WORLD):  # rank order: the same bits on every rank

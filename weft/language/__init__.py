@@ -7,13 +7,14 @@ from .interpreter import WaitTimeout
 from .shmem import (copy_bytes, getmem_block, putmem_block, putmem_nbi_block, putmem_signal_block,
                     putmem_signal_nbi_block)
 from .signals import (barrier_all, check_signed, consume_token, fence, last_epoch, next_epoch, notify, notify_all,
-                      pack_ll, program_sync, quiet, sign, signal_op, signal_wait_until, signature_live, wait, wait_ll)
+                      pack_ll, program_sync, quiet, sign, signal_op, signal_wait_until, signature_live, signature_words, wait,
+                      wait_ll)
 from .tile import (ALL_RANKS, ShardMapping, TileMapping, tile_count, tile_flag, tile_notify, tile_offset,
                    tile_offsets, tile_owner, tile_pull, tile_push, tile_rect, tile_wait, tile_wait_tiles)
 
 __all__ = [
     "rank", "num_ranks", "same_node", "network_pe", "symm_at", "remote_ptr", "notify", "notify_all", "wait", "next_epoch", "last_epoch", "pack_ll", "wait_ll",
-    "sign", "check_signed", "signature_live", "consume_token", "fence", "program_sync", "quiet",
+    "sign", "check_signed", "signature_live", "signature_words", "consume_token", "fence", "program_sync", "quiet",
     "barrier_all", "copy_bytes", "putmem_block", "putmem_nbi_block", "getmem_block", "putmem_signal_block",
     "putmem_signal_nbi_block", "signal_op", "signal_wait_until", "tid", "lane_id", "sm_id", "global_timer",
     "prefetch_l2",

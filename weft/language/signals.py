@@ -249,12 +249,25 @@ def sign(sig, epoch, fp, heap):
 
 
 @triton.jit
-def check_signed(sig, epoch, fp, heap, err, op: tl.constexpr = tl.constexpr("signature check")):
+def signature_words(sig, epoch, heap):
+    """The first LANES members' signature words of `epoch` as they are now: one volatile load, no wait. Loaded
+    before a wait for the members' data and passed to check_signed (`seen`), they spare it a round trip of its
+    own where every member had signed by then."""
+    if INTERPRET:
+        return tl.zeros([LANES], tl.int64)
+    n = num_ranks(heap)
+    peers = tl.arange(0, LANES)
+    live = peers < n
+    return tl.load(sig + (epoch % 2) * n + tl.where(live, peers, 0), mask=live, other=0, volatile=True)
+
+
+@triton.jit
+def check_signed(sig, epoch, fp, heap, err, op: tl.constexpr = tl.constexpr("signature check"), seen=None):
     """Whether every member's launch of `epoch` carries `fp`: awaits each member's signature word of this epoch
     (LL: no flag needed), compares. On a mismatch records [1, peer, mine, theirs] in the error word `err`
     (words 1.. first, word 0 last) and trips this rank's family (`signature_live`), and returns False: the
     program must not write its output. `op` names the op in a wait timeout's report (a member that runs no call
-    of the family)."""
+    of the family). `seen`: signature_words loaded earlier; where they all carry `epoch`, no wait."""
     if INTERPRET:
         return interpreter.check_signed_words(sig, epoch, fp, heap, err, op)
     n = num_ranks(heap)
@@ -263,7 +276,14 @@ def check_signed(sig, epoch, fp, heap, err, op: tl.constexpr = tl.constexpr("sig
     for base in range(0, n, LANES):
         peers = base + tl.arange(0, LANES)
         live = peers < n
-        got = wait_ll(sig + (epoch % 2) * n + tl.where(live, peers, 0), live, epoch, heap=heap, op=op)
+        if seen is not None:
+            ready = (base == 0) & (tl.min((((seen >> 32).to(tl.int32) == epoch) | ~live).to(tl.int32)) == 1)
+            if ready:
+                got = (seen & 0xFFFFFFFF).to(tl.int32)
+            else:
+                got = wait_ll(sig + (epoch % 2) * n + tl.where(live, peers, 0), live, epoch, heap=heap, op=op)
+        else:
+            got = wait_ll(sig + (epoch % 2) * n + tl.where(live, peers, 0), live, epoch, heap=heap, op=op)
         other = live & (got != fp)
         first = tl.min(tl.where(other, peers, n), axis=0)
         if (first < n) & (bad_peer == n):
