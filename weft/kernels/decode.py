@@ -120,8 +120,9 @@ def _gemv_pair(x, w, norm_w, m, m_mask, K, N, cols_a, cols_b, col_mask_a, col_ma
     k_blocks blocks of BLOCK_K from k_first; NORM: x's columns times norm_w (rounded to x's dtype) first, and the
     third result is sum(x[m, K range]²) (fp32, [BLOCK_M]: the RMSNorm's share of this K range, from the x blocks
     the loop loads anyway; zeros without NORM). The (K, N) weight's rows are contiguous along the columns (each
-    [BLOCK_K, BLOCK_N] tile BLOCK_K contiguous runs), or, K_MAJOR, its columns are contiguous along K (stored (N, K), nn.Linear's layout: a tile is BLOCK_N runs of BLOCK_K); tiles pipelined
-    STAGES deep and loaded evict-first (read once). DOT: tl.dot (rows padded to 16); else dot-free (module doc)."""
+    [BLOCK_K, BLOCK_N] tile BLOCK_K contiguous runs), or, K_MAJOR, its columns are contiguous along K (stored
+    (N, K), nn.Linear's layout: a tile is BLOCK_N runs of BLOCK_K); tiles pipelined STAGES deep and loaded
+    evict-first (read once). DOT: tl.dot (rows padded to 16); else dot-free (module doc)."""
     if DOT:
         acc_a, acc_b, sumsq = _gemv_pair_dot(x, w, norm_w, m, m_mask, K, N, cols_a, cols_b, col_mask_a,
                                              col_mask_b, k_first, k_blocks, NORM, EVEN_K, EVEN_N, IEEE, K_MAJOR,
@@ -802,8 +803,9 @@ class GemvPlan(Plan):
 @declare_op()
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """residual + x @ weight in one kernel: x (M, K), weight (K, N), residual (M, N), one dtype (bf16, fp16, fp32),
-    contiguous (weight: or the transpose of a contiguous (N, K), an nn.Linear weight's .t()); x @ weight is rounded to the dtype before the add (as `x @ weight + residual` rounds). A decode
-    step's O and down projections at one rank, M a few tokens (module doc)."""
+    contiguous (weight: or the transpose of a contiguous (N, K), an nn.Linear weight's .t()); x @ weight is
+    rounded to the dtype before the add (as `x @ weight + residual` rounds). A decode step's O and down
+    projections at one rank, M a few tokens (module doc)."""
     world = world_or_raise()
     found = plan(world, lambda: ("linear_residual", signature(x), signature(weight), weight.stride(),
                                  signature(residual)),
@@ -902,7 +904,8 @@ def norm_gate_up_silu(x: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight
                       eps: float = 1e-6) -> torch.Tensor:
     """silu(gate) * up of RMSNorm(x) @ gate_up_weight, in one kernel: x (M, K), norm_weight (K,) (the norm's
     weight, transformers' LlamaRMSNorm), gate_up_weight (K, 2 I) = [gate | up] columns; returns (M, I). One dtype
-    (bf16, fp16, fp32), contiguous (gate_up_weight: or the transpose of a contiguous (2 I, K)). A decode step's MLP up to the down projection (module doc for the roundings)."""
+    (bf16, fp16, fp32), contiguous (gate_up_weight: or the transpose of a contiguous (2 I, K)). A decode step's
+    MLP up to the down projection (module doc for the roundings)."""
     world = world_or_raise()
     found = plan(world, lambda: ("norm_gate_up_silu", signature(x), signature(norm_weight), signature(gate_up_weight),
                                  gate_up_weight.stride()),

@@ -298,9 +298,9 @@ def decode_step(h: torch.Tensor, weights: list[Optional[torch.Tensor]], inv_freq
     and values, sequence t in row t; the step's k and v are written into it.
     eps: every RMSNorm's. One dtype (bf16, fp16, fp32), head_dim 64, 128 or 256, everything contiguous on this
     rank's device, but that a projection may be stored K-contiguous (the transpose of a contiguous (N, K), as the
-    fused ops take it), the same in every layer. The fused decode path's kernels' arithmetic (norm_qkv_rope, flash_decode, linear_residual,
-    norm_gate_up_silu), which it replaces: their bits on the cpu backend, within rounding of them on GPUs (module
-    doc)."""
+    fused ops take it), the same in every layer. The fused decode path's kernels' arithmetic (norm_qkv_rope,
+    flash_decode, linear_residual, norm_gate_up_silu), which it replaces: their bits on the cpu backend, within
+    rounding of them on GPUs (module doc)."""
     world = world_or_raise()
     _head_counts(heads, kv_heads)  # before the plan's key, where 2.0 would find the plan of 2
     found = plan(world, lambda: ("decode_step", signature(h), _weights_key(weights), signature(inv_freq),

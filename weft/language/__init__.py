@@ -7,8 +7,8 @@ from .interpreter import WaitTimeout
 from .shmem import (copy_bytes, getmem_block, putmem_block, putmem_nbi_block, putmem_signal_block,
                     putmem_signal_nbi_block)
 from .signals import (barrier_all, check_signed, consume_token, fence, last_epoch, next_epoch, notify, notify_all,
-                      pack_ll, program_sync, quiet, sign, signal_op, signal_wait_until, signature_live, signature_words, wait,
-                      wait_ll)
+                      pack_ll, program_sync, quiet, sign, signal_op, signal_wait_until, signature_live,
+                      signature_words, wait, wait_ll)
 from .tile import (ALL_RANKS, ShardMapping, TileMapping, tile_count, tile_flag, tile_notify, tile_offset,
                    tile_offsets, tile_owner, tile_pull, tile_push, tile_rect, tile_wait, tile_wait_tiles)
 

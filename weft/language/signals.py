@@ -258,7 +258,13 @@ def signature_words(sig, epoch, heap):
     n = num_ranks(heap)
     peers = tl.arange(0, LANES)
     live = peers < n
-    return tl.load(sig + (epoch % 2) * n + tl.where(live, peers, 0), mask=live, other=0, volatile=True)
+    return tl.load(_signature_slots(sig, epoch, n, peers, live), mask=live, other=0, volatile=True)
+
+
+@triton.jit
+def _signature_slots(sig, epoch, n, peers, live):
+    """The signature words of `epoch` of members `peers` (where `live`; member 0's elsewhere) among n."""
+    return sig + (epoch % 2) * n + tl.where(live, peers, 0)
 
 
 @triton.jit
@@ -276,14 +282,15 @@ def check_signed(sig, epoch, fp, heap, err, op: tl.constexpr = tl.constexpr("sig
     for base in range(0, n, LANES):
         peers = base + tl.arange(0, LANES)
         live = peers < n
+        slots = _signature_slots(sig, epoch, n, peers, live)
         if seen is not None:
             ready = (base == 0) & (tl.min((((seen >> 32).to(tl.int32) == epoch) | ~live).to(tl.int32)) == 1)
             if ready:
                 got = (seen & 0xFFFFFFFF).to(tl.int32)
             else:
-                got = wait_ll(sig + (epoch % 2) * n + tl.where(live, peers, 0), live, epoch, heap=heap, op=op)
+                got = wait_ll(slots, live, epoch, heap=heap, op=op)
         else:
-            got = wait_ll(sig + (epoch % 2) * n + tl.where(live, peers, 0), live, epoch, heap=heap, op=op)
+            got = wait_ll(slots, live, epoch, heap=heap, op=op)
         other = live & (got != fp)
         first = tl.min(tl.where(other, peers, n), axis=0)
         if (first < n) & (bad_peer == n):
